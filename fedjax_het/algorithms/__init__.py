@@ -1,0 +1,5 @@
+"""Federated methods as small sets of pure functions (see `base.Algorithm`)."""
+from fedjax_het.algorithms.base import Algorithm, CommSpec
+from fedjax_het.algorithms.fedavg import fedavg_grouped, group_fedavg
+from fedjax_het.algorithms.fedre import FedREConfig, entangle, entanglement_weights, fedre, train_head
+from fedjax_het.algorithms.local import local

@@ -1,0 +1,87 @@
+"""The algorithm API: a method is a small set of pure functions (optax-style), composed by the engine.
+
+A client update is `client_begin -> local SGD on client_loss -> eval-mode representation pass -> client_upload`;
+`fedjax_het.engine.client_update` composes these into ONE pure function of one client, which the engine vmaps
+over a group or runs client by client. Uploads are fixed-shape pytrees; the engine stacks them over a leading
+client axis (all groups concatenated) and calls `server_update` once per round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+if TYPE_CHECKING:  # The engine imports this module; a runtime import back would be circular.
+  from fedjax_het.engine.state import ClientState
+
+Broadcast = Any
+Upload = Any
+ServerState = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class CommSpec:
+  """What communication accounting needs to know about a client."""
+  num_classes: int
+  feature_dim: int
+  num_train: int
+  num_params: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """A federated method as pure functions.
+
+  init_server(rng, example_params) -> server state (example_params: client 0's params, e.g. to copy a head).
+  broadcast(server) -> what every participating client receives.
+  client_begin(client, broadcast) -> client, applied before local training (e.g. set the head to omega).
+  client_loss(model, params, model_state, x, y, broadcast, rng) -> (loss, new model_state).
+  client_upload(client, reps, y, n, broadcast, rng) -> upload pytree (fixed leaf shapes given n_max).
+    reps [n_max, d] are eval-mode representations of the client's training rows; rows >= n are padding.
+  server_update(server, uploads, mask, rng) -> (server, metrics); uploads have a leading slot axis, mask marks
+    the slots that hold a real participant.
+  eval_heads(client, broadcast) -> {name: head params} scored on each client's test data; the first is the
+    method's reported accuracy.
+  group_update(stacked params/model_state, participated mask, weights) -> the same, for methods that average
+    within an architecture group (None: no group step).
+  communication(spec) -> {'upload': {part: scalars}, 'broadcast': {part: scalars}} per participating client.
+  """
+  name: str
+  init_server: Callable[[jax.Array, Any], ServerState]
+  broadcast: Callable[[ServerState], Broadcast]
+  client_begin: Callable[[ClientState, Broadcast], ClientState]
+  client_loss: Callable[..., tuple[jnp.ndarray, Any]]
+  client_upload: Callable[..., Upload]
+  server_update: Callable[..., tuple[ServerState, dict]]
+  eval_heads: Callable[[ClientState, Broadcast], dict]
+  communication: Callable[[CommSpec], dict]
+  group_update: Optional[Callable[..., tuple[Any, Any]]] = None
+  needs_representations: bool = True
+
+
+def no_server(rng: jax.Array, example_params: Any) -> ServerState:
+  """Server state of methods without a server model."""
+  return {}
+
+
+def identity_broadcast(server: ServerState) -> Broadcast:
+  return server
+
+
+def keep_client(client: ClientState, broadcast: Broadcast) -> ClientState:
+  return client
+
+
+def no_upload(client, reps, y, n, broadcast, rng) -> Upload:
+  return {}
+
+
+def keep_server(server, uploads, mask, rng):
+  return server, {}
+
+
+def local_head(client: ClientState, broadcast: Broadcast) -> dict:
+  return {'local_head': client.params['head']}

@@ -1,0 +1,176 @@
+"""FedRE: federated representation entanglement (fedre.txt, Alg. 1, Eq. 1-3, Appendix A Eq. 6-12).
+
+Each round a participating client sets its head to the global head omega (Alg. 1 line 6; HtFLlib's released code
+skips this, we follow the paper), trains on CE (Eq. 1), maps its training rows to representations r_i = RM(g(x_i))
+in eval mode, entangles them into one (r~, y~) = sum_i w_i (r_i, onehot(y_i)) (Eq. 2/6), and uploads it. The
+server trains omega on sum_k CE_soft(f(omega; r~_k), y~_k) (Eq. 3) and broadcasts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_het.algorithms.base import Algorithm, CommSpec
+from fedjax_het.algorithms.common import cross_entropy_loss, soft_cross_entropy
+from fedjax_het.engine.state import ClientState
+from fedjax_het.errors import ConfigError
+
+MECHANISMS = ('rsr', 'var', 'rar', 'rsp', 'vap', 'rap')
+DISTRIBUTIONS = ('uniform', 'gaussian', 'laplace')
+
+
+@dataclasses.dataclass(frozen=True)
+class FedREConfig:
+  """FedRE hyperparameters (paper defaults: RAP, uniform weights re-sampled every round, server SGD 0.01/10/1).
+
+  mechanism: RE mechanism (Appendix A): rsr, var, rar, rsp, vap, rap.
+  weight_distribution: distribution of the random weights u (Table 7); signed ones use |u|.
+  resample: draw new weights every round (RS); False draws them once per client (FS, Table 8).
+  all_representations: FedAllRep (Q5): upload every r_i with its one-hot label instead of one entangled pair.
+  server_loss_reduction: 'sum' over the server batch (reference code) or 'mean'.
+  """
+  mechanism: str = 'rap'
+  weight_distribution: str = 'uniform'
+  resample: bool = True
+  all_representations: bool = False
+  server_learning_rate: float = 0.01
+  server_batch_size: int = 10
+  server_epochs: int = 1
+  server_loss_reduction: str = 'sum'
+
+  def __post_init__(self):
+    if self.mechanism not in MECHANISMS:
+      raise ConfigError(f'--re={self.mechanism!r} is unknown; choose one of {", ".join(MECHANISMS)}.')
+    if self.weight_distribution not in DISTRIBUTIONS:
+      raise ConfigError(f'--re_distribution={self.weight_distribution!r} is unknown; choose one of '
+                        f'{", ".join(DISTRIBUTIONS)}.')
+    if self.server_loss_reduction not in ('sum', 'mean'):
+      raise ConfigError(f'--server_loss_reduction={self.server_loss_reduction!r}: choose sum or mean.')
+    if self.server_batch_size < 1 or self.server_epochs < 0 or self.server_learning_rate <= 0:
+      raise ConfigError('--server_batch_size must be >= 1, --server_epochs >= 0, --server_learning_rate > 0.')
+
+
+def random_magnitudes(key: jax.Array, shape: tuple[int, ...], distribution: str) -> jnp.ndarray:
+  """u ~ U(0,1), |N(0,1)| or |Laplace(0,1)| (FedRE Table 7)."""
+  if distribution == 'uniform':
+    return jax.random.uniform(key, shape)
+  if distribution == 'gaussian':
+    return jnp.abs(jax.random.normal(key, shape))
+  return jnp.abs(jax.random.laplace(key, shape))
+
+
+def entanglement_weights(labels: jnp.ndarray, valid: jnp.ndarray, num_classes: int, mechanism: str,
+                         distribution: str, key: jax.Array) -> jnp.ndarray:
+  """Per-sample weights w_i of Appendix A (Eq. 7-12) over rows [n_max]; padding rows get 0 and sum(w) = 1.
+
+  rsr: one random sample (Eq. 7). var: 1/n (Eq. 8). rar: u_i / sum u (Eq. 9).
+  Prototype mechanisms put a weight W_c on each present class and spread it as W_c / n_c over its samples:
+  rsp: one random present class (Eq. 10); vap: W_c = 1/|K_k| (Eq. 11); rap: W_c = u_c / sum_{j in K_k} u_j (Eq. 12).
+  """
+  valid = valid.astype(jnp.float32)
+  if mechanism == 'rsr':
+    pick = jnp.argmax(jnp.where(valid > 0, jax.random.uniform(key, valid.shape), -1.0))
+    return jax.nn.one_hot(pick, valid.shape[0]) * valid
+  if mechanism == 'var':
+    return valid / jnp.maximum(valid.sum(), 1.0)
+  if mechanism == 'rar':
+    u = random_magnitudes(key, valid.shape, distribution) * valid
+    return u / jnp.maximum(u.sum(), 1e-12)
+  counts = jnp.zeros(num_classes).at[labels].add(valid)
+  present = (counts > 0).astype(jnp.float32)
+  if mechanism == 'rsp':
+    class_w = jax.nn.one_hot(jnp.argmax(jnp.where(present > 0, jax.random.uniform(key, (num_classes,)), -1.0)),
+                             num_classes)
+  elif mechanism == 'vap':
+    class_w = present / jnp.maximum(present.sum(), 1.0)
+  else:
+    u = random_magnitudes(key, (num_classes,), distribution) * present
+    class_w = u / jnp.maximum(u.sum(), 1e-12)
+  return (class_w / jnp.maximum(counts, 1.0))[labels] * valid
+
+
+def entangle(reps: jnp.ndarray, labels: jnp.ndarray, weights: jnp.ndarray, num_classes: int
+             ) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """(r~, y~) = (sum_i w_i r_i, sum_i w_i onehot(y_i)) (FedRE Eq. 2 / Eq. 6)."""
+  return weights @ reps, weights @ jax.nn.one_hot(labels, num_classes, dtype=reps.dtype)
+
+
+def head_apply(head: dict, r: jnp.ndarray) -> jnp.ndarray:
+  """The linear head f(omega; r) = r W + b (flax Dense layout)."""
+  return r @ head['kernel'] + head['bias']
+
+
+def train_head(head: dict, reps: jnp.ndarray, soft_labels: jnp.ndarray, row_weight: jnp.ndarray, rng: jax.Array,
+               cfg: FedREConfig) -> tuple[dict, jnp.ndarray]:
+  """Server step of Eq. 3: SGD on sum (or mean) of CE_soft over shuffled batches of the weighted rows.
+
+  Rows with weight 0 (absent participants, padding) sort last and never contribute; each epoch visits the real
+  rows once in batches of `server_batch_size` (the last batch may be smaller, like DataLoader without drop_last).
+  """
+  rows, b = reps.shape[0], cfg.server_batch_size
+  steps = math.ceil(rows / b)
+  pad = steps * b - rows
+  reps = jnp.pad(reps, ((0, pad), (0, 0)))
+  soft_labels = jnp.pad(soft_labels, ((0, pad), (0, 0)))
+  row_weight = jnp.pad(row_weight, (0, pad))
+
+  def loss_fn(h, idx):
+    w = row_weight[idx]
+    per_row = soft_cross_entropy(head_apply(h, reps[idx]), soft_labels[idx]) * w
+    total = per_row.sum()
+    return total if cfg.server_loss_reduction == 'sum' else total / jnp.maximum(w.sum(), 1.0)
+
+  def epoch(h, e):
+    keys = jnp.where(row_weight > 0, jax.random.uniform(jax.random.fold_in(rng, e), row_weight.shape), 2.0)
+    order = jnp.argsort(keys).reshape(steps, b)
+
+    def step(h, idx):
+      loss, g = jax.value_and_grad(loss_fn)(h, idx)
+      return jax.tree.map(lambda p, q: p - cfg.server_learning_rate * q, h, g), loss
+    h, losses = jax.lax.scan(step, h, order)
+    return h, losses.sum()
+
+  head, losses = jax.lax.scan(epoch, head, jnp.arange(cfg.server_epochs))
+  return head, losses.sum() / jnp.maximum(row_weight.sum() * max(cfg.server_epochs, 1), 1.0)
+
+
+def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
+  """FedRE as an `Algorithm` (fedre.txt Alg. 1)."""
+
+  def init_server(rng, example_params):
+    # The global head starts as one client's head (SPEC.md).
+    return {'head': example_params['head']}
+
+  def client_begin(client: ClientState, broadcast) -> ClientState:
+    return client._replace(params={**client.params, 'head': broadcast['head']})
+
+  def client_upload(client: ClientState, reps, y, n, broadcast, rng):
+    valid = (jnp.arange(y.shape[0]) < n).astype(reps.dtype)
+    if cfg.all_representations:
+      return {'rep': reps, 'label': jax.nn.one_hot(y, num_classes, dtype=reps.dtype), 'weight': valid}
+    key = rng if cfg.resample else jax.random.fold_in(client.key, 0x52E)
+    w = entanglement_weights(y, valid, num_classes, cfg.mechanism, cfg.weight_distribution, key)
+    r, soft = entangle(reps, y, w, num_classes)
+    return {'rep': r[None], 'label': soft[None], 'weight': jnp.minimum(n, 1).astype(reps.dtype)[None]}
+
+  def server_update(server, uploads, mask, rng):
+    rows = uploads['rep'].shape[0] * uploads['rep'].shape[1]
+    weight = (uploads['weight'] * mask[:, None].astype(uploads['weight'].dtype)).reshape(rows)
+    head, loss = train_head(server['head'], uploads['rep'].reshape(rows, -1), uploads['label'].reshape(rows, -1),
+                            weight, rng, cfg)
+    return {'head': head}, {'server_loss': loss}
+
+  def eval_heads(client: ClientState, broadcast):
+    return {'global_head': broadcast['head'], 'local_head': client.params['head']}
+
+  def communication(spec: CommSpec):
+    rows = spec.num_train if cfg.all_representations else 1
+    return {'upload': {'representation': rows * spec.feature_dim, 'label': rows * spec.num_classes},
+            'broadcast': {'head': spec.feature_dim * spec.num_classes + spec.num_classes}}
+
+  return Algorithm('fedre', init_server, lambda server: server, client_begin, cross_entropy_loss, client_upload,
+                   server_update, eval_heads, communication)

@@ -1,0 +1,159 @@
+"""Datasets as in-memory numpy arrays: tfds, user `.npz`, scikit-learn digits (offline), synthetic.
+
+Every loader returns a `Dataset` whose images are float32 NHWC, normalised the way the PyTorch references
+(HtFLlib/PFLlib) do it: `(x / 255 - 0.5) / 0.5`, i.e. into [-1, 1].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import numpy as np
+
+from fedjax_het.errors import ConfigError, DatasetUnavailableError
+
+TFDS_DATASETS = ('mnist', 'fashion_mnist', 'cifar10', 'cifar100', 'svhn_cropped')
+OFFLINE_DATASETS = ('digits', 'synthetic')
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """Images `x` [N, H, W, C] float32, labels `y` [N] int32, and an optional held-out global test set."""
+  name: str
+  x: np.ndarray
+  y: np.ndarray
+  num_classes: int
+  x_test: Optional[np.ndarray] = None
+  y_test: Optional[np.ndarray] = None
+
+  @property
+  def image_shape(self) -> tuple[int, ...]:
+    return tuple(self.x.shape[1:])
+
+  def pooled(self) -> 'Dataset':
+    """The merged train+test pool of the HtFLlib protocol (no separate global test set)."""
+    if self.x_test is None:
+      return self
+    return Dataset(self.name, np.concatenate([self.x, self.x_test]), np.concatenate([self.y, self.y_test]),
+                   self.num_classes)
+
+
+def normalize_uint8(images: np.ndarray) -> np.ndarray:
+  """(x/255 - 0.5)/0.5 as float32, with a channel axis added to [N, H, W] input."""
+  images = np.asarray(images)
+  if images.ndim == 3:
+    images = images[..., None]
+  return ((images.astype(np.float32) / 255.0) - 0.5) / 0.5
+
+
+def load_tfds(name: str, data_dir: Optional[str] = None) -> Dataset:
+  """Loads a prepared tfds dataset ('train' and 'test' splits) without TensorFlow, via `tfds.data_source`."""
+  import tensorflow_datasets as tfds  # Imported lazily: it is slow to import and only this loader needs it.
+
+  splits = {}
+  for split in ('train', 'test'):
+    try:
+      source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+    except Exception as e:  # tfds raises several types (DatasetNotFoundError, AssertionError, FileNotFoundError).
+      raise DatasetUnavailableError(
+          f"--dataset={name}: the tfds dataset is not prepared under data_dir={data_dir or '~/tensorflow_datasets'} "
+          f"and cannot be downloaded offline ({type(e).__name__}). Fix: on a machine with network run "
+          f"`tfds build {name}` (or `tfds.builder('{name}').download_and_prepare()`), copy the prepared folder "
+          f"and pass --data_dir; or use an offline dataset: --dataset=digits, --dataset=synthetic, or "
+          f"--dataset=npz:/path/to/file.npz.") from e
+    records = source.__getitems__(range(len(source))) if len(source) else []
+    images = np.stack([np.asarray(r['image']) for r in records]) if records else np.zeros((0, 1, 1, 1), np.uint8)
+    labels = np.asarray([r['label'] for r in records], dtype=np.int32)
+    splits[split] = (normalize_uint8(images), labels)
+  num_classes = int(tfds.builder(name, data_dir=data_dir).info.features['label'].num_classes)
+  (x, y), (x_test, y_test) = splits['train'], splits['test']
+  return Dataset(name, x, y, num_classes, x_test, y_test)
+
+
+def load_npz(path: str) -> Dataset:
+  """Loads user data from `.npz` with arrays x [N, H, W(, C)] and y [N] (optionally x_test, y_test).
+
+  uint8 images are normalised to [-1, 1]; float images are used as given. Channels-last layout is required.
+  """
+  if not os.path.exists(path):
+    raise ConfigError(f'--dataset=npz:{path}: file not found. Fix: give the path of an .npz with arrays x and y.')
+  with np.load(path) as f:
+    arrays = {k: f[k] for k in f.files}
+  if 'x' not in arrays or 'y' not in arrays:
+    raise ConfigError(f'--dataset=npz:{path}: needs arrays named x and y, found {sorted(arrays)}.')
+
+  def images(a):
+    if a.dtype == np.uint8:
+      return normalize_uint8(a)
+    a = a.astype(np.float32)
+    return a[..., None] if a.ndim == 3 else a
+
+  x, y = images(arrays['x']), arrays['y'].astype(np.int32).reshape(-1)
+  if x.ndim != 4 or len(x) != len(y):
+    raise ConfigError(f'--dataset=npz:{path}: x must be [N, H, W] or [N, H, W, C] with N = len(y); '
+                      f'got x{x.shape}, y{y.shape}.')
+  x_test = images(arrays['x_test']) if 'x_test' in arrays else None
+  y_test = arrays['y_test'].astype(np.int32).reshape(-1) if 'y_test' in arrays else None
+  num_classes = int(max(y.max(), -1 if y_test is None else y_test.max())) + 1
+  name = os.path.splitext(os.path.basename(path))[0]
+  return Dataset(name, x, y, num_classes, x_test, y_test)
+
+
+def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
+  """The 1797 8x8 handwritten digits that ship inside scikit-learn: a real dataset that needs no download.
+
+  Pixel values 0..16 map to [-1, 1] like the uint8 datasets. A seeded `test_fraction` is held out as the global
+  test set (used only by the global-test protocol; the pooled protocol merges it back).
+  """
+  from sklearn.datasets import load_digits as sk_digits
+  bunch = sk_digits()
+  x = ((bunch.images.astype(np.float32) / 16.0) - 0.5) / 0.5
+  x, y = x[..., None], bunch.target.astype(np.int32)
+  order = np.random.default_rng(seed).permutation(len(y))
+  n_test = int(round(test_fraction * len(y)))
+  test, train = order[:n_test], order[n_test:]
+  return Dataset('digits', x[train], y[train], 10, x[test], y[test])
+
+
+def make_synthetic(num_samples: int = 2000, image_shape: tuple[int, ...] = (32, 32, 3), num_classes: int = 10,
+                   noise: float = 0.5, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
+  """A learnable, class-structured image dataset of any shape: each class is a smooth random template plus noise.
+
+  Templates are low-frequency patterns (random coarse grids upsampled), so convolutional and dense models both
+  separate the classes; `noise` sets how hard the task is.
+  """
+  if len(image_shape) != 3:
+    raise ConfigError(f'synthetic image_shape must be (H, W, C); got {image_shape}.')
+  rng = np.random.default_rng(seed)
+  h, w, c = image_shape
+  coarse = rng.normal(size=(num_classes, max(h // 4, 1), max(w // 4, 1), c)).astype(np.float32)
+  templates = np.repeat(np.repeat(coarse, -(-h // coarse.shape[1]), 1), -(-w // coarse.shape[2]), 2)[:, :h, :w]
+  total = int(round(num_samples / (1 - test_fraction)))
+  y = rng.integers(0, num_classes, size=total).astype(np.int32)
+  x = np.tanh(templates[y] + noise * rng.normal(size=(total,) + tuple(image_shape))).astype(np.float32)
+  n_test = total - num_samples
+  return Dataset('synthetic', x[n_test:], y[n_test:], num_classes, x[:n_test], y[:n_test])
+
+
+def load_dataset(name: str, data_dir: Optional[str] = None, seed: int = 0) -> Dataset:
+  """Resolves the --dataset flag: a tfds name, 'digits', 'synthetic[:H,W,C]', or 'npz:PATH'."""
+  if name in TFDS_DATASETS:
+    return load_tfds(name, data_dir)
+  if name == 'digits':
+    return load_digits(seed=seed)
+  if name == 'synthetic' or name.startswith('synthetic:'):
+    shape = (32, 32, 3)
+    if ':' in name:
+      try:
+        shape = tuple(int(v) for v in name.split(':', 1)[1].split(','))
+      except ValueError:
+        shape = ()
+      if len(shape) != 3:
+        raise ConfigError(f'--dataset={name}: write the image shape as synthetic:H,W,C, e.g. synthetic:32,32,3.')
+    return make_synthetic(image_shape=shape, seed=seed)
+  if name.startswith('npz:'):
+    return load_npz(name[4:])
+  raise ConfigError(f'--dataset={name!r} is unknown. Choose one of {", ".join(TFDS_DATASETS + OFFLINE_DATASETS)}, '
+                    f'synthetic:H,W,C, or npz:/path/to/file.npz.')

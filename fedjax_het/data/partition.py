@@ -1,0 +1,163 @@
+"""Client partitions of a labelled pool, following HtFLlib/PFLlib's `separate_data` and `split_data`.
+
+- `dirichlet` (PRA): per class, Dirichlet(alpha) proportions over clients; a client already holding >= N/K samples
+  gets proportion 0 for later classes; the whole draw is repeated until every client has >= least_samples.
+- `pathological` (PAT): each client holds `classes_per_client` classes; class c is spread over the first
+  ceil(K/C * classes_per_client) clients that still have class slots (a sliding window over clients), in equal
+  shares (balanced) or random shares.
+- `iid`: HtFLlib's IID is PAT with every class on every client, balanced.
+
+All randomness comes from one `np.random.Generator`, so one seed fixes the partition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+
+from fedjax_het.errors import ConfigError
+
+PARTITIONS = ('dirichlet', 'pathological', 'iid')
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSplit:
+  """Per-client sample indices into the pool, and each client's class counts [K, C] for train and test."""
+  train_indices: list[np.ndarray]
+  test_indices: list[np.ndarray]
+  train_class_counts: np.ndarray
+  test_class_counts: np.ndarray
+
+  @property
+  def num_clients(self) -> int:
+    return len(self.train_indices)
+
+
+def default_least_samples(num_samples: int, num_clients: int, batch_size: int = 10,
+                          train_fraction: float = 0.75) -> int:
+  """HtFLlib's minimum client size: min(batch_size / (1 - train_fraction), N / K / 2), i.e. min(40, N/2K)."""
+  return int(min(batch_size / (1 - train_fraction), num_samples / num_clients / 2))
+
+
+def class_counts(labels: np.ndarray, index_lists: list[np.ndarray], num_classes: int) -> np.ndarray:
+  """[K, C] matrix: how many samples of each class each client holds."""
+  return np.stack([np.bincount(labels[idx], minlength=num_classes) for idx in index_lists]).astype(np.int64)
+
+
+def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator,
+                        num_classes: Optional[int] = None, least_samples: Optional[int] = None,
+                        max_tries: int = 1000) -> list[np.ndarray]:
+  """PRA partition (HtFLlib `separate_data(partition='dir')`): Dirichlet(alpha) per class with the N/K cap."""
+  if alpha <= 0:
+    raise ConfigError(f'--alpha={alpha}: the Dirichlet concentration must be > 0 (the papers use 0.1).')
+  labels = np.asarray(labels)
+  n = len(labels)
+  num_classes = num_classes or int(labels.max()) + 1
+  if least_samples is None:
+    least_samples = default_least_samples(n, num_clients)
+  if num_clients * max(least_samples, 1) > n:
+    raise ConfigError(f'--num_clients={num_clients}: {n} samples cannot give every client {least_samples} '
+                      f'samples. Fix: lower --num_clients or use a larger dataset.')
+  for _ in range(max_tries):
+    batches = [[] for _ in range(num_clients)]
+    for c in range(num_classes):
+      idx_c = np.flatnonzero(labels == c)
+      rng.shuffle(idx_c)
+      p = rng.dirichlet(np.full(num_clients, alpha))
+      p = p * np.array([len(b) < n / num_clients for b in batches])
+      p = p / p.sum()
+      cuts = (np.cumsum(p) * len(idx_c)).astype(int)[:-1]
+      for b, part in zip(batches, np.split(idx_c, cuts)):
+        b.extend(part.tolist())
+    if min(len(b) for b in batches) >= least_samples:
+      return [np.asarray(b, dtype=np.int64) for b in batches]
+  raise ConfigError(f'--partition=dirichlet: after {max_tries} draws some client still had fewer than '
+                    f'{least_samples} samples (alpha={alpha}, num_clients={num_clients}, N={n}). Fix: raise --alpha '
+                    f'or lower --num_clients.')
+
+
+def pathological_partition(labels: np.ndarray, num_clients: int, classes_per_client: int,
+                           rng: np.random.Generator, num_classes: Optional[int] = None, balance: bool = False,
+                           least_samples: Optional[int] = None) -> list[np.ndarray]:
+  """PAT partition (HtFLlib `separate_data(partition='pat')`): `classes_per_client` classes per client."""
+  labels = np.asarray(labels)
+  num_classes = num_classes or int(labels.max()) + 1
+  if not 1 <= classes_per_client <= num_classes:
+    raise ConfigError(f'--classes_per_client={classes_per_client} must be between 1 and the number of classes '
+                      f'({num_classes}).')
+  if least_samples is None:
+    least_samples = default_least_samples(len(labels), num_clients)
+  slots = [classes_per_client] * num_clients
+  chosen: list[list[int]] = [[] for _ in range(num_clients)]
+  window = int(math.ceil(num_clients / num_classes * classes_per_client))
+  for c in range(num_classes):
+    idx_c = np.flatnonzero(labels == c)
+    clients = [k for k in range(num_clients) if slots[k] > 0][:window]
+    if not clients:
+      continue
+    share = len(idx_c) / len(clients)
+    if balance:
+      sizes = [int(share)] * (len(clients) - 1)
+    else:
+      low = max(share / 10, least_samples / num_classes)
+      if low >= share:
+        raise ConfigError(f'--partition=pathological: class {c} has {len(idx_c)} samples for {len(clients)} clients, '
+                          f'too few for unbalanced shares. Fix: --balance, fewer --num_clients, or more data.')
+      sizes = rng.integers(int(low), int(share), size=len(clients) - 1).tolist()
+    sizes.append(len(idx_c) - sum(sizes))
+    start = 0
+    for k, size in zip(clients, sizes):
+      chosen[k].extend(idx_c[start:start + size].tolist())
+      start += size
+      slots[k] -= 1
+  return [np.asarray(b, dtype=np.int64) for b in chosen]
+
+
+def iid_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator,
+                  num_classes: Optional[int] = None) -> list[np.ndarray]:
+  """HtFLlib's IID: every class split in equal shares over all clients (PAT with all classes, balanced)."""
+  num_classes = num_classes or int(np.asarray(labels).max()) + 1
+  return pathological_partition(labels, num_clients, num_classes, rng, num_classes, balance=True)
+
+
+def train_test_split(index_lists: list[np.ndarray], train_fraction: float, rng: np.random.Generator
+                     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """Shuffles each client's indices and splits them train/test like sklearn's train_test_split.
+
+  The test part has ceil(n * (1 - train_fraction)) samples; the split is not stratified (as in HtFLlib).
+  """
+  if not 0 < train_fraction <= 1:
+    raise ConfigError(f'--train_fraction={train_fraction} must be in (0, 1].')
+  train, test = [], []
+  for idx in index_lists:
+    idx = rng.permutation(idx)
+    n_test = int(math.ceil(len(idx) * (1 - train_fraction) - 1e-9))
+    test.append(np.sort(idx[:n_test]))
+    train.append(np.sort(idx[n_test:]))
+  return train, test
+
+
+def partition_clients(labels: np.ndarray, num_clients: int, partition: str, seed: int, num_classes: int,
+                      alpha: float = 0.1, classes_per_client: int = 2, balance: bool = False,
+                      train_fraction: float = 0.75) -> ClientSplit:
+  """Partitions a pool over clients and splits each client's share into local train/test, from one seed."""
+  if num_clients < 1:
+    raise ConfigError(f'--num_clients={num_clients} must be >= 1.')
+  rng = np.random.default_rng(seed)
+  if partition == 'dirichlet':
+    parts = dirichlet_partition(labels, num_clients, alpha, rng, num_classes)
+  elif partition == 'pathological':
+    parts = pathological_partition(labels, num_clients, classes_per_client, rng, num_classes, balance)
+  elif partition == 'iid':
+    parts = iid_partition(labels, num_clients, rng, num_classes)
+  else:
+    raise ConfigError(f'--partition={partition!r} is unknown; choose one of {", ".join(PARTITIONS)}.')
+  empty = [k for k, p in enumerate(parts) if len(p) == 0]
+  if empty:
+    raise ConfigError(f'--partition={partition}: clients {empty} received no samples. Fix: lower --num_clients '
+                      f'or raise --classes_per_client.')
+  train, test = train_test_split(parts, train_fraction, rng)
+  return ClientSplit(train, test, class_counts(labels, train, num_classes), class_counts(labels, test, num_classes))

@@ -1,0 +1,48 @@
+"""One client's update as one pure function, and its pieces for host-driven execution."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_het.algorithms.base import Algorithm
+from fedjax_het.data.federated import ClientArrays
+from fedjax_het.engine.forward import represent_rows
+from fedjax_het.engine.state import ClientState
+from fedjax_het.engine.training import LocalTraining, train_scan
+from fedjax_het.models.classifier import HeteroClassifier
+
+
+def bind_loss(algorithm: Algorithm, model: HeteroClassifier, broadcast: Any):
+  """The algorithm's loss as loss(params, model_state, x, y, rng), for the SGD step."""
+  return functools.partial(algorithm.client_loss, model, broadcast=broadcast)
+
+
+def client_update(algorithm: Algorithm, model: HeteroClassifier, training: LocalTraining, client: ClientState,
+                  data: ClientArrays, broadcast: Any, rng: jax.Array, rep_chunk: int = 256
+                  ) -> tuple[ClientState, Any, dict]:
+  """ONE client's round: begin (apply broadcast) -> local SGD (lax.scan) -> representations -> upload.
+
+  Pure; `data` holds this client's padded rows (x [n_max, ...], y [n_max], n []). Returns (client, upload,
+  metrics). The engine vmaps this over a group, or runs the same pieces client by client.
+  """
+  client = algorithm.client_begin(client, broadcast)
+  loss_fn = lambda p, s, x, y, r: algorithm.client_loss(model, p, s, x, y, broadcast, r)
+  params, model_state, loss = train_scan(loss_fn, training, client.params, client.model_state, data.x, data.y,
+                                         data.n, jax.random.fold_in(rng, 1))
+  client = client._replace(params=params, model_state=model_state)
+  upload = finish_client(algorithm, model, client, data, broadcast, rng, rep_chunk)
+  return client, upload, {'train_loss': loss}
+
+
+def finish_client(algorithm: Algorithm, model: HeteroClassifier, client: ClientState, data: ClientArrays,
+                  broadcast: Any, rng: jax.Array, rep_chunk: int) -> Any:
+  """The upload after training: eval-mode representations of the training rows, then `client_upload`."""
+  if algorithm.needs_representations:
+    _, reps = represent_rows(model, client.params, client.model_state, data.x, rep_chunk)
+  else:
+    reps = jnp.zeros((data.x.shape[0], 0))
+  return algorithm.client_upload(client, reps, data.y, data.n, broadcast, jax.random.fold_in(rng, 2))

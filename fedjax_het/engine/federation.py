@@ -1,0 +1,397 @@
+"""A simulated federation: architecture groups of stacked clients, one compiled update per group and round.
+
+Clients with the same architecture form a group whose states are one pytree with a leading client axis. A round
+samples participants (fixed-size slots per group, so partial participation never changes a shape), updates each
+group with its execution strategy, concatenates the uploads of all groups along the slot axis, and runs the
+algorithm's server step once.
+
+Execution strategies (same pure pieces, same numbers):
+  vmap:       `jax.vmap(client_update)` over the group's slots in one jitted call; local steps in a lax.scan
+              (optionally in chunks of `chunk_size` clients). The fast path on accelerators.
+  sequential: the host walks the participants; each runs the same begin / SGD step / representation / upload
+              functions, each jitted once and reused. Only a client's real steps run. The fast path on XLA:CPU,
+              which runs convolutions inside while-loops and vmapped (grouped) convolutions several times slower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_het.algorithms.base import Algorithm, CommSpec
+from fedjax_het.data.federated import ClientArrays, FederatedData
+from fedjax_het.engine.client_update import client_update
+from fedjax_het.engine.forward import forward, head_logits, represent_rows
+from fedjax_het.engine.state import ClientState
+from fedjax_het.engine.training import LocalTraining, batch_schedule, sgd_step
+from fedjax_het.errors import ConfigError
+from fedjax_het.models.classifier import HeteroClassifier
+from fedjax_het.models.registry import assign_models, build_model
+
+STRATEGIES = ('vmap', 'sequential')
+
+
+def default_strategy(backend: Optional[str] = None) -> str:
+  """'sequential' on CPU (measured faster there, see README), 'vmap' on GPU/TPU."""
+  return 'sequential' if (backend or jax.default_backend()) == 'cpu' else 'vmap'
+
+
+class FederationState(NamedTuple):
+  """Everything a round changes: per-group stacked client states, the server state and the round counter."""
+  groups: tuple
+  server: Any
+  round: jnp.ndarray
+
+
+@dataclasses.dataclass
+class Group:
+  """Clients sharing one architecture, with their padded data on device."""
+  arch: str
+  model: HeteroClassifier
+  clients: np.ndarray          # global client ids, ascending
+  train: ClientArrays          # stacked [G, n_max, ...]
+  test: ClientArrays           # stacked [G, ...] or, for the global protocol, one shared set [1, ...]
+  shared_test: bool
+  num_params: int = 0
+
+  @property
+  def size(self) -> int:
+    return len(self.clients)
+
+
+def _take(tree: Any, idx) -> Any:
+  return jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode='clip'), tree)
+
+
+def _pad_to(a: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
+  return jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
+
+
+def concat_uploads(uploads: Sequence[Any]) -> Any:
+  """Concatenates per-group uploads along the slot axis, zero-padding ragged row axes (e.g. FedAllRep rows)."""
+  def cat(*leaves):
+    shape = tuple(max(s) for s in zip(*(leaf.shape for leaf in leaves)))
+    return jnp.concatenate([_pad_to(leaf, (leaf.shape[0],) + shape[1:]) for leaf in leaves])
+  return jax.tree.map(cat, *uploads)
+
+
+class Federation:
+  """Builds groups from a `FederatedData` and a model family, and runs rounds of an `Algorithm`.
+
+  `init()` returns the initial `FederationState`; `round(state)` runs one round and returns (state, metrics);
+  `evaluate(state)` scores every client on its test data with each of the algorithm's eval heads.
+  """
+
+  def __init__(self, algorithm: Algorithm, data: FederatedData, models: Sequence[str], training: LocalTraining,
+               feature_dim: int = 512, rm: str = 'ap', strategy: Optional[str] = None, join_ratio: float = 1.0,
+               seed: int = 0, chunk_size: int = 0, eval_batch_size: int = 256):
+    strategy = strategy or default_strategy()
+    if strategy not in STRATEGIES:
+      raise ConfigError(f'--strategy={strategy!r} is unknown; choose one of {", ".join(STRATEGIES)}.')
+    if not 0 < join_ratio <= 1:
+      raise ConfigError(f'--join_ratio={join_ratio} must be in (0, 1].')
+    if feature_dim < 1:
+      raise ConfigError(f'--feature_dim={feature_dim} must be >= 1.')
+    self.algorithm, self.data, self.training = algorithm, data, training
+    self.strategy, self.seed, self.chunk_size = strategy, seed, chunk_size
+    self.eval_batch_size = eval_batch_size
+    self.num_clients = data.num_clients
+    self.num_join = max(1, int(self.num_clients * join_ratio + 1e-9))
+    self.architectures = assign_models(list(models), self.num_clients)
+    global_test = data.global_test()
+    self.groups: list[Group] = []
+    for arch in dict.fromkeys(self.architectures):
+      ids = np.array([k for k, a in enumerate(self.architectures) if a == arch])
+      test = global_test if global_test is not None else data.group_test(ids)
+      self.groups.append(Group(arch, build_model(arch, data.num_classes, feature_dim, rm), ids,
+                               jax.device_put(data.group_train(ids)), jax.device_put(test), global_test is not None))
+    self.slots = [min(g.size, self.num_join) for g in self.groups]
+    self._compiled: dict = {}
+    self._comm: Optional[list[dict]] = None
+
+  # ---------------------------------------------------------------- initialisation
+  def init(self) -> FederationState:
+    """Initial client states (independent per-client initialisations from the seed) and server state."""
+    root = jax.random.PRNGKey(self.seed)
+    init_key, key_key, server_key = jax.random.split(root, 3)
+    states = []
+    for g in self.groups:
+      sample = g.train.x[0, :1]
+      init_one = lambda k: g.model.init(k, sample, train=False)
+      variables = jax.jit(jax.vmap(init_one))(jax.vmap(lambda c: jax.random.fold_in(init_key, c))(g.clients))
+      params = variables.pop('params')
+      keys = jax.vmap(lambda c: jax.random.fold_in(key_key, c))(g.clients)
+      states.append(ClientState(params, dict(variables), keys))
+      g.num_params = sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(params))
+    example = jax.tree.map(lambda a: a[0], states[0].params)
+    server = self.algorithm.init_server(server_key, example)
+    return FederationState(tuple(states), server, jnp.asarray(0, jnp.int32))
+
+  # ---------------------------------------------------------------- sampling and accounting
+  def participants(self, round_index: int) -> np.ndarray:
+    """Ascending ids of the clients that train in `round_index` (num_join of them, drawn without replacement)."""
+    if self.num_join == self.num_clients:
+      return np.arange(self.num_clients)
+    rng = np.random.default_rng([self.seed, round_index, 0x5A])
+    return np.sort(rng.choice(self.num_clients, self.num_join, replace=False))
+
+  def communication_per_client(self) -> list[dict]:
+    """Per-client upload/broadcast scalars by part, from the algorithm's accounting."""
+    if self._comm is None:
+      n_train = np.zeros(self.num_clients, int)
+      params = np.zeros(self.num_clients, int)
+      for g in self.groups:
+        n_train[g.clients] = np.asarray(g.train.n)
+        params[g.clients] = g.num_params
+      self._comm = [self.algorithm.communication(CommSpec(self.data.num_classes, self._feature_dim(),
+                                                          int(n_train[k]), int(params[k])))
+                    for k in range(self.num_clients)]
+    return self._comm
+
+  def _feature_dim(self) -> int:
+    return self.groups[0].model.feature_dim
+
+  def round_communication(self, participants: np.ndarray) -> dict:
+    """Scalars uploaded and broadcast this round, summed over participants, in total and by part."""
+    comm = self.communication_per_client()
+    out = {}
+    for direction in ('upload', 'broadcast'):
+      parts: dict = {}
+      for k in participants:
+        for part, v in comm[k][direction].items():
+          parts[part] = parts.get(part, 0) + int(v)
+      out[f'{direction}_scalars'] = sum(parts.values())
+      out.update({f'{direction}_{part}_scalars': v for part, v in parts.items()})
+    return out
+
+  # ---------------------------------------------------------------- one round
+  def round(self, state: FederationState) -> tuple[FederationState, dict]:
+    """One communication round (fedre.txt Alg. 1 lines 5-13 for FedRE); returns the new state and metrics."""
+    start = time.perf_counter()
+    r = int(state.round)
+    key, server_key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(self.seed), r + 1))
+    participants = self.participants(r)
+    broadcast = self.algorithm.broadcast(state.server)
+    groups, uploads, masks, losses = [], [], [], []
+    for gi, g in enumerate(self.groups):
+      local = np.flatnonzero(np.isin(g.clients, participants))
+      slot_idx = np.full(self.slots[gi], g.size, np.int32)
+      slot_idx[:len(local)] = local
+      update = self._vmap_group if self.strategy == 'vmap' else self._sequential_group
+      stacked, up, loss = update(gi, state.groups[gi], slot_idx, broadcast, key)
+      if self.algorithm.group_update is not None:
+        participated = jnp.asarray(np.isin(np.arange(g.size), local))
+        stacked = self._jit('group_update', gi, lambda: jax.jit(self._group_step, donate_argnums=0))(
+            stacked, participated, g.train.n)
+      groups.append(stacked)
+      uploads.append(up)
+      masks.append(slot_idx < g.size)
+      losses.append(np.asarray(loss)[slot_idx < g.size])
+    mask = jnp.asarray(np.concatenate(masks))
+    server_update = self._jit('server', None, lambda: jax.jit(self.algorithm.server_update))
+    server, server_metrics = server_update(state.server, concat_uploads(uploads), mask, server_key)
+    new_state = FederationState(tuple(groups), server, state.round + 1)
+    metrics = {'round': r + 1, 'train_loss': float(np.mean(np.concatenate(losses))),
+               'participants': len(participants)}
+    metrics.update({k: float(v) for k, v in server_metrics.items()})
+    metrics.update(self.round_communication(participants))
+    jax.block_until_ready(new_state)
+    metrics['train_seconds'] = time.perf_counter() - start
+    return new_state, metrics
+
+  def _group_step(self, stacked: ClientState, participated, num_train) -> ClientState:
+    params, model_state = self.algorithm.group_update(stacked.params, stacked.model_state, participated, num_train)
+    return stacked._replace(params=params, model_state=model_state)
+
+  def _jit(self, name: str, gi: Optional[int], make):
+    if (name, gi) not in self._compiled:
+      self._compiled[(name, gi)] = make()
+    return self._compiled[(name, gi)]
+
+  # ---------------------------------------------------------------- strategy: vmap
+  def _vmap_group(self, gi: int, stacked: ClientState, slot_idx: np.ndarray, broadcast, key):
+    g = self.groups[gi]
+    chunk = self.chunk_size or len(slot_idx)
+    pad = (-len(slot_idx)) % chunk
+    slot_idx = np.concatenate([slot_idx, np.full(pad, g.size, np.int32)])
+    update = self._jit('vmap_update', gi, lambda: jax.jit(self._make_vmap_update(g), donate_argnums=0))
+    uploads, losses = [], []
+    for c in range(0, len(slot_idx), chunk):
+      stacked, up, loss = update(stacked, g.train, jnp.asarray(slot_idx[c:c + chunk]), jnp.asarray(g.clients),
+                                 broadcast, key)
+      uploads.append(up)
+      losses.append(loss)
+    keep = len(slot_idx) - pad
+    cat = lambda *a: jnp.concatenate(a)[:keep]
+    return stacked, jax.tree.map(cat, *uploads), jnp.concatenate(losses)[:keep]
+
+  def _make_vmap_update(self, g: Group):
+    update_one = lambda c, d, b, k: client_update(self.algorithm, g.model, self.training, c, d, b, k,
+                                                  self.eval_batch_size)
+
+    def update(stacked, train, slot_idx, client_ids, broadcast, key):
+      clients, data = _take(stacked, slot_idx), _take(train, slot_idx)
+      rngs = jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.take(client_ids, slot_idx, mode='clip'))
+      new, uploads, metrics = jax.vmap(update_one, in_axes=(0, 0, None, 0))(clients, data, broadcast, rngs)
+      stacked = jax.tree.map(lambda a, b: a.at[slot_idx].set(b, mode='drop'), stacked, new)
+      return stacked, uploads, metrics['train_loss']
+    return update
+
+  # ---------------------------------------------------------------- strategy: sequential
+  def _sequential_group(self, gi: int, stacked: ClientState, slot_idx: np.ndarray, broadcast, key):
+    g = self.groups[gi]
+    fns = self._jit('sequential', gi, lambda: self._make_sequential_fns(g))
+    n_host = np.asarray(g.train.n)
+    n_max, b, epochs = g.train.x.shape[1], self.training.batch_size, self.training.epochs
+    slots_per_epoch = n_max // b
+    uploads, losses = [], []
+    for i in slot_idx:
+      if i >= g.size:
+        continue
+      rng = jax.random.fold_in(key, int(g.clients[i]))
+      client = fns['begin'](fns['take'](stacked, i), broadcast)
+      train_rng = jax.random.fold_in(rng, 1)
+      idx, _ = fns['schedule'](jax.random.fold_in(train_rng, 0), g.train.n[i])
+      carry = (client.params, client.model_state, fns['opt_init'](client.params))
+      total, steps = 0.0, 0
+      for e in range(epochs):
+        for s in range(n_host[i] // b):
+          slot = e * slots_per_epoch + s
+          carry, loss = fns['step'](carry, g.train.x, g.train.y, i, idx[slot], slot, train_rng, broadcast)
+          total, steps = total + loss, steps + 1
+      client = client._replace(params=carry[0], model_state=carry[1])
+      reps = self._represent_sequential(g, fns, client, g.train, i)
+      uploads.append(fns['upload'](client, reps, g.train.y, i, broadcast, jax.random.fold_in(rng, 2)))
+      losses.append(total / max(steps, 1))
+      stacked = fns['put'](stacked, i, client)
+    # Uploads are laid out in the same fixed slots as the vmap strategy, padded slots zero.
+    template = jax.eval_shape(lambda: fns['upload_shape'](stacked, broadcast))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
+    padded = uploads + [zeros] * (len(slot_idx) - len(uploads))
+    losses = losses + [0.0] * (len(slot_idx) - len(losses))
+    return stacked, jax.tree.map(lambda *a: jnp.stack(a), *padded), jnp.asarray(losses, jnp.float32)
+
+  def _represent_sequential(self, g: Group, fns, client: ClientState, arrays: ClientArrays, i: int):
+    """Eval-mode representations of client i's rows, computed chunk by chunk (real rows only)."""
+    if not self.algorithm.needs_representations and arrays is g.train:
+      return jnp.zeros((arrays.x.shape[1], 0))
+    n_max = arrays.x.shape[1]
+    chunk = max(1, min(self.eval_batch_size, n_max))
+    buf = (jnp.zeros((n_max, g.model.num_classes)), jnp.zeros((n_max, g.model.feature_dim)))
+    for start in range(0, max(int(np.asarray(arrays.n)[i]), 1), chunk):
+      buf = fns['represent_into'](buf, client, arrays.x, i, start)
+    return buf[1] if arrays is g.train else buf
+
+  def _make_sequential_fns(self, g: Group) -> dict:
+    alg, model, training = self.algorithm, g.model, self.training
+    optimizer = training.optimizer()
+    chunk = max(1, min(self.eval_batch_size, g.train.x.shape[1]))
+
+    def step(carry, x_all, y_all, i, batch, slot, rng, broadcast):
+      loss_fn = lambda p, s, x, y, r: alg.client_loss(model, p, s, x, y, broadcast, r)
+      return sgd_step(loss_fn, optimizer, carry, x_all[i, batch], y_all[i, batch], jnp.asarray(True),
+                      jax.random.fold_in(rng, slot + 1))
+
+    def represent_into(buf, client, x_all, i, start):
+      rows = jax.lax.dynamic_slice_in_dim(x_all[i], start, min(chunk, x_all.shape[1]))
+      logits, reps, _ = forward(model, client.params, client.model_state, rows, False)
+      return (jax.lax.dynamic_update_slice_in_dim(buf[0], logits, start, 0),
+              jax.lax.dynamic_update_slice_in_dim(buf[1], reps, start, 0))
+
+    def upload(client, reps, y_all, i, broadcast, rng):
+      return alg.client_upload(client, reps, y_all[i], g.train.n[i], broadcast, rng)
+
+    def upload_shape(stacked, broadcast):
+      c = jax.tree.map(lambda a: a[0], stacked)
+      reps = jnp.zeros((g.train.x.shape[1], g.model.feature_dim if alg.needs_representations else 0))
+      return alg.client_upload(c, reps, g.train.y[0], g.train.n[0], broadcast, jax.random.PRNGKey(0))
+
+    n_max, b, e = g.train.x.shape[1], training.batch_size, training.epochs
+    return {
+        'take': jax.jit(lambda stacked, i: jax.tree.map(lambda a: a[i], stacked)),
+        'put': jax.jit(lambda stacked, i, c: jax.tree.map(lambda a, v: a.at[i].set(v), stacked, c),
+                       donate_argnums=0),
+        'begin': jax.jit(alg.client_begin),
+        'opt_init': jax.jit(optimizer.init),
+        'schedule': jax.jit(lambda rng, n: batch_schedule(rng, n, n_max, b, e)),
+        'step': jax.jit(step),
+        'represent_into': jax.jit(represent_into, donate_argnums=0),
+        'upload': jax.jit(upload),
+        'upload_shape': upload_shape,
+    }
+
+  # ---------------------------------------------------------------- evaluation
+  def evaluate(self, state: FederationState) -> dict:
+    """Accuracy of every client with each eval head: sample-weighted sum(correct)/sum(n) (HtFLlib's metric), the
+    per-client mean and std, and the per-client accuracies."""
+    broadcast = self.algorithm.broadcast(state.server)
+    correct: dict[str, np.ndarray] = {}
+    counts = np.zeros(self.num_clients)
+    for gi, g in enumerate(self.groups):
+      if self.strategy == 'vmap':
+        fn = self._jit('vmap_eval', gi, lambda: jax.jit(self._make_vmap_eval(g)))
+        scores = fn(state.groups[gi], g.test, broadcast)
+      else:
+        scores = self._sequential_eval(gi, state.groups[gi], broadcast)
+      n_test = np.asarray(g.test.n)
+      counts[g.clients] = n_test[0] if g.shared_test else n_test
+      for name, c in scores.items():
+        correct.setdefault(name, np.zeros(self.num_clients))[g.clients] = np.asarray(c)
+    out = {}
+    has_data = counts > 0
+    for j, (name, c) in enumerate(correct.items()):
+      per_client = c[has_data] / counts[has_data]
+      prefix = '' if j == 0 else f'{name}_'
+      out[f'{prefix}accuracy'] = float(c.sum() / max(counts.sum(), 1))
+      out[f'{prefix}client_accuracy_mean'] = float(per_client.mean())
+      out[f'{prefix}client_accuracy_std'] = float(per_client.std())
+      if j == 0:
+        out['eval_head'] = name
+        out['client_accuracy'] = [float(a) for a in c / np.maximum(counts, 1)]
+    return out
+
+  def _score(self, g: Group, client: ClientState, reps, y, n, broadcast) -> dict:
+    valid = jnp.arange(y.shape[0]) < n
+    heads = self.algorithm.eval_heads(client, broadcast)
+    return {name: jnp.sum((jnp.argmax(head_logits(g.model, h, reps), -1) == y) & valid)
+            for name, h in heads.items()}
+
+  def _make_vmap_eval(self, g: Group):
+    def evaluate(stacked, test, broadcast):
+      fn = lambda c, t: self._score(g, c, represent_rows(g.model, c.params, c.model_state, t.x,
+                                                         self.eval_batch_size)[1], t.y, t.n, broadcast)
+      if g.shared_test:
+        return jax.vmap(fn, in_axes=(0, None))(stacked, jax.tree.map(lambda a: a[0], test))
+      return jax.vmap(fn)(stacked, test)
+    return evaluate
+
+  def _sequential_eval(self, gi: int, stacked: ClientState, broadcast) -> dict:
+    g = self.groups[gi]
+    fns = self._jit('sequential_eval', gi, lambda: self._make_sequential_eval_fns(g))
+    take = self._jit('sequential', gi, lambda: self._make_sequential_fns(g))['take']
+    results = []
+    for i in range(g.size):
+      client = take(stacked, i)
+      j = 0 if g.shared_test else i
+      _, reps = self._represent_sequential(g, fns, client, g.test, j)
+      results.append(fns['score'](client, reps, g.test.y, j, g.test.n, broadcast))
+    return jax.tree.map(lambda *a: jnp.stack(a), *results)
+
+  def _make_sequential_eval_fns(self, g: Group) -> dict:
+    model = g.model
+    chunk = max(1, min(self.eval_batch_size, g.test.x.shape[1]))
+
+    def represent_into(buf, client, x_all, i, start):
+      rows = jax.lax.dynamic_slice_in_dim(x_all[i], start, chunk)
+      logits, reps, _ = forward(model, client.params, client.model_state, rows, False)
+      return (jax.lax.dynamic_update_slice_in_dim(buf[0], logits, start, 0),
+              jax.lax.dynamic_update_slice_in_dim(buf[1], reps, start, 0))
+
+    return {'represent_into': jax.jit(represent_into, donate_argnums=0),
+            'score': jax.jit(lambda c, reps, y_all, j, n_all, b: self._score(g, c, reps, y_all[j], n_all[j], b))}

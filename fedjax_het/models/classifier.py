@@ -1,0 +1,59 @@
+"""Every local model is `extractor -> RM (map to width d) -> head (d -> C)` (SPEC.md, "RM")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from fedjax_het.errors import ConfigError
+from fedjax_het.models.pooling import adaptive_avg_pool1d, adaptive_max_pool1d
+
+RM_MODES = ('ap', 'mp', 'fc')
+
+
+class HeteroClassifier(nn.Module):
+  """A classifier split into a heterogeneous extractor, an RM step to `feature_dim`, and a shared-shape head.
+
+  The extractor maps x [B, ...] to a feature map [B, H, W, L] or a vector [B, L]. RM:
+    ap: mean over spatial positions, then adaptive average pooling of the L channels to d (PyTorch bin rule);
+    mp: max over spatial positions, then adaptive max pooling to d;
+    fc: mean over spatial positions, then a learned Dense(L -> d) that belongs to the extractor.
+  The head is `Dense(num_classes)` named 'head', so its parameters have the same pytree in every architecture.
+  """
+  extractor: nn.Module
+  num_classes: int
+  feature_dim: int = 512
+  rm: str = 'ap'
+
+  def setup(self):
+    if self.rm not in RM_MODES:
+      raise ConfigError(f'--rm={self.rm!r} is unknown; choose one of {", ".join(RM_MODES)}.')
+    if self.rm == 'fc':
+      self.rm_fc = nn.Dense(self.feature_dim, name='rm_fc')
+    self.head = nn.Dense(self.num_classes, name='head')
+
+  def represent(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    """The mapped representation r = RM(g(x)) [B, d]."""
+    h = self.extractor(x, train=train)
+    if h.ndim > 2:
+      spatial = tuple(range(1, h.ndim - 1))
+      h = h.max(axis=spatial) if self.rm == 'mp' else h.mean(axis=spatial)
+    if self.rm == 'fc':
+      return self.rm_fc(h)
+    if self.rm == 'mp':
+      return adaptive_max_pool1d(h, self.feature_dim)
+    return adaptive_avg_pool1d(h, self.feature_dim)
+
+  def classify(self, r: jnp.ndarray) -> jnp.ndarray:
+    """Head logits f(omega; r) [B, C]."""
+    return self.head(r)
+
+  def __call__(self, x: jnp.ndarray, train: bool = False) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(logits [B, C], representation [B, d])."""
+    r = self.represent(x, train)
+    return self.classify(r), r
+
+
+Params = Any

@@ -1,0 +1,44 @@
+"""Convolutional and dense extractors: HtFLlib's 4-layer CNN and small models for the offline quickstart."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class FedAvgCNN(nn.Module):
+  """HtFLlib's `FedAvgCNN` extractor: conv32 k5 -> ReLU -> pool2 -> conv64 k5 -> ReLU -> pool2 -> fc512 -> ReLU.
+
+  With the head (512 -> C) this is the "4-layer CNN" of FedRE/HtFLlib; its feature width is already 512.
+  """
+  width: int = 512
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    x = nn.max_pool(nn.relu(nn.Conv(32, (5, 5), padding='VALID')(x)), (2, 2), (2, 2))
+    x = nn.max_pool(nn.relu(nn.Conv(64, (5, 5), padding='VALID')(x)), (2, 2), (2, 2))
+    return nn.relu(nn.Dense(self.width)(x.reshape(x.shape[0], -1)))
+
+
+class SmallCNN(nn.Module):
+  """A small CNN for small images (e.g. 8x8 digits): two 3x3 conv blocks, then fc `width` -> ReLU."""
+  channels: tuple[int, int] = (32, 64)
+  width: int = 512
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    for c in self.channels:
+      x = nn.max_pool(nn.relu(nn.Conv(c, (3, 3), padding='SAME')(x)), (2, 2), (2, 2), padding='SAME')
+    return nn.relu(nn.Dense(self.width)(x.reshape(x.shape[0], -1)))
+
+
+class MLP(nn.Module):
+  """A dense extractor: flatten -> (Dense -> ReLU) per hidden width."""
+  widths: tuple[int, ...] = (512, 512)
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    x = x.reshape(x.shape[0], -1)
+    for w in self.widths:
+      x = nn.relu(nn.Dense(w)(x))
+    return x
