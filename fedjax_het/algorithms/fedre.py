@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import Algorithm, CommSpec
 from fedjax_het.algorithms.common import cross_entropy_loss, soft_cross_entropy
+from fedjax_het.engine.rows import row_keys, row_uniform, shuffled_real_rows
 from fedjax_het.engine.state import ClientState
 from fedjax_het.errors import ConfigError
 
@@ -54,13 +55,10 @@ class FedREConfig:
       raise ConfigError('--server_batch_size must be >= 1, --server_epochs >= 0, --server_learning_rate > 0.')
 
 
-def random_magnitudes(key: jax.Array, shape: tuple[int, ...], distribution: str) -> jnp.ndarray:
-  """u ~ U(0,1), |N(0,1)| or |Laplace(0,1)| (FedRE Table 7)."""
-  if distribution == 'uniform':
-    return jax.random.uniform(key, shape)
-  if distribution == 'gaussian':
-    return jnp.abs(jax.random.normal(key, shape))
-  return jnp.abs(jax.random.laplace(key, shape))
+def random_magnitudes(key: jax.Array, num: int, distribution: str) -> jnp.ndarray:
+  """u_i ~ U(0,1), |N(0,1)| or |Laplace(0,1)| (FedRE Table 7), one per index i, keyed per index."""
+  draw = {'uniform': jax.random.uniform, 'gaussian': jax.random.normal, 'laplace': jax.random.laplace}[distribution]
+  return jnp.abs(jax.vmap(lambda k: draw(k))(row_keys(key, num)))
 
 
 def entanglement_weights(labels: jnp.ndarray, valid: jnp.ndarray, num_classes: int, mechanism: str,
@@ -73,22 +71,21 @@ def entanglement_weights(labels: jnp.ndarray, valid: jnp.ndarray, num_classes: i
   """
   valid = valid.astype(jnp.float32)
   if mechanism == 'rsr':
-    pick = jnp.argmax(jnp.where(valid > 0, jax.random.uniform(key, valid.shape), -1.0))
+    pick = jnp.argmax(jnp.where(valid > 0, row_uniform(key, valid.shape[0]), -1.0))
     return jax.nn.one_hot(pick, valid.shape[0]) * valid
   if mechanism == 'var':
     return valid / jnp.maximum(valid.sum(), 1.0)
   if mechanism == 'rar':
-    u = random_magnitudes(key, valid.shape, distribution) * valid
+    u = random_magnitudes(key, valid.shape[0], distribution) * valid
     return u / jnp.maximum(u.sum(), 1e-12)
   counts = jnp.zeros(num_classes).at[labels].add(valid)
   present = (counts > 0).astype(jnp.float32)
   if mechanism == 'rsp':
-    class_w = jax.nn.one_hot(jnp.argmax(jnp.where(present > 0, jax.random.uniform(key, (num_classes,)), -1.0)),
-                             num_classes)
+    class_w = jax.nn.one_hot(jnp.argmax(jnp.where(present > 0, row_uniform(key, num_classes), -1.0)), num_classes)
   elif mechanism == 'vap':
     class_w = present / jnp.maximum(present.sum(), 1.0)
   else:
-    u = random_magnitudes(key, (num_classes,), distribution) * present
+    u = random_magnitudes(key, num_classes, distribution) * present
     class_w = u / jnp.maximum(u.sum(), 1e-12)
   return (class_w / jnp.maximum(counts, 1.0))[labels] * valid
 
@@ -125,8 +122,7 @@ def train_head(head: dict, reps: jnp.ndarray, soft_labels: jnp.ndarray, row_weig
     return total if cfg.server_loss_reduction == 'sum' else total / jnp.maximum(w.sum(), 1.0)
 
   def epoch(h, e):
-    keys = jnp.where(row_weight > 0, jax.random.uniform(jax.random.fold_in(rng, e), row_weight.shape), 2.0)
-    order = jnp.argsort(keys).reshape(steps, b)
+    order = shuffled_real_rows(jax.random.fold_in(rng, e), row_weight > 0).reshape(steps, b)
 
     def step(h, idx):
       loss, g = jax.value_and_grad(loss_fn)(h, idx)

@@ -29,7 +29,7 @@ from fedjax_het.data.federated import ClientArrays, FederatedData
 from fedjax_het.engine.client_update import client_update
 from fedjax_het.engine.forward import forward, head_logits, represent_rows
 from fedjax_het.engine.state import ClientState
-from fedjax_het.engine.training import LocalTraining, batch_schedule, sgd_step
+from fedjax_het.engine.training import LocalTraining, batch_schedule, sgd_step, step_key
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.classifier import HeteroClassifier
 from fedjax_het.models.registry import assign_models, build_model
@@ -263,7 +263,7 @@ class Federation:
       for e in range(epochs):
         for s in range(n_host[i] // b):
           slot = e * slots_per_epoch + s
-          carry, loss = fns['step'](carry, g.train.x, g.train.y, i, idx[slot], slot, train_rng, broadcast)
+          carry, loss = fns['step'](carry, g.train.x, g.train.y, i, idx[slot], e, s, train_rng, broadcast)
           total, steps = total + loss, steps + 1
       client = client._replace(params=carry[0], model_state=carry[1])
       reps = self._represent_sequential(g, fns, client, g.train, i)
@@ -293,10 +293,10 @@ class Federation:
     optimizer = training.optimizer()
     chunk = max(1, min(self.eval_batch_size, g.train.x.shape[1]))
 
-    def step(carry, x_all, y_all, i, batch, slot, rng, broadcast):
-      loss_fn = lambda p, s, x, y, r: alg.client_loss(model, p, s, x, y, broadcast, r)
+    def step(carry, x_all, y_all, i, batch, epoch, s, rng, broadcast):
+      loss_fn = lambda p, st, x, y, r: alg.client_loss(model, p, st, x, y, broadcast, r)
       return sgd_step(loss_fn, optimizer, carry, x_all[i, batch], y_all[i, batch], jnp.asarray(True),
-                      jax.random.fold_in(rng, slot + 1))
+                      step_key(rng, epoch, s))
 
     def represent_into(buf, client, x_all, i, start):
       rows = jax.lax.dynamic_slice_in_dim(x_all[i], start, min(chunk, x_all.shape[1]))

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_het.engine.rows import shuffled_real_rows
 from fedjax_het.errors import ConfigError
 
 
@@ -47,9 +48,8 @@ def batch_schedule(rng: jax.Array, n: jnp.ndarray, n_max: int, batch_size: int, 
   rows = jnp.arange(n_max)
 
   def one_epoch(e):
-    keys = jnp.where(rows < n, jax.random.uniform(jax.random.fold_in(rng, e), (n_max,)), 2.0)
-    perm = jnp.argsort(keys)[:slots * batch_size].reshape(slots, batch_size)
-    return perm, jnp.arange(slots) < n // batch_size
+    perm = shuffled_real_rows(jax.random.fold_in(rng, e), rows < n)[:slots * batch_size]
+    return perm.reshape(slots, batch_size), jnp.arange(slots) < n // batch_size
 
   idx, valid = jax.vmap(one_epoch)(jnp.arange(epochs))
   return idx.reshape(epochs * slots, batch_size), valid.reshape(epochs * slots)
@@ -73,15 +73,22 @@ def sgd_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, carry: tu
   return jax.tree.map(keep, new, carry), jnp.where(valid, loss, 0.0)
 
 
+def step_key(rng: jax.Array, epoch, step) -> jax.Array:
+  """The key of local step `step` of epoch `epoch` (independent of how many padded step slots exist)."""
+  return jax.random.fold_in(jax.random.fold_in(rng, epoch + 1), step)
+
+
 def train_scan(loss_fn: LossFn, training: LocalTraining, params: Any, model_state: Any, x: jnp.ndarray,
                y: jnp.ndarray, n: jnp.ndarray, rng: jax.Array) -> tuple[Any, Any, jnp.ndarray]:
   """All local epochs of one client as one lax.scan; returns (params, model_state, mean loss of real steps)."""
   optimizer = training.optimizer()
   idx, valid = batch_schedule(jax.random.fold_in(rng, 0), n, x.shape[0], training.batch_size, training.epochs)
+  slots = x.shape[0] // training.batch_size
 
   def body(carry, step):
     s, batch, ok = step
-    return sgd_step(loss_fn, optimizer, carry, x[batch], y[batch], ok, jax.random.fold_in(rng, s + 1))
+    key = step_key(rng, s // max(slots, 1), s % max(slots, 1))
+    return sgd_step(loss_fn, optimizer, carry, x[batch], y[batch], ok, key)
 
   steps = (jnp.arange(valid.shape[0]), idx, valid)
   (params, model_state, _), losses = jax.lax.scan(body, (params, model_state, optimizer.init(params)), steps)

@@ -1,0 +1,74 @@
+"""absl flags shared by the entry points in experiments/, and their mapping to `ExperimentConfig`."""
+
+from __future__ import annotations
+
+from absl import flags
+
+from fedjax_het.algorithms.fedre import DISTRIBUTIONS, MECHANISMS, FedREConfig
+from fedjax_het.config import ExperimentConfig
+from fedjax_het.engine.federation import STRATEGIES
+
+_D = ExperimentConfig()
+_R = FedREConfig()
+
+
+def define_flags(default_algorithm: str = 'fedre') -> None:
+  """Defines every experiment flag (idempotent per process)."""
+  if 'algorithm' in flags.FLAGS:
+    return
+  f = flags
+  f.DEFINE_string('algorithm', default_algorithm, 'fedre | local | fedavg (grouped FedAvg).')
+  f.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/.')
+  f.DEFINE_bool('resume', False, 'Continue from the last checkpoint in --workdir.')
+  f.DEFINE_bool('progress', True, 'Show a progress bar with the current accuracy.')
+  # Data.
+  f.DEFINE_string('dataset', _D.dataset, 'mnist, fashion_mnist, cifar10, cifar100, svhn_cropped (tfds, prepared); '
+                  'digits (offline, scikit-learn); synthetic[:H,W,C]; npz:/path/file.npz.')
+  f.DEFINE_string('data_dir', None, 'tfds data_dir holding prepared datasets.')
+  f.DEFINE_enum('partition', _D.partition, ['dirichlet', 'pathological', 'iid'], 'PRA (dirichlet), PAT, IID.')
+  f.DEFINE_float('alpha', _D.alpha, 'Dirichlet concentration for --partition=dirichlet.')
+  f.DEFINE_integer('classes_per_client', _D.classes_per_client, 'Classes per client for --partition=pathological.')
+  f.DEFINE_bool('balance', _D.balance, 'Equal class shares for --partition=pathological.')
+  f.DEFINE_enum('eval_protocol', _D.eval_protocol, ['pooled', 'global'],
+                'pooled: merged pool, per-client 75/25 split (HtFLlib). global: score on the global test set.')
+  f.DEFINE_integer('num_clients', _D.num_clients, 'Number of clients K.')
+  f.DEFINE_float('join_ratio', _D.join_ratio, 'Fraction of clients that train each round.')
+  # Models.
+  f.DEFINE_list('models', list(_D.models), 'Architectures; client k gets models[k % len(models)].')
+  f.DEFINE_integer('feature_dim', _D.feature_dim, 'Representation width d after RM.')
+  f.DEFINE_enum('rm', _D.rm, ['ap', 'mp', 'fc'], 'Representation mapping to width d.')
+  # Training.
+  f.DEFINE_integer('rounds', _D.rounds, 'Communication rounds.')
+  f.DEFINE_integer('local_epochs', _D.local_epochs, 'Local epochs per round.')
+  f.DEFINE_integer('batch_size', _D.batch_size, 'Local batch size.')
+  f.DEFINE_float('local_learning_rate', _D.local_learning_rate, 'Local SGD learning rate.')
+  f.DEFINE_integer('seed', _D.seed, 'One seed for partition, initialisation and every random draw.')
+  f.DEFINE_enum('strategy', None, list(STRATEGIES), 'How a group executes (default: sequential on CPU, vmap else).')
+  f.DEFINE_integer('chunk_size', _D.chunk_size, 'vmap strategy: clients per vmapped chunk (0: whole group).')
+  f.DEFINE_integer('eval_every', _D.eval_every, 'Evaluate every N rounds (and after the last).')
+  f.DEFINE_integer('eval_batch_size', _D.eval_batch_size, 'Rows per forward pass in evaluation/representations.')
+  f.DEFINE_integer('checkpoint_every', _D.checkpoint_every, 'Checkpoint every N rounds (0: never).')
+  # FedRE.
+  f.DEFINE_enum('re', _R.mechanism, list(MECHANISMS), 'FedRE entanglement mechanism (Appendix A).')
+  f.DEFINE_enum('re_distribution', _R.weight_distribution, list(DISTRIBUTIONS), 'RE random-weight distribution.')
+  f.DEFINE_bool('re_resample', _R.resample, 'Re-sample RE weights every round (False: fixed sampling, Table 8).')
+  f.DEFINE_bool('all_representations', _R.all_representations, 'FedAllRep: upload every representation (Q5).')
+  f.DEFINE_float('server_learning_rate', _R.server_learning_rate, 'FedRE server SGD learning rate.')
+  f.DEFINE_integer('server_batch_size', _R.server_batch_size, 'FedRE server batch size.')
+  f.DEFINE_integer('server_epochs', _R.server_epochs, 'FedRE server epochs per round.')
+  f.DEFINE_enum('server_loss_reduction', _R.server_loss_reduction, ['sum', 'mean'], 'FedRE server loss reduction.')
+
+
+def config_from_flags(fv=None) -> ExperimentConfig:
+  """The `ExperimentConfig` of the parsed flags."""
+  fv = fv or flags.FLAGS
+  return ExperimentConfig(
+      algorithm=fv.algorithm, dataset=fv.dataset, data_dir=fv.data_dir, partition=fv.partition, alpha=fv.alpha,
+      classes_per_client=fv.classes_per_client, balance=fv.balance, eval_protocol=fv.eval_protocol,
+      num_clients=fv.num_clients, join_ratio=fv.join_ratio, models=tuple(fv.models), feature_dim=fv.feature_dim,
+      rm=fv.rm, rounds=fv.rounds, local_epochs=fv.local_epochs, batch_size=fv.batch_size,
+      local_learning_rate=fv.local_learning_rate,
+      fedre=FedREConfig(fv.re, fv.re_distribution, fv.re_resample, fv.all_representations, fv.server_learning_rate,
+                        fv.server_batch_size, fv.server_epochs, fv.server_loss_reduction),
+      seed=fv.seed, strategy=fv.strategy, chunk_size=fv.chunk_size, eval_every=fv.eval_every,
+      eval_batch_size=fv.eval_batch_size, checkpoint_every=fv.checkpoint_every)

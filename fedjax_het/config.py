@@ -1,0 +1,53 @@
+"""The experiment configuration: one frozen dataclass, filled from absl flags or built directly in a notebook."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from fedjax_het.algorithms.fedre import FedREConfig
+from fedjax_het.engine.training import LocalTraining
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """Everything that defines a run. Defaults follow FedRE's CIFAR setting (fedre.txt Table 10, SPEC.md)."""
+  algorithm: str = 'fedre'
+  dataset: str = 'cifar10'
+  data_dir: Optional[str] = None
+  partition: str = 'dirichlet'
+  alpha: float = 0.1
+  classes_per_client: int = 2
+  balance: bool = False
+  eval_protocol: str = 'pooled'
+  num_clients: int = 10
+  join_ratio: float = 1.0
+  models: tuple[str, ...] = ('cnn4',)
+  feature_dim: int = 512
+  rm: str = 'ap'
+  rounds: int = 100
+  local_epochs: int = 1
+  batch_size: int = 32
+  local_learning_rate: float = 0.06
+  fedre: FedREConfig = FedREConfig()
+  seed: int = 0
+  strategy: Optional[str] = None
+  chunk_size: int = 0
+  eval_every: int = 1
+  eval_batch_size: int = 256
+  checkpoint_every: int = 10
+
+  def local_training(self) -> LocalTraining:
+    return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs)
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d['models'] = list(self.models)
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict) -> 'ExperimentConfig':
+    d = dict(d)
+    d['fedre'] = FedREConfig(**d['fedre'])
+    d['models'] = tuple(d['models'])
+    return cls(**d)
