@@ -1,0 +1,149 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tree_allclose
+from fedjax_het.algorithms import FedREConfig, fedavg_grouped, fedre, group_fedavg, local
+from fedjax_het.data.federated import ClientArrays
+from fedjax_het.engine import Federation, LocalTraining, batch_schedule, client_update
+from fedjax_het.errors import ConfigError
+
+TRAINING = LocalTraining(learning_rate=0.05, batch_size=8, epochs=2)
+
+
+def make_fed(data, strategy, algorithm=None, join_ratio=1.0, seed=0, models=('small_cnn_narrow', 'mlp'), **kw):
+  algorithm = algorithm or fedre(FedREConfig(), data.num_classes)
+  return Federation(algorithm, data, list(models), TRAINING, feature_dim=16, strategy=strategy,
+                    join_ratio=join_ratio, seed=seed, eval_batch_size=16, **kw)
+
+
+def run(fed, rounds):
+  state = fed.init()
+  history = []
+  for _ in range(rounds):
+    state, m = fed.round(state)
+    m.update(fed.evaluate(state))
+    history.append(m)
+  return state, history
+
+
+def test_batch_schedule_is_a_drop_last_epoch_of_real_rows():
+  idx, valid = batch_schedule(jax.random.PRNGKey(0), jnp.asarray(21), n_max=40, batch_size=4, epochs=2)
+  idx, valid = np.asarray(idx).reshape(2, 10, 4), np.asarray(valid).reshape(2, 10)
+  assert valid.sum(1).tolist() == [5, 5]  # 21 // 4
+  for e in range(2):
+    used = idx[e][valid[e]].ravel()
+    assert len(set(used)) == 20 and used.max() < 21  # no repeats, never a padding row
+  assert not np.array_equal(idx[0], idx[1])          # reshuffled each epoch
+
+
+def test_vmapped_group_equals_per_client_loop(tiny_data):
+  fed = make_fed(tiny_data, 'vmap')
+  state = fed.init()
+  g = fed.groups[0]
+  alg, model = fed.algorithm, g.model
+  broadcast = alg.broadcast(state.server)
+  rngs = jax.vmap(lambda c: jax.random.fold_in(jax.random.PRNGKey(5), c))(jnp.asarray(g.clients))
+  update = lambda c, d, k: client_update(alg, model, TRAINING, c, d, broadcast, k, 16)
+  batched = jax.jit(jax.vmap(update))(state.groups[0], g.train, rngs)
+  for i in range(g.size):
+    take = lambda t: jax.tree.map(lambda a: a[i], t)
+    single = jax.jit(update)(take(state.groups[0]), take(g.train), rngs[i])
+    tree_allclose(take(batched), single, rtol=2e-5, atol=2e-6)
+
+
+def test_padding_rows_never_change_a_client_update(tiny_data):
+  fed = make_fed(tiny_data, 'vmap')
+  state = fed.init()
+  g = fed.groups[1]
+  client = jax.tree.map(lambda a: a[0], state.groups[1])
+  data = jax.tree.map(lambda a: a[0], g.train)
+  extra = 37
+  padded = ClientArrays(jnp.concatenate([data.x, jnp.full((extra,) + data.x.shape[1:], 7.0)]),
+                        jnp.concatenate([data.y, jnp.ones(extra, jnp.int32)]), data.n)
+  broadcast = fed.algorithm.broadcast(state.server)
+  for alg in [fedre(FedREConfig(mechanism=m), 4) for m in ('rap', 'rar', 'rsr')]:
+    update = lambda d: client_update(alg, g.model, TRAINING, client, d, broadcast, jax.random.PRNGKey(1), 16)
+    a, up_a, m_a = jax.jit(update)(data)
+    b, up_b, m_b = jax.jit(update)(padded)
+    tree_allclose(a, b, rtol=1e-5, atol=1e-6)
+    tree_allclose(up_a, up_b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m_a['train_loss'], m_b['train_loss'], rtol=1e-5)
+
+
+@pytest.mark.parametrize('join_ratio', [1.0, 0.5])
+def test_vmap_and_sequential_strategies_agree(tiny_data, join_ratio):
+  s_vmap, h_vmap = run(make_fed(tiny_data, 'vmap', join_ratio=join_ratio), 2)
+  s_seq, h_seq = run(make_fed(tiny_data, 'sequential', join_ratio=join_ratio), 2)
+  tree_allclose(s_vmap, s_seq, rtol=1e-4, atol=1e-5)
+  for a, b in zip(h_vmap, h_seq):
+    assert a['accuracy'] == pytest.approx(b['accuracy'], abs=1e-9)
+    assert a['train_loss'] == pytest.approx(b['train_loss'], rel=1e-4)
+
+
+def test_chunked_vmap_equals_whole_group(tiny_data):
+  s_all, h_all = run(make_fed(tiny_data, 'vmap'), 1)
+  s_chunk, h_chunk = run(make_fed(tiny_data, 'vmap', chunk_size=2), 1)
+  tree_allclose(s_all, s_chunk, rtol=1e-5, atol=1e-6)
+
+
+def test_same_seed_same_numbers(tiny_data):
+  _, h1 = run(make_fed(tiny_data, 'sequential', join_ratio=0.5, seed=4), 2)
+  _, h2 = run(make_fed(tiny_data, 'sequential', join_ratio=0.5, seed=4), 2)
+  _, h3 = run(make_fed(tiny_data, 'sequential', join_ratio=0.5, seed=5), 2)
+  strip = lambda h: [{k: v for k, v in m.items() if 'seconds' not in k} for m in h]
+  assert strip(h1) == strip(h2)
+  assert strip(h1) != strip(h3)
+
+
+def test_training_improves_accuracy(tiny_data):
+  _, history = run(make_fed(tiny_data, 'sequential'), 4)
+  assert history[-1]['local_head_accuracy'] > 0.5  # 4 classes: chance is about 0.25
+
+
+@pytest.mark.parametrize('strategy', ['vmap', 'sequential'])
+def test_later_rounds_do_not_recompile(tiny_data, strategy):
+  fed = make_fed(tiny_data, strategy, join_ratio=0.5)
+  state = fed.init()
+  state, _ = fed.round(state)
+  fed.evaluate(state)
+  compiles = []
+  listener = lambda event, duration, **kw: compiles.append(event) if 'backend_compile' in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    for _ in range(3):  # different participants every round
+      state, _ = fed.round(state)
+      fed.evaluate(state)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert compiles == []
+
+
+def test_group_fedavg_is_the_sample_weighted_mean_of_participants():
+  params = {'w': jnp.array([[1., 1.], [3., 5.], [100., 100.]])}
+  avg, _ = group_fedavg(params, {}, jnp.array([True, True, False]), jnp.array([1, 3, 50]))
+  np.testing.assert_allclose(avg['w'], np.tile([2.5, 4.0], (3, 1)))
+  same, _ = group_fedavg(params, {}, jnp.array([False, False, False]), jnp.array([1, 3, 50]))
+  np.testing.assert_allclose(same['w'], params['w'])
+
+
+def test_grouped_fedavg_makes_group_members_identical(tiny_data):
+  state, _ = run(make_fed(tiny_data, 'sequential', algorithm=fedavg_grouped(4)), 1)
+  for stacked in state.groups:
+    for leaf in jax.tree.leaves(stacked.params):
+      np.testing.assert_allclose(leaf, np.broadcast_to(leaf[:1], leaf.shape), rtol=1e-6)
+
+
+def test_local_communicates_nothing(tiny_data):
+  _, history = run(make_fed(tiny_data, 'sequential', algorithm=local(4)), 1)
+  assert history[0]['upload_scalars'] == 0 and history[0]['broadcast_scalars'] == 0
+
+
+def test_bad_engine_arguments(tiny_data):
+  with pytest.raises(ConfigError, match='--strategy'):
+    make_fed(tiny_data, 'pmap')
+  with pytest.raises(ConfigError, match='--join_ratio'):
+    make_fed(tiny_data, 'vmap', join_ratio=0.0)
+  with pytest.raises(ConfigError, match='--models'):
+    make_fed(tiny_data, 'vmap', models=('resnet9000',))
