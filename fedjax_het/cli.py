@@ -12,11 +12,23 @@ _D = ExperimentConfig()
 _R = FedREConfig()
 
 
-def define_flags(default_algorithm: str = 'fedre') -> None:
-  """Defines every experiment flag (idempotent per process)."""
-  if 'algorithm' in flags.FLAGS:
+class _Definer:
+  """absl's DEFINE_* functions bound to one FlagValues (the global FLAGS, or a fresh one in tests)."""
+
+  def __init__(self, flag_values):
+    self._fv = flag_values
+
+  def __getattr__(self, name):
+    define = getattr(flags, name)
+    return lambda *args, **kw: define(*args, flag_values=self._fv, **kw)
+
+
+def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
+  """Defines every experiment flag on `flag_values` (default: absl's global FLAGS); idempotent."""
+  flag_values = flags.FLAGS if flag_values is None else flag_values
+  if 'algorithm' in flag_values:
     return
-  f = flags
+  f = _Definer(flag_values)
   f.DEFINE_string('algorithm', default_algorithm, 'fedre | local | fedavg (grouped FedAvg).')
   f.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/.')
   f.DEFINE_bool('resume', False, 'Continue from the last checkpoint in --workdir.')

@@ -1,8 +1,8 @@
 """Train and evaluate one configuration: the round loop, metrics.jsonl, summary.json, a plot, orbax checkpoints
 and resume.
 
-Workdir layout: config.json, partition.json, metrics.jsonl (one line per round), summary.json, accuracy.png,
-checkpoints/ (orbax CheckpointManager, one step per checkpointed round).
+Workdir layout: config.json, partition.json and partition.png (class counts per client), metrics.jsonl (one line
+per round), summary.json, accuracy.png, checkpoints/ (orbax CheckpointManager, one step per checkpointed round).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Optional
 
 import jax
 import numpy as np
+from absl import logging
 
 from fedjax_het.algorithms.base import Algorithm
 from fedjax_het.algorithms.fedavg import fedavg_grouped
@@ -129,6 +130,22 @@ def plot_accuracy(rows: list[dict], path: str, title: str) -> None:
   plt.close(fig)
 
 
+def plot_partition(counts: np.ndarray, path: str, title: str) -> None:
+  """Bubble chart of the partition: one circle per (client, class), its area proportional to the sample count."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  clients, classes = np.nonzero(counts)
+  fig, ax = plt.subplots(figsize=(max(4, 0.4 * counts.shape[0]), max(3, 0.25 * counts.shape[1])))
+  ax.scatter(clients, classes, s=300 * counts[clients, classes] / max(counts.max(), 1), alpha=0.6)
+  ax.set_xlabel('client')
+  ax.set_ylabel('class')
+  ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
 def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
   """summary.json: final and best accuracy, communication per round, and the full config."""
   evals = [r for r in rows if 'accuracy' in r]
@@ -164,6 +181,10 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     json.dump({'architectures': fed.architectures,
                'train_class_counts': fed.data.split.train_class_counts.tolist(),
                'test_class_counts': fed.data.split.test_class_counts.tolist()}, f)
+
+  counts = fed.data.split.train_class_counts + fed.data.split.test_class_counts
+  plot_partition(counts, os.path.join(workdir, 'partition.png'), f'{cfg.partition} partition of {cfg.dataset}')
+  logging.info('Partition (clients x classes), samples per client: %s', counts.sum(1).tolist())
 
   state = fed.init()
   checkpoints = Checkpoints(os.path.join(workdir, 'checkpoints')) if cfg.checkpoint_every else None

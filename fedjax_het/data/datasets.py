@@ -63,7 +63,7 @@ def load_tfds(name: str, data_dir: Optional[str] = None) -> Dataset:
           f"`tfds build {name}` (or `tfds.builder('{name}').download_and_prepare()`), copy the prepared folder "
           f"and pass --data_dir; or use an offline dataset: --dataset=digits, --dataset=synthetic, or "
           f"--dataset=npz:/path/to/file.npz.") from e
-    records = source.__getitems__(range(len(source))) if len(source) else []
+    records = [source[i] for i in range(len(source))]
     images = np.stack([np.asarray(r['image']) for r in records]) if records else np.zeros((0, 1, 1, 1), np.uint8)
     labels = np.asarray([r['label'] for r in records], dtype=np.int32)
     splits[split] = (normalize_uint8(images), labels)

@@ -60,6 +60,11 @@ class Group:
   shared_test: bool
   num_params: int = 0
 
+  def __post_init__(self):
+    # Host copies of the row counts: the sequential strategy plans its loops from them without device reads.
+    self.train_sizes = np.asarray(self.train.n)
+    self.test_sizes = np.asarray(self.test.n)
+
   @property
   def size(self) -> int:
     return len(self.clients)
@@ -71,6 +76,18 @@ def _take(tree: Any, idx) -> Any:
 
 def _pad_to(a: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
   return jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
+
+
+def _represent_into(model: HeteroClassifier, chunk: int):
+  """Jitted (buf, client, x_all, i, start) -> buf with eval-mode (logits, reps) of rows [start, start+chunk) of
+  client i written in. Near the end dynamic_slice and dynamic_update_slice clamp the start identically, so the
+  last chunk recomputes a few rows instead of reading past n_max."""
+  def represent_into(buf, client, x_all, i, start):
+    rows = jax.lax.dynamic_slice_in_dim(x_all[i], start, chunk)
+    logits, reps, _ = forward(model, client.params, client.model_state, rows, False)
+    return (jax.lax.dynamic_update_slice_in_dim(buf[0], logits, start, 0),
+            jax.lax.dynamic_update_slice_in_dim(buf[1], reps, start, 0))
+  return jax.jit(represent_into, donate_argnums=0)
 
 
 def concat_uploads(uploads: Sequence[Any]) -> Any:
@@ -147,7 +164,7 @@ class Federation:
       n_train = np.zeros(self.num_clients, int)
       params = np.zeros(self.num_clients, int)
       for g in self.groups:
-        n_train[g.clients] = np.asarray(g.train.n)
+        n_train[g.clients] = g.train_sizes
         params[g.clients] = g.num_params
       self._comm = [self.algorithm.communication(CommSpec(self.data.num_classes, self._feature_dim(),
                                                           int(n_train[k]), int(params[k])))
@@ -247,7 +264,7 @@ class Federation:
   def _sequential_group(self, gi: int, stacked: ClientState, slot_idx: np.ndarray, broadcast, key):
     g = self.groups[gi]
     fns = self._jit('sequential', gi, lambda: self._make_sequential_fns(g))
-    n_host = np.asarray(g.train.n)
+    n_host = g.train_sizes
     n_max, b, epochs = g.train.x.shape[1], self.training.batch_size, self.training.epochs
     slots_per_epoch = n_max // b
     uploads, losses = [], []
@@ -284,7 +301,8 @@ class Federation:
     n_max = arrays.x.shape[1]
     chunk = max(1, min(self.eval_batch_size, n_max))
     buf = (jnp.zeros((n_max, g.model.num_classes)), jnp.zeros((n_max, g.model.feature_dim)))
-    for start in range(0, max(int(np.asarray(arrays.n)[i]), 1), chunk):
+    sizes = g.train_sizes if arrays is g.train else g.test_sizes
+    for start in range(0, max(int(sizes[i]), 1), chunk):
       buf = fns['represent_into'](buf, client, arrays.x, i, start)
     return buf[1] if arrays is g.train else buf
 
@@ -297,12 +315,6 @@ class Federation:
       loss_fn = lambda p, st, x, y, r: alg.client_loss(model, p, st, x, y, broadcast, r)
       return sgd_step(loss_fn, optimizer, carry, x_all[i, batch], y_all[i, batch], jnp.asarray(True),
                       step_key(rng, epoch, s))
-
-    def represent_into(buf, client, x_all, i, start):
-      rows = jax.lax.dynamic_slice_in_dim(x_all[i], start, min(chunk, x_all.shape[1]))
-      logits, reps, _ = forward(model, client.params, client.model_state, rows, False)
-      return (jax.lax.dynamic_update_slice_in_dim(buf[0], logits, start, 0),
-              jax.lax.dynamic_update_slice_in_dim(buf[1], reps, start, 0))
 
     def upload(client, reps, y_all, i, broadcast, rng):
       return alg.client_upload(client, reps, y_all[i], g.train.n[i], broadcast, rng)
@@ -321,7 +333,7 @@ class Federation:
         'opt_init': jax.jit(optimizer.init),
         'schedule': jax.jit(lambda rng, n: batch_schedule(rng, n, n_max, b, e)),
         'step': jax.jit(step),
-        'represent_into': jax.jit(represent_into, donate_argnums=0),
+        'represent_into': _represent_into(model, chunk),
         'upload': jax.jit(upload),
         'upload_shape': upload_shape,
     }
@@ -339,8 +351,7 @@ class Federation:
         scores = fn(state.groups[gi], g.test, broadcast)
       else:
         scores = self._sequential_eval(gi, state.groups[gi], broadcast)
-      n_test = np.asarray(g.test.n)
-      counts[g.clients] = n_test[0] if g.shared_test else n_test
+      counts[g.clients] = g.test_sizes[0] if g.shared_test else g.test_sizes
       for name, c in scores.items():
         correct.setdefault(name, np.zeros(self.num_clients))[g.clients] = np.asarray(c)
     out = {}
@@ -387,11 +398,5 @@ class Federation:
     model = g.model
     chunk = max(1, min(self.eval_batch_size, g.test.x.shape[1]))
 
-    def represent_into(buf, client, x_all, i, start):
-      rows = jax.lax.dynamic_slice_in_dim(x_all[i], start, chunk)
-      logits, reps, _ = forward(model, client.params, client.model_state, rows, False)
-      return (jax.lax.dynamic_update_slice_in_dim(buf[0], logits, start, 0),
-              jax.lax.dynamic_update_slice_in_dim(buf[1], reps, start, 0))
-
-    return {'represent_into': jax.jit(represent_into, donate_argnums=0),
+    return {'represent_into': _represent_into(model, chunk),
             'score': jax.jit(lambda c, reps, y_all, j, n_all, b: self._score(g, c, reps, y_all[j], n_all[j], b))}

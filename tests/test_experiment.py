@@ -1,0 +1,93 @@
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from fedjax_het.config import ExperimentConfig
+from fedjax_het.errors import ConfigError
+from fedjax_het.experiment import train_and_evaluate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = ExperimentConfig(dataset='synthetic:8,8,1', num_clients=4, alpha=0.5, models=('mlp', 'small_cnn_narrow'),
+                       feature_dim=16, rounds=4, batch_size=16, local_learning_rate=0.05, checkpoint_every=2,
+                       join_ratio=0.5)
+
+
+def _rows(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [{k: v for k, v in json.loads(line).items() if 'seconds' not in k} for line in f]
+
+
+def test_outputs_are_written(tmp_path):
+  summary = train_and_evaluate(CFG, str(tmp_path), progress=False)
+  for name in ('metrics.jsonl', 'summary.json', 'accuracy.png', 'config.json', 'partition.json', 'partition.png'):
+    assert os.path.exists(tmp_path / name), name
+  rows = _rows(tmp_path)
+  assert [r['round'] for r in rows] == [1, 2, 3, 4]
+  for key in ('accuracy', 'client_accuracy_mean', 'client_accuracy_std', 'train_loss', 'upload_scalars',
+              'broadcast_scalars'):
+    assert key in rows[-1]
+  assert summary['final_accuracy'] == rows[-1]['accuracy']
+  assert summary['best_accuracy'] == max(r['accuracy'] for r in rows)
+  assert summary['upload_scalars_per_round'] == 2 * (16 + 10)  # 2 participants x (d + C)
+  assert summary['config']['models'] == ['mlp', 'small_cnn_narrow']
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '4']
+
+
+def test_resume_continues_to_the_same_numbers(tmp_path):
+  full, part = str(tmp_path / 'full'), str(tmp_path / 'part')
+  train_and_evaluate(CFG, full, progress=False)
+  train_and_evaluate(dataclasses.replace(CFG, rounds=3), part, progress=False)
+  shutil.rmtree(os.path.join(part, 'checkpoints', '3'))  # as if the run died after logging round 3
+  train_and_evaluate(CFG, part, resume=True, progress=False)
+  assert _rows(part) == _rows(full)
+
+
+def test_resume_refuses_changed_settings_and_missing_checkpoints(tmp_path):
+  train_and_evaluate(dataclasses.replace(CFG, rounds=2), str(tmp_path), progress=False)
+  with pytest.raises(ConfigError, match='different settings for alpha'):
+    train_and_evaluate(dataclasses.replace(CFG, alpha=0.9), str(tmp_path), resume=True, progress=False)
+  with pytest.raises(ConfigError, match='no checkpoint'):
+    train_and_evaluate(CFG, str(tmp_path / 'fresh'), resume=True, progress=False)
+
+
+@pytest.mark.parametrize('flag,message', [
+    ('--dataset=imagenet-9000', '--dataset'),
+    ('--models=cnn4,vgg99', '--models: unknown model'),
+    ('--algorithm=fedsomething', '--algorithm'),
+    ('--re=xyz', '--re'),
+    ('--alpha=0', '--alpha'),
+    ('--num_clients=1000', '--num_clients'),
+    ('--flagfile=/no/such/file.flags', 'no/such/file.flags'),
+])
+def test_cli_bad_input_gives_one_clear_error(tmp_path, flag, message):
+  args = [sys.executable, os.path.join(ROOT, 'experiments', 'fedre.py'), '--dataset=digits', '--rounds=1',
+          '--models=mlp', f'--workdir={tmp_path}', '--progress=false', flag]
+  result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert result.returncode != 0
+  assert message in result.stderr
+  assert 'Traceback' not in result.stderr
+
+
+def test_readme_notebook_snippet_runs():
+  with open(os.path.join(ROOT, 'README.md')) as f:
+    readme = f.read()
+  snippet = readme.split('```python\n', 1)[1].split('```', 1)[0]
+  namespace = {}
+  exec(compile(snippet, 'README.md', 'exec'), namespace)
+  assert namespace['metrics']['accuracy'] > 0.3
+
+
+@pytest.mark.parametrize('flagfile', sorted(os.listdir(os.path.join(ROOT, 'experiments', 'flags'))))
+def test_every_flag_file_parses_into_a_config(flagfile):
+  from absl import flags
+  from fedjax_het import cli
+  fv = flags.FlagValues()
+  cli.define_flags(flag_values=fv)
+  fv(['prog', f'--flagfile={os.path.join(ROOT, "experiments", "flags", flagfile)}', '--workdir=/tmp/x'])
+  cfg = cli.config_from_flags(fv)
+  assert cfg.rounds > 0 and cfg.num_clients == 10
