@@ -41,6 +41,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_float('alpha', _D.alpha, 'Dirichlet concentration for --partition=dirichlet.')
   f.DEFINE_integer('classes_per_client', _D.classes_per_client, 'Classes per client for --partition=pathological.')
   f.DEFINE_bool('balance', _D.balance, 'Equal class shares for --partition=pathological.')
+  f.DEFINE_float('imbalance_factor', _D.imbalance_factor, 'Long-tail imbalance factor IF applied to the pool before '
+                 'partitioning (1: off; FedRE Table 3 uses 100 and 50 with alpha 0.07).')
   f.DEFINE_enum('eval_protocol', _D.eval_protocol, ['pooled', 'global'],
                 'pooled: merged pool, per-client 75/25 split (HtFLlib). global: score on the global test set.')
   f.DEFINE_integer('num_clients', _D.num_clients, 'Number of clients K.')
@@ -76,7 +78,8 @@ def config_from_flags(fv=None) -> ExperimentConfig:
   fv = fv or flags.FLAGS
   return ExperimentConfig(
       algorithm=fv.algorithm, dataset=fv.dataset, data_dir=fv.data_dir, partition=fv.partition, alpha=fv.alpha,
-      classes_per_client=fv.classes_per_client, balance=fv.balance, eval_protocol=fv.eval_protocol,
+      classes_per_client=fv.classes_per_client, balance=fv.balance,
+      imbalance_factor=fv.imbalance_factor, eval_protocol=fv.eval_protocol,
       num_clients=fv.num_clients, join_ratio=fv.join_ratio, models=tuple(fv.models), feature_dim=fv.feature_dim,
       rm=fv.rm, rounds=fv.rounds, local_epochs=fv.local_epochs, batch_size=fv.batch_size,
       local_learning_rate=fv.local_learning_rate,

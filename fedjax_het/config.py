@@ -19,6 +19,7 @@ class ExperimentConfig:
   alpha: float = 0.1
   classes_per_client: int = 2
   balance: bool = False
+  imbalance_factor: float = 1.0
   eval_protocol: str = 'pooled'
   num_clients: int = 10
   join_ratio: float = 1.0

@@ -103,3 +103,16 @@ def test_partition_clients_counts_and_errors():
   assert split.train_class_counts.sum() + split.test_class_counts.sum() == 400
   with pytest.raises(ConfigError, match='--partition'):
     partition_clients(labels, 4, 'bogus', seed=0, num_classes=4)
+
+
+def test_long_tail_class_sizes_follow_the_imbalance_factor():
+  from fedjax_het.data.partition import long_tail_indices
+  labels = _labels(1000, 5)
+  kept = long_tail_indices(labels, 5, 100.0, np.random.default_rng(0))
+  counts = np.bincount(labels[kept], minlength=5)
+  # n_c = floor(1000 * 100^(-c/4)): 1000, 316, 100, 31, 10.
+  np.testing.assert_array_equal(counts, [1000, 316, 100, 31, 10])
+  split = partition_clients(labels, 4, 'dirichlet', seed=0, num_classes=5, alpha=0.5, imbalance_factor=100.0)
+  np.testing.assert_array_equal(split.train_class_counts.sum(0) + split.test_class_counts.sum(0), counts)
+  with pytest.raises(ConfigError, match='--imbalance_factor'):
+    long_tail_indices(labels, 5, 0.5, np.random.default_rng(0))

@@ -71,7 +71,7 @@ class FederatedData:
 
 def make_federated_data(dataset: Dataset, num_clients: int, partition: str, seed: int, protocol: str = 'pooled',
                         alpha: float = 0.1, classes_per_client: int = 2, balance: bool = False,
-                        train_fraction: Optional[float] = None) -> FederatedData:
+                        train_fraction: Optional[float] = None, imbalance_factor: float = 1.0) -> FederatedData:
   """Builds the client split for an evaluation protocol.
 
   - 'pooled' (HtFLlib, FedRE): merge train+test, partition the pool, split each client 75/25 into local
@@ -90,5 +90,6 @@ def make_federated_data(dataset: Dataset, num_clients: int, partition: str, seed
                         f'Fix: use --eval_protocol=pooled or supply x_test/y_test in the .npz.')
     train_fraction = 1.0 if train_fraction is None else train_fraction
   split = partition_clients(dataset.y, num_clients, partition, seed, dataset.num_classes, alpha=alpha,
-                            classes_per_client=classes_per_client, balance=balance, train_fraction=train_fraction)
+                            classes_per_client=classes_per_client, balance=balance, train_fraction=train_fraction,
+                            imbalance_factor=imbalance_factor)
   return FederatedData(dataset, split, protocol)

@@ -6,6 +6,8 @@
   ceil(K/C * classes_per_client) clients that still have class slots (a sliding window over clients), in equal
   shares (balanced) or random shares.
 - `iid`: HtFLlib's IID is PAT with every class on every client, balanced.
+- long tail (FedRE Table 3): before partitioning, keep n_c = n_max * IF^(-c / (C - 1)) samples of class c
+  (imbalance factor IF), then partition what is left.
 
 All randomness comes from one `np.random.Generator`, so one seed fixes the partition.
 """
@@ -140,21 +142,40 @@ def train_test_split(index_lists: list[np.ndarray], train_fraction: float, rng: 
   return train, test
 
 
+def long_tail_indices(labels: np.ndarray, num_classes: int, imbalance_factor: float, rng: np.random.Generator
+                      ) -> np.ndarray:
+  """Sorted indices of a long-tailed subset: n_c = floor(n_max * IF^(-c/(C-1))) random samples of class c."""
+  if imbalance_factor < 1:
+    raise ConfigError(f'--imbalance_factor={imbalance_factor} must be >= 1 (1 keeps every sample).')
+  per_class = [np.flatnonzero(labels == c) for c in range(num_classes)]
+  n_max = max(len(p) for p in per_class)
+  keep = []
+  for c, idx in enumerate(per_class):
+    n_c = int(n_max * imbalance_factor ** (-c / max(num_classes - 1, 1)))
+    keep.append(rng.choice(idx, min(n_c, len(idx)), replace=False))
+  return np.sort(np.concatenate(keep))
+
+
 def partition_clients(labels: np.ndarray, num_clients: int, partition: str, seed: int, num_classes: int,
                       alpha: float = 0.1, classes_per_client: int = 2, balance: bool = False,
-                      train_fraction: float = 0.75) -> ClientSplit:
+                      train_fraction: float = 0.75, imbalance_factor: float = 1.0) -> ClientSplit:
   """Partitions a pool over clients and splits each client's share into local train/test, from one seed."""
   if num_clients < 1:
     raise ConfigError(f'--num_clients={num_clients} must be >= 1.')
   rng = np.random.default_rng(seed)
+  labels = np.asarray(labels)
+  pool = np.arange(len(labels))
+  if imbalance_factor != 1:
+    pool = long_tail_indices(labels, num_classes, imbalance_factor, rng)
   if partition == 'dirichlet':
-    parts = dirichlet_partition(labels, num_clients, alpha, rng, num_classes)
+    parts = dirichlet_partition(labels[pool], num_clients, alpha, rng, num_classes)
   elif partition == 'pathological':
-    parts = pathological_partition(labels, num_clients, classes_per_client, rng, num_classes, balance)
+    parts = pathological_partition(labels[pool], num_clients, classes_per_client, rng, num_classes, balance)
   elif partition == 'iid':
-    parts = iid_partition(labels, num_clients, rng, num_classes)
+    parts = iid_partition(labels[pool], num_clients, rng, num_classes)
   else:
     raise ConfigError(f'--partition={partition!r} is unknown; choose one of {", ".join(PARTITIONS)}.')
+  parts = [pool[p] for p in parts]
   empty = [k for k, p in enumerate(parts) if len(p) == 0]
   if empty:
     raise ConfigError(f'--partition={partition}: clients {empty} received no samples. Fix: lower --num_clients '

@@ -288,8 +288,10 @@ class Federation:
       losses.append(total / max(steps, 1))
       stacked = fns['put'](stacked, i, client)
     # Uploads are laid out in the same fixed slots as the vmap strategy, padded slots zero.
-    template = jax.eval_shape(lambda: fns['upload_shape'](stacked, broadcast))
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
+    if 'empty_upload' not in fns:
+      template = jax.eval_shape(lambda: fns['upload_shape'](stacked, broadcast))
+      fns['empty_upload'] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
+    zeros = fns['empty_upload']
     padded = uploads + [zeros] * (len(slot_idx) - len(uploads))
     losses = losses + [0.0] * (len(slot_idx) - len(losses))
     return stacked, jax.tree.map(lambda *a: jnp.stack(a), *padded), jnp.asarray(losses, jnp.float32)
