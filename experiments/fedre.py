@@ -27,6 +27,8 @@ def main(argv):
                                  progress=FLAGS.progress)
   except ConfigError as e:
     sys.exit(f'error: {e}')
+  except KeyboardInterrupt:
+    sys.exit(f'interrupted: outputs so far are in {FLAGS.workdir}; continue with the same flags plus --resume.')
   print(json.dumps({k: v for k, v in summary.items() if k != 'config'}, indent=2))
 
 

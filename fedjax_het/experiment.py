@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import threading
 import time
 from typing import Optional
 
@@ -58,6 +60,36 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
   return Federation(make_algorithm(cfg, data.num_classes), data, cfg.models, cfg.local_training(),
                     feature_dim=cfg.feature_dim, rm=cfg.rm, strategy=cfg.strategy, join_ratio=cfg.join_ratio,
                     seed=cfg.seed, chunk_size=cfg.chunk_size, eval_batch_size=cfg.eval_batch_size)
+
+
+class StopAtRoundEnd:
+  """Context manager: the first Ctrl-C (SIGINT) asks the loop to stop after the current round, so that round is
+  checkpointed (rounds donate their input buffers, so a state cannot be saved from inside one); a second Ctrl-C
+  aborts at once. Outside the main thread signals cannot be caught and this does nothing."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def _handle(self, signum, frame):
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+    logging.warning('Interrupted: finishing this round, then checkpointing and stopping. Interrupt again to abort '
+                    'now (the last periodic checkpoint then stands).')
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGINT, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+
+
+class TrainingDiverged(ConfigError):
+  """The loss became NaN/inf; the message names the learning-rate flags."""
 
 
 class Checkpoints:
@@ -205,25 +237,42 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
   if progress:
     from tqdm.auto import tqdm
     bar = tqdm(total=cfg.rounds, initial=start_round, desc=f'{cfg.algorithm}', unit='round')
-  for r in range(start_round, cfg.rounds):
-    state, metrics = fed.round(state)
-    if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
-      t0 = time.perf_counter()
-      metrics.update(fed.evaluate(state))
-      metrics['eval_seconds'] = time.perf_counter() - t0
-    metrics['elapsed_seconds'] = time.perf_counter() - start
-    rows.append(metrics)
-    with open(metrics_path, 'a') as f:
-      f.write(json.dumps(metrics) + '\n')
-    if checkpoints is not None and ((r + 1) % cfg.checkpoint_every == 0 or r + 1 == cfg.rounds):
-      checkpoints.save(state)
+  try:
+    with StopAtRoundEnd() as stop:
+      for r in range(start_round, cfg.rounds):
+        state, metrics = fed.round(state)
+        if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
+          t0 = time.perf_counter()
+          metrics.update(fed.evaluate(state))
+          metrics['eval_seconds'] = time.perf_counter() - t0
+        metrics['elapsed_seconds'] = time.perf_counter() - start
+        rows.append(metrics)
+        with open(metrics_path, 'a') as f:
+          f.write(json.dumps(metrics) + '\n')
+        if not np.isfinite(metrics['train_loss']):
+          raise TrainingDiverged(f'training diverged in round {r + 1} (train_loss={metrics["train_loss"]}). Fix: '
+                                 f'lower --local_learning_rate (now {cfg.local_learning_rate}) or '
+                                 f'--server_learning_rate.')
+        due = (r + 1) % max(cfg.checkpoint_every, 1) == 0 or r + 1 == cfg.rounds
+        if checkpoints is not None and (due or stop.requested):
+          checkpoints.save(state)
+        if bar is not None:
+          bar.update(1)
+          if 'accuracy' in metrics:
+            bar.set_postfix(acc=f"{100 * metrics['accuracy']:.2f}", loss=f"{metrics['train_loss']:.3f}")
+        if stop.requested:
+          raise KeyboardInterrupt
+  except (KeyboardInterrupt, TrainingDiverged):
+    _finish(cfg, workdir, rows, start)  # keep the summary and plot of the rounds done
+    raise
+  finally:
     if bar is not None:
-      bar.update(1)
-      if 'accuracy' in metrics:
-        bar.set_postfix(acc=f"{100 * metrics['accuracy']:.2f}", loss=f"{metrics['train_loss']:.3f}")
-  if bar is not None:
-    bar.close()
+      bar.close()
+  return _finish(cfg, workdir, rows, start)
 
+
+def _finish(cfg: ExperimentConfig, workdir: str, rows: list[dict], start: float) -> dict:
+  """Writes summary.json and accuracy.png for the rounds done so far; returns the summary."""
   summary = summarize(cfg, rows, time.perf_counter() - start)
   with open(os.path.join(workdir, 'summary.json'), 'w') as f:
     json.dump(summary, f, indent=2)

@@ -2,6 +2,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -91,3 +92,38 @@ def test_every_flag_file_parses_into_a_config(flagfile):
   fv(['prog', f'--flagfile={os.path.join(ROOT, "experiments", "flags", flagfile)}', '--workdir=/tmp/x'])
   cfg = cli.config_from_flags(fv)
   assert cfg.rounds > 0 and cfg.num_clients == 10
+
+
+def test_architecture_that_cannot_take_the_images_fails_clearly():
+  with pytest.raises(ConfigError, match="--models: architecture 'cnn4' cannot take images of shape"):
+    train_and_evaluate(dataclasses.replace(CFG, models=('cnn4',)), '/tmp/never_written', progress=False)
+
+
+def test_divergence_stops_with_a_clear_error_and_keeps_outputs(tmp_path):
+  from fedjax_het.experiment import TrainingDiverged
+  with pytest.raises(TrainingDiverged, match='--local_learning_rate'):
+    train_and_evaluate(dataclasses.replace(CFG, local_learning_rate=1e9), str(tmp_path), progress=False)
+  assert os.path.exists(tmp_path / 'summary.json') and _rows(tmp_path)
+
+
+def test_interrupt_keeps_a_resumable_checkpoint(tmp_path, monkeypatch):
+  from fedjax_het.engine.federation import Federation
+  original = Federation.evaluate
+  calls = []
+
+  def interrupt_in_third_eval(self, state):
+    calls.append(1)
+    if len(calls) == 3:
+      os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during round 3
+    return original(self, state)
+
+  monkeypatch.setattr(Federation, 'evaluate', interrupt_in_third_eval)
+  cfg = dataclasses.replace(CFG, checkpoint_every=100)
+  with pytest.raises(KeyboardInterrupt):
+    train_and_evaluate(cfg, str(tmp_path / 'run'), progress=False)
+  monkeypatch.setattr(Federation, 'evaluate', original)
+  assert sorted(os.listdir(tmp_path / 'run' / 'checkpoints')) == ['3']  # round 3 finished, then stopped
+  assert json.load(open(tmp_path / 'run' / 'summary.json'))['rounds'] == 3
+  train_and_evaluate(cfg, str(tmp_path / 'run'), resume=True, progress=False)
+  train_and_evaluate(cfg, str(tmp_path / 'full'), progress=False)
+  assert _rows(tmp_path / 'run') == _rows(tmp_path / 'full')

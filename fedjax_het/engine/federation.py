@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from fedjax_het.algorithms.base import Algorithm, CommSpec
 from fedjax_het.data.federated import ClientArrays, FederatedData
@@ -78,6 +79,19 @@ def _pad_to(a: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
   return jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
 
 
+def _check_architecture(model: HeteroClassifier, arch: str, image_shape: tuple[int, ...]) -> None:
+  """Traces one forward pass abstractly, so an architecture that cannot take the data's images fails here, with
+  the flag named, instead of deep inside XLA."""
+  try:
+    jax.eval_shape(lambda: model.init_with_output(jax.random.PRNGKey(0), jnp.zeros((1,) + tuple(image_shape))))
+  except ConfigError:
+    raise
+  except Exception as e:  # Flax/XLA raise many types for impossible shapes (ZeroDivisionError, TypeError, ...).
+    raise ConfigError(f'--models: architecture {arch!r} cannot take images of shape {tuple(image_shape)} '
+                      f'({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}). Fix: choose models for '
+                      f'this image size (e.g. small_cnn or mlp for 8x8 digits; cnn4 and resnet* for 32x32).') from e
+
+
 def _represent_into(model: HeteroClassifier, chunk: int):
   """Jitted (buf, client, x_all, i, start) -> buf with eval-mode (logits, reps) of rows [start, start+chunk) of
   client i written in. Near the end dynamic_slice and dynamic_update_slice clamp the start identically, so the
@@ -128,9 +142,18 @@ class Federation:
       test = global_test if global_test is not None else data.group_test(ids)
       self.groups.append(Group(arch, build_model(arch, data.num_classes, feature_dim, rm), ids,
                                jax.device_put(data.group_train(ids)), jax.device_put(test), global_test is not None))
+    for g in self.groups:
+      _check_architecture(g.model, g.arch, g.train.x.shape[2:])
     self.slots = [min(g.size, self.num_join) for g in self.groups]
+    self._warn_small_clients(training.batch_size)
     self._compiled: dict = {}
     self._comm: Optional[list[dict]] = None
+
+  def _warn_small_clients(self, batch_size: int) -> None:
+    small = [int(k) for g in self.groups for k, n in zip(g.clients, g.train_sizes) if n < batch_size]
+    if small:
+      logging.warning('--batch_size=%d: clients %s have fewer training samples than one batch and take no local '
+                      'step (one epoch drops the last partial batch, as HtFLlib does).', batch_size, small)
 
   # ---------------------------------------------------------------- initialisation
   def init(self) -> FederationState:
