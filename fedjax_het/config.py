@@ -39,15 +39,18 @@ class ExperimentConfig:
   checkpoint_every: int = 10
 
   def local_training(self) -> LocalTraining:
+    """The local SGD settings of this config."""
     return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs)
 
   def to_dict(self) -> dict:
+    """A JSON-ready dict (config.json, summary.json)."""
     d = dataclasses.asdict(self)
     d['models'] = list(self.models)
     return d
 
   @classmethod
   def from_dict(cls, d: dict) -> 'ExperimentConfig':
+    """Inverse of `to_dict`."""
     d = dict(d)
     d['fedre'] = FedREConfig(**d['fedre'])
     d['models'] = tuple(d['models'])

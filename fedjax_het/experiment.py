@@ -102,14 +102,17 @@ class Checkpoints:
                                          options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
 
   def latest_round(self) -> Optional[int]:
+    """The round of the newest checkpoint, or None."""
     return self.manager.latest_step()
 
   def save(self, state: FederationState) -> None:
+    """Saves the state under its round number and waits until it is on disk."""
     leaves = {str(i): np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(state))}
     self.manager.save(int(state.round), args=self._ocp.args.StandardSave(leaves))
     self.manager.wait_until_finished()
 
   def restore(self, template: FederationState, step: int) -> FederationState:
+    """The state saved at `step`, in the pytree structure of `template` (a freshly initialised state)."""
     leaves, treedef = jax.tree.flatten(template)
     target = {str(i): np.zeros(np.shape(l), np.asarray(l).dtype) for i, l in enumerate(leaves)}
     restored = self.manager.restore(step, args=self._ocp.args.StandardRestore(target))

@@ -147,3 +147,17 @@ def test_bad_engine_arguments(tiny_data):
     make_fed(tiny_data, 'vmap', join_ratio=0.0)
   with pytest.raises(ConfigError, match='--models'):
     make_fed(tiny_data, 'vmap', models=('resnet9000',))
+
+
+def test_global_test_protocol_scores_every_client_on_the_shared_test_set():
+  from fedjax_het.data import make_federated_data, make_synthetic
+  ds = make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3, seed=2)
+  data = make_federated_data(ds, num_clients=4, partition='iid', seed=0, protocol='global')
+  results = []
+  for strategy in ('vmap', 'sequential'):
+    fed = make_fed(data, strategy)
+    state, history = run(fed, 1)
+    results.append(history[-1])
+  assert results[0]['accuracy'] == pytest.approx(results[1]['accuracy'], abs=1e-9)
+  # Every client is scored on all test rows: sample-weighted accuracy is the mean of client accuracies.
+  assert results[0]['accuracy'] == pytest.approx(np.mean(results[0]['client_accuracy']))

@@ -68,20 +68,25 @@ def no_server(rng: jax.Array, example_params: Any) -> ServerState:
 
 
 def identity_broadcast(server: ServerState) -> Broadcast:
+  """Broadcast the whole server state."""
   return server
 
 
-def keep_client(client: ClientState, broadcast: Broadcast) -> ClientState:
+def keep_client(client: 'ClientState', broadcast: Broadcast) -> 'ClientState':
+  """A client_begin that ignores the broadcast."""
   return client
 
 
 def no_upload(client, reps, y, n, broadcast, rng) -> Upload:
+  """A client_upload that sends nothing."""
   return {}
 
 
 def keep_server(server, uploads, mask, rng):
+  """A server_update that changes nothing."""
   return server, {}
 
 
-def local_head(client: ClientState, broadcast: Broadcast) -> dict:
+def local_head(client: 'ClientState', broadcast: Broadcast) -> dict:
+  """eval_heads scoring each client with its own head."""
   return {'local_head': client.params['head']}

@@ -142,9 +142,11 @@ def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
     return {'head': example_params['head']}
 
   def client_begin(client: ClientState, broadcast) -> ClientState:
+    """omega_k <- omega (Alg. 1 line 6)."""
     return client._replace(params={**client.params, 'head': broadcast['head']})
 
   def client_upload(client: ClientState, reps, y, n, broadcast, rng):
+    """(r~_k, y~_k) of Eq. 2 (one row), or every (r_i, onehot(y_i)) for FedAllRep."""
     valid = (jnp.arange(y.shape[0]) < n).astype(reps.dtype)
     if cfg.all_representations:
       return {'rep': reps, 'label': jax.nn.one_hot(y, num_classes, dtype=reps.dtype), 'weight': valid}
@@ -154,6 +156,7 @@ def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
     return {'rep': r[None], 'label': soft[None], 'weight': jnp.minimum(n, 1).astype(reps.dtype)[None]}
 
   def server_update(server, uploads, mask, rng):
+    """Trains omega on the participants' rows (Eq. 3)."""
     rows = uploads['rep'].shape[0] * uploads['rep'].shape[1]
     weight = (uploads['weight'] * mask[:, None].astype(uploads['weight'].dtype)).reshape(rows)
     head, loss = train_head(server['head'], uploads['rep'].reshape(rows, -1), uploads['label'].reshape(rows, -1),
@@ -161,9 +164,11 @@ def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
     return {'head': head}, {'server_loss': loss}
 
   def eval_heads(client: ClientState, broadcast):
+    """Reported: own extractor + received global head; also logged: the locally trained head."""
     return {'global_head': broadcast['head'], 'local_head': client.params['head']}
 
   def communication(spec: CommSpec):
+    """Upload d + C scalars (rows x (d + C) for FedAllRep); broadcast dC + C (Table 11)."""
     rows = spec.num_train if cfg.all_representations else 1
     return {'upload': {'representation': rows * spec.feature_dim, 'label': rows * spec.num_classes},
             'broadcast': {'head': spec.feature_dim * spec.num_classes + spec.num_classes}}

@@ -34,6 +34,7 @@ class LocalTraining:
       raise ConfigError(f'--local_learning_rate={self.learning_rate} must be > 0.')
 
   def optimizer(self) -> optax.GradientTransformation:
+    """optax.sgd(learning_rate): plain SGD without momentum."""
     return optax.sgd(self.learning_rate)
 
 

@@ -27,6 +27,7 @@ def register_model(name: str, extractor_factory: ExtractorFactory) -> None:
 
 
 def model_names() -> list[str]:
+  """The registered architecture names, sorted."""
   return sorted(_EXTRACTORS)
 
 
