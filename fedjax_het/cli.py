@@ -45,6 +45,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
                  'partitioning (1: off; FedRE Table 3 uses 100 and 50 with alpha 0.07).')
   f.DEFINE_enum('eval_protocol', _D.eval_protocol, ['pooled', 'global'],
                 'pooled: merged pool, per-client 75/25 split (HtFLlib). global: score on the global test set.')
+  f.DEFINE_float('train_fraction', None, 'Share of each client\'s samples used for training, the rest its local test '
+                 'split (default: 0.75 pooled, 1.0 global; below 1 with global, both test sets are scored).')
   f.DEFINE_integer('num_clients', _D.num_clients, 'Number of clients K.')
   f.DEFINE_float('join_ratio', _D.join_ratio, 'Fraction of clients that train each round.')
   # Models.
@@ -80,6 +82,7 @@ def config_from_flags(fv=None) -> ExperimentConfig:
       algorithm=fv.algorithm, dataset=fv.dataset, data_dir=fv.data_dir, partition=fv.partition, alpha=fv.alpha,
       classes_per_client=fv.classes_per_client, balance=fv.balance,
       imbalance_factor=fv.imbalance_factor, eval_protocol=fv.eval_protocol,
+      train_fraction=fv.train_fraction,
       num_clients=fv.num_clients, join_ratio=fv.join_ratio, models=tuple(fv.models), feature_dim=fv.feature_dim,
       rm=fv.rm, rounds=fv.rounds, local_epochs=fv.local_epochs, batch_size=fv.batch_size,
       local_learning_rate=fv.local_learning_rate,

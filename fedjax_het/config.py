@@ -21,6 +21,7 @@ class ExperimentConfig:
   balance: bool = False
   imbalance_factor: float = 1.0
   eval_protocol: str = 'pooled'
+  train_fraction: Optional[float] = None
   num_clients: int = 10
   join_ratio: float = 1.0
   models: tuple[str, ...] = ('cnn4',)

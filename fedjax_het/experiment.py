@@ -56,7 +56,7 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
   dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
   data = make_federated_data(dataset, cfg.num_clients, cfg.partition, cfg.seed, cfg.eval_protocol,
                              alpha=cfg.alpha, classes_per_client=cfg.classes_per_client, balance=cfg.balance,
-                             imbalance_factor=cfg.imbalance_factor)
+                             imbalance_factor=cfg.imbalance_factor, train_fraction=cfg.train_fraction)
   return Federation(make_algorithm(cfg, data.num_classes), data, cfg.models, cfg.local_training(),
                     feature_dim=cfg.feature_dim, rm=cfg.rm, strategy=cfg.strategy, join_ratio=cfg.join_ratio,
                     seed=cfg.seed, chunk_size=cfg.chunk_size, eval_batch_size=cfg.eval_batch_size)

@@ -161,3 +161,15 @@ def test_global_test_protocol_scores_every_client_on_the_shared_test_set():
   assert results[0]['accuracy'] == pytest.approx(results[1]['accuracy'], abs=1e-9)
   # Every client is scored on all test rows: sample-weighted accuracy is the mean of client accuracies.
   assert results[0]['accuracy'] == pytest.approx(np.mean(results[0]['client_accuracy']))
+
+
+def test_global_protocol_with_local_splits_scores_both():
+  from fedjax_het.data import make_federated_data, make_synthetic
+  ds = make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3, seed=2)
+  data = make_federated_data(ds, num_clients=4, partition='iid', seed=0, protocol='global', train_fraction=0.75)
+  results = [run(make_fed(data, s), 1)[1][-1] for s in ('vmap', 'sequential')]
+  for key in ('accuracy', 'local_test_accuracy', 'local_test_client_accuracy_mean'):
+    assert key in results[0]
+    assert results[0][key] == pytest.approx(results[1][key], abs=1e-9)
+  with pytest.raises(ConfigError, match='--train_fraction'):
+    make_fed(make_federated_data(ds, 4, 'iid', seed=0, protocol='pooled', train_fraction=1.0), 'vmap')

@@ -51,20 +51,31 @@ class FederationState(NamedTuple):
 
 
 @dataclasses.dataclass
+class EvalSet:
+  """Test rows: per client ([G, n_max, ...], client i scored on row block i) or one set shared by every client."""
+  arrays: ClientArrays
+  shared: bool
+
+  def __post_init__(self):
+    self.sizes = np.asarray(self.arrays.n)  # host copy: loops are planned without device reads
+
+  def index(self, i: int) -> int:
+    """Which row block client i is scored on."""
+    return 0 if self.shared else i
+
+
+@dataclasses.dataclass
 class Group:
   """Clients sharing one architecture, with their padded data on device."""
   arch: str
   model: HeteroClassifier
   clients: np.ndarray          # global client ids, ascending
   train: ClientArrays          # stacked [G, n_max, ...]
-  test: ClientArrays           # stacked [G, ...] or, for the global protocol, one shared set [1, ...]
-  shared_test: bool
+  test: EvalSet                # the clients' local test splits
   num_params: int = 0
 
   def __post_init__(self):
-    # Host copies of the row counts: the sequential strategy plans its loops from them without device reads.
     self.train_sizes = np.asarray(self.train.n)
-    self.test_sizes = np.asarray(self.test.n)
 
   @property
   def size(self) -> int:
@@ -136,12 +147,16 @@ class Federation:
     self.num_join = max(1, int(self.num_clients * join_ratio + 1e-9))
     self.architectures = assign_models(list(models), self.num_clients)
     global_test = data.global_test()
+    self.global_test = None if global_test is None else EvalSet(jax.device_put(global_test), shared=True)
     self.groups: list[Group] = []
     for arch in dict.fromkeys(self.architectures):
       ids = np.array([k for k, a in enumerate(self.architectures) if a == arch])
-      test = global_test if global_test is not None else data.group_test(ids)
       self.groups.append(Group(arch, build_model(arch, data.num_classes, feature_dim, rm), ids,
-                               jax.device_put(data.group_train(ids)), jax.device_put(test), global_test is not None))
+                               jax.device_put(data.group_train(ids)),
+                               EvalSet(jax.device_put(data.group_test(ids)), shared=False)))
+    if self.global_test is None and not any(g.test.sizes.sum() > 0 for g in self.groups):
+      raise ConfigError('--train_fraction: no client has local test rows and there is no global test set, so '
+                        'nothing can be evaluated. Fix: --train_fraction < 1 or --eval_protocol=global.')
     for g in self.groups:
       _check_architecture(g.model, g.arch, g.train.x.shape[2:])
     self.slots = [min(g.size, self.num_join) for g in self.groups]
@@ -306,7 +321,10 @@ class Federation:
           carry, loss = fns['step'](carry, g.train.x, g.train.y, i, idx[slot], e, s, train_rng, broadcast)
           total, steps = total + loss, steps + 1
       client = client._replace(params=carry[0], model_state=carry[1])
-      reps = self._represent_sequential(g, fns, client, g.train, i)
+      if self.algorithm.needs_representations:
+        reps = self._represent_sequential(g, fns, client, g.train.x, g.train_sizes[i], i)[1]
+      else:
+        reps = jnp.zeros((n_max, 0))
       uploads.append(fns['upload'](client, reps, g.train.y, i, broadcast, jax.random.fold_in(rng, 2)))
       losses.append(total / max(steps, 1))
       stacked = fns['put'](stacked, i, client)
@@ -319,17 +337,14 @@ class Federation:
     losses = losses + [0.0] * (len(slot_idx) - len(losses))
     return stacked, jax.tree.map(lambda *a: jnp.stack(a), *padded), jnp.asarray(losses, jnp.float32)
 
-  def _represent_sequential(self, g: Group, fns, client: ClientState, arrays: ClientArrays, i: int):
-    """Eval-mode representations of client i's rows, computed chunk by chunk (real rows only)."""
-    if not self.algorithm.needs_representations and arrays is g.train:
-      return jnp.zeros((arrays.x.shape[1], 0))
-    n_max = arrays.x.shape[1]
+  def _represent_sequential(self, g: Group, fns, client: ClientState, x_all: jnp.ndarray, size: int, i: int):
+    """Eval-mode (logits, representations) of block i of x_all, chunk by chunk over its `size` real rows."""
+    n_max = x_all.shape[1]
     chunk = max(1, min(self.eval_batch_size, n_max))
     buf = (jnp.zeros((n_max, g.model.num_classes)), jnp.zeros((n_max, g.model.feature_dim)))
-    sizes = g.train_sizes if arrays is g.train else g.test_sizes
-    for start in range(0, max(int(sizes[i]), 1), chunk):
-      buf = fns['represent_into'](buf, client, arrays.x, i, start)
-    return buf[1] if arrays is g.train else buf
+    for start in range(0, max(int(size), 1), chunk):
+      buf = fns['represent_into'](buf, client, x_all, i, start)
+    return buf
 
   def _make_sequential_fns(self, g: Group) -> dict:
     alg, model, training = self.algorithm, g.model, self.training
@@ -365,32 +380,38 @@ class Federation:
 
   # ---------------------------------------------------------------- evaluation
   def evaluate(self, state: FederationState) -> dict:
-    """Accuracy of every client with each eval head: sample-weighted sum(correct)/sum(n) (HtFLlib's metric), the
-    per-client mean and std, and the per-client accuracies."""
+    """Accuracy of every client with each of the algorithm's eval heads.
+
+    Per head: sample-weighted sum(correct)/sum(n) over all clients (HtFLlib's metric), the per-client mean and
+    std, and (first head) the per-client accuracies. The unprefixed metrics follow the evaluation protocol: local
+    test splits ('pooled') or the global test set ('global'); when both exist (global protocol with
+    train_fraction < 1) the other is logged with prefix 'local_test_' or 'global_test_'.
+    """
     broadcast = self.algorithm.broadcast(state.server)
+    has_local = any(g.test.sizes.sum() > 0 for g in self.groups)
+    local = self._evaluate_set(state, broadcast, 'local') if has_local else None
+    glob = self._evaluate_set(state, broadcast, 'global') if self.global_test is not None else None
+    primary, secondary, prefix = ((glob, local, 'local_test_') if self.data.protocol == 'global'
+                                  else (local, glob, 'global_test_'))
+    out = _accuracy_metrics(*primary, prefix='', per_client=True)
+    if secondary is not None:
+      out.update(_accuracy_metrics(*secondary, prefix=prefix, per_client=False))
+    return out
+
+  def _evaluate_set(self, state: FederationState, broadcast, which: str) -> tuple[dict, np.ndarray]:
     correct: dict[str, np.ndarray] = {}
     counts = np.zeros(self.num_clients)
     for gi, g in enumerate(self.groups):
+      es = g.test if which == 'local' else self.global_test
       if self.strategy == 'vmap':
-        fn = self._jit('vmap_eval', gi, lambda: jax.jit(self._make_vmap_eval(g)))
-        scores = fn(state.groups[gi], g.test, broadcast)
+        fn = self._jit(f'vmap_eval_{which}', gi, lambda: jax.jit(self._make_vmap_eval(g, es.shared)))
+        scores = fn(state.groups[gi], es.arrays, broadcast)
       else:
-        scores = self._sequential_eval(gi, state.groups[gi], broadcast)
-      counts[g.clients] = g.test_sizes[0] if g.shared_test else g.test_sizes
+        scores = self._sequential_eval(gi, state.groups[gi], broadcast, es, which)
+      counts[g.clients] = [es.sizes[es.index(i)] for i in range(g.size)]
       for name, c in scores.items():
         correct.setdefault(name, np.zeros(self.num_clients))[g.clients] = np.asarray(c)
-    out = {}
-    has_data = counts > 0
-    for j, (name, c) in enumerate(correct.items()):
-      per_client = c[has_data] / counts[has_data]
-      prefix = '' if j == 0 else f'{name}_'
-      out[f'{prefix}accuracy'] = float(c.sum() / max(counts.sum(), 1))
-      out[f'{prefix}client_accuracy_mean'] = float(per_client.mean())
-      out[f'{prefix}client_accuracy_std'] = float(per_client.std())
-      if j == 0:
-        out['eval_head'] = name
-        out['client_accuracy'] = [float(a) for a in c / np.maximum(counts, 1)]
-    return out
+    return correct, counts
 
   def _score(self, g: Group, client: ClientState, reps, y, n, broadcast) -> dict:
     valid = jnp.arange(y.shape[0]) < n
@@ -398,30 +419,42 @@ class Federation:
     return {name: jnp.sum((jnp.argmax(head_logits(g.model, h, reps), -1) == y) & valid)
             for name, h in heads.items()}
 
-  def _make_vmap_eval(self, g: Group):
+  def _make_vmap_eval(self, g: Group, shared: bool):
     def evaluate(stacked, test, broadcast):
       fn = lambda c, t: self._score(g, c, represent_rows(g.model, c.params, c.model_state, t.x,
                                                          self.eval_batch_size)[1], t.y, t.n, broadcast)
-      if g.shared_test:
+      if shared:
         return jax.vmap(fn, in_axes=(0, None))(stacked, jax.tree.map(lambda a: a[0], test))
       return jax.vmap(fn)(stacked, test)
     return evaluate
 
-  def _sequential_eval(self, gi: int, stacked: ClientState, broadcast) -> dict:
+  def _sequential_eval(self, gi: int, stacked: ClientState, broadcast, es: EvalSet, which: str) -> dict:
     g = self.groups[gi]
-    fns = self._jit('sequential_eval', gi, lambda: self._make_sequential_eval_fns(g))
+    chunk = max(1, min(self.eval_batch_size, es.arrays.x.shape[1]))
+    fns = self._jit(f'sequential_eval_{which}', gi, lambda: {
+        'represent_into': _represent_into(g.model, chunk),
+        'score': jax.jit(lambda c, reps, y_all, j, n_all, b: self._score(g, c, reps, y_all[j], n_all[j], b))})
     take = self._jit('sequential', gi, lambda: self._make_sequential_fns(g))['take']
     results = []
     for i in range(g.size):
       client = take(stacked, i)
-      j = 0 if g.shared_test else i
-      _, reps = self._represent_sequential(g, fns, client, g.test, j)
-      results.append(fns['score'](client, reps, g.test.y, j, g.test.n, broadcast))
+      j = es.index(i)
+      _, reps = self._represent_sequential(g, fns, client, es.arrays.x, es.sizes[j], j)
+      results.append(fns['score'](client, reps, es.arrays.y, j, es.arrays.n, broadcast))
     return jax.tree.map(lambda *a: jnp.stack(a), *results)
 
-  def _make_sequential_eval_fns(self, g: Group) -> dict:
-    model = g.model
-    chunk = max(1, min(self.eval_batch_size, g.test.x.shape[1]))
 
-    return {'represent_into': _represent_into(model, chunk),
-            'score': jax.jit(lambda c, reps, y_all, j, n_all, b: self._score(g, c, reps, y_all[j], n_all[j], b))}
+def _accuracy_metrics(correct: dict, counts: np.ndarray, prefix: str, per_client: bool) -> dict:
+  """Sample-weighted accuracy, per-client mean/std (clients with test rows) and, optionally, per-client values."""
+  out = {}
+  has_data = counts > 0
+  for j, (name, c) in enumerate(correct.items()):
+    per = c[has_data] / counts[has_data]
+    head = prefix if j == 0 else f'{prefix}{name}_'
+    out[f'{head}accuracy'] = float(c.sum() / max(counts.sum(), 1))
+    out[f'{head}client_accuracy_mean'] = float(per.mean())
+    out[f'{head}client_accuracy_std'] = float(per.std())
+    if j == 0 and per_client:
+      out['eval_head'] = name
+      out['client_accuracy'] = [float(a) for a in c / np.maximum(counts, 1)]
+  return out
