@@ -127,3 +127,13 @@ def test_interrupt_keeps_a_resumable_checkpoint(tmp_path, monkeypatch):
   train_and_evaluate(cfg, str(tmp_path / 'run'), resume=True, progress=False)
   train_and_evaluate(cfg, str(tmp_path / 'full'), progress=False)
   assert _rows(tmp_path / 'run') == _rows(tmp_path / 'full')
+
+
+def test_tfds_path_end_to_end_with_mock_data(tmp_path):
+  import tensorflow_datasets as tfds
+  cfg = dataclasses.replace(CFG, dataset='mnist', models=('cnn4',), eval_protocol='global', train_fraction=0.75,
+                            rounds=1, num_clients=2, join_ratio=1.0, checkpoint_every=0)
+  with tfds.testing.mock_data(num_examples=64):
+    summary = train_and_evaluate(cfg, str(tmp_path), progress=False)
+  row = _rows(tmp_path)[-1]
+  assert 0.0 <= summary['final_accuracy'] <= 1.0 and 'local_test_accuracy' in row

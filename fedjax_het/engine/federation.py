@@ -272,10 +272,15 @@ class Federation:
   # ---------------------------------------------------------------- strategy: vmap
   def _vmap_group(self, gi: int, stacked: ClientState, slot_idx: np.ndarray, broadcast, key):
     g = self.groups[gi]
+    if self.num_join == self.num_clients and not self.chunk_size:
+      # Full participation: the slots are the group itself, so no gather/scatter copies of states and data.
+      update = self._jit('vmap_update_full', gi, lambda: jax.jit(self._make_vmap_update(g, full=True),
+                                                                 donate_argnums=0))
+      return update(stacked, g.train, jnp.asarray(slot_idx), jnp.asarray(g.clients), broadcast, key)
     chunk = self.chunk_size or len(slot_idx)
     pad = (-len(slot_idx)) % chunk
     slot_idx = np.concatenate([slot_idx, np.full(pad, g.size, np.int32)])
-    update = self._jit('vmap_update', gi, lambda: jax.jit(self._make_vmap_update(g), donate_argnums=0))
+    update = self._jit('vmap_update', gi, lambda: jax.jit(self._make_vmap_update(g, full=False), donate_argnums=0))
     uploads, losses = [], []
     for c in range(0, len(slot_idx), chunk):
       stacked, up, loss = update(stacked, g.train, jnp.asarray(slot_idx[c:c + chunk]), jnp.asarray(g.clients),
@@ -286,14 +291,20 @@ class Federation:
     cat = lambda *a: jnp.concatenate(a)[:keep]
     return stacked, jax.tree.map(cat, *uploads), jnp.concatenate(losses)[:keep]
 
-  def _make_vmap_update(self, g: Group):
+  def _make_vmap_update(self, g: Group, full: bool):
     update_one = lambda c, d, b, k: client_update(self.algorithm, g.model, self.training, c, d, b, k,
                                                   self.eval_batch_size)
 
     def update(stacked, train, slot_idx, client_ids, broadcast, key):
-      clients, data = _take(stacked, slot_idx), _take(train, slot_idx)
-      rngs = jax.vmap(lambda c: jax.random.fold_in(key, c))(jnp.take(client_ids, slot_idx, mode='clip'))
+      if full:  # slot_idx == arange(group size)
+        clients, data, ids = stacked, train, client_ids
+      else:
+        clients, data = _take(stacked, slot_idx), _take(train, slot_idx)
+        ids = jnp.take(client_ids, slot_idx, mode='clip')
+      rngs = jax.vmap(lambda c: jax.random.fold_in(key, c))(ids)
       new, uploads, metrics = jax.vmap(update_one, in_axes=(0, 0, None, 0))(clients, data, broadcast, rngs)
+      if full:
+        return new, uploads, metrics['train_loss']
       stacked = jax.tree.map(lambda a, b: a.at[slot_idx].set(b, mode='drop'), stacked, new)
       return stacked, uploads, metrics['train_loss']
     return update
