@@ -227,7 +227,11 @@ class Federation:
 
   # ---------------------------------------------------------------- one round
   def round(self, state: FederationState) -> tuple[FederationState, dict]:
-    """One communication round (fedre.txt Alg. 1 lines 5-13 for FedRE); returns the new state and metrics."""
+    """One communication round (fedre.txt Alg. 1 lines 5-13 for FedRE); returns the new state and metrics.
+
+    Metrics: round, train_loss (mean over participants of their mean local-step loss), participants, the
+    server's metrics, upload/broadcast scalars (total and by part) and train_seconds.
+    """
     start = time.perf_counter()
     r = int(state.round)
     key, server_key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(self.seed), r + 1))
