@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -14,11 +13,6 @@ from fedjax_het.engine.forward import represent_rows
 from fedjax_het.engine.state import ClientState
 from fedjax_het.engine.training import LocalTraining, train_scan
 from fedjax_het.models.classifier import HeteroClassifier
-
-
-def bind_loss(algorithm: Algorithm, model: HeteroClassifier, broadcast: Any):
-  """The algorithm's loss as loss(params, model_state, x, y, rng), for the SGD step."""
-  return functools.partial(algorithm.client_loss, model, broadcast=broadcast)
 
 
 def client_update(algorithm: Algorithm, model: HeteroClassifier, training: LocalTraining, client: ClientState,

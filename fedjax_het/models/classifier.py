@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -55,5 +53,3 @@ class HeteroClassifier(nn.Module):
     r = self.represent(x, train)
     return self.classify(r), r
 
-
-Params = Any
