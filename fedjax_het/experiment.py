@@ -28,6 +28,7 @@ from fedjax_het.data.datasets import load_dataset
 from fedjax_het.data.federated import make_federated_data
 from fedjax_het.engine.federation import Federation, FederationState
 from fedjax_het.errors import ConfigError
+from fedjax_het.models.registry import assign_models
 
 ALGORITHMS = ('fedre', 'local', 'fedavg')
 # Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
@@ -53,6 +54,7 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
     raise ConfigError('--eval_every must be >= 1 and --checkpoint_every >= 0 (0 disables checkpoints).')
   if cfg.algorithm not in ALGORITHMS:  # Fail before loading any data.
     make_algorithm(cfg, 0)
+  assign_models(cfg.models, cfg.num_clients)
   dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
   data = make_federated_data(dataset, cfg.num_clients, cfg.partition, cfg.seed, cfg.eval_protocol,
                              alpha=cfg.alpha, classes_per_client=cfg.classes_per_client, balance=cfg.balance,
