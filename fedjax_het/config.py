@@ -48,11 +48,3 @@ class ExperimentConfig:
     d = dataclasses.asdict(self)
     d['models'] = list(self.models)
     return d
-
-  @classmethod
-  def from_dict(cls, d: dict) -> 'ExperimentConfig':
-    """Inverse of `to_dict`."""
-    d = dict(d)
-    d['fedre'] = FedREConfig(**d['fedre'])
-    d['models'] = tuple(d['models'])
-    return cls(**d)

@@ -90,11 +90,13 @@ def _pad_to(a: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
   return jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
 
 
-def _check_architecture(model: HeteroClassifier, arch: str, image_shape: tuple[int, ...]) -> None:
-  """Traces one forward pass abstractly, so an architecture that cannot take the data's images fails here, with
-  the flag named, instead of deep inside XLA."""
+def _check_architecture(model: HeteroClassifier, arch: str, image_shape: tuple[int, ...]) -> int:
+  """Traces one forward pass abstractly and returns the parameter count, so an architecture that cannot take the
+  data's images fails here, with the flag named, instead of deep inside XLA."""
   try:
-    jax.eval_shape(lambda: model.init_with_output(jax.random.PRNGKey(0), jnp.zeros((1,) + tuple(image_shape))))
+    _, variables = jax.eval_shape(
+        lambda: model.init_with_output(jax.random.PRNGKey(0), jnp.zeros((1,) + tuple(image_shape))))
+    return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(variables['params']))
   except ConfigError:
     raise
   except Exception as e:  # Flax/XLA raise many types for impossible shapes (ZeroDivisionError, TypeError, ...).
@@ -158,7 +160,7 @@ class Federation:
       raise ConfigError('--train_fraction: no client has local test rows and there is no global test set, so '
                         'nothing can be evaluated. Fix: --train_fraction < 1 or --eval_protocol=global.')
     for g in self.groups:
-      _check_architecture(g.model, g.arch, g.train.x.shape[2:])
+      g.num_params = _check_architecture(g.model, g.arch, g.train.x.shape[2:])
     self.slots = [min(g.size, self.num_join) for g in self.groups]
     self._warn_small_clients(training.batch_size)
     self._compiled: dict = {}
@@ -183,7 +185,6 @@ class Federation:
       params = variables.pop('params')
       keys = jax.vmap(lambda c: jax.random.fold_in(key_key, c))(g.clients)
       states.append(ClientState(params, dict(variables), keys))
-      g.num_params = sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(params))
     example = jax.tree.map(lambda a: a[0], states[0].params)
     server = self.algorithm.init_server(server_key, example)
     return FederationState(tuple(states), server, jnp.asarray(0, jnp.int32))
@@ -204,13 +205,11 @@ class Federation:
       for g in self.groups:
         n_train[g.clients] = g.train_sizes
         params[g.clients] = g.num_params
-      self._comm = [self.algorithm.communication(CommSpec(self.data.num_classes, self._feature_dim(),
+      feature_dim = self.groups[0].model.feature_dim
+      self._comm = [self.algorithm.communication(CommSpec(self.data.num_classes, feature_dim,
                                                           int(n_train[k]), int(params[k])))
                     for k in range(self.num_clients)]
     return self._comm
-
-  def _feature_dim(self) -> int:
-    return self.groups[0].model.feature_dim
 
   def round_communication(self, participants: np.ndarray) -> dict:
     """Scalars uploaded and broadcast this round, summed over participants, in total and by part."""
@@ -251,12 +250,13 @@ class Federation:
       groups.append(stacked)
       uploads.append(up)
       masks.append(slot_idx < g.size)
-      losses.append(np.asarray(loss)[slot_idx < g.size])
+      losses.append((loss, slot_idx < g.size))
     mask = jnp.asarray(np.concatenate(masks))
     server_update = self._jit('server', None, lambda: jax.jit(self.algorithm.server_update))
     server, server_metrics = server_update(state.server, concat_uploads(uploads), mask, server_key)
     new_state = FederationState(tuple(groups), server, state.round + 1)
-    metrics = {'round': r + 1, 'train_loss': float(np.mean(np.concatenate(losses))),
+    losses = np.concatenate([np.asarray(loss)[real] for loss, real in losses])  # host reads after all dispatches
+    metrics = {'round': r + 1, 'train_loss': float(np.mean(losses)),
                'participants': len(participants)}
     metrics.update({k: float(v) for k, v in server_metrics.items()})
     metrics.update(self.round_communication(participants))
@@ -333,7 +333,7 @@ class Federation:
       for e in range(epochs):
         for s in range(n_host[i] // b):
           slot = e * slots_per_epoch + s
-          carry, loss = fns['step'](carry, g.train.x, g.train.y, i, idx[slot], e, s, train_rng, broadcast)
+          carry, loss = fns['step'](carry, g.train.x, g.train.y, i, idx, slot, e, s, train_rng, broadcast)
           total, steps = total + loss, steps + 1
       client = client._replace(params=carry[0], model_state=carry[1])
       if self.algorithm.needs_representations:
@@ -345,7 +345,10 @@ class Federation:
       stacked = fns['put'](stacked, i, client)
     # Uploads are laid out in the same fixed slots as the vmap strategy, padded slots zero.
     if 'empty_upload' not in fns:
-      template = jax.eval_shape(lambda: fns['upload_shape'](stacked, broadcast))
+      client = jax.eval_shape(fns['take'], stacked, 0)
+      reps = jax.ShapeDtypeStruct((n_max, g.model.feature_dim if self.algorithm.needs_representations else 0),
+                                  jnp.float32)
+      template = jax.eval_shape(fns['upload'], client, reps, g.train.y, 0, broadcast, jax.random.PRNGKey(0))
       fns['empty_upload'] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
     zeros = fns['empty_upload']
     padded = uploads + [zeros] * (len(slot_idx) - len(uploads))
@@ -366,18 +369,14 @@ class Federation:
     optimizer = training.optimizer()
     chunk = max(1, min(self.eval_batch_size, g.train.x.shape[1]))
 
-    def step(carry, x_all, y_all, i, batch, epoch, s, rng, broadcast):
+    def step(carry, x_all, y_all, i, schedule, slot, epoch, s, rng, broadcast):
       loss_fn = lambda p, st, x, y, r: alg.client_loss(model, p, st, x, y, broadcast, r)
+      batch = schedule[slot]
       return sgd_step(loss_fn, optimizer, carry, x_all[i, batch], y_all[i, batch], jnp.asarray(True),
                       step_key(rng, epoch, s))
 
     def upload(client, reps, y_all, i, broadcast, rng):
       return alg.client_upload(client, reps, y_all[i], g.train.n[i], broadcast, rng)
-
-    def upload_shape(stacked, broadcast):
-      c = jax.tree.map(lambda a: a[0], stacked)
-      reps = jnp.zeros((g.train.x.shape[1], g.model.feature_dim if alg.needs_representations else 0))
-      return alg.client_upload(c, reps, g.train.y[0], g.train.n[0], broadcast, jax.random.PRNGKey(0))
 
     n_max, b, e = g.train.x.shape[1], training.batch_size, training.epochs
     return {
@@ -390,7 +389,6 @@ class Federation:
         'step': jax.jit(step),
         'represent_into': _represent_into(model, chunk),
         'upload': jax.jit(upload),
-        'upload_shape': upload_shape,
     }
 
   # ---------------------------------------------------------------- evaluation
