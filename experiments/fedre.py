@@ -22,6 +22,9 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if not FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO.
+  if FLAGS.distributed:
+    import jax
+    jax.distributed.initialize()  # before any computation; coordinator and process ids from the environment
   try:
     summary = train_and_evaluate(cli.config_from_flags(), FLAGS.workdir, resume=FLAGS.resume,
                                  progress=FLAGS.progress)

@@ -35,6 +35,9 @@ class ExperimentConfig:
   seed: int = 0
   strategy: Optional[str] = None
   chunk_size: int = 0
+  conv: Optional[str] = None
+  scan_unroll: int = 1
+  num_devices: int = 0
   eval_every: int = 1
   eval_batch_size: int = 256
   checkpoint_every: int = 10

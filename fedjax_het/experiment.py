@@ -26,13 +26,15 @@ from fedjax_het.algorithms.local import local
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.data.datasets import load_dataset
 from fedjax_het.data.federated import make_federated_data
-from fedjax_het.engine.federation import Federation, FederationState
+from fedjax_het.engine.federation import Federation, FederationState, default_conv, default_strategy
+from fedjax_het.engine.sharding import client_mesh
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.registry import assign_models
 
 ALGORITHMS = ('fedre', 'local', 'fedavg')
 # Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
-RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eval_batch_size', 'data_dir')
+RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eval_batch_size', 'data_dir', 'conv',
+                    'scan_unroll', 'num_devices')
 
 
 def make_algorithm(cfg: ExperimentConfig, num_classes: int) -> Algorithm:
@@ -59,9 +61,14 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
   data = make_federated_data(dataset, cfg.num_clients, cfg.partition, cfg.seed, cfg.eval_protocol,
                              alpha=cfg.alpha, classes_per_client=cfg.classes_per_client, balance=cfg.balance,
                              imbalance_factor=cfg.imbalance_factor, train_fraction=cfg.train_fraction)
+  strategy = cfg.strategy or default_strategy()
+  mesh = None
+  if cfg.num_devices != 1 and (cfg.num_devices > 1 or strategy == 'vmap'):
+    mesh = client_mesh(cfg.num_devices)
   return Federation(make_algorithm(cfg, data.num_classes), data, cfg.models, cfg.local_training(),
-                    feature_dim=cfg.feature_dim, rm=cfg.rm, strategy=cfg.strategy, join_ratio=cfg.join_ratio,
-                    seed=cfg.seed, chunk_size=cfg.chunk_size, eval_batch_size=cfg.eval_batch_size)
+                    feature_dim=cfg.feature_dim, rm=cfg.rm, strategy=strategy, join_ratio=cfg.join_ratio,
+                    seed=cfg.seed, chunk_size=cfg.chunk_size, eval_batch_size=cfg.eval_batch_size,
+                    conv=cfg.conv or default_conv(strategy), scan_unroll=cfg.scan_unroll, client_mesh=mesh)
 
 
 class StopAtRoundEnd:
@@ -114,11 +121,15 @@ class Checkpoints:
     self.manager.wait_until_finished()
 
   def restore(self, template: FederationState, step: int) -> FederationState:
-    """The state saved at `step`, in the pytree structure of `template` (a freshly initialised state)."""
+    """The state saved at `step`, in the pytree structure and device placement (sharding) of `template`, a
+    freshly initialised state."""
     leaves, treedef = jax.tree.flatten(template)
     target = {str(i): np.zeros(np.shape(l), np.asarray(l).dtype) for i, l in enumerate(leaves)}
     restored = self.manager.restore(step, args=self._ocp.args.StandardRestore(target))
-    return jax.tree.unflatten(treedef, [jax.numpy.asarray(restored[str(i)]) for i in range(len(leaves))])
+    # Sharded leaves go back to their devices; single-device ones stay uncommitted, as in a fresh state.
+    place = lambda x, leaf: (jax.device_put(x, leaf.sharding) if len(leaf.sharding.device_set) > 1
+                             else jax.numpy.asarray(x))
+    return jax.tree.unflatten(treedef, [place(restored[str(i)], leaf) for i, leaf in enumerate(leaves)])
 
 
 def _read_metrics(path: str, upto_round: int) -> list[dict]:

@@ -12,10 +12,11 @@ from fedjax_het.errors import ConfigError
 TRAINING = LocalTraining(learning_rate=0.05, batch_size=8, epochs=2)
 
 
-def make_fed(data, strategy, algorithm=None, join_ratio=1.0, seed=0, models=('small_cnn_narrow', 'mlp'), **kw):
+def make_fed(data, strategy, algorithm=None, join_ratio=1.0, seed=0, models=('small_cnn_narrow', 'mlp'),
+             conv='xla', **kw):
   algorithm = algorithm or fedre(FedREConfig(), data.num_classes)
   return Federation(algorithm, data, list(models), TRAINING, feature_dim=16, strategy=strategy,
-                    join_ratio=join_ratio, seed=seed, eval_batch_size=16, **kw)
+                    join_ratio=join_ratio, seed=seed, eval_batch_size=16, conv=conv, **kw)
 
 
 def run(fed, rounds):
@@ -72,10 +73,10 @@ def test_padding_rows_never_change_a_client_update(tiny_data):
     np.testing.assert_allclose(m_a['train_loss'], m_b['train_loss'], rtol=1e-5)
 
 
-@pytest.mark.parametrize('join_ratio', [1.0, 0.5])
-def test_vmap_and_sequential_strategies_agree(tiny_data, join_ratio):
-  s_vmap, h_vmap = run(make_fed(tiny_data, 'vmap', join_ratio=join_ratio), 2)
-  s_seq, h_seq = run(make_fed(tiny_data, 'sequential', join_ratio=join_ratio), 2)
+@pytest.mark.parametrize('join_ratio,conv', [(1.0, 'xla'), (0.5, 'xla'), (0.5, 'patches')])
+def test_vmap_and_sequential_strategies_agree(tiny_data, join_ratio, conv):
+  s_vmap, h_vmap = run(make_fed(tiny_data, 'vmap', join_ratio=join_ratio, conv=conv), 2)
+  s_seq, h_seq = run(make_fed(tiny_data, 'sequential', join_ratio=join_ratio, conv=conv), 2)
   tree_allclose(s_vmap, s_seq, rtol=1e-4, atol=1e-5)
   for a, b in zip(h_vmap, h_seq):
     assert a['accuracy'] == pytest.approx(b['accuracy'], abs=1e-9)

@@ -16,8 +16,8 @@ from fedjax_het.models.classifier import HeteroClassifier
 
 
 def client_update(algorithm: Algorithm, model: HeteroClassifier, training: LocalTraining, client: ClientState,
-                  data: ClientArrays, broadcast: Any, rng: jax.Array, rep_chunk: int = 256
-                  ) -> tuple[ClientState, Any, dict]:
+                  data: ClientArrays, broadcast: Any, rng: jax.Array, rep_chunk: int = 256,
+                  unroll: int | bool = 1) -> tuple[ClientState, Any, dict]:
   """ONE client's round: begin (apply broadcast) -> local SGD (lax.scan) -> representations -> upload.
 
   Pure; `data` holds this client's padded rows (x [n_max, ...], y [n_max], n []). Returns (client, upload,
@@ -26,7 +26,7 @@ def client_update(algorithm: Algorithm, model: HeteroClassifier, training: Local
   client = algorithm.client_begin(client, broadcast)
   loss_fn = lambda p, s, x, y, r: algorithm.client_loss(model, p, s, x, y, broadcast, r)
   params, model_state, loss = train_scan(loss_fn, training, client.params, client.model_state, data.x, data.y,
-                                         data.n, jax.random.fold_in(rng, 1))
+                                         data.n, jax.random.fold_in(rng, 1), unroll)
   client = client._replace(params=params, model_state=model_state)
   upload = finish_client(algorithm, model, client, data, broadcast, rng, rep_chunk)
   return client, upload, {'train_loss': loss}

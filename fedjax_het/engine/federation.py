@@ -11,6 +11,11 @@ Execution strategies (same pure pieces, same numbers):
   sequential: the host walks the participants; each runs the same begin / SGD step / representation / upload
               functions, each jitted once and reused. Only a client's real steps run. The fast path on XLA:CPU,
               which runs convolutions inside while-loops and vmapped (grouped) convolutions several times slower.
+
+Sharding (vmap strategy): with a `client_mesh` of D devices, each group's stacked states and data are laid out
+along a 'clients' mesh axis, so each device updates its share of the clients in the same jitted call (SPMD). A
+group is padded to a multiple of D with copies of its last client ("phantom" slots), which train but are masked
+out of every upload, average and score, so results equal the one-device run.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from fedjax_het.data.federated import ClientArrays, FederatedData
 from fedjax_het.engine.client_update import client_update
 from fedjax_het.engine.forward import forward, head_logits, represent_rows
 from fedjax_het.engine.state import ClientState
+from fedjax_het.engine.sharding import CLIENTS_AXIS, place_clients, to_host
 from fedjax_het.engine.training import LocalTraining, batch_schedule, sgd_step, step_key
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.classifier import HeteroClassifier
@@ -41,6 +47,11 @@ STRATEGIES = ('vmap', 'sequential')
 def default_strategy(backend: Optional[str] = None) -> str:
   """'sequential' on CPU (measured faster there, see README), 'vmap' on GPU/TPU."""
   return 'sequential' if (backend or jax.default_backend()) == 'cpu' else 'vmap'
+
+
+def default_conv(strategy: str, backend: Optional[str] = None) -> str:
+  """'patches' for vmap on CPU (grouped convolutions are slow there, see README), else 'xla'."""
+  return 'patches' if strategy == 'vmap' and (backend or jax.default_backend()) == 'cpu' else 'xla'
 
 
 class FederationState(NamedTuple):
@@ -66,16 +77,22 @@ class EvalSet:
 
 @dataclasses.dataclass
 class Group:
-  """Clients sharing one architecture, with their padded data on device."""
+  """Clients sharing one architecture, with their padded data on device.
+
+  The stacked arrays have `stacked_size` >= size rows on the client axis: rows past `size` are phantom copies of
+  the last client that only pad the axis to a multiple of the device count.
+  """
   arch: str
   model: HeteroClassifier
   clients: np.ndarray          # global client ids, ascending
-  train: ClientArrays          # stacked [G, n_max, ...]
+  train: ClientArrays          # stacked [stacked_size, n_max, ...]
   test: EvalSet                # the clients' local test splits
   num_params: int = 0
 
   def __post_init__(self):
-    self.train_sizes = np.asarray(self.train.n)
+    self.train_sizes = to_host(self.train.n)[:len(self.clients)]
+    self.stacked_size = int(self.train.n.shape[0])
+    self.stacked_ids = jnp.asarray(_pad_clients(self.clients, self.stacked_size))
 
   @property
   def size(self) -> int:
@@ -84,6 +101,11 @@ class Group:
 
 def _take(tree: Any, idx) -> Any:
   return jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode='clip'), tree)
+
+
+def _pad_clients(tree: Any, size: int) -> Any:
+  """Pads the leading (client) axis of host arrays to `size` with copies of the last client."""
+  return jax.tree.map(lambda a: np.concatenate([a, np.repeat(a[-1:], size - a.shape[0], 0)]), tree)
 
 
 def _pad_to(a: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
@@ -134,16 +156,32 @@ class Federation:
 
   def __init__(self, algorithm: Algorithm, data: FederatedData, models: Sequence[str], training: LocalTraining,
                feature_dim: int = 512, rm: str = 'ap', strategy: Optional[str] = None, join_ratio: float = 1.0,
-               seed: int = 0, chunk_size: int = 0, eval_batch_size: int = 256):
+               seed: int = 0, chunk_size: int = 0, eval_batch_size: int = 256, conv: Optional[str] = None,
+               scan_unroll: int = 1, client_mesh: Optional[jax.sharding.Mesh] = None):
     strategy = strategy or default_strategy()
     if strategy not in STRATEGIES:
       raise ConfigError(f'--strategy={strategy!r} is unknown; choose one of {", ".join(STRATEGIES)}.')
+    if client_mesh is not None and client_mesh.axis_names != (CLIENTS_AXIS,):
+      raise ConfigError(f'client_mesh must have the single axis {CLIENTS_AXIS!r}; got {client_mesh.axis_names}. '
+                        f'Fix: build it with fedjax_het.engine.client_mesh().')
+    if client_mesh is not None and client_mesh.size > 1 and strategy != 'vmap':
+      raise ConfigError(f'--num_devices={client_mesh.size}: sharding clients over devices needs --strategy=vmap '
+                        f'(got {strategy!r}). Fix: --strategy=vmap, or --num_devices=1.')
+    if chunk_size and client_mesh is not None and client_mesh.size > 1 and chunk_size % client_mesh.size:
+      raise ConfigError(f'--chunk_size={chunk_size} must be a multiple of the {client_mesh.size} devices of the '
+                        f'client mesh, so every chunk splits evenly. Fix: --chunk_size='
+                        f'{client_mesh.size * max(1, chunk_size // client_mesh.size)}.')
+    if scan_unroll < 1:
+      raise ConfigError(f'--scan_unroll={scan_unroll} must be >= 1 (local steps per loop iteration).')
     if not 0 < join_ratio <= 1:
       raise ConfigError(f'--join_ratio={join_ratio} must be in (0, 1].')
     if feature_dim < 1:
       raise ConfigError(f'--feature_dim={feature_dim} must be >= 1.')
     self.algorithm, self.data, self.training = algorithm, data, training
-    self.strategy, self.seed, self.chunk_size = strategy, seed, chunk_size
+    self.strategy, self.seed, self.chunk_size, self.scan_unroll = strategy, seed, chunk_size, scan_unroll
+    self.conv = conv or default_conv(strategy)
+    self.mesh = client_mesh if client_mesh is not None and client_mesh.size > 1 else None
+    num_devices = 1 if self.mesh is None else self.mesh.size
     self.eval_batch_size = eval_batch_size
     self.num_clients = data.num_clients
     self.num_join = max(1, int(self.num_clients * join_ratio + 1e-9))
@@ -153,15 +191,17 @@ class Federation:
     self.groups: list[Group] = []
     for arch in dict.fromkeys(self.architectures):
       ids = np.array([k for k, a in enumerate(self.architectures) if a == arch])
-      self.groups.append(Group(arch, build_model(arch, data.num_classes, feature_dim, rm), ids,
-                               jax.device_put(data.group_train(ids)),
-                               EvalSet(jax.device_put(data.group_test(ids)), shared=False)))
+      stacked = -(-len(ids) // num_devices) * num_devices
+      place = lambda arrays: place_clients(_pad_clients(arrays, stacked), self.mesh)
+      self.groups.append(Group(arch, build_model(arch, data.num_classes, feature_dim, rm, self.conv), ids,
+                               place(data.group_train(ids)), EvalSet(place(data.group_test(ids)), shared=False)))
     if self.global_test is None and not any(g.test.sizes.sum() > 0 for g in self.groups):
       raise ConfigError('--train_fraction: no client has local test rows and there is no global test set, so '
                         'nothing can be evaluated. Fix: --train_fraction < 1 or --eval_protocol=global.')
     for g in self.groups:
       g.num_params = _check_architecture(g.model, g.arch, g.train.x.shape[2:])
-    self.slots = [min(g.size, self.num_join) for g in self.groups]
+    # Participant slots per group: fixed across rounds (no recompiles), a multiple of the device count.
+    self.slots = [-(-min(g.size, self.num_join) // num_devices) * num_devices for g in self.groups]
     self._warn_small_clients(training.batch_size)
     self._compiled: dict = {}
     self._comm: Optional[list[dict]] = None
@@ -179,13 +219,13 @@ class Federation:
     init_key, key_key, server_key = jax.random.split(root, 3)
     states = []
     for g in self.groups:
-      sample = g.train.x[0, :1]
+      sample = jnp.zeros((1,) + g.train.x.shape[2:], g.train.x.dtype)
       init_one = lambda k: g.model.init(k, sample, train=False)
-      variables = jax.jit(jax.vmap(init_one))(jax.vmap(lambda c: jax.random.fold_in(init_key, c))(g.clients))
+      variables = jax.jit(jax.vmap(init_one))(jax.vmap(lambda c: jax.random.fold_in(init_key, c))(g.stacked_ids))
       params = variables.pop('params')
-      keys = jax.vmap(lambda c: jax.random.fold_in(key_key, c))(g.clients)
-      states.append(ClientState(params, dict(variables), keys))
-    example = jax.tree.map(lambda a: a[0], states[0].params)
+      keys = jax.vmap(lambda c: jax.random.fold_in(key_key, c))(g.stacked_ids)
+      states.append(place_clients(ClientState(params, dict(variables), keys), self.mesh))
+    example = jax.tree.map(lambda a: jnp.asarray(to_host(a[0])), states[0].params)
     server = self.algorithm.init_server(server_key, example)
     return FederationState(tuple(states), server, jnp.asarray(0, jnp.int32))
 
@@ -239,12 +279,12 @@ class Federation:
     groups, uploads, masks, losses = [], [], [], []
     for gi, g in enumerate(self.groups):
       local = np.flatnonzero(np.isin(g.clients, participants))
-      slot_idx = np.full(self.slots[gi], g.size, np.int32)
+      slot_idx = np.full(self.slots[gi], g.stacked_size, np.int32)  # empty slots point past the stack
       slot_idx[:len(local)] = local
       update = self._vmap_group if self.strategy == 'vmap' else self._sequential_group
       stacked, up, loss = update(gi, state.groups[gi], slot_idx, broadcast, key)
       if self.algorithm.group_update is not None:
-        participated = jnp.asarray(np.isin(np.arange(g.size), local))
+        participated = jnp.asarray(np.isin(np.arange(g.stacked_size), local))
         stacked = self._jit('group_update', gi, lambda: jax.jit(self._group_step, donate_argnums=0))(
             stacked, participated, g.train.n)
       groups.append(stacked)
@@ -255,7 +295,7 @@ class Federation:
     server_update = self._jit('server', None, lambda: jax.jit(self.algorithm.server_update))
     server, server_metrics = server_update(state.server, concat_uploads(uploads), mask, server_key)
     new_state = FederationState(tuple(groups), server, state.round + 1)
-    losses = np.concatenate([np.asarray(loss)[real] for loss, real in losses])  # host reads after all dispatches
+    losses = np.concatenate([to_host(loss)[real] for loss, real in losses])  # host reads after all dispatches
     metrics = {'round': r + 1, 'train_loss': float(np.mean(losses)),
                'participants': len(participants)}
     metrics.update({k: float(v) for k, v in server_metrics.items()})
@@ -277,18 +317,18 @@ class Federation:
   def _vmap_group(self, gi: int, stacked: ClientState, slot_idx: np.ndarray, broadcast, key):
     g = self.groups[gi]
     if self.num_join == self.num_clients and not self.chunk_size:
-      # Full participation: the slots are the group itself, so no gather/scatter copies of states and data.
+      # Full participation: the slots are the (padded) group itself, so no gather/scatter copies.
       update = self._jit('vmap_update_full', gi, lambda: jax.jit(self._make_vmap_update(g, full=True),
                                                                  donate_argnums=0))
-      return update(stacked, g.train, jnp.asarray(slot_idx), jnp.asarray(g.clients), broadcast, key)
+      return update(stacked, g.train, jnp.asarray(slot_idx), g.stacked_ids, broadcast, key)
     chunk = self.chunk_size or len(slot_idx)
     pad = (-len(slot_idx)) % chunk
-    slot_idx = np.concatenate([slot_idx, np.full(pad, g.size, np.int32)])
+    slot_idx = np.concatenate([slot_idx, np.full(pad, g.stacked_size, np.int32)])
     update = self._jit('vmap_update', gi, lambda: jax.jit(self._make_vmap_update(g, full=False), donate_argnums=0))
     uploads, losses = [], []
     for c in range(0, len(slot_idx), chunk):
-      stacked, up, loss = update(stacked, g.train, jnp.asarray(slot_idx[c:c + chunk]), jnp.asarray(g.clients),
-                                 broadcast, key)
+      stacked, up, loss = update(stacked, g.train, jnp.asarray(slot_idx[c:c + chunk]), g.stacked_ids, broadcast,
+                                 key)
       uploads.append(up)
       losses.append(loss)
     keep = len(slot_idx) - pad
@@ -297,10 +337,10 @@ class Federation:
 
   def _make_vmap_update(self, g: Group, full: bool):
     update_one = lambda c, d, b, k: client_update(self.algorithm, g.model, self.training, c, d, b, k,
-                                                  self.eval_batch_size)
+                                                  self.eval_batch_size, self.scan_unroll)
 
     def update(stacked, train, slot_idx, client_ids, broadcast, key):
-      if full:  # slot_idx == arange(group size)
+      if full:  # the slots are the stacked group in order
         clients, data, ids = stacked, train, client_ids
       else:
         clients, data = _take(stacked, slot_idx), _take(train, slot_idx)
@@ -423,7 +463,7 @@ class Federation:
         scores = self._sequential_eval(gi, state.groups[gi], broadcast, es, which)
       counts[g.clients] = [es.sizes[es.index(i)] for i in range(g.size)]
       for name, c in scores.items():
-        correct.setdefault(name, np.zeros(self.num_clients))[g.clients] = np.asarray(c)
+        correct.setdefault(name, np.zeros(self.num_clients))[g.clients] = to_host(c)[:g.size]
     return correct, counts
 
   def _score(self, g: Group, client: ClientState, reps, y, n, broadcast) -> dict:

@@ -80,8 +80,12 @@ def step_key(rng: jax.Array, epoch, step) -> jax.Array:
 
 
 def train_scan(loss_fn: LossFn, training: LocalTraining, params: Any, model_state: Any, x: jnp.ndarray,
-               y: jnp.ndarray, n: jnp.ndarray, rng: jax.Array) -> tuple[Any, Any, jnp.ndarray]:
-  """All local epochs of one client as one lax.scan; returns (params, model_state, mean loss of real steps)."""
+               y: jnp.ndarray, n: jnp.ndarray, rng: jax.Array, unroll: int | bool = 1
+               ) -> tuple[Any, Any, jnp.ndarray]:
+  """All local epochs of one client as one lax.scan; returns (params, model_state, mean loss of real steps).
+
+  `unroll` is lax.scan's: steps per loop iteration (True: no loop), trading compile time for loop overhead.
+  """
   optimizer = training.optimizer()
   idx, valid = batch_schedule(jax.random.fold_in(rng, 0), n, x.shape[0], training.batch_size, training.epochs)
   slots = x.shape[0] // training.batch_size
@@ -92,5 +96,6 @@ def train_scan(loss_fn: LossFn, training: LocalTraining, params: Any, model_stat
     return sgd_step(loss_fn, optimizer, carry, x[batch], y[batch], ok, key)
 
   steps = (jnp.arange(valid.shape[0]), idx, valid)
-  (params, model_state, _), losses = jax.lax.scan(body, (params, model_state, optimizer.init(params)), steps)
+  (params, model_state, _), losses = jax.lax.scan(body, (params, model_state, optimizer.init(params)), steps,
+                                                  unroll=unroll)
   return params, model_state, losses.sum() / jnp.maximum(valid.sum(), 1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -12,11 +14,12 @@ class FedAvgCNN(nn.Module):
   With the head (512 -> C) this is the "4-layer CNN" of FedRE/HtFLlib; its feature width is already 512.
   """
   width: int = 512
+  conv: Any = nn.Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
-    x = nn.max_pool(nn.relu(nn.Conv(32, (5, 5), padding='VALID')(x)), (2, 2), (2, 2))
-    x = nn.max_pool(nn.relu(nn.Conv(64, (5, 5), padding='VALID')(x)), (2, 2), (2, 2))
+    x = nn.max_pool(nn.relu(self.conv(32, (5, 5), padding='VALID')(x)), (2, 2), (2, 2))
+    x = nn.max_pool(nn.relu(self.conv(64, (5, 5), padding='VALID')(x)), (2, 2), (2, 2))
     return nn.relu(nn.Dense(self.width)(x.reshape(x.shape[0], -1)))
 
 
@@ -24,11 +27,12 @@ class SmallCNN(nn.Module):
   """A small CNN for small images (e.g. 8x8 digits): two 3x3 conv blocks, then fc `width` -> ReLU."""
   channels: tuple[int, int] = (32, 64)
   width: int = 512
+  conv: Any = nn.Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
     for c in self.channels:
-      x = nn.max_pool(nn.relu(nn.Conv(c, (3, 3), padding='SAME')(x)), (2, 2), (2, 2), padding='SAME')
+      x = nn.max_pool(nn.relu(self.conv(c, (3, 3), padding='SAME')(x)), (2, 2), (2, 2), padding='SAME')
     return nn.relu(nn.Dense(self.width)(x.reshape(x.shape[0], -1)))
 
 

@@ -1,6 +1,7 @@
 """Model registry: architecture names -> `HeteroClassifier` constructors, and the model-family assignment.
 
-Adding an architecture is one `register_model` call. Client k gets architecture models[k % len(models)], as in
+Adding an architecture is one `register_model` call; its factory takes `conv`, the `nn.Conv`-compatible constructor
+of the chosen convolution formulation (models/conv.py), and passes it to every convolution it builds. Client k gets architecture models[k % len(models)], as in
 HtFLlib's model families.
 """
 
@@ -13,9 +14,10 @@ import flax.linen as nn
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.classifier import HeteroClassifier
 from fedjax_het.models.cnn import MLP, FedAvgCNN, SmallCNN
+from fedjax_het.models.conv import ConvFactory, conv_factory
 from fedjax_het.models.resnet import ResNet
 
-ExtractorFactory = Callable[[], nn.Module]
+ExtractorFactory = Callable[[ConvFactory], nn.Module]
 _EXTRACTORS: dict[str, ExtractorFactory] = {}
 
 
@@ -31,11 +33,13 @@ def model_names() -> list[str]:
   return sorted(_EXTRACTORS)
 
 
-def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = 'ap') -> HeteroClassifier:
-  """The classifier `name` with RM to `feature_dim` and a head to `num_classes`."""
+def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = 'ap', conv: str = 'xla'
+                ) -> HeteroClassifier:
+  """The classifier `name` with RM to `feature_dim`, a head to `num_classes`, and convolutions computed the
+  `conv` way ('xla' or 'patches'; same parameters, same function)."""
   if name not in _EXTRACTORS:
     raise ConfigError(f'--models: unknown model {name!r}; registered models are {", ".join(model_names())}.')
-  return HeteroClassifier(_EXTRACTORS[name](), num_classes, feature_dim, rm)
+  return HeteroClassifier(_EXTRACTORS[name](conv_factory(conv)), num_classes, feature_dim, rm)
 
 
 def assign_models(models: Sequence[str], num_clients: int) -> list[str]:
@@ -48,10 +52,10 @@ def assign_models(models: Sequence[str], num_clients: int) -> list[str]:
   return [models[k % len(models)] for k in range(num_clients)]
 
 
-register_model('cnn4', FedAvgCNN)
-register_model('small_cnn', SmallCNN)
-register_model('small_cnn_narrow', lambda: SmallCNN(channels=(16, 32)))
-register_model('mlp', MLP)
-register_model('resnet10', lambda: ResNet((1, 1, 1, 1)))
-register_model('resnet18', lambda: ResNet((2, 2, 2, 2)))
-register_model('resnet34', lambda: ResNet((3, 4, 6, 3)))
+register_model('cnn4', lambda conv: FedAvgCNN(conv=conv))
+register_model('small_cnn', lambda conv: SmallCNN(conv=conv))
+register_model('small_cnn_narrow', lambda conv: SmallCNN(channels=(16, 32), conv=conv))
+register_model('mlp', lambda conv: MLP())
+register_model('resnet10', lambda conv: ResNet((1, 1, 1, 1), conv=conv))
+register_model('resnet18', lambda conv: ResNet((2, 2, 2, 2), conv=conv))
+register_model('resnet34', lambda conv: ResNet((3, 4, 6, 3), conv=conv))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -16,16 +16,17 @@ class BasicBlock(nn.Module):
   """Two 3x3 convs with a projection shortcut when the shape changes (ResNet-18/34)."""
   filters: int
   strides: int = 1
+  conv: Any = nn.Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
     norm = functools.partial(_BatchNorm, use_running_average=not train)
-    y = nn.Conv(self.filters, (3, 3), self.strides, padding=1, use_bias=False)(x)
+    y = self.conv(self.filters, (3, 3), self.strides, padding=1, use_bias=False)(x)
     y = nn.relu(norm()(y))
-    y = nn.Conv(self.filters, (3, 3), padding=1, use_bias=False)(y)
+    y = self.conv(self.filters, (3, 3), padding=1, use_bias=False)(y)
     y = norm()(y)
     if x.shape[-1] != self.filters or self.strides != 1:
-      x = norm()(nn.Conv(self.filters, (1, 1), self.strides, use_bias=False)(x))
+      x = norm()(self.conv(self.filters, (1, 1), self.strides, use_bias=False)(x))
     return nn.relu(x + y)
 
 
@@ -33,13 +34,14 @@ class ResNet(nn.Module):
   """torchvision ResNet trunk without its fc layer; returns the final feature map [B, H, W, 512]."""
   stage_sizes: Sequence[int]
   base_width: int = 64
+  conv: Any = nn.Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
-    x = nn.Conv(self.base_width, (7, 7), 2, padding=3, use_bias=False)(x)
+    x = self.conv(self.base_width, (7, 7), 2, padding=3, use_bias=False)(x)
     x = nn.relu(_BatchNorm(use_running_average=not train)(x))
     x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
     for i, blocks in enumerate(self.stage_sizes):
       for j in range(blocks):
-        x = BasicBlock(self.base_width * 2**i, strides=2 if i > 0 and j == 0 else 1)(x, train)
+        x = BasicBlock(self.base_width * 2**i, strides=2 if i > 0 and j == 0 else 1, conv=self.conv)(x, train)
     return x
