@@ -62,11 +62,14 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_integer('seed', _D.seed, 'One seed for partition, initialisation and every random draw.')
   f.DEFINE_enum('strategy', None, list(STRATEGIES), 'How a group executes (default: sequential on CPU, vmap else).')
   f.DEFINE_integer('chunk_size', _D.chunk_size, 'vmap strategy: clients per vmapped chunk (0: whole group).')
-  f.DEFINE_enum('conv', None, list(CONV_IMPLS), 'Convolution formulation: xla (native) or patches (im2col + '
-                'batched matmul; batches better under vmap on CPU). Default: per backend and strategy (README).')
+  f.DEFINE_enum('conv', None, list(CONV_IMPLS), 'Convolution formulation: xla (native), im2col (strided slices '
+                '+ matmul; batches well under vmap), auto (im2col for <= 8 input channels, else xla). Default: per '
+                'backend and strategy (README).')
   f.DEFINE_integer('scan_unroll', _D.scan_unroll, 'vmap strategy: local SGD steps per lax.scan iteration.')
   f.DEFINE_integer('num_devices', _D.num_devices, 'vmap strategy: shard each group\'s clients over this many '
                    'devices (0: all devices; 1: no sharding).')
+  f.DEFINE_integer('client_threads', None, 'sequential strategy: clients updated at once, one host thread each '
+                   '(default: 2, at most the core count).')
   f.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() first (multi-host runs; one process per '
                 'host, every process with the same flags).')
   f.DEFINE_integer('eval_every', _D.eval_every, 'Evaluate every N rounds (and after the last).')
@@ -97,5 +100,5 @@ def config_from_flags(fv=None) -> ExperimentConfig:
       fedre=FedREConfig(fv.re, fv.re_distribution, fv.re_resample, fv.all_representations, fv.server_learning_rate,
                         fv.server_batch_size, fv.server_epochs, fv.server_loss_reduction),
       seed=fv.seed, strategy=fv.strategy, chunk_size=fv.chunk_size, conv=fv.conv, scan_unroll=fv.scan_unroll,
-      num_devices=fv.num_devices, eval_every=fv.eval_every,
+      num_devices=fv.num_devices, client_threads=fv.client_threads, eval_every=fv.eval_every,
       eval_batch_size=fv.eval_batch_size, checkpoint_every=fv.checkpoint_every)

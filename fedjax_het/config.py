@@ -38,6 +38,7 @@ class ExperimentConfig:
   conv: Optional[str] = None
   scan_unroll: int = 1
   num_devices: int = 0
+  client_threads: Optional[int] = None
   eval_every: int = 1
   eval_batch_size: int = 256
   checkpoint_every: int = 10

@@ -34,7 +34,7 @@ from fedjax_het.models.registry import assign_models
 ALGORITHMS = ('fedre', 'local', 'fedavg')
 # Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
 RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eval_batch_size', 'data_dir', 'conv',
-                    'scan_unroll', 'num_devices')
+                    'scan_unroll', 'num_devices', 'client_threads')
 
 
 def make_algorithm(cfg: ExperimentConfig, num_classes: int) -> Algorithm:
@@ -68,7 +68,8 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
   return Federation(make_algorithm(cfg, data.num_classes), data, cfg.models, cfg.local_training(),
                     feature_dim=cfg.feature_dim, rm=cfg.rm, strategy=strategy, join_ratio=cfg.join_ratio,
                     seed=cfg.seed, chunk_size=cfg.chunk_size, eval_batch_size=cfg.eval_batch_size,
-                    conv=cfg.conv or default_conv(strategy), scan_unroll=cfg.scan_unroll, client_mesh=mesh)
+                    conv=cfg.conv or default_conv(strategy), scan_unroll=cfg.scan_unroll, client_mesh=mesh,
+                    client_threads=cfg.client_threads)
 
 
 class StopAtRoundEnd:

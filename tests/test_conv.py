@@ -1,3 +1,4 @@
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,22 +9,37 @@ from fedjax_het.engine.forward import forward
 from fedjax_het.errors import ConfigError
 from fedjax_het.models import build_model
 from fedjax_het.models.conv import CONV_IMPLS, conv_factory
+from fedjax_het.models.pooling import max_pool
 
 
+@pytest.mark.parametrize('impl', ['im2col', 'auto'])
 @pytest.mark.parametrize('kw', [dict(features=5, kernel_size=(3, 3)),
                                 dict(features=4, kernel_size=(5, 5), padding='VALID'),
                                 dict(features=4, kernel_size=(7, 7), strides=2, padding=3, use_bias=False),
                                 dict(features=4, kernel_size=(3, 3), kernel_dilation=2),
+                                dict(features=4, kernel_size=(3, 3), strides=2, padding='SAME'),
                                 dict(features=4, kernel_size=(1, 1), strides=2),
                                 dict(features=3, kernel_size=(3, 3), feature_group_count=3)])  # falls back
-def test_patches_conv_equals_xla_conv_values_and_gradients(kw):
+def test_conv_formulations_equal_xla_conv_values_and_gradients(impl, kw):
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 9, 3))
-  xla, patches = CONV_IMPLS['xla'](**kw), CONV_IMPLS['patches'](**kw)
+  xla, other = CONV_IMPLS['xla'](**kw), CONV_IMPLS[impl](**kw)
   params = xla.init(jax.random.PRNGKey(1), x)
-  assert jax.tree.structure(params) == jax.tree.structure(patches.init(jax.random.PRNGKey(1), x))
-  np.testing.assert_allclose(patches.apply(params, x), xla.apply(params, x), rtol=1e-5, atol=1e-5)
+  assert jax.tree.structure(params) == jax.tree.structure(other.init(jax.random.PRNGKey(1), x))
+  np.testing.assert_allclose(other.apply(params, x), xla.apply(params, x), rtol=1e-5, atol=1e-5)
   grad = lambda m: jax.grad(lambda p, x: jnp.sum(jnp.sin(m.apply(p, x))), argnums=(0, 1))(params, x)
-  tree_allclose(grad(patches), grad(xla), rtol=1e-4, atol=1e-5)
+  tree_allclose(grad(other), grad(xla), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('window,strides,padding', [((2, 2), (2, 2), 'VALID'), ((2, 2), (2, 2), 'SAME'),
+                                                    ((3, 3), (2, 2), ((1, 1), (1, 1)))])
+@pytest.mark.parametrize('shape', [(2, 8, 8, 3), (2, 9, 7, 3)])
+def test_max_pool_equals_flax_values_and_gradients(window, strides, padding, shape):
+  x = jax.random.normal(jax.random.PRNGKey(0), shape)
+  ours = lambda x: max_pool(x, window, strides, padding)
+  theirs = lambda x: nn.max_pool(x, window, strides, padding)
+  np.testing.assert_array_equal(ours(x), theirs(x))
+  grad = lambda f: jax.grad(lambda x: jnp.sum(jnp.sin(f(x))))(x)
+  np.testing.assert_allclose(grad(ours), grad(theirs), rtol=1e-6)
 
 
 @pytest.mark.parametrize('name', ['cnn4', 'resnet10'])
@@ -35,7 +51,8 @@ def test_models_are_the_same_function_under_vmap_with_either_conv(name):
   # Eval mode: train-mode BatchNorm over 2 rows would amplify float rounding into the comparison.
   out = {c: jax.vmap(lambda p, s, xi: forward(m, p, s, xi, False)[:2])(params, dict(variables), x)
          for c, m in models.items()}
-  tree_allclose(out['patches'], out['xla'], rtol=1e-4, atol=1e-4)
+  for c in CONV_IMPLS:
+    tree_allclose(out[c], out['xla'], rtol=1e-4, atol=1e-4)
 
 
 def test_unknown_conv_names_the_flag():

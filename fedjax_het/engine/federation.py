@@ -9,8 +9,9 @@ Execution strategies (same pure pieces, same numbers):
   vmap:       `jax.vmap(client_update)` over the group's slots in one jitted call; local steps in a lax.scan
               (optionally in chunks of `chunk_size` clients). The fast path on accelerators.
   sequential: the host walks the participants; each runs the same begin / SGD step / representation / upload
-              functions, each jitted once and reused. Only a client's real steps run. The fast path on XLA:CPU,
-              which runs convolutions inside while-loops and vmapped (grouped) convolutions several times slower.
+              functions, each jitted once and reused. Only a client's real steps run. `client_threads` clients
+              run at once, one host thread each. The fast path on XLA:CPU, which runs convolutions inside
+              while-loops and vmapped (grouped) convolutions several times slower.
 
 Sharding (vmap strategy): with a `client_mesh` of D devices, each group's stacked states and data are laid out
 along a 'clients' mesh axis, so each device updates its share of the clients in the same jitted call (SPMD). A
@@ -20,8 +21,10 @@ out of every upload, average and score, so results equal the one-device run.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import os
 import time
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -50,8 +53,16 @@ def default_strategy(backend: Optional[str] = None) -> str:
 
 
 def default_conv(strategy: str, backend: Optional[str] = None) -> str:
-  """'patches' for vmap on CPU (grouped convolutions are slow there, see README), else 'xla'."""
-  return 'patches' if strategy == 'vmap' and (backend or jax.default_backend()) == 'cpu' else 'xla'
+  """On CPU: 'im2col' under vmap (grouped convolutions are slow there), 'auto' otherwise; 'xla' on GPU/TPU.
+  Figures in the README."""
+  if (backend or jax.default_backend()) != 'cpu':
+    return 'xla'
+  return 'im2col' if strategy == 'vmap' else 'auto'
+
+
+def default_client_threads() -> int:
+  """Host threads of the sequential strategy: 2 (measured on 2 cores, README), at most the core count."""
+  return max(1, min(2, os.cpu_count() or 1))
 
 
 class FederationState(NamedTuple):
@@ -127,6 +138,13 @@ def _check_architecture(model: HeteroClassifier, arch: str, image_shape: tuple[i
                       f'this image size (e.g. small_cnn or mlp for 8x8 digits; cnn4 and resnet* for 32x32).') from e
 
 
+def _even_chunk(rows: int, max_chunk: int) -> int:
+  """The smallest chunk that covers `rows` in as few passes of at most `max_chunk` rows (288 rows with at most
+  256 per pass: 2 x 144, not 256 + a clamped 256 that recomputes 224 rows)."""
+  passes = -(-max(rows, 1) // max(max_chunk, 1))
+  return -(-max(rows, 1) // passes)
+
+
 def _represent_into(model: HeteroClassifier, chunk: int):
   """Jitted (buf, client, x_all, i, start) -> buf with eval-mode (logits, reps) of rows [start, start+chunk) of
   client i written in. Near the end dynamic_slice and dynamic_update_slice clamp the start identically, so the
@@ -157,7 +175,8 @@ class Federation:
   def __init__(self, algorithm: Algorithm, data: FederatedData, models: Sequence[str], training: LocalTraining,
                feature_dim: int = 512, rm: str = 'ap', strategy: Optional[str] = None, join_ratio: float = 1.0,
                seed: int = 0, chunk_size: int = 0, eval_batch_size: int = 256, conv: Optional[str] = None,
-               scan_unroll: int = 1, client_mesh: Optional[jax.sharding.Mesh] = None):
+               scan_unroll: int = 1, client_mesh: Optional[jax.sharding.Mesh] = None,
+               client_threads: Optional[int] = None):
     strategy = strategy or default_strategy()
     if strategy not in STRATEGIES:
       raise ConfigError(f'--strategy={strategy!r} is unknown; choose one of {", ".join(STRATEGIES)}.')
@@ -171,6 +190,9 @@ class Federation:
       raise ConfigError(f'--chunk_size={chunk_size} must be a multiple of the {client_mesh.size} devices of the '
                         f'client mesh, so every chunk splits evenly. Fix: --chunk_size='
                         f'{client_mesh.size * max(1, chunk_size // client_mesh.size)}.')
+    client_threads = default_client_threads() if client_threads is None else client_threads
+    if client_threads < 1:
+      raise ConfigError(f'--client_threads={client_threads} must be >= 1.')
     if scan_unroll < 1:
       raise ConfigError(f'--scan_unroll={scan_unroll} must be >= 1 (local steps per loop iteration).')
     if not 0 < join_ratio <= 1:
@@ -179,6 +201,7 @@ class Federation:
       raise ConfigError(f'--feature_dim={feature_dim} must be >= 1.')
     self.algorithm, self.data, self.training = algorithm, data, training
     self.strategy, self.seed, self.chunk_size, self.scan_unroll = strategy, seed, chunk_size, scan_unroll
+    self.client_threads, self._threads = client_threads, None
     self.conv = conv or default_conv(strategy)
     self.mesh = client_mesh if client_mesh is not None and client_mesh.size > 1 else None
     num_devices = 1 if self.mesh is None else self.mesh.size
@@ -251,6 +274,15 @@ class Federation:
                     for k in range(self.num_clients)]
     return self._comm
 
+  def local_work(self, participants: np.ndarray) -> dict:
+    """SGD steps and training samples the participants process this round: epochs * (n_k // batch_size) steps
+    of batch_size rows each (drop_last), summed over participants."""
+    n_train = np.zeros(self.num_clients, int)
+    for g in self.groups:
+      n_train[g.clients] = g.train_sizes
+    steps = int((n_train[participants] // self.training.batch_size).sum()) * self.training.epochs
+    return {'local_steps': steps, 'local_samples': steps * self.training.batch_size}
+
   def round_communication(self, participants: np.ndarray) -> dict:
     """Scalars uploaded and broadcast this round, summed over participants, in total and by part."""
     comm = self.communication_per_client()
@@ -268,8 +300,9 @@ class Federation:
   def round(self, state: FederationState) -> tuple[FederationState, dict]:
     """One communication round (fedre.txt Alg. 1 lines 5-13 for FedRE); returns the new state and metrics.
 
-    Metrics: round, train_loss (mean over participants of their mean local-step loss), participants, the
-    server's metrics, upload/broadcast scalars (total and by part) and train_seconds.
+    Metrics: round, train_loss (mean over participants of their mean local-step loss), participants,
+    local_steps and local_samples (`local_work`), the server's metrics, upload/broadcast scalars (total and by
+    part) and train_seconds.
     """
     start = time.perf_counter()
     r = int(state.round)
@@ -297,7 +330,7 @@ class Federation:
     new_state = FederationState(tuple(groups), server, state.round + 1)
     losses = np.concatenate([to_host(loss)[real] for loss, real in losses])  # host reads after all dispatches
     metrics = {'round': r + 1, 'train_loss': float(np.mean(losses)),
-               'participants': len(participants)}
+               'participants': len(participants), **self.local_work(participants)}
     metrics.update({k: float(v) for k, v in server_metrics.items()})
     metrics.update(self.round_communication(participants))
     jax.block_until_ready(new_state)
@@ -357,32 +390,21 @@ class Federation:
   def _sequential_group(self, gi: int, stacked: ClientState, slot_idx: np.ndarray, broadcast, key):
     g = self.groups[gi]
     fns = self._jit('sequential', gi, lambda: self._make_sequential_fns(g))
-    n_host = g.train_sizes
-    n_max, b, epochs = g.train.x.shape[1], self.training.batch_size, self.training.epochs
-    slots_per_epoch = n_max // b
-    uploads, losses = [], []
-    for i in slot_idx:
-      if i >= g.size:
-        continue
-      rng = jax.random.fold_in(key, int(g.clients[i]))
-      client = fns['begin'](fns['take'](stacked, i), broadcast)
-      train_rng = jax.random.fold_in(rng, 1)
-      idx, _ = fns['schedule'](jax.random.fold_in(train_rng, 0), g.train.n[i])
-      carry = (client.params, client.model_state, fns['opt_init'](client.params))
-      total, steps = 0.0, 0
-      for e in range(epochs):
-        for s in range(n_host[i] // b):
-          slot = e * slots_per_epoch + s
-          carry, loss = fns['step'](carry, g.train.x, g.train.y, i, idx, slot, e, s, train_rng, broadcast)
-          total, steps = total + loss, steps + 1
-      client = client._replace(params=carry[0], model_state=carry[1])
-      if self.algorithm.needs_representations:
-        reps = self._represent_sequential(g, fns, client, g.train.x, g.train_sizes[i], i)[1]
-      else:
-        reps = jnp.zeros((n_max, 0))
-      uploads.append(fns['upload'](client, reps, g.train.y, i, broadcast, jax.random.fold_in(rng, 2)))
-      losses.append(total / max(steps, 1))
-      stacked = fns['put'](stacked, i, client)
+    n_max = g.train.x.shape[1]
+    real = [int(i) for i in slot_idx if i < g.size]
+    results = {}
+    # Waves of `client_threads` clients run concurrently (one host thread each: XLA:CPU then uses every core);
+    # each client's update is independent of the others, so the numbers do not depend on the thread count.
+    for w in range(0, len(real), self.client_threads):
+      wave = real[w:w + self.client_threads]
+      taken = [fns['take'](stacked, i) for i in wave]
+      run = lambda a: self._sequential_client(g, fns, a[0], a[1], broadcast, key)
+      done = list(self._pool().map(run, zip(wave, taken))) if len(wave) > 1 else [run((wave[0], taken[0]))]
+      for i, (client, upload, loss) in zip(wave, done):
+        stacked = fns['put'](stacked, i, client)
+        results[i] = (upload, loss)
+    uploads = [results[i][0] for i in real]
+    losses = [results[i][1] for i in real]
     # Uploads are laid out in the same fixed slots as the vmap strategy, padded slots zero.
     if 'empty_upload' not in fns:
       client = jax.eval_shape(fns['take'], stacked, 0)
@@ -395,10 +417,37 @@ class Federation:
     losses = losses + [0.0] * (len(slot_idx) - len(losses))
     return stacked, jax.tree.map(lambda *a: jnp.stack(a), *padded), jnp.asarray(losses, jnp.float32)
 
+  def _sequential_client(self, g: Group, fns: dict, i: int, client: ClientState, broadcast, key):
+    """Client i's round from the host: begin, its real local steps, representations, upload."""
+    n_max, b, epochs = g.train.x.shape[1], self.training.batch_size, self.training.epochs
+    rng = jax.random.fold_in(key, int(g.clients[i]))
+    client = fns['begin'](client, broadcast)
+    train_rng = jax.random.fold_in(rng, 1)
+    idx, _ = fns['schedule'](jax.random.fold_in(train_rng, 0), g.train.n[i])
+    carry = (client.params, client.model_state, fns['opt_init'](client.params))
+    total, steps = 0.0, 0
+    for e in range(epochs):
+      for s in range(g.train_sizes[i] // b):
+        carry, loss = fns['step'](carry, g.train.x, g.train.y, i, idx, e * (n_max // b) + s, e, s, train_rng,
+                                  broadcast)
+        total, steps = total + loss, steps + 1
+    client = client._replace(params=carry[0], model_state=carry[1])
+    if self.algorithm.needs_representations:
+      reps = self._represent_sequential(g, fns, client, g.train.x, g.train_sizes[i], i)[1]
+    else:
+      reps = jnp.zeros((n_max, 0))
+    upload = fns['upload'](client, reps, g.train.y, i, broadcast, jax.random.fold_in(rng, 2))
+    return client, upload, total / max(steps, 1)
+
+  def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+    if self._threads is None:
+      self._threads = concurrent.futures.ThreadPoolExecutor(self.client_threads, thread_name_prefix='client')
+    return self._threads
+
   def _represent_sequential(self, g: Group, fns, client: ClientState, x_all: jnp.ndarray, size: int, i: int):
     """Eval-mode (logits, representations) of block i of x_all, chunk by chunk over its `size` real rows."""
     n_max = x_all.shape[1]
-    chunk = max(1, min(self.eval_batch_size, n_max))
+    chunk = _even_chunk(n_max, self.eval_batch_size)
     buf = (jnp.zeros((n_max, g.model.num_classes)), jnp.zeros((n_max, g.model.feature_dim)))
     for start in range(0, max(int(size), 1), chunk):
       buf = fns['represent_into'](buf, client, x_all, i, start)
@@ -407,7 +456,7 @@ class Federation:
   def _make_sequential_fns(self, g: Group) -> dict:
     alg, model, training = self.algorithm, g.model, self.training
     optimizer = training.optimizer()
-    chunk = max(1, min(self.eval_batch_size, g.train.x.shape[1]))
+    chunk = _even_chunk(g.train.x.shape[1], self.eval_batch_size)
 
     def step(carry, x_all, y_all, i, schedule, slot, epoch, s, rng, broadcast):
       loss_fn = lambda p, st, x, y, r: alg.client_loss(model, p, st, x, y, broadcast, r)
@@ -483,7 +532,7 @@ class Federation:
 
   def _sequential_eval(self, gi: int, stacked: ClientState, broadcast, es: EvalSet, which: str) -> dict:
     g = self.groups[gi]
-    chunk = max(1, min(self.eval_batch_size, es.arrays.x.shape[1]))
+    chunk = _even_chunk(es.arrays.x.shape[1], self.eval_batch_size)
     fns = self._jit(f'sequential_eval_{which}', gi, lambda: {
         'represent_into': _represent_into(g.model, chunk),
         'score': jax.jit(lambda c, reps, y_all, j, n_all, b: self._score(g, c, reps, y_all[j], n_all[j], b))})

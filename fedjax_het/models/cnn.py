@@ -7,6 +7,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fedjax_het.models.pooling import max_pool
+
 
 class FedAvgCNN(nn.Module):
   """HtFLlib's `FedAvgCNN` extractor: conv32 k5 -> ReLU -> pool2 -> conv64 k5 -> ReLU -> pool2 -> fc512 -> ReLU.
@@ -18,8 +20,8 @@ class FedAvgCNN(nn.Module):
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
-    x = nn.max_pool(nn.relu(self.conv(32, (5, 5), padding='VALID')(x)), (2, 2), (2, 2))
-    x = nn.max_pool(nn.relu(self.conv(64, (5, 5), padding='VALID')(x)), (2, 2), (2, 2))
+    x = max_pool(nn.relu(self.conv(32, (5, 5), padding='VALID')(x)), (2, 2), (2, 2))
+    x = max_pool(nn.relu(self.conv(64, (5, 5), padding='VALID')(x)), (2, 2), (2, 2))
     return nn.relu(nn.Dense(self.width)(x.reshape(x.shape[0], -1)))
 
 
@@ -32,7 +34,7 @@ class SmallCNN(nn.Module):
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
     for c in self.channels:
-      x = nn.max_pool(nn.relu(self.conv(c, (3, 3), padding='SAME')(x)), (2, 2), (2, 2), padding='SAME')
+      x = max_pool(nn.relu(self.conv(c, (3, 3), padding='SAME')(x)), (2, 2), (2, 2), padding='SAME')
     return nn.relu(nn.Dense(self.width)(x.reshape(x.shape[0], -1)))
 
 

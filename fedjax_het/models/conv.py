@@ -11,6 +11,7 @@ batched matmul. Figures: benchmarks/strategies.py and the README.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Callable
 
 import flax.linen as nn
@@ -26,14 +27,15 @@ def _channels_last(nd: int) -> lax.ConvDimensionNumbers:
   return lax.ConvDimensionNumbers((0, nd + 1) + spatial, (nd + 1, nd) + tuple(range(nd)), (0, nd + 1) + spatial)
 
 
-def patches_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
-                                 dimension_numbers=None, feature_group_count=1, batch_group_count=1,
-                                 precision=None, preferred_element_type=None) -> jax.Array:
-  """`lax.conv_general_dilated` as patches @ kernel, for channels-last (NHWC, HWIO) ungrouped convolutions.
+def im2col_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                                dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
+                                preferred_element_type=None) -> jax.Array:
+  """`lax.conv_general_dilated` as im2col: patches gathered by strided slices, times the kernel as a matrix.
 
-  out[n, p, o] = sum_{c, k} patches[n, p, (c, k)] * rhs[k, c, o], where patches come from
-  `lax.conv_general_dilated_patches` (channel-major feature order). Other layouts, grouped (e.g. depthwise) and
-  input-dilated convolutions fall back to `lax.conv_general_dilated`.
+  out[n, y, x, o] = sum_{i, j, c} lhs_pad[n, y*s + i*d, x*s + j*d, c] * rhs[i, j, c, o]: the kh*kw shifted slices
+  are concatenated on the channel axis ((i, j, c) order, matching rhs.reshape(-1, O)) and contracted in one
+  matmul. Its gradient is slices/pads and matmuls too, so it stays cheap under vmap. Channels-last (NHWC, HWIO)
+  ungrouped convolutions only; anything else falls back to `lax.conv_general_dilated`.
   """
   nd = lhs.ndim - 2
   dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
@@ -42,18 +44,38 @@ def patches_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation
   if not plain:
     return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dn,
                                     feature_group_count, batch_group_count, precision, preferred_element_type)
-  window = rhs.shape[:nd]
-  patches = lax.conv_general_dilated_patches(lhs, window, window_strides, padding, rhs_dilation=rhs_dilation,
-                                             dimension_numbers=dn, precision=precision)
-  kernel = jnp.moveaxis(rhs, nd, 0).reshape(-1, rhs.shape[-1])  # [C * prod(window), O], channel-major
-  return lax.dot_general(patches, kernel, (((patches.ndim - 1,), (0,)), ((), ())), precision=precision,
-                         preferred_element_type=preferred_element_type)
+  window, dilation = rhs.shape[:nd], tuple(rhs_dilation or (1,) * nd)
+  effective = [(k - 1) * d + 1 for k, d in zip(window, dilation)]
+  if isinstance(padding, str):
+    padding = lax.padtype_to_pads(lhs.shape[1:-1], effective, window_strides, padding)
+  x = jnp.pad(lhs, [(0, 0)] + [tuple(p) for p in padding] + [(0, 0)])
+  out = [(x.shape[1 + a] - effective[a]) // window_strides[a] + 1 for a in range(nd)]
+  slices = []
+  for offset in itertools.product(*[range(k) for k in window]):
+    start = [0] + [o * d for o, d in zip(offset, dilation)] + [0]
+    limit = [x.shape[0]] + [s + (n - 1) * st + 1 for s, n, st in zip(start[1:], out, window_strides)] + [x.shape[-1]]
+    slices.append(lax.slice(x, start, limit, [1] + list(window_strides) + [1]))
+  patches = jnp.concatenate(slices, axis=-1) if len(slices) > 1 else slices[0]
+  return lax.dot_general(patches, rhs.reshape(-1, rhs.shape[-1]), (((nd + 1,), (0,)), ((), ())),
+                         precision=precision, preferred_element_type=preferred_element_type)
+
+
+def auto_conv_general_dilated(lhs, rhs, *args, **kwargs) -> jax.Array:
+  """im2col for convolutions with few input channels (XLA:CPU's native convolution is ~10x slower than a matmul
+  for e.g. 3 -> 32 channels, see README), XLA's convolution otherwise."""
+  if rhs.ndim >= 3 and rhs.shape[-2] <= IM2COL_MAX_CHANNELS:
+    return im2col_conv_general_dilated(lhs, rhs, *args, **kwargs)
+  return lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
+
+
+IM2COL_MAX_CHANNELS = 8
 
 
 ConvFactory = Callable[..., nn.Module]
 CONV_IMPLS: dict[str, ConvFactory] = {
     'xla': nn.Conv,
-    'patches': functools.partial(nn.Conv, conv_general_dilated=patches_conv_general_dilated),
+    'im2col': functools.partial(nn.Conv, conv_general_dilated=im2col_conv_general_dilated),
+    'auto': functools.partial(nn.Conv, conv_general_dilated=auto_conv_general_dilated),
 }
 
 

@@ -1,9 +1,10 @@
-"""Representation mapping (RM) to a common width d: PyTorch-style 1-D adaptive pooling of the channel vector."""
+"""Pooling: PyTorch-style 1-D adaptive pooling of the channel vector (RM to a common width d), and 2-D max pooling."""
 
 from __future__ import annotations
 
-import numpy as np
+import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 
 def adaptive_bins(length: int, size: int) -> list[tuple[int, int]]:
@@ -36,3 +37,24 @@ def adaptive_max_pool1d(v: jnp.ndarray, size: int) -> jnp.ndarray:
     return v
   mask = jnp.asarray(adaptive_bin_mask(length, size).T, bool)  # [d, L]
   return jnp.max(jnp.where(mask, v[..., None, :], -jnp.inf), axis=-1)
+
+
+def max_pool(x: jnp.ndarray, window: tuple[int, int], strides: tuple[int, int] | None = None,
+             padding: str | tuple = 'VALID') -> jnp.ndarray:
+  """2-D max pooling of NHWC x, as `flax.linen.max_pool`.
+
+  Non-overlapping windows (window == strides, 'VALID' or 'SAME') are computed as a reshape and a max: the same
+  values, but a gradient XLA:CPU runs several times faster than reduce_window's select-and-scatter (README,
+  "CPU kernels"). Other windows use `flax.linen.max_pool`.
+  """
+  strides = tuple(strides or window)
+  if tuple(window) != strides or not isinstance(padding, str):
+    return nn.max_pool(x, tuple(window), strides, padding=padding)
+  (h, w), (kh, kw) = x.shape[1:3], window
+  if padding == 'SAME':
+    ph, pw = -h % kh, -w % kw
+    x = jnp.pad(x, ((0, 0), (ph // 2, ph - ph // 2), (pw // 2, pw - pw // 2), (0, 0)), constant_values=-jnp.inf)
+  else:
+    x = x[:, :h // kh * kh, :w // kw * kw]
+  b, h, w, c = x.shape
+  return x.reshape(b, h // kh, kh, w // kw, kw, c).max(axis=(2, 4))

@@ -1,0 +1,150 @@
+"""Seconds per FedRE round: fedjax_het against the HtFLlib-style PyTorch loop, in one process, alternating.
+
+  python benchmarks/vs_pytorch.py --num_clients=10,20,50,100,200 --rounds=3
+
+Per client count K: synthetic CIFAR-shaped data (32x32x3, 10 classes, IID, `--samples_per_client` pool rows of
+which 75% train), the 4-layer CNN, batch 32, 1 local epoch, FedRE (RAP) with its server step. Both sides run the
+same local SGD steps and samples (checked every round, tests/test_torch_reference.py checks the losses), after one
+warm-up round each. Then `--rounds` rounds alternate: PyTorch (models in memory), PyTorch (per-round model
+save/load to disk, as HtFLlib), fedjax_het; each timed to completion.
+
+"limit": the same number of SGD steps of the same batch size, and the same eval-mode representation rows, as one
+centralized model trained by one jitted step function: no federated bookkeeping. fedjax_het / limit is the
+federated overhead.
+
+Prints a table, writes benchmarks/results/vs_pytorch_<backend>.json and .csv.
+"""
+
+import csv
+import json
+import os
+import platform
+import time
+
+import numpy as np
+from absl import app, flags
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from torch_reference import TorchFedRE, client_tensors
+
+from fedjax_het.algorithms import FedREConfig, fedre
+from fedjax_het.algorithms.common import cross_entropy_loss
+from fedjax_het.data import make_federated_data, make_synthetic
+from fedjax_het.engine import Federation, LocalTraining, sgd_step
+from fedjax_het.engine.forward import forward
+
+flags.DEFINE_list('num_clients', ['10', '20'], 'Client counts to sweep.')
+flags.DEFINE_integer('samples_per_client', 384, 'Pool rows per client (75% train: 288 rows = 9 steps of 32).')
+flags.DEFINE_integer('batch_size', 32, 'Local batch size.')
+flags.DEFINE_integer('rounds', 3, 'Timed rounds per side (after one warm-up round).')
+flags.DEFINE_string('strategy', None, 'fedjax_het strategy (default: the backend default).')
+flags.DEFINE_bool('disk_io', True, 'Also time the PyTorch loop with HtFLlib\'s per-round model save/load.')
+flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the JSON/CSV results.')
+FLAGS = flags.FLAGS
+
+
+def centralized_limit(x: np.ndarray, steps: int, rep_rows: int, batch_size: int, lr: float) -> float:
+  """Seconds for `steps` jitted SGD steps of one cnn4 plus eval-mode representations of `rep_rows` rows."""
+  from fedjax_het.models import build_model
+  model = build_model('cnn4', 10, 512)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1,) + x.shape[1:]))['params']
+  training = LocalTraining(lr, batch_size, 1)
+  opt = training.optimizer()
+  loss_fn = lambda p, s, xb, yb, r: cross_entropy_loss(model, p, s, xb, yb, None, r)
+  step = jax.jit(lambda c, xb, yb: sgd_step(loss_fn, opt, c, xb, yb, jnp.asarray(True), jax.random.PRNGKey(0)))
+  chunk = 256
+  represent = jax.jit(lambda p, xb: forward(model, p, {}, xb, False)[1])
+  xs = jax.device_put(x[:batch_size * 8].reshape((8, batch_size) + x.shape[1:]))
+  ys = jnp.zeros((8, batch_size), jnp.int32)
+  xr = jax.device_put(x[:chunk])
+
+  def run():
+    carry = (params, {}, opt.init(params))
+    for s in range(steps):
+      carry, _ = step(carry, xs[s % 8], ys[s % 8])
+    reps = [represent(carry[0], xr) for _ in range(-(-rep_rows // chunk))]
+    jax.block_until_ready((carry, reps))
+  run()  # compile
+  t0 = time.perf_counter()
+  run()
+  return time.perf_counter() - t0
+
+
+def main(_):
+  lr = 0.01
+  torch_device = 'cuda' if torch.cuda.is_available() and jax.default_backend() == 'gpu' else 'cpu'
+  rows = []
+  print(f'{"clients":>7} | {"torch s/round":>13} | {"torch+disk":>10} | {"fedjax_het":>10} | {"speed-up":>8} | '
+        f'{"vs +disk":>8} | {"limit s":>7} | {"overhead":>8}', flush=True)
+  for k in [int(v) for v in FLAGS.num_clients]:
+    ds = make_synthetic(num_samples=k * FLAGS.samples_per_client, image_shape=(32, 32, 3), num_classes=10, seed=0)
+    data = make_federated_data(ds, k, 'iid', seed=0)
+    fed = Federation(fedre(FedREConfig(), 10), data, ['cnn4'], LocalTraining(lr, FLAGS.batch_size, 1),
+                     strategy=FLAGS.strategy)
+    g = fed.groups[0]
+    tensors = client_tensors(g.train.x, g.train.y, g.train_sizes, torch_device)
+    sides = {'torch': TorchFedRE(tensors, 10, lr, FLAGS.batch_size, device=torch_device)}
+    if FLAGS.disk_io:
+      sides['torch_disk'] = TorchFedRE(tensors, 10, lr, FLAGS.batch_size, device=torch_device, disk_io=True)
+    state = fed.init()
+    compiles = []
+    listener = lambda event, duration, **kw: compiles.append(duration) if 'backend_compile' in event else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    t0 = time.perf_counter()
+    state, m = fed.round(state)
+    first = time.perf_counter() - t0
+    compile_seconds, first_compiles = sum(compiles), len(compiles)
+    for ref in sides.values():
+      ref.round()
+    times = {name: [] for name in list(sides) + ['fedjax_het']}
+    for _ in range(FLAGS.rounds):
+      for name, ref in sides.items():
+        before = ref.steps, ref.samples
+        t0 = time.perf_counter()
+        ref.round()
+        times[name].append(time.perf_counter() - t0)
+        assert (ref.steps - before[0], ref.samples - before[1]) == (m['local_steps'], m['local_samples'])
+      state, m = fed.round(state)
+      times['fedjax_het'].append(m['train_seconds'])
+    jax.monitoring.unregister_event_duration_listener(listener)
+    mean = {name: float(np.mean(t)) for name, t in times.items()}
+    limit = centralized_limit(np.asarray(g.train.x[0]), m['local_steps'], int(g.train_sizes.sum()),
+                              FLAGS.batch_size, lr)
+    row = {'num_clients': k, 'local_steps': m['local_steps'], 'local_samples': m['local_samples'],
+           'torch_seconds_per_round': mean['torch'],
+           'torch_disk_seconds_per_round': mean.get('torch_disk'),
+           'fedjax_seconds_per_round': mean['fedjax_het'],
+           'speedup_vs_torch': mean['torch'] / mean['fedjax_het'],
+           'speedup_vs_torch_disk': mean['torch_disk'] / mean['fedjax_het'] if 'torch_disk' in mean else None,
+           'fedjax_first_round_seconds': first, 'fedjax_compile_seconds': compile_seconds,
+           'fedjax_compilations_first_round': first_compiles, 'fedjax_compilations_later': len(compiles) -
+           first_compiles, 'limit_seconds': limit, 'overhead_vs_limit': mean['fedjax_het'] / limit,
+           'fedjax_client_steps_per_second': m['local_steps'] / mean['fedjax_het'],
+           'torch_client_steps_per_second': m['local_steps'] / mean['torch']}
+    rows.append(row)
+    disk = f'{row["torch_disk_seconds_per_round"]:10.3f}' if FLAGS.disk_io else f'{"-":>10}'
+    vs_disk = f'{row["speedup_vs_torch_disk"]:7.2f}x' if FLAGS.disk_io else f'{"-":>8}'
+    print(f'{k:7d} | {row["torch_seconds_per_round"]:13.3f} | {disk} | {row["fedjax_seconds_per_round"]:10.3f} | '
+          f'{row["speedup_vs_torch"]:7.2f}x | {vs_disk} | {limit:7.3f} | {row["overhead_vs_limit"]:7.2f}x',
+          flush=True)
+  result = {'backend': jax.default_backend(), 'device': str(jax.devices()[0]), 'torch_device': torch_device,
+            'cpu_count': os.cpu_count(), 'machine': platform.processor() or platform.machine(),
+            'jax': jax.__version__, 'torch': torch.__version__, 'strategy': fed.strategy, 'conv': fed.conv,
+            'batch_size': FLAGS.batch_size, 'samples_per_client': FLAGS.samples_per_client,
+            'rounds': FLAGS.rounds, 'rows': rows}
+  os.makedirs(FLAGS.out, exist_ok=True)
+  base = os.path.join(FLAGS.out, f'vs_pytorch_{jax.default_backend()}')
+  with open(base + '.json', 'w') as f:
+    json.dump(result, f, indent=2)
+  with open(base + '.csv', 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+  print('wrote', base + '.json', base + '.csv')
+
+
+if __name__ == '__main__':
+  app.run(main)
