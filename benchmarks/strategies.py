@@ -1,9 +1,11 @@
 """Seconds per FedRE round for each execution strategy, side by side in one process.
 
-  python benchmarks/strategies.py --num_clients=10 --samples_per_client=384 --models=cnn4 --out=benchmarks/results
+  python benchmarks/strategies.py --num_clients=10 --samples_per_client=384 --models=cnn4 \
+      --variants=sequential/xla/1,sequential/auto/1,sequential/auto/2,vmap/im2col,vmap/xla
 
-Synthetic CIFAR-shaped data (32x32x3), IID over clients, FedRE with RAP. For each strategy: compile+first-round
-seconds, then the mean of --rounds warm rounds (train only, evaluation excluded). Prints a table and writes JSON.
+Synthetic CIFAR-shaped data (32x32x3), IID over clients, FedRE with RAP. A variant is strategy/conv[/threads]
+(threads: the sequential strategy's client threads). For each: compile+first-round seconds, then the mean of
+--rounds warm rounds (train only, evaluation excluded). Prints a table and writes JSON.
 """
 
 import json
@@ -22,7 +24,7 @@ from fedjax_het.engine import Federation, LocalTraining
 flags.DEFINE_integer('num_clients', 10, 'Clients.')
 flags.DEFINE_integer('samples_per_client', 384, 'Pool samples per client (75% train).')
 flags.DEFINE_list('models', ['cnn4'], 'Model family.')
-flags.DEFINE_list('strategies', ['sequential', 'vmap'], 'Strategies to compare.')
+flags.DEFINE_list('variants', ['sequential/auto/2', 'vmap/im2col'], 'strategy/conv[/client threads] to compare.')
 flags.DEFINE_integer('chunk_size', 0, 'vmap chunk size (0 = whole group).')
 flags.DEFINE_integer('batch_size', 32, 'Local batch size.')
 flags.DEFINE_integer('rounds', 3, 'Warm rounds to time.')
@@ -35,9 +37,11 @@ def main(_):
   ds = make_synthetic(num_samples=k * FLAGS.samples_per_client, image_shape=(32, 32, 3), num_classes=10, seed=0)
   data = make_federated_data(ds, k, 'iid', seed=0)
   rows = []
-  for strategy in FLAGS.strategies:
+  for variant in FLAGS.variants:
+    strategy, conv, *threads = variant.split('/')
     fed = Federation(fedre(FedREConfig(), 10), data, FLAGS.models, LocalTraining(0.06, FLAGS.batch_size, 1),
-                     strategy=strategy, chunk_size=FLAGS.chunk_size)
+                     strategy=strategy, chunk_size=FLAGS.chunk_size, conv=conv,
+                     client_threads=int(threads[0]) if threads else None)
     state = fed.init()
     t0 = time.perf_counter()
     state, _ = fed.round(state)
@@ -47,9 +51,9 @@ def main(_):
       state, m = fed.round(state)
       times.append(m['train_seconds'])
     steps = sum(int(n) // FLAGS.batch_size for g in fed.groups for n in g.train.n)
-    rows.append({'strategy': strategy, 'first_round_seconds': first, 'seconds_per_round': sum(times) / len(times),
+    rows.append({'variant': variant, 'first_round_seconds': first, 'seconds_per_round': sum(times) / len(times),
                  'client_steps_per_second': steps / (sum(times) / len(times))})
-    print(f"{strategy:>10}: first round (with compile) {first:7.2f} s | warm round {rows[-1]['seconds_per_round']:7.3f} s"
+    print(f"{variant:>18}: first round (with compile) {first:7.2f} s | warm round {rows[-1]['seconds_per_round']:7.3f} s"
           f" | {rows[-1]['client_steps_per_second']:8.1f} client-steps/s", flush=True)
   result = {'backend': jax.default_backend(), 'device': str(jax.devices()[0]), 'cpu_count': os.cpu_count(),
             'machine': platform.processor() or platform.machine(), 'jax': jax.__version__,

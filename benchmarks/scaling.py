@@ -1,0 +1,121 @@
+"""How round cost grows with clients, architecture groups, model and batch size, for FedRE and grouped FedAvg.
+
+  python benchmarks/scaling.py --algorithms=fedre,fedavg --num_clients=10,20,50,100,200 --groups=1 \\
+      --models=cnn4 --batch_sizes=32 --rounds=2
+
+Every combination of the swept values runs: synthetic CIFAR-shaped data (32x32x3, 10 classes, IID,
+`--samples_per_client` pool rows), placed on device once (it never leaves between rounds). With G groups,
+client k gets architecture k % G of the family `--models` followed by --group_family (so G distinct
+architectures). Reported per row: first round incl. compile (s), compile seconds and compilations (first round
+and later rounds), warm seconds per round, client-steps per second, and peak memory: the device's
+peak_bytes_in_use where the backend reports it (GPU/TPU), else the process's peak resident set (CPU). A
+configuration that runs out of memory is recorded as such and the sweep goes on. Writes
+benchmarks/results/scaling_<backend>.json and .csv.
+"""
+
+import csv
+import json
+import os
+import platform
+import resource
+import time
+
+from absl import app, flags
+
+import jax
+
+from fedjax_het.algorithms import FedREConfig, fedavg_grouped, fedre
+from fedjax_het.data import make_federated_data, make_synthetic
+from fedjax_het.engine import Federation, LocalTraining
+
+flags.DEFINE_list('algorithms', ['fedre', 'fedavg'], 'fedre and/or fedavg (grouped).')
+flags.DEFINE_list('num_clients', ['10', '20'], 'Client counts.')
+flags.DEFINE_list('groups', ['1'], 'Architecture-group counts.')
+flags.DEFINE_list('models', ['cnn4'], 'First architecture of the family (one row set per model).')
+flags.DEFINE_list('group_family', ['resnet10', 'small_cnn', 'resnet18', 'small_cnn_narrow', 'resnet34', 'mlp'],
+                  'Architectures added, in order, when --groups > 1.')
+flags.DEFINE_list('batch_sizes', ['32'], 'Local batch sizes.')
+flags.DEFINE_integer('samples_per_client', 384, 'Pool rows per client (75% train).')
+flags.DEFINE_integer('rounds', 2, 'Warm rounds timed after the first.')
+flags.DEFINE_string('strategy', None, 'Execution strategy (default: the backend default).')
+flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the JSON/CSV results.')
+FLAGS = flags.FLAGS
+
+
+def peak_memory_bytes() -> tuple[int, str]:
+  stats = jax.devices()[0].memory_stats() or {}
+  if 'peak_bytes_in_use' in stats:
+    return int(stats['peak_bytes_in_use']), 'device_peak'
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 'host_peak_rss'
+
+
+def measure(algorithm: str, k: int, groups: int, model: str, batch: int) -> dict:
+  family = ([model] + [m for m in FLAGS.group_family if m != model])[:groups]
+  ds = make_synthetic(num_samples=k * FLAGS.samples_per_client, image_shape=(32, 32, 3), num_classes=10, seed=0)
+  data = make_federated_data(ds, k, 'iid', seed=0)
+  alg = fedre(FedREConfig(), 10) if algorithm == 'fedre' else fedavg_grouped(10)
+  fed = Federation(alg, data, family, LocalTraining(0.01, batch, 1), strategy=FLAGS.strategy)
+  compiles = []
+  listener = lambda event, duration, **kw: compiles.append(duration) if 'backend_compile' in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    state = fed.init()
+    t0 = time.perf_counter()
+    state, m = fed.round(state)
+    first, first_compiles, compile_s = time.perf_counter() - t0, len(compiles), sum(compiles)
+    times = []
+    for _ in range(FLAGS.rounds):
+      state, m = fed.round(state)
+      times.append(m['train_seconds'])
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  seconds = sum(times) / len(times)
+  memory, memory_kind = peak_memory_bytes()
+  return {'first_round_seconds': first, 'compile_seconds': compile_s, 'compilations_first_round': first_compiles,
+          'compilations_later_rounds': len(compiles) - first_compiles, 'seconds_per_round': seconds,
+          'local_steps': m['local_steps'], 'client_steps_per_second': m['local_steps'] / seconds,
+          'peak_memory_mib': memory / 2**20, 'memory_kind': memory_kind, 'strategy': fed.strategy,
+          'conv': fed.conv, 'family': '+'.join(family)}
+
+
+def main(_):
+  rows = []
+  header = (f'{"alg":>6} {"K":>4} {"G":>2} {"model":>8} {"B":>3} | {"first s":>7} {"compile s":>9} {"#comp":>5} '
+            f'{"#later":>6} | {"s/round":>8} {"steps/s":>8} {"peak MiB":>9}')
+  print(header, flush=True)
+  for algorithm in FLAGS.algorithms:
+    for model in FLAGS.models:
+      for groups in [int(v) for v in FLAGS.groups]:
+        for batch in [int(v) for v in FLAGS.batch_sizes]:
+          for k in [int(v) for v in FLAGS.num_clients]:
+            row = {'algorithm': algorithm, 'num_clients': k, 'groups': groups, 'model': model, 'batch_size': batch}
+            try:
+              row.update(measure(algorithm, k, groups, model, batch))
+            except Exception as e:  # XLA reports exhaustion as a runtime error; record it and go on.
+              if 'RESOURCE_EXHAUSTED' not in str(e) and 'Out of memory' not in str(e):
+                raise
+              row['out_of_memory'] = True
+              print(f'{algorithm:>6} {k:4d} {groups:2d} {model:>8} {batch:3d} | out of memory', flush=True)
+              rows.append(row)
+              break  # more clients will not fit either
+            rows.append(row)
+            print(f'{algorithm:>6} {k:4d} {groups:2d} {model:>8} {batch:3d} | {row["first_round_seconds"]:7.2f} '
+                  f'{row["compile_seconds"]:9.2f} {row["compilations_first_round"]:5d} '
+                  f'{row["compilations_later_rounds"]:6d} | {row["seconds_per_round"]:8.3f} '
+                  f'{row["client_steps_per_second"]:8.1f} {row["peak_memory_mib"]:9.0f}', flush=True)
+  result = {'backend': jax.default_backend(), 'device': str(jax.devices()[0]), 'cpu_count': os.cpu_count(),
+            'machine': platform.processor() or platform.machine(), 'jax': jax.__version__, 'rows': rows}
+  os.makedirs(FLAGS.out, exist_ok=True)
+  base = os.path.join(FLAGS.out, f'scaling_{jax.default_backend()}')
+  with open(base + '.json', 'w') as f:
+    json.dump(result, f, indent=2)
+  fields = sorted({key for r in rows for key in r}, key=lambda key: list(rows[0]).index(key) if key in rows[0] else 99)
+  with open(base + '.csv', 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+  print('wrote', base + '.json', base + '.csv')
+
+
+if __name__ == '__main__':
+  app.run(main)
