@@ -46,10 +46,11 @@ flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the JSON/CSV result
 FLAGS = flags.FLAGS
 
 
-def centralized_limit(x: np.ndarray, steps: int, rep_rows: int, batch_size: int, lr: float) -> float:
-  """Seconds for `steps` jitted SGD steps of one cnn4 plus eval-mode representations of `rep_rows` rows."""
+def centralized_limit(x: np.ndarray, steps: int, rep_rows: int, batch_size: int, lr: float, conv: str) -> float:
+  """Seconds for `steps` jitted SGD steps of one cnn4 plus eval-mode representations of `rep_rows` rows, one
+  host thread, the same convolution formulation as the federation."""
   from fedjax_het.models import build_model
-  model = build_model('cnn4', 10, 512)
+  model = build_model('cnn4', 10, 512, conv=conv)
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1,) + x.shape[1:]))['params']
   training = LocalTraining(lr, batch_size, 1)
   opt = training.optimizer()
@@ -112,7 +113,7 @@ def main(_):
     jax.monitoring.unregister_event_duration_listener(listener)
     mean = {name: float(np.mean(t)) for name, t in times.items()}
     limit = centralized_limit(np.asarray(g.train.x[0]), m['local_steps'], int(g.train_sizes.sum()),
-                              FLAGS.batch_size, lr)
+                              FLAGS.batch_size, lr, fed.conv)
     row = {'num_clients': k, 'local_steps': m['local_steps'], 'local_samples': m['local_samples'],
            'torch_seconds_per_round': mean['torch'],
            'torch_disk_seconds_per_round': mean.get('torch_disk'),
