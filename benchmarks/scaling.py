@@ -6,11 +6,11 @@
 Every combination of the swept values runs: synthetic CIFAR-shaped data (32x32x3, 10 classes, IID,
 `--samples_per_client` pool rows), placed on device once (it never leaves between rounds). With G groups,
 client k gets architecture k % G of the family `--models` followed by --group_family (so G distinct
-architectures). Reported per row: first round incl. compile (s), compile seconds (initialisation and first
-round, summed over the client threads that compile concurrently) and compilations (first round and later rounds), warm seconds per round, client-steps per second, and peak memory: the device's
-peak_bytes_in_use where the backend reports it (GPU/TPU), else the process's peak resident set (CPU). A
-configuration that runs out of memory is recorded as such and the sweep goes on. Writes
-benchmarks/results/scaling_<backend>.json and .csv.
+architectures). Reported per row: first round incl. compile (s); compile seconds (initialisation and first
+round, summed over the client threads that compile concurrently); compilations (first round and later rounds);
+warm seconds per round; client-steps per second; and peak memory: the device's peak_bytes_in_use where the
+backend reports it (GPU/TPU), else the process's peak resident set (CPU). A configuration that runs out of
+memory is recorded as such and the sweep goes on. Writes benchmarks/results/scaling_<backend>.json and .csv.
 """
 
 import csv
