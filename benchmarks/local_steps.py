@@ -3,11 +3,9 @@
   python benchmarks/local_steps.py --steps=36 --model=cnn4 --out=benchmarks/results
 
 One client, batch 32, CIFAR-shaped synthetic data, plain SGD through the engine's `sgd_step`. Prints compile and
-warm seconds for each formulation and writes JSON. This is the measurement behind the CPU default strategy.
+warm seconds for each formulation and writes JSON/CSV. This is the measurement behind the CPU default strategy.
 """
 
-import json
-import os
 import time
 
 from absl import app, flags
@@ -15,31 +13,26 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.algorithms.common import cross_entropy_loss
-from fedjax_het.engine.training import sgd_step
+from harness import sgd_step_fn, write_results
+
 from fedjax_het.models import build_model
 
 flags.DEFINE_integer('steps', 36, 'Local steps.')
 flags.DEFINE_integer('batch_size', 32, 'Batch size.')
 flags.DEFINE_string('model', 'cnn4', 'Architecture.')
+flags.DEFINE_string('conv', 'xla', 'Convolution formulation (xla, im2col, auto).')
 flags.DEFINE_integer('repeats', 3, 'Warm repetitions.')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the JSON result.')
+flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
 FLAGS = flags.FLAGS
 
 
 def main(_):
   s, b = FLAGS.steps, FLAGS.batch_size
-  model = build_model(FLAGS.model, 10, 512)
+  model = build_model(FLAGS.model, 10, 512, conv=FLAGS.conv)
   x = jax.random.normal(jax.random.PRNGKey(0), (s * b, 32, 32, 3))
   y = jax.random.randint(jax.random.PRNGKey(1), (s * b,), 0, 10)
-  variables = model.init(jax.random.PRNGKey(2), x[:1])
-  params, state = variables.pop('params'), {}
-  import optax
-  opt = optax.sgd(0.01)
-  loss_fn = lambda p, st, xb, yb, r: cross_entropy_loss(model, p, st, xb, yb, None, r)
-  carry0 = (params, dict(state), opt.init(params))
-  key = jax.random.PRNGKey(3)
-  one = jax.jit(lambda c, xb, yb: sgd_step(loss_fn, opt, c, xb, yb, jnp.asarray(True), key))
+  step, carry0 = sgd_step_fn(model, model.init(jax.random.PRNGKey(2), x[:1])['params'])
+  one = jax.jit(step)
 
   def host_steps():
     c = carry0
@@ -50,9 +43,7 @@ def main(_):
   def scan_fn(unroll):
     def run(c):
       def body(c, i):
-        xb = jax.lax.dynamic_slice_in_dim(x, i * b, b)
-        yb = jax.lax.dynamic_slice_in_dim(y, i * b, b)
-        return sgd_step(loss_fn, opt, c, xb, yb, jnp.asarray(True), key)
+        return step(c, jax.lax.dynamic_slice_in_dim(x, i * b, b), jax.lax.dynamic_slice_in_dim(y, i * b, b))
       return jax.lax.scan(body, c, jnp.arange(s), unroll=unroll)[0]
     f = jax.jit(run)
     return lambda: f(carry0)
@@ -69,12 +60,8 @@ def main(_):
     warm = (time.perf_counter() - t0) / FLAGS.repeats
     rows.append({'formulation': name, 'first_seconds': first, 'warm_seconds': warm})
     print(f'{name:>26}: first (incl. compile) {first:7.2f} s | warm {warm:7.3f} s', flush=True)
-  os.makedirs(FLAGS.out, exist_ok=True)
-  path = os.path.join(FLAGS.out, f'local_steps_{jax.default_backend()}_{FLAGS.model}_{s}steps.json')
-  with open(path, 'w') as f:
-    json.dump({'backend': jax.default_backend(), 'jax': jax.__version__, 'cpu_count': os.cpu_count(),
-               'steps': s, 'batch_size': b, 'model': FLAGS.model, 'rows': rows}, f, indent=2)
-  print('wrote', path)
+  write_results(FLAGS.out, f'local_steps_{jax.default_backend()}_{FLAGS.model}_{s}steps',
+                {'steps': s, 'batch_size': b, 'model': FLAGS.model, 'conv': FLAGS.conv}, rows)
 
 
 if __name__ == '__main__':

@@ -13,10 +13,6 @@ backend reports it (GPU/TPU), else the process's peak resident set (CPU). A conf
 memory is recorded as such and the sweep goes on. Writes benchmarks/results/scaling_<backend>.json and .csv.
 """
 
-import csv
-import json
-import os
-import platform
 import resource
 import time
 
@@ -24,8 +20,9 @@ from absl import app, flags
 
 import jax
 
+from harness import CompileLog, cifar_like, write_results
+
 from fedjax_het.algorithms import FedREConfig, fedavg_grouped, fedre
-from fedjax_het.data import make_federated_data, make_synthetic
 from fedjax_het.engine import Federation, LocalTraining
 
 flags.DEFINE_list('algorithms', ['fedre', 'fedavg'], 'fedre and/or fedavg (grouped).')
@@ -51,28 +48,23 @@ def peak_memory_bytes() -> tuple[int, str]:
 
 def measure(algorithm: str, k: int, groups: int, model: str, batch: int) -> dict:
   family = ([model] + [m for m in FLAGS.group_family if m != model])[:groups]
-  ds = make_synthetic(num_samples=k * FLAGS.samples_per_client, image_shape=(32, 32, 3), num_classes=10, seed=0)
-  data = make_federated_data(ds, k, 'iid', seed=0)
   alg = fedre(FedREConfig(), 10) if algorithm == 'fedre' else fedavg_grouped(10)
-  fed = Federation(alg, data, family, LocalTraining(0.01, batch, 1), strategy=FLAGS.strategy)
-  compiles = []
-  listener = lambda event, duration, **kw: compiles.append(duration) if 'backend_compile' in event else None
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  fed = Federation(alg, cifar_like(k, FLAGS.samples_per_client), family, LocalTraining(0.01, batch, 1),
+                   strategy=FLAGS.strategy)
+  with CompileLog() as compiles:
     state = fed.init()
     t0 = time.perf_counter()
     state, m = fed.round(state)
-    first, first_compiles, compile_s = time.perf_counter() - t0, len(compiles), sum(compiles)
+    first, first_compiles = time.perf_counter() - t0, list(compiles.durations)
     times = []
     for _ in range(FLAGS.rounds):
       state, m = fed.round(state)
       times.append(m['train_seconds'])
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   seconds = sum(times) / len(times)
   memory, memory_kind = peak_memory_bytes()
-  return {'first_round_seconds': first, 'compile_seconds': compile_s, 'compilations_first_round': first_compiles,
-          'compilations_later_rounds': len(compiles) - first_compiles, 'seconds_per_round': seconds,
+  return {'first_round_seconds': first, 'compile_seconds': sum(first_compiles),
+          'compilations_first_round': len(first_compiles),
+          'compilations_later_rounds': len(compiles.durations) - len(first_compiles), 'seconds_per_round': seconds,
           'local_steps': m['local_steps'], 'client_steps_per_second': m['local_steps'] / seconds,
           'peak_memory_mib': memory / 2**20, 'memory_kind': memory_kind, 'strategy': fed.strategy,
           'conv': fed.conv, 'family': '+'.join(family)}
@@ -103,18 +95,9 @@ def main(_):
                   f'{row["compile_seconds"]:9.2f} {row["compilations_first_round"]:5d} '
                   f'{row["compilations_later_rounds"]:6d} | {row["seconds_per_round"]:8.3f} '
                   f'{row["client_steps_per_second"]:8.1f} {row["peak_memory_mib"]:9.0f}', flush=True)
-  result = {'backend': jax.default_backend(), 'device': str(jax.devices()[0]), 'cpu_count': os.cpu_count(),
-            'machine': platform.processor() or platform.machine(), 'jax': jax.__version__, 'rows': rows}
-  os.makedirs(FLAGS.out, exist_ok=True)
-  base = os.path.join(FLAGS.out, f'scaling_{jax.default_backend()}')
-  with open(base + '.json', 'w') as f:
-    json.dump(result, f, indent=2)
-  fields = sorted({key for r in rows for key in r}, key=lambda key: list(rows[0]).index(key) if key in rows[0] else 99)
-  with open(base + '.csv', 'w', newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=fields)
-    writer.writeheader()
-    writer.writerows(rows)
-  print('wrote', base + '.json', base + '.csv')
+  write_results(FLAGS.out, f'scaling_{jax.default_backend()}', {'rounds': FLAGS.rounds,
+                                                                 'samples_per_client': FLAGS.samples_per_client},
+                rows)
 
 
 if __name__ == '__main__':

@@ -1,24 +1,22 @@
-"""Seconds per FedRE round for each execution strategy, side by side in one process.
+"""Seconds per FedRE round for each execution variant, side by side in one process.
 
   python benchmarks/strategies.py --num_clients=10 --samples_per_client=384 --models=cnn4 \
-      --variants=sequential/xla/1,sequential/auto/1,sequential/auto/2,vmap/im2col,vmap/xla
+      --variants=sequential/auto/2,sequential/auto/1,sequential/xla/1,vmap/im2col
 
 Synthetic CIFAR-shaped data (32x32x3), IID over clients, FedRE with RAP. A variant is strategy/conv[/threads]
 (threads: the sequential strategy's client threads). For each: compile+first-round seconds, then the mean of
---rounds warm rounds (train only, evaluation excluded). Prints a table and writes JSON.
+--rounds warm rounds (train only, evaluation excluded). Prints a table and writes JSON/CSV.
 """
 
-import json
-import os
-import platform
 import time
 
 from absl import app, flags
 
 import jax
 
+from harness import cifar_like, write_results
+
 from fedjax_het.algorithms import FedREConfig, fedre
-from fedjax_het.data import make_federated_data, make_synthetic
 from fedjax_het.engine import Federation, LocalTraining
 
 flags.DEFINE_integer('num_clients', 10, 'Clients.')
@@ -28,14 +26,13 @@ flags.DEFINE_list('variants', ['sequential/auto/2', 'vmap/im2col'], 'strategy/co
 flags.DEFINE_integer('chunk_size', 0, 'vmap chunk size (0 = whole group).')
 flags.DEFINE_integer('batch_size', 32, 'Local batch size.')
 flags.DEFINE_integer('rounds', 3, 'Warm rounds to time.')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the JSON result.')
+flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
 FLAGS = flags.FLAGS
 
 
 def main(_):
   k = FLAGS.num_clients
-  ds = make_synthetic(num_samples=k * FLAGS.samples_per_client, image_shape=(32, 32, 3), num_classes=10, seed=0)
-  data = make_federated_data(ds, k, 'iid', seed=0)
+  data = cifar_like(k, FLAGS.samples_per_client)
   rows = []
   for variant in FLAGS.variants:
     strategy, conv, *threads = variant.split('/')
@@ -50,20 +47,14 @@ def main(_):
     for _ in range(FLAGS.rounds):
       state, m = fed.round(state)
       times.append(m['train_seconds'])
-    steps = sum(int(n) // FLAGS.batch_size for g in fed.groups for n in g.train.n)
-    rows.append({'variant': variant, 'first_round_seconds': first, 'seconds_per_round': sum(times) / len(times),
-                 'client_steps_per_second': steps / (sum(times) / len(times))})
-    print(f"{variant:>18}: first round (with compile) {first:7.2f} s | warm round {rows[-1]['seconds_per_round']:7.3f} s"
+    seconds = sum(times) / len(times)
+    rows.append({'variant': variant, 'first_round_seconds': first, 'seconds_per_round': seconds,
+                 'client_steps_per_second': m['local_steps'] / seconds})
+    print(f"{variant:>18}: first round (with compile) {first:7.2f} s | warm round {seconds:7.3f} s"
           f" | {rows[-1]['client_steps_per_second']:8.1f} client-steps/s", flush=True)
-  result = {'backend': jax.default_backend(), 'device': str(jax.devices()[0]), 'cpu_count': os.cpu_count(),
-            'machine': platform.processor() or platform.machine(), 'jax': jax.__version__,
-            'num_clients': k, 'models': FLAGS.models, 'batch_size': FLAGS.batch_size,
-            'samples_per_client': FLAGS.samples_per_client, 'rows': rows}
-  os.makedirs(FLAGS.out, exist_ok=True)
-  path = os.path.join(FLAGS.out, f'strategies_{jax.default_backend()}_{k}clients_{"-".join(FLAGS.models)}.json')
-  with open(path, 'w') as f:
-    json.dump(result, f, indent=2)
-  print('wrote', path)
+  write_results(FLAGS.out, f'strategies_{jax.default_backend()}_{k}clients_{"-".join(FLAGS.models)}',
+                {'num_clients': k, 'models': FLAGS.models, 'batch_size': FLAGS.batch_size,
+                 'samples_per_client': FLAGS.samples_per_client}, rows)
 
 
 if __name__ == '__main__':

@@ -90,8 +90,8 @@ class TorchFedRE:
                init_models: Optional[list[TorchCNN4]] = None):
     self.train, self.num_classes, self.device = train, num_classes, device
     self.lr, self.batch_size, self.epochs = learning_rate, batch_size, epochs
-    self.server_lr, self.server_batch_size, self.eval_batch_size = server_learning_rate, server_batch_size, \
-        eval_batch_size
+    self.server_lr, self.server_batch_size = server_learning_rate, server_batch_size
+    self.eval_batch_size = eval_batch_size
     self.disk_io = disk_io
     torch.manual_seed(seed)
     self.generator = torch.Generator(device='cpu').manual_seed(seed)

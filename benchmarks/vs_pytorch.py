@@ -15,10 +15,6 @@ federated overhead.
 Prints a table, writes benchmarks/results/vs_pytorch_<backend>.json and .csv.
 """
 
-import csv
-import json
-import os
-import platform
 import time
 
 import numpy as np
@@ -28,13 +24,13 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from harness import CompileLog, cifar_like, sgd_step_fn, write_results
 from torch_reference import TorchFedRE, client_tensors
 
 from fedjax_het.algorithms import FedREConfig, fedre
-from fedjax_het.algorithms.common import cross_entropy_loss
-from fedjax_het.data import make_federated_data, make_synthetic
-from fedjax_het.engine import Federation, LocalTraining, sgd_step
+from fedjax_het.engine import Federation, LocalTraining
 from fedjax_het.engine.forward import forward
+from fedjax_het.models import build_model
 
 flags.DEFINE_list('num_clients', ['10', '20'], 'Client counts to sweep.')
 flags.DEFINE_integer('samples_per_client', 384, 'Pool rows per client (75% train: 288 rows = 9 steps of 32).')
@@ -49,13 +45,9 @@ FLAGS = flags.FLAGS
 def centralized_limit(x: np.ndarray, steps: int, rep_rows: int, batch_size: int, lr: float, conv: str) -> float:
   """Seconds for `steps` jitted SGD steps of one cnn4 plus eval-mode representations of `rep_rows` rows, one
   host thread, the same convolution formulation as the federation."""
-  from fedjax_het.models import build_model
   model = build_model('cnn4', 10, 512, conv=conv)
-  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1,) + x.shape[1:]))['params']
-  training = LocalTraining(lr, batch_size, 1)
-  opt = training.optimizer()
-  loss_fn = lambda p, s, xb, yb, r: cross_entropy_loss(model, p, s, xb, yb, None, r)
-  step = jax.jit(lambda c, xb, yb: sgd_step(loss_fn, opt, c, xb, yb, jnp.asarray(True), jax.random.PRNGKey(0)))
+  step, carry0 = sgd_step_fn(model, model.init(jax.random.PRNGKey(0), jnp.zeros((1,) + x.shape[1:]))['params'], lr)
+  step = jax.jit(step)
   chunk = 256
   represent = jax.jit(lambda p, xb: forward(model, p, {}, xb, False)[1])
   xs = jax.device_put(x[:batch_size * 8].reshape((8, batch_size) + x.shape[1:]))
@@ -63,7 +55,7 @@ def centralized_limit(x: np.ndarray, steps: int, rep_rows: int, batch_size: int,
   xr = jax.device_put(x[:chunk])
 
   def run():
-    carry = (params, {}, opt.init(params))
+    carry = carry0
     for s in range(steps):
       carry, _ = step(carry, xs[s % 8], ys[s % 8])
     reps = [represent(carry[0], xr) for _ in range(-(-rep_rows // chunk))]
@@ -81,9 +73,7 @@ def main(_):
   print(f'{"clients":>7} | {"torch s/round":>13} | {"torch+disk":>10} | {"fedjax_het":>10} | {"speed-up":>8} | '
         f'{"vs +disk":>8} | {"limit s":>7} | {"overhead":>8}', flush=True)
   for k in [int(v) for v in FLAGS.num_clients]:
-    ds = make_synthetic(num_samples=k * FLAGS.samples_per_client, image_shape=(32, 32, 3), num_classes=10, seed=0)
-    data = make_federated_data(ds, k, 'iid', seed=0)
-    fed = Federation(fedre(FedREConfig(), 10), data, ['cnn4'], LocalTraining(lr, FLAGS.batch_size, 1),
+    fed = Federation(fedre(FedREConfig(), 10), cifar_like(k, FLAGS.samples_per_client), ['cnn4'], LocalTraining(lr, FLAGS.batch_size, 1),
                      strategy=FLAGS.strategy)
     g = fed.groups[0]
     tensors = client_tensors(g.train.x, g.train.y, g.train_sizes, torch_device)
@@ -91,26 +81,22 @@ def main(_):
     if FLAGS.disk_io:
       sides['torch_disk'] = TorchFedRE(tensors, 10, lr, FLAGS.batch_size, device=torch_device, disk_io=True)
     state = fed.init()
-    compiles = []
-    listener = lambda event, duration, **kw: compiles.append(duration) if 'backend_compile' in event else None
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    t0 = time.perf_counter()
-    state, m = fed.round(state)
-    first = time.perf_counter() - t0
-    compile_seconds, first_compiles = sum(compiles), len(compiles)
-    for ref in sides.values():
-      ref.round()
-    times = {name: [] for name in list(sides) + ['fedjax_het']}
-    for _ in range(FLAGS.rounds):
-      for name, ref in sides.items():
-        before = ref.steps, ref.samples
-        t0 = time.perf_counter()
-        ref.round()
-        times[name].append(time.perf_counter() - t0)
-        assert (ref.steps - before[0], ref.samples - before[1]) == (m['local_steps'], m['local_samples'])
+    with CompileLog() as compiles:
+      t0 = time.perf_counter()
       state, m = fed.round(state)
-      times['fedjax_het'].append(m['train_seconds'])
-    jax.monitoring.unregister_event_duration_listener(listener)
+      first, first_compiles = time.perf_counter() - t0, list(compiles.durations)
+      for ref in sides.values():
+        ref.round()
+      times = {name: [] for name in list(sides) + ['fedjax_het']}
+      for _ in range(FLAGS.rounds):
+        for name, ref in sides.items():
+          before = ref.steps, ref.samples
+          t0 = time.perf_counter()
+          ref.round()
+          times[name].append(time.perf_counter() - t0)
+          assert (ref.steps - before[0], ref.samples - before[1]) == (m['local_steps'], m['local_samples'])
+        state, m = fed.round(state)
+        times['fedjax_het'].append(m['train_seconds'])
     mean = {name: float(np.mean(t)) for name, t in times.items()}
     limit = centralized_limit(np.asarray(g.train.x[0]), m['local_steps'], int(g.train_sizes.sum()),
                               FLAGS.batch_size, lr, fed.conv)
@@ -120,9 +106,9 @@ def main(_):
            'fedjax_seconds_per_round': mean['fedjax_het'],
            'speedup_vs_torch': mean['torch'] / mean['fedjax_het'],
            'speedup_vs_torch_disk': mean['torch_disk'] / mean['fedjax_het'] if 'torch_disk' in mean else None,
-           'fedjax_first_round_seconds': first, 'fedjax_compile_seconds': compile_seconds,
-           'fedjax_compilations_first_round': first_compiles, 'fedjax_compilations_later': len(compiles) -
-           first_compiles, 'limit_seconds': limit, 'overhead_vs_limit': mean['fedjax_het'] / limit,
+           'fedjax_first_round_seconds': first, 'fedjax_compile_seconds': sum(first_compiles),
+           'fedjax_compilations_first_round': len(first_compiles),
+           'fedjax_compilations_later': len(compiles.durations) - len(first_compiles), 'limit_seconds': limit, 'overhead_vs_limit': mean['fedjax_het'] / limit,
            'fedjax_client_steps_per_second': m['local_steps'] / mean['fedjax_het'],
            'torch_client_steps_per_second': m['local_steps'] / mean['torch']}
     rows.append(row)
@@ -131,20 +117,10 @@ def main(_):
     print(f'{k:7d} | {row["torch_seconds_per_round"]:13.3f} | {disk} | {row["fedjax_seconds_per_round"]:10.3f} | '
           f'{row["speedup_vs_torch"]:7.2f}x | {vs_disk} | {limit:7.3f} | {row["overhead_vs_limit"]:7.2f}x',
           flush=True)
-  result = {'backend': jax.default_backend(), 'device': str(jax.devices()[0]), 'torch_device': torch_device,
-            'cpu_count': os.cpu_count(), 'machine': platform.processor() or platform.machine(),
-            'jax': jax.__version__, 'torch': torch.__version__, 'strategy': fed.strategy, 'conv': fed.conv,
-            'batch_size': FLAGS.batch_size, 'samples_per_client': FLAGS.samples_per_client,
-            'rounds': FLAGS.rounds, 'rows': rows}
-  os.makedirs(FLAGS.out, exist_ok=True)
-  base = os.path.join(FLAGS.out, f'vs_pytorch_{jax.default_backend()}')
-  with open(base + '.json', 'w') as f:
-    json.dump(result, f, indent=2)
-  with open(base + '.csv', 'w', newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-  print('wrote', base + '.json', base + '.csv')
+  write_results(FLAGS.out, f'vs_pytorch_{jax.default_backend()}',
+                {'torch_device': torch_device, 'torch': torch.__version__, 'strategy': fed.strategy,
+                 'conv': fed.conv, 'client_threads': fed.client_threads, 'batch_size': FLAGS.batch_size,
+                 'samples_per_client': FLAGS.samples_per_client, 'rounds': FLAGS.rounds}, rows)
 
 
 if __name__ == '__main__':

@@ -7,7 +7,6 @@ per round), summary.json, accuracy.png, checkpoints/ (orbax CheckpointManager, o
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fedjax_het.algorithms.base import (Algorithm, CommSpec, identity_broadcast, keep_client, keep_server,
-                                        local_head, no_server, no_upload)
+from fedjax_het.algorithms.base import (Algorithm, identity_broadcast, keep_client, keep_server, local_head,
+                                        no_server, no_upload)
 from fedjax_het.algorithms.common import cross_entropy_loss
 
 

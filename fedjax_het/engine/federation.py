@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import math
 import os
 import time
 from typing import Any, NamedTuple, Optional, Sequence
@@ -221,8 +220,10 @@ class Federation:
     if self.global_test is None and not any(g.test.sizes.sum() > 0 for g in self.groups):
       raise ConfigError('--train_fraction: no client has local test rows and there is no global test set, so '
                         'nothing can be evaluated. Fix: --train_fraction < 1 or --eval_protocol=global.')
+    self.train_sizes = np.zeros(self.num_clients, int)  # per global client id, host copy
     for g in self.groups:
       g.num_params = _check_architecture(g.model, g.arch, g.train.x.shape[2:])
+      self.train_sizes[g.clients] = g.train_sizes
     # Participant slots per group: fixed across rounds (no recompiles), a multiple of the device count.
     self.slots = [-(-min(g.size, self.num_join) // num_devices) * num_devices for g in self.groups]
     self._warn_small_clients(training.batch_size)
@@ -263,24 +264,19 @@ class Federation:
   def communication_per_client(self) -> list[dict]:
     """Per-client upload/broadcast scalars by part, from the algorithm's accounting."""
     if self._comm is None:
-      n_train = np.zeros(self.num_clients, int)
       params = np.zeros(self.num_clients, int)
       for g in self.groups:
-        n_train[g.clients] = g.train_sizes
         params[g.clients] = g.num_params
       feature_dim = self.groups[0].model.feature_dim
       self._comm = [self.algorithm.communication(CommSpec(self.data.num_classes, feature_dim,
-                                                          int(n_train[k]), int(params[k])))
+                                                          int(self.train_sizes[k]), int(params[k])))
                     for k in range(self.num_clients)]
     return self._comm
 
   def local_work(self, participants: np.ndarray) -> dict:
     """SGD steps and training samples the participants process this round: epochs * (n_k // batch_size) steps
     of batch_size rows each (drop_last), summed over participants."""
-    n_train = np.zeros(self.num_clients, int)
-    for g in self.groups:
-      n_train[g.clients] = g.train_sizes
-    steps = int((n_train[participants] // self.training.batch_size).sum()) * self.training.epochs
+    steps = int((self.train_sizes[participants] // self.training.batch_size).sum()) * self.training.epochs
     return {'local_steps': steps, 'local_samples': steps * self.training.batch_size}
 
   def round_communication(self, participants: np.ndarray) -> dict:
@@ -392,7 +388,7 @@ class Federation:
     fns = self._jit('sequential', gi, lambda: self._make_sequential_fns(g))
     n_max = g.train.x.shape[1]
     real = [int(i) for i in slot_idx if i < g.size]
-    results = {}
+    uploads, losses = [], []
     # Waves of `client_threads` clients run concurrently (one host thread each: XLA:CPU then uses every core);
     # each client's update is independent of the others, so the numbers do not depend on the thread count.
     for w in range(0, len(real), self.client_threads):
@@ -402,9 +398,8 @@ class Federation:
       done = list(self._pool().map(run, zip(wave, taken))) if len(wave) > 1 else [run((wave[0], taken[0]))]
       for i, (client, upload, loss) in zip(wave, done):
         stacked = fns['put'](stacked, i, client)
-        results[i] = (upload, loss)
-    uploads = [results[i][0] for i in real]
-    losses = [results[i][1] for i in real]
+        uploads.append(upload)
+        losses.append(loss)
     # Uploads are laid out in the same fixed slots as the vmap strategy, padded slots zero.
     if 'empty_upload' not in fns:
       client = jax.eval_shape(fns['take'], stacked, 0)

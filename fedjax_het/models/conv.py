@@ -1,11 +1,11 @@
-"""Convolution formulations: XLA's native convolution, or image patches times a matrix.
+"""Convolution formulations: XLA's native convolution, or im2col (image patches times the kernel as a matrix).
 
-Both compute `lax.conv_general_dilated` with the same parameters (Flax `nn.Conv`'s 'kernel' [kh, kw, C, O] and
-'bias'); they differ in how they batch. Under `jax.vmap` over clients, each client has its own kernel, so XLA's
-convolution becomes a grouped convolution (feature_group_count = clients), which XLA:CPU runs several times slower
-than the same work as a batched matrix multiply. The 'patches' form extracts patches with a fixed one-hot kernel
-(shared by every client, so vmap folds clients into the batch) and contracts them with each client's kernel as a
-batched matmul. Figures: benchmarks/strategies.py and the README.
+All compute `lax.conv_general_dilated` with the same parameters (Flax `nn.Conv`'s 'kernel' [kh, kw, C, O] and
+'bias'); they differ in speed. Under `jax.vmap` over clients each client has its own kernel, so XLA's convolution
+becomes a grouped convolution (feature_group_count = clients), which XLA:CPU runs several times slower than the
+same work as a batched matmul; and XLA:CPU's convolution with few input channels is slow even unbatched. im2col
+gathers patches with strided slices (batched trivially by vmap; their gradient is pads and adds) and contracts
+them with the kernel in one matmul. Figures: benchmarks/cpu_kernels.py and the README.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from fedjax_het.errors import ConfigError
+
+
+IM2COL_MAX_CHANNELS = 8  # 'auto' uses im2col up to this many input channels
 
 
 def _channels_last(nd: int) -> lax.ConvDimensionNumbers:
@@ -66,9 +69,6 @@ def auto_conv_general_dilated(lhs, rhs, *args, **kwargs) -> jax.Array:
   if rhs.ndim >= 3 and rhs.shape[-2] <= IM2COL_MAX_CHANNELS:
     return im2col_conv_general_dilated(lhs, rhs, *args, **kwargs)
   return lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
-
-
-IM2COL_MAX_CHANNELS = 8
 
 
 ConvFactory = Callable[..., nn.Module]

@@ -1,0 +1,207 @@
+"""Where a local SGD step of the 4-layer CNN spends its time, and what the CPU defaults are based on.
+
+  python benchmarks/cpu_kernels.py --parts=step,layers,pool,threads,vmap,federation_step
+
+Batch 32, 32x32x3 inputs, milliseconds, best of 3 after a warm-up. Parts:
+  step:            one jitted SGD step per convolution formulation (xla, im2col, auto), and PyTorch's.
+  layers:          forward / kernel-gradient / input-gradient of each convolution of the CNN, XLA vs im2col.
+  pool:            gradient of 2x2 max pooling: reshape-and-max (models/pooling.py) vs flax's reduce_window.
+  threads:         steps of two independent clients driven from one host thread vs two (ms per client-step).
+  vmap:            one step of 10 clients vmapped (per client-step) per formulation, vs a host loop.
+  federation_step: the Federation's own jitted step (sequential strategy) vs the standalone step, same model,
+                   conv and batch shape.
+Prints the figures and writes benchmarks/results/cpu_kernels_<backend>.json/.csv.
+"""
+
+import os
+import threading
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from jax import lax
+
+from harness import best_seconds, cifar_like, sgd_step_fn, write_results
+
+from fedjax_het.algorithms import FedREConfig, fedre
+from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.models import build_model
+from fedjax_het.models.conv import im2col_conv_general_dilated
+from fedjax_het.models.pooling import max_pool
+
+flags.DEFINE_list('parts', ['step', 'layers', 'pool', 'threads', 'vmap', 'federation_step'], 'What to measure.')
+flags.DEFINE_integer('batch_size', 32, 'Batch size.')
+flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
+FLAGS = flags.FLAGS
+B = 32
+
+
+def batch(rng=0, clients=None):
+  shape = (B, 32, 32, 3) if clients is None else (clients, B, 32, 32, 3)
+  x = np.random.default_rng(rng).normal(size=shape).astype(np.float32)
+  y = np.random.default_rng(rng + 1).integers(0, 10, shape[:-3]).astype(np.int32)
+  return jnp.asarray(x), jnp.asarray(y)
+
+
+def step_setup(conv, seed=0):
+  model = build_model('cnn4', 10, 512, conv=conv)
+  step, carry = sgd_step_fn(model, model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 32, 32, 3)))['params'])
+  return model, jax.jit(step), carry
+
+
+def ms_per_step(step, carry, x, y, steps=10):
+  def run():
+    c = carry
+    for _ in range(steps):
+      c, _ = step(c, x, y)
+    return c
+  return best_seconds(run) / steps * 1e3
+
+
+def part_step(rows):
+  x, y = batch()
+  for conv in ('xla', 'im2col', 'auto'):
+    _, step, carry = step_setup(conv)
+    rows.append({'part': 'step', 'case': f'jax {conv}', 'ms': ms_per_step(step, carry, x, y)})
+  try:
+    import torch
+    import torch.nn.functional as F
+    from torch_reference import TorchCNN4
+  except ImportError:
+    print('step: torch not installed, PyTorch step not measured (pip install -e ".[torch]")')
+    return
+  model = TorchCNN4()
+  opt = torch.optim.SGD(model.parameters(), lr=0.01)
+  tx = torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy())
+  ty = torch.from_numpy(np.asarray(y).astype(np.int64))
+
+  def torch_steps():
+    for _ in range(10):
+      opt.zero_grad()
+      F.cross_entropy(model(tx), ty).backward()
+      opt.step()
+  rows.append({'part': 'step', 'case': f'torch {torch.__version__} ({torch.get_num_threads()} threads)',
+               'ms': best_seconds(torch_steps) / 10 * 1e3})
+
+
+def part_layers(rows):
+  rng = np.random.default_rng(0)
+  for h, c, o in [(32, 3, 32), (14, 32, 64)]:
+    x = jnp.asarray(rng.normal(size=(B, h, h, c)).astype(np.float32))
+    k = jnp.asarray(rng.normal(size=(5, 5, c, o)).astype(np.float32))
+    for name, fn in [('xla', lax.conv_general_dilated), ('im2col', im2col_conv_general_dilated)]:
+      conv = lambda x, k, fn=fn: fn(x, k, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+      fwd = jax.jit(conv)
+      dk = jax.jit(jax.grad(lambda k, x: jnp.sum(conv(x, k) ** 2)))
+      dx = jax.jit(jax.grad(lambda x, k: jnp.sum(conv(x, k) ** 2)))
+      for what, f, args in [('forward', fwd, (x, k)), ('kernel grad', dk, (k, x)), ('input grad', dx, (x, k))]:
+        rows.append({'part': 'layers', 'case': f'conv {c}->{o} at {h}x{h} {name} {what}',
+                     'ms': best_seconds(lambda: f(*args)) * 1e3})
+
+
+def part_pool(rows):
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(B, 28, 28, 32)).astype(np.float32))
+  for name, pool in [('reshape max', lambda x: max_pool(x, (2, 2), (2, 2))),
+                     ('flax reduce_window', lambda x: nn.max_pool(x, (2, 2), (2, 2)))]:
+    g = jax.jit(jax.grad(lambda x, pool=pool: jnp.sum(jnp.sin(pool(jax.nn.relu(x))))))
+    rows.append({'part': 'pool', 'case': f'max pool 2x2 gradient, {name}', 'ms': best_seconds(lambda: g(x)) * 1e3})
+
+
+def part_threads(rows):
+  x, y = batch()
+  _, step, carry = step_setup('auto')
+  carries = [carry, step_setup('auto', seed=1)[2]]
+  steps = 10
+
+  def chain(i):
+    c = carries[i]
+    for _ in range(steps):
+      c, _ = step(c, x, y)
+    jax.block_until_ready(c)
+
+  def two_threads():
+    threads = [threading.Thread(target=chain, args=(i,)) for i in range(2)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+  chain(0)
+  for name, fn, work in [('one thread, one client', lambda: chain(0), steps),
+                         ('one thread, two clients in turn', lambda: (chain(0), chain(1)), 2 * steps),
+                         ('two threads, one client each', two_threads, 2 * steps)]:
+    ms = best_seconds(fn) / work * 1e3
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    rows.append({'part': 'threads', 'case': name, 'ms': ms,
+                 'cpu_over_wall': (time.process_time() - cpu0) / (time.perf_counter() - t0)})
+
+
+def part_vmap(rows):
+  clients = 10
+  x, y = batch(clients=clients)
+  for conv in ('xla', 'im2col'):
+    model = build_model('cnn4', 10, 512, conv=conv)
+    params = jax.vmap(lambda k: model.init(k, x[0])['params'])(jax.random.split(jax.random.PRNGKey(0), clients))
+    raw, _ = sgd_step_fn(model, jax.tree.map(lambda a: a[0], params))
+    vstep = jax.jit(jax.vmap(raw))
+    vcarry = jax.vmap(lambda p: sgd_step_fn(model, p)[1])(params)
+    rows.append({'part': 'vmap', 'case': f'vmap over {clients} clients, {conv}',
+                 'ms': ms_per_step(vstep, vcarry, x, y, steps=3) / clients})
+  _, step, carry = step_setup('auto')
+
+  def loop():
+    out = []
+    for i in range(clients):
+      out.append(step(carry, x[i], y[i]))
+    return out
+  rows.append({'part': 'vmap', 'case': f'host loop over {clients} clients, auto',
+               'ms': best_seconds(loop) / clients * 1e3})
+
+
+def part_federation_step(rows):
+  fed = Federation(fedre(FedREConfig(), 10), cifar_like(4, 384), ['cnn4'], LocalTraining(0.01, B, 1),
+                   strategy='sequential', conv='auto', client_threads=1)
+  state, _ = fed.round(fed.init())
+  g = fed.groups[0]
+  fns = fed._compiled[('sequential', 0)]
+  client = fns['take'](state.groups[0], 0)
+  broadcast = fed.algorithm.broadcast(state.server)
+  key = jax.random.PRNGKey(0)
+  schedule, _ = fns['schedule'](key, g.train.n[0])
+  carry = (client.params, client.model_state, fns['opt_init'](client.params))
+  steps = int(g.train_sizes[0]) // B
+
+  def federation_steps():
+    c = carry
+    for s in range(steps):
+      c, _ = fns['step'](c, g.train.x, g.train.y, 0, schedule, s, 0, s, key, broadcast)
+    return c
+  rows.append({'part': 'federation_step', 'case': "Federation fns['step'] (FedRE loss, batch gathered in jit)",
+               'ms': best_seconds(federation_steps) / steps * 1e3})
+  _, step, _ = step_setup('auto')
+  xb, yb = g.train.x[0][schedule[0]], g.train.y[0][schedule[0]]
+  rows.append({'part': 'federation_step', 'case': 'standalone step, same params and first batch',
+               'ms': ms_per_step(step, carry, xb, yb, steps=steps)})
+
+
+def main(_):
+  global B
+  B = FLAGS.batch_size
+  rows = []
+  parts = {'step': part_step, 'layers': part_layers, 'pool': part_pool, 'threads': part_threads,
+           'vmap': part_vmap, 'federation_step': part_federation_step}
+  for name in FLAGS.parts:
+    start = len(rows)
+    parts[name](rows)
+    for row in rows[start:]:
+      extra = f'  (CPU time / wall {row["cpu_over_wall"]:.2f})' if 'cpu_over_wall' in row else ''
+      print(f'{row["part"]:>15} | {row["case"]:<60} | {row["ms"]:8.2f} ms{extra}', flush=True)
+  write_results(FLAGS.out, f'cpu_kernels_{jax.default_backend()}',
+                {'batch_size': B, 'xla_flags': os.environ.get('XLA_FLAGS', '')}, rows)
+
+
+if __name__ == '__main__':
+  app.run(main)

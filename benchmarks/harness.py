@@ -1,0 +1,77 @@
+"""Shared pieces of the benchmark scripts: data, a jitted SGD step, compile logging, timing, result files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_het.algorithms.common import cross_entropy_loss
+from fedjax_het.data import FederatedData, make_federated_data, make_synthetic
+from fedjax_het.engine import LocalTraining, sgd_step
+
+
+def cifar_like(num_clients: int, samples_per_client: int, seed: int = 0) -> FederatedData:
+  """Synthetic CIFAR-shaped data (32x32x3, 10 classes), IID over clients, 75% of each client's rows train."""
+  ds = make_synthetic(num_samples=num_clients * samples_per_client, image_shape=(32, 32, 3), num_classes=10,
+                      seed=seed)
+  return make_federated_data(ds, num_clients, 'iid', seed=seed)
+
+
+def sgd_step_fn(model, params: Any, learning_rate: float = 0.01) -> tuple[Callable, tuple]:
+  """(step(carry, x, y) -> (carry, loss), initial carry): the engine's `sgd_step` with CE for one model."""
+  optimizer = LocalTraining(learning_rate).optimizer()
+  loss_fn = lambda p, s, xb, yb, r: cross_entropy_loss(model, p, s, xb, yb, None, r)
+  step = lambda c, xb, yb: sgd_step(loss_fn, optimizer, c, xb, yb, jnp.asarray(True), jax.random.PRNGKey(0))
+  return step, (params, {}, optimizer.init(params))
+
+
+class CompileLog:
+  """Context manager collecting the durations of XLA backend compilations while it is open."""
+
+  def __enter__(self):
+    self.durations: list[float] = []
+    self._listener = lambda event, duration, **kw: (self.durations.append(duration)
+                                                    if 'backend_compile' in event else None)
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def best_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
+  """The fastest of `repeats` timed calls of fn (blocked until its result is ready), after one warm-up call."""
+  jax.block_until_ready(fn())
+  best = float('inf')
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def machine() -> dict:
+  """What the figures were measured on."""
+  return {'backend': jax.default_backend(), 'device': str(jax.devices()[0]), 'cpu_count': os.cpu_count(),
+          'machine': platform.processor() or platform.machine(), 'jax': jax.__version__}
+
+
+def write_results(out: str, name: str, settings: dict, rows: list[dict]) -> None:
+  """Writes out/name.json (machine, settings, rows) and out/name.csv (rows), and says where."""
+  os.makedirs(out, exist_ok=True)
+  base = os.path.join(out, name)
+  with open(base + '.json', 'w') as f:
+    json.dump({**machine(), **settings, 'rows': rows}, f, indent=2)
+  fields = list(dict.fromkeys(key for row in rows for key in row))
+  with open(base + '.csv', 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+  print('wrote', base + '.json', base + '.csv')
