@@ -83,6 +83,14 @@ def test_vmap_and_sequential_strategies_agree(tiny_data, join_ratio, conv):
     assert a['train_loss'] == pytest.approx(b['train_loss'], rel=1e-4)
 
 
+def test_sequential_results_do_not_depend_on_client_threads(tiny_data):
+  s_one, h_one = run(make_fed(tiny_data, 'sequential', join_ratio=0.5, client_threads=1), 2)
+  s_three, h_three = run(make_fed(tiny_data, 'sequential', join_ratio=0.5, client_threads=3), 2)
+  tree_allclose(s_one, s_three, rtol=0, atol=0)
+  strip = lambda h: [{k: v for k, v in m.items() if 'seconds' not in k} for m in h]
+  assert strip(h_one) == strip(h_three)
+
+
 def test_chunked_vmap_equals_whole_group(tiny_data):
   s_all, h_all = run(make_fed(tiny_data, 'vmap'), 1)
   s_chunk, h_chunk = run(make_fed(tiny_data, 'vmap', chunk_size=2), 1)
