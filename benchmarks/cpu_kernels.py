@@ -1,6 +1,6 @@
 """Where a local SGD step of the 4-layer CNN spends its time, and what the CPU defaults are based on.
 
-  python benchmarks/cpu_kernels.py --parts=step,layers,pool,threads,vmap,federation_step
+  python benchmarks/cpu_kernels.py --parts=step,layers,pool,threads,vmap,represent,federation_step
 
 Batch 32, 32x32x3 inputs, milliseconds, best of 3 after a warm-up. Parts:
   step:            one jitted SGD step per convolution formulation (xla, im2col, auto), and PyTorch's.
@@ -8,6 +8,8 @@ Batch 32, 32x32x3 inputs, milliseconds, best of 3 after a warm-up. Parts:
   pool:            gradient of 2x2 max pooling: reshape-and-max (models/pooling.py) vs flax's reduce_window.
   threads:         steps of two independent clients driven from one host thread vs two (ms per client-step).
   vmap:            one step of 10 clients vmapped (per client-step) per formulation, vs a host loop.
+  represent:       eval-mode representations of 288 rows in passes of 32..288 rows (the eval batch size), per
+                   formulation, and PyTorch's.
   federation_step: the Federation's own jitted step (sequential strategy) vs the standalone step, same model,
                    conv and batch shape.
 Prints the figures and writes benchmarks/results/cpu_kernels_<backend>.json/.csv.
@@ -28,11 +30,13 @@ from harness import best_seconds, cifar_like, sgd_step_fn, write_results
 
 from fedjax_het.algorithms import FedREConfig, fedre
 from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.engine.forward import forward
 from fedjax_het.models import build_model
 from fedjax_het.models.conv import im2col_conv_general_dilated
 from fedjax_het.models.pooling import max_pool
 
-flags.DEFINE_list('parts', ['step', 'layers', 'pool', 'threads', 'vmap', 'federation_step'], 'What to measure.')
+flags.DEFINE_list('parts', ['step', 'layers', 'pool', 'threads', 'vmap', 'represent', 'federation_step'],
+                  'What to measure.')
 flags.DEFINE_integer('batch_size', 32, 'Batch size.')
 flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
 FLAGS = flags.FLAGS
@@ -161,6 +165,33 @@ def part_vmap(rows):
                'ms': best_seconds(loop) / clients * 1e3})
 
 
+def part_represent(rows):
+  rows_total, chunks = 288, (32, 64, 144, 288)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(rows_total, 32, 32, 3)).astype(np.float32))
+  for conv in ('auto', 'xla', 'im2col'):
+    model = build_model('cnn4', 10, 512, conv=conv)
+    params = model.init(jax.random.PRNGKey(0), x[:1])['params']
+    represent = jax.jit(lambda p, xb, model=model: forward(model, p, {}, xb, False)[1])
+    for chunk in chunks:
+      run = lambda chunk=chunk: [represent(params, x[s:s + chunk]) for s in range(0, rows_total, chunk)]
+      rows.append({'part': 'represent', 'case': f'{rows_total} rows in passes of {chunk}, {conv}',
+                   'ms': best_seconds(run) * 1e3})
+  try:
+    import torch
+    from torch_reference import TorchCNN4
+  except ImportError:
+    print('represent: torch not installed, PyTorch not measured (pip install -e ".[torch]")')
+    return
+  model = TorchCNN4().eval()
+  tx = torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy())
+  for chunk in chunks:
+    def run(chunk=chunk):
+      with torch.no_grad():
+        return [model.represent(xb) for xb in torch.split(tx, chunk)]
+    rows.append({'part': 'represent', 'case': f'{rows_total} rows in passes of {chunk}, torch',
+                 'ms': best_seconds(run) * 1e3})
+
+
 def part_federation_step(rows):
   fed = Federation(fedre(FedREConfig(), 10), cifar_like(4, 384), ['cnn4'], LocalTraining(0.01, B, 1),
                    strategy='sequential', conv='auto', client_threads=1)
@@ -192,7 +223,7 @@ def main(_):
   B = FLAGS.batch_size
   rows = []
   parts = {'step': part_step, 'layers': part_layers, 'pool': part_pool, 'threads': part_threads,
-           'vmap': part_vmap, 'federation_step': part_federation_step}
+           'vmap': part_vmap, 'represent': part_represent, 'federation_step': part_federation_step}
   for name in FLAGS.parts:
     start = len(rows)
     parts[name](rows)

@@ -37,18 +37,20 @@ flags.DEFINE_integer('samples_per_client', 384, 'Pool rows per client (75% train
 flags.DEFINE_integer('batch_size', 32, 'Local batch size.')
 flags.DEFINE_integer('rounds', 3, 'Timed rounds per side (after one warm-up round).')
 flags.DEFINE_string('strategy', None, 'fedjax_het strategy (default: the backend default).')
+flags.DEFINE_integer('torch_eval_batch_size', 144, 'Rows per PyTorch representation pass (144: its fastest in '
+                     '`cpu_kernels.py --parts=represent` on the 2-core CPU).')
 flags.DEFINE_bool('disk_io', True, 'Also time the PyTorch loop with HtFLlib\'s per-round model save/load.')
 flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the JSON/CSV results.')
 FLAGS = flags.FLAGS
 
 
-def centralized_limit(x: np.ndarray, steps: int, rep_rows: int, batch_size: int, lr: float, conv: str) -> float:
+def centralized_limit(x: np.ndarray, steps: int, rep_rows: int, batch_size: int, lr: float, conv: str,
+                      chunk: int) -> float:
   """Seconds for `steps` jitted SGD steps of one cnn4 plus eval-mode representations of `rep_rows` rows, one
-  host thread, the same convolution formulation as the federation."""
+  host thread, the same convolution formulation and representation pass size as the federation."""
   model = build_model('cnn4', 10, 512, conv=conv)
   step, carry0 = sgd_step_fn(model, model.init(jax.random.PRNGKey(0), jnp.zeros((1,) + x.shape[1:]))['params'], lr)
   step = jax.jit(step)
-  chunk = 256
   represent = jax.jit(lambda p, xb: forward(model, p, {}, xb, False)[1])
   xs = jax.device_put(x[:batch_size * 8].reshape((8, batch_size) + x.shape[1:]))
   ys = jnp.zeros((8, batch_size), jnp.int32)
@@ -77,9 +79,11 @@ def main(_):
                      strategy=FLAGS.strategy)
     g = fed.groups[0]
     tensors = client_tensors(g.train.x, g.train.y, g.train_sizes, torch_device)
-    sides = {'torch': TorchFedRE(tensors, 10, lr, FLAGS.batch_size, device=torch_device)}
+    make_torch = lambda disk_io: TorchFedRE(tensors, 10, lr, FLAGS.batch_size, device=torch_device, disk_io=disk_io,
+                                            eval_batch_size=FLAGS.torch_eval_batch_size)
+    sides = {'torch': make_torch(False)}
     if FLAGS.disk_io:
-      sides['torch_disk'] = TorchFedRE(tensors, 10, lr, FLAGS.batch_size, device=torch_device, disk_io=True)
+      sides['torch_disk'] = make_torch(True)
     state = fed.init()
     with CompileLog() as compiles:
       t0 = time.perf_counter()
@@ -99,7 +103,7 @@ def main(_):
         times['fedjax_het'].append(m['train_seconds'])
     mean = {name: float(np.mean(t)) for name, t in times.items()}
     limit = centralized_limit(np.asarray(g.train.x[0]), m['local_steps'], int(g.train_sizes.sum()),
-                              FLAGS.batch_size, lr, fed.conv)
+                              FLAGS.batch_size, lr, fed.conv, fed.eval_batch_size)
     row = {'num_clients': k, 'local_steps': m['local_steps'], 'local_samples': m['local_samples'],
            'torch_seconds_per_round': mean['torch'],
            'torch_disk_seconds_per_round': mean.get('torch_disk'),
@@ -120,6 +124,7 @@ def main(_):
   write_results(FLAGS.out, f'vs_pytorch_{jax.default_backend()}',
                 {'torch_device': torch_device, 'torch': torch.__version__, 'strategy': fed.strategy,
                  'conv': fed.conv, 'client_threads': fed.client_threads, 'batch_size': FLAGS.batch_size,
+                 'eval_batch_size': fed.eval_batch_size, 'torch_eval_batch_size': FLAGS.torch_eval_batch_size,
                  'samples_per_client': FLAGS.samples_per_client, 'rounds': FLAGS.rounds}, rows)
 
 

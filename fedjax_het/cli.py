@@ -73,7 +73,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() first (multi-host runs; one process per '
                 'host, every process with the same flags).')
   f.DEFINE_integer('eval_every', _D.eval_every, 'Evaluate every N rounds (and after the last).')
-  f.DEFINE_integer('eval_batch_size', _D.eval_batch_size, 'Rows per forward pass in evaluation/representations.')
+  f.DEFINE_integer('eval_batch_size', _D.eval_batch_size, 'Rows per forward pass in evaluation/representations '
+                   '(0: 64 on CPU, 256 on GPU/TPU).')
   f.DEFINE_integer('checkpoint_every', _D.checkpoint_every, 'Checkpoint every N rounds (0: never).')
   # FedRE.
   f.DEFINE_enum('re', _R.mechanism, list(MECHANISMS), 'FedRE entanglement mechanism (Appendix A).')

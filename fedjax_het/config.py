@@ -40,7 +40,7 @@ class ExperimentConfig:
   num_devices: int = 0
   client_threads: Optional[int] = None
   eval_every: int = 1
-  eval_batch_size: int = 256
+  eval_batch_size: int = 0  # 0: the backend default (engine.default_eval_batch_size)
   checkpoint_every: int = 10
 
   def local_training(self) -> LocalTraining:

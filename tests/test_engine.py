@@ -13,10 +13,10 @@ TRAINING = LocalTraining(learning_rate=0.05, batch_size=8, epochs=2)
 
 
 def make_fed(data, strategy, algorithm=None, join_ratio=1.0, seed=0, models=('small_cnn_narrow', 'mlp'),
-             conv='xla', **kw):
+             conv='xla', eval_batch_size=16, **kw):
   algorithm = algorithm or fedre(FedREConfig(), data.num_classes)
   return Federation(algorithm, data, list(models), TRAINING, feature_dim=16, strategy=strategy,
-                    join_ratio=join_ratio, seed=seed, eval_batch_size=16, conv=conv, **kw)
+                    join_ratio=join_ratio, seed=seed, eval_batch_size=eval_batch_size, conv=conv, **kw)
 
 
 def run(fed, rounds):
@@ -91,6 +91,16 @@ def test_sequential_results_do_not_depend_on_client_threads(tiny_data):
   assert strip(h_one) == strip(h_three)
 
 
+@pytest.mark.parametrize('strategy', ['sequential', 'vmap'])
+def test_eval_pass_size_does_not_change_results(tiny_data, strategy):
+  # 5 rows per pass splits every client's rows into several passes, the last one clamped onto earlier rows.
+  s_big, h_big = run(make_fed(tiny_data, strategy, eval_batch_size=64), 2)
+  s_small, h_small = run(make_fed(tiny_data, strategy, eval_batch_size=5), 2)
+  tree_allclose(s_big, s_small, rtol=1e-5, atol=1e-6)
+  for a, b in zip(h_big, h_small):
+    assert a['accuracy'] == b['accuracy'] and a['client_accuracy'] == b['client_accuracy']
+
+
 def test_chunked_vmap_equals_whole_group(tiny_data):
   s_all, h_all = run(make_fed(tiny_data, 'vmap'), 1)
   s_chunk, h_chunk = run(make_fed(tiny_data, 'vmap', chunk_size=2), 1)
@@ -156,6 +166,9 @@ def test_bad_engine_arguments(tiny_data):
     make_fed(tiny_data, 'vmap', join_ratio=0.0)
   with pytest.raises(ConfigError, match='--models'):
     make_fed(tiny_data, 'vmap', models=('resnet9000',))
+  with pytest.raises(ConfigError, match='--eval_batch_size'):
+    make_fed(tiny_data, 'vmap', eval_batch_size=-1)
+  assert make_fed(tiny_data, 'sequential', eval_batch_size=None).eval_batch_size == 64  # the CPU default
 
 
 def test_global_test_protocol_scores_every_client_on_the_shared_test_set():

@@ -59,6 +59,13 @@ def default_conv(strategy: str, backend: Optional[str] = None) -> str:
   return 'im2col' if strategy == 'vmap' else 'auto'
 
 
+def default_eval_batch_size(backend: Optional[str] = None) -> int:
+  """Rows per eval-mode forward pass (representations, evaluation): 64 on CPU, where larger passes spill the
+  im2col patches out of cache and run ~2x slower per row (benchmarks/cpu_kernels.py --parts=represent), 256 on
+  GPU/TPU."""
+  return 64 if (backend or jax.default_backend()) == 'cpu' else 256
+
+
 def default_client_threads() -> int:
   """Host threads of the sequential strategy: 2 (measured on 2 cores, README), at most the core count."""
   return max(1, min(2, os.cpu_count() or 1))
@@ -173,7 +180,7 @@ class Federation:
 
   def __init__(self, algorithm: Algorithm, data: FederatedData, models: Sequence[str], training: LocalTraining,
                feature_dim: int = 512, rm: str = 'ap', strategy: Optional[str] = None, join_ratio: float = 1.0,
-               seed: int = 0, chunk_size: int = 0, eval_batch_size: int = 256, conv: Optional[str] = None,
+               seed: int = 0, chunk_size: int = 0, eval_batch_size: Optional[int] = None, conv: Optional[str] = None,
                scan_unroll: int = 1, client_mesh: Optional[jax.sharding.Mesh] = None,
                client_threads: Optional[int] = None):
     strategy = strategy or default_strategy()
@@ -204,7 +211,9 @@ class Federation:
     self.conv = conv or default_conv(strategy)
     self.mesh = client_mesh if client_mesh is not None and client_mesh.size > 1 else None
     num_devices = 1 if self.mesh is None else self.mesh.size
-    self.eval_batch_size = eval_batch_size
+    self.eval_batch_size = eval_batch_size or default_eval_batch_size()
+    if self.eval_batch_size < 1:
+      raise ConfigError(f'--eval_batch_size={eval_batch_size} must be >= 1 (0: the backend default).')
     self.num_clients = data.num_clients
     self.num_join = max(1, int(self.num_clients * join_ratio + 1e-9))
     self.architectures = assign_models(list(models), self.num_clients)
