@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from absl import flags
 
-from fedjax_het.algorithms.fedre import DISTRIBUTIONS, MECHANISMS, FedREConfig
+from fedjax_het.algorithms import FDConfig, FedGHConfig, FedProtoConfig, FedREConfig, FedTGPConfig
+from fedjax_het.algorithms.fedre import DISTRIBUTIONS, MECHANISMS
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.engine.federation import STRATEGIES
 from fedjax_het.models.conv import CONV_IMPLS
@@ -30,7 +31,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   if 'algorithm' in flag_values:
     return
   f = _Definer(flag_values)
-  f.DEFINE_string('algorithm', default_algorithm, 'fedre | local | fedavg (grouped FedAvg).')
+  f.DEFINE_string('algorithm', default_algorithm, 'fedre | local | fedavg (grouped FedAvg) | lg_fedavg | fedproto | '
+                  'fedgh | fedtgp | fd.')
   f.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/.')
   f.DEFINE_bool('resume', False, 'Continue from the last checkpoint in --workdir.')
   f.DEFINE_bool('progress', True, 'Show a progress bar with the current accuracy.')
@@ -81,15 +83,24 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_enum('re_distribution', _R.weight_distribution, list(DISTRIBUTIONS), 'RE random-weight distribution.')
   f.DEFINE_bool('re_resample', _R.resample, 'Re-sample RE weights every round (False: fixed sampling, Table 8).')
   f.DEFINE_bool('all_representations', _R.all_representations, 'FedAllRep: upload every representation (Q5).')
-  f.DEFINE_float('server_learning_rate', _R.server_learning_rate, 'FedRE server SGD learning rate.')
-  f.DEFINE_integer('server_batch_size', _R.server_batch_size, 'FedRE server batch size.')
-  f.DEFINE_integer('server_epochs', _R.server_epochs, 'FedRE server epochs per round.')
+  # Server-side SGD (FedRE, FedGH, FedTGP); unset: each method's default (FedRE and FedGH 0.01 / 10 / 1 epoch,
+  # FedTGP 0.01 / 10 / 100 epochs).
+  f.DEFINE_float('server_learning_rate', None, 'Server SGD learning rate (default: the method\'s).')
+  f.DEFINE_integer('server_batch_size', None, 'Server batch size (default: the method\'s).')
+  f.DEFINE_integer('server_epochs', None, 'Server epochs per round (default: the method\'s).')
   f.DEFINE_enum('server_loss_reduction', _R.server_loss_reduction, ['sum', 'mean'], 'FedRE server loss reduction.')
+  # Baselines.
+  f.DEFINE_float('lamda', None, 'Weight of the regulariser of FedProto / FedTGP (prototype MSE, default 10) and FD '
+                 '(distillation, default 1).')
+  f.DEFINE_float('margin_threshold', FedTGPConfig().margin_threshold, 'FedTGP: upper bound tau of the adaptive '
+                 'margin.')
 
 
 def config_from_flags(fv=None) -> ExperimentConfig:
   """The `ExperimentConfig` of the parsed flags."""
   fv = fv or flags.FLAGS
+  given = lambda *names: {n: getattr(fv, n) for n in names if getattr(fv, n) is not None}
+  server, lamda = given('server_learning_rate', 'server_batch_size', 'server_epochs'), given('lamda')
   return ExperimentConfig(
       algorithm=fv.algorithm, dataset=fv.dataset, data_dir=fv.data_dir, partition=fv.partition, alpha=fv.alpha,
       classes_per_client=fv.classes_per_client, balance=fv.balance,
@@ -98,8 +109,10 @@ def config_from_flags(fv=None) -> ExperimentConfig:
       num_clients=fv.num_clients, join_ratio=fv.join_ratio, models=tuple(fv.models), feature_dim=fv.feature_dim,
       rm=fv.rm, rounds=fv.rounds, local_epochs=fv.local_epochs, batch_size=fv.batch_size,
       local_learning_rate=fv.local_learning_rate,
-      fedre=FedREConfig(fv.re, fv.re_distribution, fv.re_resample, fv.all_representations, fv.server_learning_rate,
-                        fv.server_batch_size, fv.server_epochs, fv.server_loss_reduction),
+      fedre=FedREConfig(fv.re, fv.re_distribution, fv.re_resample, fv.all_representations,
+                        server_loss_reduction=fv.server_loss_reduction, **server),
+      fedproto=FedProtoConfig(**lamda), fedgh=FedGHConfig(**server),
+      fedtgp=FedTGPConfig(margin_threshold=fv.margin_threshold, **lamda, **server), fd=FDConfig(**lamda),
       seed=fv.seed, strategy=fv.strategy, chunk_size=fv.chunk_size, conv=fv.conv, scan_unroll=fv.scan_unroll,
       num_devices=fv.num_devices, client_threads=fv.client_threads, eval_every=fv.eval_every,
       eval_batch_size=fv.eval_batch_size, checkpoint_every=fv.checkpoint_every)

@@ -5,7 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from fedjax_het.algorithms.fd import FDConfig
+from fedjax_het.algorithms.fedgh import FedGHConfig
+from fedjax_het.algorithms.fedproto import FedProtoConfig
 from fedjax_het.algorithms.fedre import FedREConfig
+from fedjax_het.algorithms.fedtgp import FedTGPConfig
 from fedjax_het.engine.training import LocalTraining
 
 
@@ -32,6 +36,10 @@ class ExperimentConfig:
   batch_size: int = 32
   local_learning_rate: float = 0.06
   fedre: FedREConfig = FedREConfig()
+  fedproto: FedProtoConfig = FedProtoConfig()
+  fedgh: FedGHConfig = FedGHConfig()
+  fedtgp: FedTGPConfig = FedTGPConfig()
+  fd: FDConfig = FDConfig()
   seed: int = 0
   strategy: Optional[str] = None
   chunk_size: int = 0

@@ -18,10 +18,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from fedjax_het.algorithms import fd, fedavg_grouped, fedgh, fedproto, fedre, fedtgp, lg_fedavg, local
 from fedjax_het.algorithms.base import Algorithm
-from fedjax_het.algorithms.fedavg import fedavg_grouped
-from fedjax_het.algorithms.fedre import fedre
-from fedjax_het.algorithms.local import local
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.data.datasets import load_dataset
 from fedjax_het.data.federated import make_federated_data
@@ -30,20 +28,26 @@ from fedjax_het.engine.sharding import client_mesh
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.registry import assign_models
 
-ALGORITHMS = ('fedre', 'local', 'fedavg')
+# --algorithm name -> (config, num_classes) -> Algorithm.
+ALGORITHMS = {
+    'fedre': lambda cfg, c: fedre(cfg.fedre, c),
+    'local': lambda cfg, c: local(c),
+    'fedavg': lambda cfg, c: fedavg_grouped(c),
+    'lg_fedavg': lambda cfg, c: lg_fedavg(c),
+    'fedproto': lambda cfg, c: fedproto(cfg.fedproto, c),
+    'fedgh': lambda cfg, c: fedgh(cfg.fedgh, c),
+    'fedtgp': lambda cfg, c: fedtgp(cfg.fedtgp, c),
+    'fd': lambda cfg, c: fd(cfg.fd, c),
+}
 # Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
 RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eval_batch_size', 'data_dir', 'conv',
                     'scan_unroll', 'num_devices', 'client_threads')
 
 
 def make_algorithm(cfg: ExperimentConfig, num_classes: int) -> Algorithm:
-  """The `Algorithm` named by --algorithm."""
-  if cfg.algorithm == 'fedre':
-    return fedre(cfg.fedre, num_classes)
-  if cfg.algorithm == 'local':
-    return local(num_classes)
-  if cfg.algorithm == 'fedavg':
-    return fedavg_grouped(num_classes)
+  """The `Algorithm` named by --algorithm, with its hyperparameters from the config."""
+  if cfg.algorithm in ALGORITHMS:
+    return ALGORITHMS[cfg.algorithm](cfg, num_classes)
   raise ConfigError(f'--algorithm={cfg.algorithm!r} is unknown; choose one of {", ".join(ALGORITHMS)}.')
 
 

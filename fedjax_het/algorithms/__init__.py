@@ -1,5 +1,10 @@
 """Federated methods as small sets of pure functions (see `base.Algorithm`)."""
 from fedjax_het.algorithms.base import Algorithm, CommSpec
+from fedjax_het.algorithms.fd import FDConfig, fd
 from fedjax_het.algorithms.fedavg import fedavg_grouped, group_fedavg
+from fedjax_het.algorithms.fedgh import FedGHConfig, fedgh
+from fedjax_het.algorithms.fedproto import FedProtoConfig, fedproto
 from fedjax_het.algorithms.fedre import FedREConfig, entangle, entanglement_weights, fedre, train_head
+from fedjax_het.algorithms.fedtgp import FedTGPConfig, fedtgp
+from fedjax_het.algorithms.lg_fedavg import lg_fedavg
 from fedjax_het.algorithms.local import local

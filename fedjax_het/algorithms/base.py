@@ -24,11 +24,17 @@ ServerState = Any
 
 @dataclasses.dataclass(frozen=True)
 class CommSpec:
-  """What communication accounting needs to know about a client."""
+  """What communication accounting needs to know about a client (num_present_classes: classes in its training
+  rows, the number of prototypes it uploads; defaults to num_classes)."""
   num_classes: int
   feature_dim: int
   num_train: int
   num_params: int = 0
+  num_present_classes: int = -1
+
+  def __post_init__(self):
+    if self.num_present_classes < 0:
+      object.__setattr__(self, 'num_present_classes', self.num_classes)
 
 
 @dataclasses.dataclass(frozen=True)

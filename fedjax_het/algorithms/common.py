@@ -1,14 +1,17 @@
-"""Math shared by methods: masked means, class prototypes, (soft-label) cross-entropy, FedAvg."""
+"""Math shared by methods: masked means, class prototypes and their aggregation, (soft-label) cross-entropy, the
+linear head, server-side SGD over uploaded rows, FedAvg."""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from fedjax_het.engine.forward import forward
+from fedjax_het.engine.rows import shuffled_real_rows
 
 
 def masked_mean(values: jnp.ndarray, mask: jnp.ndarray, axis: int = 0) -> jnp.ndarray:
@@ -41,3 +44,66 @@ def weighted_average(tree: Any, weights: jnp.ndarray) -> Any:
   """sum_k w_k tree_k / sum_k w_k over the leading client axis of every leaf."""
   w = weights / jnp.maximum(weights.sum(), 1e-12)
   return jax.tree.map(lambda a: jnp.tensordot(w.astype(a.dtype), a, axes=1), tree)
+
+
+def head_apply(head: dict, r: jnp.ndarray) -> jnp.ndarray:
+  """The linear head f(omega; r) = r W + b (flax Dense layout: kernel [d, C], bias [C])."""
+  return r @ head['kernel'] + head['bias']
+
+
+def aggregate_class_means(means: jnp.ndarray, counts: jnp.ndarray, mask: jnp.ndarray
+                          ) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """Server aggregation of per-class means (FedProto Eq. 6, FD's logits): the unweighted mean over the clients
+  that hold each class. means [K, C, ...], counts [K, C], mask [K] (participants) -> (global [C, ...] (0 where no
+  participant holds the class), present [C] bool)."""
+  holds = (counts > 0) & mask[:, None].astype(bool)
+  return masked_mean(means, holds, axis=0), holds.any(0)
+
+
+def prototype_regularizer(reps: jnp.ndarray, labels: jnp.ndarray, protos: jnp.ndarray, present: jnp.ndarray
+                          ) -> jnp.ndarray:
+  """FedProto's client term (Eq. 8, HtFLlib's MSELoss): mean over the batch and d of (r_i - P_{y_i})^2, where rows
+  whose class has no global prototype contribute 0 (HtFLlib copies r_i there) but still count in the mean."""
+  has = present[labels].astype(reps.dtype)[:, None]
+  return jnp.mean(has * (reps - protos[labels]) ** 2)
+
+
+def nearest_prototype_head(protos: jnp.ndarray, present: jnp.ndarray) -> dict:
+  """A linear head whose argmax is the nearest prototype in Euclidean distance (FedProto's test rule):
+  -||r - P_c||^2 = 2 r.P_c - ||P_c||^2 - ||r||^2, and -||r||^2 is the same for every class. Classes without a
+  prototype get a bias of -inf-like magnitude, so they are never predicted while any prototype exists."""
+  bias = jnp.where(present, -jnp.sum(protos ** 2, axis=-1), -1e30)
+  return {'kernel': 2.0 * protos.T, 'bias': bias}
+
+
+def sgd_on_rows(params: Any, row_loss: Callable[[Any, jnp.ndarray], jnp.ndarray], row_weight: jnp.ndarray,
+                rng: jax.Array, learning_rate: float, batch_size: int, epochs: int, reduction: str = 'mean'
+                ) -> tuple[Any, jnp.ndarray]:
+  """Server-side SGD over uploaded rows (FedRE Eq. 3, FedGH's head, FedTGP's prototype generator).
+
+  row_loss(params, idx) -> per-row losses [len(idx)]. Each epoch visits the rows with weight > 0 once in a fresh
+  random order, in batches of `batch_size` (the last one may be smaller, like a DataLoader without drop_last);
+  rows with weight 0 (absent participants, padding) sort last and never contribute. A batch's loss is the
+  weighted 'sum' or 'mean' of its rows. Returns (params, mean per-row loss over all epochs).
+  """
+  rows = row_weight.shape[0]
+  steps = math.ceil(rows / batch_size)
+  pad = steps * batch_size - rows
+  weight = jnp.pad(row_weight, (0, pad))
+
+  def batch_loss(p, idx):
+    w = weight[idx]
+    total = jnp.sum(row_loss(p, jnp.minimum(idx, rows - 1)) * w)
+    return total if reduction == 'sum' else total / jnp.maximum(w.sum(), 1.0), total
+
+  def epoch(p, e):
+    order = shuffled_real_rows(jax.random.fold_in(rng, e), weight > 0).reshape(steps, batch_size)
+
+    def step(p, idx):
+      (_, total), g = jax.value_and_grad(batch_loss, has_aux=True)(p, idx)
+      return jax.tree.map(lambda a, b: a - learning_rate * b, p, g), total
+    p, totals = jax.lax.scan(step, p, order)
+    return p, totals.sum()
+
+  params, totals = jax.lax.scan(epoch, params, jnp.arange(epochs))
+  return params, totals.sum() / jnp.maximum(row_weight.sum() * max(epochs, 1), 1.0)

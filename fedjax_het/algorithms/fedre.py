@@ -9,14 +9,12 @@ server trains omega on sum_k CE_soft(f(omega; r~_k), y~_k) (Eq. 3) and broadcast
 from __future__ import annotations
 
 import dataclasses
-import math
-
 import jax
 import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import Algorithm, CommSpec
-from fedjax_het.algorithms.common import cross_entropy_loss, soft_cross_entropy
-from fedjax_het.engine.rows import row_keys, row_uniform, shuffled_real_rows
+from fedjax_het.algorithms.common import cross_entropy_loss, head_apply, sgd_on_rows, soft_cross_entropy
+from fedjax_het.engine.rows import row_keys, row_uniform
 from fedjax_het.engine.state import ClientState
 from fedjax_het.errors import ConfigError
 
@@ -96,42 +94,13 @@ def entangle(reps: jnp.ndarray, labels: jnp.ndarray, weights: jnp.ndarray, num_c
   return weights @ reps, weights @ jax.nn.one_hot(labels, num_classes, dtype=reps.dtype)
 
 
-def head_apply(head: dict, r: jnp.ndarray) -> jnp.ndarray:
-  """The linear head f(omega; r) = r W + b (flax Dense layout)."""
-  return r @ head['kernel'] + head['bias']
-
-
 def train_head(head: dict, reps: jnp.ndarray, soft_labels: jnp.ndarray, row_weight: jnp.ndarray, rng: jax.Array,
                cfg: FedREConfig) -> tuple[dict, jnp.ndarray]:
-  """Server step of Eq. 3: SGD on sum (or mean) of CE_soft over shuffled batches of the weighted rows.
-
-  Rows with weight 0 (absent participants, padding) sort last and never contribute; each epoch visits the real
-  rows once in batches of `server_batch_size` (the last batch may be smaller, like DataLoader without drop_last).
-  """
-  rows, b = reps.shape[0], cfg.server_batch_size
-  steps = math.ceil(rows / b)
-  pad = steps * b - rows
-  reps = jnp.pad(reps, ((0, pad), (0, 0)))
-  soft_labels = jnp.pad(soft_labels, ((0, pad), (0, 0)))
-  row_weight = jnp.pad(row_weight, (0, pad))
-
-  def loss_fn(h, idx):
-    w = row_weight[idx]
-    per_row = soft_cross_entropy(head_apply(h, reps[idx]), soft_labels[idx]) * w
-    total = per_row.sum()
-    return total if cfg.server_loss_reduction == 'sum' else total / jnp.maximum(w.sum(), 1.0)
-
-  def epoch(h, e):
-    order = shuffled_real_rows(jax.random.fold_in(rng, e), row_weight > 0).reshape(steps, b)
-
-    def step(h, idx):
-      loss, g = jax.value_and_grad(loss_fn)(h, idx)
-      return jax.tree.map(lambda p, q: p - cfg.server_learning_rate * q, h, g), loss
-    h, losses = jax.lax.scan(step, h, order)
-    return h, losses.sum()
-
-  head, losses = jax.lax.scan(epoch, head, jnp.arange(cfg.server_epochs))
-  return head, losses.sum() / jnp.maximum(row_weight.sum() * max(cfg.server_epochs, 1), 1.0)
+  """Server step of Eq. 3: SGD on the sum (or mean) of CE_soft(f(omega; r~_k), y~_k) over shuffled batches of the
+  weighted rows (`common.sgd_on_rows`)."""
+  row_loss = lambda h, idx: soft_cross_entropy(head_apply(h, reps[idx]), soft_labels[idx])
+  return sgd_on_rows(head, row_loss, row_weight, rng, cfg.server_learning_rate, cfg.server_batch_size,
+                     cfg.server_epochs, cfg.server_loss_reduction)
 
 
 def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:

@@ -277,8 +277,10 @@ class Federation:
       for g in self.groups:
         params[g.clients] = g.num_params
       feature_dim = self.groups[0].model.feature_dim
+      present = (np.asarray(self.data.split.train_class_counts) > 0).sum(1)
       self._comm = [self.algorithm.communication(CommSpec(self.data.num_classes, feature_dim,
-                                                          int(self.train_sizes[k]), int(params[k])))
+                                                          int(self.train_sizes[k]), int(params[k]),
+                                                          int(present[k])))
                     for k in range(self.num_clients)]
     return self._comm
 

@@ -1,0 +1,61 @@
+"""FedGH (Yi et al., ACM MM 2023, as run in HtFLlib): a global head trained on the clients' class prototypes.
+
+Each round a participant sets its head to the global head, trains on CE, and uploads its eval-mode class
+prototypes. The server trains the global head on the (prototype, class) pairs of all participants with CE
+(SGD 0.01, batch 10, 1 epoch, mean loss over the batch as torch's CrossEntropyLoss) and broadcasts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_het.algorithms.base import Algorithm, CommSpec, identity_broadcast
+from fedjax_het.algorithms.common import cross_entropy_loss, head_apply, sgd_on_rows, soft_cross_entropy
+from fedjax_het.algorithms.fedproto import prototype_rows, prototype_upload
+from fedjax_het.engine.state import ClientState
+from fedjax_het.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class FedGHConfig:
+  """Server SGD on the prototypes (HtFLlib: -slr 0.01 -se 1; server batch 10)."""
+  server_learning_rate: float = 0.01
+  server_batch_size: int = 10
+  server_epochs: int = 1
+
+  def __post_init__(self):
+    if self.server_batch_size < 1 or self.server_epochs < 0 or self.server_learning_rate <= 0:
+      raise ConfigError('--server_batch_size must be >= 1, --server_epochs >= 0, --server_learning_rate > 0.')
+
+
+def fedgh(cfg: FedGHConfig, num_classes: int) -> Algorithm:
+  """FedGH as an `Algorithm`."""
+
+  def init_server(rng, example_params):
+    return {'head': example_params['head']}
+
+  def client_begin(client: ClientState, broadcast) -> ClientState:
+    return client._replace(params={**client.params, 'head': broadcast['head']})
+
+  def server_update(server, uploads, mask, rng):
+    """Trains the global head on CE over the participants' (prototype, class) pairs."""
+    protos, labels, weight = prototype_rows(uploads, mask)
+    onehot = jax.nn.one_hot(labels, num_classes)
+    row_loss = lambda h, idx: soft_cross_entropy(head_apply(h, protos[idx]), onehot[idx])
+    head, loss = sgd_on_rows(server['head'], row_loss, weight, rng, cfg.server_learning_rate,
+                             cfg.server_batch_size, cfg.server_epochs, 'mean')
+    return {'head': head}, {'server_loss': loss}
+
+  def eval_heads(client: ClientState, broadcast):
+    return {'global_head': broadcast['head'], 'local_head': client.params['head']}
+
+  def communication(spec: CommSpec):
+    """Upload one prototype per class held; broadcast the head (FedRE Table 11 counts its kernel only)."""
+    return {'upload': {'prototypes': spec.num_present_classes * spec.feature_dim},
+            'broadcast': {'head_kernel': spec.feature_dim * spec.num_classes, 'head_bias': spec.num_classes}}
+
+  return Algorithm('fedgh', init_server, identity_broadcast, client_begin, cross_entropy_loss,
+                   prototype_upload(num_classes), server_update, eval_heads, communication)

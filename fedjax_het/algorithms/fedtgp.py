@@ -1,0 +1,113 @@
+"""FedTGP (Zhang et al., AAAI 2024, as run in HtFLlib): trainable global prototypes with an adaptive margin.
+
+Clients are FedProto's (CE + lambda * MSE to the global prototypes; upload class prototypes; scored by the nearest
+global prototype). The server owns a prototype generator TGP(c) = W2 ReLU(W1 E[c] + b1) + b2 (an Embedding(C, d)
+and a d -> d -> d MLP) and trains it for `server_epochs` epochs over the uploaded (prototype, class) pairs with the
+margin-enhanced contrastive loss CE(-(||p - TGP(c')|| + margin * 1[c' = y]), y) (Eq. 4-5), where
+margin = min(max_c min_{c' != c} ||mean_c - mean_{c'}||, tau) over this round's per-class mean prototypes (Eq. 6).
+It broadcasts TGP(c) for every class, as HtFLlib does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_het.algorithms.base import Algorithm, keep_client
+from fedjax_het.algorithms.common import aggregate_class_means, sgd_on_rows
+from fedjax_het.algorithms.fedproto import (empty_prototypes, prototype_communication, prototype_heads,
+                                            prototype_loss, prototype_rows, prototype_upload)
+from fedjax_het.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class FedTGPConfig:
+  """HtFLlib's script for the HtM10 family: -lam 10 -se 100 -mart 100; server SGD 0.01 in batches of 10.
+
+  hidden_dim: width of TGP's hidden layer (None: d).
+  """
+  lamda: float = 10.0
+  margin_threshold: float = 100.0
+  server_learning_rate: float = 0.01
+  server_batch_size: int = 10
+  server_epochs: int = 100
+  hidden_dim: Optional[int] = None
+
+  def __post_init__(self):
+    if self.lamda < 0 or self.margin_threshold < 0:
+      raise ConfigError(f'--lamda ({self.lamda}) and --margin_threshold ({self.margin_threshold}) must be >= 0.')
+    if self.server_batch_size < 1 or self.server_epochs < 0 or self.server_learning_rate <= 0:
+      raise ConfigError('--server_batch_size must be >= 1, --server_epochs >= 0, --server_learning_rate > 0.')
+
+
+class PrototypeGenerator(nn.Module):
+  """TGP: class index -> prototype, Embedding(C, d) -> Dense(hidden) -> ReLU -> Dense(d) (PyTorch-like inits)."""
+  num_classes: int
+  feature_dim: int
+  hidden_dim: int
+
+  @nn.compact
+  def __call__(self, classes: jnp.ndarray) -> jnp.ndarray:
+    torch_linear = nn.initializers.variance_scaling(1 / 3, 'fan_in', 'uniform')
+    e = nn.Embed(self.num_classes, self.feature_dim, embedding_init=nn.initializers.normal(1.0))(classes)
+    h = nn.relu(nn.Dense(self.hidden_dim, kernel_init=torch_linear)(e))
+    return nn.Dense(self.feature_dim, kernel_init=torch_linear)(h)
+
+
+def adaptive_margin(class_means: jnp.ndarray, present: jnp.ndarray, threshold: float) -> jnp.ndarray:
+  """FedTGP Eq. 6: min(max over present classes of the distance to their nearest other present class, tau).
+
+  With fewer than two present classes there is no gap and the margin is tau (HtFLlib's 1e9 placeholder)."""
+  sq = jnp.sum((class_means[:, None] - class_means[None]) ** 2, axis=-1)
+  dist = jnp.sqrt(jnp.maximum(sq, 0.0))
+  pair = present[:, None] & present[None] & ~jnp.eye(present.shape[0], dtype=bool)
+  nearest = jnp.min(jnp.where(pair, dist, jnp.inf), axis=1)
+  has_partner = pair.any(1)
+  max_gap = jnp.where(has_partner.any(), jnp.max(jnp.where(has_partner, nearest, -jnp.inf)), jnp.inf)
+  return jnp.minimum(max_gap, threshold)
+
+
+def margin_contrastive_loss(protos: jnp.ndarray, labels: jnp.ndarray, generated: jnp.ndarray,
+                            margin: jnp.ndarray) -> jnp.ndarray:
+  """Per-row CE(-(||p_i - TGP(c)|| + margin * 1[c = y_i]), y_i) over classes c (FedTGP Eq. 5)."""
+  sq = jnp.sum((protos[:, None] - generated[None]) ** 2, axis=-1)
+  dist = jnp.sqrt(jnp.maximum(sq, 1e-12))
+  logits = -(dist + margin * jax.nn.one_hot(labels, generated.shape[0]))
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def fedtgp(cfg: FedTGPConfig, num_classes: int) -> Algorithm:
+  """FedTGP as an `Algorithm`."""
+  classes = jnp.arange(num_classes)
+
+  def generator(feature_dim: int) -> PrototypeGenerator:
+    return PrototypeGenerator(num_classes, feature_dim, cfg.hidden_dim or feature_dim)
+
+  def init_server(rng, example_params):
+    d = example_params['head']['kernel'].shape[0]
+    return {'tgp': generator(d).init(rng, classes)['params'], **empty_prototypes(num_classes, d)}
+
+  def broadcast(server):
+    return {'protos': server['protos'], 'present': server['present']}
+
+  def server_update(server, uploads, mask, rng):
+    """Trains TGP on the participants' prototypes with the adaptive margin; broadcasts TGP(c) for all c."""
+    protos, labels, weight = prototype_rows(uploads, mask)
+    means, present = aggregate_class_means(uploads['protos'], uploads['counts'], mask)
+    margin = adaptive_margin(means, present, cfg.margin_threshold)
+    tgp = generator(protos.shape[-1])
+    row_loss = lambda p, idx: margin_contrastive_loss(protos[idx], labels[idx], tgp.apply({'params': p}, classes),
+                                                      margin)
+    params, loss = sgd_on_rows(server['tgp'], row_loss, weight, rng, cfg.server_learning_rate,
+                               cfg.server_batch_size, cfg.server_epochs, 'mean')
+    generated = tgp.apply({'params': params}, classes)
+    return ({'tgp': params, 'protos': generated, 'present': jnp.ones(num_classes, bool)},
+            {'server_loss': loss, 'margin': margin})
+
+  return Algorithm('fedtgp', init_server, broadcast, keep_client, prototype_loss(cfg.lamda),
+                   prototype_upload(num_classes), server_update, prototype_heads, prototype_communication)

@@ -1,0 +1,180 @@
+"""The baselines of FedRE's comparison: each one's distinctive computation against hand-computed values, two
+rounds of each on tiny data with two architecture groups, and FedRE Table 11's communication figures."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tree_allclose
+from fedjax_het.algorithms import (CommSpec, FDConfig, FedGHConfig, FedProtoConfig, FedREConfig, FedTGPConfig, fd,
+                                   fedgh, fedproto, fedre, fedtgp, lg_fedavg)
+from fedjax_het.algorithms.common import (aggregate_class_means, nearest_prototype_head, prototype_regularizer,
+                                          sgd_on_rows)
+from fedjax_het.algorithms.fd import distillation_term
+from fedjax_het.algorithms.fedtgp import adaptive_margin, margin_contrastive_loss
+from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.errors import ConfigError
+from fedjax_het.experiment import ALGORITHMS
+
+C, D = 3, 2
+
+
+def test_class_means_are_averaged_over_the_participants_holding_the_class():
+  means = jnp.array([[[1., 1.], [2., 2.], [0., 0.]],
+                     [[3., 5.], [0., 0.], [0., 0.]],
+                     [[9., 9.], [9., 9.], [9., 9.]]])
+  counts = jnp.array([[4, 1, 0], [1, 0, 0], [5, 5, 5]])
+  protos, present = aggregate_class_means(means, counts, jnp.array([True, True, False]))  # client 2 absent
+  np.testing.assert_allclose(protos, [[2., 3.], [2., 2.], [0., 0.]])  # unweighted: (1+3)/2, (1+5)/2
+  assert present.tolist() == [True, True, False]
+
+
+def test_fedproto_regularizer_is_the_batch_and_d_mean_of_squared_gaps():
+  reps = jnp.array([[1., 2.], [3., 3.], [0., 1.]])
+  labels = jnp.array([0, 1, 2])
+  protos = jnp.array([[0., 0.], [1., 1.], [5., 5.]])
+  present = jnp.array([True, True, False])  # class 2 has no global prototype: row 2 adds 0 but counts
+  expected = ((1 + 4) + (4 + 4) + 0) / (3 * 2)
+  np.testing.assert_allclose(prototype_regularizer(reps, labels, protos, present), expected, rtol=1e-6)
+
+
+def test_nearest_prototype_head_predicts_the_nearest_present_prototype():
+  protos = jnp.array([[0., 0.], [4., 0.], [1., 1.]])
+  present = jnp.array([True, True, False])
+  head = nearest_prototype_head(protos, present)
+  reps = jnp.array([[0.9, 0.9], [3., 0.], [1.9, 0.]])  # nearest present: 0 (class 2 absent), 1, 0
+  pred = jnp.argmax(reps @ head['kernel'] + head['bias'], -1)
+  assert pred.tolist() == [0, 1, 0]
+
+
+def test_fedtgp_margin_is_the_largest_nearest_class_gap_capped_at_tau():
+  means = jnp.array([[0., 0.], [3., 4.], [0., 1.], [100., 100.]])
+  present = jnp.array([True, True, True, False])
+  # nearest-other distances: class 0 -> 1 (class 2), class 1 -> sqrt(9+9)=4.243 (class 2), class 2 -> 1
+  np.testing.assert_allclose(adaptive_margin(means, present, 100.), math.sqrt(18), rtol=1e-6)
+  np.testing.assert_allclose(adaptive_margin(means, present, 2.), 2.)
+  np.testing.assert_allclose(adaptive_margin(means, jnp.array([True, False, False, False]), 7.), 7.)
+
+
+def test_fedtgp_loss_adds_the_margin_to_the_true_class_distance():
+  protos = jnp.array([[0., 0.]])
+  generated = jnp.array([[3., 4.], [0., 1.]])  # distances 5 and 1
+  loss = margin_contrastive_loss(protos, jnp.array([0]), generated, jnp.asarray(2.))
+  logits = np.array([-(5. + 2.), -1.])
+  np.testing.assert_allclose(loss[0], -(logits[0] - np.log(np.exp(logits).sum())), rtol=1e-6)
+
+
+def test_fd_target_is_the_softmax_of_the_class_mean_logit():
+  logits = jnp.array([[1., 0., 0.], [0., 2., 0.]])
+  global_logits = jnp.array([[0., 0., 0.], [0., math.log(2.), math.log(2.)], [0., 0., 0.]])
+  present = jnp.array([False, True, True])
+  term = distillation_term(logits, jnp.array([0, 1]), global_logits, present)
+  target = np.array([0.2, 0.4, 0.4])  # softmax of L_1
+  log_p = np.array([0., 2., 0.]) - np.log(np.exp([0., 2., 0.]).sum())
+  np.testing.assert_allclose(term, -(target * log_p).sum() / 2, rtol=1e-6)  # row 0 has no global logit
+
+
+def test_lg_fedavg_server_is_the_sample_weighted_mean_of_participant_heads():
+  alg = lg_fedavg(C)
+  heads = {'kernel': jnp.stack([jnp.full((D, C), v) for v in (1., 4., 100.)]), 'bias': jnp.array([[1.] * C,
+                                                                                                   [4.] * C,
+                                                                                                   [100.] * C])}
+  uploads = {'head': heads, 'weight': jnp.array([30., 10., 50.])}
+  server, _ = alg.server_update({'head': jax.tree.map(lambda a: a[0], heads)}, uploads,
+                                jnp.array([True, True, False]), jax.random.PRNGKey(0))
+  np.testing.assert_allclose(server['head']['kernel'], np.full((D, C), (30 * 1 + 10 * 4) / 40))
+
+
+def test_fedgh_server_is_sgd_on_ce_over_the_uploaded_prototypes():
+  cfg = FedGHConfig(server_learning_rate=0.5, server_batch_size=10, server_epochs=1)
+  head = {'kernel': jnp.array([[1., 0., -1.], [0., 1., 0.]]), 'bias': jnp.zeros(C)}
+  uploads = {'protos': jnp.array([[[1., 0.], [0., 2.], [0., 0.]]]), 'counts': jnp.array([[3, 1, 0]])}
+  server, _ = fedgh(cfg, C).server_update({'head': head}, uploads, jnp.array([True]), jax.random.PRNGKey(0))
+  # One batch holds both real rows (class 2 is absent): one step on their mean CE, computed by hand.
+  x = np.array([[1., 0.], [0., 2.]])
+  p = jax.nn.softmax(x @ np.asarray(head['kernel']), -1)
+  grad_logits = (np.asarray(p) - np.eye(C)[[0, 1]]) / 2
+  np.testing.assert_allclose(server['head']['kernel'], head['kernel'] - 0.5 * x.T @ grad_logits, rtol=1e-5)
+  np.testing.assert_allclose(server['head']['bias'], -0.5 * grad_logits.sum(0), rtol=1e-5, atol=1e-7)
+
+
+def test_sgd_on_rows_ignores_rows_of_weight_zero():
+  params = jnp.array([0.5, -1.])
+  rows = jnp.array([[1., 2.], [3., -1.], [7., 7.]])
+  row_loss = lambda p, idx: (rows[idx] @ p) ** 2
+  a, _ = sgd_on_rows(params, row_loss, jnp.array([1., 1., 0.]), jax.random.PRNGKey(1), 0.1, 2, 3)
+  b, _ = sgd_on_rows(params, lambda p, idx: (rows[:2][idx] @ p) ** 2, jnp.array([1., 1.]), jax.random.PRNGKey(1),
+                     0.1, 2, 3)
+  np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_table11_communication_of_the_cifar_settings():
+  """FedRE Table 11 (x 1e3 scalars per round, 10 clients, d = 512): uploads of the prototype methods depend on
+  the classes each client holds; 61 (CIFAR-10) and 502 (CIFAR-100) client-class pairs reproduce its figures."""
+  def per_round(alg, num_classes, present_per_client, direction, parts=None):
+    total = 0
+    for present in present_per_client:
+      comm = alg.communication(CommSpec(num_classes, 512, num_train=100, num_present_classes=present))[direction]
+      total += sum(v for k, v in comm.items() if parts is None or k in parts)
+    return round(total / 1e3, 2)
+
+  for c, present, table in [(10, [7] * 1 + [6] * 9, {'lg': 51.30, 'proto_up': 31.23, 'proto_down': 51.20,
+                                                    'fedre_up': 5.12, 'fedre_down': 51.30}),
+                            (100, [51] * 2 + [50] * 8, {'lg': 513.00, 'proto_up': 257.02, 'proto_down': 512.00,
+                                                       'fedre_up': 5.12, 'fedre_down': 513.00})]:
+    assert sum(present) == (61 if c == 10 else 502)
+    for alg in (lg_fedavg(c),):
+      assert per_round(alg, c, present, 'upload') == table['lg'] == per_round(alg, c, present, 'broadcast')
+    for alg in (fedproto(FedProtoConfig(), c), fedtgp(FedTGPConfig(), c), fedgh(FedGHConfig(), c)):
+      assert per_round(alg, c, present, 'upload') == table['proto_up']
+    for alg in (fedproto(FedProtoConfig(), c), fedtgp(FedTGPConfig(), c)):
+      assert per_round(alg, c, present, 'broadcast') == table['proto_down']
+    assert per_round(fedgh(FedGHConfig(), c), c, present, 'broadcast', {'head_kernel'}) == table['proto_down']
+    assert per_round(fedre(FedREConfig(), c), c, present, 'upload', {'representation'}) == table['fedre_up']
+    assert per_round(fedre(FedREConfig(), c), c, present, 'broadcast') == table['fedre_down']
+
+
+def test_bad_baseline_hyperparameters():
+  with pytest.raises(ConfigError, match='--lamda'):
+    FedProtoConfig(lamda=-1.)
+  with pytest.raises(ConfigError, match='--server_batch_size'):
+    FedTGPConfig(server_batch_size=0)
+  with pytest.raises(ConfigError, match='--lamda'):
+    FDConfig(lamda=-0.5)
+
+
+BASELINES = ['lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd']
+
+
+@pytest.mark.parametrize('name', BASELINES)
+def test_each_baseline_runs_two_rounds_on_two_architecture_groups(tiny_data, name):
+  from fedjax_het.config import ExperimentConfig
+  cfg = ExperimentConfig(fedtgp=FedTGPConfig(server_epochs=3))
+  alg = ALGORITHMS[name](cfg, tiny_data.num_classes)
+  fed = Federation(alg, tiny_data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1), feature_dim=16,
+                   strategy='sequential', eval_batch_size=16, conv='xla', join_ratio=0.5)
+  state = fed.init()
+  for _ in range(2):
+    state, m = fed.round(state)
+    m.update(fed.evaluate(state))
+    assert np.isfinite(m['train_loss']) and 0.0 <= m['accuracy'] <= 1.0
+    assert m['upload_scalars'] > 0 and m['broadcast_scalars'] > 0
+  assert len(fed.groups) == 2
+
+
+@pytest.mark.parametrize('name', ['fedproto', 'fedtgp', 'fd'])
+def test_baseline_strategies_agree(tiny_data, name):
+  from fedjax_het.config import ExperimentConfig
+  alg = ALGORITHMS[name](ExperimentConfig(fedtgp=FedTGPConfig(server_epochs=2)), tiny_data.num_classes)
+  states = []
+  for strategy in ('sequential', 'vmap'):
+    fed = Federation(alg, tiny_data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1), feature_dim=16,
+                     strategy=strategy, eval_batch_size=16, conv='xla')
+    state = fed.init()
+    for _ in range(2):
+      state, _ = fed.round(state)
+    states.append(state)
+  tree_allclose(states[0], states[1], rtol=2e-4, atol=2e-5)
