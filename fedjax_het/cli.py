@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from absl import flags
+import json
+import sys
+
+from absl import app, flags, logging
 
 from fedjax_het.algorithms import FDConfig, FedGHConfig, FedProtoConfig, FedREConfig, FedTGPConfig
 from fedjax_het.algorithms.fedre import DISTRIBUTIONS, MECHANISMS
@@ -116,3 +119,26 @@ def config_from_flags(fv=None) -> ExperimentConfig:
       seed=fv.seed, strategy=fv.strategy, chunk_size=fv.chunk_size, conv=fv.conv, scan_unroll=fv.scan_unroll,
       num_devices=fv.num_devices, client_threads=fv.client_threads, eval_every=fv.eval_every,
       eval_batch_size=fv.eval_batch_size, checkpoint_every=fv.checkpoint_every)
+
+
+def main(argv) -> None:
+  """The body of the experiment entry points: parsed flags -> `train_and_evaluate`, the summary printed as JSON.
+
+  A `ConfigError` (bad input) exits with its one-line message; an interrupt exits saying how to resume."""
+  from fedjax_het.errors import ConfigError
+  from fedjax_het.experiment import train_and_evaluate
+  fv = flags.FLAGS
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if not fv['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO.
+  if fv.distributed:
+    import jax
+    jax.distributed.initialize()  # before any computation; coordinator and process ids from the environment
+  try:
+    summary = train_and_evaluate(config_from_flags(), fv.workdir, resume=fv.resume, progress=fv.progress)
+  except ConfigError as e:
+    sys.exit(f'error: {e}')
+  except KeyboardInterrupt:
+    sys.exit(f'interrupted: outputs so far are in {fv.workdir}; continue with the same flags plus --resume.')
+  print(json.dumps({k: v for k, v in summary.items() if k != 'config'}, indent=2))

@@ -147,6 +147,8 @@ def test_bad_baseline_hyperparameters():
 
 
 BASELINES = ['lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd']
+REPORTED_HEAD = {'lg_fedavg': 'global_head', 'fedproto': 'prototype', 'fedgh': 'global_head',
+                 'fedtgp': 'prototype', 'fd': 'local_head'}
 
 
 @pytest.mark.parametrize('name', BASELINES)
@@ -163,6 +165,8 @@ def test_each_baseline_runs_two_rounds_on_two_architecture_groups(tiny_data, nam
     assert np.isfinite(m['train_loss']) and 0.0 <= m['accuracy'] <= 1.0
     assert m['upload_scalars'] > 0 and m['broadcast_scalars'] > 0
   assert len(fed.groups) == 2
+  # The reported accuracy is the method's own first eval head, whatever the names' alphabetical order.
+  assert m['eval_head'] == REPORTED_HEAD[name]
 
 
 @pytest.mark.parametrize('name', ['fedproto', 'fedtgp', 'fd'])

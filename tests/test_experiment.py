@@ -137,3 +137,31 @@ def test_tfds_path_end_to_end_with_mock_data(tmp_path):
     summary = train_and_evaluate(cfg, str(tmp_path), progress=False)
   row = _rows(tmp_path)[-1]
   assert 0.0 <= summary['final_accuracy'] <= 1.0 and 'local_test_accuracy' in row
+
+
+def test_run_py_names_the_algorithm_flag_on_bad_input(tmp_path):
+  args = [sys.executable, os.path.join(ROOT, 'experiments', 'run.py'), '--algorithm=fedsomething',
+          '--dataset=digits', '--rounds=1', f'--workdir={tmp_path}', '--progress=false']
+  result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert result.returncode != 0 and '--algorithm' in result.stderr and 'fedproto' in result.stderr
+  assert 'Traceback' not in result.stderr
+
+
+def test_comparison_runs_every_method_and_seed_then_reuses_finished_runs(tmp_path):
+  from fedjax_het.compare import comparison_table, run_comparison, write_comparison
+  cfg = dataclasses.replace(CFG, rounds=2, checkpoint_every=0)
+  results = run_comparison(cfg, ['fedre', 'fedproto'], [0, 1], str(tmp_path), progress=False)
+  assert [r.algorithm for r in results] == ['fedre', 'fedproto']
+  finals = [s['final_accuracy'] for s in results[1].summaries]
+  assert [c[0] for c in results[1].curves] == [[1, 2], [1, 2]]
+  table = write_comparison(results, str(tmp_path), 'test')
+  mean, std = 100 * sum(finals) / 2, 100 * abs(finals[0] - finals[1]) / 2
+  assert f'| fedproto | {mean:.2f} +- {std:.2f} |' in table
+  for name in ('comparison.md', 'comparison.json', 'comparison.png'):
+    assert os.path.exists(tmp_path / name)
+  stamp = os.path.getmtime(tmp_path / 'fedre' / 'seed1' / 'metrics.jsonl')
+  again = run_comparison(cfg, ['fedre', 'fedproto'], [0, 1], str(tmp_path), progress=False)
+  assert os.path.getmtime(tmp_path / 'fedre' / 'seed1' / 'metrics.jsonl') == stamp  # reused, not rerun
+  assert comparison_table(again) == comparison_table(results)
+  with pytest.raises(ConfigError, match='--algorithms'):
+    run_comparison(cfg, ['fedre', 'nope'], [0], str(tmp_path), progress=False)

@@ -507,7 +507,10 @@ class Federation:
     return out
 
   def _evaluate_set(self, state: FederationState, broadcast, which: str) -> tuple[dict, np.ndarray]:
-    correct: dict[str, np.ndarray] = {}
+    # Pytree maps sort dict keys; the algorithm's own order says which head is the reported one.
+    first = jax.tree.map(lambda a: a[0], state.groups[0])
+    correct: dict[str, np.ndarray] = {name: np.zeros(self.num_clients)
+                                      for name in self.algorithm.eval_heads(first, broadcast)}
     counts = np.zeros(self.num_clients)
     for gi, g in enumerate(self.groups):
       es = g.test if which == 'local' else self.global_test
@@ -518,7 +521,7 @@ class Federation:
         scores = self._sequential_eval(gi, state.groups[gi], broadcast, es, which)
       counts[g.clients] = [es.sizes[es.index(i)] for i in range(g.size)]
       for name, c in scores.items():
-        correct.setdefault(name, np.zeros(self.num_clients))[g.clients] = to_host(c)[:g.size]
+        correct[name][g.clients] = to_host(c)[:g.size]
     return correct, counts
 
   def _score(self, g: Group, client: ClientState, reps, y, n, broadcast) -> dict:

@@ -1,0 +1,49 @@
+"""Runs a list of methods on one setting with the same seeds and partitions, then writes a Markdown table
+(comparison.md), comparison.json and one accuracy-vs-round plot (comparison.png) into --workdir.
+
+  python experiments/compare.py --flagfile=experiments/flags/quickstart.flags --workdir=/tmp/compare \
+      --algorithms=fedre,local,fedavg,lg_fedavg,fedproto,fedgh,fedtgp,fd --seeds=0,1,2
+
+Every other flag is the experiment's (experiments/run.py); --algorithm and --seed are replaced by the lists.
+Stopped comparisons continue where they stopped when run again with the same flags.
+"""
+
+import dataclasses
+import sys
+
+from absl import app, flags, logging
+
+from fedjax_het import cli
+from fedjax_het.compare import run_comparison, write_comparison
+from fedjax_het.errors import ConfigError
+
+cli.define_flags(default_algorithm='fedre')
+flags.DEFINE_list('algorithms', ['fedre', 'local', 'fedavg', 'lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd'],
+                  'Methods to compare.')
+flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (each gives its own partition and initialisation).')
+flags.mark_flag_as_required('workdir')
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if not FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    seeds = [int(s) for s in FLAGS.seeds]
+  except ValueError:
+    sys.exit(f'error: --seeds={",".join(FLAGS.seeds)} must be integers, e.g. --seeds=0,1,2.')
+  try:
+    base = cli.config_from_flags()
+    results = run_comparison(base, FLAGS.algorithms, seeds, FLAGS.workdir, progress=FLAGS.progress)
+  except ConfigError as e:
+    sys.exit(f'error: {e}')
+  except KeyboardInterrupt:
+    sys.exit(f'interrupted: finished runs are kept in {FLAGS.workdir}; run the same command again to continue.')
+  title = f'{base.dataset}, {base.partition}, {base.num_clients} clients, {base.rounds} rounds, seeds {seeds}'
+  print(write_comparison(results, FLAGS.workdir, title))
+
+
+if __name__ == '__main__':
+  app.run(main)

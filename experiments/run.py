@@ -1,0 +1,16 @@
+"""Any method from flags: the same flags, outputs and checkpoints as experiments/fedre.py.
+
+  python experiments/run.py --algorithm=fedproto --flagfile=experiments/flags/quickstart.flags --workdir=/tmp/proto
+
+--algorithm: fedre, local, fedavg (grouped), lg_fedavg, fedproto, fedgh, fedtgp, fd.
+"""
+
+from absl import app, flags
+
+from fedjax_het import cli
+
+cli.define_flags(default_algorithm=None)
+flags.mark_flags_as_required(['algorithm', 'workdir'])
+
+if __name__ == '__main__':
+  app.run(cli.main)

@@ -1,0 +1,121 @@
+"""Several methods on one setting, same seeds and partitions: a Markdown table and one accuracy-vs-round plot.
+
+Each (method, seed) run is an ordinary experiment in `<workdir>/<method>/seed<seed>/`; a finished run with the
+same config is reused and an interrupted one resumes from its checkpoint, so a comparison can be stopped and
+continued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from fedjax_het.config import ExperimentConfig
+from fedjax_het.errors import ConfigError
+from fedjax_het.experiment import ALGORITHMS, train_and_evaluate
+
+
+@dataclasses.dataclass
+class MethodResult:
+  """One method's runs over the seeds: summaries and per-round accuracy curves (rounds, accuracies per seed)."""
+  algorithm: str
+  summaries: list[dict]
+  curves: list[tuple[list[int], list[float]]]
+
+
+def _finished_summary(workdir: str, cfg: ExperimentConfig):
+  path = os.path.join(workdir, 'summary.json')
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    summary = json.load(f)
+  return summary if summary.get('rounds') == cfg.rounds and summary.get('config') == cfg.to_dict() else None
+
+
+def _curve(workdir: str) -> tuple[list[int], list[float]]:
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  rows = [r for r in rows if 'accuracy' in r]
+  return [r['round'] for r in rows], [r['accuracy'] for r in rows]
+
+
+def run_comparison(base: ExperimentConfig, algorithms: Sequence[str], seeds: Sequence[int], workdir: str,
+                   progress: bool = True) -> list[MethodResult]:
+  """Runs (or reuses, or resumes) every (algorithm, seed) of `base` and collects the results."""
+  unknown = [a for a in algorithms if a not in ALGORITHMS]
+  if unknown or not algorithms:
+    raise ConfigError(f'--algorithms: unknown or empty {unknown or list(algorithms)}; choose from '
+                      f'{", ".join(ALGORITHMS)}.')
+  if not seeds:
+    raise ConfigError('--seeds is empty; give at least one seed, e.g. --seeds=0,1,2.')
+  results = []
+  for algorithm in algorithms:
+    summaries, curves = [], []
+    for seed in seeds:
+      cfg = dataclasses.replace(base, algorithm=algorithm, seed=int(seed))
+      run_dir = os.path.join(workdir, algorithm, f'seed{seed}')
+      summary = _finished_summary(run_dir, cfg)
+      if summary is None:
+        resume = os.path.isdir(os.path.join(run_dir, 'checkpoints')) and bool(os.listdir(os.path.join(run_dir,
+                                                                                                     'checkpoints')))
+        summary = train_and_evaluate(cfg, run_dir, resume=resume, progress=progress)
+      summaries.append(summary)
+      curves.append(_curve(run_dir))
+    results.append(MethodResult(algorithm, summaries, curves))
+  return results
+
+
+def _mean_std(values: Sequence[float], scale: float = 100.0) -> str:
+  v = scale * np.asarray(values, float)
+  return f'{v.mean():.2f} +- {v.std():.2f}'
+
+
+def comparison_table(results: Sequence[MethodResult]) -> str:
+  """Markdown: per method, mean +- std over seeds (population std) of the final and best-round accuracy (%),
+  and upload / broadcast scalars per round (mean over rounds and seeds)."""
+  lines = ['| method | final accuracy (%) | best-round accuracy (%) | upload / broadcast scalars per round | seeds |',
+           '|---|---|---|---|---|']
+  for r in results:
+    up = np.mean([s['upload_scalars_per_round'] for s in r.summaries])
+    down = np.mean([s['broadcast_scalars_per_round'] for s in r.summaries])
+    lines.append(f'| {r.algorithm} | {_mean_std([s["final_accuracy"] for s in r.summaries])} | '
+                 f'{_mean_std([s["best_accuracy"] for s in r.summaries])} | {up:,.0f} / {down:,.0f} | '
+                 f'{len(r.summaries)} |')
+  return '\n'.join(lines) + '\n'
+
+
+def plot_comparison(results: Sequence[MethodResult], path: str, title: str) -> None:
+  """Accuracy against round, mean over seeds (shaded: min to max), one line per method."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for r in results:
+    rounds = r.curves[0][0]
+    acc = 100 * np.asarray([c[1] for c in r.curves if c[0] == rounds])
+    ax.plot(rounds, acc.mean(0), label=r.algorithm)
+    ax.fill_between(rounds, acc.min(0), acc.max(0), alpha=0.15)
+  ax.set_xlabel('round')
+  ax.set_ylabel('test accuracy (%)')
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def write_comparison(results: Sequence[MethodResult], workdir: str, title: str) -> str:
+  """Writes comparison.md, comparison.json and comparison.png into `workdir`; returns the Markdown table."""
+  table = comparison_table(results)
+  with open(os.path.join(workdir, 'comparison.md'), 'w') as f:
+    f.write(f'# {title}\n\n{table}')
+  with open(os.path.join(workdir, 'comparison.json'), 'w') as f:
+    json.dump([{'algorithm': r.algorithm, 'summaries': [{k: v for k, v in s.items() if k != 'config'}
+                                                        for s in r.summaries]} for r in results], f, indent=2)
+  plot_comparison(results, os.path.join(workdir, 'comparison.png'), title)
+  return table
