@@ -1,5 +1,6 @@
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from fedjax_het.engine.forward import forward
@@ -35,6 +36,63 @@ def test_resnet18_parameter_count_matches_torchvision():
   model = build_model('resnet18', 10, 512)
   params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3)))['params']
   assert sum(a.size for a in jax.tree.leaves(params)) == 11181642
+
+
+# Extractor parameters = the PyTorch original minus its classifier. Totals printed with torchvision 0.28.0 /
+# torch 2.13.0: sum(p.numel()) of torchvision.models.<name>(num_classes=10) (googlenet with aux_logits=False,
+# vit_b_16/vit_b_32 with image_size=32; resnet10 = torchvision ResNet(BasicBlock, [1, 1, 1, 1]), HtFLlib's), minus
+# the final Linear(L, 10): resnet18 11,181,642 - 5,130; resnet34 21,289,802 - 5,130; resnet10 4,910,922 - 5,130;
+# resnet50 23,528,522 - 20,490; resnet101 42,520,650 - 20,490; resnet152 58,164,298 - 20,490; mobilenet_v2
+# 2,236,682 - 12,810; googlenet 5,610,154 - 10,250; vit_b_16 85,658,890 - 7,690; vit_b_32 87,426,058 - 7,690.
+TORCHVISION_EXTRACTOR_PARAMS = {
+    'resnet10': 4905792, 'resnet18': 11176512, 'resnet34': 21284672, 'resnet50': 23508032, 'resnet101': 42500160,
+    'resnet152': 58143808, 'mobilenet_v2': 2223872, 'googlenet': 5599904, 'vit_b16': 85651200,
+    'vit_b32': 87418368,
+}
+
+
+@pytest.mark.parametrize('name', sorted(TORCHVISION_EXTRACTOR_PARAMS))
+def test_extractor_parameter_counts_match_the_pytorch_originals(name):
+  model = build_model(name, 10, 512)
+  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3))))['params']
+  count = lambda tree: sum(a.size for a in jax.tree.leaves(tree))
+  assert count(params['extractor']) == TORCHVISION_EXTRACTOR_PARAMS[name]
+  assert count(params) == TORCHVISION_EXTRACTOR_PARAMS[name] + 512 * 10 + 10
+
+
+@pytest.mark.parametrize('name', ['mobilenet_v2', 'googlenet', 'resnet50', 'resnet4'])
+@pytest.mark.parametrize('size', [32, 64])
+def test_zoo_models_take_32_and_64_pixel_images(name, size):
+  model = build_model(name, num_classes=5, feature_dim=16, conv='auto')
+  x = jnp.ones((2, size, size, 3))
+  variables = model.init(jax.random.PRNGKey(0), x)
+  params = variables.pop('params')
+  logits, rep, state = forward(model, params, dict(variables), x, train=True)
+  assert logits.shape == (2, 5) and rep.shape == (2, 16) and bool(jnp.isfinite(logits).all())
+  assert set(state) == {'batch_stats'}
+
+
+def test_vit_position_table_follows_the_image_size():
+  for size, tokens in [(32, 5), (64, 17)]:
+    model = build_model('vit_b16', 10, 512)
+    params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, size, size, 3))))['params']
+    assert params['extractor']['pos_embedding'].shape == (1, tokens, 768)
+
+
+def test_ceil_mode_max_pool_matches_torch():
+  torch = pytest.importorskip('torch')
+  from fedjax_het.models.googlenet import max_pool_ceil
+  x = np.random.default_rng(0).normal(size=(2, 15, 16, 3)).astype(np.float32)
+  for window, stride, pad in [(3, 2, 0), (2, 2, 0), (3, 1, 1), (3, 2, 1)]:
+    ref = torch.nn.MaxPool2d(window, stride, pad, ceil_mode=True)(torch.from_numpy(x.transpose(0, 3, 1, 2)))
+    np.testing.assert_array_equal(np.asarray(max_pool_ceil(jnp.asarray(x), window, stride, pad)),
+                                  ref.numpy().transpose(0, 2, 3, 1))
+
+
+def test_model_families_expand_in_htfllib_order():
+  assert assign_models(['HtFE-img-4'], 6) == ['cnn4', 'googlenet', 'mobilenet_v2', 'resnet18', 'cnn4', 'googlenet']
+  assert len(assign_models(['HtM-img-10'], 10)) == 10 and len(set(assign_models(['fedre-10'], 10))) == 10
+  assert set(assign_models(['HtM-img-10'], 10)) == set(assign_models(['fedre-10'], 10))
 
 
 def test_model_family_assignment_and_errors():

@@ -15,7 +15,10 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.models.classifier import HeteroClassifier
 from fedjax_het.models.cnn import MLP, FedAvgCNN, SmallCNN
 from fedjax_het.models.conv import ConvFactory, conv_factory
-from fedjax_het.models.resnet import ResNet
+from fedjax_het.models.googlenet import GoogLeNet
+from fedjax_het.models.mobilenet import MobileNetV2
+from fedjax_het.models.resnet import Bottleneck, ResNet
+from fedjax_het.models.vit import VisionTransformer
 
 ExtractorFactory = Callable[[ConvFactory], nn.Module]
 _EXTRACTORS: dict[str, ExtractorFactory] = {}
@@ -46,9 +49,11 @@ def assign_models(models: Sequence[str], num_clients: int) -> list[str]:
   """Client k's architecture is models[k % len(models)] (HtFLlib's model-family convention)."""
   if not models:
     raise ConfigError('--models is empty; give at least one model name, e.g. --models=cnn4,resnet18.')
+  models = expand_models(models)
   for m in models:
     if m not in _EXTRACTORS:
-      raise ConfigError(f'--models: unknown model {m!r}; registered models are {", ".join(model_names())}.')
+      raise ConfigError(f'--models: unknown model {m!r}; registered models are {", ".join(model_names())}; '
+                        f'families: {", ".join(MODEL_FAMILIES)}.')
   return [models[k % len(models)] for k in range(num_clients)]
 
 
@@ -56,6 +61,40 @@ register_model('cnn4', lambda conv: FedAvgCNN(conv=conv))
 register_model('small_cnn', lambda conv: SmallCNN(conv=conv))
 register_model('small_cnn_narrow', lambda conv: SmallCNN(channels=(16, 32), conv=conv))
 register_model('mlp', lambda conv: MLP())
+register_model('resnet4', lambda conv: ResNet((1,), conv=conv))
+register_model('resnet6', lambda conv: ResNet((1, 1), conv=conv))
+register_model('resnet8', lambda conv: ResNet((1, 1, 1), conv=conv))
 register_model('resnet10', lambda conv: ResNet((1, 1, 1, 1), conv=conv))
 register_model('resnet18', lambda conv: ResNet((2, 2, 2, 2), conv=conv))
 register_model('resnet34', lambda conv: ResNet((3, 4, 6, 3), conv=conv))
+register_model('resnet50', lambda conv: ResNet((3, 4, 6, 3), conv=conv, block=Bottleneck))
+register_model('resnet101', lambda conv: ResNet((3, 4, 23, 3), conv=conv, block=Bottleneck))
+register_model('resnet152', lambda conv: ResNet((3, 8, 36, 3), conv=conv, block=Bottleneck))
+register_model('mobilenet_v2', lambda conv: MobileNetV2(conv=conv))
+register_model('googlenet', lambda conv: GoogLeNet(conv=conv))
+register_model('vit_b16', lambda conv: VisionTransformer(16, conv=conv))
+register_model('vit_b32', lambda conv: VisionTransformer(32, conv=conv))
+
+# HtFLlib's model families (its main.py, --model_family), and FedRE's 10-architecture set (fedre.txt Sec. 4.1).
+MODEL_FAMILIES: dict[str, tuple[str, ...]] = {
+    'HtFE-img-2': ('cnn4', 'resnet18'),
+    'HtFE-img-3': ('resnet10', 'resnet18', 'resnet34'),
+    'HtFE-img-4': ('cnn4', 'googlenet', 'mobilenet_v2', 'resnet18'),
+    'HtFE-img-5': ('googlenet', 'mobilenet_v2', 'resnet18', 'resnet34', 'resnet50'),
+    'HtFE-img-8': ('cnn4', 'googlenet', 'mobilenet_v2', 'resnet18', 'resnet34', 'resnet50', 'resnet101',
+                   'resnet152'),
+    'HtFE-img-9': ('resnet4', 'resnet6', 'resnet8', 'resnet10', 'resnet18', 'resnet34', 'resnet50', 'resnet101',
+                   'resnet152'),
+    'HtM-img-10': ('cnn4', 'googlenet', 'mobilenet_v2', 'resnet18', 'resnet34', 'resnet50', 'resnet101',
+                   'resnet152', 'vit_b16', 'vit_b32'),
+}
+MODEL_FAMILIES['fedre-10'] = ('cnn4', 'mobilenet_v2', 'googlenet', 'resnet18', 'resnet34', 'resnet50', 'resnet101',
+                              'resnet152', 'vit_b16', 'vit_b32')
+
+
+def expand_models(models: Sequence[str]) -> tuple[str, ...]:
+  """--models with family names (e.g. HtFE-img-8) replaced by their architectures, in order."""
+  out: list[str] = []
+  for m in models:
+    out.extend(MODEL_FAMILIES.get(m, (m,)))
+  return tuple(out)

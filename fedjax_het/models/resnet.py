@@ -1,4 +1,6 @@
-"""ResNets with the torchvision layout and stem (conv7x7/2, BN, ReLU, maxpool3x3/2), as HtFLlib uses them."""
+"""ResNets with the torchvision layout and stem (conv7x7/2, BN, ReLU, maxpool3x3/2), as HtFLlib uses them:
+basic blocks for ResNet-4/6/8/10 (HtFLlib's, one block per stage, 1-4 stages), 18 and 34; bottleneck blocks
+(expansion 4) for ResNet-50/101/152."""
 
 from __future__ import annotations
 
@@ -30,11 +32,31 @@ class BasicBlock(nn.Module):
     return nn.relu(x + y)
 
 
+class Bottleneck(nn.Module):
+  """torchvision's Bottleneck: 1x1 (filters) -> 3x3 (filters, stride) -> 1x1 (4 * filters), projection shortcut
+  when the shape changes (ResNet-50/101/152)."""
+  filters: int
+  strides: int = 1
+  conv: Any = nn.Conv
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
+    norm = functools.partial(_BatchNorm, use_running_average=not train)
+    y = nn.relu(norm()(self.conv(self.filters, (1, 1), use_bias=False)(x)))
+    y = nn.relu(norm()(self.conv(self.filters, (3, 3), self.strides, padding=1, use_bias=False)(y)))
+    y = norm()(self.conv(4 * self.filters, (1, 1), use_bias=False)(y))
+    if x.shape[-1] != 4 * self.filters or self.strides != 1:
+      x = norm()(self.conv(4 * self.filters, (1, 1), self.strides, use_bias=False)(x))
+    return nn.relu(x + y)
+
+
 class ResNet(nn.Module):
-  """torchvision ResNet trunk without its fc layer; returns the final feature map [B, H, W, 512]."""
+  """torchvision ResNet trunk without its fc layer; returns the final feature map [B, H, W, channels]
+  (512 for ResNet-10/18/34, 2048 for ResNet-50+, 64 * 2^(stages-1) for HtFLlib's shallower ones)."""
   stage_sizes: Sequence[int]
   base_width: int = 64
   conv: Any = nn.Conv
+  block: Any = BasicBlock
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
@@ -43,5 +65,5 @@ class ResNet(nn.Module):
     x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
     for i, blocks in enumerate(self.stage_sizes):
       for j in range(blocks):
-        x = BasicBlock(self.base_width * 2**i, strides=2 if i > 0 and j == 0 else 1, conv=self.conv)(x, train)
+        x = self.block(self.base_width * 2**i, strides=2 if i > 0 and j == 0 else 1, conv=self.conv)(x, train)
     return x
