@@ -95,6 +95,29 @@ def test_model_families_expand_in_htfllib_order():
   assert set(assign_models(['HtM-img-10'], 10)) == set(assign_models(['fedre-10'], 10))
 
 
+@pytest.mark.parametrize('dataset,channels', [('mnist', 1), ('fmnist', 1), ('cifar10', 3)])
+def test_gefl_cnns_flatten_to_the_tables_fc_widths(dataset, channels):
+  # gefl.txt Tables XXI-XXIII: the final layers are fc(1024/10) ... fc(80/10) for CNN-1 ... CNN-10 (32x32 inputs).
+  widths = []
+  for k in range(1, 11):
+    extractor = build_model(f'gefl_{dataset}_cnn{k}', 10, 16).extractor
+    out, _ = jax.eval_shape(lambda: extractor.init_with_output(jax.random.PRNGKey(0),
+                                                                jnp.zeros((1, 32, 32, channels))))
+    widths.append(out.shape[-1])
+  assert widths == [1024, 512, 640, 320, 256, 320, 160, 128, 100, 80]
+
+
+def test_gefl_cnn_parameter_counts_by_hand():
+  count = lambda name, c: sum(a.size for a in jax.tree.leaves(jax.eval_shape(
+      lambda: build_model(name, 10, 16).init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, c))))['params']['extractor']))
+  # Table XXI CNN-1 (1 channel): conv(1->3) 9*1*3+3 + bn(3) 6 + conv(3->16) 9*3*16+16 = 30 + 6 + 448.
+  assert count('gefl_mnist_cnn1', 1) == 484
+  # Table XXIII CNN-1: conv(3->3) 84 + bn 6 + conv(3->10) 280 + bn 20 + conv(10->16) 1456.
+  assert count('gefl_cifar10_cnn1', 3) == 1846
+  # Table XXII CNN-4 (BN after every conv): 30 + 6 + conv(3->10) 280 + bn 20 + conv(10->20) 1820 + bn 40.
+  assert count('gefl_fmnist_cnn4', 1) == 2196
+
+
 def test_model_family_assignment_and_errors():
   assert assign_models(['a', 'b', 'c'][:2] and ['cnn4', 'mlp'], 5) == ['cnn4', 'mlp', 'cnn4', 'mlp', 'cnn4']
   with pytest.raises(ConfigError, match='unknown model'):

@@ -15,6 +15,7 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.models.classifier import HeteroClassifier
 from fedjax_het.models.cnn import MLP, FedAvgCNN, SmallCNN
 from fedjax_het.models.conv import ConvFactory, conv_factory
+from fedjax_het.models.gefl_cnn import GEFL_DATASETS, GeFLCNN
 from fedjax_het.models.googlenet import GoogLeNet
 from fedjax_het.models.mobilenet import MobileNetV2
 from fedjax_het.models.resnet import Bottleneck, ResNet
@@ -74,6 +75,9 @@ register_model('mobilenet_v2', lambda conv: MobileNetV2(conv=conv))
 register_model('googlenet', lambda conv: GoogLeNet(conv=conv))
 register_model('vit_b16', lambda conv: VisionTransformer(16, conv=conv))
 register_model('vit_b32', lambda conv: VisionTransformer(32, conv=conv))
+for _dataset in GEFL_DATASETS:
+  for _k in range(1, 11):
+    register_model(f'gefl_{_dataset}_cnn{_k}', lambda conv, d=_dataset, k=_k: GeFLCNN(d, k, conv=conv))
 
 # HtFLlib's model families (its main.py, --model_family), and FedRE's 10-architecture set (fedre.txt Sec. 4.1).
 MODEL_FAMILIES: dict[str, tuple[str, ...]] = {
@@ -88,6 +92,8 @@ MODEL_FAMILIES: dict[str, tuple[str, ...]] = {
     'HtM-img-10': ('cnn4', 'googlenet', 'mobilenet_v2', 'resnet18', 'resnet34', 'resnet50', 'resnet101',
                    'resnet152', 'vit_b16', 'vit_b32'),
 }
+for _dataset in GEFL_DATASETS:  # GeFL's ten target networks (gefl.txt Tables XXI-XXIII)
+  MODEL_FAMILIES[f'gefl-{_dataset}-10'] = tuple(f'gefl_{_dataset}_cnn{k}' for k in range(1, 11))
 MODEL_FAMILIES['fedre-10'] = ('cnn4', 'mobilenet_v2', 'googlenet', 'resnet18', 'resnet34', 'resnet50', 'resnet101',
                               'resnet152', 'vit_b16', 'vit_b32')
 

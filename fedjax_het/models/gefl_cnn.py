@@ -1,0 +1,56 @@
+"""The ten heterogeneous CNNs of GeFL (gefl.txt Tables XXI-XXIII), as extractors.
+
+Every CNN starts with GeFL-F's common block (conv 3x3 to 3 channels, BN, ReLU, and for CIFAR-10 a conv to 10
+channels with BN) and continues with 1-4 further 3x3 conv -> [BN] -> ReLU -> maxpool 2x2 blocks whose widths differ
+per CNN. The tables list the deeper blocks right-aligned: CNN-1 stops after the second block, CNN-2..4 after the
+third, CNN-5..7 after the fourth, CNN-8..10 after the fifth. With 32x32 inputs the flattened features have the
+widths of the tables' final fc layers (1024, 512, 640, 320, 256, 320, 160, 128, 100, 80), which is how the
+alignment was checked. The extractor returns those flattened features [B, F]; the library's RM and head (F -> d ->
+C) stand where GeFL has fc(F/C).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from fedjax_het.models.pooling import max_pool
+
+# Output channels per CNN-k (k = 1..10) of each block after the common one; None: the CNN has no such block.
+SECOND_BLOCK = {'mnist': (16, 16, 20, 10, 16, 20, 10, 16, 20, 10), 'fmnist': (16, 16, 20, 10, 16, 20, 10, 16, 20, 10),
+                'cifar10': (16, 16, 20, 10, 10, 20, 10, 16, 20, 10)}
+THIRD_BLOCK = (None, 32, 40, 20, 32, 40, 20, 32, 40, 20)
+FOURTH_BLOCK = (None,) * 4 + (64, 80, 40, 64, 80, 40)
+FIFTH_BLOCK = (None,) * 7 + (128, 100, 80)
+GEFL_DATASETS = tuple(SECOND_BLOCK)  # 'fmnist' covers Table XXII (FMNIST and SVHN)
+
+
+def gefl_widths(dataset: str, k: int) -> tuple[int, ...]:
+  """The widths of CNN-k's blocks after the common one, for Table XXI ('mnist'), XXII ('fmnist', also SVHN) or
+  XXIII ('cifar10')."""
+  rows = (SECOND_BLOCK[dataset], THIRD_BLOCK, FOURTH_BLOCK, FIFTH_BLOCK)
+  return tuple(row[k - 1] for row in rows if row[k - 1] is not None)
+
+
+class GeFLCNN(nn.Module):
+  """GeFL's CNN-k for `dataset` (see the module docstring); returns flattened features [B, F]."""
+  dataset: str
+  k: int
+  conv: Any = nn.Conv
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)
+    pool = lambda h: max_pool(h, (2, 2), (2, 2))
+    x = nn.relu(norm()(self.conv(3, (3, 3), padding=1)(x)))
+    if self.dataset == 'cifar10':  # Table XXIII: a second common conv, pooled once after it
+      x = pool(nn.relu(norm()(self.conv(10, (3, 3), padding=1)(x))))
+    else:
+      x = pool(x)
+    bn_after: Optional[bool] = self.dataset == 'fmnist'  # Table XXII normalises every block, XXI/XXIII none
+    for width in gefl_widths(self.dataset, self.k):
+      x = self.conv(width, (3, 3), padding=1)(x)
+      x = pool(nn.relu(norm()(x) if bn_after else x))
+    return x.reshape(x.shape[0], -1)
