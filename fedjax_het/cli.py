@@ -7,7 +7,7 @@ import sys
 
 from absl import app, flags, logging
 
-from fedjax_het.algorithms import FDConfig, FedGHConfig, FedProtoConfig, FedREConfig, FedTGPConfig
+from fedjax_het.algorithms import FDConfig, FedGenConfig, FedGHConfig, FedProtoConfig, FedREConfig, FedTGPConfig
 from fedjax_het.algorithms.fedre import DISTRIBUTIONS, MECHANISMS
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.engine.federation import STRATEGIES
@@ -35,7 +35,7 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
     return
   f = _Definer(flag_values)
   f.DEFINE_string('algorithm', default_algorithm, 'fedre | local | fedavg (grouped FedAvg) | lg_fedavg | fedproto | '
-                  'fedgh | fedtgp | fd.')
+                  'fedgh | fedtgp | fd | fedgen.')
   f.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/.')
   f.DEFINE_bool('resume', False, 'Continue from the last checkpoint in --workdir.')
   f.DEFINE_bool('progress', True, 'Show a progress bar with the current accuracy.')
@@ -95,6 +95,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   # Baselines.
   f.DEFINE_float('lamda', None, 'Weight of the regulariser of FedProto / FedTGP (prototype MSE, default 10) and FD '
                  '(distillation, default 1).')
+  f.DEFINE_float('generator_learning_rate', FedGenConfig().generator_learning_rate, 'FedGen: Adam learning rate '
+                 'of the server generator (its steps per round: --server_epochs, default 100).')
   f.DEFINE_float('margin_threshold', FedTGPConfig().margin_threshold, 'FedTGP: upper bound tau of the adaptive '
                  'margin.')
 
@@ -116,6 +118,7 @@ def config_from_flags(fv=None) -> ExperimentConfig:
                         server_loss_reduction=fv.server_loss_reduction, **server),
       fedproto=FedProtoConfig(**lamda), fedgh=FedGHConfig(**server),
       fedtgp=FedTGPConfig(margin_threshold=fv.margin_threshold, **lamda, **server), fd=FDConfig(**lamda),
+      fedgen=FedGenConfig(generator_learning_rate=fv.generator_learning_rate, **given('server_epochs')),
       seed=fv.seed, strategy=fv.strategy, chunk_size=fv.chunk_size, conv=fv.conv, scan_unroll=fv.scan_unroll,
       num_devices=fv.num_devices, client_threads=fv.client_threads, eval_every=fv.eval_every,
       eval_batch_size=fv.eval_batch_size, checkpoint_every=fv.checkpoint_every)

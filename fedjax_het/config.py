@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from fedjax_het.algorithms.fd import FDConfig
+from fedjax_het.algorithms.fedgen import FedGenConfig
 from fedjax_het.algorithms.fedgh import FedGHConfig
 from fedjax_het.algorithms.fedproto import FedProtoConfig
 from fedjax_het.algorithms.fedre import FedREConfig
@@ -40,6 +41,7 @@ class ExperimentConfig:
   fedgh: FedGHConfig = FedGHConfig()
   fedtgp: FedTGPConfig = FedTGPConfig()
   fd: FDConfig = FDConfig()
+  fedgen: FedGenConfig = FedGenConfig()
   seed: int = 0
   strategy: Optional[str] = None
   chunk_size: int = 0

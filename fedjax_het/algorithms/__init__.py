@@ -2,6 +2,7 @@
 from fedjax_het.algorithms.base import Algorithm, CommSpec
 from fedjax_het.algorithms.fd import FDConfig, fd
 from fedjax_het.algorithms.fedavg import fedavg_grouped, group_fedavg
+from fedjax_het.algorithms.fedgen import FedGenConfig, fedgen
 from fedjax_het.algorithms.fedgh import FedGHConfig, fedgh
 from fedjax_het.algorithms.fedproto import FedProtoConfig, fedproto
 from fedjax_het.algorithms.fedre import FedREConfig, entangle, entanglement_weights, fedre, train_head

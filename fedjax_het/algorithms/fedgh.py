@@ -2,12 +2,13 @@
 
 Each round a participant sets its head to the global head, trains on CE, and uploads its eval-mode class
 prototypes. The server trains the global head on the (prototype, class) pairs of all participants with CE
-(SGD 0.01, batch 10, 1 epoch, mean loss over the batch as torch's CrossEntropyLoss) and broadcasts it.
+(SGD 0.01, 1 epoch, batches of the local batch size, mean loss over the batch as torch's CrossEntropyLoss) and broadcasts it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,18 +22,20 @@ from fedjax_het.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class FedGHConfig:
-  """Server SGD on the prototypes (HtFLlib: -slr 0.01 -se 1; server batch 10)."""
+  """Server SGD on the prototypes (HtFLlib's script: -slr 0.01 -se 1; batches of the local batch size)."""
   server_learning_rate: float = 0.01
-  server_batch_size: int = 10
+  server_batch_size: Optional[int] = None  # None: the local batch size, as HtFLlib (its server uses args.batch_size)
   server_epochs: int = 1
 
   def __post_init__(self):
-    if self.server_batch_size < 1 or self.server_epochs < 0 or self.server_learning_rate <= 0:
+    if (self.server_batch_size is not None and self.server_batch_size < 1) or self.server_epochs < 0 \
+        or self.server_learning_rate <= 0:
       raise ConfigError('--server_batch_size must be >= 1, --server_epochs >= 0, --server_learning_rate > 0.')
 
 
-def fedgh(cfg: FedGHConfig, num_classes: int) -> Algorithm:
-  """FedGH as an `Algorithm`."""
+def fedgh(cfg: FedGHConfig, num_classes: int, local_batch_size: int = 32) -> Algorithm:
+  """FedGH as an `Algorithm` (`local_batch_size`: the server batch when cfg.server_batch_size is None)."""
+  server_batch = cfg.server_batch_size or local_batch_size
 
   def init_server(rng, example_params):
     return {'head': example_params['head']}
@@ -46,7 +49,7 @@ def fedgh(cfg: FedGHConfig, num_classes: int) -> Algorithm:
     onehot = jax.nn.one_hot(labels, num_classes)
     row_loss = lambda h, idx: soft_cross_entropy(head_apply(h, protos[idx]), onehot[idx])
     head, loss = sgd_on_rows(server['head'], row_loss, weight, rng, cfg.server_learning_rate,
-                             cfg.server_batch_size, cfg.server_epochs, 'mean')
+                             server_batch, cfg.server_epochs, 'mean')
     return {'head': head}, {'server_loss': loss}
 
   def eval_heads(client: ClientState, broadcast):

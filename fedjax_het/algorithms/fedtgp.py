@@ -1,7 +1,7 @@
 """FedTGP (Zhang et al., AAAI 2024, as run in HtFLlib): trainable global prototypes with an adaptive margin.
 
-Clients are FedProto's (CE + lambda * MSE to the global prototypes; upload class prototypes; scored by the nearest
-global prototype). The server owns a prototype generator TGP(c) = W2 ReLU(W1 E[c] + b1) + b2 (an Embedding(C, d)
+Clients are FedProto's (CE + lambda * MSE to the global prototypes; upload class prototypes from an eval-mode pass
+after training, as HtFLlib's FedTGP client does; scored by the nearest global prototype). The server owns a prototype generator TGP(c) = W2 ReLU(W1 E[c] + b1) + b2 (an Embedding(C, d)
 and a d -> d -> d MLP) and trains it for `server_epochs` epochs over the uploaded (prototype, class) pairs with the
 margin-enhanced contrastive loss CE(-(||p - TGP(c')|| + margin * 1[c' = y]), y) (Eq. 4-5), where
 margin = min(max_c min_{c' != c} ||mean_c - mean_{c'}||, tau) over this round's per-class mean prototypes (Eq. 6).
@@ -27,21 +27,23 @@ from fedjax_het.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class FedTGPConfig:
-  """HtFLlib's script for the HtM10 family: -lam 10 -se 100 -mart 100; server SGD 0.01 in batches of 10.
+  """HtFLlib's script for the HtM10 family: -lam 10 -se 100 -mart 100; server SGD 0.01 in batches of the local
+  batch size (HtFLlib's server uses args.batch_size).
 
   hidden_dim: width of TGP's hidden layer (None: d).
   """
   lamda: float = 10.0
   margin_threshold: float = 100.0
   server_learning_rate: float = 0.01
-  server_batch_size: int = 10
+  server_batch_size: Optional[int] = None  # None: the local batch size, as HtFLlib (its server uses args.batch_size)
   server_epochs: int = 100
   hidden_dim: Optional[int] = None
 
   def __post_init__(self):
     if self.lamda < 0 or self.margin_threshold < 0:
       raise ConfigError(f'--lamda ({self.lamda}) and --margin_threshold ({self.margin_threshold}) must be >= 0.')
-    if self.server_batch_size < 1 or self.server_epochs < 0 or self.server_learning_rate <= 0:
+    if (self.server_batch_size is not None and self.server_batch_size < 1) or self.server_epochs < 0 \
+        or self.server_learning_rate <= 0:
       raise ConfigError('--server_batch_size must be >= 1, --server_epochs >= 0, --server_learning_rate > 0.')
 
 
@@ -81,8 +83,9 @@ def margin_contrastive_loss(protos: jnp.ndarray, labels: jnp.ndarray, generated:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-def fedtgp(cfg: FedTGPConfig, num_classes: int) -> Algorithm:
-  """FedTGP as an `Algorithm`."""
+def fedtgp(cfg: FedTGPConfig, num_classes: int, local_batch_size: int = 32) -> Algorithm:
+  """FedTGP as an `Algorithm` (`local_batch_size`: the server batch when cfg.server_batch_size is None)."""
+  server_batch = cfg.server_batch_size or local_batch_size
   classes = jnp.arange(num_classes)
 
   def generator(feature_dim: int) -> PrototypeGenerator:
@@ -104,7 +107,7 @@ def fedtgp(cfg: FedTGPConfig, num_classes: int) -> Algorithm:
     row_loss = lambda p, idx: margin_contrastive_loss(protos[idx], labels[idx], tgp.apply({'params': p}, classes),
                                                       margin)
     params, loss = sgd_on_rows(server['tgp'], row_loss, weight, rng, cfg.server_learning_rate,
-                               cfg.server_batch_size, cfg.server_epochs, 'mean')
+                               server_batch, cfg.server_epochs, 'mean')
     generated = tgp.apply({'params': params}, classes)
     return ({'tgp': params, 'protos': generated, 'present': jnp.ones(num_classes, bool)},
             {'server_loss': loss, 'margin': margin})

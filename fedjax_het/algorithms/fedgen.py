@@ -1,0 +1,145 @@
+"""FedGen (Zhu et al., ICML 2021) in HtFLlib's heterogeneous form: a server generator in representation space.
+
+The server keeps a global head (the sample-weighted mean of the participants' heads, as LG-FedAvg) and a
+conditional generator G(eps, y) = W2 ReLU(BN(W1 [eps, onehot(y)])) with eps ~ U(0, 1)^noise_dim (HtFLlib draws
+torch.rand). After each round it trains G for `server_epochs` Adam steps so that the ensemble of the uploaded heads,
+weighted by training samples, classifies G's outputs: CE(sum_k w_k head_k(G(eps, y)), y), labels drawn from the
+participants' training-label distribution. Clients set their head to the global head and train on
+CE(f(x), y) + CE(head(G(eps, y')), y') with y' from the same distribution.
+
+HtFLlib trains the generator but never saves it, so its clients always use the untrained initial generator; as
+SPEC.md says, the trained G is broadcast here (and counted in the broadcast). The generator's Adam state starts
+fresh every round, as in HtFLlib. The label distribution is over this round's participants (HtFLlib: all clients,
+the same under full participation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_het.algorithms.base import Algorithm, CommSpec
+from fedjax_het.algorithms.common import cross_entropy_loss, weighted_average
+from fedjax_het.engine.forward import head_logits
+from fedjax_het.engine.state import ClientState
+from fedjax_het.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class FedGenConfig:
+  """HtFLlib defaults: noise 512, hidden 512, Adam 0.005, 100 generator steps per round; batches of the local batch
+  size (None) for both the server steps and the clients' generated batch."""
+  noise_dim: int = 512
+  hidden_dim: int = 512
+  generator_learning_rate: float = 0.005
+  server_epochs: int = 100
+  generator_batch_size: Optional[int] = None
+
+  def __post_init__(self):
+    if min(self.noise_dim, self.hidden_dim) < 1 or self.server_epochs < 0 or self.generator_learning_rate <= 0:
+      raise ConfigError('FedGen: --noise_dim and --hidden_dim must be >= 1, --server_epochs >= 0 and '
+                        '--generator_learning_rate > 0.')
+
+
+class FeatureGenerator(nn.Module):
+  """G(eps, y): [eps, onehot(y)] -> Dense(hidden) -> BatchNorm -> ReLU -> Dense(d)."""
+  num_classes: int
+  feature_dim: int
+  hidden_dim: int
+
+  @nn.compact
+  def __call__(self, noise: jnp.ndarray, labels: jnp.ndarray, train: bool = True) -> jnp.ndarray:
+    h = nn.Dense(self.hidden_dim)(jnp.concatenate([noise, jax.nn.one_hot(labels, self.num_classes)], -1))
+    h = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)(h))
+    return nn.Dense(self.feature_dim)(h)
+
+
+def ensemble_logits(heads: dict, weights: jnp.ndarray, z: jnp.ndarray) -> jnp.ndarray:
+  """sum_k w_k (z W_k + b_k) over the uploaded heads (leading axis k), weights already normalised."""
+  return jnp.einsum('k,kbc->bc', weights, jnp.einsum('bd,kdc->kbc', z, heads['kernel']) + heads['bias'][:, None])
+
+
+def fedgen(cfg: FedGenConfig, num_classes: int, local_batch_size: int = 32) -> Algorithm:
+  """FedGen as an `Algorithm` (`local_batch_size`: generated batch size when cfg.generator_batch_size is None)."""
+  batch = cfg.generator_batch_size or local_batch_size
+
+  def generator(feature_dim: int) -> FeatureGenerator:
+    return FeatureGenerator(num_classes, feature_dim, cfg.hidden_dim)
+
+  def generate(variables: dict, feature_dim: int, labels: jnp.ndarray, rng: jax.Array):
+    noise = jax.random.uniform(rng, (labels.shape[0], cfg.noise_dim))
+    return generator(feature_dim).apply(variables, noise, labels, mutable=['batch_stats'])
+
+  def init_server(rng, example_params):
+    d = example_params['head']['kernel'].shape[0]
+    variables = generator(d).init(rng, jnp.zeros((2, cfg.noise_dim)), jnp.zeros(2, jnp.int32))
+    return {'head': example_params['head'], 'generator': variables,
+            'label_probs': jnp.full(num_classes, 1.0 / num_classes)}
+
+  def client_begin(client: ClientState, broadcast) -> ClientState:
+    return client._replace(params={**client.params, 'head': broadcast['head']})
+
+  def client_loss(model, params, model_state, x, y, broadcast, rng):
+    loss, model_state = cross_entropy_loss(model, params, model_state, x, y, broadcast, rng)
+    label_key, noise_key = jax.random.split(rng)
+    labels = jax.random.choice(label_key, num_classes, (batch,), p=broadcast['label_probs'])
+    z, _ = generate(broadcast['generator'], params['head']['kernel'].shape[0], labels, noise_key)
+    z = jax.lax.stop_gradient(z)
+    generated = optax.softmax_cross_entropy_with_integer_labels(head_logits(model, params['head'], z), labels)
+    return loss + generated.mean(), model_state
+
+  def client_upload(client: ClientState, reps, y, n, broadcast, rng):
+    valid = (jnp.arange(y.shape[0]) < n).astype(jnp.float32)
+    return {'head': client.params['head'], 'weight': jnp.asarray(n, jnp.float32),
+            'label_counts': jnp.zeros(num_classes).at[y].add(valid)}
+
+  def server_update(server, uploads, mask, rng):
+    """Trains G against the weighted ensemble of the uploaded heads, then averages the heads."""
+    weights = uploads['weight'] * mask.astype(jnp.float32)
+    w = weights / jnp.maximum(weights.sum(), 1e-12)
+    counts = (uploads['label_counts'] * mask[:, None]).sum(0)
+    probs = jnp.where(counts.sum() > 0, counts / jnp.maximum(counts.sum(), 1.0), server['label_probs'])
+    d = server['head']['kernel'].shape[0]
+    optimizer = optax.adam(cfg.generator_learning_rate, b1=0.9, b2=0.999, eps=1e-8)
+
+    def step(carry, key):
+      variables, opt_state = carry
+      label_key, noise_key = jax.random.split(key)
+      labels = jax.random.choice(label_key, num_classes, (batch,), p=probs)
+
+      def loss_fn(params):
+        z, updated = generate({**variables, 'params': params}, d, labels, noise_key)
+        logits = ensemble_logits(uploads['head'], w, z)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), updated
+      (loss, updated), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables['params'])
+      updates, opt_state = optimizer.update(grads, opt_state, variables['params'])
+      variables = {**variables, **updated, 'params': optax.apply_updates(variables['params'], updates)}
+      return (variables, opt_state), loss
+
+    variables = server['generator']
+    (variables, _), losses = jax.lax.scan(step, (variables, optimizer.init(variables['params'])),
+                                          jax.random.split(rng, cfg.server_epochs))
+    mean = weighted_average(uploads['head'], weights)
+    head = jax.tree.map(lambda m, old: jnp.where(weights.sum() > 0, m, old), mean, server['head'])
+    return ({'head': head, 'generator': variables, 'label_probs': probs},
+            {'generator_loss': losses.mean() if cfg.server_epochs else jnp.asarray(0.0)})
+
+  def eval_heads(client: ClientState, broadcast):
+    return {'global_head': broadcast['head'], 'local_head': client.params['head']}
+
+  def communication(spec: CommSpec):
+    """Upload the head and the label counts; broadcast the head, G's parameters and the label distribution.
+    (FedRE Table 11 counts the heads only: HtFLlib never sends G.)"""
+    d, h, c = spec.feature_dim, cfg.hidden_dim, spec.num_classes
+    generator_params = (cfg.noise_dim + c) * h + h + 2 * h + h * d + d
+    head = d * c + c
+    return {'upload': {'head': head, 'label_counts': c},
+            'broadcast': {'head': head, 'generator': generator_params, 'label_distribution': c}}
+
+  return Algorithm('fedgen', init_server, lambda server: server, client_begin, client_loss, client_upload,
+                   server_update, eval_heads, communication, needs_representations=False)
