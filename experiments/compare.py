@@ -8,7 +8,6 @@ Every other flag is the experiment's (experiments/run.py); --algorithm and --see
 Stopped comparisons continue where they stopped when run again with the same flags.
 """
 
-import dataclasses
 import sys
 
 from absl import app, flags, logging

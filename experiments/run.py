@@ -2,7 +2,8 @@
 
   python experiments/run.py --algorithm=fedproto --flagfile=experiments/flags/quickstart.flags --workdir=/tmp/proto
 
---algorithm: fedre, local, fedavg (grouped), lg_fedavg, fedproto, fedgh, fedtgp, fd.
+--algorithm: fedre, local, fedavg (grouped), lg_fedavg, fedproto, fedgh, fedtgp, fd, fedgen, fml. Flag files
+describe a setting and name no method; flags given after --flagfile override the file's.
 """
 
 from absl import app, flags

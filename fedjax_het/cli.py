@@ -7,7 +7,7 @@ import sys
 
 from absl import app, flags, logging
 
-from fedjax_het.algorithms import FDConfig, FedGenConfig, FedGHConfig, FedProtoConfig, FedREConfig, FedTGPConfig
+from fedjax_het.algorithms import FDConfig, FedGenConfig, FedGHConfig, FMLConfig, FedProtoConfig, FedREConfig, FedTGPConfig
 from fedjax_het.algorithms.fedre import DISTRIBUTIONS, MECHANISMS
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.engine.federation import STRATEGIES
@@ -35,7 +35,7 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
     return
   f = _Definer(flag_values)
   f.DEFINE_string('algorithm', default_algorithm, 'fedre | local | fedavg (grouped FedAvg) | lg_fedavg | fedproto | '
-                  'fedgh | fedtgp | fd | fedgen.')
+                  'fedgh | fedtgp | fd | fedgen | fml.')
   f.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/.')
   f.DEFINE_bool('resume', False, 'Continue from the last checkpoint in --workdir.')
   f.DEFINE_bool('progress', True, 'Show a progress bar with the current accuracy.')
@@ -97,6 +97,9 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
                  '(distillation, default 1).')
   f.DEFINE_float('generator_learning_rate', FedGenConfig().generator_learning_rate, 'FedGen: Adam learning rate '
                  'of the server generator (its steps per round: --server_epochs, default 100).')
+  f.DEFINE_float('fml_alpha', FMLConfig().alpha, 'FML: CE weight of the local model (1 - alpha on its KL).')
+  f.DEFINE_float('fml_beta', FMLConfig().beta, 'FML: CE weight of the global model (1 - beta on its KL).')
+  f.DEFINE_string('fml_global_model', FMLConfig().companion, 'FML: architecture of the shared global model.')
   f.DEFINE_float('margin_threshold', FedTGPConfig().margin_threshold, 'FedTGP: upper bound tau of the adaptive '
                  'margin.')
 
@@ -118,6 +121,7 @@ def config_from_flags(fv=None) -> ExperimentConfig:
                         server_loss_reduction=fv.server_loss_reduction, **server),
       fedproto=FedProtoConfig(**lamda), fedgh=FedGHConfig(**server),
       fedtgp=FedTGPConfig(margin_threshold=fv.margin_threshold, **lamda, **server), fd=FDConfig(**lamda),
+      fml=FMLConfig(fv.fml_alpha, fv.fml_beta, fv.fml_global_model),
       fedgen=FedGenConfig(generator_learning_rate=fv.generator_learning_rate, **given('server_epochs')),
       seed=fv.seed, strategy=fv.strategy, chunk_size=fv.chunk_size, conv=fv.conv, scan_unroll=fv.scan_unroll,
       num_devices=fv.num_devices, client_threads=fv.client_threads, eval_every=fv.eval_every,

@@ -11,6 +11,7 @@ from fedjax_het.algorithms.fedgh import FedGHConfig
 from fedjax_het.algorithms.fedproto import FedProtoConfig
 from fedjax_het.algorithms.fedre import FedREConfig
 from fedjax_het.algorithms.fedtgp import FedTGPConfig
+from fedjax_het.algorithms.fml import FMLConfig
 from fedjax_het.engine.training import LocalTraining
 
 
@@ -42,6 +43,7 @@ class ExperimentConfig:
   fedtgp: FedTGPConfig = FedTGPConfig()
   fd: FDConfig = FDConfig()
   fedgen: FedGenConfig = FedGenConfig()
+  fml: FMLConfig = FMLConfig()
   seed: int = 0
   strategy: Optional[str] = None
   chunk_size: int = 0

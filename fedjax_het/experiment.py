@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from fedjax_het.algorithms import fd, fedavg_grouped, fedgen, fedgh, fedproto, fedre, fedtgp, lg_fedavg, local
+from fedjax_het.algorithms import fd, fedavg_grouped, fedgen, fedgh, fedproto, fedre, fedtgp, fml, lg_fedavg, local
 from fedjax_het.algorithms.base import Algorithm
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.data.datasets import load_dataset
@@ -39,6 +39,7 @@ ALGORITHMS = {
     'fedtgp': lambda cfg, c: fedtgp(cfg.fedtgp, c, cfg.batch_size),
     'fd': lambda cfg, c: fd(cfg.fd, c),
     'fedgen': lambda cfg, c: fedgen(cfg.fedgen, c, cfg.batch_size),
+    'fml': lambda cfg, c: fml(cfg.fml, c),
 }
 # Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
 RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eval_batch_size', 'data_dir', 'conv',

@@ -15,6 +15,7 @@ from fedjax_het.algorithms.common import (aggregate_class_means, nearest_prototy
                                           sgd_on_rows)
 from fedjax_het.algorithms.fd import distillation_term
 from fedjax_het.algorithms.fedgen import FeatureGenerator, ensemble_logits
+from fedjax_het.algorithms.fml import FMLConfig, elementwise_kl, fml, mutual_loss
 from fedjax_het.algorithms.fedtgp import adaptive_margin, margin_contrastive_loss
 from fedjax_het.engine import Federation, LocalTraining
 from fedjax_het.errors import ConfigError
@@ -130,6 +131,31 @@ def test_fedgen_server_trains_the_generator_towards_the_heads_and_averages_heads
   assert ensemble_ce(trained['generator']) < 0.5 * ensemble_ce(server['generator'])
 
 
+def test_fml_kl_is_torch_kldivloss_mean_over_batch_and_classes():
+  target, logits = jnp.array([[0., math.log(3.)]]), jnp.array([[0., 0.]])
+  q, p = np.array([0.25, 0.75]), np.array([0.5, 0.5])
+  np.testing.assert_allclose(elementwise_kl(target, logits), (q * np.log(q / p)).sum() / 2, rtol=1e-6)
+  y = jnp.array([1])
+  ce = lambda z: -float(jax.nn.log_softmax(z)[0, 1])
+  expected = 0.3 * ce(logits) + 0.7 * elementwise_kl(target, logits) + 0.6 * ce(target) + 0.4 * elementwise_kl(
+      logits, target)
+  np.testing.assert_allclose(mutual_loss(logits, target, y, 0.3, 0.6), expected, rtol=1e-6)
+
+
+def test_fml_server_averages_the_global_models_and_clients_carry_them(tiny_data):
+  alg = fml(FMLConfig(companion='small_cnn_narrow'), tiny_data.num_classes)
+  fed = Federation(alg, tiny_data, ['mlp', 'small_cnn'], LocalTraining(0.05, 8, 1), feature_dim=16,
+                   strategy='sequential', eval_batch_size=16, conv='xla')
+  state, m = fed.round(fed.init())
+  assert m['upload_scalars'] == m['broadcast_scalars'] == 6 * fed.groups[0].num_companion_params > 0
+  weights = np.concatenate([g.train_sizes for g in fed.groups]).astype(np.float64)
+  stacked = jax.tree.map(lambda *a: np.concatenate(a), *[s.params['companion'] for s in state.groups])
+  expected = jax.tree.map(lambda a: np.tensordot(weights / weights.sum(), a, axes=1), stacked)
+  tree_allclose(state.server['companion'], expected, rtol=1e-5, atol=1e-6)
+  with pytest.raises(ConfigError, match='--fml_global_model'):
+    fml(FMLConfig(companion='vgg99'), 4)
+
+
 def test_sgd_on_rows_ignores_rows_of_weight_zero():
   params = jnp.array([0.5, -1.])
   rows = jnp.array([[1., 2.], [3., -1.], [7., 7.]])
@@ -178,15 +204,17 @@ def test_bad_baseline_hyperparameters():
     FDConfig(lamda=-0.5)
 
 
-BASELINES = ['lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen']
+BASELINES = ['lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen', 'fml']
 REPORTED_HEAD = {'lg_fedavg': 'global_head', 'fedproto': 'prototype', 'fedgh': 'global_head',
-                 'fedtgp': 'prototype', 'fd': 'local_head', 'fedgen': 'global_head'}
+                 'fedtgp': 'prototype', 'fd': 'local_head', 'fedgen': 'global_head',
+                 'fml': 'local_head'}
 
 
 @pytest.mark.parametrize('name', BASELINES)
 def test_each_baseline_runs_two_rounds_on_two_architecture_groups(tiny_data, name):
   from fedjax_het.config import ExperimentConfig
-  cfg = ExperimentConfig(fedtgp=FedTGPConfig(server_epochs=3), fedgen=FedGenConfig(server_epochs=3))
+  cfg = ExperimentConfig(fedtgp=FedTGPConfig(server_epochs=3), fedgen=FedGenConfig(server_epochs=3),
+                         fml=FMLConfig(companion='small_cnn_narrow'))
   alg = ALGORITHMS[name](cfg, tiny_data.num_classes)
   fed = Federation(alg, tiny_data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1), feature_dim=16,
                    strategy='sequential', eval_batch_size=16, conv='xla', join_ratio=0.5)
@@ -201,11 +229,11 @@ def test_each_baseline_runs_two_rounds_on_two_architecture_groups(tiny_data, nam
   assert m['eval_head'] == REPORTED_HEAD[name]
 
 
-@pytest.mark.parametrize('name', ['fedproto', 'fedtgp', 'fd', 'fedgen'])
+@pytest.mark.parametrize('name', ['fedproto', 'fedtgp', 'fd', 'fedgen', 'fml'])
 def test_baseline_strategies_agree(tiny_data, name):
   from fedjax_het.config import ExperimentConfig
-  alg = ALGORITHMS[name](ExperimentConfig(fedtgp=FedTGPConfig(server_epochs=2), fedgen=FedGenConfig(server_epochs=2)),
-                        tiny_data.num_classes)
+  alg = ALGORITHMS[name](ExperimentConfig(fedtgp=FedTGPConfig(server_epochs=2), fedgen=FedGenConfig(server_epochs=2),
+                                         fml=FMLConfig(companion='small_cnn_narrow')), tiny_data.num_classes)
   states = []
   for strategy in ('sequential', 'vmap'):
     fed = Federation(alg, tiny_data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1), feature_dim=16,

@@ -7,5 +7,6 @@ from fedjax_het.algorithms.fedgh import FedGHConfig, fedgh
 from fedjax_het.algorithms.fedproto import FedProtoConfig, fedproto
 from fedjax_het.algorithms.fedre import FedREConfig, entangle, entanglement_weights, fedre, train_head
 from fedjax_het.algorithms.fedtgp import FedTGPConfig, fedtgp
+from fedjax_het.algorithms.fml import FMLConfig, fml
 from fedjax_het.algorithms.lg_fedavg import lg_fedavg
 from fedjax_het.algorithms.local import local

@@ -31,6 +31,7 @@ class CommSpec:
   num_train: int
   num_params: int = 0
   num_present_classes: int = -1
+  num_companion_params: int = 0
 
   def __post_init__(self):
     if self.num_present_classes < 0:
@@ -54,6 +55,7 @@ class Algorithm:
   group_update(stacked params/model_state, participated mask, weights) -> the same, for methods that average
     within an architecture group (None: no group step).
   communication(spec) -> {'upload': {part: scalars}, 'broadcast': {part: scalars}} per participating client.
+  companion: an architecture every client trains alongside its own (under params['companion']), or None.
   """
   name: str
   init_server: Callable[[jax.Array, Any], ServerState]
@@ -66,6 +68,7 @@ class Algorithm:
   communication: Callable[[CommSpec], dict]
   group_update: Optional[Callable[..., tuple[Any, Any]]] = None
   needs_representations: bool = True
+  companion: Optional[str] = None
 
 
 def no_server(rng: jax.Array, example_params: Any) -> ServerState:

@@ -46,6 +46,13 @@ def weighted_average(tree: Any, weights: jnp.ndarray) -> Any:
   return jax.tree.map(lambda a: jnp.tensordot(w.astype(a.dtype), a, axes=1), tree)
 
 
+def participant_average(tree: Any, weights: jnp.ndarray, previous: Any) -> Any:
+  """`weighted_average` over the participants (weights 0 elsewhere), or `previous` when nobody participated:
+  the server step of LG-FedAvg's heads, FedGen's heads and FML's global models."""
+  mean = weighted_average(tree, weights)
+  return jax.tree.map(lambda m, old: jnp.where(weights.sum() > 0, m, old), mean, previous)
+
+
 def head_apply(head: dict, r: jnp.ndarray) -> jnp.ndarray:
   """The linear head f(omega; r) = r W + b (flax Dense layout: kernel [d, C], bias [C])."""
   return r @ head['kernel'] + head['bias']

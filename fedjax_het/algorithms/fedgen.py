@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_het.algorithms.base import Algorithm, CommSpec
-from fedjax_het.algorithms.common import cross_entropy_loss, weighted_average
+from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
 from fedjax_het.engine.forward import head_logits
 from fedjax_het.engine.state import ClientState
 from fedjax_het.errors import ConfigError
@@ -124,8 +124,7 @@ def fedgen(cfg: FedGenConfig, num_classes: int, local_batch_size: int = 32) -> A
     variables = server['generator']
     (variables, _), losses = jax.lax.scan(step, (variables, optimizer.init(variables['params'])),
                                           jax.random.split(rng, cfg.server_epochs))
-    mean = weighted_average(uploads['head'], weights)
-    head = jax.tree.map(lambda m, old: jnp.where(weights.sum() > 0, m, old), mean, server['head'])
+    head = participant_average(uploads['head'], weights, server['head'])
     return ({'head': head, 'generator': variables, 'label_probs': probs},
             {'generator_loss': losses.mean() if cfg.server_epochs else jnp.asarray(0.0)})
 

@@ -11,7 +11,6 @@ import dataclasses
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import Algorithm, CommSpec, identity_broadcast
 from fedjax_het.algorithms.common import cross_entropy_loss, head_apply, sgd_on_rows, soft_cross_entropy

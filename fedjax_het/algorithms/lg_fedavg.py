@@ -6,11 +6,10 @@ server averages the heads weighted by the participants' training-sample counts a
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import Algorithm, CommSpec, identity_broadcast
-from fedjax_het.algorithms.common import cross_entropy_loss, weighted_average
+from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
 from fedjax_het.engine.state import ClientState
 
 
@@ -29,9 +28,7 @@ def lg_fedavg(num_classes: int) -> Algorithm:
   def server_update(server, uploads, mask, rng):
     """head = sum_k n_k head_k / sum_k n_k over participants (kept when nobody participated)."""
     weights = uploads['weight'] * mask.astype(jnp.float32)
-    mean = weighted_average(uploads['head'], weights)
-    head = jax.tree.map(lambda m, old: jnp.where(weights.sum() > 0, m, old), mean, server['head'])
-    return {'head': head}, {}
+    return {'head': participant_average(uploads['head'], weights, server['head'])}, {}
 
   def eval_heads(client: ClientState, broadcast):
     return {'global_head': broadcast['head'], 'local_head': client.params['head']}

@@ -105,6 +105,7 @@ class Group:
   train: ClientArrays          # stacked [stacked_size, n_max, ...]
   test: EvalSet                # the clients' local test splits
   num_params: int = 0
+  num_companion_params: int = 0
 
   def __post_init__(self):
     self.train_sizes = to_host(self.train.n)[:len(self.clients)]
@@ -129,19 +130,31 @@ def _pad_to(a: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
   return jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
 
 
-def _check_architecture(model: HeteroClassifier, arch: str, image_shape: tuple[int, ...]) -> int:
-  """Traces one forward pass abstractly and returns the parameter count, so an architecture that cannot take the
-  data's images fails here, with the flag named, instead of deep inside XLA."""
+def _check_architecture(model: HeteroClassifier, arch: str, image_shape: tuple[int, ...],
+                        companion: Optional[str] = None) -> tuple[int, int]:
+  """Traces one forward pass abstractly and returns the parameter counts (own model, companion), so an
+  architecture that cannot take the data's images fails here, with the flag named, instead of deep inside XLA."""
+  sample = jnp.zeros((1,) + tuple(image_shape))
+  if model.companion is not None:
+    _trace(model.companion, sample, f'the shared model {companion!r} trained beside every client',
+           'the method\'s shared-model flag (FML: --fml_global_model)')
+  _, variables = _trace(model, sample, f'--models: architecture {arch!r}', '--models')
+  params = dict(variables['params'])
+  count = lambda tree: sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree))
+  companion = count(params.pop('companion', {}))
+  return count(params), companion
+
+
+def _trace(model, sample: jnp.ndarray, what: str, flag: str):
   try:
-    _, variables = jax.eval_shape(
-        lambda: model.init_with_output(jax.random.PRNGKey(0), jnp.zeros((1,) + tuple(image_shape))))
-    return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(variables['params']))
+    return jax.eval_shape(lambda: model.init_with_output(jax.random.PRNGKey(0), sample))
   except ConfigError:
     raise
   except Exception as e:  # Flax/XLA raise many types for impossible shapes (ZeroDivisionError, TypeError, ...).
-    raise ConfigError(f'--models: architecture {arch!r} cannot take images of shape {tuple(image_shape)} '
-                      f'({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}). Fix: choose models for '
-                      f'this image size (e.g. small_cnn or mlp for 8x8 digits; cnn4 and resnet* for 32x32).') from e
+    raise ConfigError(f'{what} cannot take images of shape {tuple(sample.shape[1:])} '
+                      f'({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}). Fix: choose, with '
+                      f'{flag}, models for this image size (e.g. small_cnn or mlp for 8x8 digits; cnn4 and resnet* '
+                      f'for 32x32).') from e
 
 
 def _even_chunk(rows: int, max_chunk: int) -> int:
@@ -224,14 +237,16 @@ class Federation:
       ids = np.array([k for k, a in enumerate(self.architectures) if a == arch])
       stacked = -(-len(ids) // num_devices) * num_devices
       place = lambda arrays: place_clients(_pad_clients(arrays, stacked), self.mesh)
-      self.groups.append(Group(arch, build_model(arch, data.num_classes, feature_dim, rm, self.conv), ids,
+      model = build_model(arch, data.num_classes, feature_dim, rm, self.conv, companion=algorithm.companion)
+      self.groups.append(Group(arch, model, ids,
                                place(data.group_train(ids)), EvalSet(place(data.group_test(ids)), shared=False)))
     if self.global_test is None and not any(g.test.sizes.sum() > 0 for g in self.groups):
       raise ConfigError('--train_fraction: no client has local test rows and there is no global test set, so '
                         'nothing can be evaluated. Fix: --train_fraction < 1 or --eval_protocol=global.')
     self.train_sizes = np.zeros(self.num_clients, int)  # per global client id, host copy
     for g in self.groups:
-      g.num_params = _check_architecture(g.model, g.arch, g.train.x.shape[2:])
+      g.num_params, g.num_companion_params = _check_architecture(g.model, g.arch, g.train.x.shape[2:],
+                                                                 algorithm.companion)
       self.train_sizes[g.clients] = g.train_sizes
     # Participant slots per group: fixed across rounds (no recompiles), a multiple of the device count.
     self.slots = [-(-min(g.size, self.num_join) // num_devices) * num_devices for g in self.groups]
@@ -273,14 +288,15 @@ class Federation:
   def communication_per_client(self) -> list[dict]:
     """Per-client upload/broadcast scalars by part, from the algorithm's accounting."""
     if self._comm is None:
-      params = np.zeros(self.num_clients, int)
+      params, companion = np.zeros(self.num_clients, int), np.zeros(self.num_clients, int)
       for g in self.groups:
         params[g.clients] = g.num_params
+        companion[g.clients] = g.num_companion_params
       feature_dim = self.groups[0].model.feature_dim
       present = (np.asarray(self.data.split.train_class_counts) > 0).sum(1)
       self._comm = [self.algorithm.communication(CommSpec(self.data.num_classes, feature_dim,
                                                           int(self.train_sizes[k]), int(params[k]),
-                                                          int(present[k])))
+                                                          int(present[k]), int(companion[k])))
                     for k in range(self.num_clients)]
     return self._comm
 

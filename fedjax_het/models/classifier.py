@@ -5,6 +5,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from typing import Optional
+
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.pooling import adaptive_avg_pool1d, adaptive_max_pool1d
 
@@ -19,11 +21,15 @@ class HeteroClassifier(nn.Module):
     mp: max over spatial positions, then adaptive max pooling to d;
     fc: mean over spatial positions, then a learned Dense(L -> d) that belongs to the extractor.
   The head is `Dense(num_classes)` named 'head', so its parameters have the same pytree in every architecture.
+
+  `companion`: an optional second classifier trained alongside (e.g. FML's shared global model); its parameters
+  live under 'companion' and have the same pytree in every architecture group.
   """
   extractor: nn.Module
   num_classes: int
   feature_dim: int = 512
   rm: str = 'ap'
+  companion: Optional[nn.Module] = None
 
   def setup(self):
     if self.rm not in RM_MODES:
@@ -48,8 +54,14 @@ class HeteroClassifier(nn.Module):
     """Head logits f(omega; r) [B, C]."""
     return self.head(r)
 
+  def companion_forward(self, x: jnp.ndarray, train: bool = False) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The companion's (logits, representation)."""
+    return self.companion(x, train)
+
   def __call__(self, x: jnp.ndarray, train: bool = False) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """(logits [B, C], representation [B, d])."""
+    """(logits [B, C], representation [B, d]); initialisation also creates the companion's parameters."""
     r = self.represent(x, train)
+    if self.companion is not None and self.is_initializing():
+      self.companion(x, train)
     return self.classify(r), r
 

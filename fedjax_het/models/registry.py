@@ -7,7 +7,7 @@ HtFLlib's model families.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import flax.linen as nn
 
@@ -37,13 +37,15 @@ def model_names() -> list[str]:
   return sorted(_EXTRACTORS)
 
 
-def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = 'ap', conv: str = 'xla'
-                ) -> HeteroClassifier:
+def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = 'ap', conv: str = 'xla',
+                companion: Optional[str] = None) -> HeteroClassifier:
   """The classifier `name` with RM to `feature_dim`, a head to `num_classes`, and convolutions computed the
-  `conv` way ('xla' or 'patches'; same parameters, same function)."""
+  `conv` way ('xla', 'im2col' or 'auto'; same parameters, same function); with `companion`, that architecture
+  is built alongside as the classifier's companion (HeteroClassifier.companion)."""
   if name not in _EXTRACTORS:
     raise ConfigError(f'--models: unknown model {name!r}; registered models are {", ".join(model_names())}.')
-  return HeteroClassifier(_EXTRACTORS[name](conv_factory(conv)), num_classes, feature_dim, rm)
+  extra = None if companion is None else build_model(companion, num_classes, feature_dim, rm, conv)
+  return HeteroClassifier(_EXTRACTORS[name](conv_factory(conv)), num_classes, feature_dim, rm, companion=extra)
 
 
 def assign_models(models: Sequence[str], num_clients: int) -> list[str]:
