@@ -156,6 +156,18 @@ def test_fml_server_averages_the_global_models_and_clients_carry_them(tiny_data)
     fml(FMLConfig(companion='vgg99'), 4)
 
 
+def test_fml_companion_with_batchnorm_updates_its_statistics(tiny_data):
+  alg = fml(FMLConfig(companion='resnet4'), tiny_data.num_classes)
+  fed = Federation(alg, tiny_data, ['mlp'], LocalTraining(0.05, 8, 1), feature_dim=16, strategy='sequential',
+                   eval_batch_size=16, conv='xla')
+  stats = lambda st: [np.asarray(a) for a in jax.tree.leaves(st.groups[0].model_state['batch_stats']['companion'])]
+  state = fed.init()
+  before = stats(state)  # rounds donate their input state
+  state, m = fed.round(state)
+  assert np.isfinite(m['train_loss'])
+  assert not np.allclose(before[0], stats(state)[0])
+
+
 def test_sgd_on_rows_ignores_rows_of_weight_zero():
   params = jnp.array([0.5, -1.])
   rows = jnp.array([[1., 2.], [3., -1.], [7., 7.]])

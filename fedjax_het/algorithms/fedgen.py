@@ -28,6 +28,7 @@ from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
 from fedjax_het.engine.forward import head_logits
 from fedjax_het.engine.state import ClientState
 from fedjax_het.errors import ConfigError
+from fedjax_het.models.norm import TorchBatchNorm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ class FeatureGenerator(nn.Module):
   @nn.compact
   def __call__(self, noise: jnp.ndarray, labels: jnp.ndarray, train: bool = True) -> jnp.ndarray:
     h = nn.Dense(self.hidden_dim)(jnp.concatenate([noise, jax.nn.one_hot(labels, self.num_classes)], -1))
-    h = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)(h))
+    h = nn.relu(TorchBatchNorm(use_running_average=not train)(h))
     return nn.Dense(self.feature_dim)(h)
 
 

@@ -67,8 +67,7 @@ def fml(cfg: FMLConfig, num_classes: int) -> Algorithm:
 
   def client_loss(model, params, model_state, x, y, broadcast, rng):
     logits, _, model_state = forward(model, params, model_state, x, train=True)
-    variables = {'params': params, **model_state}
-    global_logits, _ = model.apply(variables, x, True, method=HeteroClassifier.companion_forward)
+    global_logits, _, model_state = forward(model, params, model_state, x, True, HeteroClassifier.companion_forward)
     return mutual_loss(logits, global_logits, y, cfg.alpha, cfg.beta), model_state
 
   def client_upload(client: ClientState, reps, y, n, broadcast, rng):

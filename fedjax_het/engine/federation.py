@@ -252,6 +252,7 @@ class Federation:
     self.slots = [-(-min(g.size, self.num_join) // num_devices) * num_devices for g in self.groups]
     self._warn_small_clients(training.batch_size)
     self._compiled: dict = {}
+    self._head_names: Optional[list[str]] = None
     self._comm: Optional[list[dict]] = None
 
   def _warn_small_clients(self, batch_size: int) -> None:
@@ -523,10 +524,7 @@ class Federation:
     return out
 
   def _evaluate_set(self, state: FederationState, broadcast, which: str) -> tuple[dict, np.ndarray]:
-    # Pytree maps sort dict keys; the algorithm's own order says which head is the reported one.
-    first = jax.tree.map(lambda a: a[0], state.groups[0])
-    correct: dict[str, np.ndarray] = {name: np.zeros(self.num_clients)
-                                      for name in self.algorithm.eval_heads(first, broadcast)}
+    correct = {name: np.zeros(self.num_clients) for name in self._eval_head_names(state, broadcast)}
     counts = np.zeros(self.num_clients)
     for gi, g in enumerate(self.groups):
       es = g.test if which == 'local' else self.global_test
@@ -539,6 +537,16 @@ class Federation:
       for name, c in scores.items():
         correct[name][g.clients] = to_host(c)[:g.size]
     return correct, counts
+
+  def _eval_head_names(self, state: FederationState, broadcast) -> list[str]:
+    """The algorithm's eval heads in its own order (the first is the reported one; pytree maps sort dict keys,
+    so the order is read while tracing `eval_heads` abstractly, once)."""
+    if self._head_names is None:
+      names: list[str] = []
+      record = lambda stacked, b: names.extend(self.algorithm.eval_heads(jax.tree.map(lambda a: a[0], stacked), b))
+      jax.eval_shape(record, state.groups[0], broadcast)
+      self._head_names = names
+    return self._head_names
 
   def _score(self, g: Group, client: ClientState, reps, y, n, broadcast) -> dict:
     valid = jnp.arange(y.shape[0]) < n

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -10,14 +10,15 @@ import jax.numpy as jnp
 from fedjax_het.models.classifier import HeteroClassifier
 
 
-def forward(model: HeteroClassifier, params: Any, model_state: Any, x: jnp.ndarray, train: bool
-            ) -> tuple[jnp.ndarray, jnp.ndarray, Any]:
-  """(logits, representation, new model_state); BatchNorm statistics update only when `train`."""
+def forward(model: HeteroClassifier, params: Any, model_state: Any, x: jnp.ndarray, train: bool,
+            method: Optional[Callable] = None) -> tuple[jnp.ndarray, jnp.ndarray, Any]:
+  """(logits, representation, new model_state) of the model, or of `method` (e.g.
+  `HeteroClassifier.companion_forward`); BatchNorm statistics update only when `train`."""
   variables = {'params': params, **model_state}
   if train and model_state:
-    (logits, rep), updated = model.apply(variables, x, train=True, mutable=list(model_state))
+    (logits, rep), updated = model.apply(variables, x, train=True, mutable=list(model_state), method=method)
     return logits, rep, dict(updated)
-  logits, rep = model.apply(variables, x, train=train)
+  logits, rep = model.apply(variables, x, train=train, method=method)
   return logits, rep, model_state
 
 

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fedjax_het.models.norm import TorchBatchNorm
 from fedjax_het.models.pooling import max_pool
 
 # Output channels per CNN-k (k = 1..10) of each block after the common one; None: the CNN has no such block.
@@ -42,7 +43,7 @@ class GeFLCNN(nn.Module):
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
-    norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)
+    norm = lambda: TorchBatchNorm(use_running_average=not train)
     pool = lambda h: max_pool(h, (2, 2), (2, 2))
     x = nn.relu(norm()(self.conv(3, (3, 3), padding=1)(x)))
     if self.dataset == 'cifar10':  # Table XXIII: a second common conv, pooled once after it

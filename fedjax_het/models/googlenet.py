@@ -10,6 +10,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fedjax_het.models.norm import TorchBatchNorm
+
 # (1x1, 3x3 reduce, 3x3, "5x5" reduce, "5x5", pool projection) per Inception block: torchvision's.
 INCEPTION_3 = ((64, 96, 128, 16, 32, 32), (128, 128, 192, 32, 96, 64))
 INCEPTION_4 = ((192, 96, 208, 16, 48, 64), (160, 112, 224, 24, 64, 64), (128, 128, 256, 24, 64, 64),
@@ -40,7 +42,7 @@ class BasicConv(nn.Module):
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
     x = self.conv(self.features, (self.kernel, self.kernel), self.strides, padding=(self.kernel - 1) // 2,
                   use_bias=False)(x)
-    return nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-3)(x))
+    return nn.relu(TorchBatchNorm(use_running_average=not train, epsilon=1e-3)(x))
 
 
 class Inception(nn.Module):

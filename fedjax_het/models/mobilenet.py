@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-# torch BatchNorm2d: momentum 0.1 (flax momentum 0.9), eps 1e-5.
-_BatchNorm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
+from fedjax_het.models.norm import TorchBatchNorm
+
 
 # (expansion t, output channels c, repeats n, first stride s): torchvision's inverted_residual_setting.
 INVERTED_RESIDUALS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
@@ -30,7 +29,7 @@ class ConvBNReLU6(nn.Module):
     conv = nn.Conv if self.groups > 1 else self.conv  # im2col covers ungrouped convolutions only
     x = conv(self.features, (self.kernel, self.kernel), self.strides, padding=(self.kernel - 1) // 2,
              feature_group_count=self.groups, use_bias=False)(x)
-    x = _BatchNorm(use_running_average=not train)(x)
+    x = TorchBatchNorm(use_running_average=not train)(x)
     return jnp.clip(x, 0.0, 6.0) if self.activation else x
 
 

@@ -10,8 +10,16 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
-# torch BatchNorm2d: momentum 0.1 (flax momentum 0.9), eps 1e-5.
-_BatchNorm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
+from fedjax_het.models.norm import TorchBatchNorm
+
+
+def _residual(x: jnp.ndarray, y: jnp.ndarray, strides: int, conv, norm) -> jnp.ndarray:
+  """ReLU(shortcut(x) + y): identity, or a strided 1x1 projection + BN when the shape changes (torchvision's
+  downsample)."""
+  if x.shape[-1] != y.shape[-1] or strides != 1:
+    x = norm()(conv(y.shape[-1], (1, 1), strides, use_bias=False)(x))
+  return nn.relu(x + y)
+
 
 
 class BasicBlock(nn.Module):
@@ -22,14 +30,10 @@ class BasicBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
-    norm = functools.partial(_BatchNorm, use_running_average=not train)
-    y = self.conv(self.filters, (3, 3), self.strides, padding=1, use_bias=False)(x)
-    y = nn.relu(norm()(y))
-    y = self.conv(self.filters, (3, 3), padding=1, use_bias=False)(y)
-    y = norm()(y)
-    if x.shape[-1] != self.filters or self.strides != 1:
-      x = norm()(self.conv(self.filters, (1, 1), self.strides, use_bias=False)(x))
-    return nn.relu(x + y)
+    norm = functools.partial(TorchBatchNorm, use_running_average=not train)
+    y = nn.relu(norm()(self.conv(self.filters, (3, 3), self.strides, padding=1, use_bias=False)(x)))
+    y = norm()(self.conv(self.filters, (3, 3), padding=1, use_bias=False)(y))
+    return _residual(x, y, self.strides, self.conv, norm)
 
 
 class Bottleneck(nn.Module):
@@ -41,13 +45,11 @@ class Bottleneck(nn.Module):
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
-    norm = functools.partial(_BatchNorm, use_running_average=not train)
+    norm = functools.partial(TorchBatchNorm, use_running_average=not train)
     y = nn.relu(norm()(self.conv(self.filters, (1, 1), use_bias=False)(x)))
     y = nn.relu(norm()(self.conv(self.filters, (3, 3), self.strides, padding=1, use_bias=False)(y)))
     y = norm()(self.conv(4 * self.filters, (1, 1), use_bias=False)(y))
-    if x.shape[-1] != 4 * self.filters or self.strides != 1:
-      x = norm()(self.conv(4 * self.filters, (1, 1), self.strides, use_bias=False)(x))
-    return nn.relu(x + y)
+    return _residual(x, y, self.strides, self.conv, norm)
 
 
 class ResNet(nn.Module):
@@ -61,7 +63,7 @@ class ResNet(nn.Module):
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
     x = self.conv(self.base_width, (7, 7), 2, padding=3, use_bias=False)(x)
-    x = nn.relu(_BatchNorm(use_running_average=not train)(x))
+    x = nn.relu(TorchBatchNorm(use_running_average=not train)(x))
     x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
     for i, blocks in enumerate(self.stage_sizes):
       for j in range(blocks):
