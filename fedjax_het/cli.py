@@ -7,7 +7,8 @@ import sys
 
 from absl import app, flags, logging
 
-from fedjax_het.algorithms import FDConfig, FedGenConfig, FedGHConfig, FMLConfig, FedProtoConfig, FedREConfig, FedTGPConfig
+from fedjax_het.algorithms import (CCVRConfig, FDConfig, FedGenConfig, FedGHConfig, FedKDConfig, FedMRLConfig, FMLConfig,
+                                   FPLConfig, FedProtoConfig, FedREConfig, FedTGPConfig)
 from fedjax_het.algorithms.fedre import DISTRIBUTIONS, MECHANISMS
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.engine.federation import STRATEGIES
@@ -35,7 +36,7 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
     return
   f = _Definer(flag_values)
   f.DEFINE_string('algorithm', default_algorithm, 'fedre | local | fedavg (grouped FedAvg) | lg_fedavg | fedproto | '
-                  'fedgh | fedtgp | fd | fedgen | fml.')
+                  'fedgh | fedtgp | fd | fedgen | fml | fedkd | fedmrl | fpl | ccvr.')
   f.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/.')
   f.DEFINE_bool('resume', False, 'Continue from the last checkpoint in --workdir.')
   f.DEFINE_bool('progress', True, 'Show a progress bar with the current accuracy.')
@@ -97,9 +98,21 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
                  '(distillation, default 1).')
   f.DEFINE_float('generator_learning_rate', FedGenConfig().generator_learning_rate, 'FedGen: Adam learning rate '
                  'of the server generator (its steps per round: --server_epochs, default 100).')
+  f.DEFINE_string('global_model', FMLConfig().global_model, 'FML, FedKD, FedMRL: architecture of the small '
+                  'global model every client trains beside its own.')
   f.DEFINE_float('fml_alpha', FMLConfig().alpha, 'FML: CE weight of the local model (1 - alpha on its KL).')
   f.DEFINE_float('fml_beta', FMLConfig().beta, 'FML: CE weight of the global model (1 - beta on its KL).')
-  f.DEFINE_string('fml_global_model', FMLConfig().companion, 'FML: architecture of the shared global model.')
+  f.DEFINE_float('energy_start', FedKDConfig().energy_start, 'FedKD: SVD energy threshold of the first round.')
+  f.DEFINE_float('energy_end', FedKDConfig().energy_end, 'FedKD: SVD energy threshold of the last round.')
+  f.DEFINE_float('mentee_learning_rate', None, 'FedKD: SGD rate of the mentee (default: --local_learning_rate).')
+  f.DEFINE_integer('sub_feature_dim', FedMRLConfig().sub_feature_dim, 'FedMRL: representation width of the '
+                   'global model (the first entries of the fused representation).')
+  f.DEFINE_float('fpl_temperature', FPLConfig().temperature, 'FPL: temperature of the cluster-prototype InfoNCE.')
+  f.DEFINE_integer('ccvr_virtual_per_class', CCVRConfig().virtual_per_class, 'CCVR: virtual representations '
+                   'sampled per class.')
+  f.DEFINE_float('ccvr_calibration_learning_rate', CCVRConfig().calibration_learning_rate, 'CCVR: SGD rate of '
+                 'the calibration.')
+  f.DEFINE_integer('ccvr_calibration_epochs', CCVRConfig().calibration_epochs, 'CCVR: calibration epochs.')
   f.DEFINE_float('margin_threshold', FedTGPConfig().margin_threshold, 'FedTGP: upper bound tau of the adaptive '
                  'margin.')
 
@@ -121,7 +134,10 @@ def config_from_flags(fv=None) -> ExperimentConfig:
                         server_loss_reduction=fv.server_loss_reduction, **server),
       fedproto=FedProtoConfig(**lamda), fedgh=FedGHConfig(**server),
       fedtgp=FedTGPConfig(margin_threshold=fv.margin_threshold, **lamda, **server), fd=FDConfig(**lamda),
-      fml=FMLConfig(fv.fml_alpha, fv.fml_beta, fv.fml_global_model),
+      fml=FMLConfig(fv.fml_alpha, fv.fml_beta, fv.global_model),
+      fedkd=FedKDConfig(fv.energy_start, fv.energy_end, fv.mentee_learning_rate, fv.global_model),
+      fedmrl=FedMRLConfig(fv.sub_feature_dim, fv.global_model), fpl=FPLConfig(fv.fpl_temperature),
+      ccvr=CCVRConfig(fv.ccvr_virtual_per_class, fv.ccvr_calibration_learning_rate, fv.ccvr_calibration_epochs),
       fedgen=FedGenConfig(generator_learning_rate=fv.generator_learning_rate, **given('server_epochs')),
       seed=fv.seed, strategy=fv.strategy, chunk_size=fv.chunk_size, conv=fv.conv, scan_unroll=fv.scan_unroll,
       num_devices=fv.num_devices, client_threads=fv.client_threads, eval_every=fv.eval_every,

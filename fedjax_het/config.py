@@ -5,13 +5,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from fedjax_het.algorithms.ccvr import CCVRConfig
 from fedjax_het.algorithms.fd import FDConfig
 from fedjax_het.algorithms.fedgen import FedGenConfig
 from fedjax_het.algorithms.fedgh import FedGHConfig
+from fedjax_het.algorithms.fedkd import FedKDConfig
+from fedjax_het.algorithms.fedmrl import FedMRLConfig
 from fedjax_het.algorithms.fedproto import FedProtoConfig
 from fedjax_het.algorithms.fedre import FedREConfig
 from fedjax_het.algorithms.fedtgp import FedTGPConfig
 from fedjax_het.algorithms.fml import FMLConfig
+from fedjax_het.algorithms.fpl import FPLConfig
 from fedjax_het.engine.training import LocalTraining
 
 
@@ -44,6 +48,10 @@ class ExperimentConfig:
   fd: FDConfig = FDConfig()
   fedgen: FedGenConfig = FedGenConfig()
   fml: FMLConfig = FMLConfig()
+  fedkd: FedKDConfig = FedKDConfig()
+  fedmrl: FedMRLConfig = FedMRLConfig()
+  fpl: FPLConfig = FPLConfig()
+  ccvr: CCVRConfig = CCVRConfig()
   seed: int = 0
   strategy: Optional[str] = None
   chunk_size: int = 0

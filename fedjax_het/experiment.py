@@ -18,7 +18,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from fedjax_het.algorithms import fd, fedavg_grouped, fedgen, fedgh, fedproto, fedre, fedtgp, fml, lg_fedavg, local
+from fedjax_het.algorithms import (ccvr, fd, fedavg_grouped, fedgen, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml,
+                                   fpl, lg_fedavg, local)
 from fedjax_het.algorithms.base import Algorithm
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.data.datasets import load_dataset
@@ -40,6 +41,10 @@ ALGORITHMS = {
     'fd': lambda cfg, c: fd(cfg.fd, c),
     'fedgen': lambda cfg, c: fedgen(cfg.fedgen, c, cfg.batch_size),
     'fml': lambda cfg, c: fml(cfg.fml, c),
+    'fedkd': lambda cfg, c: fedkd(cfg.fedkd, c, cfg.rounds, cfg.local_learning_rate),
+    'fedmrl': lambda cfg, c: fedmrl(cfg.fedmrl, c, cfg.feature_dim),
+    'fpl': lambda cfg, c: fpl(cfg.fpl, c, cfg.num_clients),
+    'ccvr': lambda cfg, c: ccvr(cfg.ccvr, c, cfg.batch_size),
 }
 # Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
 RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eval_batch_size', 'data_dir', 'conv',

@@ -15,7 +15,8 @@ from fedjax_het.algorithms.common import (aggregate_class_means, nearest_prototy
                                           sgd_on_rows)
 from fedjax_het.algorithms.fd import distillation_term
 from fedjax_het.algorithms.fedgen import FeatureGenerator, ensemble_logits
-from fedjax_het.algorithms.fml import FMLConfig, elementwise_kl, fml, mutual_loss
+from fedjax_het.algorithms.common import elementwise_kl
+from fedjax_het.algorithms.fml import FMLConfig, fml, mutual_loss
 from fedjax_het.algorithms.fedtgp import adaptive_margin, margin_contrastive_loss
 from fedjax_het.engine import Federation, LocalTraining
 from fedjax_het.errors import ConfigError
@@ -143,7 +144,7 @@ def test_fml_kl_is_torch_kldivloss_mean_over_batch_and_classes():
 
 
 def test_fml_server_averages_the_global_models_and_clients_carry_them(tiny_data):
-  alg = fml(FMLConfig(companion='small_cnn_narrow'), tiny_data.num_classes)
+  alg = fml(FMLConfig(global_model='small_cnn_narrow'), tiny_data.num_classes)
   fed = Federation(alg, tiny_data, ['mlp', 'small_cnn'], LocalTraining(0.05, 8, 1), feature_dim=16,
                    strategy='sequential', eval_batch_size=16, conv='xla')
   state, m = fed.round(fed.init())
@@ -152,12 +153,12 @@ def test_fml_server_averages_the_global_models_and_clients_carry_them(tiny_data)
   stacked = jax.tree.map(lambda *a: np.concatenate(a), *[s.params['companion'] for s in state.groups])
   expected = jax.tree.map(lambda a: np.tensordot(weights / weights.sum(), a, axes=1), stacked)
   tree_allclose(state.server['companion'], expected, rtol=1e-5, atol=1e-6)
-  with pytest.raises(ConfigError, match='--fml_global_model'):
-    fml(FMLConfig(companion='vgg99'), 4)
+  with pytest.raises(ConfigError, match='--global_model'):
+    fml(FMLConfig(global_model='vgg99'), 4)
 
 
 def test_fml_companion_with_batchnorm_updates_its_statistics(tiny_data):
-  alg = fml(FMLConfig(companion='resnet4'), tiny_data.num_classes)
+  alg = fml(FMLConfig(global_model='resnet4'), tiny_data.num_classes)
   fed = Federation(alg, tiny_data, ['mlp'], LocalTraining(0.05, 8, 1), feature_dim=16, strategy='sequential',
                    eval_batch_size=16, conv='xla')
   stats = lambda st: [np.asarray(a) for a in jax.tree.leaves(st.groups[0].model_state['batch_stats']['companion'])]
@@ -226,7 +227,7 @@ REPORTED_HEAD = {'lg_fedavg': 'global_head', 'fedproto': 'prototype', 'fedgh': '
 def test_each_baseline_runs_two_rounds_on_two_architecture_groups(tiny_data, name):
   from fedjax_het.config import ExperimentConfig
   cfg = ExperimentConfig(fedtgp=FedTGPConfig(server_epochs=3), fedgen=FedGenConfig(server_epochs=3),
-                         fml=FMLConfig(companion='small_cnn_narrow'))
+                         fml=FMLConfig(global_model='small_cnn_narrow'))
   alg = ALGORITHMS[name](cfg, tiny_data.num_classes)
   fed = Federation(alg, tiny_data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1), feature_dim=16,
                    strategy='sequential', eval_batch_size=16, conv='xla', join_ratio=0.5)
@@ -245,7 +246,7 @@ def test_each_baseline_runs_two_rounds_on_two_architecture_groups(tiny_data, nam
 def test_baseline_strategies_agree(tiny_data, name):
   from fedjax_het.config import ExperimentConfig
   alg = ALGORITHMS[name](ExperimentConfig(fedtgp=FedTGPConfig(server_epochs=2), fedgen=FedGenConfig(server_epochs=2),
-                                         fml=FMLConfig(companion='small_cnn_narrow')), tiny_data.num_classes)
+                                         fml=FMLConfig(global_model='small_cnn_narrow')), tiny_data.num_classes)
   states = []
   for strategy in ('sequential', 'vmap'):
     fed = Federation(alg, tiny_data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1), feature_dim=16,

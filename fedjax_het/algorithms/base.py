@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from fedjax_het.models.classifier import Companion
+
 if TYPE_CHECKING:  # The engine imports this module; a runtime import back would be circular.
   from fedjax_het.engine.state import ClientState
 
@@ -49,13 +51,16 @@ class Algorithm:
   client_upload(client, reps, y, n, broadcast, rng) -> upload pytree (fixed leaf shapes given n_max).
     reps [n_max, d] are eval-mode representations of the client's training rows; rows >= n are padding.
   server_update(server, uploads, mask, rng) -> (server, metrics); uploads have a leading slot axis, mask marks
-    the slots that hold a real participant.
+    the slots that hold a real participant. Metrics named like the accounting's ('upload_scalars',
+    'broadcast_<part>_scalars', ...) replace its figures, for methods whose communication depends on the data.
   eval_heads(client, broadcast) -> {name: head params} scored on each client's test data; the first is the
     method's reported accuracy.
   group_update(stacked params/model_state, participated mask, weights) -> the same, for methods that average
     within an architecture group (None: no group step).
   communication(spec) -> {'upload': {part: scalars}, 'broadcast': {part: scalars}} per participating client.
-  companion: an architecture every client trains alongside its own (under params['companion']), or None.
+  companion: a `Companion` model every client trains alongside its own (under params['companion']), or None.
+  eval_client(client, broadcast) -> the client as evaluated (default: as it is; FedMRL scores with the broadcast
+    global model in place of its own copy, as HtFLlib does).
   """
   name: str
   init_server: Callable[[jax.Array, Any], ServerState]
@@ -68,7 +73,8 @@ class Algorithm:
   communication: Callable[[CommSpec], dict]
   group_update: Optional[Callable[..., tuple[Any, Any]]] = None
   needs_representations: bool = True
-  companion: Optional[str] = None
+  companion: Optional[Companion] = None
+  eval_client: Optional[Callable[[ClientState, Broadcast], ClientState]] = None
 
 
 def no_server(rng: jax.Array, example_params: Any) -> ServerState:

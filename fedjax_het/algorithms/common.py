@@ -3,6 +3,7 @@ linear head, server-side SGD over uploaded rows, FedAvg."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -38,6 +39,13 @@ def cross_entropy_loss(model, params: Any, model_state: Any, x: jnp.ndarray, y: 
   """Mean CE of the local model on a batch (FedRE Eq. 1); BatchNorm statistics update."""
   logits, _, model_state = forward(model, params, model_state, x, train=True)
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), model_state
+
+
+def elementwise_kl(target_logits: jnp.ndarray, logits: jnp.ndarray) -> jnp.ndarray:
+  """torch KLDivLoss()(log_softmax(logits), softmax(target_logits)) as HtFLlib's FML and FedKD use it: the mean
+  over batch AND classes of q (log q - log p), q = softmax(target_logits), p = softmax(logits)."""
+  log_q, log_p = jax.nn.log_softmax(target_logits, -1), jax.nn.log_softmax(logits, -1)
+  return jnp.mean(jnp.exp(log_q) * (log_q - log_p))
 
 
 def weighted_average(tree: Any, weights: jnp.ndarray) -> Any:
@@ -84,14 +92,17 @@ def nearest_prototype_head(protos: jnp.ndarray, present: jnp.ndarray) -> dict:
 
 
 def sgd_on_rows(params: Any, row_loss: Callable[[Any, jnp.ndarray], jnp.ndarray], row_weight: jnp.ndarray,
-                rng: jax.Array, learning_rate: float, batch_size: int, epochs: int, reduction: str = 'mean'
-                ) -> tuple[Any, jnp.ndarray]:
-  """Server-side SGD over uploaded rows (FedRE Eq. 3, FedGH's head, FedTGP's prototype generator).
+                rng: jax.Array, learning_rate: float, batch_size: int, epochs: int, reduction: str = 'mean',
+                momentum: float = 0.0, weight_decay: float = 0.0) -> tuple[Any, jnp.ndarray]:
+  """SGD over rows held in memory (FedRE Eq. 3, FedGH's head, FedTGP's prototype generator on the server; CCVR's
+  calibration on virtual features).
 
   row_loss(params, idx) -> per-row losses [len(idx)]. Each epoch visits the rows with weight > 0 once in a fresh
   random order, in batches of `batch_size` (the last one may be smaller, like a DataLoader without drop_last);
-  rows with weight 0 (absent participants, padding) sort last and never contribute. A batch's loss is the
-  weighted 'sum' or 'mean' of its rows. Returns (params, mean per-row loss over all epochs).
+  rows with weight 0 (absent participants, padding) sort last and never contribute; a batch of them only is
+  skipped. A batch's loss is the
+  weighted 'sum' or 'mean' of its rows. The update is torch's SGD (heavy-ball `momentum`, L2 `weight_decay`
+  added to the gradient). Returns (params, mean per-row loss over all epochs).
   """
   rows = row_weight.shape[0]
   steps = math.ceil(rows / batch_size)
@@ -103,14 +114,46 @@ def sgd_on_rows(params: Any, row_loss: Callable[[Any, jnp.ndarray], jnp.ndarray]
     total = jnp.sum(row_loss(p, jnp.minimum(idx, rows - 1)) * w)
     return total if reduction == 'sum' else total / jnp.maximum(w.sum(), 1.0), total
 
-  def epoch(p, e):
+  optimizer = optax.sgd(learning_rate, momentum or None)
+  if weight_decay:
+    optimizer = optax.chain(optax.add_decayed_weights(weight_decay), optimizer)
+
+  def epoch(carry, e):
     order = shuffled_real_rows(jax.random.fold_in(rng, e), weight > 0).reshape(steps, batch_size)
 
-    def step(p, idx):
+    def step(carry, idx):
+      p, opt_state = carry
       (_, total), g = jax.value_and_grad(batch_loss, has_aux=True)(p, idx)
-      return jax.tree.map(lambda a, b: a - learning_rate * b, p, g), total
-    p, totals = jax.lax.scan(step, p, order)
-    return p, totals.sum()
+      updates, opt_state = optimizer.update(g, opt_state, p)
+      # A batch of weight-0 rows only is no step (momentum and weight decay would still move the parameters).
+      new = (optax.apply_updates(p, updates), opt_state)
+      return jax.tree.map(lambda a, b: jnp.where(weight[idx].sum() > 0, a, b), new, carry), total
+    carry, totals = jax.lax.scan(step, carry, order)
+    return carry, totals.sum()
 
-  params, totals = jax.lax.scan(epoch, params, jnp.arange(epochs))
+  (params, _), totals = jax.lax.scan(epoch, (params, optimizer.init(params)), jnp.arange(epochs))
   return params, totals.sum() / jnp.maximum(row_weight.sum() * max(epochs, 1), 1.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def scale_gradient(tree: Any, factor: float) -> Any:
+  """The identity on `tree`, whose gradient is multiplied by `factor`: under plain SGD with rate lr, the tree's
+  parameters move as with rate factor * lr (FedKD's mentee learning rate)."""
+  return tree
+
+
+def _scale_gradient_fwd(tree, factor):
+  return tree, None
+
+
+def _scale_gradient_bwd(factor, _, g):
+  return (jax.tree.map(lambda a: a * factor, g),)
+
+
+scale_gradient.defvjp(_scale_gradient_fwd, _scale_gradient_bwd)
+
+
+def cosine_similarity(a: jnp.ndarray, b: jnp.ndarray, eps: float = 1e-8) -> jnp.ndarray:
+  """[n, m] cosine similarities of the rows of a [n, d] and b [m, d] (torch's: a.b / max(|a| |b|, eps))."""
+  norms = jnp.linalg.norm(a, axis=-1)[:, None] * jnp.linalg.norm(b, axis=-1)[None, :]
+  return (a @ b.T) / jnp.maximum(norms, eps)

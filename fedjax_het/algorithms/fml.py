@@ -1,7 +1,7 @@
 """FML, federated mutual learning (Shen et al. 2020, as run in HtFLlib): a shared global model beside each local one.
 
 Every client trains its own (heterogeneous) model and a copy of a shared small model (the "meme", HtFLlib's
-4-layer CNN; `companion`) on one loss per batch,
+4-layer CNN; `global_model`) on one loss per batch,
   L = alpha CE(y, p) + (1 - alpha) KL(p_g || p) + beta CE(y, p_g) + (1 - beta) KL(p || p_g),
 with p, p_g the two models' softmax outputs; both models take the gradient of L. As in HtFLlib (torch's
 KLDivLoss(reduction='mean')), each KL is averaged over batch and classes, and neither side is detached; HtFLlib
@@ -17,32 +17,26 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import Algorithm, CommSpec, local_head
-from fedjax_het.algorithms.common import participant_average
+from fedjax_het.algorithms.base import Algorithm, identity_broadcast, local_head
+from fedjax_het.algorithms.common import elementwise_kl, participant_average
+from fedjax_het.algorithms.global_model import (check_global_model, global_model_communication,
+                                                initial_global_model, receive_global_model)
 from fedjax_het.engine.forward import forward
 from fedjax_het.engine.state import ClientState
 from fedjax_het.errors import ConfigError
-from fedjax_het.models.classifier import HeteroClassifier
-from fedjax_het.models.registry import model_names
+from fedjax_het.models.classifier import Companion, HeteroClassifier
 
 
 @dataclasses.dataclass(frozen=True)
 class FMLConfig:
-  """alpha, beta: CE weights of the local and the global model (0.5 each); companion: the global architecture."""
+  """alpha, beta: CE weights of the local and the global model (0.5 each); global_model: its architecture."""
   alpha: float = 0.5
   beta: float = 0.5
-  companion: str = 'cnn4'
+  global_model: str = 'cnn4'
 
   def __post_init__(self):
     if not (0 <= self.alpha <= 1 and 0 <= self.beta <= 1):
       raise ConfigError(f'FML: --fml_alpha ({self.alpha}) and --fml_beta ({self.beta}) must be in [0, 1].')
-
-
-def elementwise_kl(target_logits: jnp.ndarray, logits: jnp.ndarray) -> jnp.ndarray:
-  """torch KLDivLoss()(log_softmax(logits), softmax(target_logits)): mean over batch AND classes of
-  q (log q - log p), q = softmax(target_logits), p = softmax(logits)."""
-  log_q, log_p = jax.nn.log_softmax(target_logits, -1), jax.nn.log_softmax(logits, -1)
-  return jnp.mean(jnp.exp(log_q) * (log_q - log_p))
 
 
 def mutual_loss(logits: jnp.ndarray, global_logits: jnp.ndarray, y: jnp.ndarray, alpha: float, beta: float
@@ -54,16 +48,8 @@ def mutual_loss(logits: jnp.ndarray, global_logits: jnp.ndarray, y: jnp.ndarray,
 
 
 def fml(cfg: FMLConfig, num_classes: int) -> Algorithm:
-  """FML as an `Algorithm` (its clients' models carry `cfg.companion` as the shared global model)."""
-  if cfg.companion not in model_names():
-    raise ConfigError(f'--fml_global_model={cfg.companion!r} is not a registered model; choose one of '
-                      f'{", ".join(model_names())}.')
-
-  def init_server(rng, example_params):
-    return {'companion': example_params['companion']}
-
-  def client_begin(client: ClientState, broadcast) -> ClientState:
-    return client._replace(params={**client.params, 'companion': broadcast['companion']})
+  """FML as an `Algorithm` (its clients' models carry `cfg.global_model` as their companion)."""
+  check_global_model(cfg.global_model, 'FML')
 
   def client_loss(model, params, model_state, x, y, broadcast, rng):
     logits, _, model_state = forward(model, params, model_state, x, train=True)
@@ -77,9 +63,6 @@ def fml(cfg: FMLConfig, num_classes: int) -> Algorithm:
     weights = uploads['weight'] * mask.astype(jnp.float32)
     return {'companion': participant_average(uploads['companion'], weights, server['companion'])}, {}
 
-  def communication(spec: CommSpec):
-    return {'upload': {'global_model': spec.num_companion_params},
-            'broadcast': {'global_model': spec.num_companion_params}}
-
-  return Algorithm('fml', init_server, lambda server: server, client_begin, client_loss, client_upload,
-                   server_update, local_head, communication, needs_representations=False, companion=cfg.companion)
+  return Algorithm('fml', initial_global_model, identity_broadcast, receive_global_model, client_loss,
+                   client_upload, server_update, local_head, global_model_communication,
+                   needs_representations=False, companion=Companion(cfg.global_model))

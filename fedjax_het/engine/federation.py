@@ -40,7 +40,7 @@ from fedjax_het.engine.state import ClientState
 from fedjax_het.engine.sharding import CLIENTS_AXIS, place_clients, to_host
 from fedjax_het.engine.training import LocalTraining, batch_schedule, sgd_step, step_key
 from fedjax_het.errors import ConfigError
-from fedjax_het.models.classifier import HeteroClassifier
+from fedjax_het.models.classifier import Companion, HeteroClassifier
 from fedjax_het.models.registry import assign_models, build_model
 
 STRATEGIES = ('vmap', 'sequential')
@@ -131,13 +131,13 @@ def _pad_to(a: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
 
 
 def _check_architecture(model: HeteroClassifier, arch: str, image_shape: tuple[int, ...],
-                        companion: Optional[str] = None) -> tuple[int, int]:
+                        companion: Optional[Companion] = None) -> tuple[int, int]:
   """Traces one forward pass abstractly and returns the parameter counts (own model, companion), so an
   architecture that cannot take the data's images fails here, with the flag named, instead of deep inside XLA."""
   sample = jnp.zeros((1,) + tuple(image_shape))
   if model.companion is not None:
-    _trace(model.companion, sample, f'the shared model {companion!r} trained beside every client',
-           'the method\'s shared-model flag (FML: --fml_global_model)')
+    _trace(model.companion, sample, f'the shared model {companion.arch!r} trained beside every client',
+           '--global_model')
   _, variables = _trace(model, sample, f'--models: architecture {arch!r}', '--models')
   params = dict(variables['params'])
   count = lambda tree: sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree))
@@ -355,8 +355,9 @@ class Federation:
     losses = np.concatenate([to_host(loss)[real] for loss, real in losses])  # host reads after all dispatches
     metrics = {'round': r + 1, 'train_loss': float(np.mean(losses)),
                'participants': len(participants), **self.local_work(participants)}
-    metrics.update({k: float(v) for k, v in server_metrics.items()})
     metrics.update(self.round_communication(participants))
+    # Measured communication (FedKD's SVD ranks, FPL's cluster counts) replaces the static accounting.
+    metrics.update({k: float(v) for k, v in server_metrics.items()})
     jax.block_until_ready(new_state)
     metrics['train_seconds'] = time.perf_counter() - start
     return new_state, metrics
@@ -554,10 +555,18 @@ class Federation:
     return {name: jnp.sum((jnp.argmax(head_logits(g.model, h, reps), -1) == y) & valid)
             for name, h in heads.items()}
 
+  def _as_evaluated(self, client: ClientState, broadcast) -> ClientState:
+    eval_client = self.algorithm.eval_client
+    return client if eval_client is None else eval_client(client, broadcast)
+
   def _make_vmap_eval(self, g: Group, shared: bool):
+    def score(c, t, broadcast):
+      c = self._as_evaluated(c, broadcast)
+      reps = represent_rows(g.model, c.params, c.model_state, t.x, self.eval_batch_size)[1]
+      return self._score(g, c, reps, t.y, t.n, broadcast)
+
     def evaluate(stacked, test, broadcast):
-      fn = lambda c, t: self._score(g, c, represent_rows(g.model, c.params, c.model_state, t.x,
-                                                         self.eval_batch_size)[1], t.y, t.n, broadcast)
+      fn = lambda c, t: score(c, t, broadcast)
       if shared:
         return jax.vmap(fn, in_axes=(0, None))(stacked, jax.tree.map(lambda a: a[0], test))
       return jax.vmap(fn)(stacked, test)
@@ -571,8 +580,11 @@ class Federation:
         'score': jax.jit(lambda c, reps, y_all, j, n_all, b: self._score(g, c, reps, y_all[j], n_all[j], b))})
     take = self._jit('sequential', gi, lambda: self._make_sequential_fns(g))['take']
     results = []
+    as_evaluated = self._jit('as_evaluated', gi, lambda: jax.jit(self._as_evaluated))
     for i in range(g.size):
       client = take(stacked, i)
+      if self.algorithm.eval_client is not None:
+        client = as_evaluated(client, broadcast)
       j = es.index(i)
       _, reps = self._represent_sequential(g, fns, client, es.arrays.x, es.sizes[j], j)
       results.append(fns['score'](client, reps, es.arrays.y, j, es.arrays.n, broadcast))

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 import flax.linen as nn
 
 from fedjax_het.errors import ConfigError
-from fedjax_het.models.classifier import HeteroClassifier
+from fedjax_het.models.classifier import Companion, HeteroClassifier
 from fedjax_het.models.cnn import MLP, FedAvgCNN, SmallCNN
 from fedjax_het.models.conv import ConvFactory, conv_factory
 from fedjax_het.models.gefl_cnn import GEFL_DATASETS, GeFLCNN
@@ -38,14 +38,16 @@ def model_names() -> list[str]:
 
 
 def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = 'ap', conv: str = 'xla',
-                companion: Optional[str] = None) -> HeteroClassifier:
+                companion: Optional[Companion] = None) -> HeteroClassifier:
   """The classifier `name` with RM to `feature_dim`, a head to `num_classes`, and convolutions computed the
   `conv` way ('xla', 'im2col' or 'auto'; same parameters, same function); with `companion`, that architecture
-  is built alongside as the classifier's companion (HeteroClassifier.companion)."""
+  is built alongside as the classifier's companion (HeteroClassifier.companion), with its link layer."""
   if name not in _EXTRACTORS:
     raise ConfigError(f'--models: unknown model {name!r}; registered models are {", ".join(model_names())}.')
-  extra = None if companion is None else build_model(companion, num_classes, feature_dim, rm, conv)
-  return HeteroClassifier(_EXTRACTORS[name](conv_factory(conv)), num_classes, feature_dim, rm, companion=extra)
+  extra = None if companion is None else build_model(companion.arch, num_classes,
+                                                     companion.feature_dim or feature_dim, rm, conv)
+  return HeteroClassifier(_EXTRACTORS[name](conv_factory(conv)), num_classes, feature_dim, rm, companion=extra,
+                          companion_link=None if companion is None else companion.link)
 
 
 def assign_models(models: Sequence[str], num_clients: int) -> list[str]:
