@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import tree_allclose
-from fedjax_het.algorithms import (CommSpec, FDConfig, FedGenConfig, FedGHConfig, FedProtoConfig, FedREConfig, FedTGPConfig, fd,
-                                   fedgen, fedgh, fedproto, fedre, fedtgp, lg_fedavg)
+from fedjax_het.algorithms import (CCVRConfig, CommSpec, FDConfig, FedGenConfig, FedGHConfig, FedKDConfig, FedMRLConfig,
+                                   FedProtoConfig, FedREConfig, FedTGPConfig, fd, fedgen, fedgh, fedproto, fedre, fedtgp,
+                                   lg_fedavg)
 from fedjax_het.algorithms.common import (aggregate_class_means, nearest_prototype_head, prototype_regularizer,
                                           sgd_on_rows)
 from fedjax_het.algorithms.fd import distillation_term
@@ -217,18 +218,21 @@ def test_bad_baseline_hyperparameters():
     FDConfig(lamda=-0.5)
 
 
-BASELINES = ['lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen', 'fml']
+BASELINES = ['lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen', 'fml', 'fedkd', 'fedmrl', 'fpl', 'ccvr']
 REPORTED_HEAD = {'lg_fedavg': 'global_head', 'fedproto': 'prototype', 'fedgh': 'global_head',
                  'fedtgp': 'prototype', 'fd': 'local_head', 'fedgen': 'global_head',
-                 'fml': 'local_head'}
+                 'fml': 'local_head', 'fedkd': 'local_head', 'fedmrl': 'local_head', 'fpl': 'local_head',
+                 'ccvr': 'calibrated'}
+TINY = dict(fedtgp=FedTGPConfig(server_epochs=2), fedgen=FedGenConfig(server_epochs=2),
+            fml=FMLConfig(global_model='small_cnn_narrow'), fedkd=FedKDConfig(global_model='small_cnn_narrow'),
+            fedmrl=FedMRLConfig(sub_feature_dim=8, global_model='small_cnn_narrow'),
+            ccvr=CCVRConfig(virtual_per_class=16, calibration_epochs=2), feature_dim=16, num_clients=6)
 
 
 @pytest.mark.parametrize('name', BASELINES)
 def test_each_baseline_runs_two_rounds_on_two_architecture_groups(tiny_data, name):
   from fedjax_het.config import ExperimentConfig
-  cfg = ExperimentConfig(fedtgp=FedTGPConfig(server_epochs=3), fedgen=FedGenConfig(server_epochs=3),
-                         fml=FMLConfig(global_model='small_cnn_narrow'))
-  alg = ALGORITHMS[name](cfg, tiny_data.num_classes)
+  alg = ALGORITHMS[name](ExperimentConfig(**TINY), tiny_data.num_classes)
   fed = Federation(alg, tiny_data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1), feature_dim=16,
                    strategy='sequential', eval_batch_size=16, conv='xla', join_ratio=0.5)
   state = fed.init()
@@ -242,11 +246,10 @@ def test_each_baseline_runs_two_rounds_on_two_architecture_groups(tiny_data, nam
   assert m['eval_head'] == REPORTED_HEAD[name]
 
 
-@pytest.mark.parametrize('name', ['fedproto', 'fedtgp', 'fd', 'fedgen', 'fml'])
+@pytest.mark.parametrize('name', ['fedproto', 'fedtgp', 'fd', 'fedgen', 'fml', 'fedkd', 'fedmrl', 'fpl', 'ccvr'])
 def test_baseline_strategies_agree(tiny_data, name):
   from fedjax_het.config import ExperimentConfig
-  alg = ALGORITHMS[name](ExperimentConfig(fedtgp=FedTGPConfig(server_epochs=2), fedgen=FedGenConfig(server_epochs=2),
-                                         fml=FMLConfig(global_model='small_cnn_narrow')), tiny_data.num_classes)
+  alg = ALGORITHMS[name](ExperimentConfig(**TINY), tiny_data.num_classes)
   states = []
   for strategy in ('sequential', 'vmap'):
     fed = Federation(alg, tiny_data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1), feature_dim=16,

@@ -75,12 +75,14 @@ def global_gaussians(means: jnp.ndarray, covs: jnp.ndarray, counts: jnp.ndarray
 
 
 def sample_virtual(rng: jax.Array, mu: jnp.ndarray, sigma: jnp.ndarray, per_class: int) -> jnp.ndarray:
-  """[C, M, d] draws from N(mu_c, Sigma_c): mu + (eps * sqrt(lambda)) Q^T with Sigma = Q diag(lambda) Q^T
-  (eigenvalues clipped at 0, so a covariance that is PSD only up to rounding still works)."""
+  """[C, M, d] draws from N(mu_c, Sigma_c): mu + eps S with S = Q diag(sqrt(lambda)) Q^T, Sigma's symmetric
+  square root (eigenvalues clipped at 0, so a covariance that is PSD only up to rounding still works). Unlike a
+  Cholesky factor it exists for singular covariances (fewer rows than d), and unlike Q diag(sqrt(lambda)) it is a
+  continuous function of Sigma, so covariances equal up to rounding give samples equal up to rounding."""
   def one_class(key, m, s):
     lam, q = jnp.linalg.eigh(s)
-    eps = jax.random.normal(key, (per_class, m.shape[0]), m.dtype)
-    return m + (eps * jnp.sqrt(jnp.maximum(lam, 0.0))) @ q.T
+    root = (q * jnp.sqrt(jnp.maximum(lam, 0.0))) @ q.T
+    return m + jax.random.normal(key, (per_class, m.shape[0]), m.dtype) @ root
   return jax.vmap(one_class)(jax.random.split(rng, mu.shape[0]), mu, sigma)
 
 
