@@ -10,7 +10,7 @@ import pytest
 
 from conftest import tree_allclose
 from fedjax_het.algorithms import (CCVRConfig, CommSpec, FDConfig, FedGenConfig, FedGHConfig, FedKDConfig, FedMRLConfig,
-                                   FedProtoConfig, FedREConfig, FedTGPConfig, fd, fedgen, fedgh, fedproto, fedre, fedtgp,
+                                   FedProtoConfig, FedREConfig, FedTGPConfig, fedgen, fedgh, fedproto, fedre, fedtgp,
                                    lg_fedavg)
 from fedjax_het.algorithms.common import (aggregate_class_means, nearest_prototype_head, prototype_regularizer,
                                           sgd_on_rows)

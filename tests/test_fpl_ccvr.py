@@ -4,7 +4,6 @@ Gaussians (equal to the pooled statistics), sampling and head calibration, and t
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from fedjax_het.algorithms import CCVRConfig
 from fedjax_het.algorithms.ccvr import calibrate_head, class_statistics, global_gaussians, sample_virtual

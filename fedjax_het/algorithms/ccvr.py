@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_het.algorithms.base import Algorithm, CommSpec, identity_broadcast, keep_client
-from fedjax_het.algorithms.common import cross_entropy_loss, head_apply, sgd_on_rows
+from fedjax_het.algorithms.common import class_prototypes, cross_entropy_loss, head_apply, sgd_on_rows
 from fedjax_het.engine.state import ClientState
 from fedjax_het.errors import ConfigError
 
@@ -53,9 +53,8 @@ class CCVRConfig:
 def class_statistics(reps: jnp.ndarray, labels: jnp.ndarray, valid: jnp.ndarray, num_classes: int
                      ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
   """Per class: (means [C, d], unbiased covariances [C, d, d] (0 with fewer than 2 rows), counts [C])."""
+  means, counts = class_prototypes(reps, labels, valid, num_classes)
   onehot = jax.nn.one_hot(labels, num_classes, dtype=reps.dtype) * valid[:, None].astype(reps.dtype)
-  counts = onehot.sum(0)
-  means = (onehot.T @ reps) / jnp.maximum(counts, 1.0)[:, None]
   centred = reps[None, :, :] - means[:, None, :]  # [C, n, d]
   scatter = jnp.einsum('nc,cnd,cne->cde', onehot, centred, centred)
   return means, scatter / jnp.maximum(counts - 1.0, 1.0)[:, None, None], counts

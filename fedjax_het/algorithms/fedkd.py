@@ -39,7 +39,8 @@ import optax
 
 from fedjax_het.algorithms.base import Algorithm, local_head
 from fedjax_het.algorithms.common import elementwise_kl, participant_average, scale_gradient
-from fedjax_het.algorithms.global_model import check_global_model, global_model_communication, receive_global_model
+from fedjax_het.algorithms.global_model import (check_global_model, global_model_communication,
+                                                initial_global_model, receive_global_model)
 from fedjax_het.engine.forward import forward
 from fedjax_het.engine.state import ClientState
 from fedjax_het.errors import ConfigError
@@ -121,7 +122,7 @@ def fedkd(cfg: FedKDConfig, num_classes: int, rounds: int, local_learning_rate: 
   mentee_scale = 1.0 if cfg.mentee_learning_rate is None else cfg.mentee_learning_rate / local_learning_rate
 
   def init_server(rng, example_params):
-    return {'companion': example_params['companion'], 'round': jnp.asarray(0, jnp.int32)}
+    return {**initial_global_model(rng, example_params), 'round': jnp.asarray(0, jnp.int32)}
 
   def broadcast(server):
     return {'companion': server['companion'], 'energy': energy_threshold(cfg, server['round'], rounds)}

@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.algorithms.common import cosine_similarity
+from fedjax_het.algorithms.common import class_prototypes, cosine_similarity
 
 
 def first_neighbor_partition(points: jnp.ndarray, valid: jnp.ndarray) -> jnp.ndarray:
@@ -35,9 +35,7 @@ def first_neighbor_partition(points: jnp.ndarray, valid: jnp.ndarray) -> jnp.nda
 
 def cluster_means(points: jnp.ndarray, labels: jnp.ndarray, valid: jnp.ndarray) -> jnp.ndarray:
   """[K, d]: at each representative's row, the mean of its cluster's valid points (0 elsewhere)."""
-  members = jax.nn.one_hot(labels, points.shape[0], dtype=points.dtype) * valid[:, None]  # [point, cluster]
-  counts = members.sum(0)
-  return (members.T @ points) / jnp.maximum(counts, 1.0)[:, None]
+  return class_prototypes(points, labels, valid, points.shape[0])[0]
 
 
 def finch(points: jnp.ndarray, valid: jnp.ndarray) -> jnp.ndarray:
