@@ -29,14 +29,45 @@ def run(fed, rounds):
   return state, history
 
 
-def test_batch_schedule_is_a_drop_last_epoch_of_real_rows():
-  idx, valid = batch_schedule(jax.random.PRNGKey(0), jnp.asarray(21), n_max=40, batch_size=4, epochs=2)
+def test_shuffled_batch_schedule_is_a_drop_last_epoch_of_real_rows():
+  idx, valid = batch_schedule(jax.random.PRNGKey(0), jnp.asarray(21), n_max=40, batch_size=4, epochs=2,
+                              order='shuffle')
   idx, valid = np.asarray(idx).reshape(2, 10, 4), np.asarray(valid).reshape(2, 10)
   assert valid.sum(1).tolist() == [5, 5]  # 21 // 4
   for e in range(2):
     used = idx[e][valid[e]].ravel()
     assert len(set(used)) == 20 and used.max() < 21  # no repeats, never a padding row
   assert not np.array_equal(idx[0], idx[1])          # reshuffled each epoch
+
+
+def test_stored_order_visits_the_first_rows_in_order_every_epoch():
+  """HtFLlib's DataLoader(shuffle=False, drop_last=True): rows 0..B*floor(n/B)-1 in stored order, each epoch."""
+  idx, valid = batch_schedule(jax.random.PRNGKey(0), jnp.asarray(21), n_max=40, batch_size=4, epochs=2)
+  idx, valid = np.asarray(idx).reshape(2, 10, 4), np.asarray(valid).reshape(2, 10)
+  for e in range(2):
+    np.testing.assert_array_equal(idx[e][valid[e]].ravel(), np.arange(20))
+  training = LocalTraining(batch_size=4)
+  assert np.asarray(training.statistics_rows(jnp.asarray([21, 20, 3]))).tolist() == [20, 20, 3]
+  assert np.asarray(LocalTraining(batch_size=4, order='shuffle').statistics_rows(jnp.asarray(21))) == 21
+  with pytest.raises(ConfigError, match='--data_order'):
+    LocalTraining(order='random')
+
+
+def test_stored_order_statistics_pass_leaves_out_the_last_partial_batch(tiny_data):
+  """FedAllRep uploads one weighted row per training row: under the stored order exactly the first
+  B*floor(n/B) rows carry weight (HtFLlib's drop_last train loader), under 'shuffle' all n."""
+  alg = fedre(FedREConfig(all_representations=True), tiny_data.num_classes)
+  for order in ('stored', 'shuffle'):
+    training = LocalTraining(learning_rate=0.05, batch_size=8, epochs=1, order=order)
+    fed = Federation(alg, tiny_data, ['mlp'], training, feature_dim=16, strategy='vmap', eval_batch_size=16)
+    g = fed.groups[0]
+    state = fed.init()
+    rngs = jax.vmap(lambda c: jax.random.fold_in(jax.random.PRNGKey(5), c))(jnp.asarray(g.clients))
+    update = lambda c, d, k: client_update(alg, g.model, training, c, d, alg.broadcast(state.server), k, 16)
+    _, upload, _ = jax.jit(jax.vmap(update))(state.groups[0], g.train, rngs)
+    n = np.asarray(g.train.n)
+    expected = n // 8 * 8 if order == 'stored' else n
+    np.testing.assert_array_equal(np.asarray(upload['weight']).sum(1), expected)
 
 
 def test_vmapped_group_equals_per_client_loop(tiny_data):

@@ -47,9 +47,13 @@ class Algorithm:
   init_server(rng, example_params) -> server state (example_params: client 0's params, e.g. to copy a head).
   broadcast(server) -> what every participating client receives.
   client_begin(client, broadcast) -> client, applied before local training (e.g. set the head to omega).
-  client_loss(model, params, model_state, x, y, broadcast, rng) -> (loss, new model_state).
-  client_upload(client, reps, y, n, broadcast, rng) -> upload pytree (fixed leaf shapes given n_max).
-    reps [n_max, d] are eval-mode representations of the client's training rows; rows >= n are padding.
+  client_loss(model, params, model_state, x, y, broadcast, rng) -> (loss, new model_state), or, with
+    `train_statistics`, (loss, (new model_state, statistics of this batch as a pytree of sums)).
+  client_upload(client, reps, y, n, broadcast, rng, num_train) -> upload pytree (fixed leaf shapes given n_max).
+    reps [n_max, d] are eval-mode representations of the client's training rows, of which the first n are the
+    rows a statistics pass over its train loader sees (HtFLlib's drop_last loader: B*floor(num_train/B) of them
+    under the stored data order) and the rest padding or unused; num_train counts all its training rows (sample
+    weights). With `train_statistics`, reps is instead the sum over the local steps of client_loss's statistics.
   server_update(server, uploads, mask, rng) -> (server, metrics); uploads have a leading slot axis, mask marks
     the slots that hold a real participant. Metrics named like the accounting's ('upload_scalars',
     'broadcast_<part>_scalars', ...) replace its figures, for methods whose communication depends on the data.
@@ -59,6 +63,9 @@ class Algorithm:
     within an architecture group (None: no group step).
   communication(spec) -> {'upload': {part: scalars}, 'broadcast': {part: scalars}} per participating client.
   companion: a `Companion` model every client trains alongside its own (under params['companion']), or None.
+  train_statistics: client_loss also returns per-batch statistics, which the engine sums over the real local
+    steps and hands to client_upload in place of a representation pass (FedProto's prototypes and FD's logits are
+    gathered in the training passes in HtFLlib).
   eval_client(client, broadcast) -> the client as evaluated (default: as it is; FedMRL scores with the broadcast
     global model in place of its own copy, as HtFLlib does).
   """
@@ -75,6 +82,7 @@ class Algorithm:
   needs_representations: bool = True
   companion: Optional[Companion] = None
   eval_client: Optional[Callable[[ClientState, Broadcast], ClientState]] = None
+  train_statistics: bool = False
 
 
 def no_server(rng: jax.Array, example_params: Any) -> ServerState:
@@ -92,7 +100,7 @@ def keep_client(client: 'ClientState', broadcast: Broadcast) -> 'ClientState':
   return client
 
 
-def no_upload(client, reps, y, n, broadcast, rng) -> Upload:
+def no_upload(client, reps, y, n, broadcast, rng, num_train) -> Upload:
   """A client_upload that sends nothing."""
   return {}
 

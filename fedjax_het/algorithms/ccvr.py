@@ -106,7 +106,7 @@ def ccvr(cfg: CCVRConfig, num_classes: int, batch_size: int) -> Algorithm:
     return {'virtual': jnp.zeros((num_classes, cfg.virtual_per_class, d)),
             'present': jnp.zeros(num_classes, bool), 'key': rng}
 
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng):
+  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
     means, covs, counts = class_statistics(reps, y, jnp.arange(y.shape[0]) < n, num_classes)
     return {'means': means, 'covs': covs, 'counts': counts}
 

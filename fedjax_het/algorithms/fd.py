@@ -49,7 +49,7 @@ def fd(cfg: FDConfig, num_classes: int) -> Algorithm:
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return ce + cfg.lamda * distillation_term(logits, y, broadcast['logits'], broadcast['present']), model_state
 
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng):
+  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
     means, counts = class_prototypes(head_apply(client.params['head'], reps), y, jnp.arange(y.shape[0]) < n,
                                      num_classes)
     return {'logits': means, 'counts': counts}

@@ -94,9 +94,9 @@ def fedgen(cfg: FedGenConfig, num_classes: int, local_batch_size: int = 32) -> A
     generated = optax.softmax_cross_entropy_with_integer_labels(head_logits(model, params['head'], z), labels)
     return loss + generated.mean(), model_state
 
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng):
+  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
     valid = (jnp.arange(y.shape[0]) < n).astype(jnp.float32)
-    return {'head': client.params['head'], 'weight': jnp.asarray(n, jnp.float32),
+    return {'head': client.params['head'], 'weight': jnp.asarray(num_train, jnp.float32),
             'label_counts': jnp.zeros(num_classes).at[y].add(valid)}
 
   def server_update(server, uploads, mask, rng):

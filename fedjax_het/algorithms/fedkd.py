@@ -136,7 +136,7 @@ def fedkd(cfg: FedKDConfig, num_classes: int, rounds: int, local_learning_rate: 
     mapped = model.apply({'params': params}, global_rep, method=HeteroClassifier.map_companion_representation)
     return distillation_loss(logits, global_logits, rep, mapped, y), model_state
 
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng):
+  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
     mentee, sent = compress_params(client.params['companion'], broadcast['energy'])
     return {'companion': mentee, 'sent': sent}
 

@@ -62,7 +62,7 @@ def fedmrl(cfg: FedMRLConfig, num_classes: int, feature_dim: int) -> Algorithm:
                                 method=HeteroClassifier.companion_classify)
     return matryoshka_loss(logits, global_logits, y), model_state
 
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng):
+  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
     return {'companion': client.params['companion']}
 
   def server_update(server, uploads, mask, rng):

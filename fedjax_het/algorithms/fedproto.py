@@ -47,7 +47,7 @@ def prototype_loss(lamda: float):
 
 def prototype_upload(num_classes: int):
   """client_upload of the prototype methods: {'protos': [C, d] class means of the reps, 'counts': [C]}."""
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng):
+  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
     protos, counts = class_prototypes(reps, y, jnp.arange(y.shape[0]) < n, num_classes)
     return {'protos': protos, 'counts': counts}
   return client_upload

@@ -114,7 +114,7 @@ def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
     """omega_k <- omega (Alg. 1 line 6)."""
     return client._replace(params={**client.params, 'head': broadcast['head']})
 
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng):
+  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
     """(r~_k, y~_k) of Eq. 2 (one row), or every (r_i, onehot(y_i)) for FedAllRep."""
     valid = (jnp.arange(y.shape[0]) < n).astype(reps.dtype)
     if cfg.all_representations:

@@ -55,8 +55,8 @@ def fml(cfg: FMLConfig, num_classes: int) -> Algorithm:
     global_logits, _, model_state = forward(model, params, model_state, x, True, HeteroClassifier.companion_forward)
     return mutual_loss(logits, global_logits, y, cfg.alpha, cfg.beta), model_state
 
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng):
-    return {'companion': client.params['companion'], 'weight': jnp.asarray(n, jnp.float32)}
+  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
+    return {'companion': client.params['companion'], 'weight': jnp.asarray(num_train, jnp.float32)}
 
   def server_update(server, uploads, mask, rng):
     weights = uploads['weight'] * mask.astype(jnp.float32)

@@ -22,8 +22,8 @@ def lg_fedavg(num_classes: int) -> Algorithm:
   def client_begin(client: ClientState, broadcast) -> ClientState:
     return client._replace(params={**client.params, 'head': broadcast['head']})
 
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng):
-    return {'head': client.params['head'], 'weight': jnp.asarray(n, jnp.float32)}
+  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
+    return {'head': client.params['head'], 'weight': jnp.asarray(num_train, jnp.float32)}
 
   def server_update(server, uploads, mask, rng):
     """head = sum_k n_k head_k / sum_k n_k over participants (kept when nobody participated)."""

@@ -9,7 +9,13 @@
 - long tail (FedRE Table 3): before partitioning, keep n_c = n_max * IF^(-c / (C - 1)) samples of class c
   (imbalance factor IF), then partition what is left.
 
-All randomness comes from one `np.random.Generator`, so one seed fixes the partition.
+Randomness is the reference's, draw for draw: numpy's legacy MT19937 stream seeded once (`np.random.seed(seed)`
+there, one `np.random.RandomState(seed)` here, which is the same stream without touching numpy's global state),
+consumed in the reference's order (per class a shuffle then a Dirichlet draw; PAT one randint per class), then
+each client's 75/25 split by scikit-learn's own `train_test_split(train_size=0.75, shuffle=True)` continuing the
+same stream client by client. Index lists keep the order the split returns, so a client's rows are stored in the
+reference's order (HtFLlib trains on them in that order). For the same seed the partition equals HtFLlib's and
+PFLlib's (tested against `shared/fixtures/htfllib_partitions.json`).
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ def class_counts(labels: np.ndarray, index_lists: list[np.ndarray], num_classes:
   return np.stack([np.bincount(labels[idx], minlength=num_classes) for idx in index_lists]).astype(np.int64)
 
 
-def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.Generator,
+def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, rng: np.random.RandomState,
                         num_classes: Optional[int] = None, least_samples: Optional[int] = None,
                         max_tries: int = 1000) -> list[np.ndarray]:
   """PRA partition (HtFLlib `separate_data(partition='dir')`): Dirichlet(alpha) per class with the N/K cap."""
@@ -82,7 +88,7 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, rng:
 
 
 def pathological_partition(labels: np.ndarray, num_clients: int, classes_per_client: int,
-                           rng: np.random.Generator, num_classes: Optional[int] = None, balance: bool = False,
+                           rng: np.random.RandomState, num_classes: Optional[int] = None, balance: bool = False,
                            least_samples: Optional[int] = None) -> list[np.ndarray]:
   """PAT partition (HtFLlib `separate_data(partition='pat')`): `classes_per_client` classes per client."""
   labels = np.asarray(labels)
@@ -108,7 +114,8 @@ def pathological_partition(labels: np.ndarray, num_clients: int, classes_per_cli
       if low >= share:
         raise ConfigError(f'--partition=pathological: class {c} has {len(idx_c)} samples for {len(clients)} clients, '
                           f'too few for unbalanced shares. Fix: --balance, fewer --num_clients, or more data.')
-      sizes = rng.integers(int(low), int(share), size=len(clients) - 1).tolist()
+      # randint truncates its float bounds as the reference's np.random.randint(max(...), num_per, n) does.
+      sizes = rng.randint(low, share, len(clients) - 1).tolist()
     sizes.append(len(idx_c) - sum(sizes))
     start = 0
     for k, size in zip(clients, sizes):
@@ -118,31 +125,36 @@ def pathological_partition(labels: np.ndarray, num_clients: int, classes_per_cli
   return [np.asarray(b, dtype=np.int64) for b in chosen]
 
 
-def iid_partition(labels: np.ndarray, num_clients: int, rng: np.random.Generator,
+def iid_partition(labels: np.ndarray, num_clients: int, rng: np.random.RandomState,
                   num_classes: Optional[int] = None) -> list[np.ndarray]:
   """HtFLlib's IID: every class split in equal shares over all clients (PAT with all classes, balanced)."""
   num_classes = num_classes or int(np.asarray(labels).max()) + 1
   return pathological_partition(labels, num_clients, num_classes, rng, num_classes, balance=True)
 
 
-def train_test_split(index_lists: list[np.ndarray], train_fraction: float, rng: np.random.Generator
+def train_test_split(index_lists: list[np.ndarray], train_fraction: float, rng: np.random.RandomState
                      ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-  """Shuffles each client's indices and splits them train/test like sklearn's train_test_split.
-
-  The test part has ceil(n * (1 - train_fraction)) samples; the split is not stratified (as in HtFLlib).
-  """
+  """Each client's indices split train/test by sklearn's `train_test_split(train_size=train_fraction,
+  shuffle=True)` drawing from `rng`: a permutation, the first ceil(n (1 - f)) entries test, the rest train,
+  both in permuted order (not stratified, as in HtFLlib). train_fraction 1 keeps every index for training, in
+  stored order, and draws nothing."""
   if not 0 < train_fraction <= 1:
     raise ConfigError(f'--train_fraction={train_fraction} must be in (0, 1].')
+  if train_fraction == 1:
+    return [np.asarray(idx, np.int64) for idx in index_lists], [np.zeros(0, np.int64) for _ in index_lists]
+  from sklearn.model_selection import train_test_split as sk_split
   train, test = [], []
   for idx in index_lists:
-    idx = rng.permutation(idx)
-    n_test = int(math.ceil(len(idx) * (1 - train_fraction) - 1e-9))
-    test.append(np.sort(idx[:n_test]))
-    train.append(np.sort(idx[n_test:]))
+    if len(idx) < 2:
+      raise ConfigError(f'--train_fraction={train_fraction}: a client holds {len(idx)} sample(s), too few to split '
+                        f'into train and test. Fix: fewer --num_clients or a larger dataset.')
+    tr, te = sk_split(np.asarray(idx, np.int64), train_size=train_fraction, shuffle=True, random_state=rng)
+    train.append(tr)
+    test.append(te)
   return train, test
 
 
-def long_tail_indices(labels: np.ndarray, num_classes: int, imbalance_factor: float, rng: np.random.Generator
+def long_tail_indices(labels: np.ndarray, num_classes: int, imbalance_factor: float, rng: np.random.RandomState
                       ) -> np.ndarray:
   """Sorted indices of a long-tailed subset: n_c = floor(n_max * IF^(-c/(C-1))) random samples of class c."""
   if imbalance_factor < 1:
@@ -162,7 +174,7 @@ def partition_clients(labels: np.ndarray, num_clients: int, partition: str, seed
   """Partitions a pool over clients and splits each client's share into local train/test, from one seed."""
   if num_clients < 1:
     raise ConfigError(f'--num_clients={num_clients} must be >= 1.')
-  rng = np.random.default_rng(seed)
+  rng = np.random.RandomState(seed)
   labels = np.asarray(labels)
   pool = np.arange(len(labels))
   if imbalance_factor != 1:

@@ -18,25 +18,24 @@ from fedjax_het.models.classifier import HeteroClassifier
 def client_update(algorithm: Algorithm, model: HeteroClassifier, training: LocalTraining, client: ClientState,
                   data: ClientArrays, broadcast: Any, rng: jax.Array, rep_chunk: int = 256,
                   unroll: int | bool = 1) -> tuple[ClientState, Any, dict]:
-  """ONE client's round: begin (apply broadcast) -> local SGD (lax.scan) -> representations -> upload.
+  """ONE client's round: begin (apply broadcast) -> local SGD (lax.scan) -> representations (or the training-pass
+  statistics) -> upload.
 
   Pure; `data` holds this client's padded rows (x [n_max, ...], y [n_max], n []). Returns (client, upload,
   metrics). The engine vmaps this over a group, or runs the same pieces client by client.
   """
   client = algorithm.client_begin(client, broadcast)
   loss_fn = lambda p, s, x, y, r: algorithm.client_loss(model, p, s, x, y, broadcast, r)
-  params, model_state, loss = train_scan(loss_fn, training, client.params, client.model_state, data.x, data.y,
-                                         data.n, jax.random.fold_in(rng, 1), unroll)
+  params, model_state, loss, stats = train_scan(loss_fn, training, client.params, client.model_state, data.x,
+                                                data.y, data.n, jax.random.fold_in(rng, 1), unroll,
+                                                algorithm.train_statistics)
   client = client._replace(params=params, model_state=model_state)
-  upload = finish_client(algorithm, model, client, data, broadcast, rng, rep_chunk)
-  return client, upload, {'train_loss': loss}
-
-
-def finish_client(algorithm: Algorithm, model: HeteroClassifier, client: ClientState, data: ClientArrays,
-                  broadcast: Any, rng: jax.Array, rep_chunk: int) -> Any:
-  """The upload after training: eval-mode representations of the training rows, then `client_upload`."""
-  if algorithm.needs_representations:
+  if algorithm.train_statistics:
+    reps = stats
+  elif algorithm.needs_representations:
     _, reps = represent_rows(model, client.params, client.model_state, data.x, rep_chunk)
   else:
     reps = jnp.zeros((data.x.shape[0], 0))
-  return algorithm.client_upload(client, reps, data.y, data.n, broadcast, jax.random.fold_in(rng, 2))
+  upload = algorithm.client_upload(client, reps, data.y, training.statistics_rows(data.n), broadcast,
+                                   jax.random.fold_in(rng, 2), data.n)
+  return client, upload, {'train_loss': loss}

@@ -38,7 +38,7 @@ from fedjax_het.engine.client_update import client_update
 from fedjax_het.engine.forward import forward, head_logits, represent_rows
 from fedjax_het.engine.state import ClientState
 from fedjax_het.engine.sharding import CLIENTS_AXIS, place_clients, to_host
-from fedjax_het.engine.training import LocalTraining, batch_schedule, sgd_step, step_key
+from fedjax_het.engine.training import LocalTraining, batch_schedule, initial_carry, sgd_step, step_key
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.classifier import Companion, HeteroClassifier
 from fedjax_het.models.registry import assign_models, build_model
@@ -248,6 +248,7 @@ class Federation:
       g.num_params, g.num_companion_params = _check_architecture(g.model, g.arch, g.train.x.shape[2:],
                                                                  algorithm.companion)
       self.train_sizes[g.clients] = g.train_sizes
+      g.stat_sizes = np.asarray(training.statistics_rows(g.train_sizes))  # rows of its statistics passes
     # Participant slots per group: fixed across rounds (no recompiles), a multiple of the device count.
     self.slots = [-(-min(g.size, self.num_join) // num_devices) * num_devices for g in self.groups]
     self._warn_small_clients(training.batch_size)
@@ -432,8 +433,11 @@ class Federation:
     # Uploads are laid out in the same fixed slots as the vmap strategy, padded slots zero.
     if 'empty_upload' not in fns:
       client = jax.eval_shape(fns['take'], stacked, 0)
-      reps = jax.ShapeDtypeStruct((n_max, g.model.feature_dim if self.algorithm.needs_representations else 0),
-                                  jnp.float32)
+      if self.algorithm.train_statistics:
+        reps = jax.eval_shape(fns['carry_init'], client.params, client.model_state, broadcast)[3]
+      else:
+        reps = jax.ShapeDtypeStruct((n_max, g.model.feature_dim if self.algorithm.needs_representations else 0),
+                                    jnp.float32)
       template = jax.eval_shape(fns['upload'], client, reps, g.train.y, 0, broadcast, jax.random.PRNGKey(0))
       fns['empty_upload'] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
     zeros = fns['empty_upload']
@@ -448,7 +452,7 @@ class Federation:
     client = fns['begin'](client, broadcast)
     train_rng = jax.random.fold_in(rng, 1)
     idx, _ = fns['schedule'](jax.random.fold_in(train_rng, 0), g.train.n[i])
-    carry = (client.params, client.model_state, fns['opt_init'](client.params))
+    carry = fns['carry_init'](client.params, client.model_state, broadcast)
     total, steps = 0.0, 0
     for e in range(epochs):
       for s in range(g.train_sizes[i] // b):
@@ -456,8 +460,10 @@ class Federation:
                                   broadcast)
         total, steps = total + loss, steps + 1
     client = client._replace(params=carry[0], model_state=carry[1])
-    if self.algorithm.needs_representations:
-      reps = self._represent_sequential(g, fns, client, g.train.x, g.train_sizes[i], i)[1]
+    if self.algorithm.train_statistics:
+      reps = carry[3]
+    elif self.algorithm.needs_representations:
+      reps = self._represent_sequential(g, fns, client, g.train.x, g.stat_sizes[i], i)[1]
     else:
       reps = jnp.zeros((n_max, 0))
     upload = fns['upload'](client, reps, g.train.y, i, broadcast, jax.random.fold_in(rng, 2))
@@ -482,14 +488,20 @@ class Federation:
     optimizer = training.optimizer()
     chunk = _even_chunk(g.train.x.shape[1], self.eval_batch_size)
 
+    loss_fn = lambda broadcast: lambda p, st, x, y, r: alg.client_loss(model, p, st, x, y, broadcast, r)
+
     def step(carry, x_all, y_all, i, schedule, slot, epoch, s, rng, broadcast):
-      loss_fn = lambda p, st, x, y, r: alg.client_loss(model, p, st, x, y, broadcast, r)
       batch = schedule[slot]
-      return sgd_step(loss_fn, optimizer, carry, x_all[i, batch], y_all[i, batch], jnp.asarray(True),
+      return sgd_step(loss_fn(broadcast), optimizer, carry, x_all[i, batch], y_all[i, batch], jnp.asarray(True),
                       step_key(rng, epoch, s))
 
+    def carry_init(params, model_state, broadcast):
+      return initial_carry(loss_fn(broadcast), optimizer, params, model_state, g.train.x[0], g.train.y[0],
+                           training.batch_size, alg.train_statistics)
+
     def upload(client, reps, y_all, i, broadcast, rng):
-      return alg.client_upload(client, reps, y_all[i], g.train.n[i], broadcast, rng)
+      return alg.client_upload(client, reps, y_all[i], training.statistics_rows(g.train.n[i]), broadcast, rng,
+                               g.train.n[i])
 
     n_max, b, e = g.train.x.shape[1], training.batch_size, training.epochs
     return {
@@ -497,8 +509,8 @@ class Federation:
         'put': jax.jit(lambda stacked, i, c: jax.tree.map(lambda a, v: a.at[i].set(v), stacked, c),
                        donate_argnums=0),
         'begin': jax.jit(alg.client_begin),
-        'opt_init': jax.jit(optimizer.init),
-        'schedule': jax.jit(lambda rng, n: batch_schedule(rng, n, n_max, b, e)),
+        'carry_init': jax.jit(carry_init),
+        'schedule': jax.jit(lambda rng, n: batch_schedule(rng, n, n_max, b, e, training.order)),
         'step': jax.jit(step),
         'represent_into': _represent_into(model, chunk),
         'upload': jax.jit(upload),
