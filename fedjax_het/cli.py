@@ -65,6 +65,13 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_integer('local_epochs', _D.local_epochs, 'Local epochs per round.')
   f.DEFINE_integer('batch_size', _D.batch_size, 'Local batch size.')
   f.DEFINE_float('local_learning_rate', _D.local_learning_rate, 'Local SGD learning rate.')
+  f.DEFINE_enum('data_order', _D.data_order, ['stored', 'shuffle'], 'Order of local batches: stored (HtFLlib: '
+                'each client\'s rows in stored order every epoch, the last n mod B never used) or shuffle (PFLlib: '
+                'reshuffled every epoch).')
+  f.DEFINE_enum('init', _D.init, ['torch', 'flax'], 'Initialisation of Conv/Dense layers: torch (PyTorch\'s '
+                'default U(+-1/sqrt(fan_in)), as HtFLlib) or flax (Flax\'s defaults).')
+  f.DEFINE_bool('shared_init', _D.shared_init, 'Clients of one architecture start from identical parameters '
+                '(HtFLlib); --noshared_init: each client draws its own.')
   f.DEFINE_integer('seed', _D.seed, 'One seed for partition, initialisation and every random draw.')
   f.DEFINE_enum('strategy', None, list(STRATEGIES), 'How a group executes (default: sequential on CPU, vmap else).')
   f.DEFINE_integer('chunk_size', _D.chunk_size, 'vmap strategy: clients per vmapped chunk (0: whole group).')
@@ -104,7 +111,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_float('fml_beta', FMLConfig().beta, 'FML: CE weight of the global model (1 - beta on its KL).')
   f.DEFINE_float('energy_start', FedKDConfig().energy_start, 'FedKD: SVD energy threshold of the first round.')
   f.DEFINE_float('energy_end', FedKDConfig().energy_end, 'FedKD: SVD energy threshold of the last round.')
-  f.DEFINE_float('mentee_learning_rate', None, 'FedKD: SGD rate of the mentee (default: --local_learning_rate).')
+  f.DEFINE_float('mentee_learning_rate', FedKDConfig().mentee_learning_rate, 'FedKD: SGD rate of the mentee '
+                 '(HtFLlib\'s -mlr 0.01).')
   f.DEFINE_integer('sub_feature_dim', FedMRLConfig().sub_feature_dim, 'FedMRL: representation width of the '
                    'global model (the first entries of the fused representation).')
   f.DEFINE_float('fpl_temperature', FPLConfig().temperature, 'FPL: temperature of the cluster-prototype InfoNCE.')
@@ -129,7 +137,8 @@ def config_from_flags(fv=None) -> ExperimentConfig:
       train_fraction=fv.train_fraction,
       num_clients=fv.num_clients, join_ratio=fv.join_ratio, models=tuple(fv.models), feature_dim=fv.feature_dim,
       rm=fv.rm, rounds=fv.rounds, local_epochs=fv.local_epochs, batch_size=fv.batch_size,
-      local_learning_rate=fv.local_learning_rate,
+      local_learning_rate=fv.local_learning_rate, data_order=fv.data_order, init=fv.init,
+      shared_init=fv.shared_init,
       fedre=FedREConfig(fv.re, fv.re_distribution, fv.re_resample, fv.all_representations,
                         server_loss_reduction=fv.server_loss_reduction, **server),
       fedproto=FedProtoConfig(**lamda), fedgh=FedGHConfig(**server),

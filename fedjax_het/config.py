@@ -41,6 +41,9 @@ class ExperimentConfig:
   local_epochs: int = 1
   batch_size: int = 32
   local_learning_rate: float = 0.06
+  data_order: str = 'stored'  # HtFLlib's DataLoader(shuffle=False, drop_last=True); 'shuffle': PFLlib
+  init: str = 'torch'  # PyTorch's default Conv/Linear initialisation (HtFLlib); 'flax': Flax's defaults
+  shared_init: bool = True  # clients of one architecture start identical (HtFLlib seeds 0 before each model)
   fedre: FedREConfig = FedREConfig()
   fedproto: FedProtoConfig = FedProtoConfig()
   fedgh: FedGHConfig = FedGHConfig()
@@ -65,7 +68,7 @@ class ExperimentConfig:
 
   def local_training(self) -> LocalTraining:
     """The local SGD settings of this config."""
-    return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs)
+    return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order)
 
   def to_dict(self) -> dict:
     """A JSON-ready dict (config.json, summary.json)."""

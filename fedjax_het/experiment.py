@@ -23,38 +23,39 @@ from fedjax_het.algorithms import (ccvr, fd, fedavg_grouped, fedgen, fedgh, fedk
 from fedjax_het.algorithms.base import Algorithm
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.data.datasets import load_dataset
-from fedjax_het.data.federated import make_federated_data
+from fedjax_het.data.federated import FederatedData, make_federated_data
 from fedjax_het.engine.federation import Federation, FederationState, default_conv, default_strategy
 from fedjax_het.engine.sharding import client_mesh
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.registry import assign_models
 
-# --algorithm name -> (config, num_classes) -> Algorithm.
+# --algorithm name -> (config, federated data) -> Algorithm.
 ALGORITHMS = {
-    'fedre': lambda cfg, c: fedre(cfg.fedre, c),
-    'local': lambda cfg, c: local(c),
-    'fedavg': lambda cfg, c: fedavg_grouped(c),
-    'lg_fedavg': lambda cfg, c: lg_fedavg(c),
-    'fedproto': lambda cfg, c: fedproto(cfg.fedproto, c),
-    'fedgh': lambda cfg, c: fedgh(cfg.fedgh, c, cfg.batch_size),
-    'fedtgp': lambda cfg, c: fedtgp(cfg.fedtgp, c, cfg.batch_size),
-    'fd': lambda cfg, c: fd(cfg.fd, c),
-    'fedgen': lambda cfg, c: fedgen(cfg.fedgen, c, cfg.batch_size),
-    'fml': lambda cfg, c: fml(cfg.fml, c),
-    'fedkd': lambda cfg, c: fedkd(cfg.fedkd, c, cfg.rounds, cfg.local_learning_rate),
-    'fedmrl': lambda cfg, c: fedmrl(cfg.fedmrl, c, cfg.feature_dim),
-    'fpl': lambda cfg, c: fpl(cfg.fpl, c, cfg.num_clients),
-    'ccvr': lambda cfg, c: ccvr(cfg.ccvr, c, cfg.batch_size),
+    'fedre': lambda cfg, data: fedre(cfg.fedre, data.num_classes),
+    'local': lambda cfg, data: local(data.num_classes),
+    'fedavg': lambda cfg, data: fedavg_grouped(data.num_classes),
+    'lg_fedavg': lambda cfg, data: lg_fedavg(data.num_classes),
+    'fedproto': lambda cfg, data: fedproto(cfg.fedproto, data.num_classes),
+    'fedgh': lambda cfg, data: fedgh(cfg.fedgh, data.num_classes, cfg.batch_size),
+    'fedtgp': lambda cfg, data: fedtgp(cfg.fedtgp, data.num_classes, cfg.batch_size, cfg.local_learning_rate),
+    'fd': lambda cfg, data: fd(cfg.fd, data.num_classes),
+    'fedgen': lambda cfg, data: fedgen(cfg.fedgen, data.num_classes, cfg.batch_size,
+                                       data.loader_label_counts(cfg.batch_size, cfg.data_order == 'stored')),
+    'fml': lambda cfg, data: fml(cfg.fml, data.num_classes),
+    'fedkd': lambda cfg, data: fedkd(cfg.fedkd, data.num_classes, cfg.rounds, cfg.local_learning_rate),
+    'fedmrl': lambda cfg, data: fedmrl(cfg.fedmrl, data.num_classes, cfg.feature_dim),
+    'fpl': lambda cfg, data: fpl(cfg.fpl, data.num_classes, cfg.num_clients),
+    'ccvr': lambda cfg, data: ccvr(cfg.ccvr, data.num_classes, cfg.batch_size),
 }
 # Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
 RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eval_batch_size', 'data_dir', 'conv',
                     'scan_unroll', 'num_devices', 'client_threads')
 
 
-def make_algorithm(cfg: ExperimentConfig, num_classes: int) -> Algorithm:
+def make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> Algorithm:
   """The `Algorithm` named by --algorithm, with its hyperparameters from the config."""
   if cfg.algorithm in ALGORITHMS:
-    return ALGORITHMS[cfg.algorithm](cfg, num_classes)
+    return ALGORITHMS[cfg.algorithm](cfg, data)
   raise ConfigError(f'--algorithm={cfg.algorithm!r} is unknown; choose one of {", ".join(ALGORITHMS)}.')
 
 
@@ -65,7 +66,7 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
   if cfg.eval_every < 1 or cfg.checkpoint_every < 0:
     raise ConfigError('--eval_every must be >= 1 and --checkpoint_every >= 0 (0 disables checkpoints).')
   if cfg.algorithm not in ALGORITHMS:  # Fail before loading any data.
-    make_algorithm(cfg, 0)
+    make_algorithm(cfg, None)
   assign_models(cfg.models, cfg.num_clients)
   dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
   data = make_federated_data(dataset, cfg.num_clients, cfg.partition, cfg.seed, cfg.eval_protocol,
@@ -75,11 +76,11 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
   mesh = None
   if cfg.num_devices != 1 and (cfg.num_devices > 1 or strategy == 'vmap'):
     mesh = client_mesh(cfg.num_devices)
-  return Federation(make_algorithm(cfg, data.num_classes), data, cfg.models, cfg.local_training(),
+  return Federation(make_algorithm(cfg, data), data, cfg.models, cfg.local_training(),
                     feature_dim=cfg.feature_dim, rm=cfg.rm, strategy=strategy, join_ratio=cfg.join_ratio,
                     seed=cfg.seed, chunk_size=cfg.chunk_size, eval_batch_size=cfg.eval_batch_size,
                     conv=cfg.conv or default_conv(strategy), scan_unroll=cfg.scan_unroll, client_mesh=mesh,
-                    client_threads=cfg.client_threads)
+                    client_threads=cfg.client_threads, init=cfg.init, shared_init=cfg.shared_init)
 
 
 class StopAtRoundEnd:

@@ -116,12 +116,12 @@ def test_fedgen_ensemble_is_the_weighted_sum_of_head_logits():
 def test_fedgen_server_trains_the_generator_towards_the_heads_and_averages_heads():
   d, c = 4, 3
   heads = {'kernel': jnp.stack([jnp.eye(d)[:, :c] * 5.0] * 2), 'bias': jnp.zeros((2, c))}
-  uploads = {'head': heads, 'weight': jnp.array([10., 30.]), 'label_counts': jnp.array([[5., 5., 0.], [0., 20., 10.]])}
-  alg = fedgen(FedGenConfig(noise_dim=3, hidden_dim=8, server_epochs=60), c, local_batch_size=16)
+  uploads = {'head': heads, 'weight': jnp.array([10., 30.])}
+  alg = fedgen(FedGenConfig(noise_dim=3, hidden_dim=8, server_epochs=60, generator_learning_rate=0.005), c,
+               local_batch_size=16, label_counts=np.array([5, 25, 10]))
   server = alg.init_server(jax.random.PRNGKey(0), {'head': jax.tree.map(lambda a: a[0], heads)})
   mask = jnp.array([True, True])
   trained, m = alg.server_update(server, uploads, mask, jax.random.PRNGKey(1))
-  np.testing.assert_allclose(trained['label_probs'], [5 / 40, 25 / 40, 10 / 40], rtol=1e-6)
   np.testing.assert_allclose(trained['head']['kernel'], heads['kernel'][0], rtol=1e-6)
   # The ensemble's CE on generated features falls: a fresh and the trained generator on the same draws.
   def ensemble_ce(variables):
@@ -131,6 +131,24 @@ def test_fedgen_server_trains_the_generator_towards_the_heads_and_averages_heads
     logits = ensemble_logits(heads, jnp.array([0.25, 0.75]), z)
     return float(-jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(60), labels]))
   assert ensemble_ce(trained['generator']) < 0.5 * ensemble_ce(server['generator'])
+
+
+def test_fedgen_label_distribution_is_all_clients_loader_labels():
+  """HtFLlib counts FedGen's labels once, over all clients, through the drop_last train loaders."""
+  from fedjax_het.data.datasets import Dataset
+  from fedjax_het.data.federated import FederatedData
+  from fedjax_het.data.partition import ClientSplit
+  y = np.array([0, 1, 1, 2, 2, 2, 0, 0, 1])
+  ds = Dataset('hand', np.zeros((9, 2, 2, 1), np.float32), y.astype(np.int32), 3)
+  split = ClientSplit([np.array([0, 1, 2, 3, 4]), np.array([5, 6, 7, 8])], [np.zeros(0, int)] * 2,
+                      np.zeros((2, 3)), np.zeros((2, 3)))
+  data = FederatedData(ds, split, 'pooled')
+  # B = 2: client 0 yields rows 0-3 (labels 0 1 1 2), client 1 rows 5-8 (2 0 0 1).
+  np.testing.assert_array_equal(data.loader_label_counts(2), [3, 3, 2])
+  np.testing.assert_array_equal(data.loader_label_counts(2, drop_last_rows=False), [3, 3, 3])
+  with pytest.raises(ConfigError, match='label_counts'):
+    fedgen(FedGenConfig(), 3, label_counts=np.array([0, 0, 0]))
+  assert FedGenConfig() == FedGenConfig(noise_dim=32, hidden_dim=512, generator_learning_rate=0.1, server_epochs=100)
 
 
 def test_fml_kl_is_torch_kldivloss_mean_over_batch_and_classes():
@@ -150,9 +168,9 @@ def test_fml_server_averages_the_global_models_and_clients_carry_them(tiny_data)
                    strategy='sequential', eval_batch_size=16, conv='xla')
   state, m = fed.round(fed.init())
   assert m['upload_scalars'] == m['broadcast_scalars'] == 6 * fed.groups[0].num_companion_params > 0
-  weights = np.concatenate([g.train_sizes for g in fed.groups]).astype(np.float64)
+  # HtFLlib's serverfml.py: the unweighted mean of the participants' global models.
   stacked = jax.tree.map(lambda *a: np.concatenate(a), *[s.params['companion'] for s in state.groups])
-  expected = jax.tree.map(lambda a: np.tensordot(weights / weights.sum(), a, axes=1), stacked)
+  expected = jax.tree.map(lambda a: a.mean(0), stacked)
   tree_allclose(state.server['companion'], expected, rtol=1e-5, atol=1e-6)
   with pytest.raises(ConfigError, match='--global_model'):
     fml(FMLConfig(global_model='vgg99'), 4)
@@ -223,7 +241,7 @@ REPORTED_HEAD = {'lg_fedavg': 'global_head', 'fedproto': 'prototype', 'fedgh': '
                  'fedtgp': 'prototype', 'fd': 'local_head', 'fedgen': 'global_head',
                  'fml': 'local_head', 'fedkd': 'local_head', 'fedmrl': 'local_head', 'fpl': 'local_head',
                  'ccvr': 'calibrated'}
-TINY = dict(fedtgp=FedTGPConfig(server_epochs=2), fedgen=FedGenConfig(server_epochs=2),
+TINY = dict(fedtgp=FedTGPConfig(server_epochs=2), fedgen=FedGenConfig(server_epochs=2, generator_learning_rate=0.005),
             fml=FMLConfig(global_model='small_cnn_narrow'), fedkd=FedKDConfig(global_model='small_cnn_narrow'),
             fedmrl=FedMRLConfig(sub_feature_dim=8, global_model='small_cnn_narrow'),
             ccvr=CCVRConfig(virtual_per_class=16, calibration_epochs=2), feature_dim=16, num_clients=6)
@@ -232,7 +250,7 @@ TINY = dict(fedtgp=FedTGPConfig(server_epochs=2), fedgen=FedGenConfig(server_epo
 @pytest.mark.parametrize('name', BASELINES)
 def test_each_baseline_runs_two_rounds_on_two_architecture_groups(tiny_data, name):
   from fedjax_het.config import ExperimentConfig
-  alg = ALGORITHMS[name](ExperimentConfig(**TINY), tiny_data.num_classes)
+  alg = ALGORITHMS[name](ExperimentConfig(**TINY), tiny_data)
   fed = Federation(alg, tiny_data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1), feature_dim=16,
                    strategy='sequential', eval_batch_size=16, conv='xla', join_ratio=0.5)
   state = fed.init()
@@ -249,7 +267,7 @@ def test_each_baseline_runs_two_rounds_on_two_architecture_groups(tiny_data, nam
 @pytest.mark.parametrize('name', ['fedproto', 'fedtgp', 'fd', 'fedgen', 'fml', 'fedkd', 'fedmrl', 'fpl', 'ccvr'])
 def test_baseline_strategies_agree(tiny_data, name):
   from fedjax_het.config import ExperimentConfig
-  alg = ALGORITHMS[name](ExperimentConfig(**TINY), tiny_data.num_classes)
+  alg = ALGORITHMS[name](ExperimentConfig(**TINY), tiny_data)
   states = []
   for strategy in ('sequential', 'vmap'):
     fed = Federation(alg, tiny_data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1), feature_dim=16,

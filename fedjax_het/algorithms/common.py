@@ -29,6 +29,19 @@ def class_prototypes(reps: jnp.ndarray, labels: jnp.ndarray, valid: jnp.ndarray,
   return (onehot.T @ reps) / jnp.maximum(counts, 1.0)[:, None], counts
 
 
+def class_sums(values: jnp.ndarray, labels: jnp.ndarray, num_classes: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """Per-class sums of values [B, d] and counts over one batch: ([C, d], [C]); the training-pass statistics of
+  FedProto's prototypes and FD's logits (summed over the local steps by the engine)."""
+  onehot = jax.nn.one_hot(labels, num_classes, dtype=values.dtype)
+  return onehot.T @ jax.lax.stop_gradient(values), onehot.sum(0)
+
+
+def class_means_from_sums(sums: tuple[jnp.ndarray, jnp.ndarray]) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """(means [C, d] (0 for absent classes), counts [C]) from summed `class_sums`."""
+  total, counts = sums
+  return total / jnp.maximum(counts, 1.0)[:, None], counts
+
+
 def soft_cross_entropy(logits: jnp.ndarray, soft_labels: jnp.ndarray) -> jnp.ndarray:
   """Per-row -sum_c y_c log softmax(z)_c (FedRE Eq. 3 with entangled labels)."""
   return -jnp.sum(soft_labels * jax.nn.log_softmax(logits, axis=-1), axis=-1)

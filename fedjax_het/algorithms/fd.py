@@ -1,9 +1,15 @@
 """FD, federated distillation (Jeong et al. 2018; FedDistill in HtFLlib): per-class mean logits.
 
 Clients train on CE + lambda * CE_soft(z_i, softmax(L_{y_i})), pulling each output towards the softened global
-mean logit of its class, and upload their per-class mean logits (eval mode, own head). The server averages each
-class's logits over the clients that hold it. SPEC.md follows the paper's cross-entropy to the averaged output;
-HtFLlib's FedDistill uses MSE(z_i, L_{y_i}) instead. Rows whose class has no global logit add nothing.
+mean logit of its class, and upload their per-class mean logits, gathered as HtFLlib gathers them: from the
+training-mode outputs of every real local step (`train_statistics`). The server averages each class's logits over
+the clients that hold it, unweighted. Rows whose class has no global logit add nothing.
+
+Which distillation term: HtFLlib's FedDistill used MSE(z_i, L_{y_i}) until 2024-03, CE to softmax(L_{y_i})
+from then until 2025-11, and since then CE with the raw global logits L_{y_i} as the target (torch's
+CrossEntropyLoss with a float target; rows of classes without a global logit then target their own detached
+logits). This module implements the middle one, CE to softmax(L_{y_i}), which is the paper's distillation to the
+averaged output as a distribution.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_het.algorithms.base import Algorithm, CommSpec, identity_broadcast, keep_client, local_head
-from fedjax_het.algorithms.common import aggregate_class_means, class_prototypes, head_apply, soft_cross_entropy
+from fedjax_het.algorithms.common import (aggregate_class_means, class_means_from_sums, class_sums,
+                                          soft_cross_entropy)
 from fedjax_het.engine.forward import forward
 from fedjax_het.engine.state import ClientState
 from fedjax_het.errors import ConfigError
@@ -47,11 +54,11 @@ def fd(cfg: FDConfig, num_classes: int) -> Algorithm:
   def client_loss(model, params, model_state, x, y, broadcast, rng):
     logits, _, model_state = forward(model, params, model_state, x, train=True)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return ce + cfg.lamda * distillation_term(logits, y, broadcast['logits'], broadcast['present']), model_state
+    loss = ce + cfg.lamda * distillation_term(logits, y, broadcast['logits'], broadcast['present'])
+    return loss, (model_state, class_sums(logits, y, num_classes))
 
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
-    means, counts = class_prototypes(head_apply(client.params['head'], reps), y, jnp.arange(y.shape[0]) < n,
-                                     num_classes)
+  def client_upload(client: ClientState, sums, y, n, broadcast, rng, num_train):
+    means, counts = class_means_from_sums(sums)
     return {'logits': means, 'counts': counts}
 
   def server_update(server, uploads, mask, rng):
@@ -63,4 +70,4 @@ def fd(cfg: FDConfig, num_classes: int) -> Algorithm:
             'broadcast': {'logits': spec.num_classes * spec.num_classes}}
 
   return Algorithm('fd', init_server, identity_broadcast, keep_client, client_loss, client_upload, server_update,
-                   local_head, communication)
+                   local_head, communication, needs_representations=False, train_statistics=True)

@@ -9,8 +9,10 @@ CE(f(x), y) + CE(head(G(eps, y')), y') with y' from the same distribution.
 
 HtFLlib trains the generator but never saves it, so its clients always use the untrained initial generator; as
 SPEC.md says, the trained G is broadcast here (and counted in the broadcast). The generator's Adam state starts
-fresh every round, as in HtFLlib. The label distribution is over this round's participants (HtFLlib: all clients,
-the same under full participation).
+fresh every round, as in HtFLlib. The label distribution is HtFLlib's: computed once, before the first round, from
+all clients' training labels as their train loaders yield them (`FederatedData.loader_label_counts`), and fixed
+thereafter; it is handed to the server and the clients at construction, so it is not counted per round.
+Defaults are HtFLlib's tuned script (`total.sh`: -nd 32 -glr 0.1 -hd 512 -se 100).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedjax_het.algorithms.base import Algorithm, CommSpec
@@ -28,16 +31,17 @@ from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
 from fedjax_het.engine.forward import head_logits
 from fedjax_het.engine.state import ClientState
 from fedjax_het.errors import ConfigError
+from fedjax_het.models.init import torch_default_init
 from fedjax_het.models.norm import TorchBatchNorm
 
 
 @dataclasses.dataclass(frozen=True)
 class FedGenConfig:
-  """HtFLlib defaults: noise 512, hidden 512, Adam 0.005, 100 generator steps per round; batches of the local batch
-  size (None) for both the server steps and the clients' generated batch."""
-  noise_dim: int = 512
+  """HtFLlib's tuned script: noise 32, hidden 512, Adam 0.1, 100 generator steps per round; batches of the local
+  batch size (None) for both the server steps and the clients' generated batch."""
+  noise_dim: int = 32
   hidden_dim: int = 512
-  generator_learning_rate: float = 0.005
+  generator_learning_rate: float = 0.1
   server_epochs: int = 100
   generator_batch_size: Optional[int] = None
 
@@ -65,9 +69,21 @@ def ensemble_logits(heads: dict, weights: jnp.ndarray, z: jnp.ndarray) -> jnp.nd
   return jnp.einsum('k,kbc->bc', weights, jnp.einsum('bd,kdc->kbc', z, heads['kernel']) + heads['bias'][:, None])
 
 
-def fedgen(cfg: FedGenConfig, num_classes: int, local_batch_size: int = 32) -> Algorithm:
-  """FedGen as an `Algorithm` (`local_batch_size`: generated batch size when cfg.generator_batch_size is None)."""
+def fedgen(cfg: FedGenConfig, num_classes: int, local_batch_size: int = 32,
+           label_counts: Optional[np.ndarray] = None) -> Algorithm:
+  """FedGen as an `Algorithm` (`local_batch_size`: generated batch size when cfg.generator_batch_size is None;
+  `label_counts` [C]: all clients' training label counts, whose distribution the generated labels follow; None:
+  uniform)."""
   batch = cfg.generator_batch_size or local_batch_size
+  if label_counts is None:
+    label_probs = np.full(num_classes, 1.0 / num_classes)
+  else:
+    label_counts = np.asarray(label_counts, np.float64)
+    if label_counts.shape != (num_classes,) or label_counts.min() < 0 or label_counts.sum() <= 0:
+      raise ConfigError(f'fedgen: label_counts must be {num_classes} non-negative counts with a positive sum; got '
+                        f'{label_counts}.')
+    label_probs = label_counts / label_counts.sum()
+  label_probs = jnp.asarray(label_probs, jnp.float32)
 
   def generator(feature_dim: int) -> FeatureGenerator:
     return FeatureGenerator(num_classes, feature_dim, cfg.hidden_dim)
@@ -79,8 +95,8 @@ def fedgen(cfg: FedGenConfig, num_classes: int, local_batch_size: int = 32) -> A
   def init_server(rng, example_params):
     d = example_params['head']['kernel'].shape[0]
     variables = generator(d).init(rng, jnp.zeros((2, cfg.noise_dim)), jnp.zeros(2, jnp.int32))
-    return {'head': example_params['head'], 'generator': variables,
-            'label_probs': jnp.full(num_classes, 1.0 / num_classes)}
+    variables = {**variables, 'params': torch_default_init(variables['params'], rng)}
+    return {'head': example_params['head'], 'generator': variables}
 
   def client_begin(client: ClientState, broadcast) -> ClientState:
     return client._replace(params={**client.params, 'head': broadcast['head']})
@@ -88,30 +104,26 @@ def fedgen(cfg: FedGenConfig, num_classes: int, local_batch_size: int = 32) -> A
   def client_loss(model, params, model_state, x, y, broadcast, rng):
     loss, model_state = cross_entropy_loss(model, params, model_state, x, y, broadcast, rng)
     label_key, noise_key = jax.random.split(rng)
-    labels = jax.random.choice(label_key, num_classes, (batch,), p=broadcast['label_probs'])
+    labels = jax.random.choice(label_key, num_classes, (batch,), p=label_probs)
     z, _ = generate(broadcast['generator'], params['head']['kernel'].shape[0], labels, noise_key)
     z = jax.lax.stop_gradient(z)
     generated = optax.softmax_cross_entropy_with_integer_labels(head_logits(model, params['head'], z), labels)
     return loss + generated.mean(), model_state
 
   def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
-    valid = (jnp.arange(y.shape[0]) < n).astype(jnp.float32)
-    return {'head': client.params['head'], 'weight': jnp.asarray(num_train, jnp.float32),
-            'label_counts': jnp.zeros(num_classes).at[y].add(valid)}
+    return {'head': client.params['head'], 'weight': jnp.asarray(num_train, jnp.float32)}
 
   def server_update(server, uploads, mask, rng):
     """Trains G against the weighted ensemble of the uploaded heads, then averages the heads."""
     weights = uploads['weight'] * mask.astype(jnp.float32)
     w = weights / jnp.maximum(weights.sum(), 1e-12)
-    counts = (uploads['label_counts'] * mask[:, None]).sum(0)
-    probs = jnp.where(counts.sum() > 0, counts / jnp.maximum(counts.sum(), 1.0), server['label_probs'])
     d = server['head']['kernel'].shape[0]
     optimizer = optax.adam(cfg.generator_learning_rate, b1=0.9, b2=0.999, eps=1e-8)
 
     def step(carry, key):
       variables, opt_state = carry
       label_key, noise_key = jax.random.split(key)
-      labels = jax.random.choice(label_key, num_classes, (batch,), p=probs)
+      labels = jax.random.choice(label_key, num_classes, (batch,), p=label_probs)
 
       def loss_fn(params):
         z, updated = generate({**variables, 'params': params}, d, labels, noise_key)
@@ -126,20 +138,19 @@ def fedgen(cfg: FedGenConfig, num_classes: int, local_batch_size: int = 32) -> A
     (variables, _), losses = jax.lax.scan(step, (variables, optimizer.init(variables['params'])),
                                           jax.random.split(rng, cfg.server_epochs))
     head = participant_average(uploads['head'], weights, server['head'])
-    return ({'head': head, 'generator': variables, 'label_probs': probs},
+    return ({'head': head, 'generator': variables},
             {'generator_loss': losses.mean() if cfg.server_epochs else jnp.asarray(0.0)})
 
   def eval_heads(client: ClientState, broadcast):
     return {'global_head': broadcast['head'], 'local_head': client.params['head']}
 
   def communication(spec: CommSpec):
-    """Upload the head and the label counts; broadcast the head, G's parameters and the label distribution.
-    (FedRE Table 11 counts the heads only: HtFLlib never sends G.)"""
+    """Upload the head; broadcast the head and G's parameters (FedRE Table 11 counts the heads only: HtFLlib
+    never sends G). The label distribution is fixed at construction and not counted per round."""
     d, h, c = spec.feature_dim, cfg.hidden_dim, spec.num_classes
     generator_params = (cfg.noise_dim + c) * h + h + 2 * h + h * d + d
     head = d * c + c
-    return {'upload': {'head': head, 'label_counts': c},
-            'broadcast': {'head': head, 'generator': generator_params, 'label_distribution': c}}
+    return {'upload': {'head': head}, 'broadcast': {'head': head, 'generator': generator_params}}
 
   return Algorithm('fedgen', init_server, lambda server: server, client_begin, client_loss, client_upload,
                    server_update, eval_heads, communication, needs_representations=False)

@@ -8,8 +8,8 @@ losses L_t = CE(z, y), L_s = CE(z_g, y) and S = L_t + L_s, the two losses are (p
   mentee: L_s + KL(p || p_g) / S + MSE(r, W_h r_g) / S,
 where KL is torch's KLDivLoss() (mean over batch and classes) and MSE the mean over batch and d. HtFLlib sums the
 two losses' gradients into every part (two backward passes), which is what is done here: one loss, their sum,
-with the mentee's gradient scaled by mentee_learning_rate / local_learning_rate (its own SGD rate; default: the
-same). HtFLlib also clips each part's gradient norm at 10, which is not done here.
+with the mentee's gradient scaled by mentee_learning_rate / local_learning_rate (its own SGD rate; default 0.01,
+HtFLlib's `-mlr 0.01`). HtFLlib also clips each part's gradient norm at 10, which is not done here.
 
 Upload and broadcast are SVD-compressed (paper Sec. "Dynamic gradient approximation"): each weight matrix W
 (a Dense kernel, or a convolution kernel viewed as the matrix [kh * kw * in, out]) keeps its K largest singular
@@ -50,11 +50,11 @@ from fedjax_het.models.classifier import Companion, HeteroClassifier
 @dataclasses.dataclass(frozen=True)
 class FedKDConfig:
   """energy_start, energy_end: SVD energy threshold T of the first and last round (HtFLlib's T_start 0.95,
-  T_end 0.98); mentee_learning_rate: SGD rate of the mentee (None: the local rate; HtFLlib's default 0.01 equals
-  its default local rate); global_model: the mentee's architecture."""
+  T_end 0.98); mentee_learning_rate: SGD rate of the mentee (HtFLlib's script: -mlr 0.01; None: the local
+  rate); global_model: the mentee's architecture."""
   energy_start: float = 0.95
   energy_end: float = 0.98
-  mentee_learning_rate: Optional[float] = None
+  mentee_learning_rate: Optional[float] = 0.01
   global_model: str = 'cnn4'
 
   def __post_init__(self):

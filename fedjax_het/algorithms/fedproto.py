@@ -5,10 +5,10 @@ prototypes (the mean representation of each class they hold). The server average
 clients that hold it, unweighted (Eq. 6), and broadcasts them. A client is scored by the nearest global prototype
 (the paper's test rule); its own head's accuracy is logged too.
 
-Prototypes are computed in an eval-mode pass over the training rows after local training (the engine's shared
-representation pass). HtFLlib's FedProto collects them from the training-mode forward passes of the local epoch
-instead; for models without BatchNorm the two differ only in that HtFLlib's mix representations from every step
-of the epoch.
+Prototypes are gathered where HtFLlib's FedProto gathers them: in the training-mode forward passes of the local
+epochs (every real step's batch, each row's representation as the model stood at that step), averaged per class
+(`train_statistics`). FedTGP's client instead computes them in an eval-mode pass after training, as HtFLlib's
+FedTGP client does (`collect_protos`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_het.algorithms.base import Algorithm, CommSpec, identity_broadcast, keep_client
-from fedjax_het.algorithms.common import (aggregate_class_means, class_prototypes, nearest_prototype_head,
-                                          prototype_regularizer)
+from fedjax_het.algorithms.common import (aggregate_class_means, class_means_from_sums, class_prototypes,
+                                          class_sums, nearest_prototype_head, prototype_regularizer)
 from fedjax_het.engine.forward import forward
 from fedjax_het.engine.state import ClientState
 from fedjax_het.errors import ConfigError
@@ -36,21 +36,29 @@ class FedProtoConfig:
       raise ConfigError(f'--lamda={self.lamda} must be >= 0.')
 
 
-def prototype_loss(lamda: float):
-  """client_loss of FedProto and FedTGP: CE + lamda * prototype_regularizer to broadcast['protos']."""
+def prototype_loss(lamda: float, num_classes: int = 0):
+  """client_loss of FedProto and FedTGP: CE + lamda * prototype_regularizer to broadcast['protos']; with
+  `num_classes`, it also returns the batch's per-class representation sums (FedProto's training-pass prototypes)."""
   def client_loss(model, params, model_state, x, y, broadcast, rng):
     logits, reps, model_state = forward(model, params, model_state, x, train=True)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return ce + lamda * prototype_regularizer(reps, y, broadcast['protos'], broadcast['present']), model_state
+    loss = ce + lamda * prototype_regularizer(reps, y, broadcast['protos'], broadcast['present'])
+    return loss, ((model_state, class_sums(reps, y, num_classes)) if num_classes else model_state)
   return client_loss
 
 
 def prototype_upload(num_classes: int):
-  """client_upload of the prototype methods: {'protos': [C, d] class means of the reps, 'counts': [C]}."""
+  """client_upload of FedTGP and FedGH: {'protos': [C, d] class means of the eval-mode reps, 'counts': [C]}."""
   def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
     protos, counts = class_prototypes(reps, y, jnp.arange(y.shape[0]) < n, num_classes)
     return {'protos': protos, 'counts': counts}
   return client_upload
+
+
+def training_pass_prototype_upload(client: ClientState, sums, y, n, broadcast, rng, num_train):
+  """client_upload of FedProto: the class means of the training-pass representations summed by the engine."""
+  protos, counts = class_means_from_sums(sums)
+  return {'protos': protos, 'counts': counts}
 
 
 def prototype_rows(uploads: dict, mask: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
@@ -90,5 +98,6 @@ def fedproto(cfg: FedProtoConfig, num_classes: int) -> Algorithm:
     protos, present = aggregate_class_means(uploads['protos'], uploads['counts'], mask)
     return {'protos': protos, 'present': present}, {'global_classes': present.sum()}
 
-  return Algorithm('fedproto', init_server, identity_broadcast, keep_client, prototype_loss(cfg.lamda),
-                   prototype_upload(num_classes), server_update, prototype_heads, prototype_communication)
+  return Algorithm('fedproto', init_server, identity_broadcast, keep_client, prototype_loss(cfg.lamda, num_classes),
+                   training_pass_prototype_upload, server_update, prototype_heads, prototype_communication,
+                   needs_representations=False, train_statistics=True)

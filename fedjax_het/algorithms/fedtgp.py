@@ -23,18 +23,20 @@ from fedjax_het.algorithms.common import aggregate_class_means, sgd_on_rows
 from fedjax_het.algorithms.fedproto import (empty_prototypes, prototype_communication, prototype_heads,
                                             prototype_loss, prototype_rows, prototype_upload)
 from fedjax_het.errors import ConfigError
+from fedjax_het.models.init import torch_default_init
 
 
 @dataclasses.dataclass(frozen=True)
 class FedTGPConfig:
-  """HtFLlib's script for the HtM10 family: -lam 10 -se 100 -mart 100; server SGD 0.01 in batches of the local
-  batch size (HtFLlib's server uses args.batch_size).
+  """HtFLlib's script for the HtM10 family: -lam 10 -se 100 -mart 100; server SGD at the *local* learning rate
+  (HtFLlib's `servertgp.py` sets server_learning_rate = args.local_learning_rate) in batches of the local batch
+  size (its server uses args.batch_size). server_learning_rate / server_batch_size None: those local values.
 
   hidden_dim: width of TGP's hidden layer (None: d).
   """
   lamda: float = 10.0
   margin_threshold: float = 100.0
-  server_learning_rate: float = 0.01
+  server_learning_rate: Optional[float] = None  # None: the local learning rate, as HtFLlib
   server_batch_size: Optional[int] = None  # None: the local batch size, as HtFLlib (its server uses args.batch_size)
   server_epochs: int = 100
   hidden_dim: Optional[int] = None
@@ -43,22 +45,22 @@ class FedTGPConfig:
     if self.lamda < 0 or self.margin_threshold < 0:
       raise ConfigError(f'--lamda ({self.lamda}) and --margin_threshold ({self.margin_threshold}) must be >= 0.')
     if (self.server_batch_size is not None and self.server_batch_size < 1) or self.server_epochs < 0 \
-        or self.server_learning_rate <= 0:
+        or (self.server_learning_rate is not None and self.server_learning_rate <= 0):
       raise ConfigError('--server_batch_size must be >= 1, --server_epochs >= 0, --server_learning_rate > 0.')
 
 
 class PrototypeGenerator(nn.Module):
-  """TGP: class index -> prototype, Embedding(C, d) -> Dense(hidden) -> ReLU -> Dense(d) (PyTorch-like inits)."""
+  """TGP: class index -> prototype, Embedding(C, d) -> Dense(hidden) -> ReLU -> Dense(d); initialised like
+  PyTorch (the embedding N(0, 1) here, the Dense layers by `torch_default_init` in the server's init)."""
   num_classes: int
   feature_dim: int
   hidden_dim: int
 
   @nn.compact
   def __call__(self, classes: jnp.ndarray) -> jnp.ndarray:
-    torch_linear = nn.initializers.variance_scaling(1 / 3, 'fan_in', 'uniform')
     e = nn.Embed(self.num_classes, self.feature_dim, embedding_init=nn.initializers.normal(1.0))(classes)
-    h = nn.relu(nn.Dense(self.hidden_dim, kernel_init=torch_linear)(e))
-    return nn.Dense(self.feature_dim, kernel_init=torch_linear)(h)
+    h = nn.relu(nn.Dense(self.hidden_dim)(e))
+    return nn.Dense(self.feature_dim)(h)
 
 
 def adaptive_margin(class_means: jnp.ndarray, present: jnp.ndarray, threshold: float) -> jnp.ndarray:
@@ -83,9 +85,12 @@ def margin_contrastive_loss(protos: jnp.ndarray, labels: jnp.ndarray, generated:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-def fedtgp(cfg: FedTGPConfig, num_classes: int, local_batch_size: int = 32) -> Algorithm:
-  """FedTGP as an `Algorithm` (`local_batch_size`: the server batch when cfg.server_batch_size is None)."""
+def fedtgp(cfg: FedTGPConfig, num_classes: int, local_batch_size: int = 32, local_learning_rate: float = 0.01
+           ) -> Algorithm:
+  """FedTGP as an `Algorithm` (`local_batch_size`, `local_learning_rate`: the server's batch and rate when cfg
+  leaves them None)."""
   server_batch = cfg.server_batch_size or local_batch_size
+  server_rate = cfg.server_learning_rate or local_learning_rate
   classes = jnp.arange(num_classes)
 
   def generator(feature_dim: int) -> PrototypeGenerator:
@@ -93,7 +98,8 @@ def fedtgp(cfg: FedTGPConfig, num_classes: int, local_batch_size: int = 32) -> A
 
   def init_server(rng, example_params):
     d = example_params['head']['kernel'].shape[0]
-    return {'tgp': generator(d).init(rng, classes)['params'], **empty_prototypes(num_classes, d)}
+    params = generator(d).init(rng, classes)['params']
+    return {'tgp': torch_default_init(params, rng), **empty_prototypes(num_classes, d)}
 
   def broadcast(server):
     return {'protos': server['protos'], 'present': server['present']}
@@ -106,7 +112,7 @@ def fedtgp(cfg: FedTGPConfig, num_classes: int, local_batch_size: int = 32) -> A
     tgp = generator(protos.shape[-1])
     row_loss = lambda p, idx: margin_contrastive_loss(protos[idx], labels[idx], tgp.apply({'params': p}, classes),
                                                       margin)
-    params, loss = sgd_on_rows(server['tgp'], row_loss, weight, rng, cfg.server_learning_rate,
+    params, loss = sgd_on_rows(server['tgp'], row_loss, weight, rng, server_rate,
                                server_batch, cfg.server_epochs, 'mean')
     generated = tgp.apply({'params': params}, classes)
     return ({'tgp': params, 'protos': generated, 'present': jnp.ones(num_classes, bool)},

@@ -6,7 +6,8 @@ Every client trains its own (heterogeneous) model and a copy of a shared small m
 with p, p_g the two models' softmax outputs; both models take the gradient of L. As in HtFLlib (torch's
 KLDivLoss(reduction='mean')), each KL is averaged over batch and classes, and neither side is detached; HtFLlib
 also clips each model's gradient norm at 10, which is not done here. The server averages the participants'
-global models weighted by training samples and broadcasts the average; clients are scored with their own model.
+global models unweighted (HtFLlib `serverfml.py`: each with weight 1/len(uploaded_ids)) and broadcasts the average;
+clients are scored with their own model.
 """
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ def fml(cfg: FMLConfig, num_classes: int) -> Algorithm:
     return mutual_loss(logits, global_logits, y, cfg.alpha, cfg.beta), model_state
 
   def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
-    return {'companion': client.params['companion'], 'weight': jnp.asarray(num_train, jnp.float32)}
+    return {'companion': client.params['companion']}
 
   def server_update(server, uploads, mask, rng):
-    weights = uploads['weight'] * mask.astype(jnp.float32)
-    return {'companion': participant_average(uploads['companion'], weights, server['companion'])}, {}
+    return {'companion': participant_average(uploads['companion'], mask.astype(jnp.float32),
+                                             server['companion'])}, {}
 
   return Algorithm('fml', initial_global_model, identity_broadcast, receive_global_model, client_loss,
                    client_upload, server_update, local_head, global_model_communication,

@@ -9,9 +9,11 @@ class's unbiased prototype is the mean of its cluster prototypes, U_c = mean_j P
 tau = 0.02, with MSE the mean over d, divided by the batch size B as in the reference code (RethinkFL's
 fpl.py). No model is averaged (the architectures differ); a client is scored with its own model.
 
-Prototypes come from the eval-mode representation pass after local training, as for FedProto (the reference
-code averages the training-mode features of the last local epoch). The broadcast is measured: one d-vector per
-cluster prototype (FedRE Table 11 counts FPL this way).
+Prototypes come from the eval-mode representation pass after local training (the reference code averages the
+training-mode features of the last local epoch; not reproduced). Local SGD is the engine's plain SGD without
+momentum, as HtFLlib runs every method; RethinkFL trains FPL's clients with momentum 0.9 and weight decay 1e-5,
+which is not offered here. The broadcast is measured: one d-vector per cluster prototype (FedRE Table 11 counts
+FPL this way).
 """
 
 from __future__ import annotations

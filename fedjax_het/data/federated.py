@@ -62,6 +62,17 @@ class FederatedData:
     """Stacked local test data of the given clients (pooled protocol)."""
     return stack_clients(self.dataset.x, self.dataset.y, [self.split.test_indices[k] for k in clients])
 
+  def loader_label_counts(self, batch_size: int, drop_last_rows: bool = True) -> np.ndarray:
+    """[C] label counts summed over every client's training rows that its train loader yields: the first
+    B*floor(n/B) rows in stored order when `drop_last_rows` (HtFLlib's DataLoader(shuffle=False,
+    drop_last=True)), all rows otherwise. FedGen's label distribution (HtFLlib counts it this way, once, over all
+    clients)."""
+    counts = np.zeros(self.num_classes, np.int64)
+    for idx in self.split.train_indices:
+      used = idx[:len(idx) // batch_size * batch_size] if drop_last_rows else idx
+      counts += np.bincount(self.dataset.y[used], minlength=self.num_classes)
+    return counts
+
   def global_test(self) -> Optional[ClientArrays]:
     """The dataset's global test set as one pseudo-client (global protocol), else None."""
     if self.protocol != 'global' or self.dataset.x_test is None:

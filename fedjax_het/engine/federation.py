@@ -41,6 +41,7 @@ from fedjax_het.engine.sharding import CLIENTS_AXIS, place_clients, to_host
 from fedjax_het.engine.training import LocalTraining, batch_schedule, initial_carry, sgd_step, step_key
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.classifier import Companion, HeteroClassifier
+from fedjax_het.models.init import INITS, architecture_key, torch_default_init
 from fedjax_het.models.registry import assign_models, build_model
 
 STRATEGIES = ('vmap', 'sequential')
@@ -195,8 +196,11 @@ class Federation:
                feature_dim: int = 512, rm: str = 'ap', strategy: Optional[str] = None, join_ratio: float = 1.0,
                seed: int = 0, chunk_size: int = 0, eval_batch_size: Optional[int] = None, conv: Optional[str] = None,
                scan_unroll: int = 1, client_mesh: Optional[jax.sharding.Mesh] = None,
-               client_threads: Optional[int] = None):
+               client_threads: Optional[int] = None, init: str = 'torch', shared_init: bool = True):
     strategy = strategy or default_strategy()
+    if init not in INITS:
+      raise ConfigError(f'--init={init!r} is unknown; choose one of {", ".join(INITS)} (torch: PyTorch\'s default '
+                        f'Conv/Linear initialisation, as HtFLlib; flax: Flax\'s defaults).')
     if strategy not in STRATEGIES:
       raise ConfigError(f'--strategy={strategy!r} is unknown; choose one of {", ".join(STRATEGIES)}.')
     if client_mesh is not None and client_mesh.axis_names != (CLIENTS_AXIS,):
@@ -221,6 +225,7 @@ class Federation:
     self.algorithm, self.data, self.training = algorithm, data, training
     self.strategy, self.seed, self.chunk_size, self.scan_unroll = strategy, seed, chunk_size, scan_unroll
     self.client_threads, self._threads = client_threads, None
+    self.init_scheme, self.shared_init = init, shared_init
     self.conv = conv or default_conv(strategy)
     self.mesh = client_mesh if client_mesh is not None and client_mesh.size > 1 else None
     num_devices = 1 if self.mesh is None else self.mesh.size
@@ -264,15 +269,34 @@ class Federation:
 
   # ---------------------------------------------------------------- initialisation
   def init(self) -> FederationState:
-    """Initial client states (independent per-client initialisations from the seed) and server state."""
+    """Initial client states and server state.
+
+    With `shared_init` (HtFLlib) every client of an architecture starts from the same parameters, drawn from a
+    key of the seed and the architecture's name; otherwise each client draws its own. `init='torch'` redraws
+    Conv/Dense layers with PyTorch's defaults (`models.init`). A method that averages whole models within a group
+    (`group_update`) starts each group from one model even without `shared_init`, as PFLlib broadcasts the global
+    model before the first local step.
+    """
     root = jax.random.PRNGKey(self.seed)
     init_key, key_key, server_key = jax.random.split(root, 3)
     states = []
     for g in self.groups:
       sample = jnp.zeros((1,) + g.train.x.shape[2:], g.train.x.dtype)
-      init_one = lambda k: g.model.init(k, sample, train=False)
-      variables = jax.jit(jax.vmap(init_one))(jax.vmap(lambda c: jax.random.fold_in(init_key, c))(g.stacked_ids))
-      params = variables.pop('params')
+
+      def init_one(k, g=g, sample=sample):
+        variables = g.model.init(k, sample, train=False)
+        params = variables.pop('params')
+        if self.init_scheme == 'torch':
+          params = torch_default_init(params, jax.random.fold_in(k, 1))
+        return params, variables
+
+      if self.shared_init or self.algorithm.group_update is not None:
+        group_key = (architecture_key(init_key, g.arch) if self.shared_init
+                     else jax.random.fold_in(init_key, int(g.clients[0])))
+        init_keys = jnp.broadcast_to(group_key, (g.stacked_size,) + group_key.shape)
+      else:
+        init_keys = jax.vmap(lambda c: jax.random.fold_in(init_key, c))(g.stacked_ids)
+      params, variables = jax.jit(jax.vmap(init_one))(init_keys)
       keys = jax.vmap(lambda c: jax.random.fold_in(key_key, c))(g.stacked_ids)
       states.append(place_clients(ClientState(params, dict(variables), keys), self.mesh))
     example = jax.tree.map(lambda a: jnp.asarray(to_host(a[0])), states[0].params)
