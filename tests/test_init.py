@@ -1,0 +1,82 @@
+"""HtFLlib's initialisation: PyTorch's default Conv/Linear draws, clients of one architecture identical."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_het.algorithms import fedavg_grouped, group_fedavg, local
+from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.errors import ConfigError
+from fedjax_het.models.init import torch_default_init
+
+
+def test_torch_default_init_has_the_reference_bounds_and_leaves_norms_alone():
+  params = {'dense': {'kernel': jnp.zeros((300, 200)), 'bias': jnp.zeros(200)},
+            'conv': {'kernel': jnp.zeros((5, 5, 3, 64)), 'bias': jnp.zeros(64)},
+            'norm': {'scale': jnp.ones(8), 'bias': jnp.zeros(8)},
+            'attention': {'kernel': jnp.zeros((4, 2, 3))}}
+  out = torch_default_init(params, jax.random.PRNGKey(0))
+  for name, fan_in in (('dense', 300), ('conv', 5 * 5 * 3)):
+    bound = 1 / math.sqrt(fan_in)
+    for leaf in ('kernel', 'bias'):
+      a = np.asarray(out[name][leaf])
+      assert np.abs(a).max() <= bound and np.abs(a).max() > 0.95 * bound
+  w = np.asarray(out['dense']['kernel'])
+  np.testing.assert_allclose(w.mean(), 0, atol=3e-4)
+  np.testing.assert_allclose(w.var(), (1 / 300) / 3, rtol=0.02)  # U(-b, b) has variance b^2 / 3
+  np.testing.assert_array_equal(out['norm']['scale'], 1)
+  np.testing.assert_array_equal(out['norm']['bias'], 0)
+  np.testing.assert_array_equal(out['attention']['kernel'], 0)
+  again = torch_default_init(params, jax.random.PRNGKey(0))
+  np.testing.assert_array_equal(again['conv']['kernel'], out['conv']['kernel'])
+
+
+def test_torch_default_init_matches_torch_linear_moments():
+  torch = pytest.importorskip('torch')
+  torch.manual_seed(0)
+  layer = torch.nn.Linear(300, 200)
+  ours = torch_default_init({'l': {'kernel': jnp.zeros((300, 200)), 'bias': jnp.zeros(200)}},
+                            jax.random.PRNGKey(1))['l']
+  for theirs, mine in ((layer.weight.detach().numpy(), ours['kernel']), (layer.bias.detach().numpy(), ours['bias'])):
+    mine = np.asarray(mine)
+    assert abs(np.abs(theirs).max() - np.abs(mine).max()) < 2e-3
+    np.testing.assert_allclose(mine.std(), theirs.std(), rtol=0.15 if mine.size < 1000 else 0.02)
+
+
+def _params(fed, state, gi):
+  return [np.concatenate([np.ravel(a[i]) for a in jax.tree.leaves(state.groups[gi].params)])
+          for i in range(fed.groups[gi].size)]
+
+
+def test_clients_of_one_architecture_start_identical_unless_asked_otherwise(tiny_data):
+  kw = dict(feature_dim=16, strategy='sequential', eval_batch_size=16, conv='xla')
+  training = LocalTraining(0.05, 8, 1)
+  shared = Federation(local(4), tiny_data, ['small_cnn_narrow', 'mlp'], training, **kw)
+  state = shared.init()
+  for gi in range(2):
+    p = _params(shared, state, gi)
+    assert all(np.array_equal(p[0], q) for q in p[1:])
+  a, b = _params(shared, state, 0)[0], _params(shared, state, 1)[0]
+  assert a.shape != b.shape or not np.array_equal(a, b)
+  own = Federation(local(4), tiny_data, ['small_cnn_narrow', 'mlp'], training, init='flax', shared_init=False, **kw)
+  p = _params(own, own.init(), 0)
+  assert not np.array_equal(p[0], p[1])
+  # Grouped FedAvg starts each group from one model even without shared_init (PFLlib broadcasts first).
+  avg = Federation(fedavg_grouped(4), tiny_data, ['small_cnn_narrow', 'mlp'], training, shared_init=False, **kw)
+  p = _params(avg, avg.init(), 1)
+  assert all(np.array_equal(p[0], q) for q in p[1:])
+  with pytest.raises(ConfigError, match='--init'):
+    Federation(local(4), tiny_data, ['mlp'], training, init='xavier', **kw)
+
+
+def test_grouped_fedavg_averages_parameters_and_keeps_batchnorm_statistics_local():
+  params = {'w': jnp.array([[1., 2.], [3., 4.], [9., 9.]])}
+  stats = {'batch_stats': {'mean': jnp.array([[1.], [5.], [7.]])}}
+  participated = jnp.array([True, True, False])
+  new_params, new_stats = group_fedavg(params, stats, participated, jnp.array([1, 3, 10]))
+  # (1 * [1, 2] + 3 * [3, 4]) / 4 = [2.5, 3.5] for every client of the group.
+  np.testing.assert_allclose(new_params['w'], [[2.5, 3.5]] * 3)
+  np.testing.assert_array_equal(new_stats['batch_stats']['mean'], stats['batch_stats']['mean'])
