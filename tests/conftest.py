@@ -1,6 +1,18 @@
 import os
+import tempfile
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+import jax
+
+# Many tests build federations of the same tiny shapes; XLA's persistent compilation cache lets every test after
+# the first reuse a compiled computation with the same HLO instead of compiling it again (compilation dominates
+# these tests on CPU). FEDJAX_HET_TEST_CACHE=0 turns it off; FEDJAX_HET_TEST_CACHE=DIR keeps it in DIR.
+_cache = os.environ.get('FEDJAX_HET_TEST_CACHE', '')
+if _cache != '0':
+  jax.config.update('jax_compilation_cache_dir', _cache or tempfile.mkdtemp(prefix='fedjax_het_xla_cache_'))
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+  jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 
 import numpy as np
 import pytest

