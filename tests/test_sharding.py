@@ -1,6 +1,6 @@
 """Sharding the client axis over several (host) devices gives the one-device results.
 
-XLA's host device count is fixed when JAX starts, so each check runs in a fresh interpreter with
+XLA's host device count is fixed when JAX starts, so the checks run in one fresh interpreter with
 --xla_force_host_platform_device_count=4.
 """
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,21 +41,16 @@ PRELUDE = textwrap.dedent('''
 ''')
 
 
-def run_with_four_devices(body: str) -> str:
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu',
-             PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
-  proc = subprocess.run([sys.executable, '-c', PRELUDE + textwrap.dedent(body)], env=env, capture_output=True,
-                        text=True, timeout=600, cwd=ROOT)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return proc.stdout
+CASES = {
+    'fedre': ('fedre(FedREConfig(), 4)', {}),
+    'fedre_partial': ('fedre(FedREConfig(), 4)', {'join_ratio': 0.5}),
+    'fedre_partial_chunked': ('fedre(FedREConfig(), 4)', {'join_ratio': 0.5, 'chunk_size': 4}),
+    'fedavg_grouped': ('fedavg_grouped(4)', {}),
+}
 
 
-@pytest.mark.parametrize('algorithm,kw', [('fedre(FedREConfig(), 4)', {}),
-                                          ('fedre(FedREConfig(), 4)', {'join_ratio': 0.5}),
-                                          ('fedre(FedREConfig(), 4)', {'join_ratio': 0.5, 'chunk_size': 4}),
-                                          ('fedavg_grouped(4)', {})])
-def test_sharded_over_four_devices_equals_one_device(algorithm, kw):
-  out = run_with_four_devices(f'''
+def equality_check(name: str, algorithm: str, kw: dict) -> str:
+  return textwrap.dedent(f'''
       fed1, s1, h1 = run({algorithm}, None, **{kw!r})
       fed4, s4, h4 = run({algorithm}, client_mesh(4), **{kw!r})
       # 3 clients per group, padded to 4 on the 'clients' axis: one phantom slot per group.
@@ -71,24 +67,54 @@ def test_sharded_over_four_devices_equals_one_device(algorithm, kw):
             assert a[k] == b[k], k
           else:
             np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
-      print('ok', h4[-1]['accuracy'])
+      print('ok {name}', flush=True)
   ''')
-  assert out.startswith('ok')
 
 
-def test_sharded_experiment_checkpoints_and_resumes(tmp_path):
-  out = run_with_four_devices(f'''
+def checkpoint_check(workdir: str) -> str:
+  return textwrap.dedent(f'''
       import dataclasses, json
       from fedjax_het.config import ExperimentConfig
       from fedjax_het.experiment import train_and_evaluate
       cfg = ExperimentConfig(dataset='synthetic:8,8,1', num_clients=6, models=('small_cnn_narrow', 'mlp'),
                              strategy='vmap', rounds=2, batch_size=8, checkpoint_every=1, eval_batch_size=16,
                              feature_dim=16, num_devices=0, conv='xla')
-      train_and_evaluate(cfg, {str(tmp_path / 'a')!r}, progress=False)
-      full = train_and_evaluate(dataclasses.replace(cfg, rounds=3), {str(tmp_path / 'b')!r}, progress=False)
-      resumed = train_and_evaluate(dataclasses.replace(cfg, rounds=3), {str(tmp_path / 'a')!r}, resume=True,
+      train_and_evaluate(cfg, {workdir + '/a'!r}, progress=False)
+      full = train_and_evaluate(dataclasses.replace(cfg, rounds=3), {workdir + '/b'!r}, progress=False)
+      resumed = train_and_evaluate(dataclasses.replace(cfg, rounds=3), {workdir + '/a'!r}, resume=True,
                                    progress=False)
       assert abs(full['final_accuracy'] - resumed['final_accuracy']) < 1e-9, (full, resumed)
-      print('ok')
+      print('ok checkpoint', flush=True)
   ''')
-  assert out.startswith('ok')
+
+
+@pytest.fixture(scope='module')
+def four_device_run(tmp_path_factory):
+  """Every sharding check in ONE fresh interpreter with 4 host devices (an interpreter per check spent most of
+  its time starting JAX and compiling the same one-device computations again). Returns (stdout, stderr)."""
+  body = ''.join(equality_check(name, *case) for name, case in CASES.items())
+  body += checkpoint_check(str(tmp_path_factory.mktemp('sharded_checkpoints')))
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4', JAX_PLATFORMS='cpu',
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  cache = jax.config.jax_compilation_cache_dir
+  prelude = PRELUDE if not cache else (
+      f'import jax\njax.config.update("jax_compilation_cache_dir", {cache!r})\n'
+      'jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)\n'
+      'jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)\n' + PRELUDE)
+  proc = subprocess.run([sys.executable, '-c', prelude + body], env=env, capture_output=True, text=True,
+                        timeout=1200, cwd=ROOT)
+  return proc.stdout, proc.stderr
+
+
+def _check(run, name):
+  out, err = run
+  assert f'ok {name}' in out.splitlines(), f'check {name!r} did not pass; stderr:\n{err[-4000:]}'
+
+
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_sharded_over_four_devices_equals_one_device(four_device_run, name):
+  _check(four_device_run, name)
+
+
+def test_sharded_experiment_checkpoints_and_resumes(four_device_run):
+  _check(four_device_run, 'checkpoint')
