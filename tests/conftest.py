@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -10,7 +12,10 @@ import jax
 # these tests on CPU). FEDJAX_HET_TEST_CACHE=0 turns it off; FEDJAX_HET_TEST_CACHE=DIR keeps it in DIR.
 _cache = os.environ.get('FEDJAX_HET_TEST_CACHE', '')
 if _cache != '0':
-  jax.config.update('jax_compilation_cache_dir', _cache or tempfile.mkdtemp(prefix='fedjax_het_xla_cache_'))
+  if not _cache:
+    _cache = tempfile.mkdtemp(prefix='fedjax_het_xla_cache_')
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  jax.config.update('jax_compilation_cache_dir', _cache)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 
