@@ -1,0 +1,46 @@
+"""The golden run of tests/test_golden.py: one method, two rounds on a tiny two-group federation, its metrics and
+a digest of its final state (sums of absolute values of the client and server leaves)."""
+
+import jax
+import numpy as np
+
+from fedjax_het.algorithms import (CCVRConfig, FedGenConfig, FedKDConfig, FedMRLConfig, FedTGPConfig)
+from fedjax_het.algorithms.fml import FMLConfig
+from fedjax_het.config import ExperimentConfig
+from fedjax_het.data import make_federated_data, make_synthetic
+from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.experiment import make_algorithm
+
+METHODS = ['fedre', 'local', 'fedavg', 'lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen', 'fml', 'fedkd',
+           'fedmrl', 'fpl', 'ccvr']
+TINY = dict(fedtgp=FedTGPConfig(server_epochs=2), fedgen=FedGenConfig(server_epochs=2, generator_learning_rate=0.005),
+            fml=FMLConfig(global_model='small_cnn_narrow'), fedkd=FedKDConfig(global_model='small_cnn_narrow'),
+            fedmrl=FedMRLConfig(sub_feature_dim=8, global_model='small_cnn_narrow'),
+            ccvr=CCVRConfig(virtual_per_class=16, calibration_epochs=2), feature_dim=16, num_clients=6,
+            batch_size=8, local_learning_rate=0.05, rounds=2)
+
+
+def tiny_data():
+  ds = make_synthetic(num_samples=480, image_shape=(8, 8, 1), num_classes=4, noise=0.3, seed=1)
+  return make_federated_data(ds, num_clients=6, partition='dirichlet', seed=3, alpha=0.5)
+
+
+def digest(tree) -> float:
+  return float(sum(np.abs(np.asarray(a, np.float64)).sum() for a in jax.tree.leaves(tree)
+                   if np.issubdtype(np.asarray(a).dtype, np.floating)))
+
+
+def golden_run(name: str, strategy: str = 'sequential', data=None) -> dict:
+  data = data or tiny_data()
+  cfg = ExperimentConfig(algorithm=name, **TINY)
+  fed = Federation(make_algorithm(cfg, data), data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1),
+                   feature_dim=16, strategy=strategy, eval_batch_size=16, conv='xla', join_ratio=0.5)
+  state = fed.init()
+  rounds = []
+  for _ in range(2):
+    state, m = fed.round(state)
+    m.update(fed.evaluate(state))
+    rounds.append({k: v for k, v in m.items() if isinstance(v, (int, float)) and not k.endswith('seconds')})
+  params = [digest(g.params) for g in state.groups]
+  return {'rounds': rounds, 'client_params': params, 'eval_head': m['eval_head'],
+          'client_accuracy': m['client_accuracy']}
