@@ -30,7 +30,7 @@ from harness import best_seconds, cifar_like, sgd_step_fn, write_results
 
 from fedjax_het.algorithms import FedREConfig, fedre
 from fedjax_het.engine import Federation, LocalTraining
-from fedjax_het.engine.forward import forward
+from fedjax_het.models.forward import forward
 from fedjax_het.models import build_model
 from fedjax_het.models.conv import im2col_conv_general_dilated
 from fedjax_het.models.pooling import max_pool
@@ -197,18 +197,18 @@ def part_federation_step(rows):
                    strategy='sequential', conv='auto', client_threads=1)
   state, _ = fed.round(fed.init())
   g = fed.groups[0]
-  fns = fed._compiled[('sequential', 0)]
-  client = fns['take'](state.groups[0], 0)
-  broadcast = fed.algorithm.broadcast(state.server)
+  fns = fed.executor.functions(g, fed.programs[0][0], 0)
+  client = fed.executor.stack_functions()['take'](state.groups[0], 0)
+  broadcast = fed.broadcast(state.server, 0, 0)
   key = jax.random.PRNGKey(0)
   schedule, _ = fns['schedule'](key, g.train.n[0])
-  carry = (client.params, client.model_state, fns['opt_init'](client.params))
+  carry = fns['init'](client, broadcast, key)
   steps = int(g.train_sizes[0]) // B
 
   def federation_steps():
     c = carry
     for s in range(steps):
-      c, _ = fns['step'](c, g.train.x, g.train.y, 0, schedule, s, 0, s, key, broadcast)
+      c, _ = fns['step'](c, g.train.x, g.train.y, 0, schedule, s, broadcast, key)
     return c
   rows.append({'part': 'federation_step', 'case': "Federation fns['step'] (FedRE loss, batch gathered in jit)",
                'ms': best_seconds(federation_steps) / steps * 1e3})

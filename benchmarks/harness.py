@@ -10,11 +10,12 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
+from fedjax_het.algorithms.base import sgd_program
 from fedjax_het.algorithms.common import cross_entropy_loss
+from fedjax_het.core import Batch, ClientState
 from fedjax_het.data import FederatedData, make_federated_data, make_synthetic
-from fedjax_het.engine import LocalTraining, sgd_step
+from fedjax_het.engine import LocalTraining
 
 
 def cifar_like(num_clients: int, samples_per_client: int, seed: int = 0) -> FederatedData:
@@ -25,11 +26,12 @@ def cifar_like(num_clients: int, samples_per_client: int, seed: int = 0) -> Fede
 
 
 def sgd_step_fn(model, params: Any, learning_rate: float = 0.01) -> tuple[Callable, tuple]:
-  """(step(carry, x, y) -> (carry, loss), initial carry): the engine's `sgd_step` with CE for one model."""
-  optimizer = LocalTraining(learning_rate).optimizer()
-  loss_fn = lambda p, s, xb, yb, r: cross_entropy_loss(model, p, s, xb, yb, None, r)
-  step = lambda c, xb, yb: sgd_step(loss_fn, optimizer, c, xb, yb, jnp.asarray(True), jax.random.PRNGKey(0))
-  return step, (params, {}, optimizer.init(params))
+  """(step(carry, x, y) -> (carry, loss), initial carry): the step of the CE client program every method built
+  with `sgd_program` runs, for one model; carry[0] is the client (its params: carry[0].params)."""
+  program = sgd_program(cross_entropy_loss(model), LocalTraining(learning_rate))
+  key = jax.random.PRNGKey(0)
+  step = lambda c, xb, yb: program.step(c, Batch(xb, yb), None, key)
+  return step, program.init(ClientState(params, {}, {}, key), None, key)
 
 
 class CompileLog:

@@ -29,7 +29,7 @@ from torch_reference import TorchFedRE, client_tensors
 
 from fedjax_het.algorithms import FedREConfig, fedre
 from fedjax_het.engine import Federation, LocalTraining
-from fedjax_het.engine.forward import forward
+from fedjax_het.models.forward import forward
 from fedjax_het.models import build_model
 
 flags.DEFINE_list('num_clients', ['10', '20'], 'Client counts to sweep.')

@@ -16,7 +16,7 @@ from fedjax_het.algorithms.fedre import FedREConfig
 from fedjax_het.algorithms.fedtgp import FedTGPConfig
 from fedjax_het.algorithms.fml import FMLConfig
 from fedjax_het.algorithms.fpl import FPLConfig
-from fedjax_het.engine.training import LocalTraining
+from fedjax_het.local_training import LocalTraining
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from absl import logging
 
 from fedjax_het.algorithms import (ccvr, fd, fedavg_grouped, fedgen, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml,
                                    fpl, lg_fedavg, local)
-from fedjax_het.algorithms.base import Algorithm
+from fedjax_het.core import Algorithm
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.data.datasets import load_dataset
 from fedjax_het.data.federated import FederatedData, make_federated_data
@@ -42,7 +42,7 @@ ALGORITHMS = {
     'fedgen': lambda cfg, data: fedgen(cfg.fedgen, data.num_classes, cfg.batch_size,
                                        data.loader_label_counts(cfg.batch_size, cfg.data_order == 'stored')),
     'fml': lambda cfg, data: fml(cfg.fml, data.num_classes),
-    'fedkd': lambda cfg, data: fedkd(cfg.fedkd, data.num_classes, cfg.rounds, cfg.local_learning_rate),
+    'fedkd': lambda cfg, data: fedkd(cfg.fedkd, data.num_classes, cfg.rounds),
     'fedmrl': lambda cfg, data: fedmrl(cfg.fedmrl, data.num_classes, cfg.feature_dim),
     'fpl': lambda cfg, data: fpl(cfg.fpl, data.num_classes, cfg.num_clients),
     'ccvr': lambda cfg, data: ccvr(cfg.ccvr, data.num_classes, cfg.batch_size),
@@ -80,7 +80,8 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
                     feature_dim=cfg.feature_dim, rm=cfg.rm, strategy=strategy, join_ratio=cfg.join_ratio,
                     seed=cfg.seed, chunk_size=cfg.chunk_size, eval_batch_size=cfg.eval_batch_size,
                     conv=cfg.conv or default_conv(strategy), scan_unroll=cfg.scan_unroll, client_mesh=mesh,
-                    client_threads=cfg.client_threads, init=cfg.init, shared_init=cfg.shared_init)
+                    client_threads=cfg.client_threads, init=cfg.init, shared_init=cfg.shared_init,
+                    rounds=cfg.rounds)
 
 
 class StopAtRoundEnd:

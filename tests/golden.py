@@ -34,13 +34,15 @@ def golden_run(name: str, strategy: str = 'sequential', data=None) -> dict:
   data = data or tiny_data()
   cfg = ExperimentConfig(algorithm=name, **TINY)
   fed = Federation(make_algorithm(cfg, data), data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1),
-                   feature_dim=16, strategy=strategy, eval_batch_size=16, conv='xla', join_ratio=0.5)
+                   feature_dim=16, strategy=strategy, eval_batch_size=16, conv='xla', join_ratio=0.5, rounds=2)
   state = fed.init()
   rounds = []
   for _ in range(2):
     state, m = fed.round(state)
     m.update(fed.evaluate(state))
     rounds.append({k: v for k, v in m.items() if isinstance(v, (int, float)) and not k.endswith('seconds')})
-  params = [digest(g.params) for g in state.groups]
+  # Parameters of the client's own model and of its extra modules (a companion held in its per-client state).
+  params = [digest(g.params) + digest(g.extra.get('params', {}) if isinstance(g.extra, dict) else {})
+            for g in state.groups]
   return {'rounds': rounds, 'client_params': params, 'eval_head': m['eval_head'],
           'client_accuracy': m['client_accuracy']}

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 from conftest import tree_allclose
-from fedjax_het.algorithms import FedREConfig, fedavg_grouped, fedre, group_fedavg, local
+from fedjax_het.algorithms import FedREConfig, fedavg_grouped, fedre, local
+from fedjax_het.core import Uploads
 from fedjax_het.data.federated import ClientArrays
-from fedjax_het.engine import Federation, LocalTraining, batch_schedule, client_update
+from fedjax_het.engine import Federation, LocalTraining, batch_schedule, run_client
 from fedjax_het.errors import ConfigError
 
 TRAINING = LocalTraining(learning_rate=0.05, batch_size=8, epochs=2)
@@ -63,7 +64,7 @@ def test_stored_order_statistics_pass_leaves_out_the_last_partial_batch(tiny_dat
     g = fed.groups[0]
     state = fed.init()
     rngs = jax.vmap(lambda c: jax.random.fold_in(jax.random.PRNGKey(5), c))(jnp.asarray(g.clients))
-    update = lambda c, d, k: client_update(alg, g.model, training, c, d, alg.broadcast(state.server), k, 16)
+    update = lambda c, d, k: run_client(fed.programs[0][0], g.model, c, d, fed.broadcast(state.server, 0, 0), k, 16)
     _, upload, _ = jax.jit(jax.vmap(update))(state.groups[0], g.train, rngs)
     n = np.asarray(g.train.n)
     expected = n // 8 * 8 if order == 'stored' else n
@@ -74,10 +75,9 @@ def test_vmapped_group_equals_per_client_loop(tiny_data):
   fed = make_fed(tiny_data, 'vmap')
   state = fed.init()
   g = fed.groups[0]
-  alg, model = fed.algorithm, g.model
-  broadcast = alg.broadcast(state.server)
+  broadcast = fed.broadcast(state.server, 0, 0)
   rngs = jax.vmap(lambda c: jax.random.fold_in(jax.random.PRNGKey(5), c))(jnp.asarray(g.clients))
-  update = lambda c, d, k: client_update(alg, model, TRAINING, c, d, broadcast, k, 16)
+  update = lambda c, d, k: run_client(fed.programs[0][0], g.model, c, d, broadcast, k, 16)
   batched = jax.jit(jax.vmap(update))(state.groups[0], g.train, rngs)
   for i in range(g.size):
     take = lambda t: jax.tree.map(lambda a: a[i], t)
@@ -94,14 +94,15 @@ def test_padding_rows_never_change_a_client_update(tiny_data):
   extra = 37
   padded = ClientArrays(jnp.concatenate([data.x, jnp.full((extra,) + data.x.shape[1:], 7.0)]),
                         jnp.concatenate([data.y, jnp.ones(extra, jnp.int32)]), data.n)
-  broadcast = fed.algorithm.broadcast(state.server)
+  broadcast = fed.broadcast(state.server, 1, 0)
   for alg in [fedre(FedREConfig(mechanism=m), 4) for m in ('rap', 'rar', 'rsr')]:
-    update = lambda d: client_update(alg, g.model, TRAINING, client, d, broadcast, jax.random.PRNGKey(1), 16)
-    a, up_a, m_a = jax.jit(update)(data)
-    b, up_b, m_b = jax.jit(update)(padded)
+    program = alg.phases[0].client(g.spec)
+    update = lambda d: run_client(program, g.model, client, d, broadcast, jax.random.PRNGKey(1), 16)
+    a, up_a, loss_a = jax.jit(update)(data)
+    b, up_b, loss_b = jax.jit(update)(padded)
     tree_allclose(a, b, rtol=1e-5, atol=1e-6)
     tree_allclose(up_a, up_b, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(m_a['train_loss'], m_b['train_loss'], rtol=1e-5)
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-5)
 
 
 @pytest.mark.parametrize('join_ratio,conv', [(1.0, 'xla'), (0.5, 'xla'), (0.5, 'im2col')])
@@ -171,19 +172,26 @@ def test_later_rounds_do_not_recompile(tiny_data, strategy):
   assert compiles == []
 
 
-def test_group_fedavg_is_the_sample_weighted_mean_of_participants():
-  params = {'w': jnp.array([[1., 1.], [3., 5.], [100., 100.]])}
-  avg, _ = group_fedavg(params, {}, jnp.array([True, True, False]), jnp.array([1, 3, 50]))
-  np.testing.assert_allclose(avg['w'], np.tile([2.5, 4.0], (3, 1)))
-  same, _ = group_fedavg(params, {}, jnp.array([False, False, False]), jnp.array([1, 3, 50]))
-  np.testing.assert_allclose(same['w'], params['w'])
+def test_grouped_fedavg_server_is_the_sample_weighted_mean_of_participants_per_group():
+  alg = fedavg_grouped(2)
+  models = ({'w': jnp.zeros(2)}, {'w': jnp.full(3, 9.)})
+  uploads = (Uploads({'model': {'w': jnp.array([[1., 1.], [3., 5.], [100., 100.]])}}, jnp.array([True, True, False]),
+                     jnp.array([1., 3., 50.])),
+             Uploads({'model': {'w': jnp.ones((1, 3))}}, jnp.array([False]), jnp.array([4.])))
+  server, _ = alg.phases[0].server_update({'models': models}, uploads, jax.random.PRNGKey(0))
+  np.testing.assert_allclose(server['models'][0]['w'], [2.5, 4.0])  # (1*1 + 3*3)/4, (1*1 + 3*5)/4
+  np.testing.assert_allclose(server['models'][1]['w'], [9., 9., 9.])  # no participant: kept
 
 
-def test_grouped_fedavg_makes_group_members_identical(tiny_data):
-  state, _ = run(make_fed(tiny_data, 'sequential', algorithm=fedavg_grouped(4)), 1)
-  for stacked in state.groups:
-    for leaf in jax.tree.leaves(stacked.params):
-      np.testing.assert_allclose(leaf, np.broadcast_to(leaf[:1], leaf.shape), rtol=1e-6)
+def test_grouped_fedavg_scores_every_member_with_its_group_model(tiny_data):
+  fed = make_fed(tiny_data, 'sequential', algorithm=fedavg_grouped(4))
+  state, history = run(fed, 1)
+  for gi, stacked in enumerate(state.groups):
+    weights = fed.groups[gi].train_sizes / fed.groups[gi].train_sizes.sum()
+    expected = jax.tree.map(lambda a: np.tensordot(weights, np.asarray(a), 1), stacked.params)
+    tree_allclose(state.server['models'][gi], expected, rtol=1e-5, atol=1e-6)
+  params = sum(g.num_params for g in fed.groups for _ in g.clients)
+  assert history[0]['upload_scalars'] == history[0]['broadcast_scalars'] == params
 
 
 def test_local_communicates_nothing(tiny_data):
@@ -200,7 +208,7 @@ def test_bad_engine_arguments(tiny_data):
     make_fed(tiny_data, 'vmap', models=('resnet9000',))
   with pytest.raises(ConfigError, match='--eval_batch_size'):
     make_fed(tiny_data, 'vmap', eval_batch_size=-1)
-  assert make_fed(tiny_data, 'sequential', eval_batch_size=None).eval_batch_size == 64  # the CPU default
+  assert make_fed(tiny_data, 'sequential', eval_batch_size=None).executor.eval_batch_size == 64  # the CPU default
 
 
 def test_global_test_protocol_scores_every_client_on_the_shared_test_set():

@@ -3,11 +3,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het.algorithms.base import CommSpec
+from fedjax_het.core import ClientRows
 from fedjax_het.algorithms.common import class_prototypes, masked_mean, soft_cross_entropy
-from fedjax_het.algorithms.fedre import (FedREConfig, entangle, entanglement_weights, fedre, random_magnitudes,
+from fedjax_het.algorithms.fedre import (FedREConfig, entangle, entanglement_weights, fedre, fedre_upload, random_magnitudes,
                                          train_head)
-from fedjax_het.engine.state import ClientState
+from fedjax_het.core import ClientState
 from fedjax_het.errors import ConfigError
 
 # Client rows: labels 0, 0, 1, 2 and one padding row; C = 4 (class 3 absent).
@@ -127,18 +127,19 @@ def test_soft_cross_entropy_value():
 
 def test_fixed_sampling_reuses_weights_and_resampling_changes_them():
   reps = jnp.asarray(np.random.default_rng(0).normal(size=(5, 8)), jnp.float32)
-  client = ClientState({'head': {}}, {}, jax.random.PRNGKey(9))
+  client = ClientState({'head': {}}, {}, {}, jax.random.PRNGKey(9))
+  rows = ClientRows(None, Y, 4, 5, reps)
   for resample, same in [(False, True), (True, False)]:
-    alg = fedre(FedREConfig(resample=resample), C)
-    a = alg.client_upload(client, reps, Y, 4, {}, jax.random.PRNGKey(1), 5)
-    b = alg.client_upload(client, reps, Y, 4, {}, jax.random.PRNGKey(2), 5)
+    upload = fedre_upload(FedREConfig(resample=resample), C)
+    a = upload(client, rows, {}, jax.random.PRNGKey(1))
+    b = upload(client, rows, {}, jax.random.PRNGKey(2))
     assert np.allclose(a['rep'], b['rep']) == same
 
 
 def test_fedallrep_uploads_every_real_row():
   reps = jnp.ones((5, 8))
-  up = fedre(FedREConfig(all_representations=True), C).client_upload(
-      ClientState({}, {}, KEY), reps, Y, 4, {}, KEY, 5)
+  up = fedre_upload(FedREConfig(all_representations=True), C)(ClientState({}, {}, {}, KEY), ClientRows(None, Y, 4, 5, reps),
+                                                           {}, KEY)
   assert up['rep'].shape == (5, 8) and up['label'].shape == (5, C)
   np.testing.assert_allclose(up['weight'], VALID)
 
@@ -149,11 +150,17 @@ def test_fedallrep_uploads_every_real_row():
     (200, 2048, 20.48, 4098.00), # TinyImageNet (d = 2048)
 ])
 def test_communication_matches_table_11(num_classes, d, upload_k, broadcast_k):
-  comm = fedre(FedREConfig(), num_classes).communication(CommSpec(num_classes, d, num_train=123))
+  alg = fedre(FedREConfig(), num_classes)
+  upload = {'rep': jnp.zeros((1, d)), 'label': jnp.zeros((1, num_classes)), 'weight': jnp.ones(1)}
+  up = alg.upload_scalars(upload)
+  down = alg.broadcast_scalars({'head': {'kernel': jnp.zeros((d, num_classes)), 'bias': jnp.zeros(num_classes)}})
   # Table 11 counts 10 clients, scalars x 1e3, and leaves the soft label out of the upload.
-  assert 10 * comm['upload']['representation'] / 1e3 == pytest.approx(upload_k)
-  assert 10 * sum(comm['broadcast'].values()) / 1e3 == pytest.approx(broadcast_k)
-  assert comm['upload']['label'] == num_classes
+  assert 10 * int(up['representation']) / 1e3 == pytest.approx(upload_k)
+  assert 10 * sum(down.values()) / 1e3 == pytest.approx(broadcast_k)
+  assert int(up['label']) == num_classes
+  # FedAllRep: d + C per row sent (the rows with weight), none for padding rows.
+  rows = {'rep': jnp.zeros((7, d)), 'label': jnp.zeros((7, num_classes)), 'weight': jnp.array([1.] * 5 + [0.] * 2)}
+  assert int(fedre(FedREConfig(all_representations=True), num_classes).upload_scalars(rows)['representation']) == 5 * d
 
 
 def test_bad_fedre_settings_raise_clear_errors():

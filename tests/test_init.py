@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het.algorithms import fedavg_grouped, group_fedavg, local
+from fedjax_het.algorithms import fedavg_grouped, local
+from fedjax_het.algorithms.fedavg import receive_group_model
+from fedjax_het.core import ClientState
 from fedjax_het.engine import Federation, LocalTraining
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.init import torch_default_init
@@ -64,19 +66,18 @@ def test_clients_of_one_architecture_start_identical_unless_asked_otherwise(tiny
   own = Federation(local(4), tiny_data, ['small_cnn_narrow', 'mlp'], training, init='flax', shared_init=False, **kw)
   p = _params(own, own.init(), 0)
   assert not np.array_equal(p[0], p[1])
-  # Grouped FedAvg starts each group from one model even without shared_init (PFLlib broadcasts first).
+  # Grouped FedAvg starts each group from one model even without shared_init (PFLlib broadcasts first): the
+  # server's group model, which every participant receives before its first step.
   avg = Federation(fedavg_grouped(4), tiny_data, ['small_cnn_narrow', 'mlp'], training, shared_init=False, **kw)
-  p = _params(avg, avg.init(), 1)
-  assert all(np.array_equal(p[0], q) for q in p[1:])
+  state = avg.init()
+  assert all(np.array_equal(a, b[0]) for a, b in zip(jax.tree.leaves(state.server['models'][1]),
+                                                     jax.tree.leaves(state.groups[1].params)))
   with pytest.raises(ConfigError, match='--init'):
     Federation(local(4), tiny_data, ['mlp'], training, init='xavier', **kw)
 
 
-def test_grouped_fedavg_averages_parameters_and_keeps_batchnorm_statistics_local():
-  params = {'w': jnp.array([[1., 2.], [3., 4.], [9., 9.]])}
-  stats = {'batch_stats': {'mean': jnp.array([[1.], [5.], [7.]])}}
-  participated = jnp.array([True, True, False])
-  new_params, new_stats = group_fedavg(params, stats, participated, jnp.array([1, 3, 10]))
-  # (1 * [1, 2] + 3 * [3, 4]) / 4 = [2.5, 3.5] for every client of the group.
-  np.testing.assert_allclose(new_params['w'], [[2.5, 3.5]] * 3)
-  np.testing.assert_array_equal(new_stats['batch_stats']['mean'], stats['batch_stats']['mean'])
+def test_grouped_fedavg_sends_parameters_and_keeps_batchnorm_statistics_local():
+  client = ClientState({'w': jnp.array([1., 2.])}, {'batch_stats': {'mean': jnp.array([5.])}}, {}, jnp.zeros(2))
+  received = receive_group_model(client, {'model': {'w': jnp.array([2.5, 3.5])}})
+  np.testing.assert_allclose(received.params['w'], [2.5, 3.5])
+  np.testing.assert_array_equal(received.model_state['batch_stats']['mean'], [5.])

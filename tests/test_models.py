@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het.engine.forward import forward
+from fedjax_het.models.forward import forward
 from fedjax_het.errors import ConfigError
 from fedjax_het.models import assign_models, build_model, model_names
 

@@ -7,8 +7,11 @@ import numpy as np
 from conftest import tree_allclose
 from fedjax_het.algorithms import FDConfig, FedKDConfig, FedProtoConfig, FedTGPConfig, fd, fedproto, fedtgp
 from fedjax_het.algorithms.common import class_prototypes
-from fedjax_het.engine import Federation, LocalTraining, client_update
-from fedjax_het.engine.forward import represent_rows
+from types import SimpleNamespace
+
+from fedjax_het.core import Uploads
+from fedjax_het.engine import Federation, LocalTraining, run_client
+from fedjax_het.models.forward import forward
 
 
 def _one_client_round(alg, data, training, strategy='vmap'):
@@ -17,8 +20,8 @@ def _one_client_round(alg, data, training, strategy='vmap'):
   state = fed.init()
   take = lambda t: jax.tree.map(lambda a: a[0], t)
   client, data0 = take(state.groups[0]), take(g.train)
-  update = lambda c, d: client_update(alg, g.model, training, c, d, alg.broadcast(state.server),
-                                      jax.random.PRNGKey(3), 16)
+  update = lambda c, d: run_client(fed.programs[0][0], g.model, c, d, fed.broadcast(state.server, 0, 0),
+                                   jax.random.PRNGKey(3), 16)
   _, upload, _ = jax.jit(update)(client, data0)
   return g.model, client, data0, upload
 
@@ -29,7 +32,7 @@ def test_fedproto_and_fd_gather_statistics_over_the_training_passes(tiny_data):
   training = LocalTraining(learning_rate=1e-30, batch_size=8, epochs=2)
   for alg, which in ((fedproto(FedProtoConfig(), 4), 'protos'), (fd(FDConfig(), 4), 'logits')):
     model, client, data, upload = _one_client_round(alg, tiny_data, training)
-    logits, reps = represent_rows(model, client.params, client.model_state, data.x, 16)
+    logits, reps, _ = forward(model, client.params, client.model_state, data.x, False)
     used = jnp.arange(data.y.shape[0]) < int(data.n) // 8 * 8
     means, counts = class_prototypes(reps if which == 'protos' else logits, data.y, used, 4)
     np.testing.assert_allclose(upload[which], means, rtol=1e-5, atol=1e-6)
@@ -50,18 +53,18 @@ def test_fedproto_upload_equals_in_both_strategies(tiny_data):
 
 def test_fedtgp_server_trains_at_the_local_learning_rate_by_default():
   k, c, d = 3, 4, 6
-  uploads = {'protos': jax.random.normal(jax.random.PRNGKey(0), (k, c, d)),
-             'counts': jnp.array([[2., 0., 1., 3.], [1., 1., 0., 0.], [0., 4., 4., 1.]])}
-  example = {'head': {'kernel': jnp.zeros((d, c)), 'bias': jnp.zeros(c)}}
-  mask = jnp.array([True, True, True])
+  uploads = (Uploads({'protos': jax.random.normal(jax.random.PRNGKey(0), (k, c, d)),
+                      'counts': jnp.array([[2., 0., 1., 3.], [1., 1., 0., 0.], [0., 4., 4., 1.]])},
+                     jnp.array([True, True, True]), jnp.ones(k)),)
+  spec = SimpleNamespace(feature_dim=d)
   default = fedtgp(FedTGPConfig(server_epochs=3), c, local_batch_size=4, local_learning_rate=0.3)
   explicit = fedtgp(FedTGPConfig(server_epochs=3, server_learning_rate=0.3), c, local_batch_size=4,
                     local_learning_rate=0.01)
   other = fedtgp(FedTGPConfig(server_epochs=3, server_learning_rate=0.01), c, local_batch_size=4)
   results = []
   for alg in (default, explicit, other):
-    server = alg.init_server(jax.random.PRNGKey(1), example)
-    results.append(alg.server_update(server, uploads, mask, jax.random.PRNGKey(2))[0]['protos'])
+    server = alg.init_server(jax.random.PRNGKey(1), spec, None)
+    results.append(alg.phases[0].server_update(server, uploads, jax.random.PRNGKey(2))[0]['protos'])
   np.testing.assert_array_equal(results[0], results[1])
   assert not np.allclose(results[0], results[2])
 

@@ -13,10 +13,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from torch_reference import TorchCNN4, TorchFedRE, client_tensors, load_flax_params  # noqa: E402
 
 from fedjax_het.algorithms import FedREConfig, fedre  # noqa: E402
+from fedjax_het.algorithms.base import sgd_program  # noqa: E402
 from fedjax_het.algorithms.common import cross_entropy_loss  # noqa: E402
+from fedjax_het.core import Batch, ClientState  # noqa: E402
 from fedjax_het.data import make_federated_data, make_synthetic  # noqa: E402
-from fedjax_het.engine import Federation, LocalTraining, batch_schedule, sgd_step  # noqa: E402
-from fedjax_het.engine.forward import forward  # noqa: E402
+from fedjax_het.engine import Federation, LocalTraining, batch_schedule  # noqa: E402
+from fedjax_het.models.forward import forward  # noqa: E402
 from fedjax_het.models import build_model  # noqa: E402
 
 
@@ -43,11 +45,10 @@ def test_same_batches_give_the_same_sgd_losses_and_weights():
   y = rng.integers(0, 10, 40).astype(np.int32)
   idx, valid = batch_schedule(jax.random.PRNGKey(2), jnp.asarray(40), 40, 8, 1)
   idx = np.asarray(idx)[np.asarray(valid)][:4]
-  training = LocalTraining(0.05, 8, 1)
-  loss_fn = lambda p, s, xb, yb, r: cross_entropy_loss(model, p, s, xb, yb, None, r)
-  step = jax.jit(lambda carry, xb, yb: sgd_step(loss_fn, training.optimizer(), carry, xb, yb, jnp.asarray(True),
-                                                jax.random.PRNGKey(0)))
-  carry, jax_losses = (params, {}, training.optimizer().init(params)), []
+  program = sgd_program(cross_entropy_loss(model), LocalTraining(0.05, 8, 1))
+  key = jax.random.PRNGKey(0)
+  step = jax.jit(lambda carry, xb, yb: program.step(carry, Batch(xb, yb), None, key))
+  carry, jax_losses = program.init(ClientState(params, {}, {}, key), None, key), []
   for b in idx:
     carry, loss = step(carry, x[b], y[b])
     jax_losses.append(float(loss))
@@ -57,7 +58,7 @@ def test_same_batches_give_the_same_sgd_losses_and_weights():
                                  torch.from_numpy(y.astype(np.int64)), batches=list(idx))
   np.testing.assert_allclose(torch_losses, jax_losses, rtol=1e-4)
   assert ref.steps == 4 and ref.samples == 32
-  trained = load_flax_params(TorchCNN4(), carry[0])
+  trained = load_flax_params(TorchCNN4(), carry[0].params)
   for a, b in zip(trained.parameters(), tmodel.parameters()):
     np.testing.assert_allclose(b.detach().numpy(), a.detach().numpy(), rtol=1e-3, atol=1e-5)
 

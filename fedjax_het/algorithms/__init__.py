@@ -1,8 +1,7 @@
-"""Federated methods as small sets of pure functions (see `base.Algorithm`)."""
-from fedjax_het.algorithms.base import Algorithm, CommSpec
+"""Federated methods as small sets of pure functions (the API: `fedjax_het.core`; building blocks: `base`)."""
 from fedjax_het.algorithms.ccvr import CCVRConfig, ccvr
 from fedjax_het.algorithms.fd import FDConfig, fd
-from fedjax_het.algorithms.fedavg import fedavg_grouped, group_fedavg
+from fedjax_het.algorithms.fedavg import fedavg_grouped
 from fedjax_het.algorithms.fedgen import FedGenConfig, fedgen
 from fedjax_het.algorithms.fedgh import FedGHConfig, fedgh
 from fedjax_het.algorithms.fedkd import FedKDConfig, fedkd
@@ -14,3 +13,4 @@ from fedjax_het.algorithms.fml import FMLConfig, fml
 from fedjax_het.algorithms.fpl import FPLConfig, fpl
 from fedjax_het.algorithms.lg_fedavg import lg_fedavg
 from fedjax_het.algorithms.local import local
+from fedjax_het.core import Algorithm, ClientProgram, Evaluation, Phase

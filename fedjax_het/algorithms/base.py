@@ -1,115 +1,160 @@
-"""The algorithm API: a method is a small set of pure functions (optax-style), composed by the engine.
-
-A client update is `client_begin -> local SGD on client_loss -> eval-mode representation pass -> client_upload`;
-`fedjax_het.engine.client_update` composes these into ONE pure function of one client, which the engine vmaps
-over a group or runs client by client. Uploads are fixed-shape pytrees; the engine stacks them over a leading
-client axis (all groups concatenated) and calls `server_update` once per round.
-"""
+"""Building blocks of methods: a loss turned into a `ClientProgram` (`sgd_program`), evaluation by heads on the
+client's representations, and the one-liners simple methods share. The API itself is in `fedjax_het.core`."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from fedjax_het.models.classifier import Companion
+from fedjax_het.algorithms.common import head_apply
+from fedjax_het.core import (Algorithm, Batch, Broadcast, ClientProgram, ClientRows, ClientState, Evaluation,
+                             FederationSpec, GroupSpec, Phase, Upload, Uploads, leaf_scalars, one_phase)
+from fedjax_het.local_training import LocalTraining
+from fedjax_het.models.classifier import HeteroClassifier
+from fedjax_het.models.forward import forward
 
-if TYPE_CHECKING:  # The engine imports this module; a runtime import back would be circular.
-  from fedjax_het.engine.state import ClientState
+__all__ = ['Algorithm', 'Batch', 'ClientProgram', 'ClientRows', 'ClientState', 'Evaluation', 'FederationSpec',
+           'GroupSpec', 'Phase', 'Uploads', 'leaf_scalars', 'one_phase', 'sgd_program', 'head_evaluation',
+           'local_head_evaluation', 'trainable', 'with_trainable', 'no_upload', 'no_server', 'keep_server',
+           'receive_head', 'initial_head']
 
-Broadcast = Any
-Upload = Any
-ServerState = Any
-
-
-@dataclasses.dataclass(frozen=True)
-class CommSpec:
-  """What communication accounting needs to know about a client (num_present_classes: classes in its training
-  rows, the number of prototypes it uploads; defaults to num_classes)."""
-  num_classes: int
-  feature_dim: int
-  num_train: int
-  num_params: int = 0
-  num_present_classes: int = -1
-  num_companion_params: int = 0
-
-  def __post_init__(self):
-    if self.num_present_classes < 0:
-      object.__setattr__(self, 'num_present_classes', self.num_classes)
+Loss = Callable[[ClientState, Batch, Broadcast, jax.Array], tuple[jnp.ndarray, Any]]
 
 
-@dataclasses.dataclass(frozen=True)
-class Algorithm:
-  """A federated method as pure functions.
+def trainable(client: ClientState) -> tuple[Any, Any]:
+  """What a client's optimizer trains: (its classifier's params, the params of its extra modules, held under
+  client.extra['params'] ({} when it has none))."""
+  extra = client.extra.get('params', {}) if isinstance(client.extra, dict) else {}
+  return client.params, extra
 
-  init_server(rng, example_params) -> server state (example_params: client 0's params, e.g. to copy a head).
-  broadcast(server) -> what every participating client receives.
-  client_begin(client, broadcast) -> client, applied before local training (e.g. set the head to omega).
-  client_loss(model, params, model_state, x, y, broadcast, rng) -> (loss, new model_state), or, with
-    `train_statistics`, (loss, (new model_state, statistics of this batch as a pytree of sums)).
-  client_upload(client, reps, y, n, broadcast, rng, num_train) -> upload pytree (fixed leaf shapes given n_max).
-    reps [n_max, d] are eval-mode representations of the client's training rows, of which the first n are the
-    rows a statistics pass over its train loader sees (HtFLlib's drop_last loader: B*floor(num_train/B) of them
-    under the stored data order) and the rest padding or unused; num_train counts all its training rows (sample
-    weights). With `train_statistics`, reps is instead the sum over the local steps of client_loss's statistics.
-  server_update(server, uploads, mask, rng) -> (server, metrics); uploads have a leading slot axis, mask marks
-    the slots that hold a real participant. Metrics named like the accounting's ('upload_scalars',
-    'broadcast_<part>_scalars', ...) replace its figures, for methods whose communication depends on the data.
-  eval_heads(client, broadcast) -> {name: head params} scored on each client's test data; the first is the
-    method's reported accuracy.
-  group_update(stacked params/model_state, participated mask, weights) -> the same, for methods that average
-    within an architecture group (None: no group step).
-  communication(spec) -> {'upload': {part: scalars}, 'broadcast': {part: scalars}} per participating client.
-  companion: a `Companion` model every client trains alongside its own (under params['companion']), or None.
-  train_statistics: client_loss also returns per-batch statistics, which the engine sums over the real local
-    steps and hands to client_upload in place of a representation pass (FedProto's prototypes and FD's logits are
-    gathered in the training passes in HtFLlib).
-  eval_client(client, broadcast) -> the client as evaluated (default: as it is; FedMRL scores with the broadcast
-    global model in place of its own copy, as HtFLlib does).
+
+def with_trainable(client: ClientState, values: tuple[Any, Any]) -> ClientState:
+  """The client with its `trainable` parts replaced."""
+  params, extra = values
+  if isinstance(client.extra, dict) and 'params' in client.extra:
+    return client._replace(params=params, extra={**client.extra, 'params': extra})
+  return client._replace(params=params)
+
+
+def sgd_program(loss: Loss, training: LocalTraining, *, receive: Optional[Callable] = None,
+                upload: Optional[Callable] = None, optimizer: Optional[optax.GradientTransformation] = None,
+                representations: bool = False, statistics: Optional[Callable[[ClientState], Any]] = None
+                ) -> ClientProgram:
+  """The `ClientProgram` of a method whose clients minimise one loss with one optimizer (fresh every round, as
+  HtFLlib builds its optimizers per round).
+
+  loss(client, batch, broadcast, key) -> (loss, aux): the client carries the current `trainable` values; aux is
+    the client with its non-trainable state updated (BatchNorm statistics), or, with `statistics`, (that client,
+    this batch's statistics, a pytree of sums that the program adds up over the real steps; HtFLlib's FedProto
+    and FD gather their prototypes and logits in the training passes).
+  receive(client, broadcast) -> client: applied before training (e.g. set the head to the global head).
+  upload(client, rows, broadcast, key) -> upload (default: nothing); rows.statistics holds the summed statistics.
+  optimizer: default optax.sgd(training.learning_rate), plain SGD as HtFLlib; per-part rates with
+    optax.multi_transform over `trainable`'s (params, extra params).
+  representations: upload reads rows.reps, the trained model's eval-mode representations of the training rows.
+  statistics(client) -> zero sums shaped like those `loss` returns.
   """
-  name: str
-  init_server: Callable[[jax.Array, Any], ServerState]
-  broadcast: Callable[[ServerState], Broadcast]
-  client_begin: Callable[[ClientState, Broadcast], ClientState]
-  client_loss: Callable[..., tuple[jnp.ndarray, Any]]
-  client_upload: Callable[..., Upload]
-  server_update: Callable[..., tuple[ServerState, dict]]
-  eval_heads: Callable[[ClientState, Broadcast], dict]
-  communication: Callable[[CommSpec], dict]
-  group_update: Optional[Callable[..., tuple[Any, Any]]] = None
-  needs_representations: bool = True
-  companion: Optional[Companion] = None
-  eval_client: Optional[Callable[[ClientState, Broadcast], ClientState]] = None
-  train_statistics: bool = False
+  optimizer = optimizer or optax.sgd(training.learning_rate)
+
+  def init(client, broadcast, key):
+    if receive is not None:
+      client = receive(client, broadcast)
+    sums = statistics(client) if statistics is not None else None
+    return client, optimizer.init(trainable(client)), sums
+
+  def step(carry, batch, broadcast, key):
+    client, opt_state, sums = carry
+    values = trainable(client)
+    objective = lambda v: loss(with_trainable(client, v), batch, broadcast, key)
+    (value, aux), grads = jax.value_and_grad(objective, has_aux=True)(values)
+    updated, batch_sums = aux if statistics is not None else (aux, None)
+    updates, opt_state = optimizer.update(grads, opt_state, values)
+    client = with_trainable(updated, optax.apply_updates(values, updates))
+    if statistics is not None:
+      sums = jax.tree.map(jnp.add, sums, batch_sums)
+    return (client, opt_state, sums), value
+
+  def final(carry, rows, broadcast, key):
+    client, _, sums = carry
+    if upload is None:
+      return client, {}
+    return client, upload(client, rows._replace(statistics=sums), broadcast, key)
+
+  return ClientProgram(init, step, final, training, (lambda carry: carry[0]) if representations else None)
 
 
-def no_server(rng: jax.Array, example_params: Any) -> ServerState:
+def head_evaluation(model: HeteroClassifier, heads: dict[str, Callable[[ClientState, Broadcast], dict]],
+                    receive: Optional[Callable] = None) -> Evaluation:
+  """Scores the client's eval-mode representations with each named head (heads[name](client, broadcast) -> head
+  params), in the dict's order (the first is the reported accuracy); `receive` first turns the client into the
+  one evaluated (e.g. FedAvg's clients are scored with their group's global model)."""
+  def prepare(client, broadcast):
+    if receive is not None:
+      client = receive(client, broadcast)
+    return client.params, client.model_state, tuple(h(client, broadcast) for h in heads.values())
+
+  def logits(evaluated, x):
+    params, model_state, hs = evaluated
+    _, reps, _ = forward(model, params, model_state, x, False)
+    return tuple(head_apply(h, reps) for h in hs)
+  return Evaluation(tuple(heads), prepare, logits)
+
+
+def own_head(client: ClientState, broadcast: Broadcast) -> dict:
+  """The client's own head."""
+  return client.params['head']
+
+
+def global_head(client: ClientState, broadcast: Broadcast) -> dict:
+  """The broadcast global head."""
+  return broadcast['head']
+
+
+def local_head_evaluation(group: GroupSpec) -> Evaluation:
+  """Each client scored with its own model."""
+  return head_evaluation(group.model, {'local_head': own_head})
+
+
+def global_head_evaluation(group: GroupSpec) -> Evaluation:
+  """Reported: own extractor + the broadcast global head; also logged: the locally trained head."""
+  return head_evaluation(group.model, {'global_head': global_head, 'local_head': own_head})
+
+
+def receive_head(client: ClientState, broadcast: Broadcast) -> ClientState:
+  """The client's head set to the broadcast global head (FedRE Alg. 1 line 6, LG-FedAvg, FedGH, FedGen)."""
+  return client._replace(params={**client.params, 'head': broadcast['head']})
+
+
+def initial_head(key: jax.Array, spec: FederationSpec, initial) -> dict:
+  """init_server of global-head methods: the first group's initial head (HtFLlib builds it from the same seed)."""
+  return {'head': initial[0].params['head']}
+
+
+def no_upload(client, rows, broadcast, key) -> Upload:
+  """An upload of nothing."""
+  return {}
+
+
+def no_server(key: jax.Array, spec: FederationSpec, initial) -> Any:
   """Server state of methods without a server model."""
   return {}
 
 
-def identity_broadcast(server: ServerState) -> Broadcast:
-  """Broadcast the whole server state."""
-  return server
-
-
-def keep_client(client: 'ClientState', broadcast: Broadcast) -> 'ClientState':
-  """A client_begin that ignores the broadcast."""
-  return client
-
-
-def no_upload(client, reps, y, n, broadcast, rng, num_train) -> Upload:
-  """A client_upload that sends nothing."""
-  return {}
-
-
-def keep_server(server, uploads, mask, rng):
+def keep_server(server, uploads, key):
   """A server_update that changes nothing."""
   return server, {}
 
 
-def local_head(client: 'ClientState', broadcast: Broadcast) -> dict:
-  """eval_heads scoring each client with its own head."""
-  return {'local_head': client.params['head']}
+def concat_groups(uploads) -> Uploads:
+  """All groups' `Uploads` as one, concatenated along the slot axis; ragged row axes (e.g. FedAllRep's rows) are
+  zero-padded to the longest."""
+  def pad_to(a, shape):
+    return jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
+
+  def cat(*leaves):
+    shape = tuple(max(s) for s in zip(*(leaf.shape for leaf in leaves)))
+    return jnp.concatenate([pad_to(leaf, (leaf.shape[0],) + shape[1:]) for leaf in leaves])
+  return jax.tree.map(cat, *uploads)

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import Algorithm, CommSpec, identity_broadcast, keep_client
+from fedjax_het.algorithms.base import (Algorithm, ClientState, concat_groups, head_evaluation, one_phase, own_head,
+                                        sgd_program)
 from fedjax_het.algorithms.common import class_prototypes, cross_entropy_loss, head_apply, sgd_on_rows
-from fedjax_het.engine.state import ClientState
 from fedjax_het.errors import ConfigError
 
 
@@ -98,35 +98,51 @@ def calibrate_head(head: dict, virtual: jnp.ndarray, present: jnp.ndarray, rng: 
   return head
 
 
+def gaussian_scalars(d) -> int:
+  """A mean and a symmetric covariance in R^d: d + d(d+1)/2 scalars."""
+  return d + d * (d + 1) // 2
+
+
 def ccvr(cfg: CCVRConfig, num_classes: int, batch_size: int) -> Algorithm:
   """CCVR as an `Algorithm`."""
 
-  def init_server(rng, example_params):
-    d = example_params['head']['kernel'].shape[0]
-    return {'virtual': jnp.zeros((num_classes, cfg.virtual_per_class, d)),
-            'present': jnp.zeros(num_classes, bool), 'key': rng}
+  def init_server(key, spec, initial):
+    return {'virtual': jnp.zeros((num_classes, cfg.virtual_per_class, spec.feature_dim)),
+            'present': jnp.zeros(num_classes, bool), 'key': key}
 
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
-    means, covs, counts = class_statistics(reps, y, jnp.arange(y.shape[0]) < n, num_classes)
+  def upload(client: ClientState, rows, broadcast, key):
+    means, covs, counts = class_statistics(rows.reps, rows.y, jnp.arange(rows.y.shape[0]) < rows.n, num_classes)
     return {'means': means, 'covs': covs, 'counts': counts}
 
-  def server_update(server, uploads, mask, rng):
-    counts = uploads['counts'] * mask[:, None].astype(jnp.float32)
-    mu, sigma, total = global_gaussians(uploads['means'], uploads['covs'], counts)
-    sample_key, key = jax.random.split(rng)
+  def client(group):
+    return sgd_program(cross_entropy_loss(group.model), group.training, upload=upload, representations=True)
+
+  def server_update(server, uploads, key):
+    u = concat_groups(uploads)
+    counts = u.values['counts'] * u.mask[:, None].astype(jnp.float32)
+    mu, sigma, total = global_gaussians(u.values['means'], u.values['covs'], counts)
+    sample_key, next_key = jax.random.split(key)
     return ({'virtual': sample_virtual(sample_key, mu, sigma, cfg.virtual_per_class), 'present': total > 0,
-             'key': key}, {'global_classes': jnp.sum(total > 0)})
+             'key': next_key}, {'global_classes': jnp.sum(total > 0)})
 
-  def eval_heads(client: ClientState, broadcast) -> dict:
-    """Reported: the client's head calibrated on the virtual set (its own head where no class has one yet)."""
-    calibrated = calibrate_head(client.params['head'], broadcast['virtual'], broadcast['present'],
-                                jax.random.fold_in(broadcast['key'], client.key[-1]), cfg, batch_size)
-    return {'calibrated': calibrated, 'local_head': client.params['head']}
+  def calibrated(client: ClientState, broadcast) -> dict:
+    """The client's head calibrated on the virtual set (its own head where no class has one yet)."""
+    return calibrate_head(client.params['head'], broadcast['virtual'], broadcast['present'],
+                          jax.random.fold_in(broadcast['key'], client.key[-1]), cfg, batch_size)
 
-  def communication(spec: CommSpec) -> dict:
-    gaussian = spec.feature_dim + spec.feature_dim * (spec.feature_dim + 1) // 2
-    return {'upload': {'class_gaussians': spec.num_present_classes * gaussian, 'class_counts': spec.num_classes},
-            'broadcast': {'class_gaussians': spec.num_classes * gaussian}}
+  def evaluation(group):
+    """Reported: the calibrated head; also logged: the uncalibrated one (calibration runs once per client and
+    evaluation, in `Evaluation.prepare`)."""
+    return head_evaluation(group.model, {'calibrated': calibrated, 'local_head': own_head})
 
-  return Algorithm('ccvr', init_server, identity_broadcast, keep_client, cross_entropy_loss, client_upload,
-                   server_update, eval_heads, communication)
+  def upload_scalars(u):
+    """A Gaussian per class held, plus the C counts."""
+    d = u['means'].shape[-1]
+    return {'class_gaussians': jnp.sum(u['counts'] > 0) * gaussian_scalars(d), 'class_counts': u['counts'].size}
+
+  def broadcast_scalars(b):
+    """The C global Gaussians (the virtual set is drawn from them with a shared seed)."""
+    return {'class_gaussians': num_classes * gaussian_scalars(b['virtual'].shape[-1])}
+
+  return one_phase('ccvr', init_server, client, server_update, evaluation, upload_scalars=upload_scalars,
+                   broadcast_scalars=broadcast_scalars)

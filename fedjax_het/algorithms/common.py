@@ -3,7 +3,6 @@ linear head, server-side SGD over uploaded rows, FedAvg."""
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable
 
@@ -11,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.engine.forward import forward
-from fedjax_het.engine.rows import shuffled_real_rows
+from fedjax_het.models.forward import forward
+from fedjax_het.rows import shuffled_real_rows
 
 
 def masked_mean(values: jnp.ndarray, mask: jnp.ndarray, axis: int = 0) -> jnp.ndarray:
@@ -47,11 +46,25 @@ def soft_cross_entropy(logits: jnp.ndarray, soft_labels: jnp.ndarray) -> jnp.nda
   return -jnp.sum(soft_labels * jax.nn.log_softmax(logits, axis=-1), axis=-1)
 
 
-def cross_entropy_loss(model, params: Any, model_state: Any, x: jnp.ndarray, y: jnp.ndarray, broadcast: Any,
-                       rng: jax.Array) -> tuple[jnp.ndarray, Any]:
-  """Mean CE of the local model on a batch (FedRE Eq. 1); BatchNorm statistics update."""
-  logits, _, model_state = forward(model, params, model_state, x, train=True)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), model_state
+def train_forward(model, client, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, Any]:
+  """Training-mode (logits, representations, client with updated BatchNorm statistics) of the client's own
+  classifier on x."""
+  logits, reps, model_state = forward(model, client.params, client.model_state, x, train=True)
+  return logits, reps, client._replace(model_state=model_state)
+
+
+def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
+  """Mean CE of integer labels over a batch (torch's CrossEntropyLoss)."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def cross_entropy_loss(model):
+  """The loss (client, batch, broadcast, key) -> (mean CE of the client's classifier on the batch, the client
+  with updated BatchNorm statistics) (FedRE Eq. 1)."""
+  def loss(client, batch, broadcast, key):
+    logits, _, client = train_forward(model, client, batch.x)
+    return cross_entropy(logits, batch.y), client
+  return loss
 
 
 def elementwise_kl(target_logits: jnp.ndarray, logits: jnp.ndarray) -> jnp.ndarray:
@@ -146,24 +159,6 @@ def sgd_on_rows(params: Any, row_loss: Callable[[Any, jnp.ndarray], jnp.ndarray]
 
   (params, _), totals = jax.lax.scan(epoch, (params, optimizer.init(params)), jnp.arange(epochs))
   return params, totals.sum() / jnp.maximum(row_weight.sum() * max(epochs, 1), 1.0)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def scale_gradient(tree: Any, factor: float) -> Any:
-  """The identity on `tree`, whose gradient is multiplied by `factor`: under plain SGD with rate lr, the tree's
-  parameters move as with rate factor * lr (FedKD's mentee learning rate)."""
-  return tree
-
-
-def _scale_gradient_fwd(tree, factor):
-  return tree, None
-
-
-def _scale_gradient_bwd(factor, _, g):
-  return (jax.tree.map(lambda a: a * factor, g),)
-
-
-scale_gradient.defvjp(_scale_gradient_fwd, _scale_gradient_bwd)
 
 
 def cosine_similarity(a: jnp.ndarray, b: jnp.ndarray, eps: float = 1e-8) -> jnp.ndarray:

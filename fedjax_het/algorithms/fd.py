@@ -18,13 +18,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from fedjax_het.algorithms.base import Algorithm, CommSpec, identity_broadcast, keep_client, local_head
-from fedjax_het.algorithms.common import (aggregate_class_means, class_means_from_sums, class_sums,
-                                          soft_cross_entropy)
-from fedjax_het.engine.forward import forward
-from fedjax_het.engine.state import ClientState
+from fedjax_het.algorithms.base import Algorithm, concat_groups, local_head_evaluation, one_phase, sgd_program
+from fedjax_het.algorithms.common import (aggregate_class_means, class_means_from_sums, class_sums, cross_entropy,
+                                          soft_cross_entropy, train_forward)
 from fedjax_het.errors import ConfigError
 
 
@@ -48,26 +45,28 @@ def distillation_term(logits: jnp.ndarray, labels: jnp.ndarray, global_logits: j
 def fd(cfg: FDConfig, num_classes: int) -> Algorithm:
   """FD as an `Algorithm`."""
 
-  def init_server(rng, example_params):
+  def init_server(key, spec, initial):
     return {'logits': jnp.zeros((num_classes, num_classes)), 'present': jnp.zeros(num_classes, bool)}
 
-  def client_loss(model, params, model_state, x, y, broadcast, rng):
-    logits, _, model_state = forward(model, params, model_state, x, train=True)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    loss = ce + cfg.lamda * distillation_term(logits, y, broadcast['logits'], broadcast['present'])
-    return loss, (model_state, class_sums(logits, y, num_classes))
+  def client(group):
+    def loss(client, batch, broadcast, key):
+      logits, _, client = train_forward(group.model, client, batch.x)
+      value = cross_entropy(logits, batch.y) + cfg.lamda * distillation_term(logits, batch.y, broadcast['logits'],
+                                                                             broadcast['present'])
+      return value, (client, class_sums(logits, batch.y, num_classes))
 
-  def client_upload(client: ClientState, sums, y, n, broadcast, rng, num_train):
-    means, counts = class_means_from_sums(sums)
-    return {'logits': means, 'counts': counts}
+    def upload(client, rows, broadcast, key):
+      means, counts = class_means_from_sums(rows.statistics)
+      return {'logits': means, 'counts': counts}
 
-  def server_update(server, uploads, mask, rng):
-    logits, present = aggregate_class_means(uploads['logits'], uploads['counts'], mask)
+    zeros = lambda c: (jnp.zeros((num_classes, num_classes)), jnp.zeros(num_classes))
+    return sgd_program(loss, group.training, upload=upload, statistics=zeros)
+
+  def server_update(server, uploads, key):
+    u = concat_groups(uploads)
+    logits, present = aggregate_class_means(u.values['logits'], u.values['counts'], u.mask)
     return {'logits': logits, 'present': present}, {'global_classes': present.sum()}
 
-  def communication(spec: CommSpec):
-    return {'upload': {'logits': spec.num_present_classes * spec.num_classes},
-            'broadcast': {'logits': spec.num_classes * spec.num_classes}}
-
-  return Algorithm('fd', init_server, identity_broadcast, keep_client, client_loss, client_upload, server_update,
-                   local_head, communication, needs_representations=False, train_statistics=True)
+  return one_phase('fd', init_server, client, server_update, local_head_evaluation,
+                   upload_scalars=lambda u: {'logits': jnp.sum(u['counts'] > 0) * num_classes},
+                   broadcast_scalars=lambda b: {'logits': b['logits'].size})

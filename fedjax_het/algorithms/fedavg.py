@@ -1,39 +1,39 @@
 """Grouped FedAvg: FedAvg of the parameters within each architecture group (sample-weighted), no cross-group
-exchange. Every client of a group receives its group's average after the round; every group starts from one
-model (the engine initialises a group identically for methods with a `group_update`, as PFLlib broadcasts the
-global model before the first local step). As in PFLlib, which averages `model.parameters()`, BatchNorm running
-statistics are not averaged: they stay with each client."""
+exchange. The server keeps one model per group, initialised as the group's clients are (PFLlib broadcasts the
+global model before the first local step); each round a participant starts from its group's model and uploads its
+trained parameters; the server averages them per group. A client is scored with its group's model. As in PFLlib,
+which averages `model.parameters()`, BatchNorm running statistics are not averaged: they stay with each client."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
-from fedjax_het.algorithms.base import (Algorithm, CommSpec, identity_broadcast, keep_client, keep_server,
-                                        local_head, no_server, no_upload)
-from fedjax_het.algorithms.common import cross_entropy_loss, weighted_average
+from fedjax_het.algorithms.base import (Algorithm, ClientState, GroupSpec, head_evaluation, one_phase, own_head,
+                                        sgd_program)
+from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
 
 
-def group_fedavg(params, model_state, participated: jnp.ndarray, num_train: jnp.ndarray):
-  """Model-wise FedAvg inside a group: every client gets sum_k n_k theta_k / sum_k n_k over participants; the
-  non-trainable `model_state` (BatchNorm running statistics) is returned unchanged, as PFLlib keeps it local.
-
-  A group without participants this round keeps its clients' parameters.
-  """
-  weights = participated.astype(jnp.float32) * num_train.astype(jnp.float32)
-  any_part = weights.sum() > 0
-
-  def average(tree):
-    mean = weighted_average(tree, weights)
-    return jax.tree.map(lambda a, m: jnp.where(any_part, jnp.broadcast_to(m, a.shape), a), tree, mean)
-  return average(params), model_state
+def receive_group_model(client: ClientState, broadcast) -> ClientState:
+  """The client's parameters set to its group's model (its BatchNorm statistics stay its own)."""
+  return client._replace(params=broadcast['model'])
 
 
 def fedavg_grouped(num_classes: int) -> Algorithm:
   """Grouped FedAvg as an `Algorithm`; each participant uploads and receives its whole model."""
 
-  def communication(spec: CommSpec):
-    return {'upload': {'model': spec.num_params}, 'broadcast': {'model': spec.num_params}}
+  def init_server(key, spec, initial):
+    return {'models': tuple(state.params for state in initial)}
 
-  return Algorithm('fedavg', no_server, identity_broadcast, keep_client, cross_entropy_loss, no_upload,
-                   keep_server, local_head, communication, group_update=group_fedavg, needs_representations=False)
+  def broadcast(server, group: GroupSpec):
+    return {'model': server['models'][group.index]}
+
+  def client(group: GroupSpec):
+    return sgd_program(cross_entropy_loss(group.model), group.training, receive=receive_group_model,
+                       upload=lambda c, rows, b, k: {'model': c.params})
+
+  def server_update(server, uploads, key):
+    """Per group: sum_k n_k theta_k / sum_k n_k over its participants (kept when it had none)."""
+    models = tuple(participant_average(u.values['model'], u.mask * u.num_train, old)
+                   for u, old in zip(uploads, server['models']))
+    return {'models': models}, {}
+
+  evaluation = lambda group: head_evaluation(group.model, {'local_head': own_head}, receive=receive_group_model)
+  return one_phase('fedavg', init_server, client, server_update, evaluation, broadcast=broadcast)

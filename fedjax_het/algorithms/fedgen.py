@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedjax_het.algorithms.base import Algorithm, CommSpec
-from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
-from fedjax_het.engine.forward import head_logits
-from fedjax_het.engine.state import ClientState
+from fedjax_het.algorithms.base import (Algorithm, concat_groups, global_head_evaluation, one_phase, receive_head,
+                                        sgd_program)
+from fedjax_het.algorithms.common import cross_entropy, cross_entropy_loss, head_apply, participant_average
+from fedjax_het.algorithms.lg_fedavg import upload_head
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.init import torch_default_init
 from fedjax_het.models.norm import TorchBatchNorm
@@ -74,7 +74,7 @@ def fedgen(cfg: FedGenConfig, num_classes: int, local_batch_size: int = 32,
   """FedGen as an `Algorithm` (`local_batch_size`: generated batch size when cfg.generator_batch_size is None;
   `label_counts` [C]: all clients' training label counts, whose distribution the generated labels follow; None:
   uniform)."""
-  batch = cfg.generator_batch_size or local_batch_size
+  batch_size = cfg.generator_batch_size or local_batch_size
   if label_counts is None:
     label_probs = np.full(num_classes, 1.0 / num_classes)
   else:
@@ -92,43 +92,37 @@ def fedgen(cfg: FedGenConfig, num_classes: int, local_batch_size: int = 32,
     noise = jax.random.uniform(rng, (labels.shape[0], cfg.noise_dim))
     return generator(feature_dim).apply(variables, noise, labels, mutable=['batch_stats'])
 
-  def init_server(rng, example_params):
-    d = example_params['head']['kernel'].shape[0]
-    variables = generator(d).init(rng, jnp.zeros((2, cfg.noise_dim)), jnp.zeros(2, jnp.int32))
-    variables = {**variables, 'params': torch_default_init(variables['params'], rng)}
-    return {'head': example_params['head'], 'generator': variables}
+  def init_server(key, spec, initial):
+    variables = generator(spec.feature_dim).init(key, jnp.zeros((2, cfg.noise_dim)), jnp.zeros(2, jnp.int32))
+    variables = {**variables, 'params': torch_default_init(variables['params'], key)}
+    return {'head': initial[0].params['head'], 'generator': variables}
 
-  def client_begin(client: ClientState, broadcast) -> ClientState:
-    return client._replace(params={**client.params, 'head': broadcast['head']})
+  def client(group):
+    def loss(client, batch, broadcast, key):
+      value, client = cross_entropy_loss(group.model)(client, batch, broadcast, key)
+      label_key, noise_key = jax.random.split(key)
+      labels = jax.random.choice(label_key, num_classes, (batch_size,), p=label_probs)
+      z, _ = generate(broadcast['generator'], group.feature_dim, labels, noise_key)
+      logits = head_apply(client.params['head'], jax.lax.stop_gradient(z))
+      return value + cross_entropy(logits, labels), client
+    return sgd_program(loss, group.training, receive=receive_head, upload=upload_head)
 
-  def client_loss(model, params, model_state, x, y, broadcast, rng):
-    loss, model_state = cross_entropy_loss(model, params, model_state, x, y, broadcast, rng)
-    label_key, noise_key = jax.random.split(rng)
-    labels = jax.random.choice(label_key, num_classes, (batch,), p=label_probs)
-    z, _ = generate(broadcast['generator'], params['head']['kernel'].shape[0], labels, noise_key)
-    z = jax.lax.stop_gradient(z)
-    generated = optax.softmax_cross_entropy_with_integer_labels(head_logits(model, params['head'], z), labels)
-    return loss + generated.mean(), model_state
-
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
-    return {'head': client.params['head'], 'weight': jnp.asarray(num_train, jnp.float32)}
-
-  def server_update(server, uploads, mask, rng):
+  def server_update(server, uploads, key):
     """Trains G against the weighted ensemble of the uploaded heads, then averages the heads."""
-    weights = uploads['weight'] * mask.astype(jnp.float32)
+    u = concat_groups(uploads)
+    weights = u.num_train * u.mask
     w = weights / jnp.maximum(weights.sum(), 1e-12)
     d = server['head']['kernel'].shape[0]
     optimizer = optax.adam(cfg.generator_learning_rate, b1=0.9, b2=0.999, eps=1e-8)
 
-    def step(carry, key):
+    def step(carry, step_key):
       variables, opt_state = carry
-      label_key, noise_key = jax.random.split(key)
-      labels = jax.random.choice(label_key, num_classes, (batch,), p=label_probs)
+      label_key, noise_key = jax.random.split(step_key)
+      labels = jax.random.choice(label_key, num_classes, (batch_size,), p=label_probs)
 
       def loss_fn(params):
         z, updated = generate({**variables, 'params': params}, d, labels, noise_key)
-        logits = ensemble_logits(uploads['head'], w, z)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), updated
+        return cross_entropy(ensemble_logits(u.values['head'], w, z), labels), updated
       (loss, updated), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables['params'])
       updates, opt_state = optimizer.update(grads, opt_state, variables['params'])
       variables = {**variables, **updated, 'params': optax.apply_updates(variables['params'], updates)}
@@ -136,21 +130,17 @@ def fedgen(cfg: FedGenConfig, num_classes: int, local_batch_size: int = 32,
 
     variables = server['generator']
     (variables, _), losses = jax.lax.scan(step, (variables, optimizer.init(variables['params'])),
-                                          jax.random.split(rng, cfg.server_epochs))
-    head = participant_average(uploads['head'], weights, server['head'])
+                                          jax.random.split(key, cfg.server_epochs))
+    head = participant_average(u.values['head'], weights, server['head'])
     return ({'head': head, 'generator': variables},
             {'generator_loss': losses.mean() if cfg.server_epochs else jnp.asarray(0.0)})
 
-  def eval_heads(client: ClientState, broadcast):
-    return {'global_head': broadcast['head'], 'local_head': client.params['head']}
+  def broadcast_scalars(b):
+    """The head and G's parameters (FedRE Table 11 counts the heads only: HtFLlib never sends G; G's BatchNorm
+    running statistics are not sent: clients run G in training mode). The label distribution is fixed at
+    construction and not counted per round."""
+    return {'head': b['head']['kernel'].size + b['head']['bias'].size,
+            'generator': sum(a.size for a in jax.tree.leaves(b['generator']['params']))}
 
-  def communication(spec: CommSpec):
-    """Upload the head; broadcast the head and G's parameters (FedRE Table 11 counts the heads only: HtFLlib
-    never sends G). The label distribution is fixed at construction and not counted per round."""
-    d, h, c = spec.feature_dim, cfg.hidden_dim, spec.num_classes
-    generator_params = (cfg.noise_dim + c) * h + h + 2 * h + h * d + d
-    head = d * c + c
-    return {'upload': {'head': head}, 'broadcast': {'head': head, 'generator': generator_params}}
-
-  return Algorithm('fedgen', init_server, lambda server: server, client_begin, client_loss, client_upload,
-                   server_update, eval_heads, communication, needs_representations=False)
+  return one_phase('fedgen', init_server, client, server_update, global_head_evaluation,
+                   broadcast_scalars=broadcast_scalars)

@@ -12,10 +12,10 @@ from typing import Optional
 
 import jax
 
-from fedjax_het.algorithms.base import Algorithm, CommSpec, identity_broadcast
+from fedjax_het.algorithms.base import (Algorithm, concat_groups, global_head_evaluation, initial_head, one_phase,
+                                        receive_head, sgd_program)
 from fedjax_het.algorithms.common import cross_entropy_loss, head_apply, sgd_on_rows, soft_cross_entropy
-from fedjax_het.algorithms.fedproto import prototype_rows, prototype_upload
-from fedjax_het.engine.state import ClientState
+from fedjax_het.algorithms.fedproto import prototype_rows, prototype_upload, prototypes_sent
 from fedjax_het.errors import ConfigError
 
 
@@ -36,28 +36,22 @@ def fedgh(cfg: FedGHConfig, num_classes: int, local_batch_size: int = 32) -> Alg
   """FedGH as an `Algorithm` (`local_batch_size`: the server batch when cfg.server_batch_size is None)."""
   server_batch = cfg.server_batch_size or local_batch_size
 
-  def init_server(rng, example_params):
-    return {'head': example_params['head']}
+  def client(group):
+    return sgd_program(cross_entropy_loss(group.model), group.training, receive=receive_head,
+                       upload=prototype_upload(num_classes), representations=True)
 
-  def client_begin(client: ClientState, broadcast) -> ClientState:
-    return client._replace(params={**client.params, 'head': broadcast['head']})
-
-  def server_update(server, uploads, mask, rng):
+  def server_update(server, uploads, key):
     """Trains the global head on CE over the participants' (prototype, class) pairs."""
-    protos, labels, weight = prototype_rows(uploads, mask)
+    protos, labels, weight = prototype_rows(concat_groups(uploads))
     onehot = jax.nn.one_hot(labels, num_classes)
     row_loss = lambda h, idx: soft_cross_entropy(head_apply(h, protos[idx]), onehot[idx])
-    head, loss = sgd_on_rows(server['head'], row_loss, weight, rng, cfg.server_learning_rate,
+    head, loss = sgd_on_rows(server['head'], row_loss, weight, key, cfg.server_learning_rate,
                              server_batch, cfg.server_epochs, 'mean')
     return {'head': head}, {'server_loss': loss}
 
-  def eval_heads(client: ClientState, broadcast):
-    return {'global_head': broadcast['head'], 'local_head': client.params['head']}
+  def head_sent(broadcast):
+    """The head (FedRE Table 11 counts its kernel only)."""
+    return {'head_kernel': broadcast['head']['kernel'].size, 'head_bias': broadcast['head']['bias'].size}
 
-  def communication(spec: CommSpec):
-    """Upload one prototype per class held; broadcast the head (FedRE Table 11 counts its kernel only)."""
-    return {'upload': {'prototypes': spec.num_present_classes * spec.feature_dim},
-            'broadcast': {'head_kernel': spec.feature_dim * spec.num_classes, 'head_bias': spec.num_classes}}
-
-  return Algorithm('fedgh', init_server, identity_broadcast, client_begin, cross_entropy_loss,
-                   prototype_upload(num_classes), server_update, eval_heads, communication)
+  return one_phase('fedgh', initial_head, client, server_update, global_head_evaluation,
+                   upload_scalars=prototypes_sent, broadcast_scalars=head_sent)

@@ -8,8 +8,8 @@ losses L_t = CE(z, y), L_s = CE(z_g, y) and S = L_t + L_s, the two losses are (p
   mentee: L_s + KL(p || p_g) / S + MSE(r, W_h r_g) / S,
 where KL is torch's KLDivLoss() (mean over batch and classes) and MSE the mean over batch and d. HtFLlib sums the
 two losses' gradients into every part (two backward passes), which is what is done here: one loss, their sum,
-with the mentee's gradient scaled by mentee_learning_rate / local_learning_rate (its own SGD rate; default 0.01,
-HtFLlib's `-mlr 0.01`). HtFLlib also clips each part's gradient norm at 10, which is not done here.
+minimised by SGD at the local rate for the mentor and W_h and at mentee_learning_rate for the mentee (an
+optax.multi_transform; default 0.01, HtFLlib's `-mlr 0.01`). HtFLlib also clips each part's gradient norm at 10, which is not done here.
 
 Upload and broadcast are SVD-compressed (paper Sec. "Dynamic gradient approximation"): each weight matrix W
 (a Dense kernel, or a convolution kernel viewed as the matrix [kh * kw * in, out]) keeps its K largest singular
@@ -22,9 +22,9 @@ Where HtFLlib differs (not reproduced):
   - its threshold search never keeps all singular values: when the energy target needs every one of them, it
     keeps none and the matrix is sent as zeros (e.g. a 10 x 512 head whose top 9 singular values hold < 95%);
   - it factors a convolution kernel per (out, in) channel pair as kh x kw matrices.
-Communication is measured each round (the static accounting gives the uncompressed size): the scalars of U, s
-and V^T (or of W, when that is smaller) of every matrix the participants upload, and of the compressed average
-the server sends back to each of them.
+Communication is measured from what crosses: the scalars of U, s and V^T (or of W, when that is smaller) of every
+matrix a participant uploads, and of the global model each participant receives at the start of its round (the
+first round's is the uncompressed initial model, later ones the compressed average of the round before).
 """
 
 from __future__ import annotations
@@ -33,18 +33,16 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import Algorithm, local_head
-from fedjax_het.algorithms.common import elementwise_kl, participant_average, scale_gradient
-from fedjax_het.algorithms.global_model import (check_global_model, global_model_communication,
+from fedjax_het.algorithms.base import Algorithm, concat_groups, local_head_evaluation, one_phase, sgd_program
+from fedjax_het.algorithms.common import elementwise_kl, participant_average, train_forward
+from fedjax_het.algorithms.global_model import (check_global_model, global_model_forward, init_global_model,
                                                 initial_global_model, receive_global_model)
-from fedjax_het.engine.forward import forward
-from fedjax_het.engine.state import ClientState
 from fedjax_het.errors import ConfigError
-from fedjax_het.models.classifier import Companion, HeteroClassifier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,40 +114,53 @@ def distillation_loss(logits, global_logits, rep, mapped_global_rep, y) -> jnp.n
   return mentor + mentee
 
 
-def fedkd(cfg: FedKDConfig, num_classes: int, rounds: int, local_learning_rate: float) -> Algorithm:
-  """FedKD as an `Algorithm` (the mentee is the clients' companion, W_h its 'hidden_map' link)."""
+def fedkd(cfg: FedKDConfig, num_classes: int, rounds: int) -> Algorithm:
+  """FedKD as an `Algorithm` (the mentee and W_h live in each client's per-client state)."""
   check_global_model(cfg.global_model, 'FedKD')
-  mentee_scale = 1.0 if cfg.mentee_learning_rate is None else cfg.mentee_learning_rate / local_learning_rate
 
-  def init_server(rng, example_params):
-    return {**initial_global_model(rng, example_params), 'round': jnp.asarray(0, jnp.int32)}
+  def init_client(group, key):
+    extra = init_global_model(group, group.build_model(cfg.global_model), key)
+    hidden_map = group.init_module(nn.Dense(group.feature_dim, use_bias=False), key,
+                                   jnp.zeros((1, group.feature_dim)), name='hidden_map')['params']
+    return {**extra, 'params': {**extra['params'], 'hidden_map': hidden_map}}
 
-  def broadcast(server):
-    return {'companion': server['companion'], 'energy': energy_threshold(cfg, server['round'], rounds)}
+  def init_server(key, spec, initial):
+    server = initial_global_model(key, spec, initial)
+    sent = sum(a.size for a in jax.tree.leaves(server['global_model']))
+    return {**server, 'round': jnp.asarray(0, jnp.int32), 'sent': jnp.asarray(sent, jnp.int32)}
 
-  def client_loss(model, params, model_state, x, y, broadcast, rng):
-    if mentee_scale != 1.0:
-      params = {**params, 'companion': scale_gradient(params['companion'], mentee_scale)}
-    logits, rep, model_state = forward(model, params, model_state, x, train=True)
-    global_logits, global_rep, model_state = forward(model, params, model_state, x, True,
-                                                     HeteroClassifier.companion_forward)
-    mapped = model.apply({'params': params}, global_rep, method=HeteroClassifier.map_companion_representation)
-    return distillation_loss(logits, global_logits, rep, mapped, y), model_state
+  def broadcast(server, group):
+    return {'global_model': server['global_model'], 'sent': server['sent'],
+            'energy': energy_threshold(cfg, server['round'], rounds)}
 
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
-    mentee, sent = compress_params(client.params['companion'], broadcast['energy'])
-    return {'companion': mentee, 'sent': sent}
+  def client(group):
+    mentee = group.build_model(cfg.global_model)
+    rate = group.training.learning_rate
+    mentee_rate = rate if cfg.mentee_learning_rate is None else cfg.mentee_learning_rate
+    # The mentee at its own SGD rate, the mentor and W_h at the local rate (trainable: (params, extra params)).
+    labels = lambda t: (jax.tree.map(lambda _: 'local', t[0]),
+                        {'companion': jax.tree.map(lambda _: 'mentee', t[1]['companion']),
+                         'hidden_map': jax.tree.map(lambda _: 'local', t[1]['hidden_map'])})
+    optimizer = optax.multi_transform({'local': optax.sgd(rate), 'mentee': optax.sgd(mentee_rate)}, labels)
 
-  def server_update(server, uploads, mask, rng):
-    weights = mask.astype(jnp.float32)
+    def loss(client, batch, broadcast, key):
+      logits, rep, client = train_forward(group.model, client, batch.x)
+      global_logits, global_rep, client = global_model_forward(mentee, client, batch.x)
+      mapped = global_rep @ client.extra['params']['hidden_map']['kernel']
+      return distillation_loss(logits, global_logits, rep, mapped, batch.y), client
+
+    def upload(client, rows, broadcast, key):
+      compressed, sent = compress_params(client.extra['params']['companion'], broadcast['energy'])
+      return {'global_model': compressed, 'sent': sent}
+    return sgd_program(loss, group.training, receive=receive_global_model, upload=upload, optimizer=optimizer)
+
+  def server_update(server, uploads, key):
+    u = concat_groups(uploads)
     energy = energy_threshold(cfg, server['round'], rounds)
-    mentee, sent = compress_params(participant_average(uploads['companion'], weights, server['companion']), energy)
-    up = jnp.sum(jnp.where(mask, uploads['sent'], 0)).astype(jnp.float32)
-    down = sent.astype(jnp.float32) * jnp.sum(weights)  # the compressed average, to every participant
-    metrics = {'energy': energy, 'upload_scalars': up, 'upload_global_model_scalars': up,
-               'broadcast_scalars': down, 'broadcast_global_model_scalars': down}
-    return {'companion': mentee, 'round': server['round'] + 1}, metrics
+    average = participant_average(u.values['global_model'], u.mask.astype(jnp.float32), server['global_model'])
+    mentee, sent = compress_params(average, energy)
+    return {'global_model': mentee, 'round': server['round'] + 1, 'sent': sent}, {'energy': energy}
 
-  return Algorithm('fedkd', init_server, broadcast, receive_global_model, client_loss, client_upload,
-                   server_update, local_head, global_model_communication, needs_representations=False,
-                   companion=Companion(cfg.global_model, link='hidden_map'))
+  return one_phase('fedkd', init_server, client, server_update, local_head_evaluation, broadcast=broadcast,
+                   init_client=init_client, upload_scalars=lambda u: {'global_model': u['sent']},
+                   broadcast_scalars=lambda b: {'global_model': b['sent']})

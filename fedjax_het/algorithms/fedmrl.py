@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import Algorithm, identity_broadcast, local_head
-from fedjax_het.algorithms.common import participant_average
-from fedjax_het.algorithms.global_model import (check_global_model, global_model_communication,
-                                                initial_global_model, receive_global_model)
-from fedjax_het.engine.forward import forward
-from fedjax_het.engine.state import ClientState
+from fedjax_het.algorithms.base import Algorithm, ClientState, Evaluation, one_phase, sgd_program
+from fedjax_het.algorithms.common import head_apply
+from fedjax_het.algorithms.global_model import (average_global_models, check_global_model, global_model_forward,
+                                                init_global_model, initial_global_model, receive_global_model,
+                                                upload_global_model)
 from fedjax_het.errors import ConfigError
-from fedjax_het.models.classifier import Companion, HeteroClassifier
+from fedjax_het.models.classifier import HeteroClassifier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,28 +49,50 @@ def matryoshka_loss(logits: jnp.ndarray, global_logits: jnp.ndarray, y: jnp.ndar
   return ce(logits) + ce(global_logits)
 
 
+def fused_forward(model: HeteroClassifier, global_model: HeteroClassifier, client: ClientState, x: jnp.ndarray,
+                  train: bool) -> tuple[jnp.ndarray, jnp.ndarray, ClientState]:
+  """(logits head(r), fused r = proj([r_g, r_own]), client with updated BatchNorm statistics when `train`)."""
+  variables = {'params': client.params, **client.model_state}
+  if train and client.model_state:
+    own, model_state = model.apply(variables, x, train=True, method=HeteroClassifier.represent,
+                                   mutable=list(client.model_state))
+    client = client._replace(model_state=dict(model_state))
+  else:
+    own = model.apply(variables, x, train=train, method=HeteroClassifier.represent)
+  _, shared, client = global_model_forward(global_model, client, x, train)
+  proj = client.extra['params']['fusion']
+  fused = jnp.concatenate([shared, own], axis=-1) @ proj['kernel'] + proj['bias']
+  return head_apply(client.params['head'], fused), fused, client
+
+
 def fedmrl(cfg: FedMRLConfig, num_classes: int, feature_dim: int) -> Algorithm:
-  """FedMRL as an `Algorithm` (clients carry the global model as a companion fused through proj)."""
+  """FedMRL as an `Algorithm` (clients carry the global model and proj in their per-client state)."""
   check_global_model(cfg.global_model, 'FedMRL')
   if cfg.sub_feature_dim > feature_dim:
     raise ConfigError(f'--sub_feature_dim={cfg.sub_feature_dim} must be <= --feature_dim={feature_dim}: the '
                       f'global head reads the first sub_feature_dim entries of the fused representation.')
 
-  def client_loss(model, params, model_state, x, y, broadcast, rng):
-    logits, fused, model_state = forward(model, params, model_state, x, train=True)
-    global_logits = model.apply({'params': params}, fused[:, :cfg.sub_feature_dim],
-                                method=HeteroClassifier.companion_classify)
-    return matryoshka_loss(logits, global_logits, y), model_state
+  def init_client(group, key):
+    extra = init_global_model(group, group.build_model(cfg.global_model, cfg.sub_feature_dim), key)
+    fusion = group.init_module(nn.Dense(group.feature_dim), key,
+                               jnp.zeros((1, cfg.sub_feature_dim + group.feature_dim)), name='fusion')['params']
+    return {**extra, 'params': {**extra['params'], 'fusion': fusion}}
 
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
-    return {'companion': client.params['companion']}
+  def client(group):
+    global_model = group.build_model(cfg.global_model, cfg.sub_feature_dim)
 
-  def server_update(server, uploads, mask, rng):
-    return {'companion': participant_average(uploads['companion'], mask.astype(jnp.float32),
-                                             server['companion'])}, {}
+    def loss(client, batch, broadcast, key):
+      logits, fused, client = fused_forward(group.model, global_model, client, batch.x, True)
+      global_logits = head_apply(client.extra['params']['companion']['head'], fused[:, :cfg.sub_feature_dim])
+      return matryoshka_loss(logits, global_logits, batch.y), client
+    return sgd_program(loss, group.training, receive=receive_global_model, upload=upload_global_model)
 
-  return Algorithm('fedmrl', initial_global_model, identity_broadcast, receive_global_model, client_loss,
-                   client_upload, server_update, local_head, global_model_communication,
-                   needs_representations=False,
-                   companion=Companion(cfg.global_model, cfg.sub_feature_dim, link='fusion'),
-                   eval_client=receive_global_model)
+  def evaluation(group):
+    """head(proj([r_g, r_own])) with the broadcast global model (HtFLlib loads the server's copy to test)."""
+    global_model = group.build_model(cfg.global_model, cfg.sub_feature_dim)
+    prepare = lambda client, broadcast: receive_global_model(client, broadcast)
+    logits = lambda client, x: (fused_forward(group.model, global_model, client, x, False)[0],)
+    return Evaluation(('local_head',), prepare, logits)
+
+  return one_phase('fedmrl', initial_global_model, client, average_global_models, evaluation,
+                   init_client=init_client)

@@ -16,13 +16,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import optax
 
-from fedjax_het.algorithms.base import Algorithm, CommSpec, identity_broadcast, keep_client
+from fedjax_het.algorithms.base import (Algorithm, ClientRows, ClientState, Evaluation, GroupSpec, Uploads,
+                                        concat_groups, head_evaluation, one_phase, own_head, sgd_program)
 from fedjax_het.algorithms.common import (aggregate_class_means, class_means_from_sums, class_prototypes,
-                                          class_sums, nearest_prototype_head, prototype_regularizer)
-from fedjax_het.engine.forward import forward
-from fedjax_het.engine.state import ClientState
+                                          class_sums, cross_entropy, nearest_prototype_head, prototype_regularizer,
+                                          train_forward)
 from fedjax_het.errors import ConfigError
 
 
@@ -36,49 +35,54 @@ class FedProtoConfig:
       raise ConfigError(f'--lamda={self.lamda} must be >= 0.')
 
 
-def prototype_loss(lamda: float, num_classes: int = 0):
-  """client_loss of FedProto and FedTGP: CE + lamda * prototype_regularizer to broadcast['protos']; with
+def prototype_loss(model, lamda: float, num_classes: int = 0):
+  """The loss of FedProto and FedTGP: CE + lamda * prototype_regularizer to broadcast['protos']; with
   `num_classes`, it also returns the batch's per-class representation sums (FedProto's training-pass prototypes)."""
-  def client_loss(model, params, model_state, x, y, broadcast, rng):
-    logits, reps, model_state = forward(model, params, model_state, x, train=True)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    loss = ce + lamda * prototype_regularizer(reps, y, broadcast['protos'], broadcast['present'])
-    return loss, ((model_state, class_sums(reps, y, num_classes)) if num_classes else model_state)
-  return client_loss
+  def loss(client, batch, broadcast, key):
+    logits, reps, client = train_forward(model, client, batch.x)
+    value = cross_entropy(logits, batch.y) + lamda * prototype_regularizer(reps, batch.y, broadcast['protos'],
+                                                                          broadcast['present'])
+    return value, ((client, class_sums(reps, batch.y, num_classes)) if num_classes else client)
+  return loss
 
 
 def prototype_upload(num_classes: int):
-  """client_upload of FedTGP and FedGH: {'protos': [C, d] class means of the eval-mode reps, 'counts': [C]}."""
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
-    protos, counts = class_prototypes(reps, y, jnp.arange(y.shape[0]) < n, num_classes)
+  """The upload of FedTGP, FedGH and FPL: {'protos': [C, d] class means of the eval-mode representations of the
+  statistics rows, 'counts': [C]}."""
+  def upload(client: ClientState, rows: ClientRows, broadcast, key):
+    protos, counts = class_prototypes(rows.reps, rows.y, jnp.arange(rows.y.shape[0]) < rows.n, num_classes)
     return {'protos': protos, 'counts': counts}
-  return client_upload
+  return upload
 
 
-def training_pass_prototype_upload(client: ClientState, sums, y, n, broadcast, rng, num_train):
-  """client_upload of FedProto: the class means of the training-pass representations summed by the engine."""
-  protos, counts = class_means_from_sums(sums)
+def training_pass_prototype_upload(client: ClientState, rows: ClientRows, broadcast, key):
+  """The upload of FedProto: the class means of the training-pass representations summed over its steps."""
+  protos, counts = class_means_from_sums(rows.statistics)
   return {'protos': protos, 'counts': counts}
 
 
-def prototype_rows(uploads: dict, mask: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-  """Uploaded prototypes as server training rows (FedGH, FedTGP): (protos [K*C, d], labels [K*C], weight [K*C]),
-  weight 1 for each class a participant holds and 0 otherwise."""
-  k, c, d = uploads['protos'].shape
-  weight = ((uploads['counts'] > 0) & mask[:, None].astype(bool)).astype(jnp.float32).reshape(k * c)
-  return uploads['protos'].reshape(k * c, d), jnp.tile(jnp.arange(c), k), weight
+def prototype_rows(uploads: Uploads) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+  """Uploaded prototypes (all groups, `concat_groups`) as server training rows (FedGH, FedTGP): (protos [K*C, d],
+  labels [K*C], weight [K*C]), weight 1 for each class a participant holds and 0 otherwise."""
+  k, c, d = uploads.values['protos'].shape
+  weight = ((uploads.values['counts'] > 0) & uploads.mask[:, None]).astype(jnp.float32).reshape(k * c)
+  return uploads.values['protos'].reshape(k * c, d), jnp.tile(jnp.arange(c), k), weight
 
 
-def prototype_heads(client: ClientState, broadcast) -> dict:
+def prototype_evaluation(group: GroupSpec) -> Evaluation:
   """Reported: nearest global prototype; also logged: the client's own head."""
-  return {'prototype': nearest_prototype_head(broadcast['protos'], broadcast['present']),
-          'local_head': client.params['head']}
+  heads = {'prototype': lambda c, b: nearest_prototype_head(b['protos'], b['present']), 'local_head': own_head}
+  return head_evaluation(group.model, heads)
 
 
-def prototype_communication(spec: CommSpec) -> dict:
-  """Upload one d-vector per class held; broadcast C global prototypes (FedRE Table 11)."""
-  return {'upload': {'prototypes': spec.num_present_classes * spec.feature_dim},
-          'broadcast': {'prototypes': spec.num_classes * spec.feature_dim}}
+def prototypes_sent(upload) -> dict:
+  """One d-vector per class held (FedRE Table 11); the counts only say which classes, and are not counted."""
+  return {'prototypes': jnp.sum(upload['counts'] > 0) * upload['protos'].shape[-1]}
+
+
+def global_prototypes_sent(broadcast) -> dict:
+  """C global prototypes (FedRE Table 11)."""
+  return {'prototypes': broadcast['protos'].size}
 
 
 def empty_prototypes(num_classes: int, feature_dim: int) -> dict:
@@ -89,15 +93,20 @@ def empty_prototypes(num_classes: int, feature_dim: int) -> dict:
 def fedproto(cfg: FedProtoConfig, num_classes: int) -> Algorithm:
   """FedProto as an `Algorithm`."""
 
-  def init_server(rng, example_params):
-    return empty_prototypes(num_classes, example_params['head']['kernel'].shape[0])
+  def init_server(key, spec, initial):
+    return empty_prototypes(num_classes, spec.feature_dim)
 
-  def server_update(server, uploads, mask, rng):
+  def client(group: GroupSpec):
+    zeros = lambda c: (jnp.zeros((num_classes, group.feature_dim)), jnp.zeros(num_classes))
+    return sgd_program(prototype_loss(group.model, cfg.lamda, num_classes), group.training,
+                       upload=training_pass_prototype_upload, statistics=zeros)
+
+  def server_update(server, uploads, key):
     """Per-class unweighted mean over the participants holding the class; classes nobody uploaded this round
     have no global prototype next round (as in HtFLlib)."""
-    protos, present = aggregate_class_means(uploads['protos'], uploads['counts'], mask)
+    u = concat_groups(uploads)
+    protos, present = aggregate_class_means(u.values['protos'], u.values['counts'], u.mask)
     return {'protos': protos, 'present': present}, {'global_classes': present.sum()}
 
-  return Algorithm('fedproto', init_server, identity_broadcast, keep_client, prototype_loss(cfg.lamda, num_classes),
-                   training_pass_prototype_upload, server_update, prototype_heads, prototype_communication,
-                   needs_representations=False, train_statistics=True)
+  return one_phase('fedproto', init_server, client, server_update, prototype_evaluation,
+                   upload_scalars=prototypes_sent, broadcast_scalars=global_prototypes_sent)

@@ -12,10 +12,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.algorithms.base import Algorithm, CommSpec
+from fedjax_het.algorithms.base import (Algorithm, ClientProgram, ClientRows, ClientState, GroupSpec, concat_groups,
+                                        global_head_evaluation, initial_head, one_phase, receive_head, sgd_program)
 from fedjax_het.algorithms.common import cross_entropy_loss, head_apply, sgd_on_rows, soft_cross_entropy
-from fedjax_het.engine.rows import row_keys, row_uniform
-from fedjax_het.engine.state import ClientState
+from fedjax_het.rows import row_keys, row_uniform
 from fedjax_het.errors import ConfigError
 
 MECHANISMS = ('rsr', 'var', 'rar', 'rsp', 'vap', 'rap')
@@ -103,44 +103,46 @@ def train_head(head: dict, reps: jnp.ndarray, soft_labels: jnp.ndarray, row_weig
                      cfg.server_epochs, cfg.server_loss_reduction)
 
 
-def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
-  """FedRE as an `Algorithm` (fedre.txt Alg. 1)."""
-
-  def init_server(rng, example_params):
-    # The global head starts as one client's head (SPEC.md).
-    return {'head': example_params['head']}
-
-  def client_begin(client: ClientState, broadcast) -> ClientState:
-    """omega_k <- omega (Alg. 1 line 6)."""
-    return client._replace(params={**client.params, 'head': broadcast['head']})
-
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
-    """(r~_k, y~_k) of Eq. 2 (one row), or every (r_i, onehot(y_i)) for FedAllRep."""
+def fedre_upload(cfg: FedREConfig, num_classes: int):
+  """The client's upload (client, rows, broadcast, key) -> (r~_k, y~_k) of Eq. 2 as one row, or every
+  (r_i, onehot(y_i)) for FedAllRep; 'weight' marks the rows sent."""
+  def upload(client: ClientState, rows: ClientRows, broadcast, key):
+    reps, y, n = rows.reps, rows.y, rows.n
     valid = (jnp.arange(y.shape[0]) < n).astype(reps.dtype)
     if cfg.all_representations:
       return {'rep': reps, 'label': jax.nn.one_hot(y, num_classes, dtype=reps.dtype), 'weight': valid}
-    key = rng if cfg.resample else jax.random.fold_in(client.key, 0x52E)
+    key = key if cfg.resample else jax.random.fold_in(client.key, 0x52E)
     w = entanglement_weights(y, valid, num_classes, cfg.mechanism, cfg.weight_distribution, key)
     r, soft = entangle(reps, y, w, num_classes)
     return {'rep': r[None], 'label': soft[None], 'weight': jnp.minimum(n, 1).astype(reps.dtype)[None]}
+  return upload
 
-  def server_update(server, uploads, mask, rng):
+
+def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
+  """FedRE as an `Algorithm` (fedre.txt Alg. 1)."""
+
+  upload = fedre_upload(cfg, num_classes)
+
+  def client(group: GroupSpec) -> ClientProgram:
+    """omega_k <- omega (Alg. 1 line 6), CE (Eq. 1), then the upload from eval-mode representations."""
+    return sgd_program(cross_entropy_loss(group.model), group.training, receive=receive_head, upload=upload,
+                       representations=True)
+
+  def server_update(server, uploads, key):
     """Trains omega on the participants' rows (Eq. 3)."""
-    rows = uploads['rep'].shape[0] * uploads['rep'].shape[1]
-    weight = (uploads['weight'] * mask[:, None].astype(uploads['weight'].dtype)).reshape(rows)
-    head, loss = train_head(server['head'], uploads['rep'].reshape(rows, -1), uploads['label'].reshape(rows, -1),
-                            weight, rng, cfg)
+    u = concat_groups(uploads)
+    rep = u.values['rep']
+    rows = rep.shape[0] * rep.shape[1]
+    weight = (u.values['weight'] * u.mask[:, None].astype(rep.dtype)).reshape(rows)
+    head, loss = train_head(server['head'], rep.reshape(rows, -1), u.values['label'].reshape(rows, -1), weight,
+                            key, cfg)
     return {'head': head}, {'server_loss': loss}
 
-  def eval_heads(client: ClientState, broadcast):
-    """Reported: own extractor + received global head; also logged: the locally trained head."""
-    return {'global_head': broadcast['head'], 'local_head': client.params['head']}
+  def upload_scalars(upload):
+    """d + C scalars per row sent: one row, or every training row for FedAllRep (Table 11); the row weights are
+    the server's bookkeeping of which rows are real, not sent."""
+    sent = jnp.sum(upload['weight'] > 0)
+    return {'representation': sent * upload['rep'].shape[-1], 'label': sent * num_classes}
 
-  def communication(spec: CommSpec):
-    """Upload d + C scalars (rows x (d + C) for FedAllRep); broadcast dC + C (Table 11)."""
-    rows = spec.num_train if cfg.all_representations else 1
-    return {'upload': {'representation': rows * spec.feature_dim, 'label': rows * spec.num_classes},
-            'broadcast': {'head': spec.feature_dim * spec.num_classes + spec.num_classes}}
-
-  return Algorithm('fedre', init_server, lambda server: server, client_begin, cross_entropy_loss, client_upload,
-                   server_update, eval_heads, communication)
+  return one_phase('fedre', initial_head, client, server_update, global_head_evaluation,
+                   upload_scalars=upload_scalars)

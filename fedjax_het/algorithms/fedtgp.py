@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import Algorithm, keep_client
+from fedjax_het.algorithms.base import Algorithm, concat_groups, one_phase, sgd_program
 from fedjax_het.algorithms.common import aggregate_class_means, sgd_on_rows
-from fedjax_het.algorithms.fedproto import (empty_prototypes, prototype_communication, prototype_heads,
-                                            prototype_loss, prototype_rows, prototype_upload)
+from fedjax_het.algorithms.fedproto import (empty_prototypes, global_prototypes_sent, prototype_evaluation,
+                                            prototype_loss, prototype_rows, prototype_upload, prototypes_sent)
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.init import torch_default_init
 
@@ -96,27 +96,31 @@ def fedtgp(cfg: FedTGPConfig, num_classes: int, local_batch_size: int = 32, loca
   def generator(feature_dim: int) -> PrototypeGenerator:
     return PrototypeGenerator(num_classes, feature_dim, cfg.hidden_dim or feature_dim)
 
-  def init_server(rng, example_params):
-    d = example_params['head']['kernel'].shape[0]
-    params = generator(d).init(rng, classes)['params']
-    return {'tgp': torch_default_init(params, rng), **empty_prototypes(num_classes, d)}
+  def init_server(key, spec, initial):
+    params = generator(spec.feature_dim).init(key, classes)['params']
+    return {'tgp': torch_default_init(params, key), **empty_prototypes(num_classes, spec.feature_dim)}
 
-  def broadcast(server):
+  def broadcast(server, group):
     return {'protos': server['protos'], 'present': server['present']}
 
-  def server_update(server, uploads, mask, rng):
+  def client(group):
+    return sgd_program(prototype_loss(group.model, cfg.lamda), group.training,
+                       upload=prototype_upload(num_classes), representations=True)
+
+  def server_update(server, uploads, key):
     """Trains TGP on the participants' prototypes with the adaptive margin; broadcasts TGP(c) for all c."""
-    protos, labels, weight = prototype_rows(uploads, mask)
-    means, present = aggregate_class_means(uploads['protos'], uploads['counts'], mask)
+    u = concat_groups(uploads)
+    protos, labels, weight = prototype_rows(u)
+    means, present = aggregate_class_means(u.values['protos'], u.values['counts'], u.mask)
     margin = adaptive_margin(means, present, cfg.margin_threshold)
     tgp = generator(protos.shape[-1])
     row_loss = lambda p, idx: margin_contrastive_loss(protos[idx], labels[idx], tgp.apply({'params': p}, classes),
                                                       margin)
-    params, loss = sgd_on_rows(server['tgp'], row_loss, weight, rng, server_rate,
+    params, loss = sgd_on_rows(server['tgp'], row_loss, weight, key, server_rate,
                                server_batch, cfg.server_epochs, 'mean')
     generated = tgp.apply({'params': params}, classes)
     return ({'tgp': params, 'protos': generated, 'present': jnp.ones(num_classes, bool)},
             {'server_loss': loss, 'margin': margin})
 
-  return Algorithm('fedtgp', init_server, broadcast, keep_client, prototype_loss(cfg.lamda),
-                   prototype_upload(num_classes), server_update, prototype_heads, prototype_communication)
+  return one_phase('fedtgp', init_server, client, server_update, prototype_evaluation, broadcast=broadcast,
+                   upload_scalars=prototypes_sent, broadcast_scalars=global_prototypes_sent)

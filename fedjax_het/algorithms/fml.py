@@ -17,14 +17,12 @@ import dataclasses
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import Algorithm, identity_broadcast, local_head
-from fedjax_het.algorithms.common import elementwise_kl, participant_average
-from fedjax_het.algorithms.global_model import (check_global_model, global_model_communication,
-                                                initial_global_model, receive_global_model)
-from fedjax_het.engine.forward import forward
-from fedjax_het.engine.state import ClientState
+from fedjax_het.algorithms.base import Algorithm, local_head_evaluation, one_phase, sgd_program
+from fedjax_het.algorithms.common import elementwise_kl, train_forward
+from fedjax_het.algorithms.global_model import (average_global_models, check_global_model, global_model_forward,
+                                                init_global_model, initial_global_model, receive_global_model,
+                                                upload_global_model)
 from fedjax_het.errors import ConfigError
-from fedjax_het.models.classifier import Companion, HeteroClassifier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,21 +46,18 @@ def mutual_loss(logits: jnp.ndarray, global_logits: jnp.ndarray, y: jnp.ndarray,
 
 
 def fml(cfg: FMLConfig, num_classes: int) -> Algorithm:
-  """FML as an `Algorithm` (its clients' models carry `cfg.global_model` as their companion)."""
+  """FML as an `Algorithm` (each client carries a copy of `cfg.global_model` in its per-client state)."""
   check_global_model(cfg.global_model, 'FML')
 
-  def client_loss(model, params, model_state, x, y, broadcast, rng):
-    logits, _, model_state = forward(model, params, model_state, x, train=True)
-    global_logits, _, model_state = forward(model, params, model_state, x, True, HeteroClassifier.companion_forward)
-    return mutual_loss(logits, global_logits, y, cfg.alpha, cfg.beta), model_state
+  def client(group):
+    global_model = group.build_model(cfg.global_model)
 
-  def client_upload(client: ClientState, reps, y, n, broadcast, rng, num_train):
-    return {'companion': client.params['companion']}
+    def loss(client, batch, broadcast, key):
+      logits, _, client = train_forward(group.model, client, batch.x)
+      global_logits, _, client = global_model_forward(global_model, client, batch.x)
+      return mutual_loss(logits, global_logits, batch.y, cfg.alpha, cfg.beta), client
+    return sgd_program(loss, group.training, receive=receive_global_model, upload=upload_global_model)
 
-  def server_update(server, uploads, mask, rng):
-    return {'companion': participant_average(uploads['companion'], mask.astype(jnp.float32),
-                                             server['companion'])}, {}
-
-  return Algorithm('fml', initial_global_model, identity_broadcast, receive_global_model, client_loss,
-                   client_upload, server_update, local_head, global_model_communication,
-                   needs_representations=False, companion=Companion(cfg.global_model))
+  init_client = lambda group, key: init_global_model(group, group.build_model(cfg.global_model), key)
+  return one_phase('fml', initial_global_model, client, average_global_models, local_head_evaluation,
+                   init_client=init_client)

@@ -22,13 +22,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from fedjax_het.algorithms.base import Algorithm, identity_broadcast, keep_client, local_head
-from fedjax_het.algorithms.common import cosine_similarity
-from fedjax_het.algorithms.fedproto import prototype_communication, prototype_upload
+from fedjax_het.algorithms.base import Algorithm, concat_groups, local_head_evaluation, one_phase, sgd_program
+from fedjax_het.algorithms.common import cosine_similarity, cross_entropy, train_forward
+from fedjax_het.algorithms.fedproto import prototype_upload, prototypes_sent
 from fedjax_het.algorithms.finch import cluster_means, finch
-from fedjax_het.engine.forward import forward
 from fedjax_het.errors import ConfigError
 
 
@@ -82,30 +80,27 @@ def fpl(cfg: FPLConfig, num_classes: int, num_clients: int) -> Algorithm:
   """FPL as an `Algorithm`; a class has at most one cluster per client, so the server keeps num_clients slots
   per class."""
 
-  def init_server(rng, example_params):
-    d = example_params['head']['kernel'].shape[0]
-    return {'clusters': jnp.zeros((num_classes, num_clients, d)), 'valid': jnp.zeros((num_classes, num_clients), bool)}
+  def init_server(key, spec, initial):
+    return {'clusters': jnp.zeros((num_classes, num_clients, spec.feature_dim)),
+            'valid': jnp.zeros((num_classes, num_clients), bool)}
 
-  def client_loss(model, params, model_state, x, y, broadcast, rng):
-    logits, reps, model_state = forward(model, params, model_state, x, train=True)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    reg = fpl_regularizer(reps, y, broadcast['clusters'], broadcast['valid'], cfg.temperature)
-    return ce + reg, model_state
+  def client(group):
+    def loss(client, batch, broadcast, key):
+      logits, reps, client = train_forward(group.model, client, batch.x)
+      reg = fpl_regularizer(reps, batch.y, broadcast['clusters'], broadcast['valid'], cfg.temperature)
+      return cross_entropy(logits, batch.y) + reg, client
+    return sgd_program(loss, group.training, upload=prototype_upload(num_classes), representations=True)
 
-  def server_update(server, uploads, mask, rng):
-    holds = (uploads['counts'] > 0) & mask[:, None].astype(bool)  # [K, C]
-    clusters, valid = jax.vmap(cluster_prototypes, in_axes=(1, 1))(uploads['protos'], holds)  # [C, K, ...]
+  def server_update(server, uploads, key):
+    u = concat_groups(uploads)
+    holds = (u.values['counts'] > 0) & u.mask[:, None]  # [K, C]
+    clusters, valid = jax.vmap(cluster_prototypes, in_axes=(1, 1))(u.values['protos'], holds)  # [C, K, ...]
     clusters, valid = jax.vmap(lambda c, v: compact_clusters(c, v, num_clients))(clusters, valid)
-    d = clusters.shape[-1]
-    down = valid.sum().astype(jnp.float32) * d * jnp.sum(mask.astype(jnp.float32))
-    metrics = {'cluster_prototypes': valid.sum(), 'broadcast_scalars': down,
-               'broadcast_cluster_prototypes_scalars': down}
-    return {'clusters': clusters, 'valid': valid}, metrics
+    return {'clusters': clusters, 'valid': valid}, {'cluster_prototypes': valid.sum()}
 
-  def communication(spec):
-    """Upload as FedProto; broadcast at least one prototype per class (measured each round)."""
-    comm = prototype_communication(spec)
-    return {'upload': comm['upload'], 'broadcast': {'cluster_prototypes': comm['broadcast']['prototypes']}}
+  def clusters_sent(broadcast):
+    """The valid cluster prototypes, d scalars each."""
+    return {'cluster_prototypes': jnp.sum(broadcast['valid']) * broadcast['clusters'].shape[-1]}
 
-  return Algorithm('fpl', init_server, identity_broadcast, keep_client, client_loss, prototype_upload(num_classes),
-                   server_update, local_head, communication)
+  return one_phase('fpl', init_server, client, server_update, local_head_evaluation,
+                   upload_scalars=prototypes_sent, broadcast_scalars=clusters_sent)

@@ -1,14 +1,20 @@
 """The pieces shared by methods whose clients train a small global model beside their own (FML, FedKD, FedMRL):
-the model lives under params['companion'] (`HeteroClassifier.companion`), the server keeps and broadcasts one
-copy, and every participant starts its round from that copy."""
+each client holds its copy in `ClientState.extra` (parameters under extra['params']['companion'], BatchNorm
+statistics under extra['state']['companion']), the server keeps and broadcasts one copy, every participant
+starts its round from it, and the server averages the participants' copies, unweighted (HtFLlib)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fedjax_het.algorithms.base import CommSpec
-from fedjax_het.engine.state import ClientState
+import jax
+import jax.numpy as jnp
+
+from fedjax_het.algorithms.base import ClientState, GroupSpec, concat_groups
+from fedjax_het.algorithms.common import participant_average
 from fedjax_het.errors import ConfigError
+from fedjax_het.models.classifier import HeteroClassifier
+from fedjax_het.models.forward import forward
 from fedjax_het.models.registry import model_names
 
 
@@ -19,18 +25,42 @@ def check_global_model(arch: str, method: str) -> None:
                       f'{", ".join(model_names())}.')
 
 
-def initial_global_model(rng, example_params: Any) -> dict:
-  """init_server: the server starts from client 0's initial copy of the global model."""
-  return {'companion': example_params['companion']}
+def init_global_model(group: GroupSpec, model: HeteroClassifier, key: jax.Array) -> dict:
+  """A client's per-client state holding its copy of the global model: {'params': {'companion': ...},
+  'state': {'companion': its non-trainable collections}}, initialised as the run initialises clients."""
+  variables = group.init_module(model, key, group.sample_input(), name='companion')
+  params = variables.pop('params')
+  return {'params': {'companion': params}, 'state': {'companion': variables}}
+
+
+def global_model_forward(model: HeteroClassifier, client: ClientState, x: jnp.ndarray, train: bool = True
+                         ) -> tuple[jnp.ndarray, jnp.ndarray, ClientState]:
+  """(logits, representation, client with the global model's BatchNorm statistics updated when `train`) of the
+  client's copy of the global model."""
+  extra = client.extra
+  logits, reps, state = forward(model, extra['params']['companion'], extra['state']['companion'], x, train)
+  return logits, reps, client._replace(extra={**extra, 'state': {**extra['state'], 'companion': state}})
+
+
+def initial_global_model(key: jax.Array, spec, initial) -> dict:
+  """init_server: the global model every client starts from (the first group's initial copy)."""
+  return {'global_model': initial[0].extra['params']['companion']}
 
 
 def receive_global_model(client: ClientState, broadcast: Any) -> ClientState:
-  """client_begin: replace the client's copy of the global model by the broadcast one (BatchNorm statistics,
-  if any, stay the client's own, as HtFLlib sends parameters only)."""
-  return client._replace(params={**client.params, 'companion': broadcast['companion']})
+  """The client's copy of the global model replaced by the broadcast one (its BatchNorm statistics stay the
+  client's own, as HtFLlib sends parameters only)."""
+  extra = client.extra
+  return client._replace(extra={**extra, 'params': {**extra['params'], 'companion': broadcast['global_model']}})
 
 
-def global_model_communication(spec: CommSpec) -> dict:
-  """Every participant uploads and receives the whole global model."""
-  return {'upload': {'global_model': spec.num_companion_params},
-          'broadcast': {'global_model': spec.num_companion_params}}
+def upload_global_model(client: ClientState, rows, broadcast, key) -> dict:
+  """The client's trained copy of the global model."""
+  return {'global_model': client.extra['params']['companion']}
+
+
+def average_global_models(server, uploads, key):
+  """The unweighted mean of the participants' global models (kept when nobody participated)."""
+  u = concat_groups(uploads)
+  return {**server, 'global_model': participant_average(u.values['global_model'], u.mask.astype(jnp.float32),
+                                                         server['global_model'])}, {}

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fedjax_het.algorithms.base import (Algorithm, identity_broadcast, keep_client, keep_server, local_head,
-                                        no_server, no_upload)
+from fedjax_het.algorithms.base import (Algorithm, keep_server, local_head_evaluation, no_server, one_phase,
+                                        sgd_program)
 from fedjax_het.algorithms.common import cross_entropy_loss
 
 
 def local(num_classes: int) -> Algorithm:
   """The Local baseline as an `Algorithm`."""
-  return Algorithm('local', no_server, identity_broadcast, keep_client, cross_entropy_loss, no_upload, keep_server,
-                   local_head, lambda spec: {'upload': {}, 'broadcast': {}}, needs_representations=False)
+  client = lambda group: sgd_program(cross_entropy_loss(group.model), group.training)
+  return one_phase('local', no_server, client, keep_server, local_head_evaluation)

@@ -55,3 +55,19 @@ def architecture_key(key: jax.Array, arch: str) -> jax.Array:
   """The initialisation key shared by every client of architecture `arch` (HtFLlib re-seeds before each client's
   model, so clients of one architecture start identical)."""
   return jax.random.fold_in(key, zlib.crc32(arch.encode()) & 0x7FFFFFFF)
+
+
+def init_variables(module: Any, key: jax.Array, *inputs: Any, scheme: str = 'torch', path: tuple = ()) -> dict:
+  """`module.init(key, *inputs)`'s variables; with scheme 'torch', its Dense/Conv layers redrawn by
+  `torch_default_init` from fold_in(key, 1), each layer keyed by its path under `path` (a module initialised on
+  its own with path=('companion',) draws what it would draw as the submodule 'companion' of a client)."""
+  variables = dict(module.init(key, *inputs))
+  if scheme == 'torch':
+    params = variables['params']
+    for name in reversed(path):
+      params = {name: params}
+    params = torch_default_init(params, jax.random.fold_in(key, 1))
+    for name in path:
+      params = params[name]
+    variables['params'] = params
+  return variables

@@ -7,12 +7,12 @@ HtFLlib's model families.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import flax.linen as nn
 
 from fedjax_het.errors import ConfigError
-from fedjax_het.models.classifier import Companion, HeteroClassifier
+from fedjax_het.models.classifier import HeteroClassifier
 from fedjax_het.models.cnn import MLP, FedAvgCNN, SmallCNN
 from fedjax_het.models.conv import ConvFactory, conv_factory
 from fedjax_het.models.gefl_cnn import GEFL_DATASETS, GeFLCNN
@@ -37,17 +37,13 @@ def model_names() -> list[str]:
   return sorted(_EXTRACTORS)
 
 
-def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = 'ap', conv: str = 'xla',
-                companion: Optional[Companion] = None) -> HeteroClassifier:
+def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = 'ap', conv: str = 'xla'
+                ) -> HeteroClassifier:
   """The classifier `name` with RM to `feature_dim`, a head to `num_classes`, and convolutions computed the
-  `conv` way ('xla', 'im2col' or 'auto'; same parameters, same function); with `companion`, that architecture
-  is built alongside as the classifier's companion (HeteroClassifier.companion), with its link layer."""
+  `conv` way ('xla', 'im2col' or 'auto'; same parameters, same function)."""
   if name not in _EXTRACTORS:
     raise ConfigError(f'--models: unknown model {name!r}; registered models are {", ".join(model_names())}.')
-  extra = None if companion is None else build_model(companion.arch, num_classes,
-                                                     companion.feature_dim or feature_dim, rm, conv)
-  return HeteroClassifier(_EXTRACTORS[name](conv_factory(conv)), num_classes, feature_dim, rm, companion=extra,
-                          companion_link=None if companion is None else companion.link)
+  return HeteroClassifier(_EXTRACTORS[name](conv_factory(conv)), num_classes, feature_dim, rm)
 
 
 def assign_models(models: Sequence[str], num_clients: int) -> list[str]:

@@ -1,0 +1,205 @@
+"""The vocabulary shared by the engine and the algorithms (neither imports the other): client state, what an
+algorithm knows about the federation, and the algorithm API (version 2).
+
+An `Algorithm` is pure functions in optax's style. Its clients run a `ClientProgram` (init / step / final on ONE
+client), built per architecture group, which every executor runs unchanged: vmapped over a group with the local
+steps in a `lax.scan`, or client by client from the host. A run is a sequence of `Phase`s (each with its own
+program, server step, broadcast, rounds and participation); state, round counter, logs and checkpoints continue
+across phase boundaries. Communication is measured from what crosses: the leaf sizes of each participant's upload
+and of the broadcast its group receives (`upload_scalars` / `broadcast_scalars`, overridable where part of a fixed-
+shape array is padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_het.local_training import LocalTraining
+from fedjax_het.models.classifier import HeteroClassifier
+from fedjax_het.models.init import init_variables
+from fedjax_het.models.registry import build_model
+
+Broadcast = Any
+Upload = Any
+ServerState = Any
+Carry = Any
+
+
+class ClientState(NamedTuple):
+  """One client's state; stacked over a group, every leaf gets a leading client axis.
+
+  params: its classifier's flax params {'extractor': ..., ['rm_fc': ...], 'head': ...}.
+  model_state: the classifier's non-trainable collections, e.g. {'batch_stats': ...}; {} without BatchNorm.
+  extra: the algorithm's per-client state (`Algorithm.init_client`): extra modules' variables, optimizer states
+    kept across rounds, ...; checkpointed with the rest, never averaged unless the algorithm does it.
+  key: a uint32[2] key fixed at initialisation (draws that must not change across rounds).
+  """
+  params: Any
+  model_state: Any
+  extra: Any
+  key: jax.Array
+
+
+class Batch(NamedTuple):
+  """One local step's rows: x [B, ...], y [B]."""
+  x: jnp.ndarray
+  y: jnp.ndarray
+
+
+class ClientRows(NamedTuple):
+  """What a client's `final` sees of its data: all its padded training rows x [n_max, ...], y [n_max]; n, the
+  rows a statistics pass over its train loader visits (its first n; HtFLlib's drop_last loader under the stored
+  order, `LocalTraining.statistics_rows`); num_train, all its training rows; reps [n_max, d], eval-mode
+  representations of the rows by the trained model (only for programs with `trained`; rows past n are padding);
+  statistics: sums a program gathered in its training passes (set by the program itself, see `sgd_program`)."""
+  x: jnp.ndarray
+  y: jnp.ndarray
+  n: jnp.ndarray
+  num_train: jnp.ndarray
+  reps: Optional[jnp.ndarray] = None
+  statistics: Any = None
+
+
+class ClientProgram(NamedTuple):
+  """One client's round as pure functions; every executor runs exactly these.
+
+  init(client, broadcast, key) -> carry: receive the broadcast, build the optimizer state(s).
+  step(carry, batch, broadcast, key) -> (carry, loss): one local step on a `Batch` of the client's rows (the
+    program may also, or instead, train on batches it generates). The executor skips padded step slots. (The
+    broadcast is an argument rather than part of the carry so that vmapped clients share one copy.)
+  final(carry, rows, broadcast, key) -> (client, upload): statistics passes and the upload (a fixed-shape pytree).
+  training: the local schedule: epochs of drop_last batches of the client's rows, in stored or shuffled order.
+  trained: (carry) -> the trained `ClientState`, when `final` reads `rows.reps` (the executor computes the
+    eval-mode representations of the training rows with the group's model its fastest way); None otherwise.
+  """
+  init: Callable[[ClientState, Broadcast, jax.Array], Carry]
+  step: Callable[[Carry, Batch, Broadcast, jax.Array], tuple[Carry, jnp.ndarray]]
+  final: Callable[[Carry, ClientRows, Broadcast, jax.Array], tuple[ClientState, Upload]]
+  training: LocalTraining
+  trained: Optional[Callable[[Carry], ClientState]] = None
+
+
+class Evaluation(NamedTuple):
+  """How a group's clients are scored: names of the scored predictions, the first being the method's reported
+  accuracy; prepare(client, broadcast) -> evaluated (once per client and evaluation: the model as evaluated, its
+  heads); logits(evaluated, x) -> one [B, C] array per name, on a batch of test rows. Evaluation never trains."""
+  names: tuple[str, ...]
+  prepare: Callable[[ClientState, Broadcast], Any]
+  logits: Callable[[Any, jnp.ndarray], tuple[jnp.ndarray, ...]]
+
+
+class Uploads(NamedTuple):
+  """One group's uploads in a round: values (the programs' uploads stacked over slots [S, ...]), mask [S] (the
+  slots that hold a participant), num_train [S] (their training rows, float: sample weights the server knows)."""
+  values: Any
+  mask: jnp.ndarray
+  num_train: jnp.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+  """What an algorithm knows about one architecture group."""
+  index: int
+  arch: str
+  model: HeteroClassifier
+  clients: tuple[int, ...]
+  num_classes: int
+  feature_dim: int
+  input_shape: tuple[int, ...]
+  training: LocalTraining
+  rm: str = 'ap'
+  conv: str = 'xla'
+  init: str = 'torch'
+
+  def build_model(self, arch: str, feature_dim: Optional[int] = None) -> HeteroClassifier:
+    """A registered architecture built the way this run builds its clients' (RM, convolutions), with RM to
+    `feature_dim` (default the run's d): e.g. the small global model of FML, FedKD and FedMRL."""
+    return build_model(arch, self.num_classes, feature_dim or self.feature_dim, self.rm, self.conv)
+
+  def init_module(self, module: Any, key: jax.Array, *inputs: Any, name: str) -> dict:
+    """A module's variables initialised as this run initialises its clients (--init): `name` is the module's
+    place in the client ('companion', 'hidden_map', ...), which keys its PyTorch-style draws."""
+    return init_variables(module, key, *inputs, scheme=self.init, path=(name,))
+
+  def sample_input(self, rows: int = 1) -> jnp.ndarray:
+    """Zeros shaped like `rows` input images (for initialising modules that read images)."""
+    return jnp.zeros((rows,) + tuple(self.input_shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class FederationSpec:
+  """What an algorithm's server knows: classes, d, clients, groups, rounds and the local schedule."""
+  num_classes: int
+  feature_dim: int
+  num_clients: int
+  rounds: int
+  groups: tuple[GroupSpec, ...]
+  training: LocalTraining
+
+
+def whole_server(server: ServerState, group: GroupSpec) -> Broadcast:
+  """The broadcast of methods that send their whole server state to every group."""
+  return server
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+  """A stretch of rounds with one client program and server step.
+
+  client(group) -> the `ClientProgram` of that group's clients; server_update(server, uploads, key) -> (server,
+  metrics), uploads a tuple of `Uploads`, one per group; broadcast(server, group) -> what that group's
+  participants receive. rounds: how many (None: the rest of the run); join_ratio: participation (None: the run's);
+  evaluate: whether the run's evaluation schedule applies in this phase.
+  """
+  name: str
+  client: Callable[[GroupSpec], ClientProgram]
+  server_update: Callable[..., tuple[ServerState, dict]]
+  broadcast: Callable[[ServerState, GroupSpec], Broadcast] = whole_server
+  rounds: Optional[int] = None
+  join_ratio: Optional[float] = None
+  evaluate: bool = True
+
+
+def leaf_scalars(tree: Any) -> dict:
+  """Scalars per part: the leaf sizes under each top-level key of a dict (one part 'all' otherwise)."""
+  count = lambda t: sum(math.prod(jnp.shape(a)) for a in jax.tree.leaves(t))
+  if isinstance(tree, dict):
+    return {k: count(v) for k, v in tree.items()}
+  return {'all': count(tree)} if jax.tree.leaves(tree) else {}
+
+
+def no_client_state(group: GroupSpec, key: jax.Array) -> Any:
+  """init_client of methods without per-client algorithm state."""
+  return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """A federated method as pure functions.
+
+  init_server(key, spec, initial) -> server state; `initial[g]` is group g's initial client state (its
+    architecture's shared initialisation, which the server of HtFLlib builds from the same seed).
+  init_client(group, key) -> the per-client algorithm state (`ClientState.extra`) of one client of the group.
+  phases: the run's phases in order (most methods have one, of all rounds).
+  evaluation(group) -> the `Evaluation` of that group's clients.
+  upload_scalars(upload) / broadcast_scalars(broadcast) -> {part: scalars} of one client's upload / of what one
+    participant receives (jnp scalars allowed: data-dependent sizes); default `leaf_scalars`.
+  """
+  name: str
+  init_server: Callable[[jax.Array, FederationSpec, Sequence[ClientState]], ServerState]
+  phases: tuple[Phase, ...]
+  evaluation: Callable[[GroupSpec], Evaluation]
+  init_client: Callable[[GroupSpec, jax.Array], Any] = no_client_state
+  upload_scalars: Callable[[Upload], dict] = leaf_scalars
+  broadcast_scalars: Callable[[Broadcast], dict] = leaf_scalars
+
+
+def one_phase(name: str, init_server, client, server_update, evaluation, broadcast=whole_server,
+              **fields) -> Algorithm:
+  """An `Algorithm` of a single phase running every round (most methods)."""
+  return Algorithm(name, init_server, (Phase(name, client, server_update, broadcast),), evaluation, **fields)

@@ -1,0 +1,159 @@
+"""Architecture groups: the clients that share an architecture, their padded data on device, and their initial
+stacked states."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_het.core import Algorithm, ClientState, GroupSpec
+from fedjax_het.data.federated import ClientArrays, FederatedData
+from fedjax_het.engine.sharding import place_clients, to_host
+from fedjax_het.errors import ConfigError
+from fedjax_het.local_training import LocalTraining
+from fedjax_het.models.init import architecture_key, init_variables
+from fedjax_het.models.registry import assign_models, build_model
+
+
+@dataclasses.dataclass
+class EvalSet:
+  """Test rows: per client ([G, n_max, ...], client i scored on row block i) or one set shared by every client."""
+  arrays: ClientArrays
+  shared: bool
+
+  def __post_init__(self):
+    self.sizes = np.asarray(self.arrays.n)  # host copy: loops are planned without device reads
+
+  def index(self, i: int) -> int:
+    """Which row block client i is scored on."""
+    return 0 if self.shared else i
+
+
+@dataclasses.dataclass
+class Group:
+  """Clients sharing one architecture, with their padded data on device.
+
+  The stacked arrays have `stacked_size` >= size rows on the client axis: rows past `size` are phantom copies of
+  the last client that only pad the axis to a multiple of the device count.
+  """
+  spec: GroupSpec
+  train: ClientArrays          # stacked [stacked_size, n_max, ...]
+  test: EvalSet                # the clients' local test splits
+
+  def __post_init__(self):
+    self.clients = np.asarray(self.spec.clients)
+    self.train_sizes = to_host(self.train.n)[:len(self.clients)]
+    self.stacked_size = int(self.train.n.shape[0])
+    self.stacked_ids = jnp.asarray(pad_clients(self.clients, self.stacked_size))
+    self.num_params = count_params(jax.eval_shape(lambda: self.spec.model.init(
+        jax.random.PRNGKey(0), self.spec.sample_input(), train=False))['params'])
+
+  @property
+  def arch(self) -> str:
+    return self.spec.arch
+
+  @property
+  def model(self):
+    return self.spec.model
+
+  @property
+  def size(self) -> int:
+    return len(self.clients)
+
+
+def count_params(tree: Any) -> int:
+  """Scalars in a pytree."""
+  return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree))
+
+
+def pad_clients(tree: Any, size: int) -> Any:
+  """Pads the leading (client) axis of host arrays to `size` with copies of the last client."""
+  return jax.tree.map(lambda a: np.concatenate([a, np.repeat(a[-1:], size - a.shape[0], 0)]), tree)
+
+
+def build_groups(data: FederatedData, models: Sequence[str], training: LocalTraining, feature_dim: int, rm: str,
+                 conv: str, init: str, num_devices: int, mesh) -> list[Group]:
+  """One `Group` per architecture of the model family (client k gets models[k % len(models)]), in order of first
+  appearance, each padded to a multiple of `num_devices` clients and placed on `mesh` (None: one device)."""
+  architectures = assign_models(list(models), data.num_clients)
+  groups = []
+  for index, arch in enumerate(dict.fromkeys(architectures)):
+    ids = np.array([k for k, a in enumerate(architectures) if a == arch])
+    stacked = -(-len(ids) // num_devices) * num_devices
+    place = lambda arrays: place_clients(pad_clients(arrays, stacked), mesh)
+    model = build_model(arch, data.num_classes, feature_dim, rm, conv)
+    train = place(data.group_train(ids))
+    spec = GroupSpec(index, arch, model, tuple(int(k) for k in ids), data.num_classes, feature_dim,
+                     tuple(train.x.shape[2:]), training, rm, conv, init)
+    check_architecture(spec)
+    groups.append(Group(spec, train, EvalSet(place(data.group_test(ids)), shared=False)))
+  return groups
+
+
+def check_architecture(spec: GroupSpec) -> None:
+  """Traces one forward pass abstractly, so an architecture that cannot take the data's images fails here, with
+  the flag named, instead of deep inside XLA."""
+  trace(lambda: spec.model.init_with_output(jax.random.PRNGKey(0), spec.sample_input()),
+        f'--models: architecture {spec.arch!r}', '--models', spec.input_shape)
+
+
+def trace(fn, what: str, flag: str, image_shape) -> Any:
+  """jax.eval_shape(fn), any failure but a ConfigError turned into one naming `what` and `flag`."""
+  try:
+    return jax.eval_shape(fn)
+  except ConfigError:
+    raise
+  except Exception as e:  # Flax/XLA raise many types for impossible shapes (ZeroDivisionError, TypeError, ...).
+    raise ConfigError(f'{what} cannot take images of shape {tuple(image_shape)} '
+                      f'({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}). Fix: choose, with '
+                      f'{flag}, models for this image size (e.g. small_cnn or mlp for 8x8 digits; cnn4 and resnet* '
+                      f'for 32x32).') from e
+
+
+def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax.Array, shared_init: bool,
+               mesh) -> ClientState:
+  """The group's stacked initial client states: classifier variables (--init's scheme), the algorithm's
+  per-client state from the same key, and each client's fixed key.
+
+  With `shared_init` (HtFLlib) every client of an architecture starts from the same parameters, drawn from a key
+  of the seed and the architecture's name; otherwise each client draws its own."""
+  spec = g.spec
+
+  def init_one(k):
+    variables = init_variables(spec.model, k, spec.sample_input(), scheme=spec.init)
+    params = variables.pop('params')
+    return params, variables, algorithm.init_client(spec, k)
+
+  if shared_init:
+    group_key = architecture_key(init_key, spec.arch)
+    init_keys = jnp.broadcast_to(group_key, (g.stacked_size,) + group_key.shape)
+  else:
+    init_keys = jax.vmap(lambda c: jax.random.fold_in(init_key, c))(g.stacked_ids)
+  trace(lambda: init_one(init_keys[0]), 'the algorithm\'s client modules (e.g. its --global_model)',
+        '--global_model', spec.input_shape)
+  params, variables, extra = jax.jit(jax.vmap(init_one))(init_keys)
+  keys = jax.vmap(lambda c: jax.random.fold_in(key_key, c))(g.stacked_ids)
+  return place_clients(ClientState(params, dict(variables), extra, keys), mesh)
+
+
+def host_copy(tree: Any, index: int = 0) -> Any:
+  """Client `index` of a stacked state as plain (unsharded, uncommitted) arrays."""
+  return jax.tree.map(lambda a: jnp.asarray(to_host(a[index])), tree)
+
+
+def slot_indices(g: Group, participants: np.ndarray, slots: int) -> np.ndarray:
+  """The group's participant slots of a round: local indices of its participants, then `stacked_size` (past the
+  stack: empty) up to `slots`."""
+  local = np.flatnonzero(np.isin(g.clients, participants))
+  idx = np.full(slots, g.stacked_size, np.int32)
+  idx[:len(local)] = local
+  return idx
+
+
+def warn_small_clients(groups: Sequence[Group], batch_size: int) -> Optional[list[int]]:
+  """Clients with fewer training rows than one batch (they take no local step)."""
+  return [int(k) for g in groups for k, n in zip(g.clients, g.train_sizes) if n < batch_size]
