@@ -60,7 +60,7 @@ def centralized_limit(x: np.ndarray, steps: int, rep_rows: int, batch_size: int,
     carry = carry0
     for s in range(steps):
       carry, _ = step(carry, xs[s % 8], ys[s % 8])
-    reps = [represent(carry[0], xr) for _ in range(-(-rep_rows // chunk))]
+    reps = [represent(carry[0].params, xr) for _ in range(-(-rep_rows // chunk))]
     jax.block_until_ready((carry, reps))
   run()  # compile
   t0 = time.perf_counter()

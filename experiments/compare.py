@@ -34,7 +34,7 @@ def main(argv):
   except ValueError:
     sys.exit(f'error: --seeds={",".join(FLAGS.seeds)} must be integers, e.g. --seeds=0,1,2.')
   try:
-    base = cli.config_from_flags()
+    base = cli.config_from_flags(algorithms=FLAGS.algorithms)
     results = run_comparison(base, FLAGS.algorithms, seeds, FLAGS.workdir, progress=FLAGS.progress)
   except ConfigError as e:
     sys.exit(f'error: {e}')

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 from absl import app, flags, logging
 
-from fedjax_het.algorithms import (CCVRConfig, FDConfig, FedGenConfig, FedGHConfig, FedKDConfig, FedMRLConfig, FMLConfig,
-                                   FPLConfig, FedProtoConfig, FedREConfig, FedTGPConfig)
-from fedjax_het.algorithms.fedre import DISTRIBUTIONS, MECHANISMS
 from fedjax_het.config import ExperimentConfig
-from fedjax_het.engine.federation import STRATEGIES
+from fedjax_het.engine.executors import STRATEGIES
+from fedjax_het.methods import METHODS, config_with, hyperparameter_flags, method
 from fedjax_het.models.conv import CONV_IMPLS
 
 _D = ExperimentConfig()
-_R = FedREConfig()
 
 
 class _Definer:
@@ -35,8 +33,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   if 'algorithm' in flag_values:
     return
   f = _Definer(flag_values)
-  f.DEFINE_string('algorithm', default_algorithm, 'fedre | local | fedavg (grouped FedAvg) | lg_fedavg | fedproto | '
-                  'fedgh | fedtgp | fd | fedgen | fml | fedkd | fedmrl | fpl | ccvr.')
+  f.DEFINE_string('algorithm', default_algorithm, 'The method: ' + '; '.join(f'{name} ({m.summary})'
+                                                                            for name, m in METHODS.items()) + '.')
   f.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/.')
   f.DEFINE_bool('resume', False, 'Continue from the last checkpoint in --workdir.')
   f.DEFINE_bool('progress', True, 'Show a progress bar with the current accuracy.')
@@ -89,68 +87,82 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_integer('eval_batch_size', _D.eval_batch_size, 'Rows per forward pass in evaluation/representations '
                    '(0: 64 on CPU, 256 on GPU/TPU).')
   f.DEFINE_integer('checkpoint_every', _D.checkpoint_every, 'Checkpoint every N rounds (0: never).')
-  # FedRE.
-  f.DEFINE_enum('re', _R.mechanism, list(MECHANISMS), 'FedRE entanglement mechanism (Appendix A).')
-  f.DEFINE_enum('re_distribution', _R.weight_distribution, list(DISTRIBUTIONS), 'RE random-weight distribution.')
-  f.DEFINE_bool('re_resample', _R.resample, 'Re-sample RE weights every round (False: fixed sampling, Table 8).')
-  f.DEFINE_bool('all_representations', _R.all_representations, 'FedAllRep: upload every representation (Q5).')
-  # Server-side SGD (FedRE, FedGH, FedTGP); unset: each method's default (FedRE and FedGH 0.01 / 10 / 1 epoch,
-  # FedTGP 0.01 / 10 / 100 epochs).
-  f.DEFINE_float('server_learning_rate', None, 'Server SGD learning rate (default: the method\'s).')
-  f.DEFINE_integer('server_batch_size', None, 'Server batch size (default: the method\'s).')
-  f.DEFINE_integer('server_epochs', None, 'Server epochs per round (default: the method\'s).')
-  f.DEFINE_enum('server_loss_reduction', _R.server_loss_reduction, ['sum', 'mean'], 'FedRE server loss reduction.')
-  # Baselines.
-  f.DEFINE_float('lamda', None, 'Weight of the regulariser of FedProto / FedTGP (prototype MSE, default 10) and FD '
-                 '(distillation, default 1).')
-  f.DEFINE_float('generator_learning_rate', FedGenConfig().generator_learning_rate, 'FedGen: Adam learning rate '
-                 'of the server generator (its steps per round: --server_epochs, default 100).')
-  f.DEFINE_string('global_model', FMLConfig().global_model, 'FML, FedKD, FedMRL: architecture of the small '
-                  'global model every client trains beside its own.')
-  f.DEFINE_float('fml_alpha', FMLConfig().alpha, 'FML: CE weight of the local model (1 - alpha on its KL).')
-  f.DEFINE_float('fml_beta', FMLConfig().beta, 'FML: CE weight of the global model (1 - beta on its KL).')
-  f.DEFINE_float('energy_start', FedKDConfig().energy_start, 'FedKD: SVD energy threshold of the first round.')
-  f.DEFINE_float('energy_end', FedKDConfig().energy_end, 'FedKD: SVD energy threshold of the last round.')
-  f.DEFINE_float('mentee_learning_rate', FedKDConfig().mentee_learning_rate, 'FedKD: SGD rate of the mentee '
-                 '(HtFLlib\'s -mlr 0.01).')
-  f.DEFINE_integer('sub_feature_dim', FedMRLConfig().sub_feature_dim, 'FedMRL: representation width of the '
-                   'global model (the first entries of the fused representation).')
-  f.DEFINE_float('fpl_temperature', FPLConfig().temperature, 'FPL: temperature of the cluster-prototype InfoNCE.')
-  f.DEFINE_integer('ccvr_virtual_per_class', CCVRConfig().virtual_per_class, 'CCVR: virtual representations '
-                   'sampled per class.')
-  f.DEFINE_float('ccvr_calibration_learning_rate', CCVRConfig().calibration_learning_rate, 'CCVR: SGD rate of '
-                 'the calibration.')
-  f.DEFINE_integer('ccvr_calibration_epochs', CCVRConfig().calibration_epochs, 'CCVR: calibration epochs.')
-  f.DEFINE_float('margin_threshold', FedTGPConfig().margin_threshold, 'FedTGP: upper bound tau of the adaptive '
-                 'margin.')
+  define_method_flags(f)
 
 
-def config_from_flags(fv=None) -> ExperimentConfig:
-  """The `ExperimentConfig` of the parsed flags."""
+def _flag_type(field: dataclasses.Field) -> str:
+  """'float', 'int', 'bool' or 'str' of a hyperparameter field (Optional[...] unwrapped)."""
+  name = field.type if isinstance(field.type, str) else getattr(field.type, '__name__', str(field.type))
+  name = name.replace('Optional[', '').rstrip(']')
+  if name not in ('float', 'int', 'bool', 'str'):
+    raise TypeError(f'hyperparameter {field.name}: unsupported type {field.type!r} for a flag')
+  return name
+
+
+def define_method_flags(f: '_Definer') -> None:
+  """One flag per method hyperparameter (`methods.hyperparameter_flags`), derived from the config dataclasses:
+  default None (each method's own default applies), help listing every method's default; a flag of one method
+  is listed under that method in --helpfull, a shared one under 'fedjax_het.methods (shared)'."""
+  define = {'float': f.DEFINE_float, 'int': f.DEFINE_integer, 'bool': f.DEFINE_bool, 'str': f.DEFINE_string}
+  for flag, uses in hyperparameter_flags().items():
+    types = {_flag_type(field) for _, field in uses}
+    if len(types) != 1:
+      raise TypeError(f'--{flag} is shared by fields of different types: {uses}')
+    defaults = ', '.join(f'{name} {field.default if field.default is not None else "the local setting"}'
+                         for name, field in uses)
+    module = f'fedjax_het.methods.{uses[0][0]}' if len(uses) == 1 else 'fedjax_het.methods (shared)'
+    define[types.pop()](flag, None, f'{uses[0][1].metadata.get("help", "")} Default: {defaults}.',
+                        module_name=module)
+
+
+def method_values(fv) -> dict:
+  """flag -> value of every method hyperparameter flag that was given."""
+  return {flag: fv[flag].value for flag in hyperparameter_flags() if fv[flag].value is not None}
+
+
+def ignored_method_flags(fv, algorithms) -> list[str]:
+  """The method flags given that none of `algorithms` reads."""
+  uses = hyperparameter_flags()
+  return [flag for flag in method_values(fv) if not any(name in algorithms for name, _ in uses[flag])]
+
+
+def config_from_flags(fv=None, algorithms=None) -> ExperimentConfig:
+  """The `ExperimentConfig` of the parsed flags; every method's hyperparameters take the method flags given.
+
+  Method flags that none of `algorithms` (default: --algorithm) reads are reported with a warning (a flag file
+  shared by several methods may set hyperparameters of others)."""
   fv = fv or flags.FLAGS
-  given = lambda *names: {n: getattr(fv, n) for n in names if getattr(fv, n) is not None}
-  server, lamda = given('server_learning_rate', 'server_batch_size', 'server_epochs'), given('lamda')
-  return ExperimentConfig(
-      algorithm=fv.algorithm, dataset=fv.dataset, data_dir=fv.data_dir, partition=fv.partition, alpha=fv.alpha,
-      classes_per_client=fv.classes_per_client, balance=fv.balance,
-      imbalance_factor=fv.imbalance_factor, eval_protocol=fv.eval_protocol,
-      train_fraction=fv.train_fraction,
-      num_clients=fv.num_clients, join_ratio=fv.join_ratio, models=tuple(fv.models), feature_dim=fv.feature_dim,
-      rm=fv.rm, rounds=fv.rounds, local_epochs=fv.local_epochs, batch_size=fv.batch_size,
-      local_learning_rate=fv.local_learning_rate, data_order=fv.data_order, init=fv.init,
-      shared_init=fv.shared_init,
-      fedre=FedREConfig(fv.re, fv.re_distribution, fv.re_resample, fv.all_representations,
-                        server_loss_reduction=fv.server_loss_reduction, **server),
-      fedproto=FedProtoConfig(**lamda), fedgh=FedGHConfig(**server),
-      fedtgp=FedTGPConfig(margin_threshold=fv.margin_threshold, **lamda, **server), fd=FDConfig(**lamda),
-      fml=FMLConfig(fv.fml_alpha, fv.fml_beta, fv.global_model),
-      fedkd=FedKDConfig(fv.energy_start, fv.energy_end, fv.mentee_learning_rate, fv.global_model),
-      fedmrl=FedMRLConfig(fv.sub_feature_dim, fv.global_model), fpl=FPLConfig(fv.fpl_temperature),
-      ccvr=CCVRConfig(fv.ccvr_virtual_per_class, fv.ccvr_calibration_learning_rate, fv.ccvr_calibration_epochs),
-      fedgen=FedGenConfig(generator_learning_rate=fv.generator_learning_rate, **given('server_epochs')),
-      seed=fv.seed, strategy=fv.strategy, chunk_size=fv.chunk_size, conv=fv.conv, scan_unroll=fv.scan_unroll,
-      num_devices=fv.num_devices, client_threads=fv.client_threads, eval_every=fv.eval_every,
-      eval_batch_size=fv.eval_batch_size, checkpoint_every=fv.checkpoint_every)
+  algorithms = algorithms or [fv.algorithm]
+  for name in algorithms:
+    method(name)  # an unknown --algorithm fails here, before any data is loaded
+  ignored = ignored_method_flags(fv, algorithms)
+  if ignored:
+    uses = hyperparameter_flags()
+    logging.warning('%s', '; '.join(f'--{flag} is ignored by {", ".join(algorithms)} (it is a hyperparameter of '
+                                    f'{", ".join(n for n, _ in uses[flag])})' for flag in ignored))
+  values = method_values(fv)
+  general = {field.name: getattr(fv, field.name) for field in dataclasses.fields(ExperimentConfig)
+             if field.name not in ('methods', 'models') and field.name in fv}
+  return ExperimentConfig(**general, models=tuple(fv.models),
+                          methods={name: config_with(name, values) for name in METHODS})
+
+
+def parse_flags(argv: list[str], fv) -> None:
+  """Parses argv into `fv`, a bad flag or flag file turned into one ConfigError naming it."""
+  from fedjax_het.errors import ConfigError
+  try:
+    fv(argv)
+  except flags.Error as e:
+    raise ConfigError(str(e)) from None
+
+
+def run(fv) -> dict:
+  """Parsed flags -> `train_and_evaluate` -> the summary (no process exit: `main` and tests call it)."""
+  from fedjax_het.experiment import train_and_evaluate
+  if fv.distributed:
+    import jax
+    jax.distributed.initialize()  # before any computation; coordinator and process ids from the environment
+  return train_and_evaluate(config_from_flags(fv), fv.workdir, resume=fv.resume, progress=fv.progress)
 
 
 def main(argv) -> None:
@@ -158,17 +170,13 @@ def main(argv) -> None:
 
   A `ConfigError` (bad input) exits with its one-line message; an interrupt exits saying how to resume."""
   from fedjax_het.errors import ConfigError
-  from fedjax_het.experiment import train_and_evaluate
   fv = flags.FLAGS
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if not fv['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO.
-  if fv.distributed:
-    import jax
-    jax.distributed.initialize()  # before any computation; coordinator and process ids from the environment
   try:
-    summary = train_and_evaluate(config_from_flags(), fv.workdir, resume=fv.resume, progress=fv.progress)
+    summary = run(fv)
   except ConfigError as e:
     sys.exit(f'error: {e}')
   except KeyboardInterrupt:

@@ -16,7 +16,8 @@ import numpy as np
 
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import ALGORITHMS, train_and_evaluate
+from fedjax_het.experiment import train_and_evaluate
+from fedjax_het.methods import METHODS
 
 
 @dataclasses.dataclass
@@ -46,10 +47,10 @@ def _curve(workdir: str) -> tuple[list[int], list[float]]:
 def run_comparison(base: ExperimentConfig, algorithms: Sequence[str], seeds: Sequence[int], workdir: str,
                    progress: bool = True) -> list[MethodResult]:
   """Runs (or reuses, or resumes) every (algorithm, seed) of `base` and collects the results."""
-  unknown = [a for a in algorithms if a not in ALGORITHMS]
+  unknown = [a for a in algorithms if a not in METHODS]
   if unknown or not algorithms:
     raise ConfigError(f'--algorithms: unknown or empty {unknown or list(algorithms)}; choose from '
-                      f'{", ".join(ALGORITHMS)}.')
+                      f'{", ".join(METHODS)}.')
   if not seeds:
     raise ConfigError('--seeds is empty; give at least one seed, e.g. --seeds=0,1,2.')
   results = []

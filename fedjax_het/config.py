@@ -5,17 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from fedjax_het.algorithms.ccvr import CCVRConfig
-from fedjax_het.algorithms.fd import FDConfig
-from fedjax_het.algorithms.fedgen import FedGenConfig
-from fedjax_het.algorithms.fedgh import FedGHConfig
-from fedjax_het.algorithms.fedkd import FedKDConfig
-from fedjax_het.algorithms.fedmrl import FedMRLConfig
-from fedjax_het.algorithms.fedproto import FedProtoConfig
-from fedjax_het.algorithms.fedre import FedREConfig
-from fedjax_het.algorithms.fedtgp import FedTGPConfig
-from fedjax_het.algorithms.fml import FMLConfig
-from fedjax_het.algorithms.fpl import FPLConfig
+from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
 
 
@@ -44,17 +34,9 @@ class ExperimentConfig:
   data_order: str = 'stored'  # HtFLlib's DataLoader(shuffle=False, drop_last=True); 'shuffle': PFLlib
   init: str = 'torch'  # PyTorch's default Conv/Linear initialisation (HtFLlib); 'flax': Flax's defaults
   shared_init: bool = True  # clients of one architecture start identical (HtFLlib seeds 0 before each model)
-  fedre: FedREConfig = FedREConfig()
-  fedproto: FedProtoConfig = FedProtoConfig()
-  fedgh: FedGHConfig = FedGHConfig()
-  fedtgp: FedTGPConfig = FedTGPConfig()
-  fd: FDConfig = FDConfig()
-  fedgen: FedGenConfig = FedGenConfig()
-  fml: FMLConfig = FMLConfig()
-  fedkd: FedKDConfig = FedKDConfig()
-  fedmrl: FedMRLConfig = FedMRLConfig()
-  fpl: FPLConfig = FPLConfig()
-  ccvr: CCVRConfig = CCVRConfig()
+  # Every registered method's hyperparameters by name (its config dataclass, `fedjax_het.methods`); methods left
+  # out take their defaults, e.g. methods={'fedproto': FedProtoConfig(lamda=5.0)}.
+  methods: dict = dataclasses.field(default_factory=dict)
   seed: int = 0
   strategy: Optional[str] = None
   chunk_size: int = 0
@@ -65,6 +47,22 @@ class ExperimentConfig:
   eval_every: int = 1
   eval_batch_size: int = 0  # 0: the backend default (engine.default_eval_batch_size)
   checkpoint_every: int = 10
+
+  def __post_init__(self):
+    from fedjax_het.methods import METHODS  # the registry imports every method; config stays light to import
+    unknown = sorted(set(self.methods) - set(METHODS))
+    if unknown:
+      raise ConfigError(f'ExperimentConfig.methods: unknown methods {unknown}; registered: {", ".join(METHODS)}.')
+    for name, cfg in self.methods.items():
+      if not isinstance(cfg, METHODS[name].config):
+        raise ConfigError(f'ExperimentConfig.methods[{name!r}] must be a {METHODS[name].config.__name__}; got '
+                          f'{type(cfg).__name__}.')
+    object.__setattr__(self, 'methods', {name: self.methods.get(name, m.config()) for name, m in METHODS.items()})
+
+  @property
+  def method_config(self):
+    """The hyperparameters of --algorithm."""
+    return self.methods[self.algorithm]
 
   def local_training(self) -> LocalTraining:
     """The local SGD settings of this config."""

@@ -203,3 +203,10 @@ def one_phase(name: str, init_server, client, server_update, evaluation, broadca
               **fields) -> Algorithm:
   """An `Algorithm` of a single phase running every round (most methods)."""
   return Algorithm(name, init_server, (Phase(name, client, server_update, broadcast),), evaluation, **fields)
+
+
+def hyperparameter(default: Any, help: str, flag: Optional[str] = None) -> Any:
+  """A field of a method's config dataclass: its default, its help text and its command-line flag (default: the
+  field's name; methods may share a flag whose meaning they share, e.g. --lamda)."""
+  metadata = {'help': help} if flag is None else {'help': help, 'flag': flag}
+  return dataclasses.field(default=default, metadata=metadata)

@@ -18,8 +18,6 @@ import jax
 import numpy as np
 from absl import logging
 
-from fedjax_het.algorithms import (ccvr, fd, fedavg_grouped, fedgen, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml,
-                                   fpl, lg_fedavg, local)
 from fedjax_het.core import Algorithm
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.data.datasets import load_dataset
@@ -27,36 +25,19 @@ from fedjax_het.data.federated import FederatedData, make_federated_data
 from fedjax_het.engine.federation import Federation, FederationState, default_conv, default_strategy
 from fedjax_het.engine.sharding import client_mesh
 from fedjax_het.errors import ConfigError
+from fedjax_het.methods import Run, method
 from fedjax_het.models.registry import assign_models
 
-# --algorithm name -> (config, federated data) -> Algorithm.
-ALGORITHMS = {
-    'fedre': lambda cfg, data: fedre(cfg.fedre, data.num_classes),
-    'local': lambda cfg, data: local(data.num_classes),
-    'fedavg': lambda cfg, data: fedavg_grouped(data.num_classes),
-    'lg_fedavg': lambda cfg, data: lg_fedavg(data.num_classes),
-    'fedproto': lambda cfg, data: fedproto(cfg.fedproto, data.num_classes),
-    'fedgh': lambda cfg, data: fedgh(cfg.fedgh, data.num_classes, cfg.batch_size),
-    'fedtgp': lambda cfg, data: fedtgp(cfg.fedtgp, data.num_classes, cfg.batch_size, cfg.local_learning_rate),
-    'fd': lambda cfg, data: fd(cfg.fd, data.num_classes),
-    'fedgen': lambda cfg, data: fedgen(cfg.fedgen, data.num_classes, cfg.batch_size,
-                                       data.loader_label_counts(cfg.batch_size, cfg.data_order == 'stored')),
-    'fml': lambda cfg, data: fml(cfg.fml, data.num_classes),
-    'fedkd': lambda cfg, data: fedkd(cfg.fedkd, data.num_classes, cfg.rounds),
-    'fedmrl': lambda cfg, data: fedmrl(cfg.fedmrl, data.num_classes, cfg.feature_dim),
-    'fpl': lambda cfg, data: fpl(cfg.fpl, data.num_classes, cfg.num_clients),
-    'ccvr': lambda cfg, data: ccvr(cfg.ccvr, data.num_classes, cfg.batch_size),
-}
 # Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
 RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eval_batch_size', 'data_dir', 'conv',
                     'scan_unroll', 'num_devices', 'client_threads')
 
 
 def make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> Algorithm:
-  """The `Algorithm` named by --algorithm, with its hyperparameters from the config."""
-  if cfg.algorithm in ALGORITHMS:
-    return ALGORITHMS[cfg.algorithm](cfg, data)
-  raise ConfigError(f'--algorithm={cfg.algorithm!r} is unknown; choose one of {", ".join(ALGORITHMS)}.')
+  """The `Algorithm` named by --algorithm (`fedjax_het.methods`), with its hyperparameters from the config."""
+  run = Run(data.num_classes, cfg.num_clients, cfg.rounds, cfg.feature_dim, cfg.batch_size, cfg.local_learning_rate,
+            lambda: data.loader_label_counts(cfg.batch_size, cfg.data_order == 'stored'))
+  return method(cfg.algorithm).build(cfg.methods[cfg.algorithm], run)
 
 
 def build_federation(cfg: ExperimentConfig) -> Federation:
@@ -65,8 +46,7 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
     raise ConfigError(f'--rounds={cfg.rounds} must be >= 0.')
   if cfg.eval_every < 1 or cfg.checkpoint_every < 0:
     raise ConfigError('--eval_every must be >= 1 and --checkpoint_every >= 0 (0 disables checkpoints).')
-  if cfg.algorithm not in ALGORITHMS:  # Fail before loading any data.
-    make_algorithm(cfg, None)
+  method(cfg.algorithm)  # an unknown method fails before any data is loaded
   assign_models(cfg.models, cfg.num_clients)
   dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
   data = make_federated_data(dataset, cfg.num_clients, cfg.partition, cfg.seed, cfg.eval_protocol,

@@ -13,10 +13,13 @@ from fedjax_het.experiment import make_algorithm
 
 METHODS = ['fedre', 'local', 'fedavg', 'lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen', 'fml', 'fedkd',
            'fedmrl', 'fpl', 'ccvr']
-TINY = dict(fedtgp=FedTGPConfig(server_epochs=2), fedgen=FedGenConfig(server_epochs=2, generator_learning_rate=0.005),
-            fml=FMLConfig(global_model='small_cnn_narrow'), fedkd=FedKDConfig(global_model='small_cnn_narrow'),
-            fedmrl=FedMRLConfig(sub_feature_dim=8, global_model='small_cnn_narrow'),
-            ccvr=CCVRConfig(virtual_per_class=16, calibration_epochs=2), feature_dim=16, num_clients=6,
+TINY = dict(methods=dict(fedtgp=FedTGPConfig(server_epochs=2),
+                         fedgen=FedGenConfig(server_epochs=2, generator_learning_rate=0.005),
+                         fml=FMLConfig(global_model='small_cnn_narrow'),
+                         fedkd=FedKDConfig(global_model='small_cnn_narrow'),
+                         fedmrl=FedMRLConfig(sub_feature_dim=8, global_model='small_cnn_narrow'),
+                         ccvr=CCVRConfig(virtual_per_class=16, calibration_epochs=2)),
+            feature_dim=16, num_clients=6,
             batch_size=8, local_learning_rate=0.05, rounds=2)
 
 
@@ -30,17 +33,42 @@ def digest(tree) -> float:
                    if np.issubdtype(np.asarray(a).dtype, np.floating)))
 
 
+_RUNS: dict = {}
+
+
+def golden_federation(name: str, strategy: str = 'sequential', data=None):
+  """(federation, final state, per-round metrics) of the golden run, computed once per process (other tests
+  check their method's properties on it instead of compiling a federation of their own)."""
+  if (name, strategy) not in _RUNS:
+    data = data or tiny_data()
+    cfg = ExperimentConfig(algorithm=name, **TINY)
+    fed = Federation(make_algorithm(cfg, data), data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1),
+                     feature_dim=16, strategy=strategy, eval_batch_size=16, conv='xla', join_ratio=0.5, rounds=2)
+    state = fed.init()
+    history = []
+    for _ in range(2):
+      state, m = fed.round(state)
+      m.update(fed.evaluate(state))
+      history.append(m)
+    _RUNS[(name, strategy)] = fed, state, history
+  return _RUNS[(name, strategy)]
+
+
+def client_state(fed, state, k: int):
+  """Client k's state, taken out of its group's stack."""
+  for g, stacked in zip(fed.groups, state.groups):
+    if k in g.clients:
+      i = int(np.flatnonzero(g.clients == k)[0])
+      return jax.tree.map(lambda a: a[i], stacked)
+  raise KeyError(k)
+
+
 def golden_run(name: str, strategy: str = 'sequential', data=None) -> dict:
-  data = data or tiny_data()
-  cfg = ExperimentConfig(algorithm=name, **TINY)
-  fed = Federation(make_algorithm(cfg, data), data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1),
-                   feature_dim=16, strategy=strategy, eval_batch_size=16, conv='xla', join_ratio=0.5, rounds=2)
-  state = fed.init()
-  rounds = []
-  for _ in range(2):
-    state, m = fed.round(state)
-    m.update(fed.evaluate(state))
-    rounds.append({k: v for k, v in m.items() if isinstance(v, (int, float)) and not k.endswith('seconds')})
+  """The golden run's metrics and parameter digests."""
+  fed, state, history = golden_federation(name, strategy, data)
+  m = history[-1]
+  rounds = [{k: v for k, v in h.items() if isinstance(v, (int, float)) and not k.endswith('seconds')}
+            for h in history]
   # Parameters of the client's own model and of its extra modules (a companion held in its per-client state).
   params = [digest(g.params) + digest(g.extra.get('params', {}) if isinstance(g.extra, dict) else {})
             for g in state.groups]

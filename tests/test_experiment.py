@@ -64,14 +64,45 @@ def test_resume_refuses_changed_settings_and_missing_checkpoints(tmp_path):
     ('--alpha=0', '--alpha'),
     ('--num_clients=1000', '--num_clients'),
     ('--flagfile=/no/such/file.flags', 'no/such/file.flags'),
+    ('--lamda=-1', '--lamda'),
 ])
 def test_cli_bad_input_gives_one_clear_error(tmp_path, flag, message):
+  """In process: the flags of experiments/fedre.py, parsed and run as its main does."""
+  from absl import flags
+  from fedjax_het import cli
+  fv = flags.FlagValues()
+  cli.define_flags(flag_values=fv)
+  args = ['prog', '--dataset=digits', '--rounds=1', '--models=mlp', f'--workdir={tmp_path}', '--progress=false']
+  with pytest.raises(ConfigError) as error:
+    cli.parse_flags(args + [flag] + (['--algorithm=fedproto'] if flag == '--lamda=-1' else []), fv)
+    cli.run(fv)
+  assert message in str(error.value)
+
+
+def test_the_entry_point_exits_with_the_error_and_no_traceback(tmp_path):
   args = [sys.executable, os.path.join(ROOT, 'experiments', 'fedre.py'), '--dataset=digits', '--rounds=1',
-          '--models=mlp', f'--workdir={tmp_path}', '--progress=false', flag]
+          '--models=mlp', f'--workdir={tmp_path}', '--progress=false', '--re=xyz']
   result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert result.returncode != 0
-  assert message in result.stderr
-  assert 'Traceback' not in result.stderr
+  assert '--re' in result.stderr and 'Traceback' not in result.stderr
+
+
+def test_method_flags_are_derived_from_the_config_dataclasses_and_ignored_ones_are_named():
+  from absl import flags
+  from fedjax_het import cli
+  from fedjax_het.algorithms import FDConfig, FedProtoConfig
+  fv = flags.FlagValues()
+  cli.define_flags(flag_values=fv)
+  cli.parse_flags(['prog', '--algorithm=fedproto', '--lamda=3', '--fml_alpha=0.25', '--workdir=/tmp/x'], fv)
+  cfg = cli.config_from_flags(fv)
+  assert cfg.method_config == FedProtoConfig(lamda=3.0)
+  assert cfg.methods['fd'] == FDConfig(lamda=3.0) and cfg.methods['fml'].alpha == 0.25
+  assert cli.ignored_method_flags(fv, ['fedproto']) == ['fml_alpha']
+  assert cli.ignored_method_flags(fv, ['fedproto', 'fml']) == []
+  assert 'lamda' in fv.module_help('fedjax_het.methods (shared)')
+  assert 'fml_alpha' in fv.module_help('fedjax_het.methods.fml')
+  with pytest.raises(ConfigError, match='unknown methods'):
+    ExperimentConfig(methods={'fedsomething': FDConfig()})
 
 
 def test_readme_notebook_snippet_runs():

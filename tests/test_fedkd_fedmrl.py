@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from conftest import tree_allclose
+from golden import client_state, golden_federation
 from fedjax_het.algorithms import FedKDConfig, FedMRLConfig, fedkd, fedmrl
 from fedjax_het.algorithms.common import elementwise_kl
 from fedjax_het.algorithms.fedkd import (compress_matrix, compress_params, distillation_loss, energy_threshold,
@@ -86,12 +87,10 @@ def test_fedkd_mentee_rate_moves_only_the_mentee_slower(tiny_data):
 
 def test_fedmrl_fuses_the_global_and_local_representations(tiny_data):
   from fedjax_het.algorithms.fedmrl import fused_forward
-  alg = fedmrl(FedMRLConfig(sub_feature_dim=8, global_model='small_cnn_narrow'), 4, 16)
-  fed = Federation(alg, tiny_data, ['mlp'], LocalTraining(0.05, 8, 1), feature_dim=16, strategy='sequential',
-                   eval_batch_size=16, conv='xla')
-  client = jax.tree.map(lambda a: a[0], fed.init().groups[0])
+  fed, state, _ = golden_federation('fedmrl', data=tiny_data)  # sub_feature_dim 8, d 16, small_cnn_narrow
+  client = client_state(fed, state, int(fed.groups[1].clients[0]))  # an 'mlp' client
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 8, 8, 1))
-  model, global_model = fed.groups[0].model, build_model('small_cnn_narrow', 4, 8, conv='xla')
+  model, global_model = fed.groups[1].model, build_model('small_cnn_narrow', 4, 8, conv='xla')
   logits, fused, _ = fused_forward(model, global_model, client, x, False)
   own = model.apply({'params': client.params}, x, method=model.represent)
   _, global_rep = global_model.apply({'params': client.extra['params']['companion']}, x)
@@ -111,15 +110,15 @@ def test_fedmrl_loss_is_the_sum_of_both_heads_ce():
 
 
 def test_fedmrl_server_averages_unweighted_and_clients_keep_proj(tiny_data):
-  alg = fedmrl(FedMRLConfig(sub_feature_dim=8, global_model='small_cnn_narrow'), 4, 16)
-  fed = Federation(alg, tiny_data, ['mlp', 'small_cnn'], LocalTraining(0.05, 8, 1), feature_dim=16,
-                   strategy='sequential', eval_batch_size=16, conv='xla')
-  state, _ = fed.round(fed.init())
-  stacked = jax.tree.map(lambda *a: np.concatenate(a), *[s.extra['params']['companion'] for s in state.groups])
-  tree_allclose(state.server['global_model'], jax.tree.map(lambda a: a.mean(0), stacked), rtol=1e-5, atol=1e-6)
-  proj = np.asarray(state.groups[0].extra['params']['fusion']['kernel'])
-  state, _ = fed.round(state)
-  assert not np.allclose(proj, state.groups[0].extra['params']['fusion']['kernel'])  # trained on, not reset
+  fed, state, _ = golden_federation('fedmrl', data=tiny_data)
+  participants = fed.participants(1)
+  copies = [client_state(fed, state, k).extra['params']['companion'] for k in participants]
+  tree_allclose(state.server['global_model'], jax.tree.map(lambda *a: np.mean(np.stack(a), 0), *copies),
+                rtol=1e-5, atol=1e-6)
+  initial = fed.init()
+  for k in set(fed.participants(0)) | set(participants):  # proj is trained on and kept, not reset
+    before = client_state(fed, initial, k).extra['params']['fusion']['kernel']
+    assert not np.allclose(before, client_state(fed, state, k).extra['params']['fusion']['kernel'])
   with pytest.raises(ConfigError, match='--sub_feature_dim'):
     fedmrl(FedMRLConfig(sub_feature_dim=32), 4, 16)
   with pytest.raises(ConfigError, match='--global_model'):

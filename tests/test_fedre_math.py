@@ -5,8 +5,8 @@ import pytest
 
 from fedjax_het.core import ClientRows
 from fedjax_het.algorithms.common import class_prototypes, masked_mean, soft_cross_entropy
-from fedjax_het.algorithms.fedre import (FedREConfig, entangle, entanglement_weights, fedre, fedre_upload, random_magnitudes,
-                                         train_head)
+from fedjax_het.algorithms.fedre import (FedREConfig, entangle, entanglement_weights, fedre, fedre_upload,
+                                         random_magnitudes, train_head)
 from fedjax_het.core import ClientState
 from fedjax_het.errors import ConfigError
 
@@ -138,8 +138,8 @@ def test_fixed_sampling_reuses_weights_and_resampling_changes_them():
 
 def test_fedallrep_uploads_every_real_row():
   reps = jnp.ones((5, 8))
-  up = fedre_upload(FedREConfig(all_representations=True), C)(ClientState({}, {}, {}, KEY), ClientRows(None, Y, 4, 5, reps),
-                                                           {}, KEY)
+  up = fedre_upload(FedREConfig(all_representations=True), C)(ClientState({}, {}, {}, KEY),
+                                                              ClientRows(None, Y, 4, 5, reps), {}, KEY)
   assert up['rep'].shape == (5, 8) and up['label'].shape == (5, C)
   np.testing.assert_allclose(up['weight'], VALID)
 

@@ -29,6 +29,7 @@ import optax
 from fedjax_het.algorithms.base import (Algorithm, ClientState, concat_groups, head_evaluation, one_phase, own_head,
                                         sgd_program)
 from fedjax_het.algorithms.common import class_prototypes, cross_entropy_loss, head_apply, sgd_on_rows
+from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError
 
 
@@ -36,11 +37,13 @@ from fedjax_het.errors import ConfigError
 class CCVRConfig:
   """virtual_per_class: M_c; calibration_learning_rate, calibration_epochs, momentum, weight_decay: the
   calibration's SGD; batch size: the local one."""
-  virtual_per_class: int = 2000
-  calibration_learning_rate: float = 0.001
-  calibration_epochs: int = 10
-  momentum: float = 0.9
-  weight_decay: float = 1e-5
+  virtual_per_class: int = hyperparameter(2000, 'CCVR: virtual representations sampled per class.',
+                                          'ccvr_virtual_per_class')
+  calibration_learning_rate: float = hyperparameter(0.001, 'CCVR: SGD rate of the calibration.',
+                                                    'ccvr_calibration_learning_rate')
+  calibration_epochs: int = hyperparameter(10, 'CCVR: calibration epochs.', 'ccvr_calibration_epochs')
+  momentum: float = hyperparameter(0.9, 'CCVR: momentum of the calibration SGD.', 'ccvr_momentum')
+  weight_decay: float = hyperparameter(1e-5, 'CCVR: weight decay of the calibration SGD.', 'ccvr_weight_decay')
 
   def __post_init__(self):
     if self.virtual_per_class < 1 or self.calibration_epochs < 0:

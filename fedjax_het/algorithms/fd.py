@@ -22,13 +22,14 @@ import jax.numpy as jnp
 from fedjax_het.algorithms.base import Algorithm, concat_groups, local_head_evaluation, one_phase, sgd_program
 from fedjax_het.algorithms.common import (aggregate_class_means, class_means_from_sums, class_sums, cross_entropy,
                                           soft_cross_entropy, train_forward)
+from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
 class FDConfig:
   """lamda: weight of the distillation term (1)."""
-  lamda: float = 1.0
+  lamda: float = hyperparameter(1.0, 'Weight of the regulariser (prototype MSE, distillation).')
 
   def __post_init__(self):
     if self.lamda < 0:

@@ -30,6 +30,7 @@ from fedjax_het.algorithms.base import (Algorithm, concat_groups, global_head_ev
                                         sgd_program)
 from fedjax_het.algorithms.common import cross_entropy, cross_entropy_loss, head_apply, participant_average
 from fedjax_het.algorithms.lg_fedavg import upload_head
+from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.init import torch_default_init
 from fedjax_het.models.norm import TorchBatchNorm
@@ -39,11 +40,12 @@ from fedjax_het.models.norm import TorchBatchNorm
 class FedGenConfig:
   """HtFLlib's tuned script: noise 32, hidden 512, Adam 0.1, 100 generator steps per round; batches of the local
   batch size (None) for both the server steps and the clients' generated batch."""
-  noise_dim: int = 32
-  hidden_dim: int = 512
-  generator_learning_rate: float = 0.1
-  server_epochs: int = 100
-  generator_batch_size: Optional[int] = None
+  noise_dim: int = hyperparameter(32, 'FedGen: width of the generator\'s noise.')
+  hidden_dim: int = hyperparameter(512, 'FedGen: width of the generator\'s hidden layer.', 'generator_hidden_dim')
+  generator_learning_rate: float = hyperparameter(0.1, 'FedGen: Adam learning rate of the server generator.')
+  server_epochs: int = hyperparameter(100, 'Server epochs per round.')
+  generator_batch_size: Optional[int] = hyperparameter(None, 'FedGen: generated batch size (default: the local '
+                                                       'batch size).')
 
   def __post_init__(self):
     if min(self.noise_dim, self.hidden_dim) < 1 or self.server_epochs < 0 or self.generator_learning_rate <= 0:

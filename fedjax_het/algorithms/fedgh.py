@@ -16,15 +16,16 @@ from fedjax_het.algorithms.base import (Algorithm, concat_groups, global_head_ev
                                         receive_head, sgd_program)
 from fedjax_het.algorithms.common import cross_entropy_loss, head_apply, sgd_on_rows, soft_cross_entropy
 from fedjax_het.algorithms.fedproto import prototype_rows, prototype_upload, prototypes_sent
+from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
 class FedGHConfig:
   """Server SGD on the prototypes (HtFLlib's script: -slr 0.01 -se 1; batches of the local batch size)."""
-  server_learning_rate: float = 0.01
-  server_batch_size: Optional[int] = None  # None: the local batch size, as HtFLlib (its server uses args.batch_size)
-  server_epochs: int = 1
+  server_learning_rate: float = hyperparameter(0.01, 'Server SGD learning rate.')
+  server_batch_size: Optional[int] = hyperparameter(None, 'Server batch size.')  # None: the local batch size
+  server_epochs: int = hyperparameter(1, 'Server epochs per round.')
 
   def __post_init__(self):
     if (self.server_batch_size is not None and self.server_batch_size < 1) or self.server_epochs < 0 \

@@ -9,7 +9,8 @@ losses L_t = CE(z, y), L_s = CE(z_g, y) and S = L_t + L_s, the two losses are (p
 where KL is torch's KLDivLoss() (mean over batch and classes) and MSE the mean over batch and d. HtFLlib sums the
 two losses' gradients into every part (two backward passes), which is what is done here: one loss, their sum,
 minimised by SGD at the local rate for the mentor and W_h and at mentee_learning_rate for the mentee (an
-optax.multi_transform; default 0.01, HtFLlib's `-mlr 0.01`). HtFLlib also clips each part's gradient norm at 10, which is not done here.
+optax.multi_transform; default 0.01, HtFLlib's `-mlr 0.01`). HtFLlib also clips each part's gradient norm
+at 10, which is not done here.
 
 Upload and broadcast are SVD-compressed (paper Sec. "Dynamic gradient approximation"): each weight matrix W
 (a Dense kernel, or a convolution kernel viewed as the matrix [kh * kw * in, out]) keeps its K largest singular
@@ -42,6 +43,7 @@ from fedjax_het.algorithms.base import Algorithm, concat_groups, local_head_eval
 from fedjax_het.algorithms.common import elementwise_kl, participant_average, train_forward
 from fedjax_het.algorithms.global_model import (check_global_model, global_model_forward, init_global_model,
                                                 initial_global_model, receive_global_model)
+from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError
 
 
@@ -50,10 +52,11 @@ class FedKDConfig:
   """energy_start, energy_end: SVD energy threshold T of the first and last round (HtFLlib's T_start 0.95,
   T_end 0.98); mentee_learning_rate: SGD rate of the mentee (HtFLlib's script: -mlr 0.01; None: the local
   rate); global_model: the mentee's architecture."""
-  energy_start: float = 0.95
-  energy_end: float = 0.98
-  mentee_learning_rate: Optional[float] = 0.01
-  global_model: str = 'cnn4'
+  energy_start: float = hyperparameter(0.95, 'FedKD: SVD energy threshold of the first round.')
+  energy_end: float = hyperparameter(0.98, 'FedKD: SVD energy threshold of the last round.')
+  mentee_learning_rate: Optional[float] = hyperparameter(0.01, 'FedKD: SGD rate of the mentee (HtFLlib: -mlr 0.01).')
+  global_model: str = hyperparameter('cnn4', 'Architecture of the small global model every client trains beside '
+                                     'its own.')
 
   def __post_init__(self):
     if not (0 < self.energy_start <= 1 and 0 < self.energy_end <= 1):

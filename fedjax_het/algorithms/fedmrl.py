@@ -27,6 +27,7 @@ from fedjax_het.algorithms.common import head_apply
 from fedjax_het.algorithms.global_model import (average_global_models, check_global_model, global_model_forward,
                                                 init_global_model, initial_global_model, receive_global_model,
                                                 upload_global_model)
+from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.classifier import HeteroClassifier
 
@@ -35,8 +36,10 @@ from fedjax_het.models.classifier import HeteroClassifier
 class FedMRLConfig:
   """sub_feature_dim: width d_c of the global model's representation (HtFLlib: 128); global_model: its
   architecture."""
-  sub_feature_dim: int = 128
-  global_model: str = 'cnn4'
+  sub_feature_dim: int = hyperparameter(128, 'FedMRL: representation width of the global model (the first '
+                                        'entries of the fused representation).')
+  global_model: str = hyperparameter('cnn4', 'Architecture of the small global model every client trains beside '
+                                     'its own.')
 
   def __post_init__(self):
     if self.sub_feature_dim < 1:

@@ -22,13 +22,14 @@ from fedjax_het.algorithms.base import (Algorithm, ClientRows, ClientState, Eval
 from fedjax_het.algorithms.common import (aggregate_class_means, class_means_from_sums, class_prototypes,
                                           class_sums, cross_entropy, nearest_prototype_head, prototype_regularizer,
                                           train_forward)
+from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
 class FedProtoConfig:
   """lamda: weight of the prototype MSE (HtFLlib's tuned scripts: 10)."""
-  lamda: float = 10.0
+  lamda: float = hyperparameter(10.0, 'Weight of the regulariser (prototype MSE, distillation).')
 
   def __post_init__(self):
     if self.lamda < 0:

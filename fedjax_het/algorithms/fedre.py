@@ -16,6 +16,7 @@ from fedjax_het.algorithms.base import (Algorithm, ClientProgram, ClientRows, Cl
                                         global_head_evaluation, initial_head, one_phase, receive_head, sgd_program)
 from fedjax_het.algorithms.common import cross_entropy_loss, head_apply, sgd_on_rows, soft_cross_entropy
 from fedjax_het.rows import row_keys, row_uniform
+from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError
 
 MECHANISMS = ('rsr', 'var', 'rar', 'rsp', 'vap', 'rap')
@@ -32,14 +33,17 @@ class FedREConfig:
   all_representations: FedAllRep (Q5): upload every r_i with its one-hot label instead of one entangled pair.
   server_loss_reduction: 'sum' over the server batch (reference code) or 'mean'.
   """
-  mechanism: str = 'rap'
-  weight_distribution: str = 'uniform'
-  resample: bool = True
-  all_representations: bool = False
-  server_learning_rate: float = 0.01
-  server_batch_size: int = 10
-  server_epochs: int = 1
-  server_loss_reduction: str = 'sum'
+  mechanism: str = hyperparameter('rap', 'FedRE entanglement mechanism (Appendix A): rsr, var, rar, rsp, vap, rap.',
+                                  're')
+  weight_distribution: str = hyperparameter('uniform', 'FedRE random-weight distribution: uniform, gaussian, laplace.',
+                                            're_distribution')
+  resample: bool = hyperparameter(True, 'FedRE: re-sample the RE weights every round (False: fixed, Table 8).',
+                                  're_resample')
+  all_representations: bool = hyperparameter(False, 'FedAllRep: upload every representation (Q5).')
+  server_learning_rate: float = hyperparameter(0.01, 'Server SGD learning rate.')
+  server_batch_size: int = hyperparameter(10, 'Server batch size.')
+  server_epochs: int = hyperparameter(1, 'Server epochs per round.')
+  server_loss_reduction: str = hyperparameter('sum', 'FedRE server loss reduction: sum (reference code) or mean.')
 
   def __post_init__(self):
     if self.mechanism not in MECHANISMS:

@@ -22,6 +22,7 @@ from fedjax_het.algorithms.base import Algorithm, concat_groups, one_phase, sgd_
 from fedjax_het.algorithms.common import aggregate_class_means, sgd_on_rows
 from fedjax_het.algorithms.fedproto import (empty_prototypes, global_prototypes_sent, prototype_evaluation,
                                             prototype_loss, prototype_rows, prototype_upload, prototypes_sent)
+from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.init import torch_default_init
 
@@ -34,12 +35,13 @@ class FedTGPConfig:
 
   hidden_dim: width of TGP's hidden layer (None: d).
   """
-  lamda: float = 10.0
-  margin_threshold: float = 100.0
-  server_learning_rate: Optional[float] = None  # None: the local learning rate, as HtFLlib
-  server_batch_size: Optional[int] = None  # None: the local batch size, as HtFLlib (its server uses args.batch_size)
-  server_epochs: int = 100
-  hidden_dim: Optional[int] = None
+  lamda: float = hyperparameter(10.0, 'Weight of the regulariser (prototype MSE, distillation).')
+  margin_threshold: float = hyperparameter(100.0, 'FedTGP: upper bound tau of the adaptive margin.')
+  server_learning_rate: Optional[float] = hyperparameter(None, 'Server SGD learning rate.')  # None: the local one
+  server_batch_size: Optional[int] = hyperparameter(None, 'Server batch size.')  # None: the local batch size
+  server_epochs: int = hyperparameter(100, 'Server epochs per round.')
+  hidden_dim: Optional[int] = hyperparameter(None, 'FedTGP: width of the generator\'s hidden layer (default d).',
+                                             'tgp_hidden_dim')
 
   def __post_init__(self):
     if self.lamda < 0 or self.margin_threshold < 0:

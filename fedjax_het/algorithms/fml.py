@@ -22,15 +22,17 @@ from fedjax_het.algorithms.common import elementwise_kl, train_forward
 from fedjax_het.algorithms.global_model import (average_global_models, check_global_model, global_model_forward,
                                                 init_global_model, initial_global_model, receive_global_model,
                                                 upload_global_model)
+from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
 class FMLConfig:
   """alpha, beta: CE weights of the local and the global model (0.5 each); global_model: its architecture."""
-  alpha: float = 0.5
-  beta: float = 0.5
-  global_model: str = 'cnn4'
+  alpha: float = hyperparameter(0.5, 'FML: CE weight of the local model (1 - alpha on its KL).', 'fml_alpha')
+  beta: float = hyperparameter(0.5, 'FML: CE weight of the global model (1 - beta on its KL).', 'fml_beta')
+  global_model: str = hyperparameter('cnn4', 'Architecture of the small global model every client trains beside '
+                                     'its own.')
 
   def __post_init__(self):
     if not (0 <= self.alpha <= 1 and 0 <= self.beta <= 1):

@@ -27,13 +27,15 @@ from fedjax_het.algorithms.base import Algorithm, concat_groups, local_head_eval
 from fedjax_het.algorithms.common import cosine_similarity, cross_entropy, train_forward
 from fedjax_het.algorithms.fedproto import prototype_upload, prototypes_sent
 from fedjax_het.algorithms.finch import cluster_means, finch
+from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
 class FPLConfig:
   """temperature: tau of the cluster-prototype InfoNCE (RethinkFL's infoNCET, 0.02)."""
-  temperature: float = 0.02
+  temperature: float = hyperparameter(0.02, 'FPL: temperature of the cluster-prototype InfoNCE.',
+                                       'fpl_temperature')
 
   def __post_init__(self):
     if self.temperature <= 0:

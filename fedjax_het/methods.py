@@ -1,0 +1,110 @@
+"""The method registry: every method's name, hyperparameter dataclass and factory, in one place.
+
+Adding a method is its module plus one line in `METHODS`. A method's hyperparameters are the fields of its
+frozen config dataclass; each field names its command-line flag in its metadata (`hyperparameter`), so the flags
+of experiments/ are derived from the dataclasses (fedjax_het.cli) and grouped per method in --helpfull. Methods
+may share a flag (e.g. --lamda) when the field means the same thing in each. Every factory has one signature:
+(its config, the `Run` it is built for) -> `Algorithm`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from fedjax_het.algorithms import (CCVRConfig, FDConfig, FedGenConfig, FedGHConfig, FedKDConfig, FedMRLConfig,
+                                   FedProtoConfig, FedREConfig, FedTGPConfig, FMLConfig, FPLConfig, ccvr, fd,
+                                   fedavg_grouped, fedgen, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, fpl,
+                                   lg_fedavg, local)
+from fedjax_het.core import Algorithm
+from fedjax_het.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class NoHyperparameters:
+  """The config of methods without hyperparameters of their own."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What a method's factory may read of the run it is built for."""
+  num_classes: int
+  num_clients: int
+  rounds: int
+  feature_dim: int
+  batch_size: int
+  local_learning_rate: float
+  label_counts: Callable[[], np.ndarray]  # all clients' training labels as their train loaders yield them
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """A registered method: its hyperparameter dataclass, its factory and a one-line summary."""
+  config: type
+  build: Callable[[Any, Run], Algorithm]
+  summary: str
+
+
+METHODS: dict[str, Method] = {
+    'fedre': Method(FedREConfig, lambda c, run: fedre(c, run.num_classes),
+                    'FedRE: one entangled representation and soft label per client, a global head'),
+    'local': Method(NoHyperparameters, lambda c, run: local(run.num_classes), 'Local training, no communication'),
+    'fedavg': Method(NoHyperparameters, lambda c, run: fedavg_grouped(run.num_classes),
+                     'FedAvg within each architecture group'),
+    'lg_fedavg': Method(NoHyperparameters, lambda c, run: lg_fedavg(run.num_classes),
+                        'LG-FedAvg: local extractors, an averaged head'),
+    'fedproto': Method(FedProtoConfig, lambda c, run: fedproto(c, run.num_classes), 'FedProto: class prototypes'),
+    'fedgh': Method(FedGHConfig, lambda c, run: fedgh(c, run.num_classes, run.batch_size),
+                    'FedGH: a global head trained on prototypes'),
+    'fedtgp': Method(FedTGPConfig, lambda c, run: fedtgp(c, run.num_classes, run.batch_size,
+                                                         run.local_learning_rate),
+                     'FedTGP: trainable global prototypes with an adaptive margin'),
+    'fd': Method(FDConfig, lambda c, run: fd(c, run.num_classes), 'FD: per-class mean logits'),
+    'fedgen': Method(FedGenConfig, lambda c, run: fedgen(c, run.num_classes, run.batch_size, run.label_counts()),
+                     'FedGen: a server generator in representation space'),
+    'fml': Method(FMLConfig, lambda c, run: fml(c, run.num_classes), 'FML: mutual learning with a shared model'),
+    'fedkd': Method(FedKDConfig, lambda c, run: fedkd(c, run.num_classes, run.rounds),
+                    'FedKD: distillation with an SVD-compressed shared mentee'),
+    'fedmrl': Method(FedMRLConfig, lambda c, run: fedmrl(c, run.num_classes, run.feature_dim),
+                     'FedMRL: a shared model fused with the local one (Matryoshka)'),
+    'fpl': Method(FPLConfig, lambda c, run: fpl(c, run.num_classes, run.num_clients),
+                  'FPL: clustered prototypes'),
+    'ccvr': Method(CCVRConfig, lambda c, run: ccvr(c, run.num_classes, run.batch_size),
+                   'CCVR: heads calibrated on virtual representations'),
+}
+
+
+def method(name: str) -> Method:
+  """The registered method `name`, or a ConfigError listing them."""
+  if name not in METHODS:
+    raise ConfigError(f'--algorithm={name!r} is unknown; choose one of {", ".join(METHODS)}.')
+  return METHODS[name]
+
+
+def default_configs() -> dict:
+  """Every registered method's default hyperparameters, by name."""
+  return {name: m.config() for name, m in METHODS.items()}
+
+
+def flag_name(field: dataclasses.Field) -> str:
+  """The command-line flag of a hyperparameter field (its metadata's 'flag', else its name)."""
+  return field.metadata.get('flag', field.name)
+
+
+def hyperparameter_flags() -> dict[str, list[tuple[str, dataclasses.Field]]]:
+  """flag -> the (method, field) pairs it sets, over every registered method."""
+  out: dict = {}
+  for name, m in METHODS.items():
+    for field in dataclasses.fields(m.config):
+      out.setdefault(flag_name(field), []).append((name, field))
+  return out
+
+
+def config_with(name: str, values: dict[str, Any], base: Optional[Any] = None) -> Any:
+  """Method `name`'s config with the hyperparameters whose flags appear in `values` (flag -> value) replaced."""
+  m = method(name)
+  kwargs = {f.name: values[flag_name(f)] for f in dataclasses.fields(m.config) if flag_name(f) in values}
+  base = base if base is not None else m.config()
+  return dataclasses.replace(base, **kwargs)
