@@ -14,11 +14,14 @@ import jax
 
 # Many tests build federations of the same tiny shapes; XLA's persistent compilation cache lets every test after
 # the first reuse a compiled computation with the same HLO instead of compiling it again (compilation dominates
-# these tests on CPU). FEDJAX_HET_TEST_CACHE=0 turns it off; FEDJAX_HET_TEST_CACHE=DIR keeps it in DIR.
+# these tests on CPU). FEDJAX_HET_TEST_CACHE=0 turns it off; FEDJAX_HET_TEST_CACHE=DIR keeps it in DIR. Otherwise
+# the first process (pytest, or pytest-xdist's controller, which starts its workers after loading this file)
+# makes a temporary folder, hands it to its workers through the environment, and removes it at exit.
 _cache = os.environ.get('FEDJAX_HET_TEST_CACHE', '')
 if _cache != '0':
   if not _cache:
     _cache = tempfile.mkdtemp(prefix='fedjax_het_xla_cache_')
+    os.environ['FEDJAX_HET_TEST_CACHE'] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
   jax.config.update('jax_compilation_cache_dir', _cache)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)

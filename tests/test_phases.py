@@ -73,13 +73,18 @@ def test_vmap_executor_equals_sequential(tiny_data, uninterrupted):
     assert a['train_loss'] == pytest.approx(b['train_loss'], rel=1e-4)
 
 
+@pytest.fixture(scope='module')
+def fresh(tiny_data):
+  """A second federation of the same run, as a resumed process builds it (shared by the resume cases)."""
+  return make(tiny_data)
+
+
 @pytest.mark.parametrize('stop', [1, 2, 3])  # inside phase 1, at the boundary, inside phase 2
-def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tiny_data, uninterrupted, tmp_path, stop):
+def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tiny_data, uninterrupted, fresh, tmp_path, stop):
   fed = make(tiny_data)
   state, first = run(fed, fed.init(), stop)
   checkpoints = Checkpoints(str(tmp_path / 'ckpt'))
   checkpoints.save(state)
-  fresh = make(tiny_data)
   restored = checkpoints.restore(fresh.init(), checkpoints.latest_round())
   assert int(restored.round) == stop
   state, rest = run(fresh, restored, ROUNDS - stop)
