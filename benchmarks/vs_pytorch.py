@@ -103,7 +103,7 @@ def main(_):
         times['fedjax_het'].append(m['train_seconds'])
     mean = {name: float(np.mean(t)) for name, t in times.items()}
     limit = centralized_limit(np.asarray(g.train.x[0]), m['local_steps'], int(g.train_sizes.sum()),
-                              FLAGS.batch_size, lr, fed.conv, fed.eval_batch_size)
+                              FLAGS.batch_size, lr, fed.conv, fed.executor.eval_batch_size)
     row = {'num_clients': k, 'local_steps': m['local_steps'], 'local_samples': m['local_samples'],
            'torch_seconds_per_round': mean['torch'],
            'torch_disk_seconds_per_round': mean.get('torch_disk'),
@@ -123,8 +123,8 @@ def main(_):
           flush=True)
   write_results(FLAGS.out, f'vs_pytorch_{jax.default_backend()}',
                 {'torch_device': torch_device, 'torch': torch.__version__, 'strategy': fed.strategy,
-                 'conv': fed.conv, 'client_threads': fed.client_threads, 'batch_size': FLAGS.batch_size,
-                 'eval_batch_size': fed.eval_batch_size, 'torch_eval_batch_size': FLAGS.torch_eval_batch_size,
+                 'conv': fed.conv, 'client_threads': getattr(fed.executor, 'threads', None), 'batch_size': FLAGS.batch_size,
+                 'eval_batch_size': fed.executor.eval_batch_size, 'torch_eval_batch_size': FLAGS.torch_eval_batch_size,
                  'samples_per_client': FLAGS.samples_per_client, 'rounds': FLAGS.rounds}, rows)
 
 
