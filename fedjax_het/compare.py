@@ -95,11 +95,14 @@ def plot_comparison(results: Sequence[MethodResult], path: str, title: str) -> N
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4.5))
-  for r in results:
+  colors = plt.get_cmap('tab20').colors  # 20 distinct colours; line styles tell apart any beyond
+  styles = ('-', '--', ':', '-.')
+  for i, r in enumerate(results):
     rounds = r.curves[0][0]
     acc = 100 * np.asarray([c[1] for c in r.curves if c[0] == rounds])
-    ax.plot(rounds, acc.mean(0), label=r.algorithm)
-    ax.fill_between(rounds, acc.min(0), acc.max(0), alpha=0.15)
+    color = colors[(2 * i) % 20 + (2 * i) // 20 % 2]
+    ax.plot(rounds, acc.mean(0), label=r.algorithm, color=color, linestyle=styles[i // 10 % len(styles)])
+    ax.fill_between(rounds, acc.min(0), acc.max(0), alpha=0.15, color=color)
   ax.set_xlabel('round')
   ax.set_ylabel('test accuracy (%)')
   ax.set_title(title)
