@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from typing import Sequence
 
 import numpy as np
 
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import train_and_evaluate
+from fedjax_het.experiment import holds_run, train_and_evaluate
 from fedjax_het.methods import METHODS
 
 
@@ -61,8 +62,10 @@ def run_comparison(base: ExperimentConfig, algorithms: Sequence[str], seeds: Seq
       run_dir = os.path.join(workdir, algorithm, f'seed{seed}')
       summary = _finished_summary(run_dir, cfg)
       if summary is None:
-        resume = os.path.isdir(os.path.join(run_dir, 'checkpoints')) and bool(os.listdir(os.path.join(run_dir,
-                                                                                                     'checkpoints')))
+        checkpoints = os.path.join(run_dir, 'checkpoints')
+        resume = os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))
+        if not resume and holds_run(run_dir):
+          shutil.rmtree(run_dir)  # this comparison's own run, stopped before its first checkpoint: start it again
         summary = train_and_evaluate(cfg, run_dir, resume=resume, progress=progress)
       summaries.append(summary)
       curves.append(_curve(run_dir))

@@ -125,6 +125,13 @@ class Checkpoints:
     return jax.tree.unflatten(treedef, [place(restored[str(i)], leaf) for i, leaf in enumerate(leaves)])
 
 
+def holds_run(workdir: str) -> bool:
+  """Whether `workdir` holds the outputs of a run: a metrics.jsonl or a non-empty checkpoints/ folder."""
+  checkpoints = os.path.join(workdir, 'checkpoints')
+  return (os.path.exists(os.path.join(workdir, 'metrics.jsonl'))
+          or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
+
+
 def _read_metrics(path: str, upto_round: int) -> list[dict]:
   if not os.path.exists(path):
     return []
@@ -213,6 +220,10 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
 
   Returns the summary dict (also written to summary.json).
   """
+  if not resume and holds_run(workdir):
+    raise ConfigError(f'--workdir={workdir} already holds a run (metrics.jsonl or checkpoints/); starting another '
+                      f'there would overwrite its outputs. Fix: add --resume to continue that run, or choose a new '
+                      f'--workdir.')
   os.makedirs(workdir, exist_ok=True)
   if resume:
     _check_resumable(workdir, cfg)

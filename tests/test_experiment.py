@@ -48,6 +48,15 @@ def test_resume_continues_to_the_same_numbers(tmp_path):
   assert _rows(part) == _rows(full)
 
 
+def test_a_second_run_into_a_used_workdir_is_refused_and_leaves_it_untouched(tmp_path):
+  train_and_evaluate(dataclasses.replace(CFG, rounds=1), str(tmp_path), progress=False)
+  before = {name: open(os.path.join(tmp_path, name)).read() for name in ('metrics.jsonl', 'summary.json',
+                                                                         'config.json')}
+  with pytest.raises(ConfigError, match='already holds a run'):
+    train_and_evaluate(dataclasses.replace(CFG, rounds=1, seed=1), str(tmp_path), progress=False)
+  assert {name: open(os.path.join(tmp_path, name)).read() for name in before} == before
+
+
 def test_resume_refuses_changed_settings_and_missing_checkpoints(tmp_path):
   train_and_evaluate(dataclasses.replace(CFG, rounds=2), str(tmp_path), progress=False)
   with pytest.raises(ConfigError, match='different settings for alpha'):
