@@ -10,7 +10,11 @@ Stopped comparisons continue where they stopped when run again with the same fla
 
 import sys
 
-from absl import app, flags, logging
+from fedjax_het import interrupts
+
+interrupts.install()  # Ctrl-C or SIGTERM during the startup seconds: stop cleanly once started
+
+from absl import app, flags, logging  # noqa: E402
 
 from fedjax_het import cli
 from fedjax_het.compare import run_comparison, write_comparison

@@ -3,7 +3,11 @@
   python experiments/fedre.py --flagfile=experiments/flags/quickstart.flags --workdir=/tmp/fedre_quickstart
 """
 
-from absl import app, flags
+from fedjax_het import interrupts
+
+interrupts.install()  # Ctrl-C or SIGTERM during the startup seconds: stop cleanly once started
+
+from absl import app, flags  # noqa: E402
 
 from fedjax_het import cli
 

@@ -6,7 +6,11 @@
 describe a setting and name no method; flags given after --flagfile override the file's.
 """
 
-from absl import app, flags
+from fedjax_het import interrupts
+
+interrupts.install()  # Ctrl-C or SIGTERM during the startup seconds: stop cleanly once started
+
+from absl import app, flags  # noqa: E402
 
 from fedjax_het import cli
 

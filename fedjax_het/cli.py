@@ -165,11 +165,26 @@ def run(fv) -> dict:
   return train_and_evaluate(config_from_flags(fv), fv.workdir, resume=fv.resume, progress=fv.progress)
 
 
+def _exit_interrupted(e, workdir: str) -> None:
+  """Exits with the status of the signal (130 SIGINT, 143 SIGTERM) and says what was kept and how to go on."""
+  if e.resumable:
+    message = (f'stopped ({e.signal_name}) after round {e.rounds_done}: outputs and a checkpoint are in {workdir}; '
+               f'continue with the same flags plus --resume.')
+  elif e.rounds_done == 0:
+    message = f'stopped ({e.signal_name}) before the first round; nothing was saved: run the same command again.'
+  else:
+    message = (f'stopped ({e.signal_name}) after {e.rounds_done} rounds, before any checkpoint: nothing to resume. '
+               f'Start again without --resume (in a new --workdir, or after deleting {workdir}).')
+  sys.stderr.write(message + '\n')
+  sys.exit(143 if e.signal_name == 'SIGTERM' else 130)
+
+
 def main(argv) -> None:
   """The body of the experiment entry points: parsed flags -> `train_and_evaluate`, the summary printed as JSON.
 
   A `ConfigError` (bad input) exits with its one-line message; an interrupt exits saying how to resume."""
   from fedjax_het.errors import ConfigError
+  from fedjax_het.interrupts import Interrupted
   fv = flags.FLAGS
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -179,6 +194,9 @@ def main(argv) -> None:
     summary = run(fv)
   except ConfigError as e:
     sys.exit(f'error: {e}')
-  except KeyboardInterrupt:
-    sys.exit(f'interrupted: outputs so far are in {fv.workdir}; continue with the same flags plus --resume.')
+  except Interrupted as e:
+    _exit_interrupted(e, fv.workdir)
+  except KeyboardInterrupt:  # a second signal: aborted mid-round
+    sys.exit(f'aborted: the last checkpoint in {fv.workdir} stands; continue from it with the same flags plus '
+             f'--resume (a run aborted before its first checkpoint starts again without --resume).')
   print(json.dumps({k: v for k, v in summary.items() if k != 'config'}, indent=2))

@@ -17,7 +17,8 @@ import numpy as np
 
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import holds_run, train_and_evaluate
+from fedjax_het.experiment import train_and_evaluate
+from fedjax_het.workdir import Workdir
 from fedjax_het.methods import METHODS
 
 
@@ -64,7 +65,7 @@ def run_comparison(base: ExperimentConfig, algorithms: Sequence[str], seeds: Seq
       if summary is None:
         checkpoints = os.path.join(run_dir, 'checkpoints')
         resume = os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))
-        if not resume and holds_run(run_dir):
+        if not resume and Workdir(run_dir).holds_run():
           shutil.rmtree(run_dir)  # this comparison's own run, stopped before its first checkpoint: start it again
         summary = train_and_evaluate(cfg, run_dir, resume=resume, progress=progress)
       summaries.append(summary)

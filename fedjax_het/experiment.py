@@ -1,53 +1,84 @@
-"""Train and evaluate one configuration: the round loop, metrics.jsonl, summary.json, a plot, orbax checkpoints
-and resume.
+"""Train and evaluate one configuration: the round loop, metrics.jsonl, summary.json, plots, checkpoints and resume.
 
-Workdir layout: config.json, partition.json and partition.png (class counts per client), metrics.jsonl (one line
-per round), summary.json, accuracy.png, checkpoints/ (orbax CheckpointManager, one step per checkpointed round).
+The workdir (`fedjax_het.workdir`) is locked while a run uses it and refused to a second run unless it resumes;
+checkpoints (`fedjax_het.checkpoints`) carry the identity of their run, which --resume checks. Ctrl-C or SIGTERM
+finishes the current round, checkpoints it and stops (`fedjax_het.interrupts`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import math
 import os
-import signal
-import threading
 import time
-from typing import Optional
 
-import jax
 import numpy as np
 from absl import logging
 
-from fedjax_het.core import Algorithm
+from fedjax_het.checkpoints import Checkpoints
 from fedjax_het.config import ExperimentConfig
+from fedjax_het.core import Algorithm
 from fedjax_het.data.datasets import load_dataset
 from fedjax_het.data.federated import FederatedData, make_federated_data
-from fedjax_het.engine.federation import Federation, FederationState, default_conv, default_strategy
+from fedjax_het.engine.federation import Federation, default_conv, default_strategy
 from fedjax_het.engine.sharding import client_mesh
 from fedjax_het.errors import ConfigError
-from fedjax_het.methods import Run, method
+from fedjax_het.interrupts import Interrupted, StopAtRoundEnd
+from fedjax_het.methods import Run, flag_name, method
 from fedjax_het.models.registry import assign_models
+from fedjax_het.plots import plot_accuracy, plot_partition
+from fedjax_het.workdir import Workdir
 
 # Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
+# --rounds is among them unless the method's numbers depend on it (`methods.Run.depends_on_rounds`).
 RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eval_batch_size', 'data_dir', 'conv',
                     'scan_unroll', 'num_devices', 'client_threads')
 
 
+def validate(cfg: ExperimentConfig) -> None:
+  """Checks the settings that need no data, so a bad flag fails in the first second with one clear message."""
+  for name in ('rounds', 'checkpoint_every', 'chunk_size'):
+    if getattr(cfg, name) < 0:
+      raise ConfigError(f'--{name}={getattr(cfg, name)} must be >= 0.')
+  for name in ('eval_every', 'batch_size', 'local_epochs', 'num_clients', 'feature_dim'):
+    if getattr(cfg, name) < 1:
+      raise ConfigError(f'--{name}={getattr(cfg, name)} must be >= 1.')
+  if not 0 <= cfg.seed < 2 ** 32:
+    raise ConfigError(f'--seed={cfg.seed} must be in [0, 2**32).')
+  if not (math.isfinite(cfg.local_learning_rate) and cfg.local_learning_rate > 0):
+    raise ConfigError(f'--local_learning_rate={cfg.local_learning_rate} must be a finite number > 0.')
+  for name in ('alpha', 'join_ratio', 'imbalance_factor'):
+    if not math.isfinite(getattr(cfg, name)):
+      raise ConfigError(f'--{name}={getattr(cfg, name)} must be a finite number.')
+  hyper = cfg.method_config
+  for field in dataclasses.fields(hyper):
+    value = getattr(hyper, field.name)
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ConfigError(f'--{flag_name(field)}={value} ({cfg.algorithm}) must be a finite number.')
+  method(cfg.algorithm)  # an unknown method fails before any data is loaded
+  assign_models(cfg.models, cfg.num_clients)
+
+
 def make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> Algorithm:
   """The `Algorithm` named by --algorithm (`fedjax_het.methods`), with its hyperparameters from the config."""
+  return _make_algorithm(cfg, data)[0]
+
+
+def _make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> tuple[Algorithm, Run]:
   run = Run(data.num_classes, cfg.num_clients, cfg.rounds, cfg.feature_dim, cfg.batch_size, cfg.local_learning_rate,
             lambda: data.loader_label_counts(cfg.batch_size, cfg.data_order == 'stored'))
-  return method(cfg.algorithm).build(cfg.methods[cfg.algorithm], run)
+  return method(cfg.algorithm).build(cfg.methods[cfg.algorithm], run), run
 
 
 def build_federation(cfg: ExperimentConfig) -> Federation:
   """Dataset -> partition -> groups -> `Federation`, all from the config and its seed."""
-  if cfg.rounds < 0:
-    raise ConfigError(f'--rounds={cfg.rounds} must be >= 0.')
-  if cfg.eval_every < 1 or cfg.checkpoint_every < 0:
-    raise ConfigError('--eval_every must be >= 1 and --checkpoint_every >= 0 (0 disables checkpoints).')
-  method(cfg.algorithm)  # an unknown method fails before any data is loaded
-  assign_models(cfg.models, cfg.num_clients)
+  return _build(cfg)[0]
+
+
+def _build(cfg: ExperimentConfig) -> tuple[Federation, Run]:
+  validate(cfg)
   dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
   data = make_federated_data(dataset, cfg.num_clients, cfg.partition, cfg.seed, cfg.eval_protocol,
                              alpha=cfg.alpha, classes_per_client=cfg.classes_per_client, balance=cfg.balance,
@@ -56,143 +87,61 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
   mesh = None
   if cfg.num_devices != 1 and (cfg.num_devices > 1 or strategy == 'vmap'):
     mesh = client_mesh(cfg.num_devices)
-  return Federation(make_algorithm(cfg, data), data, cfg.models, cfg.local_training(),
-                    feature_dim=cfg.feature_dim, rm=cfg.rm, strategy=strategy, join_ratio=cfg.join_ratio,
-                    seed=cfg.seed, chunk_size=cfg.chunk_size, eval_batch_size=cfg.eval_batch_size,
-                    conv=cfg.conv or default_conv(strategy), scan_unroll=cfg.scan_unroll, client_mesh=mesh,
-                    client_threads=cfg.client_threads, init=cfg.init, shared_init=cfg.shared_init,
-                    rounds=cfg.rounds)
-
-
-class StopAtRoundEnd:
-  """Context manager: the first Ctrl-C (SIGINT) asks the loop to stop after the current round, so that round is
-  checkpointed (rounds donate their input buffers, so a state cannot be saved from inside one); a second Ctrl-C
-  aborts at once. Outside the main thread signals cannot be caught and this does nothing."""
-
-  def __init__(self):
-    self.requested = False
-    self._previous = None
-
-  def _handle(self, signum, frame):
-    if self.requested:
-      raise KeyboardInterrupt
-    self.requested = True
-    logging.warning('Interrupted: finishing this round, then checkpointing and stopping. Interrupt again to abort '
-                    'now (the last periodic checkpoint then stands).')
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGINT, self._handle)
-    return self
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGINT, self._previous)
+  algorithm, run = _make_algorithm(cfg, data)
+  fed = Federation(algorithm, data, cfg.models, cfg.local_training(),
+                   feature_dim=cfg.feature_dim, rm=cfg.rm, strategy=strategy, join_ratio=cfg.join_ratio,
+                   seed=cfg.seed, chunk_size=cfg.chunk_size, eval_batch_size=cfg.eval_batch_size,
+                   conv=cfg.conv or default_conv(strategy), scan_unroll=cfg.scan_unroll, client_mesh=mesh,
+                   client_threads=cfg.client_threads, init=cfg.init, shared_init=cfg.shared_init,
+                   rounds=cfg.rounds)
+  return fed, run
 
 
 class TrainingDiverged(ConfigError):
   """The loss became NaN/inf; the message names the learning-rate flags."""
 
 
-class Checkpoints:
-  """Orbax checkpoints of the `FederationState` leaves, restored into the structure of a fresh state."""
-
-  def __init__(self, directory: str, max_to_keep: int = 2):
-    import orbax.checkpoint as ocp  # Lazy: orbax is slow to import and only runs with checkpoints need it.
-    self._ocp = ocp
-    self.manager = ocp.CheckpointManager(os.path.abspath(directory),
-                                         options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
-
-  def latest_round(self) -> Optional[int]:
-    """The round of the newest checkpoint, or None."""
-    return self.manager.latest_step()
-
-  def save(self, state: FederationState) -> None:
-    """Saves the state under its round number and waits until it is on disk."""
-    leaves = {str(i): np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(state))}
-    self.manager.save(int(state.round), args=self._ocp.args.StandardSave(leaves))
-    self.manager.wait_until_finished()
-
-  def restore(self, template: FederationState, step: int) -> FederationState:
-    """The state saved at `step`, in the pytree structure and device placement (sharding) of `template`, a
-    freshly initialised state."""
-    leaves, treedef = jax.tree.flatten(template)
-    target = {str(i): np.zeros(np.shape(l), np.asarray(l).dtype) for i, l in enumerate(leaves)}
-    restored = self.manager.restore(step, args=self._ocp.args.StandardRestore(target))
-    # Sharded leaves go back to their devices; single-device ones stay uncommitted, as in a fresh state.
-    place = lambda x, leaf: (jax.device_put(x, leaf.sharding) if len(leaf.sharding.device_set) > 1
-                             else jax.numpy.asarray(x))
-    return jax.tree.unflatten(treedef, [place(restored[str(i)], leaf) for i, leaf in enumerate(leaves)])
+def resumable_fields(run: Run) -> tuple[str, ...]:
+  """The config fields a resume may change for this run."""
+  return tuple(f for f in RESUMABLE_FIELDS if not (f == 'rounds' and run.depends_on_rounds))
 
 
-def holds_run(workdir: str) -> bool:
-  """Whether `workdir` holds the outputs of a run: a metrics.jsonl or a non-empty checkpoints/ folder."""
-  checkpoints = os.path.join(workdir, 'checkpoints')
-  return (os.path.exists(os.path.join(workdir, 'metrics.jsonl'))
-          or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
+def run_identity(cfg: ExperimentConfig, fed: Federation, run: Run) -> dict:
+  """What identifies a run, saved with each checkpoint: every setting its numbers depend on, and a digest of its
+  partition (class counts per client), which also catches a dataset file changed under the same name."""
+  counts = np.concatenate([fed.data.split.train_class_counts, fed.data.split.test_class_counts]).astype(np.int64)
+  settings = {k: v for k, v in cfg.to_dict().items() if k not in resumable_fields(run)}
+  return {'settings': json.loads(json.dumps(settings)), 'partition': hashlib.sha256(counts.tobytes()).hexdigest()}
 
 
-def _read_metrics(path: str, upto_round: int) -> list[dict]:
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
-  return [r for r in rows if r['round'] <= upto_round]
-
-
-def _write_metrics(path: str, rows: list[dict]) -> None:
-  with open(path, 'w') as f:
-    for r in rows:
-      f.write(json.dumps(r) + '\n')
-
-
-def _check_resumable(workdir: str, cfg: ExperimentConfig) -> None:
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    saved = json.load(f)
-  now = cfg.to_dict()
-  changed = [k for k in now if k not in RESUMABLE_FIELDS and saved.get(k) != now[k]]
+def _check_identity(saved: dict, now: dict, where: str, run: Run) -> None:
+  """Refuses to resume from a checkpoint of another run (ConfigError naming the settings that differ)."""
+  before, after = saved.get('settings', {}), now['settings']
+  changed = [k for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
+  if 'rounds' in changed and run.depends_on_rounds:
+    raise ConfigError(f'--resume with --rounds={after["rounds"]}: this method\'s schedule spans the run\'s length '
+                      f'(--rounds={before.get("rounds")} when it started), so its numbers would match neither run. '
+                      f'Fix: resume with --rounds={before.get("rounds")}, or start a new run in a new --workdir.')
   if changed:
-    raise ConfigError(f'--resume: {os.path.join(workdir, "config.json")} was written with different settings for '
+    diffs = ', '.join(f'{k} ({before.get(k)!r} there, {after.get(k)!r} now)' for k in changed[:6])
+    raise ConfigError(f'--resume: {where} was written by a run with different settings for {diffs}. Fix: resume '
+                      f'with the same flags, or use a new --workdir.')
+  if saved.get('partition') != now['partition']:
+    raise ConfigError(f'--resume: {where} was written for another partition of the data (the dataset changed under '
+                      f'the same name?). Fix: use a new --workdir.')
+
+
+def _check_config_json(workdir: Workdir, cfg: ExperimentConfig) -> None:
+  """The cheap check before any data is loaded: config.json against the flags (the checkpoint's identity is the
+  authoritative check, after the build)."""
+  saved = workdir.read_json('config.json')
+  if saved is None:
+    return
+  now = cfg.to_dict()
+  changed = [k for k in now if k not in RESUMABLE_FIELDS and saved.get(k) != json.loads(json.dumps(now[k]))]
+  if changed:
+    raise ConfigError(f'--resume: {workdir.file("config.json")} was written with different settings for '
                       f'{", ".join(changed)}. Fix: resume with the same flags, or use a new --workdir.')
-
-
-def plot_accuracy(rows: list[dict], path: str, title: str) -> None:
-  """Accuracy (and the local-head accuracy where logged) against round, as a PNG."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
-  rows = [r for r in rows if 'accuracy' in r]
-  ax.plot([r['round'] for r in rows], [100 * r['accuracy'] for r in rows], label=rows[0]['eval_head'] if rows else '')
-  if rows and 'local_head_accuracy' in rows[0]:
-    ax.plot([r['round'] for r in rows], [100 * r['local_head_accuracy'] for r in rows], '--', label='local_head')
-  ax.set_xlabel('round')
-  ax.set_ylabel('test accuracy (%)')
-  ax.set_title(title)
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
-def plot_partition(counts: np.ndarray, path: str, title: str) -> None:
-  """Bubble chart of the partition: one circle per (client, class), its area proportional to the sample count."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-  clients, classes = np.nonzero(counts)
-  fig, ax = plt.subplots(figsize=(max(4, 0.4 * counts.shape[0]), max(3, 0.25 * counts.shape[1])))
-  ax.scatter(clients, classes, s=300 * counts[clients, classes] / max(counts.max(), 1), alpha=0.6)
-  ax.set_xlabel('client')
-  ax.set_ylabel('class')
-  ax.set_title(title)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
 
 
 def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
@@ -218,84 +167,104 @@ def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
 def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False, progress: bool = True) -> dict:
   """Runs `cfg.rounds` rounds (continuing from the last checkpoint with `resume`) and writes the workdir outputs.
 
-  Returns the summary dict (also written to summary.json).
+  Returns the summary dict (also written to summary.json). Raises `ConfigError` for bad input (nothing written
+  over an existing run), `TrainingDiverged`, and `interrupts.Interrupted` after a stop request (SIGINT/SIGTERM),
+  which finishes the current round, checkpoints it and keeps every output.
   """
-  if not resume and holds_run(workdir):
-    raise ConfigError(f'--workdir={workdir} already holds a run (metrics.jsonl or checkpoints/); starting another '
-                      f'there would overwrite its outputs. Fix: add --resume to continue that run, or choose a new '
-                      f'--workdir.')
-  os.makedirs(workdir, exist_ok=True)
-  if resume:
-    _check_resumable(workdir, cfg)
-  fed = build_federation(cfg)
-  with open(os.path.join(workdir, 'config.json'), 'w') as f:
-    json.dump(cfg.to_dict(), f, indent=2)
-  with open(os.path.join(workdir, 'partition.json'), 'w') as f:
-    json.dump({'architectures': fed.architectures,
-               'train_class_counts': fed.data.split.train_class_counts.tolist(),
-               'test_class_counts': fed.data.split.test_class_counts.tolist()}, f)
+  with StopAtRoundEnd() as stop, Workdir(workdir).open(resume) as wd:
+    if resume:
+      _check_config_json(wd, cfg)
+    if stop.requested:
+      raise Interrupted(stop.requested, resume, 0)
+    fed, run = _build(cfg)
+    if stop.requested:
+      raise Interrupted(stop.requested, resume, 0)  # stopped during startup: nothing written
+    identity = run_identity(cfg, fed, run)
+    has_checkpoints = os.path.isdir(wd.checkpoints) and bool(os.listdir(wd.checkpoints))
+    checkpoints = Checkpoints(wd.checkpoints) if cfg.checkpoint_every or (resume and has_checkpoints) else None
+    state, rows = fed.init(), []
+    if resume:
+      if not has_checkpoints:
+        raise ConfigError(f'--resume: no checkpoint under {wd.checkpoints}. Fix: drop --resume to start a new run '
+                          f'(with --checkpoint_every > 0 to make it resumable).')
+      where = f'the checkpoint under {wd.checkpoints}'
+      state, _ = checkpoints.restore_latest(state, lambda saved: _check_identity(saved, identity, where, run))
+      rows = wd.read_metrics(int(state.round))
+    if stop.requested:
+      raise Interrupted(stop.requested, resume, int(state.round))  # stopped while restoring: nothing new written
+    wd.write_json('config.json', cfg.to_dict())
+    wd.write_json('partition.json', {'architectures': fed.architectures,
+                                     'train_class_counts': fed.data.split.train_class_counts.tolist(),
+                                     'test_class_counts': fed.data.split.test_class_counts.tolist()})
+    counts = fed.data.split.train_class_counts + fed.data.split.test_class_counts
+    plot_partition(counts, wd.file('partition.png'), f'{cfg.partition} partition of {cfg.dataset}')
+    logging.info('Partition (clients x classes), samples per client: %s', counts.sum(1).tolist())
+    wd.write_metrics(rows)
+    return _train(cfg, fed, state, rows, wd, checkpoints if cfg.checkpoint_every else None, identity, stop,
+                  progress)
 
-  counts = fed.data.split.train_class_counts + fed.data.split.test_class_counts
-  plot_partition(counts, os.path.join(workdir, 'partition.png'), f'{cfg.partition} partition of {cfg.dataset}')
-  logging.info('Partition (clients x classes), samples per client: %s', counts.sum(1).tolist())
 
-  state = fed.init()
-  checkpoints = Checkpoints(os.path.join(workdir, 'checkpoints')) if cfg.checkpoint_every else None
-  metrics_path = os.path.join(workdir, 'metrics.jsonl')
-  rows: list[dict] = []
-  if resume and checkpoints is not None and checkpoints.latest_round() is not None:
-    state = checkpoints.restore(state, checkpoints.latest_round())
-    rows = _read_metrics(metrics_path, int(state.round))
-  elif resume:
-    raise ConfigError(f'--resume: no checkpoint under {os.path.join(workdir, "checkpoints")}. Fix: drop --resume '
-                      f'to start a new run (and set --checkpoint_every > 0 to make resumable runs).')
-  _write_metrics(metrics_path, rows)
-
+def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, progress) -> dict:
+  """The round loop from `state` to cfg.rounds; outputs are finished (summary.json, plot) however it ends."""
   start_round = int(state.round)
   start = time.perf_counter() - (rows[-1]['elapsed_seconds'] if rows else 0.0)
+  saved_round = checkpoints.latest_round() if checkpoints is not None else None
+  idle = fed.clients_without_steps
   bar = None
   if progress:
     from tqdm.auto import tqdm
     bar = tqdm(total=cfg.rounds, initial=start_round, desc=f'{cfg.algorithm}', unit='round')
   try:
-    with StopAtRoundEnd() as stop:
-      for r in range(start_round, cfg.rounds):
-        state, metrics = fed.round(state)
-        if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
-          t0 = time.perf_counter()
-          metrics.update(fed.evaluate(state))
-          metrics['eval_seconds'] = time.perf_counter() - t0
-        metrics['elapsed_seconds'] = time.perf_counter() - start
-        rows.append(metrics)
-        with open(metrics_path, 'a') as f:
-          f.write(json.dumps(metrics) + '\n')
-        if not np.isfinite(metrics['train_loss']):
-          raise TrainingDiverged(f'training diverged in round {r + 1} (train_loss={metrics["train_loss"]}). Fix: '
-                                 f'lower --local_learning_rate (now {cfg.local_learning_rate}) or '
-                                 f'--server_learning_rate.')
-        due = (r + 1) % max(cfg.checkpoint_every, 1) == 0 or r + 1 == cfg.rounds
-        if checkpoints is not None and (due or stop.requested):
-          checkpoints.save(state)
-        if bar is not None:
-          bar.update(1)
-          if 'accuracy' in metrics:
-            bar.set_postfix(acc=f"{100 * metrics['accuracy']:.2f}", loss=f"{metrics['train_loss']:.3f}")
-        if stop.requested:
-          raise KeyboardInterrupt
-  except (KeyboardInterrupt, TrainingDiverged):
-    _finish(cfg, workdir, rows, start)  # keep the summary and plot of the rounds done
+    for r in range(start_round, cfg.rounds):
+      state, metrics = fed.round(state)
+      if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
+        t0 = time.perf_counter()
+        metrics.update(fed.evaluate(state))
+        metrics['eval_seconds'] = time.perf_counter() - t0
+      metrics['elapsed_seconds'] = time.perf_counter() - start
+      rows.append(metrics)
+      wd.append_metrics(metrics)
+      if not np.isfinite(metrics['train_loss']):
+        raise TrainingDiverged(
+            f'training diverged in round {r + 1} (train_loss={metrics["train_loss"]}). Fix: start again in a new '
+            f'--workdir with a lower --local_learning_rate (now {cfg.local_learning_rate}) or the method\'s '
+            f'server/learning-rate flags; a diverged run cannot be resumed with other settings.')
+      due = (r + 1) % max(cfg.checkpoint_every, 1) == 0 or r + 1 == cfg.rounds
+      if checkpoints is not None and (due or stop.requested):
+        checkpoints.save(state, identity)
+        saved_round = r + 1
+      if bar is not None:
+        bar.update(1)
+        postfix = {'loss': f"{metrics['train_loss']:.3f}"}
+        if 'accuracy' in metrics:
+          postfix['acc'] = f"{100 * metrics['accuracy']:.2f}"
+        if idle:
+          postfix['no_step'] = f'{len(idle)} clients'
+        bar.set_postfix(postfix)
+      if stop.requested:
+        raise Interrupted(stop.requested, saved_round is not None, r + 1)
+  except (KeyboardInterrupt, ConfigError):
+    _finish(cfg, wd, rows, start, idle)  # keep the summary and plot of the rounds done
     raise
+  except OSError as e:  # metrics.jsonl could not be appended: a full disk, a removed folder
+    _finish(cfg, wd, rows, start, idle)
+    raise ConfigError(f'writing the outputs of round {len(rows)} in --workdir={wd.path} failed ({e.strerror or e}). '
+                      f'Fix the cause (free disk space), then continue with --resume.') from None
   finally:
     if bar is not None:
       bar.close()
-  return _finish(cfg, workdir, rows, start)
+  return _finish(cfg, wd, rows, start, idle)
 
 
-def _finish(cfg: ExperimentConfig, workdir: str, rows: list[dict], start: float) -> dict:
-  """Writes summary.json and accuracy.png for the rounds done so far; returns the summary."""
+def _finish(cfg: ExperimentConfig, wd: Workdir, rows: list[dict], start: float, idle: list[int]) -> dict:
+  """Writes summary.json and accuracy.png for the rounds done so far; returns the summary. A failure to write
+  (a full disk) is logged, never allowed to hide the error that ended the run."""
   summary = summarize(cfg, rows, time.perf_counter() - start)
-  with open(os.path.join(workdir, 'summary.json'), 'w') as f:
-    json.dump(summary, f, indent=2)
-  if any('accuracy' in r for r in rows):
-    plot_accuracy(rows, os.path.join(workdir, 'accuracy.png'), f'{cfg.algorithm} on {cfg.dataset}')
+  summary['clients_without_local_steps'] = idle
+  try:
+    wd.write_json('summary.json', summary)
+    if any('accuracy' in r for r in rows):
+      plot_accuracy(rows, wd.file('accuracy.png'), f'{cfg.algorithm} on {cfg.dataset}')
+  except OSError as e:
+    logging.error('could not write summary.json / accuracy.png in %s: %s', wd.path, e)
   return summary

@@ -29,14 +29,31 @@ class NoHyperparameters:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  """What a method's factory may read of the run it is built for."""
+  """What a method's factory may read of the run it is built for.
+
+  `rounds` (--rounds) is read through a property that records the read: a method that reads it (a schedule over
+  the run's length, like FedKD's energy threshold) gives numbers that depend on --rounds, so `depends_on_rounds`
+  tells the experiment that --rounds cannot change when such a run is resumed.
+  """
   num_classes: int
   num_clients: int
-  rounds: int
+  total_rounds: int
   feature_dim: int
   batch_size: int
   local_learning_rate: float
   label_counts: Callable[[], np.ndarray]  # all clients' training labels as their train loaders yield them
+  _reads: set = dataclasses.field(default_factory=set, compare=False, repr=False)
+
+  @property
+  def rounds(self) -> int:
+    """--rounds, the run's length."""
+    self._reads.add('rounds')
+    return self.total_rounds
+
+  @property
+  def depends_on_rounds(self) -> bool:
+    """Whether the factory read `rounds`."""
+    return 'rounds' in self._reads
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,22 +12,16 @@ from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import train_and_evaluate
 
+from runs import CFG, metric_rows
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CFG = ExperimentConfig(dataset='synthetic:8,8,1', num_clients=4, alpha=0.5, models=('mlp', 'small_cnn_narrow'),
-                       feature_dim=16, rounds=4, batch_size=16, local_learning_rate=0.05, checkpoint_every=2,
-                       join_ratio=0.5)
-
-
-def _rows(workdir):
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    return [{k: v for k, v in json.loads(line).items() if 'seconds' not in k} for line in f]
 
 
 def test_outputs_are_written(tmp_path):
   summary = train_and_evaluate(CFG, str(tmp_path), progress=False)
   for name in ('metrics.jsonl', 'summary.json', 'accuracy.png', 'config.json', 'partition.json', 'partition.png'):
     assert os.path.exists(tmp_path / name), name
-  rows = _rows(tmp_path)
+  rows = metric_rows(tmp_path)
   assert [r['round'] for r in rows] == [1, 2, 3, 4]
   for key in ('accuracy', 'client_accuracy_mean', 'client_accuracy_std', 'train_loss', 'upload_scalars',
               'broadcast_scalars'):
@@ -45,7 +39,7 @@ def test_resume_continues_to_the_same_numbers(tmp_path):
   train_and_evaluate(dataclasses.replace(CFG, rounds=3), part, progress=False)
   shutil.rmtree(os.path.join(part, 'checkpoints', '3'))  # as if the run died after logging round 3
   train_and_evaluate(CFG, part, resume=True, progress=False)
-  assert _rows(part) == _rows(full)
+  assert metric_rows(part) == metric_rows(full)
 
 
 def test_a_second_run_into_a_used_workdir_is_refused_and_leaves_it_untouched(tmp_path):
@@ -143,7 +137,7 @@ def test_divergence_stops_with_a_clear_error_and_keeps_outputs(tmp_path):
   from fedjax_het.experiment import TrainingDiverged
   with pytest.raises(TrainingDiverged, match='--local_learning_rate'):
     train_and_evaluate(dataclasses.replace(CFG, local_learning_rate=1e9), str(tmp_path), progress=False)
-  assert os.path.exists(tmp_path / 'summary.json') and _rows(tmp_path)
+  assert os.path.exists(tmp_path / 'summary.json') and metric_rows(tmp_path)
 
 
 def test_interrupt_keeps_a_resumable_checkpoint(tmp_path, monkeypatch):
@@ -166,7 +160,7 @@ def test_interrupt_keeps_a_resumable_checkpoint(tmp_path, monkeypatch):
   assert json.load(open(tmp_path / 'run' / 'summary.json'))['rounds'] == 3
   train_and_evaluate(cfg, str(tmp_path / 'run'), resume=True, progress=False)
   train_and_evaluate(cfg, str(tmp_path / 'full'), progress=False)
-  assert _rows(tmp_path / 'run') == _rows(tmp_path / 'full')
+  assert metric_rows(tmp_path / 'run') == metric_rows(tmp_path / 'full')
 
 
 def test_tfds_path_end_to_end_with_mock_data(tmp_path):
@@ -175,7 +169,7 @@ def test_tfds_path_end_to_end_with_mock_data(tmp_path):
                             rounds=1, num_clients=2, join_ratio=1.0, checkpoint_every=0)
   with tfds.testing.mock_data(num_examples=64):
     summary = train_and_evaluate(cfg, str(tmp_path), progress=False)
-  row = _rows(tmp_path)[-1]
+  row = metric_rows(tmp_path)[-1]
   assert 0.0 <= summary['final_accuracy'] <= 1.0 and 'local_test_accuracy' in row
 
 

@@ -10,7 +10,7 @@ import pytest
 from cgan_method import cgan
 from conftest import tree_allclose
 from fedjax_het.engine import Federation, LocalTraining
-from fedjax_het.experiment import Checkpoints
+from fedjax_het.checkpoints import Checkpoints
 
 ROUNDS = 4  # 2 GAN rounds, then 2 rounds on generated batches
 

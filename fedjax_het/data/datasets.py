@@ -72,31 +72,88 @@ def load_tfds(name: str, data_dir: Optional[str] = None) -> Dataset:
   return Dataset(name, x, y, num_classes, x_test, y_test)
 
 
-def load_npz(path: str) -> Dataset:
-  """Loads user data from `.npz` with arrays x [N, H, W(, C)] and y [N] (optionally x_test, y_test).
+def _npz_labels(path: str, name: str, y: np.ndarray) -> np.ndarray:
+  """`y` as int32 class indices, or a ConfigError: integers (or integral floats) >= 0, one per sample."""
+  y = np.asarray(y).reshape(-1)
+  if y.dtype.kind == 'f':
+    if not np.all(np.isfinite(y)) or np.any(y != np.round(y)):
+      raise ConfigError(f'--dataset=npz:{path}: {name} holds non-integer labels (e.g. {y[y != np.round(y)][:3]}); '
+                        f'labels must be class indices 0..C-1. Fix: store integer labels.')
+  elif y.dtype.kind not in 'iub':
+    raise ConfigError(f'--dataset=npz:{path}: {name} has dtype {y.dtype}; labels must be integer class indices '
+                      f'0..C-1. Fix: store integer labels.')
+  if len(y) and y.min() < 0:
+    raise ConfigError(f'--dataset=npz:{path}: {name} holds negative labels ({sorted(set(y[y < 0].tolist()))[:5]}); '
+                      f'labels must be class indices 0..C-1. Fix: relabel, or drop those samples.')
+  return y.astype(np.int32)
 
-  uint8 images are normalised to [-1, 1]; float images are used as given. Channels-last layout is required.
-  """
-  if not os.path.exists(path):
-    raise ConfigError(f'--dataset=npz:{path}: file not found. Fix: give the path of an .npz with arrays x and y.')
-  with np.load(path) as f:
-    arrays = {k: f[k] for k in f.files}
-  if 'x' not in arrays or 'y' not in arrays:
-    raise ConfigError(f'--dataset=npz:{path}: needs arrays named x and y, found {sorted(arrays)}.')
 
-  def images(a):
-    if a.dtype == np.uint8:
-      return normalize_uint8(a)
+def _npz_images(path: str, name: str, a: np.ndarray) -> np.ndarray:
+  """`a` as float32 NHWC (uint8 normalised to [-1, 1]), or a ConfigError: numbers, finite, 3 or 4 dimensions."""
+  if a.dtype == np.uint8:
+    a = normalize_uint8(a)
+  elif a.dtype.kind in 'iuf':
     a = a.astype(np.float32)
-    return a[..., None] if a.ndim == 3 else a
+    a = a[..., None] if a.ndim == 3 else a
+  else:
+    raise ConfigError(f'--dataset=npz:{path}: {name} has dtype {a.dtype}; images must be numbers (uint8 0..255 or '
+                      f'floats). Fix: store a numeric array.')
+  if a.ndim != 4:
+    raise ConfigError(f'--dataset=npz:{path}: {name} must be [N, H, W] or [N, H, W, C] (channels last); got shape '
+                      f'{a.shape}.')
+  bad = ~np.isfinite(a).reshape(len(a), -1).all(1) if a.size else np.zeros(len(a), bool)
+  if bad.any():
+    raise ConfigError(f'--dataset=npz:{path}: {name} has NaN or infinite pixels in {int(bad.sum())} images (first: '
+                      f'{np.flatnonzero(bad)[:5].tolist()}). Fix: repair or drop those images.')
+  return a
 
-  x, y = images(arrays['x']), arrays['y'].astype(np.int32).reshape(-1)
-  if x.ndim != 4 or len(x) != len(y):
-    raise ConfigError(f'--dataset=npz:{path}: x must be [N, H, W] or [N, H, W, C] with N = len(y); '
-                      f'got x{x.shape}, y{y.shape}.')
-  x_test = images(arrays['x_test']) if 'x_test' in arrays else None
-  y_test = arrays['y_test'].astype(np.int32).reshape(-1) if 'y_test' in arrays else None
-  num_classes = int(max(y.max(), -1 if y_test is None else y_test.max())) + 1
+
+def load_npz(path: str) -> Dataset:
+  """Loads user data from `.npz` with arrays x [N, H, W(, C)] and y [N], optionally x_test and y_test (both) and
+  num_classes (a scalar; default max label + 1). Every array is checked before any work starts.
+
+  uint8 images are normalised to [-1, 1]; other numeric images are used as given. Channels-last layout is
+  required.
+  """
+  where = f'--dataset=npz:{path}'
+  if not os.path.isfile(path):
+    raise ConfigError(f'{where}: file not found. Fix: give the path of an .npz with arrays x and y.')
+  try:
+    with np.load(path, allow_pickle=False) as f:
+      arrays = {k: f[k] for k in f.files}
+  except Exception as e:  # not a zip, truncated, object arrays: numpy raises several types
+    raise ConfigError(f'{where}: not a readable .npz file ({type(e).__name__}: {str(e)[:120]}). Fix: write it with '
+                      f'numpy.savez(path, x=images, y=labels).') from None
+  if 'x' not in arrays or 'y' not in arrays:
+    raise ConfigError(f'{where}: needs arrays named x and y, found {sorted(arrays)}.')
+  if ('x_test' in arrays) != ('y_test' in arrays):
+    raise ConfigError(f'{where}: has {"x_test" if "x_test" in arrays else "y_test"} without '
+                      f'{"y_test" if "x_test" in arrays else "x_test"}. Fix: store both or neither.')
+  x, y = _npz_images(path, 'x', arrays['x']), _npz_labels(path, 'y', arrays['y'])
+  if len(x) == 0 or len(x) != len(y):
+    raise ConfigError(f'{where}: x and y must hold the same number (> 0) of samples; got {len(x)} images and '
+                      f'{len(y)} labels.')
+  x_test = y_test = None
+  if 'x_test' in arrays:
+    x_test, y_test = _npz_images(path, 'x_test', arrays['x_test']), _npz_labels(path, 'y_test', arrays['y_test'])
+    if len(x_test) != len(y_test):
+      raise ConfigError(f'{where}: x_test holds {len(x_test)} images but y_test {len(y_test)} labels.')
+    if x_test.shape[1:] != x.shape[1:]:
+      raise ConfigError(f'{where}: test images have shape {x_test.shape[1:]}, training images {x.shape[1:]}. Fix: '
+                        f'store both splits at one size.')
+  labels = y if y_test is None else np.concatenate([y, y_test])
+  if 'num_classes' in arrays:
+    num_classes = int(arrays['num_classes'])
+    if labels.max() >= num_classes:
+      raise ConfigError(f'{where}: labels reach {labels.max()} but num_classes is {num_classes}; labels must be in '
+                        f'0..num_classes-1.')
+  else:
+    num_classes = int(labels.max()) + 1
+    empty = np.flatnonzero(np.bincount(y, minlength=num_classes) == 0)
+    if len(empty) > num_classes // 2:
+      raise ConfigError(f'{where}: labels reach {labels.max()}, so the data would have {num_classes} classes, but '
+                        f'{len(empty)} of them have no training sample (e.g. {empty[:5].tolist()}). Fix: relabel to '
+                        f'0..C-1, or store the class count as an array num_classes.')
   name = os.path.splitext(os.path.basename(path))[0]
   return Dataset(name, x, y, num_classes, x_test, y_test)
 

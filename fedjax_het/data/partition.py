@@ -59,15 +59,16 @@ def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, rng:
                         num_classes: Optional[int] = None, least_samples: Optional[int] = None,
                         max_tries: int = 1000) -> list[np.ndarray]:
   """PRA partition (HtFLlib `separate_data(partition='dir')`): Dirichlet(alpha) per class with the N/K cap."""
-  if alpha <= 0:
-    raise ConfigError(f'--alpha={alpha}: the Dirichlet concentration must be > 0 (the papers use 0.1).')
+  if not alpha > 0 or not np.isfinite(alpha):  # also NaN
+    raise ConfigError(f'--alpha={alpha}: the Dirichlet concentration must be a finite number > 0 (the papers '
+                      f'use 0.1).')
   labels = np.asarray(labels)
   n = len(labels)
   num_classes = num_classes or int(labels.max()) + 1
   if least_samples is None:
     least_samples = default_least_samples(n, num_clients)
   if num_clients * max(least_samples, 1) > n:
-    raise ConfigError(f'--num_clients={num_clients}: {n} samples cannot give every client {least_samples} '
+    raise ConfigError(f'--num_clients={num_clients}: {n} samples cannot give every client {max(least_samples, 1)} '
                       f'samples. Fix: lower --num_clients or use a larger dataset.')
   for _ in range(max_tries):
     batches = [[] for _ in range(num_clients)]
@@ -172,10 +173,20 @@ def partition_clients(labels: np.ndarray, num_clients: int, partition: str, seed
                       alpha: float = 0.1, classes_per_client: int = 2, balance: bool = False,
                       train_fraction: float = 0.75, imbalance_factor: float = 1.0) -> ClientSplit:
   """Partitions a pool over clients and splits each client's share into local train/test, from one seed."""
+  labels = np.asarray(labels)
   if num_clients < 1:
     raise ConfigError(f'--num_clients={num_clients} must be >= 1.')
+  if num_clients > len(labels):
+    raise ConfigError(f'--num_clients={num_clients} is more than the {len(labels)} samples to partition, so some '
+                      f'client would hold none. Fix: --num_clients <= {len(labels)} (HtFLlib-style partitions '
+                      f'need tens of samples per client), or a larger dataset.')
+  present = np.unique(labels)
+  if len(present) < 2:
+    raise ConfigError(f'the dataset\'s samples all belong to class {present.tolist()}; classification needs at '
+                      f'least two classes. Fix: check the labels of --dataset.')
+  if not 0 <= seed < 2 ** 32:
+    raise ConfigError(f'--seed={seed} must be in [0, 2**32).')
   rng = np.random.RandomState(seed)
-  labels = np.asarray(labels)
   pool = np.arange(len(labels))
   if imbalance_factor != 1:
     pool = long_tail_indices(labels, num_classes, imbalance_factor, rng)
@@ -190,7 +201,8 @@ def partition_clients(labels: np.ndarray, num_clients: int, partition: str, seed
   parts = [pool[p] for p in parts]
   empty = [k for k, p in enumerate(parts) if len(p) == 0]
   if empty:
-    raise ConfigError(f'--partition={partition}: clients {empty} received no samples. Fix: lower --num_clients '
-                      f'or raise --classes_per_client.')
+    fix = {'dirichlet': 'raise --alpha', 'pathological': 'raise --classes_per_client'}.get(partition, '')
+    raise ConfigError(f'--partition={partition}: clients {empty[:10]} received no samples. Fix: lower '
+                      f'--num_clients{" or " + fix if fix else ""}.')
   train, test = train_test_split(parts, train_fraction, rng)
   return ClientSplit(train, test, class_counts(labels, train, num_classes), class_counts(labels, test, num_classes))

@@ -26,7 +26,7 @@ from fedjax_het.engine.executors import (STRATEGIES, Executor, SequentialExecuto
                                          default_client_threads, default_conv, default_eval_batch_size,
                                          default_strategy)
 from fedjax_het.engine.groups import (EvalSet, Group, build_groups, host_copy, init_group, slot_indices,
-                                      warn_small_clients)
+                                      clients_without_steps)
 from fedjax_het.engine.sharding import CLIENTS_AXIS, to_host
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
@@ -75,6 +75,8 @@ class Federation:
     client_threads = default_client_threads() if client_threads is None else client_threads
     if client_threads < 1:
       raise ConfigError(f'--client_threads={client_threads} must be >= 1.')
+    if chunk_size < 0:
+      raise ConfigError(f'--chunk_size={chunk_size} must be >= 0 (0: a whole group per vmapped call).')
     if scan_unroll < 1:
       raise ConfigError(f'--scan_unroll={scan_unroll} must be >= 1 (local steps per loop iteration).')
     if not 0 < join_ratio <= 1:
@@ -108,10 +110,15 @@ class Federation:
     self.phase_starts = self._phase_starts(rounds)
     self.programs = [[phase.client(g.spec) for g in self.groups] for phase in algorithm.phases]
     self.evaluations = [algorithm.evaluation(g.spec) for g in self.groups]
-    small = warn_small_clients(self.groups, training.batch_size)
-    if small:
+    self.clients_without_steps = clients_without_steps(self.groups, training.batch_size)
+    if len(self.clients_without_steps) == self.num_clients:
+      raise ConfigError(f'--batch_size={training.batch_size} is larger than every client\'s training set (the '
+                        f'largest holds {int(self.train_sizes.max())} rows), so no client could take a local step. '
+                        f'Fix: --batch_size <= {int(self.train_sizes.max())}, or fewer --num_clients.')
+    if self.clients_without_steps:
       logging.warning('--batch_size=%d: clients %s have fewer training samples than one batch and take no local '
-                      'step (one epoch drops the last partial batch, as HtFLlib does).', training.batch_size, small)
+                      'step (one epoch drops the last partial batch, as HtFLlib does).', training.batch_size,
+                      self.clients_without_steps)
     self._jitted: dict = {}
 
   def _phase_starts(self, rounds: int) -> list[int]:

@@ -4,7 +4,7 @@ stacked states."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +154,7 @@ def slot_indices(g: Group, participants: np.ndarray, slots: int) -> np.ndarray:
   return idx
 
 
-def warn_small_clients(groups: Sequence[Group], batch_size: int) -> Optional[list[int]]:
-  """Clients with fewer training rows than one batch (they take no local step)."""
-  return [int(k) for g in groups for k, n in zip(g.clients, g.train_sizes) if n < batch_size]
+def clients_without_steps(groups: Sequence[Group], batch_size: int) -> list[int]:
+  """Ascending ids of the clients with fewer training rows than one batch: they take no local step, since an
+  epoch drops the last partial batch (HtFLlib's drop_last)."""
+  return sorted(int(k) for g in groups for k, n in zip(g.clients, g.train_sizes) if n < batch_size)

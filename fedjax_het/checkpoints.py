@@ -1,0 +1,104 @@
+"""Orbax checkpoints of a `FederationState`, each carrying the identity of the run that wrote it.
+
+A checkpoint holds two items: 'state' (the state's leaves) and 'run' (a JSON dict identifying the run: the
+settings its numbers depend on and a fingerprint of its partition). Restoring checks the identity first, so a
+checkpoint of another run (another seed, dataset or method) is refused whatever config.json says. A checkpoint
+that cannot be read (a crash mid-write, a damaged disk) is moved aside to checkpoints.unreadable/ and the next
+older one is tried. A save that does not land (the manager skips a step at or below its newest, the disk is full)
+is an error, never ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from absl import logging
+
+from fedjax_het.errors import ConfigError
+
+
+class CheckpointError(ConfigError):
+  """A checkpoint could not be written or read; the message names the folder and the fix."""
+
+
+class Checkpoints:
+  """The checkpoints/ folder of a run: `save(state, identity)`, `restore_latest(template)`."""
+
+  def __init__(self, directory: str, max_to_keep: int = 2):
+    import orbax.checkpoint as ocp  # Lazy: orbax is slow to import and only runs with checkpoints need it.
+    self._ocp = ocp
+    self.directory = os.path.abspath(directory)
+    self._options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep)
+    self.manager = ocp.CheckpointManager(self.directory, options=self._options)
+
+  def latest_round(self) -> Optional[int]:
+    """The round of the newest checkpoint, or None."""
+    return self.manager.latest_step()
+
+  def save(self, state: Any, identity: Optional[dict] = None) -> None:
+    """Saves the state under its round number with the run's `identity` and waits until both are on disk."""
+    step = int(state.round)
+    leaves = {str(i): np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(state))}
+    args = self._ocp.args.Composite(state=self._ocp.args.StandardSave(leaves),
+                                    run=self._ocp.args.JsonSave(identity or {}))
+    try:
+      saved = self.manager.save(step, args=args)
+      self.manager.wait_until_finished()
+    except OSError as e:
+      raise CheckpointError(f'the checkpoint of round {step} could not be written under {self.directory} '
+                            f'({e.strerror or e}). The rounds before are kept; fix the cause (free disk space) and '
+                            f'continue with --resume.') from None
+    if not saved:
+      raise CheckpointError(f'the checkpoint of round {step} was not written: {self.directory} already holds one '
+                            f'at round {self.latest_round()}, which belongs to another run. Fix: use a new '
+                            f'--workdir.')
+
+  def identity(self, step: int) -> dict:
+    """The run identity saved with checkpoint `step`."""
+    return self.manager.restore(step, args=self._ocp.args.Composite(run=self._ocp.args.JsonRestore()))['run']
+
+  def restore(self, template: Any, step: int) -> Any:
+    """The state saved at `step`, in the pytree structure and device placement (sharding) of `template`, a
+    freshly initialised state."""
+    leaves, treedef = jax.tree.flatten(template)
+    target = {str(i): np.zeros(np.shape(l), np.asarray(l).dtype) for i, l in enumerate(leaves)}
+    restored = self.manager.restore(step, args=self._ocp.args.Composite(
+        state=self._ocp.args.StandardRestore(target)))['state']
+    # Sharded leaves go back to their devices; single-device ones stay uncommitted, as in a fresh state.
+    place = lambda x, leaf: (jax.device_put(x, leaf.sharding) if len(leaf.sharding.device_set) > 1
+                             else jax.numpy.asarray(x))
+    return jax.tree.unflatten(treedef, [place(restored[str(i)], leaf) for i, leaf in enumerate(leaves)])
+
+  def restore_latest(self, template: Any, check_identity=None) -> tuple[Any, dict]:
+    """(state, identity) of the newest readable checkpoint. `check_identity(identity)` may raise to refuse it
+    (another run's checkpoint); an unreadable checkpoint is moved aside with a warning and the next older one is
+    tried. A CheckpointError when none is readable."""
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        identity = self.identity(step)
+      except Exception as e:  # orbax raises many types for damaged files; any of them means "unreadable"
+        self._set_aside(step, e)
+        continue
+      if check_identity is not None:
+        check_identity(identity)
+      try:
+        return self.restore(template, step), identity
+      except Exception as e:
+        self._set_aside(step, e)
+    raise CheckpointError(f'--resume: no readable checkpoint under {self.directory}. Fix: drop --resume and start '
+                          f'the run again in a new --workdir.')
+
+  def _set_aside(self, step: int, error: Exception) -> None:
+    aside = os.path.join(os.path.dirname(self.directory), 'checkpoints.unreadable')
+    os.makedirs(aside, exist_ok=True)
+    target = os.path.join(aside, str(step))
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.move(os.path.join(self.directory, str(step)), target)
+    message = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+    logging.warning('checkpoint of round %d is unreadable (%s); moved it to %s and trying the one before.', step,
+                    message, target)
+    self.manager = self._ocp.CheckpointManager(self.directory, options=self._options)

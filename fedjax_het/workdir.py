@@ -1,0 +1,144 @@
+"""A run's output folder: its layout, an exclusive lock while a run uses it, and crash-safe metrics and JSON files.
+
+Layout: config.json, partition.json and partition.png (class counts per client), metrics.jsonl (one line per
+round), summary.json, accuracy.png, checkpoints/ (`fedjax_het.checkpoints`), .lock (held by the running process).
+
+One run per workdir: a second run into a folder that holds one is refused unless it resumes, and two processes
+never write one folder at once (an advisory `flock` on .lock, released by the kernel however the holder dies, so
+kill -9 leaves no stale lock). JSON files are written to a temporary name and renamed, so a crash leaves the old
+file or the new one, never half of one; metrics.jsonl is appended line by line, and a torn last line (a crash
+mid-write) is dropped when it is read back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+from absl import logging
+
+from fedjax_het.errors import ConfigError
+
+try:
+  import fcntl
+except ImportError:  # not POSIX: no lock, everything else works
+  fcntl = None
+
+
+class Workdir:
+  """The folder of one run. `open(resume)` validates and locks it; `close()` releases the lock."""
+
+  def __init__(self, path: Optional[str]):
+    if not path:
+      raise ConfigError('--workdir is required: the folder for metrics.jsonl, summary.json and checkpoints/.')
+    self.path = path
+    self._lock = None
+
+  def file(self, name: str) -> str:
+    return os.path.join(self.path, name)
+
+  @property
+  def checkpoints(self) -> str:
+    return self.file('checkpoints')
+
+  def holds_run(self) -> bool:
+    """Whether the folder holds the outputs of a run: a metrics.jsonl or a non-empty checkpoints/ folder."""
+    return (os.path.exists(self.file('metrics.jsonl'))
+            or (os.path.isdir(self.checkpoints) and bool(os.listdir(self.checkpoints))))
+
+  def open(self, resume: bool) -> 'Workdir':
+    """Creates the folder if needed, checks it is writable, takes the lock and refuses a used folder without
+    `resume`; every failure is one ConfigError naming --workdir."""
+    if os.path.exists(self.path) and not os.path.isdir(self.path):
+      raise ConfigError(f'--workdir={self.path} is a file, not a folder. Fix: choose a folder path.')
+    try:
+      os.makedirs(self.path, exist_ok=True)
+      self._lock = open(self.file('.lock'), 'a+')
+    except OSError as e:
+      raise ConfigError(f'--workdir={self.path} cannot be written ({e.strerror or e}). Fix: choose a folder you '
+                        f'can write to.') from None
+    if fcntl is not None:
+      try:
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except OSError:
+        self._lock.seek(0)
+        holder = self._lock.read().strip() or 'another process'
+        self._lock.close()
+        self._lock = None
+        raise ConfigError(f'--workdir={self.path} is in use by a running run (pid {holder}). Fix: wait for it to '
+                          f'finish or stop it, or choose another --workdir.') from None
+      self._lock.seek(0)
+      self._lock.truncate()
+      self._lock.write(str(os.getpid()))
+      self._lock.flush()
+    if not resume and self.holds_run():
+      self.close()
+      raise ConfigError(f'--workdir={self.path} already holds a run (metrics.jsonl or checkpoints/); starting '
+                        f'another there would overwrite its outputs. Fix: add --resume to continue that run, or '
+                        f'choose a new --workdir.')
+    return self
+
+  def close(self) -> None:
+    """Releases the lock."""
+    if self._lock is not None:
+      self._lock.close()
+      self._lock = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  # ---------------------------------------------------------------- files
+  def write_json(self, name: str, obj: Any) -> None:
+    """Writes `name` atomically (temporary file, then rename)."""
+    path = self.file(name)
+    with open(path + '.tmp', 'w') as f:
+      json.dump(obj, f, indent=2)
+    os.replace(path + '.tmp', path)
+
+  def read_json(self, name: str) -> Optional[Any]:
+    """The parsed file, or None when it is missing or unreadable (a note is logged for the latter)."""
+    path = self.file(name)
+    if not os.path.exists(path):
+      return None
+    try:
+      with open(path) as f:
+        return json.load(f)
+    except (OSError, ValueError) as e:
+      logging.warning('%s is unreadable (%s); ignoring it.', path, e)
+      return None
+
+  def read_metrics(self, upto_round: int) -> list[dict]:
+    """The rows of metrics.jsonl up to `upto_round`. A torn last line (a crash while appending) is dropped; a bad
+    line elsewhere is an error naming it."""
+    path = self.file('metrics.jsonl')
+    if not os.path.exists(path):
+      return []
+    with open(path) as f:
+      lines = [line for line in f.read().split('\n') if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+      try:
+        rows.append(json.loads(line))
+      except ValueError:
+        if i == len(lines) - 1:
+          logging.warning('%s: dropping its torn last line (the run stopped while writing it).', path)
+          continue
+        raise ConfigError(f'{path}: line {i + 1} is not JSON, so the rounds logged cannot be read back. Fix: '
+                          f'repair or delete that line, then --resume again.') from None
+    return [r for r in rows if r.get('round', 0) <= upto_round]
+
+  def write_metrics(self, rows: list[dict]) -> None:
+    """Replaces metrics.jsonl by `rows` atomically."""
+    path = self.file('metrics.jsonl')
+    with open(path + '.tmp', 'w') as f:
+      f.writelines(json.dumps(r) + '\n' for r in rows)
+    os.replace(path + '.tmp', path)
+
+  def append_metrics(self, row: dict) -> None:
+    """Appends one round's row to metrics.jsonl and flushes it to the OS."""
+    with open(self.file('metrics.jsonl'), 'a') as f:
+      f.write(json.dumps(row) + '\n')

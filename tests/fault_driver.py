@@ -1,0 +1,61 @@
+"""Runs the tiny experiment of tests/test_reliability.py in its own process and kills that process with SIGKILL at
+one chosen point, for the fault-injection test (kill -9 cannot be caught, so only a real process shows what it
+leaves behind).
+
+  python tests/fault_driver.py WORKDIR POINT ROUND [--resume]
+
+POINT: 'checkpoint' (inside the checkpoint write of ROUND: the write started, not finished), 'metrics' (halfway
+through appending ROUND's line of metrics.jsonl), 'round' (inside ROUND's computation), 'none' (run to the end).
+"""
+
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import conftest  # noqa: F401,E402 (the test suite's XLA settings and compilation cache)
+
+from fedjax_het.checkpoints import Checkpoints  # noqa: E402
+from fedjax_het.engine.federation import Federation  # noqa: E402
+from fedjax_het.experiment import train_and_evaluate  # noqa: E402
+from fedjax_het.workdir import Workdir  # noqa: E402
+from runs import CFG  # noqa: E402
+
+
+def die():
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(workdir: str, point: str, round_: int, resume: bool) -> None:
+  if point == 'checkpoint':
+    def save(self, state, identity=None):
+      if int(state.round) == round_:
+        leaves = {str(i): __import__('numpy').asarray(x) for i, x in enumerate(__import__('jax').tree.leaves(state))}
+        self.manager.save(round_, args=self._ocp.args.Composite(
+            state=self._ocp.args.StandardSave(leaves), run=self._ocp.args.JsonSave(identity)))
+        die()  # the asynchronous write is under way
+      return original_save(self, state, identity)
+    original_save = Checkpoints.save
+    Checkpoints.save = save
+  elif point == 'metrics':
+    def append(self, row):
+      if row['round'] == round_:
+        with open(self.file('metrics.jsonl'), 'a') as f:
+          line = __import__('json').dumps(row)
+          f.write(line[:len(line) // 2])
+        die()
+      return original_append(self, row)
+    original_append = Workdir.append_metrics
+    Workdir.append_metrics = append
+  elif point == 'round':
+    def round_fn(self, state):
+      if int(state.round) == round_ - 1:
+        die()
+      return original_round(self, state)
+    original_round = Federation.round
+    Federation.round = round_fn
+  train_and_evaluate(CFG, workdir, resume=resume, progress=False)
+
+
+if __name__ == '__main__':
+  main(sys.argv[1], sys.argv[2], int(sys.argv[3]), '--resume' in sys.argv)
