@@ -36,7 +36,7 @@ def _finished_summary(workdir: str, cfg: ExperimentConfig):
     return None
   with open(path) as f:
     summary = json.load(f)
-  return summary if summary.get('rounds') == cfg.rounds and summary.get('config') == cfg.to_dict() else None
+  return summary if summary.get('finished') and summary.get('config') == cfg.to_dict() else None
 
 
 def _curve(workdir: str) -> tuple[list[int], list[float]]:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from fedjax_het.local_training import LocalTraining
 from fedjax_het.models.classifier import HeteroClassifier
-from fedjax_het.models.init import init_variables
+from fedjax_het.models.init import architecture_key, init_variables
 from fedjax_het.models.registry import build_model
 
 Broadcast = Any
@@ -46,9 +46,11 @@ class ClientState(NamedTuple):
 
 
 class Batch(NamedTuple):
-  """One local step's rows: x [B, ...], y [B]."""
-  x: jnp.ndarray
-  y: jnp.ndarray
+  """One local step's rows: x [B, ...], y [B], and index [B], the rows' indices in the client's training rows.
+  A program that trains on rows it generates (`LocalTraining.rows`) gets x and y None and index its row ids."""
+  x: Optional[jnp.ndarray]
+  y: Optional[jnp.ndarray]
+  index: Optional[jnp.ndarray] = None
 
 
 class ClientRows(NamedTuple):
@@ -115,6 +117,7 @@ class GroupSpec:
   rm: str = 'ap'
   conv: str = 'xla'
   init: str = 'torch'
+  seed: int = 0  # the run's seed: modules every client must start identically (FedVTC's psi) draw from it
 
   def build_model(self, arch: str, feature_dim: Optional[int] = None) -> HeteroClassifier:
     """A registered architecture built the way this run builds its clients' (RM, convolutions), with RM to
@@ -125,6 +128,11 @@ class GroupSpec:
     """A module's variables initialised as this run initialises its clients (--init): `name` is the module's
     place in the client ('companion', 'hidden_map', ...), which keys its PyTorch-style draws."""
     return init_variables(module, key, *inputs, scheme=self.init, path=(name,))
+
+  def shared_key(self, name: str) -> jax.Array:
+    """A key of the run's seed and `name` only, the same in every group: for modules that all clients of all
+    architectures must start from identically (a shared decoder or generator)."""
+    return architecture_key(jax.random.PRNGKey(self.seed), name)
 
   def sample_input(self, rows: int = 1) -> jnp.ndarray:
     """Zeros shaped like `rows` input images (for initialising modules that read images)."""
@@ -189,6 +197,8 @@ class Algorithm:
   evaluation(group) -> the `Evaluation` of that group's clients.
   upload_scalars(upload) / broadcast_scalars(broadcast) -> {part: scalars} of one client's upload / of what one
     participant receives (jnp scalars allowed: data-dependent sizes); default `leaf_scalars`.
+  samples(server, spec, key, n) -> images [C, n, H, W, channels] in [-1, 1]: n samples per class from the
+    method's generator as the server holds it, for pictures (samples.png); None for methods without one.
   """
   name: str
   init_server: Callable[[jax.Array, FederationSpec, Sequence[ClientState]], ServerState]
@@ -197,6 +207,7 @@ class Algorithm:
   init_client: Callable[[GroupSpec, jax.Array], Any] = no_client_state
   upload_scalars: Callable[[Upload], dict] = leaf_scalars
   broadcast_scalars: Callable[[Broadcast], dict] = leaf_scalars
+  samples: Optional[Callable[[ServerState, FederationSpec, jax.Array, int], jnp.ndarray]] = None
 
 
 def one_phase(name: str, init_server, client, server_update, evaluation, broadcast=whole_server,

@@ -14,6 +14,7 @@ import math
 import os
 import time
 
+import jax
 import numpy as np
 from absl import logging
 
@@ -28,7 +29,7 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.interrupts import Interrupted, StopAtRoundEnd
 from fedjax_het.methods import Run, flag_name, method
 from fedjax_het.models.registry import assign_models
-from fedjax_het.plots import plot_accuracy, plot_partition
+from fedjax_het.plots import plot_accuracy, plot_partition, plot_samples
 from fedjax_het.workdir import Workdir
 
 # Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
@@ -160,12 +161,16 @@ def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
       'upload_scalars_per_round': float(np.mean([r['upload_scalars'] for r in rows])) if rows else 0.0,
       'broadcast_scalars_per_round': float(np.mean([r['broadcast_scalars'] for r in rows])) if rows else 0.0,
       'seconds': seconds,
+      # the last accuracy of each phase, for methods of several (FedVTC: before / after fine-tuning)
+      'final_accuracy_by_phase': {r['phase']: r['accuracy'] for r in evals} if len({r['phase'] for r in evals}) > 1
+                                 else None,
       'config': cfg.to_dict(),
   }
 
 
 def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False, progress: bool = True) -> dict:
-  """Runs `cfg.rounds` rounds (continuing from the last checkpoint with `resume`) and writes the workdir outputs.
+  """Runs the configured rounds (`cfg.rounds`, plus any closing phases of fixed length the method appends, e.g.
+  FedVTC's; continuing from the last checkpoint with `resume`) and writes the workdir outputs.
 
   Returns the summary dict (also written to summary.json). Raises `ConfigError` for bad input (nothing written
   over an existing run), `TrainingDiverged`, and `interrupts.Interrupted` after a stop request (SIGINT/SIGTERM),
@@ -205,22 +210,28 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
 
 
 def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, progress) -> dict:
-  """The round loop from `state` to cfg.rounds; outputs are finished (summary.json, plot) however it ends."""
+  """The round loop from `state` to the run's last round; outputs are finished (summary.json, plot) however it
+  ends."""
+  total = fed.total_rounds
   start_round = int(state.round)
   start = time.perf_counter() - (rows[-1]['elapsed_seconds'] if rows else 0.0)
   saved_round = checkpoints.latest_round() if checkpoints is not None else None
   idle = fed.clients_without_steps
-  bar = None
+  bar = sampler = None
   if progress:
     from tqdm.auto import tqdm
-    bar = tqdm(total=cfg.rounds, initial=start_round, desc=f'{cfg.algorithm}', unit='round')
+    bar = tqdm(total=total, initial=start_round, desc=f'{cfg.algorithm}', unit='round')
   try:
-    for r in range(start_round, cfg.rounds):
+    for r in range(start_round, total):
       state, metrics = fed.round(state)
-      if (r + 1) % cfg.eval_every == 0 or r + 1 == cfg.rounds:
+      if fed.evaluates_after(r, cfg.eval_every):
         t0 = time.perf_counter()
         metrics.update(fed.evaluate(state))
         metrics['eval_seconds'] = time.perf_counter() - t0
+        if fed.algorithm.samples is not None:
+          sampler = sampler or _sampler(fed)
+          plot_samples(sampler(state.server), real_examples(fed.data.dataset, SAMPLES_PER_CLASS),
+                       wd.file('samples.png'), f'{cfg.algorithm} on {cfg.dataset}, round {r + 1}')
       metrics['elapsed_seconds'] = time.perf_counter() - start
       rows.append(metrics)
       wd.append_metrics(metrics)
@@ -229,7 +240,7 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
             f'training diverged in round {r + 1} (train_loss={metrics["train_loss"]}). Fix: start again in a new '
             f'--workdir with a lower --local_learning_rate (now {cfg.local_learning_rate}) or the method\'s '
             f'server/learning-rate flags; a diverged run cannot be resumed with other settings.')
-      due = (r + 1) % max(cfg.checkpoint_every, 1) == 0 or r + 1 == cfg.rounds
+      due = (r + 1) % max(cfg.checkpoint_every, 1) == 0 or r + 1 == total
       if checkpoints is not None and (due or stop.requested):
         checkpoints.save(state, identity)
         saved_round = r + 1
@@ -244,23 +255,44 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
       if stop.requested:
         raise Interrupted(stop.requested, saved_round is not None, r + 1)
   except (KeyboardInterrupt, ConfigError):
-    _finish(cfg, wd, rows, start, idle)  # keep the summary and plot of the rounds done
+    _finish(cfg, wd, rows, start, idle, total)  # keep the summary and plot of the rounds done
     raise
   except OSError as e:  # metrics.jsonl could not be appended: a full disk, a removed folder
-    _finish(cfg, wd, rows, start, idle)
+    _finish(cfg, wd, rows, start, idle, total)
     raise ConfigError(f'writing the outputs of round {len(rows)} in --workdir={wd.path} failed ({e.strerror or e}). '
                       f'Fix the cause (free disk space), then continue with --resume.') from None
   finally:
     if bar is not None:
       bar.close()
-  return _finish(cfg, wd, rows, start, idle)
+  return _finish(cfg, wd, rows, start, idle, total)
 
 
-def _finish(cfg: ExperimentConfig, wd: Workdir, rows: list[dict], start: float, idle: list[int]) -> dict:
+SAMPLES_PER_CLASS = 8
+
+
+def _sampler(fed: Federation):
+  """The algorithm's `samples` for the server state, jitted once: SAMPLES_PER_CLASS images per class."""
+  key = jax.random.PRNGKey(fed.seed)
+  return jax.jit(lambda server: fed.algorithm.samples(server, fed.spec, key, SAMPLES_PER_CLASS))
+
+
+def real_examples(dataset, per_class: int) -> np.ndarray:
+  """The first `per_class` training images of every class [C, per_class, H, W, ch] (black where a class has
+  fewer)."""
+  out = np.full((dataset.num_classes, per_class) + dataset.image_shape, -1.0, np.float32)
+  for c in range(dataset.num_classes):
+    rows = np.flatnonzero(dataset.y == c)[:per_class]
+    out[c, :len(rows)] = dataset.x[rows]
+  return out
+
+
+def _finish(cfg: ExperimentConfig, wd: Workdir, rows: list[dict], start: float, idle: list[int], total: int
+            ) -> dict:
   """Writes summary.json and accuracy.png for the rounds done so far; returns the summary. A failure to write
   (a full disk) is logged, never allowed to hide the error that ended the run."""
   summary = summarize(cfg, rows, time.perf_counter() - start)
   summary['clients_without_local_steps'] = idle
+  summary['finished'] = bool(rows) and rows[-1]['round'] == total
   try:
     wd.write_json('summary.json', summary)
     if any('accuracy' in r for r in rows):

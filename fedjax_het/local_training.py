@@ -14,6 +14,8 @@ client's own step count are marked invalid and leave its state unchanged.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -28,11 +30,17 @@ DATA_ORDERS = ('stored', 'shuffle')
 @dataclasses.dataclass(frozen=True)
 class LocalTraining:
   """Local optimisation settings: plain SGD, a fresh optimizer each round (HtFLlib), `epochs` local epochs, and
-  the order local batches take the rows in ('stored': HtFLlib; 'shuffle': PFLlib)."""
+  the order local batches take the rows in ('stored': HtFLlib; 'shuffle': PFLlib).
+
+  rows: None, the schedule runs over the client's own training rows; an int R, over R rows the program generates
+  itself (e.g. FedVTC's fine-tuning on S*C decoded latents): every client then takes epochs * (R // batch_size)
+  steps, whatever its data, and each step's `Batch` holds only the row ids (`Batch.index`).
+  """
   learning_rate: float = 0.01
   batch_size: int = 32
   epochs: int = 1
   order: str = 'stored'
+  rows: Optional[int] = None
 
   def __post_init__(self):
     if self.order not in DATA_ORDERS:
@@ -44,6 +52,12 @@ class LocalTraining:
       raise ConfigError(f'--local_epochs={self.epochs} must be >= 0.')
     if self.learning_rate <= 0:
       raise ConfigError(f'--local_learning_rate={self.learning_rate} must be > 0.')
+    if self.rows is not None and self.rows < self.batch_size:
+      raise ConfigError(f'generated rows per client ({self.rows}) must be at least one batch ({self.batch_size}).')
+
+  def steps_per_epoch(self, n) -> int:
+    """Local steps per epoch of a client with n training rows (drop_last; the generated rows when `rows` is set)."""
+    return (self.rows if self.rows is not None else n) // self.batch_size
 
   def optimizer(self) -> optax.GradientTransformation:
     """optax.sgd(learning_rate): plain SGD without momentum."""

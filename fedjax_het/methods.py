@@ -15,9 +15,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from fedjax_het.algorithms import (CCVRConfig, FDConfig, FedGenConfig, FedGHConfig, FedKDConfig, FedMRLConfig,
-                                   FedProtoConfig, FedREConfig, FedTGPConfig, FMLConfig, FPLConfig, ccvr, fd,
-                                   fedavg_grouped, fedgen, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp, fml, fpl,
-                                   lg_fedavg, local)
+                                   FedProtoConfig, FedREConfig, FedTGPConfig, FedVTCConfig, FMLConfig, FPLConfig,
+                                   ccvr, fd, fedavg_grouped, fedgen, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp,
+                                   fedvtc, fml, fpl, lg_fedavg, local)
 from fedjax_het.core import Algorithm
 from fedjax_het.errors import ConfigError
 
@@ -90,6 +90,9 @@ METHODS: dict[str, Method] = {
                   'FPL: clustered prototypes'),
     'ccvr': Method(CCVRConfig, lambda c, run: ccvr(c, run.num_classes, run.batch_size),
                    'CCVR: heads calibrated on virtual representations'),
+    'fedvtc': Method(FedVTCConfig, lambda c, run: fedvtc(c, run.num_classes, run.rounds, run.local_learning_rate,
+                                                         run.batch_size),
+                     'FedVTC: prototypes and SDs, a VTC decoder per client, fine-tuning on its samples'),
 }
 
 

@@ -6,13 +6,19 @@ import numpy as np
 
 
 def plot_accuracy(rows: list[dict], path: str, title: str) -> None:
-  """Accuracy (and the local-head accuracy where logged) against round, as a PNG."""
+  """Accuracy (and the local-head accuracy where logged) against round, as a PNG; where the run has several
+  phases, a dotted line marks where each begins, with its name."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6, 4))
+  for before, row in zip(rows, rows[1:]):
+    if row.get('phase') != before.get('phase'):
+      ax.axvline(before['round'] + 0.5, color='grey', linestyle=':', linewidth=1)
+      ax.annotate(row['phase'], (before['round'] + 0.5, 0.02), xycoords=('data', 'axes fraction'), fontsize=8,
+                  rotation=90, color='grey', ha='right')
   rows = [r for r in rows if 'accuracy' in r]
-  ax.plot([r['round'] for r in rows], [100 * r['accuracy'] for r in rows], label=rows[0]['eval_head'] if rows else '')
+  ax.plot([r['round'] for r in rows], [100 * r['accuracy'] for r in rows], label=rows[0]['eval_head'] if rows else '', marker='.' if len(rows) < 30 else None)
   if rows and 'local_head_accuracy' in rows[0]:
     ax.plot([r['round'] for r in rows], [100 * r['local_head_accuracy'] for r in rows], '--', label='local_head')
   ax.set_xlabel('round')
@@ -38,4 +44,31 @@ def plot_partition(counts: np.ndarray, path: str, title: str) -> None:
   ax.set_title(title)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def plot_samples(generated: np.ndarray, real: np.ndarray, path: str, title: str) -> None:
+  """A grid with one row per class: `real` images [C, m, H, W, ch] on the left, a gap, then the `generated` ones
+  [C, n, H, W, ch] (both in [-1, 1]), as a PNG (FedVTC Figure 4; GeFL's sample grids)."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  to_unit = lambda a: np.clip((np.asarray(a, np.float32) + 1.0) / 2.0, 0.0, 1.0)
+  classes, m, n = generated.shape[0], real.shape[1], generated.shape[1]
+  h, w, ch = generated.shape[2:]
+  gap = max(2, w // 2)
+  canvas = np.ones((classes * (h + 1), m * (w + 1) + gap + n * (w + 1), ch), np.float32)
+  for c in range(classes):
+    for j in range(m):
+      canvas[c * (h + 1):c * (h + 1) + h, j * (w + 1):j * (w + 1) + w] = to_unit(real[c, j])
+    for j in range(n):
+      left = m * (w + 1) + gap + j * (w + 1)
+      canvas[c * (h + 1):c * (h + 1) + h, left:left + w] = to_unit(generated[c, j])
+  fig, ax = plt.subplots(figsize=(max(4, canvas.shape[1] / 12), max(3, canvas.shape[0] / 12)))
+  ax.imshow(canvas[..., 0] if ch == 1 else canvas, cmap='gray' if ch == 1 else None, vmin=0, vmax=1,
+            interpolation='nearest')
+  ax.set_title(f'{title}\nleft: real, right: generated; one row per class', fontsize=9)
+  ax.axis('off')
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
   plt.close(fig)

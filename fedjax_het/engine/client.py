@@ -54,15 +54,17 @@ def run_client(program: ClientProgram, model: HeteroClassifier, client: ClientSt
   `data` holds this client's padded rows (x [n_max, ...], y [n_max], n []); `unroll` is lax.scan's."""
   keys, training = client_keys(rng), program.training
   carry = program.init(client, broadcast, keys['init'])
-  n_max = data.x.shape[0]
-  idx, valid = batch_schedule(jax.random.fold_in(keys['train'], 0), data.n, n_max, training.batch_size,
+  generated = training.rows is not None
+  n, n_max = (training.rows, training.rows) if generated else (data.n, data.x.shape[0])
+  idx, valid = batch_schedule(jax.random.fold_in(keys['train'], 0), n, n_max, training.batch_size,
                               training.epochs, training.order)
   slots = max(n_max // training.batch_size, 1)
 
   def body(carry, step):
     s, rows, ok = step
     key = step_key(keys['train'], s // slots, s % slots)
-    return masked_step(program, carry, Batch(data.x[rows], data.y[rows]), broadcast, key, ok)
+    batch = Batch(None, None, rows) if generated else Batch(data.x[rows], data.y[rows], rows)
+    return masked_step(program, carry, batch, broadcast, key, ok)
 
   carry, losses = jax.lax.scan(body, carry, (jnp.arange(valid.shape[0]), idx, valid), unroll=unroll)
   reps = None

@@ -215,13 +215,15 @@ class SequentialExecutor(Executor):
 
   def _client(self, g: Group, program: ClientProgram, fns: dict, i: int, client, broadcast, key):
     """Client i's round from the host: init, its real local steps, representations, final."""
-    n_max, b, epochs = g.train.x.shape[1], program.training.batch_size, program.training.epochs
+    training = program.training
+    n_max = training.rows or g.train.x.shape[1]
+    b, epochs = training.batch_size, training.epochs
     keys = client_keys(jax.random.fold_in(key, int(g.clients[i])))
     carry = fns['init'](client, broadcast, keys['init'])
-    idx, _ = fns['schedule'](jax.random.fold_in(keys['train'], 0), g.train.n[i])
+    idx, _ = fns['schedule'](jax.random.fold_in(keys['train'], 0), training.rows or g.train.n[i])
     total, steps = 0.0, 0
     for e in range(epochs):
-      for s in range(g.train_sizes[i] // b):
+      for s in range(training.steps_per_epoch(g.train_sizes[i])):
         carry, loss = fns['step'](carry, g.train.x, g.train.y, i, idx, e * (n_max // b) + s, broadcast,
                                   step_key(keys['train'], e, s))
         total, steps = total + loss, steps + 1
@@ -250,7 +252,9 @@ class SequentialExecutor(Executor):
 
     def step(carry, x_all, y_all, i, schedule, slot, broadcast, key):
       rows = schedule[slot]
-      return program.step(carry, Batch(x_all[i, rows], y_all[i, rows]), broadcast, key)
+      if training.rows is not None:
+        return program.step(carry, Batch(None, None, rows), broadcast, key)
+      return program.step(carry, Batch(x_all[i, rows], y_all[i, rows], rows), broadcast, key)
 
     def final(carry, train, i, reps, broadcast, key):
       n = train.n[i]
@@ -266,8 +270,8 @@ class SequentialExecutor(Executor):
 
     return {
         'init': jax.jit(program.init),
-        'schedule': jax.jit(lambda rng, n: batch_schedule(rng, n, n_max, training.batch_size, training.epochs,
-                                                          training.order)),
+        'schedule': jax.jit(lambda rng, n: batch_schedule(rng, n, training.rows or n_max, training.batch_size,
+                                                          training.epochs, training.order)),
         'step': jax.jit(step),
         'represent_into': jax.jit(represent_into, donate_argnums=0),
         'final': jax.jit(final),

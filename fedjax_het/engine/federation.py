@@ -98,7 +98,7 @@ class Federation:
     global_test = data.global_test()
     self.global_test = None if global_test is None else EvalSet(jax.device_put(global_test), shared=True)
     self.groups: list[Group] = build_groups(data, models, training, feature_dim, rm, self.conv, init,
-                                            self.num_devices, self.mesh)
+                                            self.num_devices, self.mesh, seed)
     if self.global_test is None and not any(g.test.sizes.sum() > 0 for g in self.groups):
       raise ConfigError('--train_fraction: no client has local test rows and there is no global test set, so '
                         'nothing can be evaluated. Fix: --train_fraction < 1 or --eval_protocol=global.')
@@ -108,6 +108,9 @@ class Federation:
     self.spec = FederationSpec(data.num_classes, feature_dim, self.num_clients, rounds,
                                tuple(g.spec for g in self.groups), training)
     self.phase_starts = self._phase_starts(rounds)
+    last = algorithm.phases[-1]
+    # A run ends with its phases: at --rounds when the last phase is open, else when the last fixed phase ends.
+    self.total_rounds = rounds if last.rounds is None else self.phase_starts[-1] + last.rounds
     self.programs = [[phase.client(g.spec) for g in self.groups] for phase in algorithm.phases]
     self.evaluations = [algorithm.evaluation(g.spec) for g in self.groups]
     self.clients_without_steps = clients_without_steps(self.groups, training.batch_size)
@@ -133,6 +136,18 @@ class Federation:
   def phase_index(self, round_index: int) -> int:
     """The phase that round `round_index` (0-based) belongs to."""
     return max(i for i, s in enumerate(self.phase_starts) if s <= round_index)
+
+  def phase_ends(self, round_index: int) -> bool:
+    """Whether round `round_index` (0-based) is the last of its phase (or of the run)."""
+    return round_index + 1 in self.phase_starts[1:] or round_index + 1 == self.total_rounds
+
+  def evaluates_after(self, round_index: int, every: int) -> bool:
+    """Whether the run evaluates after round `round_index`: every `every` rounds within phases whose `evaluate`
+    is set, after the last round of each such phase (e.g. FedVTC's accuracy before fine-tuning), and after the
+    run's last round."""
+    if round_index + 1 == self.total_rounds:
+      return True
+    return self.phase(round_index).evaluate and ((round_index + 1) % every == 0 or self.phase_ends(round_index))
 
   def phase(self, round_index: int) -> Phase:
     """The `Phase` of round `round_index` (0-based)."""
@@ -170,9 +185,10 @@ class Federation:
 
   def local_work(self, participants: np.ndarray, training: Optional[LocalTraining] = None) -> dict:
     """Local steps and samples the participants process this round: epochs * (n_k // batch_size) steps of
-    batch_size rows each (drop_last), summed over participants."""
+    batch_size rows each (drop_last; generated rows in place of n_k where the program generates its own),
+    summed over participants."""
     training = training or self.training
-    steps = int((self.train_sizes[participants] // training.batch_size).sum()) * training.epochs
+    steps = int(sum(training.steps_per_epoch(n) for n in self.train_sizes[participants])) * training.epochs
     return {'local_steps': steps, 'local_samples': steps * training.batch_size}
 
   # ---------------------------------------------------------------- one round

@@ -76,7 +76,7 @@ def pad_clients(tree: Any, size: int) -> Any:
 
 
 def build_groups(data: FederatedData, models: Sequence[str], training: LocalTraining, feature_dim: int, rm: str,
-                 conv: str, init: str, num_devices: int, mesh) -> list[Group]:
+                 conv: str, init: str, num_devices: int, mesh, seed: int = 0) -> list[Group]:
   """One `Group` per architecture of the model family (client k gets models[k % len(models)]), in order of first
   appearance, each padded to a multiple of `num_devices` clients and placed on `mesh` (None: one device)."""
   architectures = assign_models(list(models), data.num_clients)
@@ -88,7 +88,7 @@ def build_groups(data: FederatedData, models: Sequence[str], training: LocalTrai
     model = build_model(arch, data.num_classes, feature_dim, rm, conv)
     train = place(data.group_train(ids))
     spec = GroupSpec(index, arch, model, tuple(int(k) for k in ids), data.num_classes, feature_dim,
-                     tuple(train.x.shape[2:]), training, rm, conv, init)
+                     tuple(train.x.shape[2:]), training, rm, conv, init, seed)
     check_architecture(spec)
     groups.append(Group(spec, train, EvalSet(place(data.group_test(ids)), shared=False)))
   return groups

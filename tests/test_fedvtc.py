@@ -1,0 +1,195 @@
+"""FedVTC: its terms against hand-computed values (SPEC_GENERATIVE.md sec. 2), the VTC decoder's shapes and
+parameter counts, gradient isolation of its two steps, the server's means, generation, and the three-phase run
+(vmap == sequential, resume across the fine-tuning boundary, outputs)."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_het.algorithms import FedVTCConfig
+from fedjax_het.algorithms.fedvtc import (kl_to_prototype, reconstruction_error, row_normals, sum_of_class_means,
+                                          vtc_steps)
+from fedjax_het.checkpoints import Checkpoints
+from fedjax_het.config import ExperimentConfig
+from fedjax_het.core import Uploads
+from fedjax_het.engine.groups import count_params
+from fedjax_het.errors import ConfigError
+from fedjax_het.experiment import build_federation, train_and_evaluate
+from fedjax_het.models.vtc import VTCDecoder, init_vtc
+
+from conftest import tree_allclose
+
+CFG = ExperimentConfig(algorithm='fedvtc', dataset='synthetic:8,8,1', num_clients=4, alpha=0.5,
+                       models=('mlp', 'small_cnn_narrow'), feature_dim=80, rm='fc', rounds=2, batch_size=16,
+                       local_learning_rate=0.01, eval_protocol='global', conv='xla', checkpoint_every=1,
+                       methods={'fedvtc': FedVTCConfig(samples_per_class=8, finetune_epochs=2)})
+
+
+# ------------------------------------------------------------------ the terms (Eq. 3-5)
+def test_kl_term_equals_the_hand_computed_values():
+  z, c = jnp.array([[1.0, 2.0]]), jnp.zeros((1, 2))
+  assert float(kl_to_prototype(z, c, jnp.array([1.0, 1.0]))[0]) == pytest.approx(2.5)
+  assert float(kl_to_prototype(z, c, jnp.array([2.0, 0.5]))[0]) == pytest.approx(3.625)  # trace 4.25, log-det 0
+
+
+def test_l_e_counts_the_sigma_term_once_per_class_present():
+  z = jnp.zeros((4, 2))  # z = c: only the sigma part remains, 0.5 (4.25 - 2 - 0) = 1.125 per row
+  kl = kl_to_prototype(z, z, jnp.array([2.0, 0.5]))
+  labels = jnp.array([0, 0, 0, 1])
+  assert float(sum_of_class_means(kl, labels, 3)) == pytest.approx(2 * 1.125)
+  assert float(sum_of_class_means(jnp.array([1.0, 2.0, 3.0, 10.0]), labels, 3)) == pytest.approx(2.0 + 10.0)
+
+
+def test_reconstruction_error_is_a_pixel_sum_against_images_mapped_to_unit_range():
+  decoded = jnp.zeros((2, 8, 8, 1))
+  x = jnp.stack([-jnp.ones((8, 8, 1)), jnp.ones((8, 8, 1))])  # x01 = 0 and 1
+  np.testing.assert_allclose(reconstruction_error(decoded, x), [0.0, 64.0])
+
+
+# ------------------------------------------------------------------ the VTC decoder
+@pytest.mark.parametrize('shape,p,params', [((28, 28, 1), 980, 21_043), ((32, 32, 3), 4096, 91_625),
+                                            ((64, 64, 3), 32_768, 179_785), ((8, 8, 1), 80, 21_043)])
+def test_vtc_output_shapes_and_parameter_counts_are_the_papers(shape, p, params):
+  decoder = VTCDecoder(shape, p)
+  variables = jax.eval_shape(lambda k: init_vtc(decoder, k), jax.random.PRNGKey(0))
+  assert count_params(variables['params']) == params
+  out = jax.eval_shape(lambda v: decoder.apply(v, jnp.zeros((2, p)), False), variables)
+  assert out.shape == (2,) + shape
+
+
+def test_a_latent_width_that_does_not_reshape_is_named():
+  with pytest.raises(ConfigError, match='--feature_dim must be p = 980'):
+    jax.eval_shape(lambda k: init_vtc(VTCDecoder((28, 28, 1), 512), k), jax.random.PRNGKey(0))
+
+
+# ------------------------------------------------------------------ the two steps
+@pytest.fixture(scope='module')
+def fed():
+  return build_federation(CFG)
+
+
+def _client(fed, k=0):
+  state = fed.init()
+  return jax.tree.map(lambda a: a[k], state.groups[0]), fed.groups[0]
+
+
+def test_the_f_step_leaves_psi_and_sigma_and_the_psi_step_leaves_f_unchanged(fed):
+  client, g = _client(fed)
+  decoder = VTCDecoder(g.spec.input_shape, 80)
+  f_step, psi_step = map(jax.jit, vtc_steps(g.model, decoder, 10, 0.1, 0.05))
+  x, y = g.train.x[0, :16], g.train.y[0, :16]
+  protos, eps = jnp.ones((10, 80)), jax.random.normal(jax.random.PRNGKey(1), (16, 80))
+  after_f, _ = f_step(client, x, y, protos, eps)
+  tree_allclose(after_f.extra, client.extra, rtol=0, atol=0)
+  assert not np.allclose(after_f.params['head']['kernel'], client.params['head']['kernel'])
+  after_psi, _ = psi_step(after_f, x, y, protos, eps)
+  tree_allclose((after_psi.params, after_psi.model_state), (after_f.params, after_f.model_state), rtol=0, atol=0)
+  assert not np.allclose(after_psi.extra['sigma'], after_f.extra['sigma'])
+  assert not np.allclose(after_psi.extra['psi']['params']['convt0']['kernel'],
+                         after_f.extra['psi']['params']['convt0']['kernel'])
+
+
+# ------------------------------------------------------------------ the server
+def test_server_averages_prototypes_over_holders_keeps_unheld_classes_and_averages_sigma(fed):
+  server = fed.algorithm.init_server(None, fed.spec, [jax.tree.map(lambda a: a[0], s) for s in fed.init().groups])
+  server = {**server, 'protos': server['protos'].at[2].set(7.0), 'present': server['present'].at[2].set(True)}
+  protos = jnp.zeros((3, 10, 80)).at[0, 0].set(1.0).at[1, 0].set(3.0).at[1, 1].set(5.0).at[2].set(100.0)
+  counts = jnp.zeros((3, 10)).at[0, 0].set(4).at[1, :2].set(2).at[2].set(9)
+  sigma = jnp.stack([jnp.full(80, 1.0), jnp.full(80, 3.0), jnp.full(80, 50.0)])
+  uploads = (Uploads({'protos': protos, 'counts': counts, 'sigma': sigma}, jnp.array([True, True, False]),
+                     jnp.ones(3)),)
+  new, _ = fed.algorithm.phases[0].server_update(server, uploads, None)
+  np.testing.assert_allclose(new['protos'][:3, 0], [2.0, 5.0, 7.0])  # holders only; class 2 kept
+  np.testing.assert_array_equal(new['present'][:3], [True, True, True])
+  assert not new['present'][3]
+  np.testing.assert_allclose(new['sigma'], 2.0)  # unweighted over the participants
+
+
+def test_the_final_psi_is_the_mean_of_every_clients_psi(fed):
+  server = {'psi': {'w': jnp.zeros(2)}}
+  psi = {'w': jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 9.0]])}
+  new, _ = fed.algorithm.phases[1].server_update(server, (Uploads({'psi': psi}, jnp.ones(3, bool), jnp.ones(3)),),
+                                                 None)
+  np.testing.assert_allclose(new['psi']['w'], [3.0, 5.0])
+
+
+def test_generated_latents_have_mean_c_and_sd_sigma_and_the_right_labels():
+  S, C, p = 4000, 3, 4
+  rows = jnp.arange(S * C)
+  labels = rows // S
+  assert np.bincount(np.asarray(labels)).tolist() == [S] * C
+  protos, sigma = jnp.array([[0.0] * p, [1.0] * p, [-2.0, 3.0, 0.5, 4.0]]), jnp.array([0.5, 1.0, 2.0, 0.1])
+  latents = protos[labels] + sigma * row_normals(jax.random.PRNGKey(0), rows, p)
+  for c in range(C):
+    block = np.asarray(latents[labels == c])
+    np.testing.assert_allclose(block.mean(0), protos[c], atol=4 * float(sigma.max()) / np.sqrt(S))
+    np.testing.assert_allclose(block.std(0), sigma, rtol=0.05)
+  np.testing.assert_array_equal(row_normals(jax.random.PRNGKey(0), rows[:5], p),
+                                row_normals(jax.random.PRNGKey(0), rows, p)[:5])  # a row's draw is its own
+
+
+# ------------------------------------------------------------------ the three-phase run
+def _run(fed, state, rounds):
+  history = []
+  for _ in range(rounds):
+    state, m = fed.round(state)
+    m.update(fed.evaluate(state))
+    history.append({k: v for k, v in m.items() if 'seconds' not in k})
+  return state, history
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(fed):
+  return _run(fed, fed.init(), fed.total_rounds)
+
+
+def test_the_run_has_its_three_phases_and_the_finetune_trains_on_s_times_c_rows(fed, uninterrupted):
+  _, history = uninterrupted
+  assert fed.total_rounds == 4 and [m['phase'] for m in history] == ['fl', 'fl', 'vtc_exchange', 'finetune']
+  psi = sum(x.size for x in jax.tree.leaves(fed.init().groups[0].extra['psi'])) // 2  # per client
+  assert history[2]['upload_scalars'] == 4 * psi and history[2]['broadcast_scalars'] == 0
+  assert history[3]['upload_scalars'] == 0 and history[3]['local_steps'] == 4 * (8 * 10 // 16) * 2
+  assert history[0]['upload_sigma_scalars'] == 4 * 80  # every client participates (join ratio 1)
+  assert all(np.isfinite(m['train_loss']) for m in history)
+
+
+def test_vmap_executor_equals_sequential(uninterrupted):
+  vmapped = build_federation(dataclasses.replace(CFG, strategy='vmap'))
+  state, history = _run(vmapped, vmapped.init(), vmapped.total_rounds)
+  for a, b in zip(history, uninterrupted[1]):
+    assert a.keys() == b.keys()
+    for k in a:
+      if isinstance(a[k], str) or isinstance(a[k], list):
+        assert a[k] == b[k] if isinstance(a[k], str) else np.allclose(a[k], b[k], atol=1e-5), k
+      else:
+        np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=1e-5, err_msg=k)
+  # 250 steps whose losses are pixel sums amplify float32 reorderings (batched vs single convolutions), most in
+  # small sums such as psi's BatchNorm biases: each group's state agrees to 1 % in norm, the metrics to 2e-4.
+  for a, b in zip(state.groups, uninterrupted[0].groups):
+    flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(t)])
+    assert np.linalg.norm(flat(a) - flat(b)) <= 1e-2 * np.linalg.norm(flat(b))
+
+
+def test_resume_across_the_finetune_boundary_equals_the_uninterrupted_run(fed, uninterrupted, tmp_path):
+  state, first = _run(fed, fed.init(), 3)  # up to the end of 'vtc_exchange'
+  checkpoints = Checkpoints(str(tmp_path / 'ckpt'))
+  checkpoints.save(state)
+  restored = checkpoints.restore(fed.init(), 3)
+  state, rest = _run(fed, restored, 1)
+  tree_allclose(state.groups, uninterrupted[0].groups, rtol=0, atol=0)
+  assert first + rest == uninterrupted[1]
+
+
+def test_the_experiment_reports_accuracy_before_and_after_finetuning_and_draws_samples(tmp_path, uninterrupted):
+  summary = train_and_evaluate(CFG, str(tmp_path), progress=False)
+  before_after = summary['final_accuracy_by_phase']
+  assert set(before_after) == {'fl', 'vtc_exchange', 'finetune'} and summary['finished']
+  assert before_after['vtc_exchange'] == pytest.approx(uninterrupted[1][2]['accuracy'])
+  assert before_after['finetune'] == pytest.approx(uninterrupted[1][3]['accuracy'])
+  assert os.path.getsize(tmp_path / 'samples.png') > 0
+  with pytest.raises(ConfigError, match='--rounds=3'):  # FedVTC's phases hang on --rounds
+    train_and_evaluate(dataclasses.replace(CFG, rounds=3), str(tmp_path), resume=True, progress=False)
