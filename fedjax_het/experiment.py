@@ -160,6 +160,9 @@ def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
       'rounds': rows[-1]['round'] if rows else 0,
       'upload_scalars_per_round': float(np.mean([r['upload_scalars'] for r in rows])) if rows else 0.0,
       'broadcast_scalars_per_round': float(np.mean([r['broadcast_scalars'] for r in rows])) if rows else 0.0,
+      # totals over the run (every phase, e.g. FedVTC's psi exchange), scalars and fp32 bytes
+      **{f'{d}_{unit}_total': int(sum(r.get(f'{d}_{unit}', 0) for r in rows))
+         for d in ('upload', 'broadcast') for unit in ('scalars', 'bytes')},
       'seconds': seconds,
       # the last accuracy of each phase, for methods of several (FedVTC: before / after fine-tuning)
       'final_accuracy_by_phase': {r['phase']: r['accuracy'] for r in evals} if len({r['phase'] for r in evals}) > 1

@@ -23,9 +23,11 @@ from fedjax_het.models.vtc import VTCDecoder, init_vtc
 
 from conftest import tree_allclose
 
+# One architecture group keeps compilation (which dominates these tests) small; the server's cross-group means are
+# the shared `concat_groups` + `aggregate_class_means`, tested with two groups in the other methods' tests.
 CFG = ExperimentConfig(algorithm='fedvtc', dataset='synthetic:8,8,1', num_clients=4, alpha=0.5,
-                       models=('mlp', 'small_cnn_narrow'), feature_dim=80, rm='fc', rounds=2, batch_size=16,
-                       local_learning_rate=0.01, eval_protocol='global', conv='xla', checkpoint_every=1,
+                       models=('small_cnn_narrow',), feature_dim=80, rm='fc', rounds=2, batch_size=32,
+                       local_learning_rate=0.01, eval_protocol='global', conv='xla', checkpoint_every=1, join_ratio=0.5,
                        methods={'fedvtc': FedVTCConfig(samples_per_class=8, finetune_epochs=2)})
 
 
@@ -150,10 +152,10 @@ def uninterrupted(fed):
 def test_the_run_has_its_three_phases_and_the_finetune_trains_on_s_times_c_rows(fed, uninterrupted):
   _, history = uninterrupted
   assert fed.total_rounds == 4 and [m['phase'] for m in history] == ['fl', 'fl', 'vtc_exchange', 'finetune']
-  psi = sum(x.size for x in jax.tree.leaves(fed.init().groups[0].extra['psi'])) // 2  # per client
+  psi = sum(x.size for x in jax.tree.leaves(fed.init().groups[0].extra['psi'])) // 4  # per client
   assert history[2]['upload_scalars'] == 4 * psi and history[2]['broadcast_scalars'] == 0
-  assert history[3]['upload_scalars'] == 0 and history[3]['local_steps'] == 4 * (8 * 10 // 16) * 2
-  assert history[0]['upload_sigma_scalars'] == 4 * 80  # every client participates (join ratio 1)
+  assert history[3]['upload_scalars'] == 0 and history[3]['local_steps'] == 4 * (8 * 10 // 32) * 2
+  assert history[0]['upload_sigma_scalars'] == 2 * 80  # two participants (join ratio 0.5); then all four
   assert all(np.isfinite(m['train_loss']) for m in history)
 
 
@@ -165,6 +167,8 @@ def test_vmap_executor_equals_sequential(uninterrupted):
     for k in a:
       if isinstance(a[k], str) or isinstance(a[k], list):
         assert a[k] == b[k] if isinstance(a[k], str) else np.allclose(a[k], b[k], atol=1e-5), k
+      elif 'accuracy' in k:  # a prediction may flip at a near tie: 2 of 2,000 test rows
+        np.testing.assert_allclose(a[k], b[k], atol=1e-3, err_msg=k)
       else:
         np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=1e-5, err_msg=k)
   # 250 steps whose losses are pixel sums amplify float32 reorderings (batched vs single convolutions), most in

@@ -28,7 +28,9 @@ def test_metrics_and_parameters_equal_the_golden_run(tiny_data, name):
   check(golden_run(name, data=tiny_data), name, rtol=2e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize('name', METHODS)
+# local and lg_fedavg run fedavg's client program (CE by sgd_program) with another server and receive: fedavg's
+# vmap run covers their client path.
+@pytest.mark.parametrize('name', [m for m in METHODS if m not in ('local', 'lg_fedavg')])
 def test_vmap_executor_gives_the_golden_numbers(tiny_data, name):
   """vmap == sequential for every method: the vmap executor's run against the (sequential) pinned numbers, at
   the tolerance of float32 reductions in another order."""
