@@ -47,13 +47,3 @@ def tree_allclose(a, b, **kw):
   for x, y in zip(la, lb):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
 
-
-# The slowest files first (about their seconds on the 2-core CI machine): pytest-xdist's loadfile mode hands out
-# files in collection order, so a slow file collected last runs alone at the end while the other worker idles.
-SLOW_FILES_FIRST = ('test_golden.py', 'test_sharding.py', 'test_fedvtc.py', 'test_engine.py', 'test_phases.py',
-                    'test_experiment.py', 'test_reliability.py')
-
-
-def pytest_collection_modifyitems(config, items):
-  rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
-  items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
