@@ -63,6 +63,19 @@ def test_vtc_output_shapes_and_parameter_counts_are_the_papers(shape, p, params)
   assert out.shape == (2,) + shape
 
 
+def test_the_transposed_convolution_is_pytorchs_as_a_convolution_of_the_dilated_input():
+  from fedjax_het.models.conv import im2col_conv_general_dilated
+  from fedjax_het.models.vtc import dilate
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 5, 3))
+  k = jax.random.normal(jax.random.PRNGKey(1), (4, 4, 3, 6))
+  dims = ('NHWC', 'HWIO', 'NHWC')
+  reference = jax.lax.conv_transpose(x, k, (2, 2), [(2, 2), (2, 2)], dimension_numbers=dims)  # k4 s2 p1
+  assert reference.shape == (2, 10, 10, 6)
+  for conv in (jax.lax.conv_general_dilated, im2col_conv_general_dilated):
+    np.testing.assert_allclose(conv(dilate(x, 2), k, (1, 1), [(2, 2), (2, 2)], dimension_numbers=dims), reference,
+                               atol=1e-5)
+
+
 def test_a_latent_width_that_does_not_reshape_is_named():
   with pytest.raises(ConfigError, match='--feature_dim must be p = 980'):
     jax.eval_shape(lambda k: init_vtc(VTCDecoder((28, 28, 1), 512), k), jax.random.PRNGKey(0))

@@ -169,7 +169,7 @@ def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int, learning_rate: floa
     if group.rm != 'fc':
       raise ConfigError(f'FedVTC: g must end in a learned map to the latent width p (the paper\'s Linear(L, p)). '
                         f'Fix: --rm=fc (now --rm={group.rm}).')
-    return VTCDecoder(tuple(group.input_shape), group.feature_dim)
+    return VTCDecoder(tuple(group.input_shape), group.feature_dim, group.conv)
 
   def init_client(group, key):
     decoder = decoder_of(group)

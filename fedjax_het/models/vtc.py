@@ -11,9 +11,13 @@ per image shape (the paper's three, and a small one for scikit-learn's 8x8 digit
   8x8x1   (digits):       p = 80    = 20x2x2,    widths 16, 32, 32
 
 Other image sizes divisible by 4 use c0 = p / (H/4 * W/4) and the CIFAR widths (3 channels) or the MNIST ones.
-Flax's ConvTranspose pads the dilated input, so PyTorch's padding p becomes k - 1 - p per side; its kernels are
-initialised as PyTorch initialises ConvTranspose2d (U(+-1/sqrt(fan_in)) with fan_in = out_channels * k * k, the
-weight's second axis in PyTorch's layout), not by the library's Conv/Dense rule.
+A transposed convolution of stride s and padding p is computed as what it is: a convolution over the input
+dilated with s - 1 zeros between rows and columns and padded by k - 1 - p, with the run's convolution formulation
+(`models.conv`, --conv), so under vmap on CPU it can run as im2col instead of XLA's slow grouped, input-dilated
+convolution. It equals PyTorch's ConvTranspose2d with the kernel flipped and its axes swapped, a
+reparametrisation of a learned kernel. Kernels are initialised as PyTorch initialises ConvTranspose2d
+(U(+-1/sqrt(fan_in)) with fan_in = out_channels * k * k, the weight's second axis in PyTorch's layout), not by
+the library's Conv/Dense rule.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_het.errors import ConfigError
+from fedjax_het.models.conv import conv_factory
 from fedjax_het.models.norm import TorchBatchNorm
 
 # image shape (H, W, C) -> (latent channels c0, widths of the first three layers)
@@ -56,10 +61,20 @@ def vtc_layout(image_shape: tuple[int, ...], latent_dim: int) -> tuple[int, tupl
   return latent_dim // cells, ((32, 64, 64) if c == 3 else (16, 32, 32))
 
 
+def dilate(x: jnp.ndarray, stride: int) -> jnp.ndarray:
+  """x [N, H, W, C] with stride - 1 zero rows and columns inserted between its rows and columns."""
+  if stride == 1:
+    return x
+  n, h, w, c = x.shape
+  return jnp.zeros((n, (h - 1) * stride + 1, (w - 1) * stride + 1, c), x.dtype).at[:, ::stride, ::stride].set(x)
+
+
 class VTCDecoder(nn.Module):
-  """psi: latents [B, p] -> images [B, H, W, C] in [0, 1] (Sigmoid), BatchNorm after every layer."""
+  """psi: latents [B, p] -> images [B, H, W, C] in [0, 1] (Sigmoid), BatchNorm after every layer. `conv`: the
+  convolution formulation (`models.conv.CONV_IMPLS`)."""
   image_shape: tuple[int, ...]
   latent_dim: int
+  conv: str = 'xla'
 
   @nn.compact
   def __call__(self, v: jnp.ndarray, train: bool) -> jnp.ndarray:
@@ -68,8 +83,8 @@ class VTCDecoder(nn.Module):
     x = v.reshape((-1, c0, h // 4, w // 4)).transpose(0, 2, 3, 1)  # PyTorch's view(c0, h, w), then NHWC
     layers = [(widths[0], 3, 1, 1), (widths[1], 4, 2, 1), (widths[2], 3, 1, 1), (c, 4, 2, 1)]
     for i, (features, k, stride, pad) in enumerate(layers):
-      x = nn.ConvTranspose(features, (k, k), strides=(stride, stride), padding=[(k - 1 - pad, k - 1 - pad)] * 2,
-                           transpose_kernel=True, name=f'convt{i}')(x)
+      x = conv_factory(self.conv)(features, (k, k), padding=[(k - 1 - pad, k - 1 - pad)] * 2,
+                                  name=f'convt{i}')(dilate(x, stride))
       x = TorchBatchNorm(use_running_average=not train, name=f'bn{i}')(x)
       x = nn.leaky_relu(x, 0.01) if i < 3 else nn.sigmoid(x)
     return x
