@@ -14,3 +14,13 @@ def metric_rows(workdir) -> list[dict]:
   """metrics.jsonl without its timings (which differ between otherwise identical runs)."""
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     return [{k: v for k, v in json.loads(line).items() if 'seconds' not in k} for line in f]
+
+
+def run_rounds(fed, state, rounds: int):
+  """`rounds` rounds of a Federation from `state`, each evaluated: (state, metrics per round without timings)."""
+  history = []
+  for _ in range(rounds):
+    state, m = fed.round(state)
+    m.update(fed.evaluate(state))
+    history.append({k: v for k, v in m.items() if 'seconds' not in k})
+  return state, history

@@ -22,6 +22,7 @@ from fedjax_het.experiment import build_federation, train_and_evaluate
 from fedjax_het.models.vtc import VTCDecoder, init_vtc
 
 from conftest import tree_allclose
+from runs import run_rounds
 
 # One architecture group keeps compilation (which dominates these tests) small; the server's cross-group means are
 # the shared `concat_groups` + `aggregate_class_means`, tested with two groups in the other methods' tests.
@@ -148,18 +149,9 @@ def test_generated_latents_have_mean_c_and_sd_sigma_and_the_right_labels():
 
 
 # ------------------------------------------------------------------ the three-phase run
-def _run(fed, state, rounds):
-  history = []
-  for _ in range(rounds):
-    state, m = fed.round(state)
-    m.update(fed.evaluate(state))
-    history.append({k: v for k, v in m.items() if 'seconds' not in k})
-  return state, history
-
-
 @pytest.fixture(scope='module')
 def uninterrupted(fed):
-  return _run(fed, fed.init(), fed.total_rounds)
+  return run_rounds(fed, fed.init(), fed.total_rounds)
 
 
 def test_the_run_has_its_three_phases_and_the_finetune_trains_on_s_times_c_rows(fed, uninterrupted):
@@ -174,7 +166,7 @@ def test_the_run_has_its_three_phases_and_the_finetune_trains_on_s_times_c_rows(
 
 def test_vmap_executor_equals_sequential(uninterrupted):
   vmapped = build_federation(dataclasses.replace(CFG, strategy='vmap'))
-  state, history = _run(vmapped, vmapped.init(), vmapped.total_rounds)
+  state, history = run_rounds(vmapped, vmapped.init(), vmapped.total_rounds)
   for a, b in zip(history, uninterrupted[1]):
     assert a.keys() == b.keys()
     for k in a:
@@ -192,11 +184,11 @@ def test_vmap_executor_equals_sequential(uninterrupted):
 
 
 def test_resume_across_the_finetune_boundary_equals_the_uninterrupted_run(fed, uninterrupted, tmp_path):
-  state, first = _run(fed, fed.init(), 2)  # up to the end of 'vtc_exchange'
+  state, first = run_rounds(fed, fed.init(), 2)  # up to the end of 'vtc_exchange'
   checkpoints = Checkpoints(str(tmp_path / 'ckpt'))
   checkpoints.save(state)
   restored = checkpoints.restore(fed.init(), 2)
-  state, rest = _run(fed, restored, 1)
+  state, rest = run_rounds(fed, restored, 1)
   tree_allclose(state.groups, uninterrupted[0].groups, rtol=0, atol=0)
   assert first + rest == uninterrupted[1]
 

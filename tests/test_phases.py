@@ -9,6 +9,7 @@ import pytest
 
 from cgan_method import cgan
 from conftest import tree_allclose
+from runs import run_rounds
 from fedjax_het.engine import Federation, LocalTraining
 from fedjax_het.checkpoints import Checkpoints
 
@@ -21,19 +22,10 @@ def make(data, strategy='sequential', join_ratio=0.5):
                     rounds=ROUNDS)
 
 
-def run(fed, state, rounds):
-  history = []
-  for _ in range(rounds):
-    state, m = fed.round(state)
-    m.update(fed.evaluate(state))
-    history.append({k: v for k, v in m.items() if 'seconds' not in k})
-  return state, history
-
-
 @pytest.fixture(scope='module')
 def uninterrupted(tiny_data):
   fed = make(tiny_data)
-  return run(fed, fed.init(), ROUNDS)
+  return run_rounds(fed, fed.init(), ROUNDS)
 
 
 def test_phases_run_in_order_and_the_round_counter_continues(uninterrupted):
@@ -65,7 +57,7 @@ def test_adam_states_persist_across_rounds_and_the_generator_is_averaged_over_al
 
 def test_vmap_executor_equals_sequential(tiny_data, uninterrupted):
   fed = make(tiny_data, 'vmap')
-  state, history = run(fed, fed.init(), ROUNDS)
+  state, history = run_rounds(fed, fed.init(), ROUNDS)
   tree_allclose(state.groups, uninterrupted[0].groups, rtol=2e-4, atol=2e-5)
   tree_allclose(state.server, uninterrupted[0].server, rtol=2e-4, atol=2e-5)
   for a, b in zip(history, uninterrupted[1]):
@@ -82,12 +74,12 @@ def fresh(tiny_data):
 @pytest.mark.parametrize('stop', [2, 3])  # at the phase boundary, inside phase 2
 def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tiny_data, uninterrupted, fresh, tmp_path, stop):
   fed = make(tiny_data)
-  state, first = run(fed, fed.init(), stop)
+  state, first = run_rounds(fed, fed.init(), stop)
   checkpoints = Checkpoints(str(tmp_path / 'ckpt'))
   checkpoints.save(state)
   restored = checkpoints.restore(fresh.init(), checkpoints.latest_round())
   assert int(restored.round) == stop
-  state, rest = run(fresh, restored, ROUNDS - stop)
+  state, rest = run_rounds(fresh, restored, ROUNDS - stop)
   tree_allclose(state.groups, uninterrupted[0].groups, rtol=0, atol=0)
   tree_allclose(state.server, uninterrupted[0].server, rtol=0, atol=0)
   assert first + rest == uninterrupted[1]
