@@ -63,8 +63,7 @@ def run_comparison(base: ExperimentConfig, algorithms: Sequence[str], seeds: Seq
       run_dir = os.path.join(workdir, algorithm, f'seed{seed}')
       summary = _finished_summary(run_dir, cfg)
       if summary is None:
-        checkpoints = os.path.join(run_dir, 'checkpoints')
-        resume = os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))
+        resume = Workdir(run_dir).has_checkpoints()
         if not resume and Workdir(run_dir).holds_run():
           shutil.rmtree(run_dir)  # this comparison's own run, stopped before its first checkpoint: start it again
         summary = train_and_evaluate(cfg, run_dir, resume=resume, progress=progress)

@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import time
 
 import jax
@@ -115,18 +114,23 @@ def run_identity(cfg: ExperimentConfig, fed: Federation, run: Run) -> dict:
   return {'settings': json.loads(json.dumps(settings)), 'partition': hashlib.sha256(counts.tobytes()).hexdigest()}
 
 
-def _check_identity(saved: dict, now: dict, where: str, run: Run) -> None:
-  """Refuses to resume from a checkpoint of another run (ConfigError naming the settings that differ)."""
-  before, after = saved.get('settings', {}), now['settings']
+def _refuse_changed(before: dict, after: dict, where: str) -> None:
+  """A ConfigError naming the settings that differ between `before` (saved in `where`) and `after` (now)."""
   changed = [k for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
-  if 'rounds' in changed and run.depends_on_rounds:
-    raise ConfigError(f'--resume with --rounds={after["rounds"]}: this method\'s schedule spans the run\'s length '
-                      f'(--rounds={before.get("rounds")} when it started), so its numbers would match neither run. '
-                      f'Fix: resume with --rounds={before.get("rounds")}, or start a new run in a new --workdir.')
   if changed:
     diffs = ', '.join(f'{k} ({before.get(k)!r} there, {after.get(k)!r} now)' for k in changed[:6])
     raise ConfigError(f'--resume: {where} was written by a run with different settings for {diffs}. Fix: resume '
                       f'with the same flags, or use a new --workdir.')
+
+
+def _check_identity(saved: dict, now: dict, where: str, run: Run) -> None:
+  """Refuses to resume from a checkpoint of another run (ConfigError naming the settings that differ)."""
+  before, after = saved.get('settings', {}), now['settings']
+  if before.get('rounds') != after.get('rounds') and run.depends_on_rounds:
+    raise ConfigError(f'--resume with --rounds={after["rounds"]}: this method\'s schedule spans the run\'s length '
+                      f'(--rounds={before.get("rounds")} when it started), so its numbers would match neither run. '
+                      f'Fix: resume with --rounds={before.get("rounds")}, or start a new run in a new --workdir.')
+  _refuse_changed(before, after, where)
   if saved.get('partition') != now['partition']:
     raise ConfigError(f'--resume: {where} was written for another partition of the data (the dataset changed under '
                       f'the same name?). Fix: use a new --workdir.')
@@ -138,11 +142,9 @@ def _check_config_json(workdir: Workdir, cfg: ExperimentConfig) -> None:
   saved = workdir.read_json('config.json')
   if saved is None:
     return
-  now = cfg.to_dict()
-  changed = [k for k in now if k not in RESUMABLE_FIELDS and saved.get(k) != json.loads(json.dumps(now[k]))]
-  if changed:
-    raise ConfigError(f'--resume: {workdir.file("config.json")} was written with different settings for '
-                      f'{", ".join(changed)}. Fix: resume with the same flags, or use a new --workdir.')
+  now = json.loads(json.dumps(cfg.to_dict()))
+  fixed = lambda d: {k: v for k, v in d.items() if k not in RESUMABLE_FIELDS}
+  _refuse_changed(fixed(saved), fixed(now), workdir.file('config.json'))
 
 
 def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
@@ -188,7 +190,7 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     if stop.requested:
       raise Interrupted(stop.requested, resume, 0)  # stopped during startup: nothing written
     identity = run_identity(cfg, fed, run)
-    has_checkpoints = os.path.isdir(wd.checkpoints) and bool(os.listdir(wd.checkpoints))
+    has_checkpoints = wd.has_checkpoints()
     checkpoints = Checkpoints(wd.checkpoints) if cfg.checkpoint_every or (resume and has_checkpoints) else None
     state, rows = fed.init(), []
     if resume:

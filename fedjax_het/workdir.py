@@ -42,10 +42,13 @@ class Workdir:
   def checkpoints(self) -> str:
     return self.file('checkpoints')
 
+  def has_checkpoints(self) -> bool:
+    """Whether checkpoints/ exists and holds anything."""
+    return os.path.isdir(self.checkpoints) and bool(os.listdir(self.checkpoints))
+
   def holds_run(self) -> bool:
     """Whether the folder holds the outputs of a run: a metrics.jsonl or a non-empty checkpoints/ folder."""
-    return (os.path.exists(self.file('metrics.jsonl'))
-            or (os.path.isdir(self.checkpoints) and bool(os.listdir(self.checkpoints))))
+    return os.path.exists(self.file('metrics.jsonl')) or self.has_checkpoints()
 
   def open(self, resume: bool) -> 'Workdir':
     """Creates the folder if needed, checks it is writable, takes the lock and refuses a used folder without

@@ -188,7 +188,8 @@ class Federation:
     batch_size rows each (drop_last; generated rows in place of n_k where the program generates its own),
     summed over participants."""
     training = training or self.training
-    steps = int(sum(training.steps_per_epoch(n) for n in self.train_sizes[participants])) * training.epochs
+    per_client = np.broadcast_to(training.steps_per_epoch(self.train_sizes[participants]), participants.shape)
+    steps = int(per_client.sum()) * training.epochs
     return {'local_steps': steps, 'local_samples': steps * training.batch_size}
 
   # ---------------------------------------------------------------- one round
