@@ -12,7 +12,7 @@ import pytest
 
 from fedjax_het.algorithms import FedVTCConfig
 from fedjax_het.algorithms.fedvtc import (kl_to_prototype, reconstruction_error, row_normals, sum_of_class_means,
-                                          vtc_steps)
+                                          vtc_objective, vtc_steps, vtc_terms)
 from fedjax_het.checkpoints import Checkpoints
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Uploads
@@ -107,6 +107,22 @@ def test_the_f_step_leaves_psi_and_sigma_and_the_psi_step_leaves_f_unchanged(fed
   assert not np.allclose(after_psi.extra['sigma'], after_f.extra['sigma'])
   assert not np.allclose(after_psi.extra['psi']['params']['convt0']['kernel'],
                          after_f.extra['psi']['params']['convt0']['kernel'])
+
+
+def test_mean_reduction_divides_l_rc_by_the_pixels_and_kl_and_l_dm_by_p(fed):
+  client, g = _client(fed)
+  decoder = VTCDecoder(g.spec.input_shape, 80)
+  args = (client.params, client.model_state, client.extra['psi'], client.extra['sigma'] * 0.5, g.train.x[0, :16],
+          g.train.y[0, :16], jnp.ones((10, 80)), jax.random.normal(jax.random.PRNGKey(1), (16, 80)))
+  ce, l_rc, kl, l_dm, _ = vtc_terms(g.model, decoder, 10)(*args)
+  assert float(kl) > 0 and float(l_dm) > 0 and float(l_rc) > 0
+  ce_sum, tc_sum, _ = vtc_objective(g.model, decoder, 10, 0.1)(*args)
+  ce_mean, tc_mean, _ = vtc_objective(g.model, decoder, 10, 0.1, 'mean')(*args)
+  assert float(ce_sum) == float(ce_mean) == float(ce)
+  np.testing.assert_allclose(tc_sum, l_rc + kl + 0.1 * l_dm, rtol=1e-6)
+  np.testing.assert_allclose(tc_mean, l_rc / 64 + kl / 80 + 0.1 * l_dm / 80, rtol=1e-6)
+  with pytest.raises(ConfigError, match='--vtc_loss_reduction'):
+    FedVTCConfig(loss_reduction='avg')
 
 
 # ------------------------------------------------------------------ the server
