@@ -80,7 +80,8 @@ def _mean_std(values: Sequence[float], scale: float = 100.0) -> str:
 
 def comparison_table(results: Sequence[MethodResult]) -> str:
   """Markdown: per method, mean +- std over seeds (population std) of the final and best-round accuracy (%),
-  and upload / broadcast scalars per round (mean over rounds and seeds)."""
+  and upload / broadcast scalars per round (mean over rounds and seeds); for methods of several phases, a second
+  table of the accuracy at the end of each phase (FedVTC: before and after fine-tuning)."""
   lines = ['| method | final accuracy (%) | best-round accuracy (%) | upload / broadcast scalars per round | seeds |',
            '|---|---|---|---|---|']
   for r in results:
@@ -89,6 +90,14 @@ def comparison_table(results: Sequence[MethodResult]) -> str:
     lines.append(f'| {r.algorithm} | {_mean_std([s["final_accuracy"] for s in r.summaries])} | '
                  f'{_mean_std([s["best_accuracy"] for s in r.summaries])} | {up:,.0f} / {down:,.0f} | '
                  f'{len(r.summaries)} |')
+  phased = [r for r in results if len(r.summaries[0].get('final_accuracy_by_phase') or {}) > 1]
+  if phased:
+    lines += ['', '| method | accuracy at the end of each phase (%) |', '|---|---|']
+    for r in phased:
+      phases = r.summaries[0]['final_accuracy_by_phase']
+      lines.append(f'| {r.algorithm} | ' + '; '.join(
+          f'{phase} {_mean_std([s["final_accuracy_by_phase"][phase] for s in r.summaries])}' for phase in phases)
+          + ' |')
   return '\n'.join(lines) + '\n'
 
 

@@ -182,6 +182,19 @@ def test_run_py_names_the_algorithm_flag_on_bad_input(tmp_path):
   assert 'Traceback' not in result.stderr
 
 
+def test_comparison_table_shows_each_phases_accuracy_for_methods_of_several_phases():
+  from fedjax_het.compare import MethodResult, comparison_table
+
+  def summary(by_phase):
+    return {'final_accuracy': 0.5, 'best_accuracy': 0.5, 'upload_scalars_per_round': 1,
+            'broadcast_scalars_per_round': 1, 'final_accuracy_by_phase': by_phase}
+  two_phase = MethodResult('fedvtc', [summary({'fl': 0.1, 'finetune': 0.3}), summary({'fl': 0.2, 'finetune': 0.5})],
+                           [])
+  table = comparison_table([MethodResult('fedproto', [summary({'train': 0.5})], []), two_phase])
+  assert '| fedvtc | fl 15.00 +- 5.00; finetune 40.00 +- 10.00 |' in table
+  assert '| fedproto | fl' not in table and 'fedproto | train' not in table
+
+
 def test_comparison_runs_every_method_and_seed_then_reuses_finished_runs(tmp_path):
   from fedjax_het.compare import comparison_table, run_comparison, write_comparison
   cfg = dataclasses.replace(CFG, rounds=2, checkpoint_every=0)

@@ -1,0 +1,18 @@
+"""FedVTC from flags (fedvtc_iclr.txt; every other method: experiments/run.py --algorithm=NAME, same flags).
+
+  python experiments/fedvtc.py --flagfile=experiments/flags/fedvtc_mnist5k.flags --workdir=/tmp/fedvtc_mnist5k
+"""
+
+from fedjax_het import interrupts
+
+interrupts.install()  # Ctrl-C or SIGTERM during the startup seconds: stop cleanly once started
+
+from absl import app, flags  # noqa: E402
+
+from fedjax_het import cli
+
+cli.define_flags(default_algorithm='fedvtc')
+flags.mark_flag_as_required('workdir')
+
+if __name__ == '__main__':
+  app.run(cli.main)
