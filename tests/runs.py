@@ -2,6 +2,10 @@
 
 import json
 import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
 
 from fedjax_het.config import ExperimentConfig
 
@@ -24,3 +28,30 @@ def run_rounds(fed, state, rounds: int):
     m.update(fed.evaluate(state))
     history.append({k: v for k, v in m.items() if 'seconds' not in k})
   return state, history
+
+
+class Recorded(NamedTuple):
+  """A recorded run: the state after each round, the metrics of each round (without timings), and how many
+  functions XLA compiled during each round and its evaluation."""
+  states: list
+  history: list
+  compiles: list
+
+
+def record_rounds(fed, state, rounds: int) -> Recorded:
+  """`rounds` rounds of a Federation from `state`, each evaluated, with every state and compilation count kept."""
+  states, history, compiles = [], [], []
+  events = []
+  listener = lambda event, duration, **kw: events.append(event) if 'backend_compile' in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    for _ in range(rounds):
+      events.clear()
+      state, m = fed.round(state)
+      m.update(fed.evaluate(state))
+      states.append(jax.tree.map(jnp.copy, state))  # the next round donates (deletes) this state's buffers
+      history.append({k: v for k, v in m.items() if 'seconds' not in k})
+      compiles.append(len(events))
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  return Recorded(states, history, compiles)

@@ -22,7 +22,7 @@ from fedjax_het.experiment import build_federation, train_and_evaluate
 from fedjax_het.models.vtc import VTCDecoder, init_vtc
 
 from conftest import tree_allclose
-from runs import run_rounds
+from runs import record_rounds, run_rounds
 
 # One architecture group keeps compilation (which dominates these tests) small; the server's cross-group means are
 # the shared `concat_groups` + `aggregate_class_means`, tested with two groups in the other methods' tests.
@@ -166,8 +166,13 @@ def test_generated_latents_have_mean_c_and_sd_sigma_and_the_right_labels():
 
 # ------------------------------------------------------------------ the three-phase run
 @pytest.fixture(scope='module')
-def uninterrupted(fed):
-  return run_rounds(fed, fed.init(), fed.total_rounds)
+def recorded(fed):
+  return record_rounds(fed, fed.init(), fed.total_rounds)
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(recorded):
+  return recorded.states[-1], recorded.history
 
 
 def test_the_run_has_its_three_phases_and_the_finetune_trains_on_s_times_c_rows(fed, uninterrupted):
@@ -199,14 +204,13 @@ def test_vmap_executor_equals_sequential(uninterrupted):
     assert np.linalg.norm(flat(a) - flat(b)) <= 1e-2 * np.linalg.norm(flat(b))
 
 
-def test_resume_across_the_finetune_boundary_equals_the_uninterrupted_run(fed, uninterrupted, tmp_path):
-  state, first = run_rounds(fed, fed.init(), 2)  # up to the end of 'vtc_exchange'
+def test_resume_across_the_finetune_boundary_equals_the_uninterrupted_run(fed, recorded, uninterrupted, tmp_path):
   checkpoints = Checkpoints(str(tmp_path / 'ckpt'))
-  checkpoints.save(state)
+  checkpoints.save(recorded.states[1])  # at the end of 'vtc_exchange'
   restored = checkpoints.restore(fed.init(), 2)
   state, rest = run_rounds(fed, restored, 1)
   tree_allclose(state.groups, uninterrupted[0].groups, rtol=0, atol=0)
-  assert first + rest == uninterrupted[1]
+  assert recorded.history[:2] + rest == uninterrupted[1]
 
 
 def test_the_experiment_reports_accuracy_before_and_after_finetuning_and_draws_samples(tmp_path, uninterrupted):
