@@ -59,6 +59,14 @@ def validate(cfg: ExperimentConfig) -> None:
       raise ConfigError(f'--{flag_name(field)}={value} ({cfg.algorithm}) must be a finite number.')
   method(cfg.algorithm)  # an unknown method fails before any data is loaded
   assign_models(cfg.models, cfg.num_clients)
+  strategy = cfg.strategy or default_strategy()
+  if cfg.algorithm == 'fedvtc' and strategy == 'vmap' and (cfg.conv or default_conv(strategy)) == 'im2col':
+    # Open bug (README, FedVTC): one jitted client round of FedVTC with im2col classifier convolutions gives
+    # non-finite decoder gradients on 8x8 inputs from its third step, where the same steps run eagerly or jitted
+    # one at a time stay finite.
+    raise ConfigError('FedVTC under --strategy=vmap with --conv=im2col (the CPU default under vmap) can compile '
+                      'to NaN updates (README, FedVTC, open bug). Fix: --conv=auto or --conv=xla, or '
+                      '--strategy=sequential (the CPU default).')
 
 
 def make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> Algorithm:
