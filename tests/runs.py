@@ -22,12 +22,8 @@ def metric_rows(workdir) -> list[dict]:
 
 def run_rounds(fed, state, rounds: int):
   """`rounds` rounds of a Federation from `state`, each evaluated: (state, metrics per round without timings)."""
-  history = []
-  for _ in range(rounds):
-    state, m = fed.round(state)
-    m.update(fed.evaluate(state))
-    history.append({k: v for k, v in m.items() if 'seconds' not in k})
-  return state, history
+  recorded = record_rounds(fed, state, rounds)
+  return (recorded.states[-1] if rounds else state), recorded.history
 
 
 class Recorded(NamedTuple):
