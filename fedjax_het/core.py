@@ -18,6 +18,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_het.local_training import LocalTraining
 from fedjax_het.models.classifier import HeteroClassifier
@@ -67,6 +68,19 @@ class ClientRows(NamedTuple):
   statistics: Any = None
 
 
+class Stage(NamedTuple):
+  """A stretch of a client's local loop with its own step function (see `ClientProgram.stages`).
+
+  step(carry, batch, broadcast, key) -> (carry, loss), like `ClientProgram.step`; epochs: how many epochs;
+  generated: whether its batches are ones the program generates itself (`Batch(None, None, None)`, e.g. GeFL's
+  target training on generator samples), max(1, n // batch_size) steps per epoch for a client of n rows; otherwise
+  epochs of the client's real rows as `ClientProgram.training` schedules them.
+  """
+  step: Callable[[Any, Batch, Any, jax.Array], tuple[Any, jnp.ndarray]]
+  epochs: int
+  generated: bool = False
+
+
 class ClientProgram(NamedTuple):
   """One client's round as pure functions; every executor runs exactly these.
 
@@ -78,12 +92,38 @@ class ClientProgram(NamedTuple):
   training: the local schedule: epochs of drop_last batches of the client's rows, in stored or shuffled order.
   trained: (carry) -> the trained `ClientState`, when `final` reads `rows.reps` (the executor computes the
     eval-mode representations of the training rows with the group's model its fastest way); None otherwise.
+  stages: a local loop of several `Stage`s run in order, each with its own step (e.g. GeFL's T_s epochs on
+    generated batches, then T_r on real rows, then T_g of generator training); when set, `step` and
+    training.epochs are not used (`program_stages`).
   """
   init: Callable[[ClientState, Broadcast, jax.Array], Carry]
-  step: Callable[[Carry, Batch, Broadcast, jax.Array], tuple[Carry, jnp.ndarray]]
+  step: Optional[Callable[[Carry, Batch, Broadcast, jax.Array], tuple[Carry, jnp.ndarray]]]
   final: Callable[[Carry, ClientRows, Broadcast, jax.Array], tuple[ClientState, Upload]]
   training: LocalTraining
   trained: Optional[Callable[[Carry], ClientState]] = None
+  stages: Optional[tuple[Stage, ...]] = None
+
+
+def program_stages(program: ClientProgram) -> tuple[Stage, ...]:
+  """The stages of a program's local loop: its `stages`, or one stage of `step` over training.epochs."""
+  if program.stages is not None:
+    return tuple(program.stages)
+  return (Stage(program.step, program.training.epochs),)
+
+
+def stage_steps_per_epoch(training: LocalTraining, stage: Stage, n):
+  """Local steps per epoch of `stage` for a client of n training rows: n // B of real rows (drop_last; the
+  generated rows in place of n under `LocalTraining.rows`), at least one for a generated stage."""
+  steps = training.steps_per_epoch(n)
+  if not stage.generated:
+    return steps
+  return jnp.maximum(steps, 1) if isinstance(steps, jax.Array) else np.maximum(steps, 1)
+
+
+def stage_key(train_key: jax.Array, stage: int) -> jax.Array:
+  """The key of stage `stage`'s local steps and schedule: the round's training key for the first stage (so a
+  one-stage program draws what it always drew), fold_in(train key, 1000 + stage) for later ones."""
+  return train_key if stage == 0 else jax.random.fold_in(train_key, 1000 + stage)
 
 
 class Evaluation(NamedTuple):

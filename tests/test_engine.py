@@ -230,3 +230,49 @@ def test_global_protocol_scores_every_client_on_the_shared_test_set_and_its_loca
   assert results[0]['accuracy'] == pytest.approx(np.mean(results[0]['client_accuracy']))
   with pytest.raises(ConfigError, match='--train_fraction'):
     make_fed(make_federated_data(ds, 4, 'iid', seed=0, protocol='pooled', train_fraction=1.0), 'vmap')
+
+
+def staged_algorithm():
+  """A program of three stages that records what each one saw: steps of generated stages (and the sum of their
+  keys' first words, so both strategies must draw the same keys), real steps and the real rows' label sum."""
+  from fedjax_het.core import ClientProgram, Stage
+  from fedjax_het.algorithms.base import keep_server, local_head_evaluation, no_server, one_phase
+
+  def generated(carry, batch, broadcast, key):
+    assert batch.x is None and batch.index is None
+    return {**carry, 'gen': carry['gen'] + 1, 'keys': carry['keys'] + jax.random.uniform(key)}, 1.0
+
+  def real(carry, batch, broadcast, key):
+    return {**carry, 'real': carry['real'] + 1, 'labels': carry['labels'] + batch.y.sum()}, 3.0
+
+  def client(group):
+    zero = {'gen': 0, 'real': 0, 'labels': 0, 'keys': 0.0}
+    training = LocalTraining(batch_size=8, epochs=99)  # ignored: the stages set the epochs
+    return ClientProgram(lambda c, b, k: (c, zero), None, lambda carry, rows, b, k: (carry[0], carry[1]), training,
+                         stages=(Stage(lambda c, *a: (lambda r: ((c[0], r[0]), r[1]))(generated(c[1], *a)), 2, True),
+                                 Stage(lambda c, *a: (lambda r: ((c[0], r[0]), r[1]))(real(c[1], *a)), 1),
+                                 Stage(lambda c, *a: (lambda r: ((c[0], r[0]), r[1]))(generated(c[1], *a)), 1,
+                                       True)))
+
+  def server_update(server, uploads, key):
+    return {'seen': uploads[0].values}, {}
+  return one_phase('staged', no_server, client, server_update, local_head_evaluation)
+
+
+def test_stages_run_in_order_with_their_own_step_counts_under_both_strategies(tiny_data):
+  """Generated stages take max(1, n // B) steps per epoch, real ones n // B drop_last batches of real rows; the
+  vmap executor (padded slots masked) and the sequential one run the same steps with the same keys."""
+  out = {}
+  for strategy in ('vmap', 'sequential'):
+    fed = make_fed(tiny_data, strategy, algorithm=staged_algorithm(), models=('mlp',))
+    state, metrics = fed.round(fed.init())
+    g = fed.groups[0]
+    out[strategy] = {k: np.asarray(v)[:g.size] for k, v in state.server['seen'].items()}, metrics['local_steps']
+  sizes = np.asarray(g.train_sizes)
+  (v, v_steps), (s, s_steps) = out['vmap'], out['sequential']
+  np.testing.assert_array_equal(v['gen'], 3 * np.maximum(1, sizes // 8))
+  np.testing.assert_array_equal(v['real'], sizes // 8)
+  for k in ('gen', 'real', 'labels'):
+    np.testing.assert_array_equal(v[k], s[k])
+  np.testing.assert_allclose(v['keys'], s['keys'], rtol=1e-6)
+  assert v_steps == s_steps == int((3 * np.maximum(1, sizes // 8) + sizes // 8).sum())

@@ -3,12 +3,13 @@ sequential executor runs the same program functions one jitted piece at a time).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.core import Batch, ClientProgram, ClientRows, ClientState, Evaluation
+from fedjax_het.core import (Batch, ClientProgram, ClientRows, ClientState, Evaluation, program_stages, stage_key,
+                             stage_steps_per_epoch)
 from fedjax_het.data.federated import ClientArrays
 from fedjax_het.local_training import batch_schedule, step_key
 from fedjax_het.models.classifier import HeteroClassifier
@@ -21,10 +22,10 @@ def client_keys(rng: jax.Array) -> dict:
   return {'init': jax.random.fold_in(rng, 3), 'train': jax.random.fold_in(rng, 1), 'final': jax.random.fold_in(rng, 2)}
 
 
-def masked_step(program: ClientProgram, carry: Any, batch: Batch, broadcast: Any, key: jax.Array, valid
+def masked_step(step: Callable, carry: Any, batch: Batch, broadcast: Any, key: jax.Array, valid
                 ) -> tuple[Any, jnp.ndarray]:
-  """program.step, or the carry unchanged and a loss of 0 when the step slot is padding."""
-  new, loss = program.step(carry, batch, broadcast, key)
+  """step(carry, batch, broadcast, key), or the carry unchanged and a loss of 0 when the step slot is padding."""
+  new, loss = step(carry, batch, broadcast, key)
   return jax.tree.map(lambda a, b: jnp.where(valid, a, b), new, carry), jnp.where(valid, loss, 0.0)
 
 
@@ -48,32 +49,46 @@ def map_rows(fn, x: jnp.ndarray, chunk: int) -> Any:
 def run_client(program: ClientProgram, model: HeteroClassifier, client: ClientState, data: ClientArrays,
                broadcast: Any, rng: jax.Array, rep_chunk: int = 256, unroll: int | bool = 1
                ) -> tuple[ClientState, Any, jnp.ndarray]:
-  """ONE client's round: init -> every local step slot in a lax.scan (padding slots masked) -> the eval-mode
-  representations if the program reads them -> final. Returns (client, upload, mean loss of its real steps).
+  """ONE client's round: init -> every local step slot of each stage in a lax.scan (padding slots masked) -> the
+  eval-mode representations if the program reads them -> final. Returns (client, upload, mean loss of its real
+  steps).
 
   `data` holds this client's padded rows (x [n_max, ...], y [n_max], n []); `unroll` is lax.scan's."""
   keys, training = client_keys(rng), program.training
   carry = program.init(client, broadcast, keys['init'])
-  generated = training.rows is not None
-  n, n_max = (training.rows, training.rows) if generated else (data.n, data.x.shape[0])
-  idx, valid = batch_schedule(jax.random.fold_in(keys['train'], 0), n, n_max, training.batch_size,
-                              training.epochs, training.order)
-  slots = max(n_max // training.batch_size, 1)
+  rows_generated = training.rows is not None
+  n, n_max = (training.rows, training.rows) if rows_generated else (data.n, data.x.shape[0])
+  total, count = 0.0, 0
+  for k, stage in enumerate(program_stages(program)):
+    train_key = stage_key(keys['train'], k)
+    if stage.generated:
+      slots = max(n_max // training.batch_size, 1)
+      steps = jnp.arange(stage.epochs * slots)
+      idx = jnp.zeros((steps.shape[0], 0), jnp.int32)
+      valid = steps % slots < stage_steps_per_epoch(training, stage, n)
+    else:
+      idx, valid = batch_schedule(jax.random.fold_in(train_key, 0), n, n_max, training.batch_size,
+                                  stage.epochs, training.order)
+      slots = max(n_max // training.batch_size, 1)
 
-  def body(carry, step):
-    s, rows, ok = step
-    key = step_key(keys['train'], s // slots, s % slots)
-    batch = Batch(None, None, rows) if generated else Batch(data.x[rows], data.y[rows], rows)
-    return masked_step(program, carry, batch, broadcast, key, ok)
+    def body(carry, step, stage=stage, slots=slots, train_key=train_key):
+      s, rows, ok = step
+      key = step_key(train_key, s // slots, s % slots)
+      if stage.generated:
+        batch = Batch(None, None, None)
+      else:
+        batch = Batch(None, None, rows) if rows_generated else Batch(data.x[rows], data.y[rows], rows)
+      return masked_step(stage.step, carry, batch, broadcast, key, ok)
 
-  carry, losses = jax.lax.scan(body, carry, (jnp.arange(valid.shape[0]), idx, valid), unroll=unroll)
+    carry, losses = jax.lax.scan(body, carry, (jnp.arange(valid.shape[0]), idx, valid), unroll=unroll)
+    total, count = total + losses.sum(), count + valid.sum()
   reps = None
   if program.trained is not None:
     trained = program.trained(carry)
     reps = represent_rows(model, trained.params, trained.model_state, data.x, rep_chunk)
   rows = ClientRows(data.x, data.y, training.statistics_rows(data.n), data.n, reps)
   client, upload = program.final(carry, rows, broadcast, keys['final'])
-  return client, upload, losses.sum() / jnp.maximum(valid.sum(), 1)
+  return client, upload, total / jnp.maximum(count, 1)
 
 
 def count_correct(evaluation: Evaluation, evaluated: Any, x: jnp.ndarray, y: jnp.ndarray, valid: jnp.ndarray

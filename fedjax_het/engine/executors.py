@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_het.core import Batch, ClientProgram, ClientRows, Evaluation
+from fedjax_het.core import (Batch, ClientProgram, ClientRows, Evaluation, program_stages, stage_key,
+                             stage_steps_per_epoch)
 from fedjax_het.engine.client import client_keys, count_correct, run_client, score_client
 from fedjax_het.engine.groups import EvalSet, Group
 from fedjax_het.local_training import batch_schedule, step_key
@@ -172,8 +173,9 @@ class SequentialExecutor(Executor):
     return self._pool
 
   def functions(self, g: Group, program: ClientProgram, phase: int) -> dict:
-    """The jitted pieces a participant of group g runs in `phase`: 'init', 'schedule', 'step', 'represent_into'
-    and 'final' (benchmarks time them one by one)."""
+    """The jitted pieces a participant of group g runs in `phase`: 'init', per stage a 'schedule' and a 'step'
+    ('stages'; the first stage's also as 'schedule' and 'step'), 'represent_into' and 'final' (benchmarks time
+    them one by one)."""
     return self.compiled('sequential', g.spec.index, phase, make=lambda: self._make_fns(g, program))
 
   def stack_functions(self) -> dict:
@@ -214,19 +216,23 @@ class SequentialExecutor(Executor):
     return stacked, jax.tree.map(lambda *a: jnp.stack(a), *padded), jnp.asarray(losses, jnp.float32)
 
   def _client(self, g: Group, program: ClientProgram, fns: dict, i: int, client, broadcast, key):
-    """Client i's round from the host: init, its real local steps, representations, final."""
+    """Client i's round from the host: init, the real local steps of each stage, representations, final."""
     training = program.training
     n_max = training.rows or g.train.x.shape[1]
-    b, epochs = training.batch_size, training.epochs
+    slots = max(n_max // training.batch_size, 1)
     keys = client_keys(jax.random.fold_in(key, int(g.clients[i])))
     carry = fns['init'](client, broadcast, keys['init'])
-    idx, _ = fns['schedule'](jax.random.fold_in(keys['train'], 0), training.rows or g.train.n[i])
     total, steps = 0.0, 0
-    for e in range(epochs):
-      for s in range(training.steps_per_epoch(g.train_sizes[i])):
-        carry, loss = fns['step'](carry, g.train.x, g.train.y, i, idx, e * (n_max // b) + s, broadcast,
-                                  step_key(keys['train'], e, s))
-        total, steps = total + loss, steps + 1
+    for k, (stage, stage_fns) in enumerate(zip(program_stages(program), fns['stages'])):
+      train_key = stage_key(keys['train'], k)
+      idx = None
+      if not stage.generated:
+        idx, _ = stage_fns['schedule'](jax.random.fold_in(train_key, 0), training.rows or g.train.n[i])
+      for e in range(stage.epochs):
+        for s in range(int(stage_steps_per_epoch(training, stage, g.train_sizes[i]))):
+          carry, loss = stage_fns['step'](carry, g.train.x, g.train.y, i, idx, e * slots + s, broadcast,
+                                          step_key(train_key, e, s))
+          total, steps = total + loss, steps + 1
     reps = None
     if program.trained is not None:
       trained = program.trained(carry)
@@ -250,11 +256,17 @@ class SequentialExecutor(Executor):
     n_max = g.train.x.shape[1]
     chunk = even_chunk(n_max, self.eval_batch_size)
 
-    def step(carry, x_all, y_all, i, schedule, slot, broadcast, key):
-      rows = schedule[slot]
-      if training.rows is not None:
-        return program.step(carry, Batch(None, None, rows), broadcast, key)
-      return program.step(carry, Batch(x_all[i, rows], y_all[i, rows], rows), broadcast, key)
+    def stage_fns(stage):
+      def step(carry, x_all, y_all, i, schedule, slot, broadcast, key):
+        if stage.generated:
+          return stage.step(carry, Batch(None, None, None), broadcast, key)
+        rows = schedule[slot]
+        if training.rows is not None:
+          return stage.step(carry, Batch(None, None, rows), broadcast, key)
+        return stage.step(carry, Batch(x_all[i, rows], y_all[i, rows], rows), broadcast, key)
+      schedule = lambda rng, n: batch_schedule(rng, n, training.rows or n_max, training.batch_size, stage.epochs,
+                                               training.order)
+      return {'step': jax.jit(step), 'schedule': jax.jit(schedule)}
 
     def final(carry, train, i, reps, broadcast, key):
       n = train.n[i]
@@ -268,11 +280,12 @@ class SequentialExecutor(Executor):
       reps = forward(model, params, model_state, rows, False)[1]
       return jax.lax.dynamic_update_slice_in_dim(buf, reps, start, 0)
 
+    stages = [stage_fns(stage) for stage in program_stages(program)]
     return {
         'init': jax.jit(program.init),
-        'schedule': jax.jit(lambda rng, n: batch_schedule(rng, n, training.rows or n_max, training.batch_size,
-                                                          training.epochs, training.order)),
-        'step': jax.jit(step),
+        'stages': stages,
+        'schedule': stages[0]['schedule'],  # the first stage's, by the names benchmarks time them under
+        'step': stages[0]['step'],
         'represent_into': jax.jit(represent_into, donate_argnums=0),
         'final': jax.jit(final),
     }

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from fedjax_het.core import Algorithm, FederationSpec, Phase, Uploads
+from fedjax_het.core import (Algorithm, ClientProgram, FederationSpec, Phase, Stage, Uploads, program_stages,
+                             stage_steps_per_epoch)
 from fedjax_het.data.federated import FederatedData
 from fedjax_het.engine.accounting import accuracy_metrics, communication_metrics, count_uploads
 from fedjax_het.engine.executors import (STRATEGIES, Executor, SequentialExecutor, VmapExecutor,
@@ -183,13 +184,17 @@ class Federation:
     num_join = self.num_join(round_index)
     return [-(-min(g.size, num_join) // self.num_devices) * self.num_devices for g in self.groups]
 
-  def local_work(self, participants: np.ndarray, training: Optional[LocalTraining] = None) -> dict:
-    """Local steps and samples the participants process this round: epochs * (n_k // batch_size) steps of
-    batch_size rows each (drop_last; generated rows in place of n_k where the program generates its own),
-    summed over participants."""
-    training = training or self.training
-    per_client = np.broadcast_to(training.steps_per_epoch(self.train_sizes[participants]), participants.shape)
-    steps = int(per_client.sum()) * training.epochs
+  def local_work(self, participants: np.ndarray, program: Optional[ClientProgram] = None) -> dict:
+    """Local steps and samples the participants process this round: per stage, epochs * (n_k // batch_size)
+    steps of batch_size rows each (drop_last; generated rows in place of n_k where the program generates its own;
+    at least one step per epoch in a generated stage), summed over participants and stages."""
+    training = program.training if program is not None else self.training
+    stages = program_stages(program) if program is not None else (Stage(None, training.epochs),)
+    steps = 0
+    for stage in stages:
+      per_client = np.broadcast_to(stage_steps_per_epoch(training, stage, self.train_sizes[participants]),
+                                   participants.shape)
+      steps += int(per_client.sum()) * stage.epochs
     return {'local_steps': steps, 'local_samples': steps * training.batch_size}
 
   # ---------------------------------------------------------------- one round
@@ -241,7 +246,7 @@ class Federation:
     losses = np.concatenate([to_host(loss)[real] for loss, real in losses])  # host reads after all dispatches
     metrics = {'round': r + 1, 'phase': phase.name, 'train_loss': float(np.mean(losses)),
                'participants': len(participants),
-               **self.local_work(participants, self.programs[p][0].training)}
+               **self.local_work(participants, self.programs[p][0])}
     metrics.update(communication_metrics([jax.device_get(u) for u in upload_parts],
                                          [(jax.device_get(b), n) for b, n in broadcast_parts]))
     metrics.update({k: float(v) for k, v in server_metrics.items()})
