@@ -66,7 +66,7 @@ def test_vtc_output_shapes_and_parameter_counts_are_the_papers(shape, p, params)
 
 def test_the_transposed_convolution_is_pytorchs_as_a_convolution_of_the_dilated_input():
   from fedjax_het.models.conv import im2col_conv_general_dilated
-  from fedjax_het.models.vtc import dilate
+  from fedjax_het.models.conv import dilate
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 5, 3))
   k = jax.random.normal(jax.random.PRNGKey(1), (4, 4, 3, 6))
   dims = ('NHWC', 'HWIO', 'NHWC')

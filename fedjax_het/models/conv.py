@@ -79,6 +79,26 @@ CONV_IMPLS: dict[str, ConvFactory] = {
 }
 
 
+def dilate(x: jnp.ndarray, stride: int) -> jnp.ndarray:
+  """x [N, H, W, C] with stride - 1 zero rows and columns inserted between its rows and columns."""
+  if stride == 1:
+    return x
+  n, h, w, c = x.shape
+  return jnp.zeros((n, (h - 1) * stride + 1, (w - 1) * stride + 1, c), x.dtype).at[:, ::stride, ::stride].set(x)
+
+
+def conv_transpose(impl: str, x: jnp.ndarray, features: int, kernel: int, stride: int, padding: int, name: str
+                   ) -> jnp.ndarray:
+  """PyTorch's ConvTranspose2d(in, features, kernel, stride, padding) on x [N, H, W, in] (output side
+  (H - 1) * stride - 2 * padding + kernel), computed as what it is: a convolution of formulation `impl` over x
+  dilated with stride - 1 zeros and padded by kernel - 1 - padding. Its kernel [k, k, in, out] is PyTorch's
+  flipped with its axes swapped, a reparametrisation of a learned kernel; `name` should start with 'convt' so
+  that `models.init.torch_default_init` draws it with ConvTranspose2d's fan-in (out * k * k). Call it inside a
+  compact module's __call__ (the layer becomes that module's submodule `name`)."""
+  edge = kernel - 1 - padding
+  return conv_factory(impl)(features, (kernel, kernel), padding=[(edge, edge)] * 2, name=name)(dilate(x, stride))
+
+
 def conv_factory(impl: str) -> ConvFactory:
   """The `nn.Conv`-compatible constructor of convolution formulation `impl` ('xla' or 'patches')."""
   if impl not in CONV_IMPLS:

@@ -4,7 +4,8 @@ HtFLlib builds every client's model right after `torch.manual_seed(0)`, with PyT
 weights kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)), and biases
 U(-1/sqrt(fan_in), 1/sqrt(fan_in)); BatchNorm/LayerNorm scale 1 and bias 0 (Flax's defaults already). Here every
 Flax `Dense` (kernel [in, out], fan_in = in) and 2-D `Conv` (kernel [kh, kw, in / groups, out], fan_in =
-kh * kw * in / groups) is redrawn that way; other parameters (norm layers, ViT's class token and position table,
+kh * kw * in / groups) is redrawn that way, and a transposed convolution (`models.conv.conv_transpose`, a layer named
+'convt...') with ConvTranspose2d's fan_in = kh * kw * out; other parameters (norm layers, ViT's class token and position table,
 attention projections of rank-3 kernels, embeddings) keep their Flax initialisation.
 
 Deviation: torchvision's ResNet, MobileNetV2, GoogLeNet and ViT constructors (which HtFLlib uses for those
@@ -37,7 +38,9 @@ def torch_default_init(params: Any, key: jax.Array) -> Any:
   def visit(node, path):
     if _is_torch_layer(node):
       kernel = node['kernel']
-      bound = 1.0 / math.sqrt(math.prod(kernel.shape[:-1]))
+      transposed = bool(path) and path[-1].startswith('convt')
+      fan_in = math.prod(kernel.shape[:-2]) * kernel.shape[-1] if transposed else math.prod(kernel.shape[:-1])
+      bound = 1.0 / math.sqrt(fan_in)
       layer_key = jax.random.fold_in(key, zlib.crc32('/'.join(path).encode()) & 0x7FFFFFFF)
       k_key, b_key = jax.random.split(layer_key)
       out = dict(node)

@@ -22,14 +22,13 @@ the library's Conv/Dense rule.
 
 from __future__ import annotations
 
-import math
-import zlib
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from fedjax_het.errors import ConfigError
-from fedjax_het.models.conv import conv_factory
+from fedjax_het.models.conv import conv_transpose
+from fedjax_het.models.init import torch_default_init
 from fedjax_het.models.norm import TorchBatchNorm
 
 # image shape (H, W, C) -> (latent channels c0, widths of the first three layers)
@@ -61,14 +60,6 @@ def vtc_layout(image_shape: tuple[int, ...], latent_dim: int) -> tuple[int, tupl
   return latent_dim // cells, ((32, 64, 64) if c == 3 else (16, 32, 32))
 
 
-def dilate(x: jnp.ndarray, stride: int) -> jnp.ndarray:
-  """x [N, H, W, C] with stride - 1 zero rows and columns inserted between its rows and columns."""
-  if stride == 1:
-    return x
-  n, h, w, c = x.shape
-  return jnp.zeros((n, (h - 1) * stride + 1, (w - 1) * stride + 1, c), x.dtype).at[:, ::stride, ::stride].set(x)
-
-
 class VTCDecoder(nn.Module):
   """psi: latents [B, p] -> images [B, H, W, C] in [0, 1] (Sigmoid), BatchNorm after every layer. `conv`: the
   convolution formulation (`models.conv.CONV_IMPLS`)."""
@@ -83,8 +74,7 @@ class VTCDecoder(nn.Module):
     x = v.reshape((-1, c0, h // 4, w // 4)).transpose(0, 2, 3, 1)  # PyTorch's view(c0, h, w), then NHWC
     layers = [(widths[0], 3, 1, 1), (widths[1], 4, 2, 1), (widths[2], 3, 1, 1), (c, 4, 2, 1)]
     for i, (features, k, stride, pad) in enumerate(layers):
-      x = conv_factory(self.conv)(features, (k, k), padding=[(k - 1 - pad, k - 1 - pad)] * 2,
-                                  name=f'convt{i}')(dilate(x, stride))
+      x = conv_transpose(self.conv, x, features, k, stride, pad, f'convt{i}')
       x = TorchBatchNorm(use_running_average=not train, name=f'bn{i}')(x)
       x = nn.leaky_relu(x, 0.01) if i < 3 else nn.sigmoid(x)
     return x
@@ -94,14 +84,4 @@ def init_vtc(decoder: VTCDecoder, key: jax.Array) -> dict:
   """psi's variables {'params', 'batch_stats'}, the ConvTranspose kernels and biases drawn as PyTorch's
   ConvTranspose2d draws them (U(+-1/sqrt(out_channels * k * k))), each layer from `key` and its name."""
   variables = decoder.init(key, jnp.zeros((1, decoder.latent_dim)), False)
-  params = dict(variables['params'])
-  for name, layer in params.items():
-    if not name.startswith('convt'):
-      continue
-    kernel = layer['kernel']  # [k, k, in, out]
-    bound = 1.0 / math.sqrt(kernel.shape[0] * kernel.shape[1] * kernel.shape[3])
-    k_key, b_key = jax.random.split(jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF))
-    params[name] = {'kernel': jax.random.uniform(k_key, kernel.shape, kernel.dtype, -bound, bound),
-                    'bias': jax.random.uniform(b_key, layer['bias'].shape, layer['bias'].dtype, -bound, bound)}
-  return {'params': params, 'batch_stats': variables['batch_stats']}
-
+  return {'params': torch_default_init(variables['params'], key), 'batch_stats': variables['batch_stats']}

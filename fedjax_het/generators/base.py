@@ -1,0 +1,69 @@
+"""The interface of a class-conditional image generator trained by federated clients (GeFL's DCGAN, CVAE, DDPM).
+
+A `ConditionalGenerator` is pure functions over a pytree of variables, so a client can hold one in its
+`ClientState.extra`, train it inside a jitted, vmapped local loop and upload it for averaging:
+
+  init(key) -> variables                     every client and the server start from the same draw (shared key)
+  init_optimizer(variables) -> opt_state     per-client optimizer state(s), kept across rounds by GeFL
+  step(variables, opt_state, x, y, key, lr_scale) -> (variables, opt_state, loss)
+                                             one update on a batch of real images x [B, H, W, C] in the
+                                             generator's own range and labels y [B]; lr_scale multiplies the
+                                             learning rate (DDPM's linear decay over rounds)
+  sample(variables, labels, key) -> images   one image per label, in the generator's own range, eval mode
+  unit_range: True when the generator trains on and emits [0, 1] images (CVAE, DDPM: GeFL's code feeds them
+    ToTensor images), False for [-1, 1] (DCGAN's tanh). `to_generator_range` / `from_generator_range` convert.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class ConditionalGenerator(NamedTuple):
+  """A class-conditional generator as pure functions (see the module docstring)."""
+  name: str
+  init: Callable[[jax.Array], Any]
+  init_optimizer: Callable[[Any], Any]
+  step: Callable[..., tuple[Any, Any, jnp.ndarray]]
+  sample: Callable[[Any, jnp.ndarray, jax.Array], jnp.ndarray]
+  unit_range: bool
+
+
+def to_generator_range(x: jnp.ndarray, unit_range: bool) -> jnp.ndarray:
+  """Images in [-1, 1] (the library's normalisation) mapped to a generator's range ([0, 1] if unit_range)."""
+  return (x + 1.0) / 2.0 if unit_range else x
+
+
+def from_generator_range(x: jnp.ndarray, unit_range: bool) -> jnp.ndarray:
+  """A generator's images mapped back to [-1, 1] (from [0, 1] if unit_range)."""
+  return 2.0 * x - 1.0 if unit_range else x
+
+
+def adam(b1: float = 0.9, b2: float = 0.999, weight_decay: float = 0.0) -> optax.GradientTransformation:
+  """PyTorch's Adam without the learning rate (`apply_adam` multiplies by it): weight decay is an L2 term added
+  to the gradient before the moments (torch.optim.Adam's weight_decay), not AdamW's."""
+  parts = [optax.add_decayed_weights(weight_decay)] if weight_decay else []
+  return optax.chain(*parts, optax.scale_by_adam(b1, b2, eps=1e-8))
+
+
+def apply_adam(optimizer: optax.GradientTransformation, params: Any, grads: Any, opt_state: Any,
+               learning_rate) -> tuple[Any, Any]:
+  """(params - learning_rate * Adam direction, new optimizer state)."""
+  direction, opt_state = optimizer.update(grads, opt_state, params)
+  return jax.tree.map(lambda p, d: p - learning_rate * d, params, direction), opt_state
+
+
+def bce(p: jnp.ndarray, target: float) -> jnp.ndarray:
+  """torch.nn.BCELoss (mean) of probabilities p against a constant target, logs clamped at -100 as PyTorch
+  clamps them."""
+  log_p, log_q = jnp.maximum(jnp.log(p), -100.0), jnp.maximum(jnp.log1p(-p), -100.0)
+  return -jnp.mean(target * log_p + (1.0 - target) * log_q)
+
+
+def uniform_labels(key: jax.Array, n: int, num_classes: int) -> jnp.ndarray:
+  """n labels drawn uniformly over all classes (GeFL samples y' this way, not from a client's label mix)."""
+  return jax.random.randint(key, (n,), 0, num_classes)
