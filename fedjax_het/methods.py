@@ -15,9 +15,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from fedjax_het.algorithms import (CCVRConfig, FDConfig, FedGenConfig, FedGHConfig, FedKDConfig, FedMRLConfig,
-                                   FedProtoConfig, FedREConfig, FedTGPConfig, FedVTCConfig, FMLConfig, FPLConfig,
-                                   ccvr, fd, fedavg_grouped, fedgen, fedgh, fedkd, fedmrl, fedproto, fedre, fedtgp,
-                                   fedvtc, fml, fpl, lg_fedavg, local)
+                                   FedProtoConfig, FedProxConfig, FedREConfig, FedTGPConfig, FedVTCConfig, FMLConfig,
+                                   FPLConfig, GeFLConfig, ccvr, fd, fedavg_grouped, fedgen, fedgh, fedkd, fedmrl,
+                                   fedprox, fedproto, fedre, fedtgp, fedvtc, fml, fpl, gefl, lg_fedavg, local)
 from fedjax_het.core import Algorithm
 from fedjax_het.errors import ConfigError
 
@@ -93,6 +93,11 @@ METHODS: dict[str, Method] = {
     'fedvtc': Method(FedVTCConfig, lambda c, run: fedvtc(c, run.num_classes, run.rounds, run.local_learning_rate,
                                                          run.batch_size),
                      'FedVTC: prototypes and SDs, a VTC decoder per client, fine-tuning on its samples'),
+    'fedprox': Method(FedProxConfig, lambda c, run: fedprox(c, run.num_classes),
+                      'FedProx within each architecture group'),
+    'gefl': Method(GeFLConfig, lambda c, run: gefl(c, run.num_classes, run.rounds, run.local_learning_rate,
+                                                   run.batch_size),
+                   'GeFL: a federated conditional generator (DCGAN, CVAE, DDPM) aiding heterogeneous targets'),
 }
 
 

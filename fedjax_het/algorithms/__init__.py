@@ -3,6 +3,8 @@ from fedjax_het.algorithms.ccvr import CCVRConfig, ccvr
 from fedjax_het.algorithms.fd import FDConfig, fd
 from fedjax_het.algorithms.fedavg import fedavg_grouped
 from fedjax_het.algorithms.fedgen import FedGenConfig, fedgen
+from fedjax_het.algorithms.fedprox import FedProxConfig, fedprox
+from fedjax_het.algorithms.gefl import GeFLConfig, gefl
 from fedjax_het.algorithms.fedgh import FedGHConfig, fedgh
 from fedjax_het.algorithms.fedkd import FedKDConfig, fedkd
 from fedjax_het.algorithms.fedmrl import FedMRLConfig, fedmrl

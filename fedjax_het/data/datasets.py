@@ -32,6 +32,18 @@ class Dataset:
   def image_shape(self) -> tuple[int, ...]:
     return tuple(self.x.shape[1:])
 
+  def resized(self, size: int) -> 'Dataset':
+    """Every image (train and test) resized to size x size, bilinear with antialiasing (torchvision's Resize on
+    tensors); the same dataset when size is 0 or already its size."""
+    if not size or self.x.shape[1:3] == (size, size):
+      return self
+    if size < 1:
+      raise ConfigError(f'--image_size={size} must be >= 1 (or 0 to keep the dataset\'s size).')
+    import jax
+    resize = lambda a: None if a is None else np.asarray(
+        jax.image.resize(a, (a.shape[0], size, size, a.shape[3]), 'bilinear', antialias=True), np.float32)
+    return dataclasses.replace(self, x=resize(self.x), x_test=resize(self.x_test))
+
   def pooled(self) -> 'Dataset':
     """The merged train+test pool of the HtFLlib protocol (no separate global test set)."""
     if self.x_test is None:

@@ -1,0 +1,240 @@
+"""GeFL (gefl.txt Alg. 1-2, Sec. IV-V; SPEC_GENERATIVE.md sec. 3): one class-conditional generator trained
+federatedly by every client whatever its architecture, and heterogeneous target networks trained on its samples
+and on real data, averaged only within their architecture.
+
+Phase 'knowledge' (T_KA = --gefl_ka_rounds rounds; T_KA / 2 in update mode; no evaluation): a participant sets
+  its generator to the server's and trains it for T_g = --gefl_generator_epochs epochs on its real batches with
+  its OWN optimizer state(s), kept in its `ClientState.extra` across rounds (the code's `optgs[idx]` etc.; DCGAN:
+  G's and D's); it uploads the generator (every variable, BatchNorm statistics and, for DCGAN, D included), and the
+  server takes the unweighted mean over all participants of all architecture groups.
+Phase 'target' (T_TN = --rounds rounds): a participant sets its target network to its group's model, trains it
+  T_s = --gefl_synthetic_epochs epochs of max(1, n_k // B) steps on generated batches (B labels uniform over all
+  classes, not its own label mix; the server's generator in eval mode; target BatchNorm in train mode), then
+  T_r = --local_epochs epochs on its real rows, plain SGD at --local_learning_rate (a fresh optimizer per loop,
+  stateless); the server averages each group's uploads with equal weights (Alg. 2; BatchNorm statistics too).
+  "Update" mode (--gefl_mode=update, Table VII): after its target training each participant also trains the
+  generator T_g epochs (own optimizer state) and the server averages it, so target round t samples from the
+  generator after T_KA / 2 + t - 1 rounds. "Freeze" (default): the generator stays as the last knowledge round
+  left it.
+Evaluation: every client is scored with its group's model; `summary.json` adds GeFL's reported number, the mean
+over architectures of each architecture's best accuracy over the evaluation rounds
+(best_accuracy_per_architecture_mean).
+
+Generators (`fedjax_het.generators`): 'dcgan' (Adam 2e-4, betas 0.5 / 0.999), 'cvae' (Adam 1e-3, weight decay
+1e-3), 'ddpm' (Adam 1e-4, decayed linearly: rate 1e-4 (1 - t / T_KA) in knowledge round t = 1..T_KA, as the
+code). DCGAN trains on and emits [-1, 1]; CVAE and DDPM [0, 1] (the code feeds them ToTensor images). With
+--gefl_match_range (default) their samples are mapped into the classifiers' input range [-1, 1]; --nogefl_match_range
+feeds the generators' own range unconverted, the code's mismatch (SPEC_GENERATIVE.md: "Code quirks not to copy").
+
+Deviations: the real-data loop uses the library's drop_last batches (the code's loader keeps a last partial
+batch); a client with fewer rows than a batch draws a full batch of samples (the code draws n_k); the LG-FedAvg-like
+first-block sharing of the code's default `avg_FE = 1` is not applied (the paper's model-wise averaging; SPEC).
+Communication: per knowledge round each participant downloads and uploads the generator (|G| + |D| for DCGAN);
+per target round its group's model both ways (plus the generator in update mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
+from fedjax_het.algorithms.common import cross_entropy, participant_average
+from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, Stage, hyperparameter,
+                             leaf_scalars)
+from fedjax_het.errors import ConfigError
+from fedjax_het.generators import (GENERATORS, ConditionalGenerator, cvae, dcgan, ddpm, from_generator_range,
+                                   to_generator_range)
+from fedjax_het.generators.base import uniform_labels
+from fedjax_het.models.forward import forward
+
+MODES = ('freeze', 'update')
+
+
+@dataclasses.dataclass(frozen=True)
+class GeFLConfig:
+  """GeFL's hyperparameters (gefl.txt Tables XIV, XV). Widths 0 take the paper's size."""
+  generator: str = hyperparameter('dcgan', "GeFL: the generator, one of 'dcgan', 'cvae', 'ddpm'.",
+                                  flag='gefl_generator')
+  ka_rounds: int = hyperparameter(100, 'GeFL: knowledge-aggregation rounds T_KA (Table XV: 100 MNIST/FMNIST/SVHN, '
+                                       '200 CIFAR-10); update mode runs T_KA / 2 of them.', flag='gefl_ka_rounds')
+  generator_epochs: int = hyperparameter(5, 'GeFL: local generator epochs T_g.', flag='gefl_generator_epochs')
+  synthetic_epochs: int = hyperparameter(1, 'GeFL: target epochs on generated batches T_s (then --local_epochs on '
+                                            'real rows).', flag='gefl_synthetic_epochs')
+  mode: str = hyperparameter('freeze', "GeFL: 'freeze' (the generator stops after knowledge aggregation) or "
+                                       "'update' (it keeps training in target rounds; Table VII).",
+                             flag='gefl_mode')
+  match_range: bool = hyperparameter(True, 'GeFL: map generated images into the classifiers\' input range [-1, 1] '
+                                           '(false: the code\'s unconverted [0, 1] of CVAE and DDPM).',
+                                     flag='gefl_match_range')
+  width: int = hyperparameter(0, 'GeFL: generator width (DCGAN d_g = d_d, CVAE w, U-Net n_feat); 0: the paper\'s '
+                                 '(DCGAN 128 on 1 channel, 256 / 64 on 3; CVAE 64; U-Net 128).',
+                              flag='gefl_width')
+  latent: int = hyperparameter(0, 'GeFL: CVAE latent size l; 0: the paper\'s (16; 50 on 3 channels).',
+                               flag='gefl_latent')
+  diffusion_steps: int = hyperparameter(100, 'GeFL: DDPM steps T (100 MNIST/FMNIST/SVHN, 400 CIFAR-10).',
+                                        flag='gefl_diffusion_steps')
+  guidance: float = hyperparameter(0.0, 'GeFL: DDPM classifier-free guidance weight w (Table II: 0 and 2).',
+                                   flag='gefl_guidance')
+
+  def __post_init__(self):
+    if self.generator not in GENERATORS:
+      raise ConfigError(f'--gefl_generator={self.generator!r}: choose one of {", ".join(GENERATORS)}.')
+    if self.mode not in MODES:
+      raise ConfigError(f'--gefl_mode={self.mode!r}: choose freeze or update.')
+    if self.ka_rounds < (2 if self.mode == 'update' else 1):
+      raise ConfigError(f'--gefl_ka_rounds={self.ka_rounds} must be >= 1 (>= 2 in update mode, which runs half).')
+    for name in ('generator_epochs', 'synthetic_epochs', 'width', 'latent'):
+      if getattr(self, name) < 0:
+        raise ConfigError(f'--gefl_{name}={getattr(self, name)} must be >= 0.')
+    if self.diffusion_steps < 1 or self.guidance < 0:
+      raise ConfigError(f'--gefl_diffusion_steps={self.diffusion_steps} must be >= 1 and --gefl_guidance='
+                        f'{self.guidance} >= 0.')
+
+  @property
+  def knowledge_rounds(self) -> int:
+    """Rounds of the knowledge phase: T_KA, or T_KA / 2 in update mode."""
+    return self.ka_rounds // 2 if self.mode == 'update' else self.ka_rounds
+
+
+def build_generator(cfg: GeFLConfig, num_classes: int, input_shape, conv: str = 'xla') -> ConditionalGenerator:
+  """The configured generator for images of `input_shape` (H, W, c), or a ConfigError naming the fix."""
+  h, w, c = input_shape
+  if (h, w) != (32, 32):
+    raise ConfigError(f'GeFL\'s generators emit 32x32 images; the data are {h}x{w}. Fix: --image_size=32 (GeFL '
+                      f'resizes MNIST 28 -> 32).')
+  if cfg.generator == 'dcgan':
+    g_width, d_width = (cfg.width, cfg.width) if cfg.width else ((128, 128) if c == 1 else (256, 64))
+    return dcgan(num_classes, c, g_width, d_width, conv=conv)
+  if cfg.generator == 'cvae':
+    return cvae(num_classes, c, cfg.width or 64, cfg.latent or (16 if c == 1 else 50), conv=conv)
+  return ddpm(num_classes, c, h, cfg.width or 128, cfg.diffusion_steps, cfg.guidance, conv=conv)
+
+
+def generator_step(gen: ConditionalGenerator, lr_scale):
+  """(client, batch, broadcast, key) -> (client, loss): one generator update on a real batch (mapped into the
+  generator's range) with the client's own optimizer state; lr_scale(broadcast) multiplies the rate."""
+  def step(client, batch: Batch, broadcast, key):
+    x = to_generator_range(batch.x, gen.unit_range)
+    variables, opt, loss = gen.step(client.extra['generator'], client.extra['optimizer'], x, batch.y, key,
+                                    lr_scale(broadcast))
+    return client._replace(extra={**client.extra, 'generator': variables, 'optimizer': opt}), loss
+  return step
+
+
+def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, batch_size: int) -> Algorithm:
+  """GeFL as an `Algorithm` of two phases: 'knowledge' (cfg.knowledge_rounds rounds) and 'target' (`rounds`)."""
+  update = cfg.mode == 'update'
+
+  def generator_of(group: GroupSpec) -> ConditionalGenerator:
+    return build_generator(cfg, num_classes, group.input_shape, group.conv)
+
+  def lr_scale(broadcast):
+    """DDPM: 1 - t / T_KA in the t-th (1-based) generator round; the others keep their rate."""
+    if cfg.generator != 'ddpm':
+      return 1.0
+    return jnp.maximum(1.0 - (broadcast['generator_round'] + 1) / cfg.ka_rounds, 0.0)
+
+  def init_client(group, key):
+    gen = generator_of(group)
+    variables = gen.init(group.shared_key('gefl_generator'))
+    return {'generator': variables, 'optimizer': gen.init_optimizer(variables)}
+
+  def init_server(key, spec, initial):
+    return {'generator': initial[0].extra['generator'], 'generator_round': jnp.zeros((), jnp.int32),
+            'models': tuple({'params': s.params, 'model_state': s.model_state} for s in initial)}
+
+  def average_generator(server, uploads):
+    u = concat_groups(uploads)
+    generator = participant_average(u.values['generator'], u.mask.astype(jnp.float32), server['generator'])
+    return {**server, 'generator': generator, 'generator_round': server['generator_round'] + 1}
+
+  def receive_generator(client, broadcast):
+    return client._replace(extra={**client.extra, 'generator': broadcast['generator']})
+
+  # ---------------------------------------------------------------- phase 'knowledge'
+  def knowledge_client(group: GroupSpec) -> ClientProgram:
+    step = generator_step(generator_of(group), lr_scale)
+    return ClientProgram(lambda client, broadcast, key: receive_generator(client, broadcast), None,
+                         lambda client, rows, broadcast, key: (client, {'generator': client.extra['generator']}),
+                         group.training, stages=(Stage(step, cfg.generator_epochs),))
+
+  def knowledge_broadcast(server, group):
+    return {'generator': server['generator'], 'generator_round': server['generator_round']}
+
+  # ---------------------------------------------------------------- phase 'target'
+  def target_broadcast(server, group):
+    return {**knowledge_broadcast(server, group), 'model': server['models'][group.index]}
+
+  def receive_group_model(client, broadcast):
+    return client._replace(params=broadcast['model']['params'], model_state=broadcast['model']['model_state'])
+
+  def target_client(group: GroupSpec) -> ClientProgram:
+    gen = generator_of(group)
+
+    def sgd_on(client, x, y):
+      def loss(params):
+        logits, _, state = forward(group.model, params, client.model_state, x, True)
+        return cross_entropy(logits, y), state
+      (value, state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
+      params = jax.tree.map(lambda p, g: p - learning_rate * g, client.params, grads)
+      return client._replace(params=params, model_state=state), value
+
+    def synthetic_step(client, batch: Batch, broadcast, key):
+      label_key, sample_key = jax.random.split(key)
+      labels = uniform_labels(label_key, batch_size, num_classes)
+      images = gen.sample(broadcast['generator'], labels, sample_key)
+      if cfg.match_range:
+        images = from_generator_range(images, gen.unit_range)
+      return sgd_on(client, jax.lax.stop_gradient(images), labels)
+
+    def real_step(client, batch: Batch, broadcast, key):
+      return sgd_on(client, batch.x, batch.y)
+
+    def init(client, broadcast, key):
+      client = receive_group_model(client, broadcast)
+      return receive_generator(client, broadcast) if update else client
+
+    def final(client, rows, broadcast, key):
+      upload = {'model': {'params': client.params, 'model_state': client.model_state}}
+      return client, ({**upload, 'generator': client.extra['generator']} if update else upload)
+
+    stages = (Stage(synthetic_step, cfg.synthetic_epochs, generated=True), Stage(real_step, group.training.epochs))
+    if update:
+      stages += (Stage(generator_step(gen, lr_scale), cfg.generator_epochs),)
+    return ClientProgram(init, None, final, group.training, stages=stages)
+
+  def target_server(server, uploads, key):
+    models = tuple(participant_average(u.values['model'], u.mask.astype(jnp.float32), old)
+                   for u, old in zip(uploads, server['models']))
+    server = {**server, 'models': models}
+    return (average_generator(server, uploads) if update else server), {}
+
+  def evaluation(group):
+    # Knowledge rounds broadcast no target model: scored there (only when a caller asks), a client is its own.
+    receive = lambda client, broadcast: receive_group_model(client, broadcast) if 'model' in broadcast else client
+    return head_evaluation(group.model, {'group_model': own_head}, receive=receive)
+
+  def samples(server, spec, key, n):
+    """n samples per class from the server's generator, in [-1, 1]."""
+    gen = generator_of(spec.groups[0])
+    labels = jnp.repeat(jnp.arange(num_classes), n)
+    images = from_generator_range(gen.sample(server['generator'], labels, key), gen.unit_range)
+    return jnp.clip(images, -1.0, 1.0).reshape((num_classes, n) + images.shape[1:])
+
+  def scalars(tree) -> dict:
+    """The models and generators that cross; in freeze mode a target round's broadcast carries the generator only
+    for the engine (clients hold the final one from the last knowledge round: not counted again)."""
+    out = {'model': sum(leaf_scalars(tree['model']).values())} if 'model' in tree else {}
+    if 'generator' in tree and (update or 'model' not in tree):
+      out['generator'] = sum(leaf_scalars(tree['generator']).values())
+    return out
+
+  return Algorithm('gefl', init_server,
+                   (Phase('knowledge', knowledge_client, lambda s, u, k: (average_generator(s, u), {}),
+                          knowledge_broadcast, rounds=cfg.knowledge_rounds, evaluate=False),
+                    Phase('target', target_client, target_server, target_broadcast, rounds=rounds)),
+                   evaluation, init_client=init_client, upload_scalars=scalars, broadcast_scalars=scalars,
+                   samples=samples)

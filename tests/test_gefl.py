@@ -1,0 +1,183 @@
+"""GeFL (SPEC_GENERATIVE.md sec. 3): the servers' means (the generator over all groups, each target model within
+its group), per-client optimizer states across rounds, the round structure of both modes, Table X's
+communication, vmap == sequential and resume across the knowledge -> target boundary, on a tiny DCGAN."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tree_allclose
+from runs import record_rounds, run_rounds
+from fedjax_het.algorithms import GeFLConfig, gefl
+from fedjax_het.algorithms.gefl import build_generator
+from fedjax_het.algorithms.fedprox import proximal_term
+from fedjax_het.checkpoints import Checkpoints
+from fedjax_het.config import ExperimentConfig
+from fedjax_het.core import Uploads, leaf_scalars
+from fedjax_het.errors import ConfigError
+from fedjax_het.experiment import build_federation
+
+GEFL = GeFLConfig(generator='dcgan', ka_rounds=2, generator_epochs=1, width=4)
+# One architecture group keeps compilation (most of these tests' time) small; the servers' cross-group and
+# within-group means are tested directly above the runs.
+CFG = ExperimentConfig(algorithm='gefl', dataset='synthetic:32,32,1', num_clients=4, partition='iid',
+                       models=('gefl_mnist_cnn1',), feature_dim=16, rm='fc', rounds=2, batch_size=64,
+                       local_learning_rate=0.05, eval_protocol='global', data_order='shuffle', conv='xla',
+                       checkpoint_every=1, methods={'gefl': GEFL})
+
+
+def uploads(values, mask, num_train=None):
+  mask = jnp.asarray(mask)
+  return Uploads(values, mask, jnp.asarray(num_train if num_train is not None else np.ones(len(mask)), jnp.float32))
+
+
+# ------------------------------------------------------------------ the servers
+def test_knowledge_server_averages_the_generator_over_all_participants_of_all_groups_unweighted():
+  alg = gefl(GEFL, 10, 2, 0.1, 64)
+  server = {'generator': {'w': jnp.full(2, -7.0)}, 'generator_round': jnp.asarray(0), 'models': ({}, {})}
+  group0 = uploads({'generator': {'w': jnp.asarray([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]])}}, [1, 1, 0], [10, 90, 0])
+  group1 = uploads({'generator': {'w': jnp.asarray([[5.0, 6.0]])}}, [1], [1000])
+  new, _ = alg.phases[0].server_update(server, (group0, group1), jax.random.PRNGKey(0))
+  np.testing.assert_allclose(new['generator']['w'], [3.0, 4.0])  # (1 + 3 + 5) / 3, sample sizes ignored
+  assert int(new['generator_round']) == 1
+  nobody = uploads({'generator': {'w': jnp.ones((1, 2))}}, [0])
+  kept, _ = alg.phases[0].server_update(server, (nobody, nobody), jax.random.PRNGKey(0))
+  np.testing.assert_allclose(kept['generator']['w'], [-7.0, -7.0])
+
+
+def test_target_server_averages_each_group_within_itself_with_equal_weights():
+  alg = gefl(GEFL, 10, 2, 0.1, 64)
+  model = lambda v: {'params': {'w': jnp.asarray(v, jnp.float32)}, 'model_state': {'s': jnp.asarray(v, jnp.float32)}}
+  server = {'generator': {'w': jnp.zeros(1)}, 'generator_round': jnp.asarray(2), 'models': (model([0.0]), model([9.0]))}
+  stack = lambda *ms: jax.tree.map(lambda *a: jnp.stack(a), *ms)
+  group0 = uploads({'model': stack(model([1.0]), model([5.0]))}, [1, 1], [10, 1000])
+  group1 = uploads({'model': stack(model([100.0]))}, [0])
+  new, _ = alg.phases[1].server_update(server, (group0, group1), jax.random.PRNGKey(0))
+  np.testing.assert_allclose(new['models'][0]['params']['w'], [3.0])      # BN statistics averaged too
+  np.testing.assert_allclose(new['models'][0]['model_state']['s'], [3.0])
+  np.testing.assert_allclose(new['models'][1]['params']['w'], [9.0])      # nobody in group 1: kept
+  assert int(new['generator_round']) == 2                                  # freeze: the generator stays
+
+
+# ------------------------------------------------------------------ the run
+@pytest.fixture(scope='module')
+def fed():
+  return build_federation(CFG)
+
+
+@pytest.fixture(scope='module')
+def recorded(fed):
+  return record_rounds(fed, fed.init(), fed.total_rounds)
+
+
+def test_the_run_is_knowledge_then_target_rounds_with_their_steps_and_traffic(fed, recorded):
+  h = recorded.history
+  assert fed.total_rounds == 4 and [m['phase'] for m in h] == ['knowledge'] * 2 + ['target'] * 2
+  assert [m['round'] for m in h] == [1, 2, 3, 4]
+  assert not fed.evaluates_after(1, 1) and fed.evaluates_after(2, 1)  # knowledge rounds are not evaluated
+  steps = fed.train_sizes // 64
+  assert h[0]['local_steps'] == steps.sum()                                 # T_g = 1 epoch of real batches
+  assert h[2]['local_steps'] == np.maximum(1, steps).sum() + steps.sum()    # T_s = 1 generated + T_r = 1 real
+  generator = sum(leaf_scalars(fed.init().server['generator']).values())
+  assert h[0]['upload_generator_scalars'] == h[0]['broadcast_generator_scalars'] == 4 * generator
+  assert 'upload_generator_scalars' not in h[2] and 'broadcast_generator_scalars' not in h[2]
+  assert h[2]['upload_model_scalars'] == h[2]['broadcast_model_scalars'] > 0
+  assert all(np.isfinite(m['train_loss']) for m in h)
+
+
+def test_each_client_keeps_its_own_optimizer_state_across_the_broadcast(fed, recorded):
+  """After round 1 the clients' Adam states differ (own data) while their generators are replaced by the mean at
+  the next round's start; after round 2 each Adam step counter holds both rounds' steps."""
+  steps = fed.train_sizes // 64
+  first, second = recorded.states[0], recorded.states[1]
+  counts = lambda st: np.concatenate([np.asarray(jax.tree.leaves(g.extra['optimizer']['G'])[0]) for g in st.groups])
+  order = np.concatenate([g.clients for g in fed.groups])
+  np.testing.assert_array_equal(counts(first), steps[order])
+  np.testing.assert_array_equal(counts(second), 2 * steps[order])
+  mu = np.asarray(jax.tree.leaves(first.groups[0].extra['optimizer']['D'])[1])
+  assert not np.allclose(mu[0], mu[1])
+  server_gen = jax.tree.leaves(second.server['generator'])[0]
+  assert np.isfinite(np.asarray(server_gen)).all()
+
+
+def test_vmap_executor_equals_sequential(recorded):
+  """Knowledge rounds agree to float32 reordering; target rounds train on samples of a GAN, which amplifies those
+  differences (0.25 % in the last round's loss), so their losses agree to 1 % and their predictions exactly. (im2col:
+  XLA:CPU's grouped convolutions make the vmapped run 2.5x slower.)"""
+  vmapped = build_federation(dataclasses.replace(CFG, strategy='vmap', conv='im2col'))
+  rec = record_rounds(vmapped, vmapped.init(), vmapped.total_rounds)
+  for a, b in zip(rec.history, recorded.history):
+    assert a.keys() == b.keys()
+    for k in a:
+      if isinstance(a[k], str):
+        assert a[k] == b[k]
+      elif 'accuracy' in k:
+        np.testing.assert_allclose(a[k], b[k], atol=1e-9, err_msg=k)
+      else:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-4 if a['phase'] == 'knowledge' else 1e-2, err_msg=k)
+  flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(t)])
+  a, b = flat(rec.states[1].server['generator']), flat(recorded.states[1].server['generator'])
+  assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b)
+
+
+def test_resume_across_the_knowledge_to_target_boundary_equals_the_uninterrupted_run(fed, recorded, tmp_path):
+  checkpoints = Checkpoints(str(tmp_path / 'ckpt'))
+  checkpoints.save(recorded.states[1])  # the end of the knowledge phase
+  restored = checkpoints.restore(fed.init(), 2)
+  state, rest = run_rounds(fed, restored, 2)
+  tree_allclose(state.groups, recorded.states[-1].groups, rtol=0, atol=0)
+  assert recorded.history[2:] == rest
+
+
+def test_update_mode_runs_half_the_knowledge_rounds_and_keeps_training_the_generator():
+  """Update mode: T_KA / 2 knowledge rounds, then every target round trains and averages the generator too, so
+  target round t samples from the generator after T_KA / 2 + t - 1 rounds."""
+  cfg = dataclasses.replace(CFG, rounds=1, methods={'gefl': dataclasses.replace(GEFL, ka_rounds=2, mode='update')})
+  fed = build_federation(cfg)
+  rec = record_rounds(fed, fed.init(), fed.total_rounds)
+  assert [m['phase'] for m in rec.history] == ['knowledge', 'target']
+  assert [int(s.server['generator_round']) for s in rec.states] == [1, 2]
+  assert rec.history[1]['upload_generator_scalars'] == rec.history[1]['broadcast_generator_scalars'] > 0
+  steps = fed.train_sizes // 64
+  assert rec.history[1]['local_steps'] == np.maximum(1, steps).sum() + 2 * steps.sum()  # T_s + T_r + T_g
+  assert not np.allclose(jax.tree.leaves(rec.states[1].server['generator'])[0],
+                         jax.tree.leaves(rec.states[0].server['generator'])[0])
+
+
+# ------------------------------------------------------------------ accounting, inputs, outputs
+@pytest.mark.parametrize('generator, channels, rounds, gib', [('dcgan', 1, 100, 2.13), ('cvae', 1, 100, 8.32),
+                                                              ('ddpm', 1, 100, 2.82), ('dcgan', 3, 200, 8.99)])
+def test_table_x_cumulative_generator_download_per_client(generator, channels, rounds, gib):
+  """gefl.txt Table X: T_KA x (|G| + |D|) x 4 bytes / 2^30 downloaded by each client over knowledge aggregation
+  (paper sizes; parameters only: the BatchNorm statistics that also cross add < 0.1 %)."""
+  gen = build_generator(GeFLConfig(generator=generator), 10, (32, 32, channels))
+  variables = jax.eval_shape(gen.init, jax.random.PRNGKey(0))
+  params = [v['params'] for v in variables.values()] if generator == 'dcgan' else variables['params']
+  count = sum(math.prod(a.shape) for a in jax.tree.leaves(params))
+  assert rounds * count * 4 / 2 ** 30 == pytest.approx(gib, abs=0.01)  # CVAE 8.328 printed as 8.32
+
+
+def test_generators_need_32x32_images_and_the_fix_is_named():
+  with pytest.raises(ConfigError, match='--image_size=32'):
+    build_generator(GEFL, 10, (28, 28, 1))
+  with pytest.raises(ConfigError, match='--gefl_generator'):
+    GeFLConfig(generator='gan')
+
+
+def test_fedprox_proximal_term_squared_and_the_codes_norm_form():
+  w, anchor = {'a': jnp.asarray([3.0, 4.0]), 'b': jnp.asarray([1.0])}, {'a': jnp.zeros(2), 'b': jnp.zeros(1)}
+  assert float(proximal_term(w, anchor)) == pytest.approx(26.0)        # 9 + 16 + 1
+  assert float(proximal_term(w, anchor, 'norm')) == pytest.approx(6.0)  # ||(3, 4)|| + ||1||
+
+
+def test_gefls_reported_number_is_the_mean_over_architectures_of_each_ones_best_round():
+  from fedjax_het.experiment import best_per_architecture_mean
+  cfg = dataclasses.replace(CFG, models=('mlp', 'gefl_mnist_cnn1'))  # clients 0, 2: mlp; 1, 3: cnn1
+  evals = [{'client_accuracy': [0.5, 0.1, 0.7, 0.1]}, {'client_accuracy': [0.2, 0.9, 0.2, 0.7]}]
+  # mlp: best of (0.6, 0.2) = 0.6; cnn1: best of (0.1, 0.8) = 0.8 -> 0.7 (the best single round has 0.6 or 0.5)
+  assert best_per_architecture_mean(cfg, evals) == pytest.approx(0.7)
+  assert best_per_architecture_mean(cfg, [{'accuracy': 0.3}]) is None
