@@ -4,7 +4,8 @@
   python experiments/compare.py --flagfile=experiments/flags/quickstart.flags --workdir=/tmp/compare \
       --algorithms=fedre,local,fedavg,lg_fedavg,fedproto,fedgh,fedtgp,fd --seeds=0,1,2
 
-Every other flag is the experiment's (experiments/run.py); --algorithm and --seed are replaced by the lists.
+Every other flag is the experiment's (experiments/run.py); --algorithm and --seed are replaced by the lists. An
+entry NAME[flag=value;flag=value] is a variant of a method's hyperparameters, e.g. 'gefl[gefl_generator=cvae]'.
 Stopped comparisons continue where they stopped when run again with the same flags.
 """
 
@@ -17,7 +18,7 @@ interrupts.install()  # Ctrl-C or SIGTERM during the startup seconds: stop clean
 from absl import app, flags, logging  # noqa: E402
 
 from fedjax_het import cli
-from fedjax_het.compare import run_comparison, write_comparison
+from fedjax_het.compare import parse_entry, run_comparison, write_comparison
 from fedjax_het.errors import ConfigError
 
 cli.define_flags(default_algorithm='fedre')
@@ -38,7 +39,7 @@ def main(argv):
   except ValueError:
     sys.exit(f'error: --seeds={",".join(FLAGS.seeds)} must be integers, e.g. --seeds=0,1,2.')
   try:
-    base = cli.config_from_flags(algorithms=FLAGS.algorithms)
+    base = cli.config_from_flags(algorithms=[parse_entry(a)[0] for a in FLAGS.algorithms])
     results = run_comparison(base, FLAGS.algorithms, seeds, FLAGS.workdir, progress=FLAGS.progress)
   except ConfigError as e:
     sys.exit(f'error: {e}')

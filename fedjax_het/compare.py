@@ -19,7 +19,7 @@ from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import train_and_evaluate
 from fedjax_het.workdir import Workdir
-from fedjax_het.methods import METHODS
+from fedjax_het.methods import METHODS, config_with, flag_name
 
 
 @dataclasses.dataclass
@@ -46,10 +46,33 @@ def _curve(workdir: str) -> tuple[list[int], list[float]]:
   return [r['round'] for r in rows], [r['accuracy'] for r in rows]
 
 
+def parse_entry(entry: str) -> tuple[str, dict]:
+  """A --algorithms entry: a method name, or a variant NAME[flag=value;flag=value] of its hyperparameters, e.g.
+  'gefl[gefl_generator=ddpm;gefl_guidance=2]' -> ('gefl', {'gefl_generator': 'ddpm', 'gefl_guidance': 2.0})."""
+  name, _, rest = entry.partition('[')
+  if not rest:
+    return entry, {}
+  if not rest.endswith(']'):
+    raise ConfigError(f'--algorithms entry {entry!r}: write a variant as NAME[flag=value;flag=value].')
+  fields = {flag_name(f): f for f in dataclasses.fields(METHODS[name].config)} if name in METHODS else {}
+  values = {}
+  for item in filter(None, rest[:-1].split(';')):
+    flag, eq, value = item.partition('=')
+    if not eq or flag not in fields:
+      raise ConfigError(f'--algorithms entry {entry!r}: {item!r} is not flag=value of a hyperparameter of {name} '
+                        f'({", ".join(fields) or "none"}).')
+    kind = type(fields[flag].default)
+    try:
+      values[flag] = value.lower() in ('1', 'true') if kind is bool else kind(value)
+    except ValueError:
+      raise ConfigError(f'--algorithms entry {entry!r}: {flag}={value!r} is not a {kind.__name__}.') from None
+  return name, values
+
+
 def run_comparison(base: ExperimentConfig, algorithms: Sequence[str], seeds: Sequence[int], workdir: str,
                    progress: bool = True) -> list[MethodResult]:
-  """Runs (or reuses, or resumes) every (algorithm, seed) of `base` and collects the results."""
-  unknown = [a for a in algorithms if a not in METHODS]
+  """Runs (or reuses, or resumes) every (algorithm or variant, seed) of `base` and collects the results."""
+  unknown = [a for a in algorithms if parse_entry(a)[0] not in METHODS]
   if unknown or not algorithms:
     raise ConfigError(f'--algorithms: unknown or empty {unknown or list(algorithms)}; choose from '
                       f'{", ".join(METHODS)}.')
@@ -58,9 +81,11 @@ def run_comparison(base: ExperimentConfig, algorithms: Sequence[str], seeds: Seq
   results = []
   for algorithm in algorithms:
     summaries, curves = [], []
+    name, values = parse_entry(algorithm)
+    methods = {**base.methods, name: config_with(name, values, base.methods[name])}
     for seed in seeds:
-      cfg = dataclasses.replace(base, algorithm=algorithm, seed=int(seed))
-      run_dir = os.path.join(workdir, algorithm, f'seed{seed}')
+      cfg = dataclasses.replace(base, algorithm=name, seed=int(seed), methods=methods)
+      run_dir = os.path.join(workdir, algorithm.replace('[', '_').replace(']', '').replace(';', '_'), f'seed{seed}')
       summary = _finished_summary(run_dir, cfg)
       if summary is None:
         resume = Workdir(run_dir).has_checkpoints()
@@ -90,6 +115,10 @@ def comparison_table(results: Sequence[MethodResult]) -> str:
     lines.append(f'| {r.algorithm} | {_mean_std([s["final_accuracy"] for s in r.summaries])} | '
                  f'{_mean_std([s["best_accuracy"] for s in r.summaries])} | {up:,.0f} / {down:,.0f} | '
                  f'{len(r.summaries)} |')
+  if any(s.get('best_accuracy_per_architecture_mean') is not None for r in results for s in r.summaries):
+    lines += ['', '| method | mean over architectures of each one\'s best-round accuracy (%) |', '|---|---|']
+    lines += [f'| {r.algorithm} | {_mean_std([s["best_accuracy_per_architecture_mean"] for s in r.summaries])} |'
+              for r in results]
   phased = [r for r in results if len(r.summaries[0].get('final_accuracy_by_phase') or {}) > 1]
   if phased:
     lines += ['', '| method | accuracy at the end of each phase (%) |', '|---|---|']

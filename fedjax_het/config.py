@@ -16,6 +16,7 @@ class ExperimentConfig:
   dataset: str = 'cifar10'
   data_dir: Optional[str] = None
   image_size: int = 0  # 0: as loaded; S: every image resized to S x S (GeFL resizes MNIST 28 -> 32)
+  data_fraction: float = 1.0  # share of the training set used, a seeded subsample (GeFL Table XIV: 0.1 / 0.5)
   partition: str = 'dirichlet'
   alpha: float = 0.1
   classes_per_client: int = 2

@@ -95,6 +95,9 @@ class ClientProgram(NamedTuple):
   stages: a local loop of several `Stage`s run in order, each with its own step (e.g. GeFL's T_s epochs on
     generated batches, then T_r on real rows, then T_g of generator training); when set, `step` and
     training.epochs are not used (`program_stages`).
+  reads_model: False for a program that never reads or changes the classifier (GeFL's generator training): it
+    then gets the client with params and model_state None, which the executor puts back after `final`, so every
+    architecture group runs (and compiles) the same functions.
   """
   init: Callable[[ClientState, Broadcast, jax.Array], Carry]
   step: Optional[Callable[[Carry, Batch, Broadcast, jax.Array], tuple[Carry, jnp.ndarray]]]
@@ -102,6 +105,19 @@ class ClientProgram(NamedTuple):
   training: LocalTraining
   trained: Optional[Callable[[Carry], ClientState]] = None
   stages: Optional[tuple[Stage, ...]] = None
+  reads_model: bool = True
+
+
+def without_model(program: ClientProgram, client: ClientState) -> ClientState:
+  """What `program` receives of a client: the client, or for a program that does not read the classifier
+  (`ClientProgram.reads_model`) the client with params and model_state None."""
+  return client if program.reads_model else client._replace(params=None, model_state=None)
+
+
+def with_model(program: ClientProgram, client: ClientState, original: ClientState) -> ClientState:
+  """A program's returned client with the classifier of `original` put back when the program does not read it."""
+  return client if program.reads_model else client._replace(params=original.params,
+                                                            model_state=original.model_state)
 
 
 def program_stages(program: ClientProgram) -> tuple[Stage, ...]:

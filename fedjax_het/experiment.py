@@ -53,6 +53,9 @@ def validate(cfg: ExperimentConfig) -> None:
   for name in ('alpha', 'join_ratio', 'imbalance_factor'):
     if not math.isfinite(getattr(cfg, name)):
       raise ConfigError(f'--{name}={getattr(cfg, name)} must be a finite number.')
+  if not 0 < cfg.data_fraction <= 1 or cfg.image_size < 0:
+    raise ConfigError(f'--data_fraction={cfg.data_fraction} must be in (0, 1] and --image_size={cfg.image_size} '
+                      f'>= 0 (0 keeps the dataset\'s size).')
   hyper = cfg.method_config
   for field in dataclasses.fields(hyper):
     value = getattr(hyper, field.name)
@@ -88,7 +91,8 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
 
 def _build(cfg: ExperimentConfig) -> tuple[Federation, Run]:
   validate(cfg)
-  dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed).resized(cfg.image_size)
+  dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
+  dataset = dataset.subsampled(cfg.data_fraction, cfg.seed).resized(cfg.image_size)
   data = make_federated_data(dataset, cfg.num_clients, cfg.partition, cfg.seed, cfg.eval_protocol,
                              alpha=cfg.alpha, classes_per_client=cfg.classes_per_client, balance=cfg.balance,
                              imbalance_factor=cfg.imbalance_factor, train_fraction=cfg.train_fraction)

@@ -36,6 +36,7 @@ per target round its group's model both ways (plus the generator in update mode)
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -155,11 +156,16 @@ def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, b
     return client._replace(extra={**client.extra, 'generator': broadcast['generator']})
 
   # ---------------------------------------------------------------- phase 'knowledge'
-  def knowledge_client(group: GroupSpec) -> ClientProgram:
-    step = generator_step(generator_of(group), lr_scale)
+  @functools.lru_cache(maxsize=None)
+  def knowledge_program(input_shape, conv, training) -> ClientProgram:
+    step = generator_step(build_generator(cfg, num_classes, input_shape, conv), lr_scale)
     return ClientProgram(lambda client, broadcast, key: receive_generator(client, broadcast), None,
                          lambda client, rows, broadcast, key: (client, {'generator': client.extra['generator']}),
-                         group.training, stages=(Stage(step, cfg.generator_epochs),))
+                         training, stages=(Stage(step, cfg.generator_epochs),), reads_model=False)
+
+  def knowledge_client(group: GroupSpec) -> ClientProgram:
+    # No target network enters this program: one object for every group, so executors can share its compiled code.
+    return knowledge_program(tuple(group.input_shape), group.conv, group.training)
 
   def knowledge_broadcast(server, group):
     return {'generator': server['generator'], 'generator_round': server['generator_round']}

@@ -44,6 +44,16 @@ class Dataset:
         jax.image.resize(a, (a.shape[0], size, size, a.shape[3]), 'bilinear', antialias=True), np.float32)
     return dataclasses.replace(self, x=resize(self.x), x_test=resize(self.x_test))
 
+  def subsampled(self, fraction: float, seed: int = 0) -> 'Dataset':
+    """A seeded random `fraction` of the training rows (at least one; the test set whole); the same dataset at
+    fraction 1."""
+    if not 0 < fraction <= 1:
+      raise ConfigError(f'--data_fraction={fraction} must be in (0, 1].')
+    if fraction == 1:
+      return self
+    keep = np.sort(np.random.RandomState(seed).permutation(len(self.y))[:max(1, int(round(fraction * len(self.y))))])
+    return dataclasses.replace(self, x=self.x[keep], y=self.y[keep])
+
   def pooled(self) -> 'Dataset':
     """The merged train+test pool of the HtFLlib protocol (no separate global test set)."""
     if self.x_test is None:

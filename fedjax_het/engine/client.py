@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_het.core import (Batch, ClientProgram, ClientRows, ClientState, Evaluation, program_stages, stage_key,
-                             stage_steps_per_epoch)
+                             stage_steps_per_epoch, with_model, without_model)
 from fedjax_het.data.federated import ClientArrays
 from fedjax_het.local_training import batch_schedule, step_key
 from fedjax_het.models.classifier import HeteroClassifier
@@ -55,7 +55,7 @@ def run_client(program: ClientProgram, model: HeteroClassifier, client: ClientSt
 
   `data` holds this client's padded rows (x [n_max, ...], y [n_max], n []); `unroll` is lax.scan's."""
   keys, training = client_keys(rng), program.training
-  carry = program.init(client, broadcast, keys['init'])
+  carry = program.init(without_model(program, client), broadcast, keys['init'])
   rows_generated = training.rows is not None
   n, n_max = (training.rows, training.rows) if rows_generated else (data.n, data.x.shape[0])
   total, count = 0.0, 0
@@ -87,8 +87,8 @@ def run_client(program: ClientProgram, model: HeteroClassifier, client: ClientSt
     trained = program.trained(carry)
     reps = represent_rows(model, trained.params, trained.model_state, data.x, rep_chunk)
   rows = ClientRows(data.x, data.y, training.statistics_rows(data.n), data.n, reps)
-  client, upload = program.final(carry, rows, broadcast, keys['final'])
-  return client, upload, total / jnp.maximum(count, 1)
+  out, upload = program.final(carry, rows, broadcast, keys['final'])
+  return with_model(program, out, client), upload, total / jnp.maximum(count, 1)
 
 
 def count_correct(evaluation: Evaluation, evaluated: Any, x: jnp.ndarray, y: jnp.ndarray, valid: jnp.ndarray

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_het.core import (Batch, ClientProgram, ClientRows, Evaluation, program_stages, stage_key,
-                             stage_steps_per_epoch)
+                             stage_steps_per_epoch, with_model, without_model)
 from fedjax_het.engine.client import client_keys, count_correct, run_client, score_client
 from fedjax_het.engine.groups import EvalSet, Group
 from fedjax_het.local_training import batch_schedule, step_key
@@ -175,8 +175,12 @@ class SequentialExecutor(Executor):
   def functions(self, g: Group, program: ClientProgram, phase: int) -> dict:
     """The jitted pieces a participant of group g runs in `phase`: 'init', per stage a 'schedule' and a 'step'
     ('stages'; the first stage's also as 'schedule' and 'step'), 'represent_into' and 'final' (benchmarks time
-    them one by one)."""
-    return self.compiled('sequential', g.spec.index, phase, make=lambda: self._make_fns(g, program))
+    them one by one). They read the group's model only to compute representations (`ClientProgram.trained`)."""
+    # Groups that run the same program object on equally padded rows share these functions, and programs that do
+    # not read the classifier (`ClientProgram.reads_model`, e.g. GeFL's generator training) their compiled code.
+    owner = g.spec.index if program.trained is not None else None
+    return self.compiled('sequential', program, owner, g.train.x.shape[1:], phase,
+                         make=lambda: self._make_fns(g, program))
 
   def stack_functions(self) -> dict:
     """The jitted 'take' (client i of a stack) and 'put' (client i written back, the stack donated)."""
@@ -203,7 +207,7 @@ class SequentialExecutor(Executor):
         losses.append(loss)
     # Uploads are laid out in the same fixed slots as the vmap executor, empty slots zero.
     if 'empty_upload' not in fns:
-      client = jax.eval_shape(stack['take'], stacked, 0)
+      client = without_model(program, jax.eval_shape(stack['take'], stacked, 0))
       carry = jax.eval_shape(fns['init'], client, broadcast, jax.random.PRNGKey(0))
       reps = None
       if program.trained is not None:
@@ -221,6 +225,7 @@ class SequentialExecutor(Executor):
     n_max = training.rows or g.train.x.shape[1]
     slots = max(n_max // training.batch_size, 1)
     keys = client_keys(jax.random.fold_in(key, int(g.clients[i])))
+    original, client = client, without_model(program, client)
     carry = fns['init'](client, broadcast, keys['init'])
     total, steps = 0.0, 0
     for k, (stage, stage_fns) in enumerate(zip(program_stages(program), fns['stages'])):
@@ -239,7 +244,7 @@ class SequentialExecutor(Executor):
       rows = int(program.training.statistics_rows(g.train_sizes[i]))
       reps = self._represent(g, fns, trained.params, trained.model_state, i, rows)
     client, upload = fns['final'](carry, g.train, i, reps, broadcast, keys['final'])
-    return client, upload, total / max(steps, 1)
+    return with_model(program, client, original), upload, total / max(steps, 1)
 
   def _represent(self, g: Group, fns: dict, params, model_state, i: int, rows: int) -> jnp.ndarray:
     """Eval-mode representations [n_max, d] of client i's first `rows` training rows (zeros after), chunk by
