@@ -70,6 +70,16 @@ class ExperimentConfig:
     """The local SGD settings of this config."""
     return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order)
 
+  @classmethod
+  def from_dict(cls, d: dict) -> 'ExperimentConfig':
+    """The config a `to_dict` dict (a run's config.json) describes."""
+    from fedjax_het.methods import METHODS
+    general = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d and f.name not in ('methods',
+                                                                                                    'models')}
+    methods = {name: METHODS[name].config(**values) for name, values in d.get('methods', {}).items()
+               if name in METHODS}
+    return cls(**general, models=tuple(d.get('models', cls.models)), methods=methods)
+
   def to_dict(self) -> dict:
     """A JSON-ready dict (config.json, summary.json)."""
     d = dataclasses.asdict(self)

@@ -1,0 +1,72 @@
+"""The memorisation ratio (MND, gefl.txt Eq. 1) of a finished run's generator: its latest checkpoint's server
+generator draws --per_class images per class (S), --points random training images x_i of the run's clients are
+compared with S and with as many held-out test images (V), and mean_i min_V d / min_S d is printed and written to
+<workdir>/mnd.json for each --distances entry (fedjax_het/privacy.py).
+
+  python experiments/mnd.py --workdir=/tmp/gefl_mnist5k --distances=pixel,feature
+"""
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_string('workdir', None, 'A finished (or checkpointed) run of a method with a generator, e.g. GeFL.')
+flags.DEFINE_list('distances', ['pixel', 'feature'], 'Distances d: pixel (L2 of images), feature (L2 of a fixed '
+                  'random small_cnn\'s features).')
+flags.DEFINE_integer('points', 1000, 'Training points x_i (the paper: 1000).')
+flags.DEFINE_integer('per_class', 60, 'Generated images per class in S (|S| = |V| = per_class x classes; the paper '
+                     'gives |S| = 600).')
+flags.DEFINE_integer('seed', 0, 'Seed of the draws.')
+flags.mark_flag_as_required('workdir')
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  import jax
+  import numpy as np
+  from fedjax_het.checkpoints import Checkpoints
+  from fedjax_het.config import ExperimentConfig
+  from fedjax_het.errors import ConfigError
+  from fedjax_het.experiment import build_federation
+  from fedjax_het.privacy import embedding, mnd_ratio
+  try:
+    path = os.path.join(FLAGS.workdir, 'config.json')
+    if not os.path.exists(path):
+      raise ConfigError(f'--workdir={FLAGS.workdir} holds no config.json: give the folder of a run.')
+    with open(path) as f:
+      cfg = ExperimentConfig.from_dict(json.load(f))
+    fed = build_federation(cfg)
+    if fed.algorithm.samples is None:
+      raise ConfigError(f'--workdir: {cfg.algorithm} has no generator to sample from (GeFL, FedVTC have one).')
+    checkpoints = Checkpoints(os.path.join(FLAGS.workdir, 'checkpoints'))
+    if checkpoints.latest_round() is None:
+      raise ConfigError(f'--workdir={FLAGS.workdir} holds no checkpoint to read the generator from.')
+    state, _ = checkpoints.restore_latest(fed.init())
+  except ConfigError as e:
+    sys.exit(f'error: {e}')
+  key = jax.random.PRNGKey(FLAGS.seed)
+  synthetic = np.asarray(fed.algorithm.samples(state.server, fed.spec, key, FLAGS.per_class))
+  synthetic = synthetic.reshape((-1,) + synthetic.shape[2:])
+  rng = np.random.default_rng(FLAGS.seed)
+  train_x = np.concatenate([np.asarray(g.train.x[i, :g.train_sizes[i]]) for g in fed.groups for i in range(g.size)])
+  dataset = fed.data.dataset
+  test_x = dataset.x_test if dataset.x_test is not None else dataset.x
+  points = train_x[rng.choice(len(train_x), min(FLAGS.points, len(train_x)), replace=False)]
+  validation = test_x[rng.choice(len(test_x), min(len(synthetic), len(test_x)), replace=False)]
+  out = {'round': int(state.round), 'points': len(points), 'synthetic': len(synthetic),
+         'validation': len(validation)}
+  for distance in FLAGS.distances:
+    try:
+      embed = embedding(distance, points.shape[1:])
+    except ConfigError as e:
+      sys.exit(f'error: {e}')
+    out[f'mnd_{distance}'], _ = mnd_ratio(points, validation, synthetic, embed)
+    print(f'MND ratio ({distance} L2) of {cfg.algorithm} at round {out["round"]}: {out[f"mnd_{distance}"]:.4f}')
+  with open(os.path.join(FLAGS.workdir, 'mnd.json'), 'w') as f:
+    json.dump(out, f, indent=2)
+
+
+if __name__ == '__main__':
+  app.run(main)
