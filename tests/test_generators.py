@@ -55,12 +55,13 @@ def test_dcgan_losses_when_the_discriminator_says_one_half():
   """D = 0.5 everywhere (its last layer zeroed): the D loss is 2 ln 2 = 1.3863, the G loss ln 2 = 0.6931."""
   g, d = DCGANGenerator(8, 1), DCGANDiscriminator(8)
   gen = dcgan(10, g_width=8, d_width=8)
-  v = gen.init(jax.random.PRNGKey(0))
+  v = jax.jit(gen.init)(jax.random.PRNGKey(0))
   d_params = {**v['D']['params'], 'conv4': jax.tree.map(jnp.zeros_like, v['D']['params']['conv4'])}
   d_loss, g_loss = dcgan_losses(g.apply, d.apply, 10)
   x, y = jnp.zeros((4, 32, 32, 1)), jnp.arange(4)
-  ld, _ = d_loss(d_params, v['D']['batch_stats'], v['G'], x, y, jax.random.PRNGKey(1))
-  lg, _ = g_loss(v['G']['params'], v['G']['batch_stats'], {**v['D'], 'params': d_params}, 4, jax.random.PRNGKey(2))
+  ld, _ = jax.jit(d_loss)(d_params, v['D']['batch_stats'], v['G'], x, y, jax.random.PRNGKey(1))
+  lg, _ = jax.jit(g_loss, static_argnums=3)(v['G']['params'], v['G']['batch_stats'],
+                                            {**v['D'], 'params': d_params}, 4, jax.random.PRNGKey(2))
   assert float(ld) == pytest.approx(2 * math.log(2), rel=1e-6)
   assert float(lg) == pytest.approx(math.log(2), rel=1e-6)
   assert float(bce(jnp.zeros(2), 1.0)) == pytest.approx(100.0)  # PyTorch's clamp of log(0)

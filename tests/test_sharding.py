@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELUDE = textwrap.dedent('''
     import jax, numpy as np
     assert len(jax.devices()) == 4, jax.devices()
-    from fedjax_het.algorithms import FedREConfig, fedavg_grouped, fedre
+    from fedjax_het.algorithms import FedREConfig, fedre
     from fedjax_het.data import make_federated_data, make_synthetic
     from fedjax_het.engine import Federation, LocalTraining, client_mesh
 
@@ -44,7 +44,6 @@ PRELUDE = textwrap.dedent('''
 CASES = {
     'fedre': ('fedre(FedREConfig(), 4)', {}),
     'fedre_partial_chunked': ('fedre(FedREConfig(), 4)', {'join_ratio': 0.5, 'chunk_size': 4, 'rounds': 1}),
-    'fedavg_grouped': ('fedavg_grouped(4)', {'rounds': 1}),
 }
 
 
