@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
@@ -93,3 +95,20 @@ def test_protocols():
   assert glob.split.test_class_counts.sum() == 0 and glob.global_test().n.tolist() == [50]
   with pytest.raises(ConfigError, match='--eval_protocol'):
     make_federated_data(ds, 4, 'iid', seed=0, protocol='both')
+
+
+def test_resize_and_subsample_keep_the_labels_and_the_test_set():
+  ds = make_synthetic(num_samples=50, image_shape=(28, 28, 1), num_classes=3, seed=0)
+  small = ds.subsampled(0.2, seed=1)
+  assert len(small.y) == 10 and small.x_test is ds.x_test
+  rows = [int(np.flatnonzero((ds.x == x).all(axis=(1, 2, 3)))[0]) for x in small.x]
+  np.testing.assert_array_equal(ds.y[rows], small.y)  # a subset of the rows, labels kept with their images
+  assert ds.subsampled(1.0) is ds and ds.resized(0) is ds and ds.resized(28) is ds
+  big = small.resized(32)
+  assert big.x.shape == (10, 32, 32, 1) and big.x_test.shape == (len(ds.y_test), 32, 32, 1)
+  assert float(big.x.min()) >= -1.0 - 1e-6 and float(big.x.max()) <= 1.0 + 1e-6
+  flat = make_synthetic(num_samples=4, image_shape=(28, 28, 1), noise=0.0, seed=0)
+  constant = dataclasses.replace(flat, x=np.full_like(flat.x, 0.25))
+  np.testing.assert_allclose(constant.resized(32).x, 0.25, atol=1e-6)  # bilinear keeps a constant image
+  with pytest.raises(ConfigError, match='--data_fraction'):
+    ds.subsampled(0.0)
