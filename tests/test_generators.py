@@ -29,6 +29,19 @@ def test_paper_size_parameter_counts():
   assert count(shapes(ddpm(10, channels=3, size=16))['params']) == 4_427_523
 
 
+def test_feature_map_variants_parameter_counts_and_shapes():
+  """GeFL-F's generators on 16x16 feature maps (Table VI): DCGAN-F G 2.554M and G + D 5.191M, CVAE-F 5.543M, at
+  the one channel the code hard-codes; at GeFL-F's 3 channels they emit [B, 16, 16, 3] maps >= 0."""
+  shapes = lambda gen: jax.eval_shape(gen.init, jax.random.PRNGKey(0))
+  v = shapes(dcgan(10, 1, size=16))
+  assert (count(v['G']['params']), count(v['G']['params']) + count(v['D']['params'])) == (2_554_113, 5_191_298)
+  assert count(shapes(cvae(10, 1, size=16))['params']) == 5_542_561
+  for gen in (dcgan(10, 3, g_width=4, d_width=4, size=16), cvae(10, 3, width=4, latent=3, size=16)):
+    variables = gen.init(jax.random.PRNGKey(0))
+    maps = jax.jit(gen.sample)(variables, jnp.arange(3), jax.random.PRNGKey(1))
+    assert maps.shape == (3, 16, 16, 3) and float(maps.min()) >= 0.0 and not gen.unit_range
+
+
 def test_ddpm_schedule_reverse_step_and_guidance_by_hand():
   """T = 4: beta = [1e-4, .005075, .01005, .015025, .02], alphabar = [.9999, .994826, .984828, .97003, .95063]
   (the product includes t = 0); one reverse step at i = 4 from x = 1 with eps = 0.5, z = 0 is 0.964690;

@@ -4,7 +4,9 @@ Encoder: the image concatenated with one constant channel holding the integer la
 code) -> 5 x [Conv(k4, s2, p1) BN ReLU] with widths w, 2w, 4w, 8w, 16w (32 -> 1) -> Linear(16w, l) for mu and
 for logvar. Decoder: Linear(l + C, 16w) ReLU -> 16w x 1 x 1 -> ConvT(k4, s2, p1) to 8w, 4w, 2w, w (each BN ReLU)
 -> ConvT(w, c, k4, s2, p1) ReLU. Paper size w = 64, l = 16 (MNIST; 50 for CIFAR-10): 22,354,593 parameters, the
-decoder 11,172,673 (Table V's 22.35M / 11.17M).
+decoder 11,172,673 (Table V's 22.35M / 11.17M). CVAE-F (GeFL-F, 16x16 feature maps): four encoder blocks (w .. 8w,
+16 -> 1) and decoder Linear(l + C, 8w), ConvT to 4w, 2w, w, then c with ReLU: 5,542,561 parameters at c = 1, the
+count behind Table VI's 5.543M (the code hard-codes one channel; GeFL-F's features have c = 3).
 
 Loss per batch (code): MSE(x', x) summed over pixels and the batch + KL summed over the batch, KL = -0.5 sum(1 +
 logvar - mu^2 - exp(logvar)); Adam(1e-3) with weight decay 1e-3 as an L2 term (PyTorch's Adam). Layers keep
@@ -24,7 +26,7 @@ from fedjax_het.models.norm import TorchBatchNorm
 
 
 class CVAEEncoder(nn.Module):
-  """(x [B, 32, 32, c], y [B]) -> (mu, logvar) [B, latent]."""
+  """(x [B, S, S, c], y [B]) -> (mu, logvar) [B, latent]; log2(S) conv blocks take S x S down to 1 x 1."""
   width: int = 64
   latent: int = 16
   conv: str = 'xla'
@@ -33,7 +35,7 @@ class CVAEEncoder(nn.Module):
   def __call__(self, x: jnp.ndarray, y: jnp.ndarray, train: bool) -> tuple[jnp.ndarray, jnp.ndarray]:
     label = jnp.broadcast_to(y.astype(x.dtype)[:, None, None, None], x.shape[:3] + (1,))
     h = jnp.concatenate([x, label], -1)
-    for i in range(5):
+    for i in range(x.shape[1].bit_length() - 1):
       h = conv_factory(self.conv)(self.width * 2 ** i, (4, 4), strides=(2, 2), padding=[(1, 1)] * 2,
                                   name=f'conv{i}')(h)
       h = nn.relu(TorchBatchNorm(use_running_average=not train, name=f'bn{i}')(h))
@@ -42,19 +44,22 @@ class CVAEEncoder(nn.Module):
 
 
 class CVAEDecoder(nn.Module):
-  """(z [B, latent], y_onehot [B, C]) -> images [B, 32, 32, c] >= 0 (ReLU)."""
+  """(z [B, latent], y_onehot [B, C]) -> images [B, S, S, c] >= 0 (ReLU), S = `size` (32, or 16 for CVAE-F)."""
   width: int = 64
   channels: int = 1
   conv: str = 'xla'
+  size: int = 32
 
   @nn.compact
   def __call__(self, z: jnp.ndarray, y_onehot: jnp.ndarray, train: bool) -> jnp.ndarray:
-    h = nn.relu(nn.Dense(16 * self.width, name='fc')(jnp.concatenate([z, y_onehot], -1)))
+    layers = self.size.bit_length() - 1  # 1 x 1 -> S x S, doubling each
+    mults = [2 ** (layers - 2 - i) for i in range(layers - 1)]  # 8, 4, 2, 1 for S = 32
+    h = nn.relu(nn.Dense(2 * mults[0] * self.width, name='fc')(jnp.concatenate([z, y_onehot], -1)))
     h = h[:, None, None, :]
-    for i, mult in enumerate((8, 4, 2, 1)):
+    for i, mult in enumerate(mults):
       h = conv_transpose(self.conv, h, self.width * mult, 4, 2, 1, f'convt{i}')
       h = nn.relu(TorchBatchNorm(use_running_average=not train, name=f'bn{i}')(h))
-    return nn.relu(conv_transpose(self.conv, h, self.channels, 4, 2, 1, 'convt4'))
+    return nn.relu(conv_transpose(self.conv, h, self.channels, 4, 2, 1, f'convt{len(mults)}'))
 
 
 class CVAE(nn.Module):
@@ -65,10 +70,11 @@ class CVAE(nn.Module):
   width: int = 64
   latent: int = 16
   conv: str = 'xla'
+  size: int = 32
 
   def setup(self):
     self.encoder = CVAEEncoder(self.width, self.latent, self.conv)
-    self.decoder = CVAEDecoder(self.width, self.channels, self.conv)
+    self.decoder = CVAEDecoder(self.width, self.channels, self.conv, self.size)
 
   def __call__(self, x, y, eps, train: bool):
     mu, logvar = self.encoder(x, y, train)
@@ -87,13 +93,16 @@ def cvae_loss(reconstruction: jnp.ndarray, x: jnp.ndarray, mu: jnp.ndarray, logv
 
 
 def cvae(num_classes: int, channels: int = 1, width: int = 64, latent: int = 16, learning_rate: float = 1e-3,
-         weight_decay: float = 1e-3, conv: str = 'xla') -> ConditionalGenerator:
-  """GeFL's CVAE as a `ConditionalGenerator` (variables of `CVAE`)."""
-  model = CVAE(num_classes, channels, width, latent, conv)
+         weight_decay: float = 1e-3, conv: str = 'xla', size: int = 32) -> ConditionalGenerator:
+  """GeFL's CVAE as a `ConditionalGenerator` (variables of `CVAE`) on size x size inputs: 32 (images in [0, 1]) or
+  16 (GeFL-F's CVAE-F on feature maps, never range-mapped)."""
+  if size not in (16, 32):
+    raise ValueError(f'CVAE takes 32x32 images or 16x16 feature maps, not {size}x{size}.')
+  model = CVAE(num_classes, channels, width, latent, conv, size)
   optimizer = adam(weight_decay=weight_decay)
 
   def init(key):
-    variables = model.init(key, jnp.zeros((1, 32, 32, channels)), jnp.zeros(1, jnp.int32),
+    variables = model.init(key, jnp.zeros((1, size, size, channels)), jnp.zeros(1, jnp.int32),
                            jnp.zeros((1, latent)), False)
     return {**variables, 'params': torch_default_init(variables['params'], jax.random.fold_in(key, 1))}
 
@@ -112,4 +121,5 @@ def cvae(num_classes: int, channels: int = 1, width: int = 64, latent: int = 16,
     z = jax.random.normal(key, (labels.shape[0], latent))
     return model.apply(variables, z, labels, False, method=CVAE.decode)
 
-  return ConditionalGenerator('cvae', init, lambda v: optimizer.init(v['params']), step, sample, unit_range=True)
+  return ConditionalGenerator('cvae', init, lambda v: optimizer.init(v['params']), step, sample,
+                              unit_range=size == 32)

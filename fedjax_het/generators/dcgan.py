@@ -8,6 +8,9 @@ D (width d_d): x -> Conv(c, d_d/2, 4, 2, 1) LReLU(0.2) and y one-hot planes [H, 
 1) LReLU, concatenated -> Conv(d_d, 2d_d, 4, 2, 1) BN LReLU -> Conv(2d_d, 4d_d, 4, 2, 1) BN LReLU ->
 Conv(4d_d, 1, 4, 1, 0) sigmoid.
 MNIST sizes (d_g, d_d, c) = (128, 128, 1): G 3,076,737 + D 2,643,329 = 5.72M parameters (Table V).
+DCGAN-F (GeFL-F, on 16x16 feature maps): G's heads and middle layer with LeakyReLU(0.2), then ConvT(2d_g, c, 4, 2,
+1) ReLU (16x16); D with a 2x2 last kernel. Table VI's 2.554M (G) and 5.191M (G + D) are the counts at c = 1 (the
+code hard-codes one channel); GeFL-F's features have c = 3.
 
 Training (per real batch, as the code): a D-step on BCE(D(x, y), 1) + BCE(D(G(z', y'), y'), 0) with y' uniform
 over the classes and z' ~ N(0, I_100) (the appendix says uniform noise; the code draws randn), then a G-step on
@@ -30,25 +33,31 @@ NOISE_DIM = 100
 
 
 class DCGANGenerator(nn.Module):
-  """G(z [B, 100], y_onehot [B, C]) -> images [B, 32, 32, channels] in [-1, 1]."""
+  """G(z [B, 100], y_onehot [B, C]) -> images [B, 32, 32, channels] in [-1, 1]; with `features` (DCGAN-F) feature
+  maps [B, 16, 16, channels] >= 0: LeakyReLU(0.2) after the heads and the middle layer, no 16x16 -> 32x32 layer,
+  ReLU out."""
   width: int = 128
   channels: int = 1
   conv: str = 'xla'
+  features: bool = False
 
   @nn.compact
   def __call__(self, z: jnp.ndarray, y_onehot: jnp.ndarray, train: bool) -> jnp.ndarray:
     d = self.width
+    act = (lambda h: nn.leaky_relu(h, 0.2)) if self.features else nn.relu
     bn = lambda name: TorchBatchNorm(use_running_average=not train, name=name)
-    x = nn.relu(bn('bn_z')(conv_transpose(self.conv, z[:, None, None, :], 2 * d, 4, 1, 0, 'convt_z')))
-    y = nn.relu(bn('bn_y')(conv_transpose(self.conv, y_onehot[:, None, None, :], 2 * d, 4, 1, 0, 'convt_y')))
+    x = act(bn('bn_z')(conv_transpose(self.conv, z[:, None, None, :], 2 * d, 4, 1, 0, 'convt_z')))
+    y = act(bn('bn_y')(conv_transpose(self.conv, y_onehot[:, None, None, :], 2 * d, 4, 1, 0, 'convt_y')))
     x = jnp.concatenate([x, y], -1)
-    x = nn.relu(bn('bn2')(conv_transpose(self.conv, x, 2 * d, 4, 2, 1, 'convt2')))
-    x = nn.relu(bn('bn3')(conv_transpose(self.conv, x, d, 4, 2, 1, 'convt3')))
+    x = act(bn('bn2')(conv_transpose(self.conv, x, 2 * d, 4, 2, 1, 'convt2')))
+    if self.features:
+      return nn.relu(conv_transpose(self.conv, x, self.channels, 4, 2, 1, 'convt4'))
+    x = act(bn('bn3')(conv_transpose(self.conv, x, d, 4, 2, 1, 'convt3')))
     return jnp.tanh(conv_transpose(self.conv, x, self.channels, 4, 2, 1, 'convt4'))
 
 
 class DCGANDiscriminator(nn.Module):
-  """D(x [B, 32, 32, c], y_onehot [B, C]) -> P(real) [B]."""
+  """D(x [B, 32, 32, c], y_onehot [B, C]) -> P(real) [B]; on 16x16 feature maps (D-F) its last kernel is 2x2."""
   width: int = 128
   conv: str = 'xla'
 
@@ -62,7 +71,7 @@ class DCGANDiscriminator(nn.Module):
                          nn.leaky_relu(down(d // 2, 'conv_y')(planes), 0.2)], -1)
     h = nn.leaky_relu(TorchBatchNorm(use_running_average=not train, name='bn2')(down(2 * d, 'conv2')(h)), 0.2)
     h = nn.leaky_relu(TorchBatchNorm(use_running_average=not train, name='bn3')(down(4 * d, 'conv3')(h)), 0.2)
-    h = conv(1, (4, 4), padding='VALID', name='conv4')(h)
+    h = conv(1, (h.shape[1],) * 2, padding='VALID', name='conv4')(h)
     return nn.sigmoid(h.reshape(h.shape[0]))
 
 
@@ -109,9 +118,13 @@ def dcgan_losses(g_apply, d_apply, num_classes: int):
 
 
 def dcgan(num_classes: int, channels: int = 1, g_width: int = 128, d_width: int = 128, learning_rate: float = 2e-4,
-          conv: str = 'xla') -> ConditionalGenerator:
-  """The conditional DCGAN as a `ConditionalGenerator`; variables {'G': ..., 'D': ...}, loss = D's + G's."""
-  g, d = DCGANGenerator(g_width, channels, conv), DCGANDiscriminator(d_width, conv)
+          conv: str = 'xla', size: int = 32) -> ConditionalGenerator:
+  """The conditional DCGAN as a `ConditionalGenerator` of size x size outputs (32: images in [-1, 1]; 16: GeFL-F's
+  DCGAN-F on feature maps, emitted >= 0 like its ReLU features and never range-mapped); variables {'G': ...,
+  'D': ...}, loss = D's + G's."""
+  if size not in (16, 32):
+    raise ValueError(f'DCGAN emits 32x32 images or 16x16 feature maps, not {size}x{size}.')
+  g, d = DCGANGenerator(g_width, channels, conv, features=size == 16), DCGANDiscriminator(d_width, conv)
   optimizer = adam(0.5, 0.999)
   d_loss, g_loss = dcgan_losses(g.apply, d.apply, num_classes)
 
@@ -119,7 +132,7 @@ def dcgan(num_classes: int, channels: int = 1, g_width: int = 128, d_width: int 
     g_key, d_key = jax.random.split(key)
     one = jnp.zeros((1, num_classes))
     g_vars = g.init(g_key, jnp.zeros((1, NOISE_DIM)), one, False)
-    d_vars = d.init(d_key, jnp.zeros((1, 32, 32, channels)), one, False)
+    d_vars = d.init(d_key, jnp.zeros((1, size, size, channels)), one, False)
     return {'G': {**g_vars, 'params': normal_init(g_vars['params'], g_key)},
             'D': {**d_vars, 'params': normal_init(d_vars['params'], d_key)}}
 
