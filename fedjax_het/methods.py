@@ -16,8 +16,9 @@ import numpy as np
 
 from fedjax_het.algorithms import (CCVRConfig, FDConfig, FedGenConfig, FedGHConfig, FedKDConfig, FedMRLConfig,
                                    FedProtoConfig, FedProxConfig, FedREConfig, FedTGPConfig, FedVTCConfig, FMLConfig,
-                                   FPLConfig, GeFLConfig, ccvr, fd, fedavg_grouped, fedgen, fedgh, fedkd, fedmrl,
-                                   fedprox, fedproto, fedre, fedtgp, fedvtc, fml, fpl, gefl, lg_fedavg, local)
+                                   FPLConfig, GeFLConfig, GeFLFConfig, ccvr, fd, fedavg_grouped, fedgen, fedgh,
+                                   fedkd, fedmrl, fedprox, fedproto, fedre, fedtgp, fedvtc, fml, fpl, gefl, gefl_f,
+                                   lg_fedavg, local)
 from fedjax_het.core import Algorithm
 from fedjax_het.errors import ConfigError
 
@@ -98,6 +99,9 @@ METHODS: dict[str, Method] = {
     'gefl': Method(GeFLConfig, lambda c, run: gefl(c, run.num_classes, run.rounds, run.local_learning_rate,
                                                    run.batch_size),
                    'GeFL: a federated conditional generator (DCGAN, CVAE, DDPM) aiding heterogeneous targets'),
+    'gefl_f': Method(GeFLFConfig, lambda c, run: gefl_f(c, run.num_classes, run.rounds, run.local_learning_rate,
+                                                       run.batch_size),
+                     'GeFL-F: GeFL on the features of a shared extractor'),
 }
 
 

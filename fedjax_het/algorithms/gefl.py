@@ -100,29 +100,45 @@ class GeFLConfig:
     return self.ka_rounds // 2 if self.mode == 'update' else self.ka_rounds
 
 
-def build_generator(cfg: GeFLConfig, num_classes: int, input_shape, conv: str = 'xla') -> ConditionalGenerator:
-  """The configured generator for images of `input_shape` (H, W, c), or a ConfigError naming the fix."""
+def build_generator(cfg: GeFLConfig, num_classes: int, input_shape, conv: str = 'xla', features: bool = False
+                    ) -> ConditionalGenerator:
+  """The configured generator for images of `input_shape` (H, W, c), or with `features` for GeFL-F's 16x16 feature
+  maps (DCGAN-F, CVAE-F, DDPM-F); a ConfigError names the fix for other shapes."""
   h, w, c = input_shape
-  if (h, w) != (32, 32):
-    raise ConfigError(f'GeFL\'s generators emit 32x32 images; the data are {h}x{w}. Fix: --image_size=32 (GeFL '
-                      f'resizes MNIST 28 -> 32).')
+  size = 16 if features else 32
+  if (h, w) != (size, size):
+    raise ConfigError(f'GeFL\'s generators emit 32x32 images (GeFL-F\'s 16x16 feature maps); the data are {h}x{w}. '
+                      f'Fix: --image_size=32 (GeFL resizes MNIST 28 -> 32).')
   if cfg.generator == 'dcgan':
-    g_width, d_width = (cfg.width, cfg.width) if cfg.width else ((128, 128) if c == 1 else (256, 64))
-    return dcgan(num_classes, c, g_width, d_width, conv=conv)
+    g_width, d_width = (cfg.width, cfg.width) if cfg.width else ((128, 128) if c == 1 or features else (256, 64))
+    return dcgan(num_classes, c, g_width, d_width, conv=conv, size=size)
   if cfg.generator == 'cvae':
-    return cvae(num_classes, c, cfg.width or 64, cfg.latent or (16 if c == 1 else 50), conv=conv)
+    latent = cfg.latent or (16 if c == 1 or features else 50)
+    return cvae(num_classes, c, cfg.width or 64, latent, conv=conv, size=size)
   return ddpm(num_classes, c, h, cfg.width or 128, cfg.diffusion_steps, cfg.guidance, conv=conv)
 
 
-def generator_step(gen: ConditionalGenerator, lr_scale):
-  """(client, batch, broadcast, key) -> (client, loss): one generator update on a real batch (mapped into the
-  generator's range) with the client's own optimizer state; lr_scale(broadcast) multiplies the rate."""
+def generator_step(gen: ConditionalGenerator, lr_scale, inputs=None):
+  """(client, batch, broadcast, key) -> (client, loss): one generator update on a real batch with the client's own
+  optimizer state; inputs(x, broadcast) -> what the generator learns (default: the images mapped into its range;
+  GeFL-F: the shared extractor's features); lr_scale(broadcast) multiplies the rate."""
+  inputs = inputs or (lambda x, broadcast: to_generator_range(x, gen.unit_range))
+
   def step(client, batch: Batch, broadcast, key):
-    x = to_generator_range(batch.x, gen.unit_range)
-    variables, opt, loss = gen.step(client.extra['generator'], client.extra['optimizer'], x, batch.y, key,
-                                    lr_scale(broadcast))
+    variables, opt, loss = gen.step(client.extra['generator'], client.extra['optimizer'],
+                                    inputs(batch.x, broadcast), batch.y, key, lr_scale(broadcast))
     return client._replace(extra={**client.extra, 'generator': variables, 'optimizer': opt}), loss
   return step
+
+
+def ddpm_lr_scale(cfg: GeFLConfig):
+  """broadcast -> the generator's rate factor: for DDPM 1 - t / T_KA in the t-th (1-based) generator round, as the
+  code; 1 for the others."""
+  def scale(broadcast):
+    if cfg.generator != 'ddpm':
+      return 1.0
+    return jnp.maximum(1.0 - (broadcast['generator_round'] + 1) / cfg.ka_rounds, 0.0)
+  return scale
 
 
 def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, batch_size: int) -> Algorithm:
@@ -132,11 +148,7 @@ def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, b
   def generator_of(group: GroupSpec) -> ConditionalGenerator:
     return build_generator(cfg, num_classes, group.input_shape, group.conv)
 
-  def lr_scale(broadcast):
-    """DDPM: 1 - t / T_KA in the t-th (1-based) generator round; the others keep their rate."""
-    if cfg.generator != 'ddpm':
-      return 1.0
-    return jnp.maximum(1.0 - (broadcast['generator_round'] + 1) / cfg.ka_rounds, 0.0)
+  lr_scale = ddpm_lr_scale(cfg)
 
   def init_client(group, key):
     gen = generator_of(group)

@@ -35,23 +35,34 @@ def gefl_widths(dataset: str, k: int) -> tuple[int, ...]:
   return tuple(row[k - 1] for row in rows if row[k - 1] is not None)
 
 
+STAGES = ('all', 'features', 'header')
+
+
 class GeFLCNN(nn.Module):
-  """GeFL's CNN-k for `dataset` (see the module docstring); returns flattened features [B, F]."""
+  """GeFL's CNN-k for `dataset` (see the module docstring); returns flattened features [B, F].
+
+  stage: 'all' (image -> features), 'features' (image -> the common block's output, GeFL-F's shared feature
+  extractor F: [B, 16, 16, 3] for 32x32 MNIST/FMNIST inputs) or 'header' (F's output -> features). The layers
+  carry explicit names (F's start with 'fe_'), so one parameter tree serves all three stages."""
   dataset: str
   k: int
   conv: Any = nn.Conv
+  stage: str = 'all'
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
-    norm = lambda: TorchBatchNorm(use_running_average=not train)
+    norm = lambda name: TorchBatchNorm(use_running_average=not train, name=name)
     pool = lambda h: max_pool(h, (2, 2), (2, 2))
-    x = nn.relu(norm()(self.conv(3, (3, 3), padding=1)(x)))
-    if self.dataset == 'cifar10':  # Table XXIII: a second common conv, pooled once after it
-      x = pool(nn.relu(norm()(self.conv(10, (3, 3), padding=1)(x))))
-    else:
-      x = pool(x)
+    if self.stage != 'header':
+      x = nn.relu(norm('fe_bn')(self.conv(3, (3, 3), padding=1, name='fe_conv')(x)))
+      if self.dataset == 'cifar10':  # Table XXIII: a second common conv, pooled once after it
+        x = pool(nn.relu(norm('fe_bn2')(self.conv(10, (3, 3), padding=1, name='fe_conv2')(x))))
+      else:
+        x = pool(x)
+      if self.stage == 'features':
+        return x
     bn_after: Optional[bool] = self.dataset == 'fmnist'  # Table XXII normalises every block, XXI/XXIII none
-    for width in gefl_widths(self.dataset, self.k):
-      x = self.conv(width, (3, 3), padding=1)(x)
-      x = pool(nn.relu(norm()(x) if bn_after else x))
+    for i, width in enumerate(gefl_widths(self.dataset, self.k)):
+      x = self.conv(width, (3, 3), padding=1, name=f'conv{i}')(x)
+      x = pool(nn.relu(norm(f'bn{i}')(x) if bn_after else x))
     return x.reshape(x.shape[0], -1)

@@ -1,0 +1,260 @@
+"""GeFL-F (gefl.txt Alg. 3, Sec. VI; SPEC_GENERATIVE.md sec. 3): GeFL on the features of a shared extractor.
+
+Each target network is GeFL's CNN-k split into a common feature extractor F (its first block: conv 3x3 to 3
+channels, BatchNorm, ReLU, max pool: 3x16x16 maps from 32x32 images; `models.gefl_cnn.GeFLCNN` stage 'features')
+and a header (the rest, RM and head).
+Phase 'warmup' (T_FE = --gefl_fe_rounds rounds): full-model training on real data for --gefl_warmup_epochs (T_w)
+  epochs of plain SGD; the server averages F over all participants of all groups and each header within its group
+  (equal weights, BatchNorm statistics included).
+Phase 'knowledge' (T_KA rounds, not evaluated): F frozen in eval mode; each participant trains the feature
+  generator (DCGAN-F, CVAE-F or DDPM-F on 16x16x3 maps, `fedjax_het.generators`) on (F(x), y) with its own
+  optimizer state; the server averages it over all participants.
+Phase 'target' (T_TN = --rounds rounds): headers only: T_s epochs on generated feature maps (uniform labels), then
+  T_r = --local_epochs epochs on F(x) of real rows (F in eval mode, frozen); headers averaged within groups; F never
+  changes again.
+Evaluation: F + the group's header on the test set; `best_accuracy_per_architecture_mean` covers the warm-up
+evaluations too (the code's best-over-rounds does).
+
+Not built: update mode (the paper runs GeFL-F frozen), GeFL-F on CIFAR-10 (the library's CIFAR-10 CNNs follow Table
+XXIII's extra conv(10) row, so F would emit 10x16x16 maps where the code's generators emit 3x16x16), the MND ratio
+of GeFL-F (it needs model inversion through F), and samples.png (the generator draws feature maps, not images).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
+from fedjax_het.algorithms.common import cross_entropy, participant_average
+from fedjax_het.algorithms.gefl import GeFLConfig, build_generator, ddpm_lr_scale, generator_step
+from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, Stage, hyperparameter,
+                             leaf_scalars)
+from fedjax_het.errors import ConfigError
+from fedjax_het.generators.base import uniform_labels
+from fedjax_het.models.forward import forward
+from fedjax_het.models.gefl_cnn import GeFLCNN
+
+FE_PREFIX = 'fe_'
+
+
+@dataclasses.dataclass(frozen=True)
+class GeFLFConfig(GeFLConfig):
+  """GeFL-F's hyperparameters: GeFL's, and the extractor warm-up (gefl.txt Sec. VI, Tables XIV-XV)."""
+  fe_rounds: int = hyperparameter(20, 'GeFL-F: warm-up rounds T_FE of the shared feature extractor (20 MNIST/FMNIST, '
+                                      '50 SVHN/CIFAR-10).', flag='gefl_fe_rounds')
+  warmup_epochs: int = hyperparameter(5, 'GeFL-F: local epochs T_w of a warm-up round.', flag='gefl_warmup_epochs')
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.mode != 'freeze':
+      raise ConfigError('GeFL-F runs its generator frozen after knowledge aggregation; --gefl_mode=update is not '
+                        'built for it. Fix: --gefl_mode=freeze.')
+    if self.fe_rounds < 0 or self.warmup_epochs < 0:
+      raise ConfigError(f'--gefl_fe_rounds={self.fe_rounds} and --gefl_warmup_epochs={self.warmup_epochs} must be '
+                        f'>= 0.')
+
+
+def split_extractor(tree: dict) -> tuple[dict, dict]:
+  """(F's part, the rest) of a params-like tree {'extractor': {...}, ...}: F's layers are the extractor's entries
+  named 'fe_...'. A tree without 'extractor' is all rest."""
+  if 'extractor' not in tree:
+    return {}, tree
+  fe = {k: v for k, v in tree['extractor'].items() if k.startswith(FE_PREFIX)}
+  rest = {k: v for k, v in tree['extractor'].items() if not k.startswith(FE_PREFIX)}
+  return fe, {**tree, 'extractor': rest}
+
+
+def join_extractor(fe: dict, rest: dict) -> dict:
+  """The inverse of `split_extractor`."""
+  if not fe:
+    return rest
+  return {**rest, 'extractor': {**rest.get('extractor', {}), **fe}}
+
+
+def split_client(params, model_state) -> tuple[dict, dict]:
+  """({'params', 'stats'} of F, {'params', 'stats'} of the header) of a classifier's params and model_state."""
+  fe_p, head_p = split_extractor(params)
+  fe_s, head_s = split_extractor(model_state.get('batch_stats', {}))
+  return {'params': fe_p, 'stats': fe_s}, {'params': head_p, 'stats': head_s}
+
+
+def join_client(fe: dict, header: dict, model_state) -> tuple[dict, dict]:
+  """(params, model_state) of a classifier assembled from F's and the header's parts."""
+  params = join_extractor(fe['params'], header['params'])
+  if 'batch_stats' not in model_state:
+    return params, model_state
+  return params, {**model_state, 'batch_stats': join_extractor(fe['stats'], header['stats'])}
+
+
+def extractor_of(group: GroupSpec, stage: str):
+  """The group's GeFL CNN at `stage` ('features': F; 'header': the classifier from F's maps), or a ConfigError."""
+  extractor = group.model.extractor
+  if not isinstance(extractor, GeFLCNN) or extractor.dataset == 'cifar10':
+    raise ConfigError(f'GeFL-F splits GeFL\'s MNIST/FMNIST CNNs into a shared extractor and a header; '
+                      f'{group.arch!r} is not one. Fix: --models=gefl-mnist-10 or gefl-fmnist-10 (CIFAR-10 is not '
+                      f'built, see fedjax_het/algorithms/gefl_f.py).')
+  return extractor.clone(stage=stage, parent=None)
+
+
+def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float, batch_size: int) -> Algorithm:
+  """GeFL-F as an `Algorithm` of three phases: 'warmup' (T_FE), 'knowledge' (T_KA) and 'target' (`rounds`)."""
+  lr_scale = ddpm_lr_scale(cfg)
+
+  def features_module(group: GroupSpec) -> GeFLCNN:
+    """F, the same module for every architecture (CNN-1's first block) so that its users compile once."""
+    extractor = extractor_of(group, 'features')
+    return GeFLCNN(extractor.dataset, 1, extractor.conv, stage='features')
+
+  def features(module: GeFLCNN, fe: dict, x):
+    """F(x) in eval mode with the broadcast F, a constant for the caller's gradients."""
+    variables = {'params': fe['params'], **({'batch_stats': fe['stats']} if fe['stats'] else {})}
+    return jax.lax.stop_gradient(module.apply(variables, x, False))
+
+  def generator_of(group: GroupSpec):
+    module = features_module(group)
+    shape = jax.eval_shape(lambda: module.init_with_output(jax.random.PRNGKey(0), group.sample_input(),
+                                                           False)[0]).shape[1:]
+    return build_generator(cfg, num_classes, shape, group.conv, features=True)
+
+  def header_model(group: GroupSpec):
+    return group.model.clone(extractor=extractor_of(group, 'header'), parent=None)
+
+  def init_client(group, key):
+    gen = generator_of(group)
+    variables = gen.init(group.shared_key('gefl_generator'))
+    return {'generator': variables, 'optimizer': gen.init_optimizer(variables)}
+
+  def init_server(key, spec, initial):
+    fe, _ = split_client(initial[0].params, initial[0].model_state)
+    headers = tuple(split_client(s.params, s.model_state)[1] for s in initial)
+    return {'fe': fe, 'headers': headers, 'generator': initial[0].extra['generator'],
+            'generator_round': jnp.zeros((), jnp.int32)}
+
+  def receive_model(client, broadcast):
+    if 'header' not in broadcast:
+      return client
+    params, model_state = join_client(broadcast['fe'], broadcast['header'], client.model_state)
+    return client._replace(params=params, model_state=model_state)
+
+  def model_broadcast(server, group):
+    return {'fe': server['fe'], 'header': server['headers'][group.index]}
+
+  def average_headers(server, uploads):
+    return tuple(participant_average(u.values['header'], u.mask.astype(jnp.float32), old)
+                 for u, old in zip(uploads, server['headers']))
+
+  # ---------------------------------------------------------------- phase 'warmup'
+  def warmup_client(group: GroupSpec) -> ClientProgram:
+    def step(client, batch: Batch, broadcast, key):
+      def loss(params):
+        logits, _, state = forward(group.model, params, client.model_state, batch.x, True)
+        return cross_entropy(logits, batch.y), state
+      (value, state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
+      params = jax.tree.map(lambda p, g: p - learning_rate * g, client.params, grads)
+      return client._replace(params=params, model_state=state), value
+
+    def final(client, rows, broadcast, key):
+      fe, header = split_client(client.params, client.model_state)
+      return client, {'fe': fe, 'header': header}
+    return ClientProgram(lambda client, broadcast, key: receive_model(client, broadcast), None, final,
+                         group.training, stages=(Stage(step, cfg.warmup_epochs),))
+
+  def warmup_server(server, uploads, key):
+    u = concat_groups(tuple(g._replace(values=g.values['fe']) for g in uploads))  # headers differ by group
+    fe = participant_average(u.values, u.mask.astype(jnp.float32), server['fe'])
+    return {**server, 'fe': fe, 'headers': average_headers(server, uploads)}, {}
+
+  # ---------------------------------------------------------------- phase 'knowledge'
+  @functools.lru_cache(maxsize=None)
+  def knowledge_program(module: GeFLCNN, generator_key: tuple, training) -> ClientProgram:
+    gen = build_generator(cfg, num_classes, *generator_key, features=True)
+    step = generator_step(gen, lr_scale, lambda x, broadcast: features(module, broadcast['fe'], x))
+    receive = lambda client, broadcast, key: client._replace(
+        extra={**client.extra, 'generator': broadcast['generator']})
+    return ClientProgram(receive, None,
+                         lambda client, rows, broadcast, key: (client, {'generator': client.extra['generator']}),
+                         training, stages=(Stage(step, cfg.generator_epochs),), reads_model=False)
+
+  def knowledge_client(group: GroupSpec) -> ClientProgram:
+    # No header enters this program: one object for every group, so executors share its compiled code.
+    module = features_module(group)
+    shape = jax.eval_shape(lambda: module.init_with_output(jax.random.PRNGKey(0), group.sample_input(),
+                                                           False)[0]).shape[1:]
+    return knowledge_program(module, (tuple(shape), group.conv), group.training)
+
+  def knowledge_server(server, uploads, key):
+    u = concat_groups(uploads)
+    generator = participant_average(u.values['generator'], u.mask.astype(jnp.float32), server['generator'])
+    return {**server, 'generator': generator, 'generator_round': server['generator_round'] + 1}, {}
+
+  def knowledge_broadcast(server, group):
+    return {'fe': server['fe'], 'generator': server['generator'], 'generator_round': server['generator_round']}
+
+  # ---------------------------------------------------------------- phase 'target'
+  def target_client(group: GroupSpec) -> ClientProgram:
+    gen, header = generator_of(group), header_model(group)
+
+    def sgd_on_header(client, maps, y):
+      """One SGD step of the header (F's parameters untouched) on feature maps."""
+      fe, head = split_client(client.params, client.model_state)
+
+      def loss(head_params):
+        params, model_state = join_client(fe, {'params': head_params, 'stats': head['stats']}, client.model_state)
+        logits, _, state = forward(header, params, model_state, maps, True)
+        return cross_entropy(logits, y), state
+      (value, state), grads = jax.value_and_grad(loss, has_aux=True)(head['params'])
+      head_params = jax.tree.map(lambda p, g: p - learning_rate * g, head['params'], grads)
+      _, new_head = split_client(head_params, state)
+      params, model_state = join_client(fe, {'params': head_params, 'stats': new_head['stats']},
+                                        client.model_state)
+      return client._replace(params=params, model_state=model_state), value
+
+    def synthetic_step(client, batch: Batch, broadcast, key):
+      label_key, sample_key = jax.random.split(key)
+      labels = uniform_labels(label_key, batch_size, num_classes)
+      maps = jax.lax.stop_gradient(gen.sample(broadcast['generator'], labels, sample_key))
+      return sgd_on_header(client, maps, labels)
+
+    def real_step(client, batch: Batch, broadcast, key):
+      return sgd_on_header(client, features(features_module(group), broadcast['fe'], batch.x), batch.y)
+
+    def final(client, rows, broadcast, key):
+      return client, {'header': split_client(client.params, client.model_state)[1]}
+
+    return ClientProgram(lambda client, broadcast, key: receive_model(client, broadcast), None, final,
+                         group.training, stages=(Stage(synthetic_step, cfg.synthetic_epochs, generated=True),
+                                                 Stage(real_step, group.training.epochs)))
+
+  def target_server(server, uploads, key):
+    return {**server, 'headers': average_headers(server, uploads)}, {}
+
+  def target_broadcast(server, group):
+    return {**model_broadcast(server, group), 'generator': server['generator'],
+            'generator_round': server['generator_round']}
+
+  def evaluation(group):
+    return head_evaluation(group.model, {'group_model': own_head}, receive=receive_model)
+
+  def scalars(tree) -> dict:
+    """What crosses: F and the headers in warm-up rounds, the generator in knowledge rounds, the headers in target
+    rounds. Later broadcasts carry F (and the generator) only for the engine: clients already hold them, except
+    F's last average, which reaches them once at the start of knowledge aggregation (42 scalars at MNIST size with
+    its BatchNorm statistics; not counted)."""
+    count = lambda t: sum(leaf_scalars(t).values())
+    out = {'header': count(tree['header'])} if 'header' in tree else {}
+    if 'fe' in tree and 'generator' not in tree:
+      out['extractor'] = count(tree['fe'])
+    if 'generator' in tree and 'header' not in tree:
+      out['generator'] = count(tree['generator'])
+    return out
+
+  return Algorithm('gefl_f', init_server,
+                   (Phase('warmup', warmup_client, warmup_server, model_broadcast, rounds=cfg.fe_rounds),
+                    Phase('knowledge', knowledge_client, knowledge_server, knowledge_broadcast,
+                          rounds=cfg.knowledge_rounds, evaluate=False),
+                    Phase('target', target_client, target_server, target_broadcast, rounds=rounds)),
+                   evaluation, init_client=init_client, upload_scalars=scalars, broadcast_scalars=scalars)

@@ -1,0 +1,78 @@
+"""GeFL-F (gefl.txt Alg. 3): the extractor / header split of GeFL's CNNs, and a three-phase run in which F is
+averaged over all groups in warm-up and then frozen, the generator learns F's maps, and target rounds move only
+the headers, averaged within their group."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tree_allclose
+from runs import record_rounds
+from fedjax_het.algorithms import GeFLFConfig
+from fedjax_het.algorithms.gefl_f import join_client, split_client
+from fedjax_het.config import ExperimentConfig
+from fedjax_het.errors import ConfigError
+from fedjax_het.experiment import build_federation
+from fedjax_het.models.init import init_variables
+from fedjax_het.models.registry import build_model
+
+CFG = ExperimentConfig(algorithm='gefl_f', dataset='synthetic:32,32,1', num_clients=4, partition='iid',
+                       models=('gefl_fmnist_cnn1', 'gefl_fmnist_cnn2'), feature_dim=16, rm='fc', rounds=1,
+                       batch_size=64, local_learning_rate=0.05, eval_protocol='global', data_order='shuffle',
+                       conv='xla', checkpoint_every=0,
+                       methods={'gefl_f': GeFLFConfig(generator='cvae', fe_rounds=1, ka_rounds=1, generator_epochs=1,
+                                                      warmup_epochs=1, width=4, latent=3)})
+
+
+def test_split_and_join_of_a_gefl_cnn_and_the_header_from_feature_maps():
+  model = build_model('gefl_fmnist_cnn2', 10, 16, 'fc')
+  variables = init_variables(model, jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 1)))
+  params, state = variables.pop('params'), variables
+  fe, header = split_client(params, state)
+  assert set(fe['params']) == {'fe_conv', 'fe_bn'} and set(fe['stats']) == {'fe_bn'}
+  assert 'fe_conv' not in header['params']['extractor'] and 'head' in header['params']
+  tree_allclose(join_client(fe, header, state), (params, state), rtol=0, atol=0)
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 32, 1))
+  maps = model.extractor.clone(stage='features', parent=None).apply({'params': params['extractor'],
+                                                                     'batch_stats': state['batch_stats']['extractor']}, x)
+  assert maps.shape == (2, 16, 16, 3)
+  header_model = model.clone(extractor=model.extractor.clone(stage='header', parent=None), parent=None)
+  tree_allclose(header_model.apply({'params': params, **state}, maps), model.apply({'params': params, **state}, x),
+                rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope='module')
+def recorded():
+  fed = build_federation(CFG)
+  return fed, record_rounds(fed, fed.init(), fed.total_rounds)
+
+
+def test_warmup_shares_f_over_all_groups_then_only_headers_and_the_generator_move(recorded):
+  fed, rec = recorded
+  assert [m['phase'] for m in rec.history] == ['warmup', 'knowledge', 'target']
+  fe = lambda state, gi: split_client(state.groups[gi].params, state.groups[gi].model_state)[0]
+  server_fe = rec.states[0].server['fe']
+  # After warm-up, the server's F is the mean of all four clients' F, whatever their architecture.
+  stacked = jax.tree.map(lambda *a: jnp.concatenate(a), *[fe(rec.states[0], gi) for gi in range(2)])
+  tree_allclose(server_fe, jax.tree.map(lambda a: a.mean(0), stacked), rtol=1e-5, atol=1e-6)
+  # Knowledge rounds leave every classifier as it was; they train and average the generator.
+  tree_allclose(rec.states[1].groups[0].params, rec.states[0].groups[0].params, rtol=0, atol=0)
+  assert int(rec.states[1].server['generator_round']) == 1
+  # Target rounds: every client's F is the shared one, unchanged; headers are averaged within each group only.
+  for gi in range(2):
+    for k in range(2):
+      tree_allclose(jax.tree.map(lambda a: a[k], fe(rec.states[2], gi)), server_fe, rtol=0, atol=0)
+  tree_allclose(rec.states[2].server['fe'], server_fe, rtol=0, atol=0)
+  headers = rec.states[2].server['headers']
+  assert headers[0]['params']['extractor'].keys() != headers[1]['params']['extractor'].keys()
+  assert rec.history[2]['upload_header_scalars'] > 0 and 'upload_extractor_scalars' not in rec.history[2]
+  assert rec.history[0]['upload_extractor_scalars'] == 4 * 42  # conv 3x3x1x3 + 3, BatchNorm 3 + 3 and 6 stats
+  assert all(np.isfinite(m['train_loss']) for m in rec.history)
+
+
+def test_gefl_f_refuses_what_is_not_built_with_the_fix_named():
+  with pytest.raises(ConfigError, match='--gefl_mode=freeze'):
+    GeFLFConfig(mode='update')
+  with pytest.raises(ConfigError, match='--models=gefl-mnist-10'):
+    build_federation(ExperimentConfig(**{**CFG.__dict__, 'models': ('mlp',)}))
