@@ -49,7 +49,11 @@ def test_resnet18_parameter_count_matches_torchvision():
 # the final Linear(L, 10): resnet18 11,181,642 - 5,130; resnet34 21,289,802 - 5,130; resnet10 4,910,922 - 5,130;
 # resnet50 23,528,522 - 20,490; resnet101 42,520,650 - 20,490; resnet152 58,164,298 - 20,490; mobilenet_v2
 # 2,236,682 - 12,810; googlenet 5,610,154 - 10,250; vit_b_16 85,658,890 - 7,690; vit_b_32 87,426,058 - 7,690.
+# resnet14 / 22 / 26 (Felo's family, BasicBlock stages (1,1,2,2), (2,2,3,3), (3,3,3,3)) by hand from the block
+# sizes these totals imply: a 512-wide BasicBlock adds 4,720,640, a 256-wide one 1,180,672, a 128-wide 295,424 and a
+# 64-wide 73,984 to the stage's first block.
 TORCHVISION_EXTRACTOR_PARAMS = {
+    'resnet14': 10807104, 'resnet22': 17077824, 'resnet26': 17447232,
     'resnet10': 4905792, 'resnet18': 11176512, 'resnet34': 21284672, 'resnet50': 23508032, 'resnet101': 42500160,
     'resnet152': 58143808, 'mobilenet_v2': 2223872, 'googlenet': 5599904, 'vit_b16': 85651200,
     'vit_b32': 87418368,

@@ -66,7 +66,10 @@ register_model('resnet4', lambda conv: ResNet((1,), conv=conv))
 register_model('resnet6', lambda conv: ResNet((1, 1), conv=conv))
 register_model('resnet8', lambda conv: ResNet((1, 1, 1), conv=conv))
 register_model('resnet10', lambda conv: ResNet((1, 1, 1, 1), conv=conv))
+register_model('resnet14', lambda conv: ResNet((1, 1, 2, 2), conv=conv))  # felo_velo.txt's family (InCo code)
 register_model('resnet18', lambda conv: ResNet((2, 2, 2, 2), conv=conv))
+register_model('resnet22', lambda conv: ResNet((2, 2, 3, 3), conv=conv))
+register_model('resnet26', lambda conv: ResNet((3, 3, 3, 3), conv=conv))
 register_model('resnet34', lambda conv: ResNet((3, 4, 6, 3), conv=conv))
 register_model('resnet50', lambda conv: ResNet((3, 4, 6, 3), conv=conv, block=Bottleneck))
 register_model('resnet101', lambda conv: ResNet((3, 4, 23, 3), conv=conv, block=Bottleneck))
@@ -94,6 +97,8 @@ MODEL_FAMILIES: dict[str, tuple[str, ...]] = {
 }
 for _dataset in GEFL_DATASETS:  # GeFL's ten target networks (gefl.txt Tables XXI-XXIII)
   MODEL_FAMILIES[f'gefl-{_dataset}-10'] = tuple(f'gefl_{_dataset}_cnn{k}' for k in range(1, 11))
+MODEL_FAMILIES['felo-5'] = ('resnet10', 'resnet14', 'resnet18', 'resnet22', 'resnet26')  # felo_velo.txt Table 2
+MODEL_FAMILIES['felo-extreme-5'] = ('resnet10', 'resnet18', 'resnet26', 'resnet34', 'resnet50')  # Table 3
 MODEL_FAMILIES['fedre-10'] = ('cnn4', 'mobilenet_v2', 'googlenet', 'resnet18', 'resnet34', 'resnet50', 'resnet101',
                               'resnet152', 'vit_b16', 'vit_b32')
 
