@@ -76,3 +76,15 @@ def test_gefl_f_refuses_what_is_not_built_with_the_fix_named():
     GeFLFConfig(mode='update')
   with pytest.raises(ConfigError, match='--models=gefl-mnist-10'):
     build_federation(ExperimentConfig(**{**CFG.__dict__, 'models': ('mlp',)}))
+
+
+@pytest.mark.parametrize('boundary', [1, 2])  # after warm-up; after knowledge aggregation
+def test_resume_across_each_phase_boundary_equals_the_uninterrupted_run(recorded, boundary, tmp_path):
+  from fedjax_het.checkpoints import Checkpoints
+  from runs import run_rounds
+  fed, rec = recorded
+  checkpoints = Checkpoints(str(tmp_path / 'ckpt'))
+  checkpoints.save(rec.states[boundary - 1])
+  state, rest = run_rounds(fed, checkpoints.restore(fed.init(), boundary), fed.total_rounds - boundary)
+  tree_allclose(state.groups, rec.states[-1].groups, rtol=0, atol=0)
+  assert rec.history[boundary:] == rest
