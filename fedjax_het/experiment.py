@@ -328,7 +328,8 @@ def _finish(cfg: ExperimentConfig, wd: Workdir, rows: list[dict], start: float, 
   try:
     wd.write_json('summary.json', summary)
     if any('accuracy' in r for r in rows):
-      plot_accuracy(rows, wd.file('accuracy.png'), f'{cfg.algorithm} on {cfg.dataset}')
+      plot_accuracy(rows, wd.file('accuracy.png'), f'{cfg.algorithm} on {cfg.dataset}',
+                    assign_models(list(cfg.models), cfg.num_clients))
   except OSError as e:
     logging.error('could not write summary.json / accuracy.png in %s: %s', wd.path, e)
   return summary

@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def plot_accuracy(rows: list[dict], path: str, title: str) -> None:
+def plot_accuracy(rows: list[dict], path: str, title: str, architectures=None) -> None:
   """Accuracy (and the local-head accuracy where logged) against round, as a PNG; where the run has several
-  phases, a dotted line marks where each begins, with its name."""
+  phases, a dotted line marks where each begins, with its name; with `architectures` (one name per client) of
+  several kinds, one thin line per architecture: the mean accuracy of its clients (GeFL's per-architecture
+  curves)."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -21,11 +23,18 @@ def plot_accuracy(rows: list[dict], path: str, title: str) -> None:
   ax.plot([r['round'] for r in rows], [100 * r['accuracy'] for r in rows], label=rows[0]['eval_head'] if rows else '', marker='.' if len(rows) < 30 else None)
   if rows and 'local_head_accuracy' in rows[0]:
     ax.plot([r['round'] for r in rows], [100 * r['local_head_accuracy'] for r in rows], '--', label='local_head')
+  per_client = [r for r in rows if r.get('client_accuracy')]
+  if architectures is not None and len(set(architectures)) > 1 and per_client:
+    archs = np.asarray(architectures)
+    for arch in dict.fromkeys(architectures):
+      ax.plot([r['round'] for r in per_client],
+              [100 * float(np.mean(np.asarray(r['client_accuracy'])[archs == arch])) for r in per_client],
+              linewidth=0.8, alpha=0.6, label=arch)
   ax.set_xlabel('round')
   ax.set_ylabel('test accuracy (%)')
   ax.set_title(title)
   ax.grid(alpha=0.3)
-  ax.legend()
+  ax.legend(fontsize=6 if architectures is not None and len(set(architectures)) > 4 else None)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

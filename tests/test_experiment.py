@@ -213,3 +213,15 @@ def test_comparison_runs_every_method_and_seed_then_reuses_finished_runs(tmp_pat
   assert comparison_table(again) == comparison_table(results)
   with pytest.raises(ConfigError, match='--algorithms'):
     run_comparison(cfg, ['fedre', 'nope'], [0], str(tmp_path), progress=False)
+
+
+def test_accuracy_plot_draws_one_line_per_architecture(tmp_path, monkeypatch):
+  from fedjax_het import plots
+  import matplotlib.axes
+  drawn = []
+  original = matplotlib.axes.Axes.plot
+  monkeypatch.setattr(matplotlib.axes.Axes, 'plot', lambda self, *a, **k: drawn.append(k.get('label')) or
+                      original(self, *a, **k))
+  rows = [{'round': 1, 'phase': 'p', 'accuracy': 0.5, 'eval_head': 'group_model', 'client_accuracy': [0.2, 0.8, 0.4]}]
+  plots.plot_accuracy(rows, str(tmp_path / 'a.png'), 't', ['cnn', 'mlp', 'cnn'])
+  assert drawn == ['group_model', 'cnn', 'mlp'] and (tmp_path / 'a.png').stat().st_size > 0

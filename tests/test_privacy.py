@@ -39,3 +39,4 @@ def test_a_config_round_trips_through_its_json_dict():
   cfg = ExperimentConfig(algorithm='gefl', models=('mlp', 'cnn4'), image_size=32,
                          methods={'gefl': GeFLConfig(generator='cvae', width=8)})
   assert ExperimentConfig.from_dict(cfg.to_dict()) == cfg
+
