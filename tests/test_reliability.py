@@ -72,8 +72,9 @@ def test_rounds_may_change_on_resume_only_when_the_method_ignores_them():
     run = Run(10, 4, 20, 512, 8, 0.05, lambda: np.ones(10))
     m.build(m.config(), run)
     reads[name] = run.depends_on_rounds
-  # FedKD's energy schedule spans --rounds; FedVTC's closing phases come after round --rounds
-  assert [name for name, read in reads.items() if read] == ['fedkd', 'fedvtc']
+  # FedKD's energy schedule spans --rounds; FedVTC's closing phases come after round --rounds; GeFL's and GeFL-F's
+  # target phase is --rounds long after their knowledge (and warm-up) phases
+  assert [name for name, read in reads.items() if read] == ['fedkd', 'fedvtc', 'gefl', 'gefl_f']
   run = Run(10, 4, 20, 16, 8, 0.05, None)
   run.rounds  # noqa: B018 (the read is the point)
   with pytest.raises(ConfigError, match='--rounds=20'):
