@@ -355,3 +355,58 @@ def attack_client(fed: Any, cu: ClientUpload, cfg: InversionConfig, key: jax.Arr
   return {'kind': targets.kind, 'labels': targets.labels, 'reconstructions': images,
           'originals': cu.x[np.maximum(m['match'], 0)], 'psnr': np.asarray(m['psnr']), 'mse': np.asarray(m['mse']),
           'rep_loss': rep_loss}
+
+
+# ---------------------------------------------------------------------------------------------------- reports
+def mean_std(values: Sequence[float], digits: int = 2) -> str:
+  """'mean +- std' (population std) of finite values; '-' when there are none."""
+  v = np.asarray(values, float)
+  v = v[np.isfinite(v)]
+  return '-' if not len(v) else f'{v.mean():.{digits}f} +- {v.std():.{digits}f}'
+
+
+def leakage_table(results: Sequence[dict]) -> str:
+  """Markdown: per method (in order), its upload kind, targets, PSNR (dB) and MSE (0-255 scale) as mean +- std
+  over all its targets (every seed), the same over the seeds' means, the final representation loss of the attack
+  and the method's accuracy after the attacked round. `results`: dicts with 'method', 'seed', 'kind', 'psnr',
+  'mse', 'rep_loss' (arrays over that run's targets) and 'accuracy' (None when not evaluated)."""
+  lines = ['| method | upload | targets | PSNR (dB) over targets | MSE over targets | PSNR over seed means | '
+           'MSE over seed means | attack loss | accuracy (%) | seeds |', '|---|---|---|---|---|---|---|---|---|---|']
+  for name in dict.fromkeys(r['method'] for r in results):
+    runs = [r for r in results if r['method'] == name]
+    cat = lambda k: np.concatenate([np.asarray(r[k], float) for r in runs])
+    acc = [100 * r['accuracy'] for r in runs if r.get('accuracy') is not None]
+    lines.append(f'| {name} | {"/".join(dict.fromkeys(r["kind"] for r in runs))} | {len(cat("psnr"))} | '
+                 f'{mean_std(cat("psnr"))} | {mean_std(cat("mse"), 1)} | '
+                 f'{mean_std([np.mean(r["psnr"]) for r in runs])} | {mean_std([np.mean(r["mse"]) for r in runs], 1)} | '
+                 f'{mean_std(cat("rep_loss"), 3)} | {mean_std(acc) if acc else "-"} | {len(runs)} |')
+  return '\n'.join(lines) + '\n'
+
+
+def plot_reconstructions(panels: Sequence[tuple[str, np.ndarray, np.ndarray]], path: str, title: str = '') -> None:
+  """The paper's Figure 4: per panel (label, originals [T, H, W, C], reconstructions [T, H, W, C], images in
+  [-1, 1]) a row of the matched originals above a row of their reconstructions; written as a PNG to `path`."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  cols = max(len(o) for _, o, _ in panels)
+  fig, axes = plt.subplots(2 * len(panels), cols, figsize=(1.1 * cols + 1.6, 2.3 * len(panels) + 0.5),
+                           squeeze=False)
+  for p, (label, originals, recons) in enumerate(panels):
+    for row, (imgs, what) in enumerate(((originals, 'original'), (recons, 'reconstruction'))):
+      for c in range(cols):
+        ax = axes[2 * p + row, c]
+        ax.set_xticks([])
+        ax.set_yticks([])
+        for s in ax.spines.values():
+          s.set_visible(False)
+        if c < len(imgs):
+          im = np.clip((np.asarray(imgs[c], np.float32) + 1) / 2, 0, 1)
+          ax.imshow(im[..., 0] if im.shape[-1] == 1 else im, cmap='gray' if im.shape[-1] == 1 else None,
+                    vmin=0, vmax=1)
+      axes[2 * p + row, 0].set_ylabel(f'{label}\n{what}' if row == 0 else what, fontsize=8)
+  if title:
+    fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

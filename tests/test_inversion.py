@@ -154,7 +154,7 @@ def test_round_uploads_are_the_trained_extractors_representations():
   from golden import TINY, tiny_data
   data = tiny_data()
   cfg = ExperimentConfig(algorithm='fedre', **{**TINY, 'methods': {'fedre': FedREConfig(all_representations=True)}})
-  fed = Federation(make_algorithm(cfg, data), data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1),
+  fed = Federation(make_algorithm(cfg, data), data, ['mlp'], LocalTraining(0.05, 8, 1),
                    feature_dim=16, strategy='sequential', eval_batch_size=16, conv='xla', join_ratio=0.5, rounds=2)
   state, _ = fed.round(fed.init())
   before = jax.tree.map(np.asarray, state)
