@@ -2,6 +2,7 @@
 from fedjax_het.algorithms.ccvr import CCVRConfig, ccvr
 from fedjax_het.algorithms.fd import FDConfig, fd
 from fedjax_het.algorithms.fedavg import fedavg_grouped
+from fedjax_het.algorithms.felo import FeloConfig, fedhe, felo
 from fedjax_het.algorithms.fedgen import FedGenConfig, fedgen
 from fedjax_het.algorithms.fedprox import FedProxConfig, fedprox
 from fedjax_het.algorithms.gefl import GeFLConfig, gefl
@@ -17,4 +18,5 @@ from fedjax_het.algorithms.fml import FMLConfig, fml
 from fedjax_het.algorithms.fpl import FPLConfig, fpl
 from fedjax_het.algorithms.lg_fedavg import lg_fedavg
 from fedjax_het.algorithms.local import local
+from fedjax_het.algorithms.velo import VeloConfig, velo
 from fedjax_het.core import Algorithm, ClientProgram, Evaluation, Phase

@@ -67,11 +67,16 @@ def cross_entropy_loss(model):
   return loss
 
 
-def elementwise_kl(target_logits: jnp.ndarray, logits: jnp.ndarray) -> jnp.ndarray:
-  """torch KLDivLoss()(log_softmax(logits), softmax(target_logits)) as HtFLlib's FML and FedKD use it: the mean
-  over batch AND classes of q (log q - log p), q = softmax(target_logits), p = softmax(logits)."""
+def elementwise_kl(target_logits: jnp.ndarray, logits: jnp.ndarray, rows: jnp.ndarray | None = None
+                   ) -> jnp.ndarray:
+  """torch KLDivLoss()(log_softmax(logits), softmax(target_logits)) as HtFLlib's FML and FedKD (and Felo's code)
+  use it: the mean over batch AND classes of q (log q - log p), q = softmax(target_logits), p = softmax(logits);
+  rows [B] (optional) zeroes the terms of rows without a target, which still count in the mean."""
   log_q, log_p = jax.nn.log_softmax(target_logits, -1), jax.nn.log_softmax(logits, -1)
-  return jnp.mean(jnp.exp(log_q) * (log_q - log_p))
+  terms = jnp.exp(log_q) * (log_q - log_p)
+  if rows is not None:
+    terms = terms * rows.astype(terms.dtype)[:, None]
+  return jnp.mean(terms)
 
 
 def weighted_average(tree: Any, weights: jnp.ndarray) -> Any:
@@ -117,48 +122,62 @@ def nearest_prototype_head(protos: jnp.ndarray, present: jnp.ndarray) -> dict:
   return {'kernel': 2.0 * protos.T, 'bias': bias}
 
 
-def sgd_on_rows(params: Any, row_loss: Callable[[Any, jnp.ndarray], jnp.ndarray], row_weight: jnp.ndarray,
-                rng: jax.Array, learning_rate: float, batch_size: int, epochs: int, reduction: str = 'mean',
-                momentum: float = 0.0, weight_decay: float = 0.0) -> tuple[Any, jnp.ndarray]:
-  """SGD over rows held in memory (FedRE Eq. 3, FedGH's head, FedTGP's prototype generator on the server; CCVR's
-  calibration on virtual features).
+def fit_rows(params: Any, state: Any, batch_loss: Callable, row_weight: jnp.ndarray, rng: jax.Array,
+             optimizer: optax.GradientTransformation, batch_size: int, epochs: int
+             ) -> tuple[Any, Any, jnp.ndarray]:
+  """Minibatch training over rows held in memory (the server-side loops of FedRE, FedGH, FedTGP, CCVR, Velo).
 
-  row_loss(params, idx) -> per-row losses [len(idx)]. Each epoch visits the rows with weight > 0 once in a fresh
-  random order, in batches of `batch_size` (the last one may be smaller, like a DataLoader without drop_last);
-  rows with weight 0 (absent participants, padding) sort last and never contribute; a batch of them only is
-  skipped. A batch's loss is the
-  weighted 'sum' or 'mean' of its rows. The update is torch's SGD (heavy-ball `momentum`, L2 `weight_decay`
-  added to the gradient). Returns (params, mean per-row loss over all epochs).
+  batch_loss(params, state, idx, weight, key) -> (loss, (state, total)): idx [batch_size] row indices (clipped to
+  the rows), weight [batch_size] their weights (0 for padding), key the step's key; state is carried non-trainable
+  state (BatchNorm statistics; None when there is none) and total the batch's summed per-row loss. Each epoch
+  visits the rows with weight > 0 once in a fresh random order, in batches of `batch_size` (the last one may be
+  smaller, like a DataLoader without drop_last); rows with weight 0 (absent participants, padding) sort last and
+  never contribute; a batch of them only is skipped. A fresh `optimizer` state is built. Returns (params, state,
+  mean per-row loss over all epochs).
   """
   rows = row_weight.shape[0]
   steps = math.ceil(rows / batch_size)
   pad = steps * batch_size - rows
   weight = jnp.pad(row_weight, (0, pad))
 
-  def batch_loss(p, idx):
-    w = weight[idx]
-    total = jnp.sum(row_loss(p, jnp.minimum(idx, rows - 1)) * w)
-    return total if reduction == 'sum' else total / jnp.maximum(w.sum(), 1.0), total
+  def epoch(carry, e):
+    epoch_key = jax.random.fold_in(rng, e)
+    order = shuffled_real_rows(epoch_key, weight > 0).reshape(steps, batch_size)
+
+    def step(carry, s_idx):
+      s, idx = s_idx
+      p, opt_state, st = carry
+      w = weight[idx]
+      grads, (st_new, total) = jax.grad(batch_loss, has_aux=True)(p, st, jnp.minimum(idx, rows - 1), w,
+                                                                  jax.random.fold_in(epoch_key, s))
+      updates, opt_state = optimizer.update(grads, opt_state, p)
+      # A batch of weight-0 rows only is no step (momentum and weight decay would still move the parameters).
+      new = (optax.apply_updates(p, updates), opt_state, st_new)
+      return jax.tree.map(lambda a, b: jnp.where(w.sum() > 0, a, b), new, carry), total
+    carry, totals = jax.lax.scan(step, carry, (jnp.arange(steps), order))
+    return carry, totals.sum()
+
+  (params, _, state), totals = jax.lax.scan(epoch, (params, optimizer.init(params), state), jnp.arange(epochs))
+  return params, state, totals.sum() / jnp.maximum(row_weight.sum() * max(epochs, 1), 1.0)
+
+
+def sgd_on_rows(params: Any, row_loss: Callable[[Any, jnp.ndarray], jnp.ndarray], row_weight: jnp.ndarray,
+                rng: jax.Array, learning_rate: float, batch_size: int, epochs: int, reduction: str = 'mean',
+                momentum: float = 0.0, weight_decay: float = 0.0) -> tuple[Any, jnp.ndarray]:
+  """SGD over rows held in memory (FedRE Eq. 3, FedGH's head, FedTGP's prototype generator on the server; CCVR's
+  calibration on virtual features): `fit_rows` with torch's SGD (heavy-ball `momentum`, L2 `weight_decay` added to
+  the gradient) and a batch loss that is the weighted 'sum' or 'mean' of row_loss(params, idx) -> per-row losses
+  [len(idx)]. Returns (params, mean per-row loss over all epochs).
+  """
+  def batch_loss(p, state, idx, w, key):
+    total = jnp.sum(row_loss(p, idx) * w)
+    return (total if reduction == 'sum' else total / jnp.maximum(w.sum(), 1.0)), (state, total)
 
   optimizer = optax.sgd(learning_rate, momentum or None)
   if weight_decay:
     optimizer = optax.chain(optax.add_decayed_weights(weight_decay), optimizer)
-
-  def epoch(carry, e):
-    order = shuffled_real_rows(jax.random.fold_in(rng, e), weight > 0).reshape(steps, batch_size)
-
-    def step(carry, idx):
-      p, opt_state = carry
-      (_, total), g = jax.value_and_grad(batch_loss, has_aux=True)(p, idx)
-      updates, opt_state = optimizer.update(g, opt_state, p)
-      # A batch of weight-0 rows only is no step (momentum and weight decay would still move the parameters).
-      new = (optax.apply_updates(p, updates), opt_state)
-      return jax.tree.map(lambda a, b: jnp.where(weight[idx].sum() > 0, a, b), new, carry), total
-    carry, totals = jax.lax.scan(step, carry, order)
-    return carry, totals.sum()
-
-  (params, _), totals = jax.lax.scan(epoch, (params, optimizer.init(params)), jnp.arange(epochs))
-  return params, totals.sum() / jnp.maximum(row_weight.sum() * max(epochs, 1), 1.0)
+  params, _, loss = fit_rows(params, None, batch_loss, row_weight, rng, optimizer, batch_size, epochs)
+  return params, loss
 
 
 def cosine_similarity(a: jnp.ndarray, b: jnp.ndarray, eps: float = 1e-8) -> jnp.ndarray:

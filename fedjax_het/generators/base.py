@@ -67,3 +67,9 @@ def bce(p: jnp.ndarray, target: float) -> jnp.ndarray:
 def uniform_labels(key: jax.Array, n: int, num_classes: int) -> jnp.ndarray:
   """n labels drawn uniformly over all classes (GeFL samples y' this way, not from a client's label mix)."""
   return jax.random.randint(key, (n,), 0, num_classes)
+
+
+def gaussian_kl(mu: jnp.ndarray, logvar: jnp.ndarray) -> jnp.ndarray:
+  """KL(N(mu, exp(logvar)) || N(0, I)) summed over every entry: -0.5 sum(1 + logvar - mu^2 - exp(logvar)) (the VAE
+  term of GeFL's CVAE and Velo's server CVAE)."""
+  return -0.5 * jnp.sum(1.0 + logvar - mu ** 2 - jnp.exp(logvar))

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.generators.base import ConditionalGenerator, adam, apply_adam
+from fedjax_het.generators.base import ConditionalGenerator, adam, apply_adam, gaussian_kl
 from fedjax_het.models.conv import conv_factory, conv_transpose
 from fedjax_het.models.init import torch_default_init
 from fedjax_het.models.norm import TorchBatchNorm
@@ -88,8 +88,7 @@ class CVAE(nn.Module):
 def cvae_loss(reconstruction: jnp.ndarray, x: jnp.ndarray, mu: jnp.ndarray, logvar: jnp.ndarray) -> jnp.ndarray:
   """sum over the batch and pixels of (x' - x)^2, plus the KL summed over the batch: -0.5 sum(1 + logvar - mu^2 -
   exp(logvar))."""
-  kl = -0.5 * jnp.sum(1.0 + logvar - mu ** 2 - jnp.exp(logvar))
-  return jnp.sum((reconstruction - x) ** 2) + kl
+  return jnp.sum((reconstruction - x) ** 2) + gaussian_kl(mu, logvar)
 
 
 def cvae(num_classes: int, channels: int = 1, width: int = 64, latent: int = 16, learning_rate: float = 1e-3,

@@ -1,0 +1,341 @@
+"""Felo and FedHe (felo_velo.txt Sec. 3, Eq. 1, Alg. 1; SPEC_GENERATIVE.md sec. 4): clients exchange per-class
+mid-level features and logits, and the server keeps them in per-class stores across rounds.
+
+Client k in a round: its model set to its group's model (model-wise FedAvg, paper Sec. 3.1.2), then local steps on
+  L = CE(p(x), y) + alpha [MSE(s(x), s^s_y) + KL(softmax(p^s_y) || softmax(p(x)))]        (Eq. 1)
+with s(x) the mid-level feature (the library's representation after RM, width d in every architecture; the head is
+one Linear, the code's `one_classifer_flag`) and p(x) the logits. The MSE is F.mse_loss, a mean over B x d; the KL
+is the code's `F.kl_div(log_softmax(p), softmax(p^s), reduction='mean')`, a sum over B x C divided by B C
+(`common.elementwise_kl`). Rows whose class has no server vector yet add 0 to both terms but still count in the
+means (the code would raise). The first `--felo_warmup` share of the rounds is CE only (Alg. 1 line 9).
+The optimizer is Adam (--felo_learning_rate, torch's defaults) whose state each client keeps across rounds
+(`ClientState.extra['optimizer']`), with torch's MultiStepLR x0.1 at 40 % and 70 % of --rounds, stepped every
+round for every client (the rate depends on the round only). During the same steps the client sums, per class,
+its training-mode logits and features before each update (`class_sums`) and uploads: the per-class mean logit
+with its count, and the per-class feature sums with their counts (d + 1 scalars per class).
+
+Server: per class a FIFO of logit uploads (--felo_logit_store, 50,000 in the code: never reached) whose
+unweighted mean is p^s_y (every client-round counts once), and a FIFO of features (--felo_feature_store, 5,000
+per class) whose mean is s^s_y. Felo's store holds (sum, count) pairs; its mean is over the newest 5,000 features
+the pairs stand for, the oldest pair counted in part (`window_mean`: exact for the code's per-sample FIFO up to
+the mix of features inside that one pair). Model-wise FedAvg within each architecture group (sample-weighted,
+`participant_average`; BatchNorm statistics stay with the clients, as `fedavg`).
+
+FedHe (the paper's logits-only baseline) is Felo without the feature term (MSE), nothing else changed.
+
+Choices where paper and code differ (SPEC_GENERATIVE.md sec. 4-5): KL as the paper (the code's default without
+--KLD_flag is a logit MSE); alpha 0.5 (code; the paper gives none); weight averaging as the paper (the code has
+none: --nofelo_average_models reproduces that); per-class feature means uploaded as the paper (the code uploads
+every training feature; Velo does). Deviations: one library round is one of the code's iterations; its local
+training is --local_epochs epochs of drop_last batches (the code's `clients_training_epoch = 10` counts 10 steps
+of batch 50: use --local_epochs=1 with a --batch_size and data size of about 10 batches to match it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
+from fedjax_het.algorithms.common import (class_means_from_sums, class_sums, cross_entropy, elementwise_kl,
+                                          participant_average, prototype_regularizer)
+from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientState, GroupSpec, Phase, Uploads,
+                             hyperparameter, leaf_scalars)
+from fedjax_het.errors import ConfigError
+from fedjax_het.models.forward import forward
+
+MILESTONES = (0.4, 0.7)  # MultiStepLR milestones as shares of the rounds (the code's int(0.4 R), int(0.7 R))
+
+
+@dataclasses.dataclass(frozen=True)
+class FeloConfig:
+  """Felo's hyperparameters (the code's defaults; SPEC_GENERATIVE.md sec. 4)."""
+  alpha: float = hyperparameter(0.5, 'Felo/Velo/FedHe: weight alpha of the feature MSE + logit KL terms (Eq. 1).',
+                                flag='felo_alpha')
+  learning_rate: float = hyperparameter(1e-3, 'Felo/Velo/FedHe: the clients\' Adam learning rate (state kept across '
+                                              'rounds; x0.1 at 40 % and 70 % of --rounds).',
+                                        flag='felo_learning_rate')
+  warmup: float = hyperparameter(0.05, 'Felo/Velo/FedHe: share of the rounds trained on CE only (Alg. 1 line 9).',
+                                 flag='felo_warmup')
+  average_models: bool = hyperparameter(True, 'Felo/Velo/FedHe: model-wise FedAvg within each architecture group '
+                                              '(paper; false: the code\'s none).', flag='felo_average_models')
+  logit_store: int = hyperparameter(50000, 'Felo/Velo/FedHe: per-class FIFO length of logit uploads.',
+                                    flag='felo_logit_store')
+  feature_store: int = hyperparameter(5000, 'Felo/Velo: per-class FIFO length of stored features.',
+                                      flag='felo_feature_store')
+
+  def __post_init__(self):
+    if not (math.isfinite(self.alpha) and self.alpha >= 0):
+      raise ConfigError(f'--felo_alpha={self.alpha} must be a finite number >= 0.')
+    if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+      raise ConfigError(f'--felo_learning_rate={self.learning_rate} must be > 0.')
+    if not 0 <= self.warmup < 1:
+      raise ConfigError(f'--felo_warmup={self.warmup} must be in [0, 1).')
+    if self.logit_store < 1 or self.feature_store < 1:
+      raise ConfigError(f'--felo_logit_store={self.logit_store} and --felo_feature_store={self.feature_store} must '
+                        f'be >= 1.')
+
+
+def warmup_rounds(warmup: float, rounds: int) -> int:
+  """Rounds trained on CE only: the first ceil(warmup * rounds) (the code's `iteration < 0.05 * total`)."""
+  return math.ceil(warmup * rounds - 1e-9)
+
+
+def multistep_scale(round_index: jnp.ndarray, rounds: int) -> jnp.ndarray:
+  """torch MultiStepLR(milestones=[int(0.4 R), int(0.7 R)], gamma=0.1) after `round_index` scheduler steps: the
+  factor on the base rate in round round_index (0-based)."""
+  passed = sum((round_index >= int(m * rounds)).astype(jnp.float32) for m in MILESTONES)
+  return 0.1 ** passed
+
+
+# ------------------------------------------------------------------ the server's per-class FIFO stores
+def empty_store(num_classes: int, capacity: int, width: int) -> dict:
+  """A per-class FIFO of `capacity` rows of `width` per class: values [C, capacity, width] and pushed [C], how
+  many rows each class has received (the newest at slot (pushed - 1) mod capacity)."""
+  return {'values': jnp.zeros((num_classes, capacity, width)), 'pushed': jnp.zeros(num_classes, jnp.int32)}
+
+
+def push(store: dict, rows: jnp.ndarray, labels: jnp.ndarray, valid: jnp.ndarray) -> dict:
+  """The store with the valid rows [N, width] appended to their classes' FIFOs in row order, each evicting its
+  class's oldest row once the FIFO is full (of more rows of a class than fit, only the newest are kept)."""
+  num_classes, capacity, _ = store['values'].shape
+  onehot = jax.nn.one_hot(labels, num_classes, dtype=jnp.int32) * valid[:, None].astype(jnp.int32)
+  rank = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1      # position among this push's rows of y
+  added = onehot.sum(0)
+  kept = valid & (rank >= added[labels] - capacity)                   # duplicates would make the scatter ambiguous
+  slot = (store['pushed'][labels] + rank) % capacity
+  values = store['values'].at[jnp.where(kept, labels, num_classes), slot].set(rows, mode='drop')
+  return {'values': values, 'pushed': store['pushed'] + added}
+
+
+def newest_first(store: dict) -> jnp.ndarray:
+  """[C, capacity] age rank of each slot (0 = newest), capacity for empty slots."""
+  capacity = store['values'].shape[1]
+  age = (store['pushed'][:, None] - 1 - jnp.arange(capacity)[None, :]) % capacity
+  return jnp.where(age < jnp.minimum(store['pushed'], capacity)[:, None], age, capacity)
+
+
+def store_mean(store: dict) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """(the unweighted mean of each class's stored rows [C, width] (0 when empty), present [C])."""
+  filled = (newest_first(store) < store['values'].shape[1]).astype(store['values'].dtype)
+  count = filled.sum(1)
+  return jnp.einsum('cs,csw->cw', filled, store['values']) / jnp.maximum(count, 1.0)[:, None], count > 0
+
+
+def window_mean(store: dict, window: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """Felo's feature means from a store of (sum [d], count) pairs (width d + 1): per class the mean of the newest
+  `window` features the pairs stand for, newest pairs first, the pair that crosses the window counted by the
+  share of its features inside it. Returns (means [C, d], present [C])."""
+  capacity = store['values'].shape[1]
+  age = newest_first(store)
+  sums, counts = store['values'][..., :-1], store['values'][..., -1] * (age < capacity)
+  by_age = jnp.take_along_axis(counts, jnp.argsort(age, axis=1), axis=1)
+  before_by_age = jnp.cumsum(by_age, axis=1) - by_age                   # features newer than each pair
+  before = jnp.take_along_axis(before_by_age, jnp.minimum(age, capacity - 1), axis=1)
+  share = jnp.clip((window - before) / jnp.maximum(counts, 1.0), 0.0, 1.0) * (counts > 0)
+  total = jnp.sum(share * counts, axis=1)
+  return jnp.einsum('cs,csd->cd', share, sums) / jnp.maximum(total, 1e-12)[:, None], total > 0
+
+
+# ------------------------------------------------------------------ the client
+def felo_loss(logits, features, labels, broadcast, alpha, with_features: bool) -> jnp.ndarray:
+  """Eq. 1: CE + alpha * distill * (MSE(s, s^s_y) + KL(softmax(p^s_y) || softmax(p))), distill 0 in warm-up
+  rounds; FedHe drops the MSE."""
+  kl = elementwise_kl(broadcast['logits'][labels], logits, broadcast['logit_present'][labels])
+  mse = (prototype_regularizer(features, labels, broadcast['features'], broadcast['feature_present'])
+         if with_features else 0.0)
+  return cross_entropy(logits, labels) + alpha * broadcast['distill'] * (mse + kl)
+
+
+def adam_client_program(group: GroupSpec, cfg: FeloConfig, with_features: bool, statistics, gather, upload
+                        ) -> ClientProgram:
+  """The client program of Felo, Velo and FedHe: receive the group model (when averaging), Adam steps on
+  `felo_loss` with the client's own optimizer state, scaled to the round's rate; `gather(stats, logits, features,
+  labels)` adds a step's training-mode outputs to the statistics (`statistics()` the empty ones); upload(client,
+  stats) -> the upload."""
+  adam = optax.scale_by_adam()
+
+  def init(client, broadcast, key):
+    if cfg.average_models:
+      client = client._replace(params=broadcast['model'])
+    return client, statistics()
+
+  def step(carry, batch: Batch, broadcast, key):
+    client, stats = carry
+
+    def objective(params):
+      logits, features, model_state = forward(group.model, params, client.model_state, batch.x, True)
+      return felo_loss(logits, features, batch.y, broadcast, cfg.alpha, with_features), (model_state, logits,
+                                                                                        features)
+    (value, (model_state, logits, features)), grads = jax.value_and_grad(objective, has_aux=True)(client.params)
+    updates, opt_state = adam.update(grads, client.extra['optimizer'], client.params)
+    rate = cfg.learning_rate * broadcast['lr_scale']
+    params = jax.tree.map(lambda p, u: p - rate * u, client.params, updates)
+    client = client._replace(params=params, model_state=model_state, extra={**client.extra, 'optimizer': opt_state})
+    return (client, gather(stats, logits, features, batch.y)), value
+
+  def final(carry, rows, broadcast, key):
+    client, stats = carry
+    return client, upload(client, stats)
+
+  return ClientProgram(init, step, final, group.training)
+
+
+def per_class_statistics(num_classes: int, feature_dim: int):
+  """(empty, gather) of per-class sums and counts of logits and features over the training steps."""
+  def empty():
+    return {'logits': (jnp.zeros((num_classes, num_classes)), jnp.zeros(num_classes)),
+            'features': (jnp.zeros((num_classes, feature_dim)), jnp.zeros(num_classes))}
+
+  def gather(stats, logits, features, labels):
+    batch = {'logits': class_sums(logits, labels, num_classes), 'features': class_sums(features, labels, num_classes)}
+    return jax.tree.map(jnp.add, stats, batch)
+  return empty, gather
+
+
+def logit_upload(stats) -> dict:
+  """The per-class mean logits of the training steps with their counts (counts 0: class not held)."""
+  means, counts = class_means_from_sums(stats['logits'])
+  return {'logits': means, 'logit_counts': counts}
+
+
+def client_rows(values: jnp.ndarray, counts: jnp.ndarray, mask: jnp.ndarray):
+  """Per-client per-class uploads [K, C, w] as store rows: (rows [K C, w], labels [K C], valid [K C]) for the
+  classes a participant holds."""
+  k, c = counts.shape
+  return (values.reshape(k * c, -1), jnp.tile(jnp.arange(c), k),
+          ((counts > 0) & mask[:, None].astype(bool)).reshape(k * c))
+
+
+def class_uploads(uploads) -> Uploads:
+  """All groups' uploads but their models (which differ in shape between architectures), as one `Uploads`."""
+  return concat_groups([g._replace(values={k: v for k, v in g.values.items() if k != 'model'}) for g in uploads])
+
+
+# ------------------------------------------------------------------ the algorithm
+def felo_family(name: str, cfg: FeloConfig, num_classes: int, rounds: int, num_clients: int, *,
+                with_features: bool, feature_upload=None, feature_server=None, init_features=None,
+                feature_scalars=None, extra_statistics=None) -> Algorithm:
+  """Felo, FedHe and (with the feature hooks) Velo as one `Algorithm` over --rounds rounds.
+
+  feature_upload(stats) -> the feature part of the upload; init_features(spec) -> the server's feature state;
+  feature_server(server, uploads, key) -> (server with 'features'/'feature_present' set, metrics);
+  feature_scalars(upload) -> scalars of the feature upload; extra_statistics -> (empty, gather) added to the
+  per-class sums (Velo's feature rows). Default: Felo's per-class (sum, count) pairs and `window_mean`.
+  """
+  warm = warmup_rounds(cfg.warmup, rounds)
+  uploads_per_class = max(1, min(cfg.logit_store, rounds * num_clients))  # the FIFO cannot hold more than this
+
+  def init_client(group, key):
+    return {'optimizer': optax.scale_by_adam().init(_params_shape(group))}
+
+  def init_server(key, spec, initial):
+    server = {'round': jnp.zeros((), jnp.int32),
+              'models': tuple(s.params for s in initial),
+              'logit_store': empty_store(num_classes, uploads_per_class, num_classes),
+              'logits': jnp.zeros((num_classes, num_classes)), 'logit_present': jnp.zeros(num_classes, bool),
+              'features': jnp.zeros((num_classes, spec.feature_dim)),
+              'feature_present': jnp.zeros(num_classes, bool)}
+    if with_features:
+      server.update(init_features(spec) if init_features else
+                    {'feature_store': empty_store(num_classes, uploads_per_class_features(cfg, rounds, num_clients),
+                                                  spec.feature_dim + 1)})
+    return server
+
+  def broadcast(server, group):
+    out = {'logits': server['logits'], 'logit_present': server['logit_present'],
+           'features': server['features'], 'feature_present': server['feature_present'],
+           'distill': (server['round'] >= warm).astype(jnp.float32),
+           'lr_scale': multistep_scale(server['round'], rounds)}
+    return {**out, 'model': server['models'][group.index]} if cfg.average_models else out
+
+  def client(group: GroupSpec) -> ClientProgram:
+    empty, gather = per_class_statistics(num_classes, group.feature_dim)
+    if extra_statistics is not None:
+      more_empty, more_gather = extra_statistics(group)
+      empty_all = lambda: {**empty(), **more_empty()}
+      gather_all = lambda s, lo, f, y: {**gather({k: s[k] for k in ('logits', 'features')}, lo, f, y),
+                                        **more_gather({k: v for k, v in s.items() if k not in ('logits', 'features')},
+                                                      lo, f, y)}
+    else:
+      empty_all, gather_all = empty, gather
+
+    def upload(client: ClientState, stats):
+      out = logit_upload(stats)
+      if with_features:
+        out.update(feature_upload(stats) if feature_upload else
+                   {'feature_sums': stats['features'][0], 'feature_counts': stats['features'][1]})
+      return {**out, 'model': client.params} if cfg.average_models else out
+    return adam_client_program(group, cfg, with_features, empty_all, gather_all, upload)
+
+  def server_update(server, uploads, key):
+    u = class_uploads(uploads)
+    logit_store = push(server['logit_store'], *client_rows(u.values['logits'], u.values['logit_counts'], u.mask))
+    logits, logit_present = store_mean(logit_store)
+    server = {**server, 'logit_store': logit_store, 'logits': logits, 'logit_present': logit_present}
+    metrics = {'logit_classes': logit_present.sum()}
+    if with_features:
+      if feature_server is not None:
+        server, more = feature_server(server, uploads, key)
+        metrics.update(more)
+      else:
+        pairs = jnp.concatenate([u.values['feature_sums'], u.values['feature_counts'][..., None]], axis=-1)
+        store = push(server['feature_store'], *client_rows(pairs, u.values['feature_counts'], u.mask))
+        features, present = window_mean(store, cfg.feature_store)
+        server = {**server, 'feature_store': store, 'features': features, 'feature_present': present}
+    if cfg.average_models:
+      server['models'] = tuple(participant_average(g.values['model'], g.mask * g.num_train, old)
+                               for g, old in zip(uploads, server['models']))
+    return {**server, 'round': server['round'] + 1}, metrics
+
+  def evaluation(group):
+    receive = (lambda c, b: c._replace(params=b['model'])) if cfg.average_models else None
+    return head_evaluation(group.model, {'local_head': own_head}, receive=receive)
+
+  def upload_scalars(upload) -> dict:
+    """C logits per class held (the count is metadata), the model when averaging, the features."""
+    out = {'logits': jnp.sum(upload['logit_counts'] > 0) * num_classes}
+    if cfg.average_models:
+      out['model'] = sum(leaf_scalars(upload['model']).values())
+    if with_features:
+      out['features'] = (feature_scalars(upload) if feature_scalars else
+                         jnp.sum(upload['feature_counts'] > 0) * (upload['feature_sums'].shape[-1] + 1))
+    return out
+
+  def broadcast_scalars(b) -> dict:
+    """The server's class logits and (Felo, Velo) class features that exist, and the group model."""
+    out = {'logits': jnp.sum(b['logit_present']) * num_classes}
+    if with_features:
+      out['features'] = jnp.sum(b['feature_present']) * b['features'].shape[-1]
+    if cfg.average_models:
+      out['model'] = sum(leaf_scalars(b['model']).values())
+    return out
+
+  return Algorithm(name, init_server, (Phase(name, client, server_update, broadcast),), evaluation,
+                   init_client=init_client, upload_scalars=upload_scalars, broadcast_scalars=broadcast_scalars)
+
+
+def uploads_per_class_features(cfg: FeloConfig, rounds: int, num_clients: int) -> int:
+  """Slots of Felo's (sum, count) pair store per class: no more pairs than uploads, none beyond the window."""
+  return max(1, min(cfg.feature_store, rounds * num_clients))
+
+
+def _params_shape(group: GroupSpec) -> Any:
+  """Zero parameters shaped like the group's classifier's (for the Adam state's shapes)."""
+  shapes = jax.eval_shape(lambda: group.model.init(jax.random.PRNGKey(0), group.sample_input(), train=False))
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes['params'])
+
+
+def felo(cfg: FeloConfig, num_classes: int, rounds: int, num_clients: int) -> Algorithm:
+  """Felo as an `Algorithm`: per-class logits and feature means, model-wise FedAvg within groups."""
+  return felo_family('felo', cfg, num_classes, rounds, num_clients, with_features=True)
+
+
+def fedhe(cfg: FeloConfig, num_classes: int, rounds: int, num_clients: int) -> Algorithm:
+  """FedHe as the paper's baseline: Felo without the feature term (logits only)."""
+  return felo_family('fedhe', cfg, num_classes, rounds, num_clients, with_features=False)

@@ -1,0 +1,212 @@
+"""Felo, Velo and FedHe (SPEC_GENERATIVE.md sec. 4): the hand-computed values of the spec (per-class averaging, the
+server's per-upload logit mean and per-sample feature mean, the KL term, warm-up, FIFO eviction, MultiStepLR, the
+CVAE's shapes, linearity and loss reductions), then a tiny Velo run: Adam states kept across rounds, one generated
+feature per class for every client, the traffic counted, vmap == sequential and resume == uninterrupted."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tree_allclose
+from runs import CFG, record_rounds, run_rounds
+from fedjax_het.algorithms import FeloConfig, VeloConfig, fedhe, felo, velo
+from fedjax_het.algorithms.common import elementwise_kl
+from fedjax_het.algorithms.felo import (empty_store, felo_loss, logit_upload, multistep_scale, per_class_statistics,
+                                        push, store_mean, warmup_rounds, window_mean)
+from fedjax_het.algorithms.velo import FeatureCVAE, cvae_loss, generated_features, init_cvae, train_cvae
+from fedjax_het.checkpoints import Checkpoints
+from fedjax_het.core import Uploads
+from fedjax_het.errors import ConfigError
+from fedjax_het.experiment import build_federation
+
+
+def uploads(values, mask, num_train):
+  return Uploads(values, jnp.asarray(mask), jnp.asarray(num_train, jnp.float32))
+
+
+# ------------------------------------------------------------------ client statistics and loss
+def test_per_class_means_of_the_training_steps_with_absent_classes():
+  empty, gather = per_class_statistics(3, 2)
+  logits = jnp.asarray([[1.0, 2.0, 0.0], [3.0, 4.0, 0.0], [5.0, 6.0, 0.0]])
+  stats = gather(empty(), logits, logits[:, :2], jnp.asarray([0, 0, 1]))
+  up = logit_upload(stats)
+  np.testing.assert_allclose(up['logits'][:, :2], [[2.0, 3.0], [5.0, 6.0], [0.0, 0.0]])
+  np.testing.assert_allclose(up['logit_counts'], [2, 1, 0])
+  np.testing.assert_allclose(stats['features'][0], [[4.0, 6.0], [5.0, 6.0], [0.0, 0.0]])  # sums, uploaded as such
+
+
+def test_kl_term_of_the_spec_and_the_codes_reduction():
+  kl = elementwise_kl(jnp.zeros((1, 2)), jnp.asarray([[math.log(2.0), 0.0]]))
+  np.testing.assert_allclose(2 * kl, 0.058892, atol=1e-6)       # KL(p_s || q) = 0.5 ln(9/8)
+  np.testing.assert_allclose(kl, 0.029446, atol=1e-6)           # F.kl_div(reduction='mean'): / (B C)
+  masked = elementwise_kl(jnp.zeros((2, 2)), jnp.asarray([[math.log(2.0), 0.0]] * 2), jnp.asarray([True, False]))
+  np.testing.assert_allclose(masked, 0.029446 / 2, atol=1e-6)   # the masked row adds 0 and still counts
+
+
+def test_felo_loss_is_ce_plus_half_mse_plus_kl_and_warmup_is_ce_only():
+  logits = jnp.asarray([[math.log(2.0), 0.0]])
+  features = jnp.asarray([[1.0, 3.0]])
+  labels = jnp.asarray([0])
+  broadcast = {'logits': jnp.zeros((2, 2)), 'logit_present': jnp.asarray([True, True]),
+               'features': jnp.asarray([[0.0, 1.0], [9.0, 9.0]]), 'feature_present': jnp.asarray([True, True]),
+               'distill': jnp.asarray(1.0)}
+  ce = -math.log(2.0 / 3.0)
+  mse = (1.0 + 4.0) / 2                                         # mean over B x d
+  np.testing.assert_allclose(felo_loss(logits, features, labels, broadcast, 0.5, True), ce + 0.5 * (mse + 0.029446),
+                             rtol=1e-6)
+  np.testing.assert_allclose(felo_loss(logits, features, labels, broadcast, 0.5, False), ce + 0.5 * 0.029446,
+                             rtol=1e-6)                         # FedHe: no feature term
+  warm = {**broadcast, 'distill': jnp.asarray(0.0)}
+  np.testing.assert_allclose(felo_loss(logits, features, labels, warm, 0.5, True), ce, rtol=1e-6)
+  absent = {**broadcast, 'logit_present': jnp.asarray([False, True]), 'feature_present': jnp.asarray([False, True])}
+  np.testing.assert_allclose(felo_loss(logits, features, labels, absent, 0.5, True), ce, rtol=1e-6)
+
+
+def test_schedules_warmup_rounds_and_multistep_lr():
+  assert [warmup_rounds(0.05, r) for r in (400, 100, 10, 20)] == [20, 5, 1, 1]
+  assert warmup_rounds(0.0, 10) == 0
+  scales = [float(multistep_scale(jnp.asarray(r), 10)) for r in range(10)]
+  np.testing.assert_allclose(scales, [1] * 4 + [0.1] * 3 + [0.01] * 3, rtol=1e-6)   # milestones int(4.0), int(7.0)
+  with pytest.raises(ConfigError, match='--felo_warmup'):
+    FeloConfig(warmup=1.0)
+
+
+# ------------------------------------------------------------------ the server's stores
+def test_server_logit_mean_is_per_upload_and_feature_mean_is_per_sample():
+  alg = felo(FeloConfig(average_models=False), 2, 10, 4)
+  server = alg.init_server(jax.random.PRNGKey(0), _spec(2, 2), ())
+  values = {'logits': jnp.asarray([[[2.0, 3.0], [0.0, 0.0]], [[4.0, 5.0], [0.0, 0.0]]]),
+            'logit_counts': jnp.asarray([[1.0, 0.0], [9.0, 0.0]]),
+            'feature_sums': jnp.asarray([[[2.0, 3.0], [0.0, 0.0]], [[36.0, 45.0], [0.0, 0.0]]]),
+            'feature_counts': jnp.asarray([[1.0, 0.0], [9.0, 0.0]])}
+  new, _ = alg.phases[0].server_update(server, (uploads(values, [True, True], [1, 9]),), jax.random.PRNGKey(0))
+  np.testing.assert_allclose(new['logits'][0], [3.0, 4.0])      # every client-round counts once
+  np.testing.assert_allclose(new['features'][0], [3.8, 4.8])    # (2 + 36) / 10, (3 + 45) / 10
+  assert new['logit_present'].tolist() == [True, False] and new['feature_present'].tolist() == [True, False]
+  later, _ = alg.phases[0].server_update(new, (uploads(values, [True, False], [1, 9]),), jax.random.PRNGKey(0))
+  np.testing.assert_allclose(later['logits'][0], [(2 + 4 + 2) / 3, (3 + 5 + 3) / 3])   # the store spans rounds
+  assert int(later['round']) == 2
+
+
+def test_fifo_the_5001st_feature_evicts_the_oldest():
+  store = empty_store(1, 5000, 1)
+  store = push(store, jnp.arange(5000.0)[:, None], jnp.zeros(5000, jnp.int32), jnp.ones(5000, bool))
+  np.testing.assert_allclose(store_mean(store)[0][0, 0], 2499.5)
+  store = push(store, jnp.asarray([[5000.0]]), jnp.zeros(1, jnp.int32), jnp.ones(1, bool))
+  np.testing.assert_allclose(store_mean(store)[0][0, 0], 2500.5)           # 1 .. 5000: row 0 evicted
+  small = push(empty_store(2, 2, 1), jnp.arange(5.0)[:, None], jnp.asarray([0, 1, 0, 0, 0]),
+               jnp.asarray([True, True, True, True, False]))
+  np.testing.assert_allclose(store_mean(small)[0][:, 0], [2.5, 1.0])        # the newest two of class 0; invalid out
+
+
+def test_window_mean_counts_the_newest_features_and_part_of_the_crossing_pair():
+  store = push(empty_store(1, 4, 2), jnp.asarray([[10.0, 10.0], [4.0, 2.0]]), jnp.zeros(2, jnp.int32),
+               jnp.ones(2, bool))                                          # (sum, count): old (10, 10), new (4, 2)
+  means, present = window_mean(store, 6)
+  np.testing.assert_allclose(means[0, 0], (4.0 + 0.4 * 10.0) / 6.0)         # newest 2 features + 4 of the old 10
+  np.testing.assert_allclose(window_mean(store, 100)[0][0, 0], 14.0 / 12.0)
+  assert bool(present[0])
+
+
+# ------------------------------------------------------------------ Velo's CVAE
+def test_velo_cvae_shapes_linearity_and_loss_reductions():
+  module = FeatureCVAE(10, 6)                                              # the code's sizes: 512, 1024, 1024
+  variables = init_cvae(module, jax.random.PRNGKey(0))
+  shapes = jax.tree.map(jnp.shape, variables['params'])
+  assert shapes['encoder_in']['kernel'] == (6 + 512, 1024) and shapes['encoder_out']['kernel'] == (1024, 2048)
+  assert shapes['decoder_in']['kernel'] == (1024 + 512, 6) and shapes['decoder_out']['kernel'] == (6, 6)
+  assert shapes['embed']['embedding'] == (10, 512)
+  decode = lambda z, y: module.apply(variables, z, y, method=FeatureCVAE.decode)
+  z1, z2 = jax.random.normal(jax.random.PRNGKey(1), (2, 3, 1024))
+  y = jnp.asarray([0, 3, 9])
+  np.testing.assert_allclose(decode(0.3 * z1 + 0.7 * z2, y), 0.3 * decode(z1, y) + 0.7 * decode(z2, y), atol=1e-4)
+  mu, logvar = jnp.zeros((2, 4)).at[0, 1].set(1.0), jnp.zeros((2, 4))
+  recon, s = jnp.zeros((2, 3)), jnp.asarray([[1.0, 1.0, 1.0], [3.0, 0.0, 0.0]])
+  loss, _ = cvae_loss(recon, s, mu, logvar, jnp.ones(2))
+  np.testing.assert_allclose(loss, (3.0 + 9.0) / 6 + 0.5, rtol=1e-6)      # mean MSE + summed KL (0.5)
+  loss, _ = cvae_loss(recon, s, mu, logvar, jnp.asarray([1.0, 0.0]))
+  np.testing.assert_allclose(loss, 1.0 + 0.5, rtol=1e-6)                   # padding rows count nowhere
+
+
+def test_velo_server_training_starts_a_fresh_adam_and_draws_one_feature_per_class():
+  cfg = VeloConfig(hidden=8, latent=4, embedding=4, epochs=2, batch_size=4)
+  module = FeatureCVAE(3, 5, 8, 4, 4)
+  store = push(empty_store(3, 8, 5), jax.random.normal(jax.random.PRNGKey(2), (12, 5)), jnp.arange(12) % 3,
+               jnp.ones(12, bool))
+  variables = init_cvae(module, jax.random.PRNGKey(0))
+  once, loss = train_cvae(module, variables, store, jax.random.PRNGKey(3), cfg)
+  again, _ = train_cvae(module, variables, store, jax.random.PRNGKey(3), cfg)
+  tree_allclose(once, again, rtol=0, atol=0)          # nothing but the variables carries over between trainings
+  assert np.isfinite(float(loss))
+  features = generated_features(module, once, jax.random.PRNGKey(4))
+  assert features.shape == (3, 5)
+  assert not np.allclose(features, generated_features(module, once, jax.random.PRNGKey(5)))
+
+
+# ------------------------------------------------------------------ a tiny Velo run
+VELO = VeloConfig(warmup=0.5, feature_store=16, hidden=16, latent=8, embedding=8, upload_rows=24, epochs=1,
+                  batch_size=8)
+RUN = dataclasses.replace(CFG, algorithm='velo', methods={'velo': VELO})
+
+
+@pytest.fixture(scope='module')
+def fed():
+  return build_federation(RUN)
+
+
+@pytest.fixture(scope='module')
+def recorded(fed):
+  return record_rounds(fed, fed.init(), 4)
+
+
+def test_velo_run_warmup_cvae_adam_states_and_traffic(fed, recorded):
+  h, states = recorded.history, recorded.states
+  assert [m['cvae_trained'] for m in h] == [0.0, 1.0, 1.0, 1.0]            # 2 warm-up rounds; trained after the 2nd
+  assert all(np.isfinite(m['train_loss']) for m in h)
+  # one generated feature per class, the same for every group, new each round
+  specs = [g.spec for g in fed.groups]
+  b = [fed.algorithm.phases[0].broadcast(states[1].server, s) for s in specs]
+  np.testing.assert_array_equal(b[0]['features'], b[1]['features'])
+  assert not np.allclose(states[1].server['features'], states[2].server['features'])
+  # each client's Adam state persists: the step counters add up to every round's local steps
+  counts = np.concatenate([np.asarray(st.extra['optimizer'].count)[:len(g.clients)]
+                           for st, g in zip(states[-1].groups, fed.groups)])
+  assert counts.sum() == sum(m['local_steps'] for m in h) > counts.max()
+  # Velo counts every feature row it sends (d each), the model and C logits per class held
+  assert h[0]['upload_features_scalars'] > 0 and h[0]['upload_features_scalars'] % RUN.feature_dim == 0
+
+
+def test_velo_vmap_executor_equals_sequential(recorded):
+  vmapped = build_federation(dataclasses.replace(RUN, strategy='vmap'))
+  rec = record_rounds(vmapped, vmapped.init(), 4)
+  for a, b in zip(rec.history, recorded.history):
+    for k in a:
+      if not isinstance(a[k], str):
+        np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=1e-6, err_msg=k)
+  tree_allclose(rec.states[-1].server['features'], recorded.states[-1].server['features'], rtol=1e-3, atol=1e-4)
+
+
+def test_velo_resume_equals_the_uninterrupted_run(fed, recorded, tmp_path):
+  checkpoints = Checkpoints(str(tmp_path / 'ckpt'))
+  checkpoints.save(recorded.states[1])
+  state, rest = run_rounds(fed, checkpoints.restore(fed.init(), 2), 2)
+  tree_allclose(state.groups, recorded.states[-1].groups, rtol=0, atol=0)
+  tree_allclose(state.server, recorded.states[-1].server, rtol=0, atol=0)
+  assert recorded.history[2:] == rest
+
+
+def test_fedhe_sends_no_features():
+  alg = fedhe(FeloConfig(), 10, 10, 4)
+  server = alg.init_server(jax.random.PRNGKey(0), _spec(10, 16), ())
+  assert 'feature_store' not in server
+  up = {'logits': jnp.zeros((10, 10)), 'logit_counts': jnp.ones(10), 'model': {'w': jnp.zeros(7)}}
+  assert alg.upload_scalars(up) == {'logits': 100, 'model': 7}
+
+
+def _spec(num_classes, feature_dim):
+  from fedjax_het.core import FederationSpec
+  return FederationSpec(num_classes, feature_dim, 2, 10, (), None)
