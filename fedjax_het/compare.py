@@ -105,8 +105,9 @@ def _mean_std(values: Sequence[float], scale: float = 100.0) -> str:
 
 def comparison_table(results: Sequence[MethodResult]) -> str:
   """Markdown: per method, mean +- std over seeds (population std) of the final and best-round accuracy (%),
-  and upload / broadcast scalars per round (mean over rounds and seeds); for methods of several phases, a second
-  table of the accuracy at the end of each phase (FedVTC: before and after fine-tuning)."""
+  and upload / broadcast scalars per round (mean over rounds and seeds); then, where the summaries hold them, GeFL's
+  mean over architectures of their best rounds, Felo's mean over the second half of the rounds, and for methods of
+  several phases the accuracy at the end of each phase (FedVTC: before and after fine-tuning)."""
   lines = ['| method | final accuracy (%) | best-round accuracy (%) | upload / broadcast scalars per round | seeds |',
            '|---|---|---|---|---|']
   for r in results:
@@ -118,6 +119,10 @@ def comparison_table(results: Sequence[MethodResult]) -> str:
   if any(s.get('best_accuracy_per_architecture_mean') is not None for r in results for s in r.summaries):
     lines += ['', '| method | mean over architectures of each one\'s best-round accuracy (%) |', '|---|---|']
     lines += [f'| {r.algorithm} | {_mean_std([s["best_accuracy_per_architecture_mean"] for s in r.summaries])} |'
+              for r in results]
+  if all(s.get('second_half_mean_accuracy') is not None for r in results for s in r.summaries):
+    lines += ['', '| method | mean accuracy over the second half of the rounds (%) |', '|---|---|']
+    lines += [f'| {r.algorithm} | {_mean_std([s["second_half_mean_accuracy"] for s in r.summaries])} |'
               for r in results]
   phased = [r for r in results if len(r.summaries[0].get('final_accuracy_by_phase') or {}) > 1]
   if phased:

@@ -172,6 +172,15 @@ def best_per_architecture_mean(cfg: ExperimentConfig, evals: list[dict]) -> Opti
   return float(np.mean(best))
 
 
+def second_half_mean(evals: list[dict]) -> Optional[float]:
+  """The mean accuracy over the evaluations after half of the run's rounds (felo_velo.txt: "the average accuracy
+  after half of the training process"); None without evaluations."""
+  if not evals:
+    return None
+  half = evals[-1]['round'] / 2
+  return float(np.mean([r['accuracy'] for r in evals if r['round'] > half]))
+
+
 def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
   """summary.json: final and best accuracy, communication per round, and the full config."""
   evals = [r for r in rows if 'accuracy' in r]
@@ -186,6 +195,8 @@ def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
       # GeFL's reported number: per architecture its clients' best mean accuracy over the evaluations, averaged
       'best_accuracy_per_architecture_mean': best_per_architecture_mean(cfg, evals),
       'best_round': best['round'] if best else None,
+      # Felo / Velo's reported number: the mean accuracy of the evaluations in the second half of the run
+      'second_half_mean_accuracy': second_half_mean(evals),
       'rounds': rows[-1]['round'] if rows else 0,
       'upload_scalars_per_round': float(np.mean([r['upload_scalars'] for r in rows])) if rows else 0.0,
       'broadcast_scalars_per_round': float(np.mean([r['broadcast_scalars'] for r in rows])) if rows else 0.0,

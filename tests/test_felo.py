@@ -210,3 +210,14 @@ def test_fedhe_sends_no_features():
 def _spec(num_classes, feature_dim):
   from fedjax_het.core import FederationSpec
   return FederationSpec(num_classes, feature_dim, 2, 10, (), None)
+
+
+def test_the_papers_number_is_the_mean_accuracy_over_the_second_half_of_the_rounds():
+  from fedjax_het.compare import MethodResult, comparison_table
+  from fedjax_het.experiment import second_half_mean
+  evals = [{'round': 3, 'accuracy': 0.1}, {'round': 6, 'accuracy': 0.3}, {'round': 9, 'accuracy': 0.5}]
+  np.testing.assert_allclose(second_half_mean(evals), 0.4)               # rounds 6 and 9 of 9
+  summary = lambda a: {'final_accuracy': a, 'best_accuracy': a, 'upload_scalars_per_round': 1,
+                       'broadcast_scalars_per_round': 1, 'second_half_mean_accuracy': a}
+  table = comparison_table([MethodResult('felo', [summary(0.5), summary(0.7)], [])])
+  assert '| felo | 60.00 +- 10.00 |' in table

@@ -1,0 +1,18 @@
+"""Felo, Velo and FedHe from flags (felo_velo.txt; --algorithm=felo|velo|fedhe; every other method: experiments/run.py --algorithm=NAME, same flags).
+
+  python experiments/felo.py --flagfile=experiments/flags/felo_mnist5k.flags --workdir=/tmp/felo_mnist5k
+"""
+
+from fedjax_het import interrupts
+
+interrupts.install()  # Ctrl-C or SIGTERM during the startup seconds: stop cleanly once started
+
+from absl import app, flags  # noqa: E402
+
+from fedjax_het import cli
+
+cli.define_flags(default_algorithm='felo')
+flags.mark_flag_as_required('workdir')
+
+if __name__ == '__main__':
+  app.run(cli.main)
