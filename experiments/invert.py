@@ -32,14 +32,14 @@ flags.DEFINE_list('methods', None, 'Methods whose uploads are attacked (default:
 flags.DEFINE_list('seeds', None, 'Seeds, one training run each (default: --seed).')
 flags.DEFINE_string('from_workdir', None, 'Attack a run\'s latest checkpoint instead of training (its uploads in '
                     'the round after the checkpoint); --methods, --seeds and the experiment flags are then unused.')
-flags.DEFINE_list('attack_clients', ['0', '1', '2', '3'], 'Client ids whose uploads are attacked.')
-flags.DEFINE_integer('targets_per_client', 4, 'Vectors inverted per attacked client (its first ones; FedRE '
+flags.DEFINE_list('attack_clients', [str(k) for k in range(10)], 'Client ids whose uploads are attacked.')
+flags.DEFINE_integer('targets_per_client', 2, 'Vectors inverted per attacked client (its first ones; FedRE '
                      'uploads one).')
 flags.DEFINE_integer('inversion_steps', 500, 'Adam steps of the attack.')
 flags.DEFINE_float('inversion_lr', 0.05, 'Adam learning rate of the attack.')
-flags.DEFINE_float('tv_weight', 0.01, 'Weight of the total-variation prior.')
+flags.DEFINE_float('tv_weight', 0.1, 'Weight of the total-variation prior.')
 flags.DEFINE_string('prior', 'pixel', 'Image prior: pixel (x = tanh(z)) or dip (a deep image prior\'s weights).')
-flags.DEFINE_integer('dip_channels', 32, 'Width of the deep image prior net (--prior=dip).')
+flags.DEFINE_integer('dip_channels', 16, 'Width of the deep image prior net (--prior=dip; slow on CPU).')
 flags.DEFINE_integer('inversion_batch', 8, 'Targets per vmapped, jitted attack call.')
 flags.DEFINE_integer('figure_columns', 8, 'Targets per method in inversion.png.')
 flags.DEFINE_bool('evaluate', True, 'Finish the attacked round and report the accuracy after it.')
@@ -81,6 +81,7 @@ def _attack(label, cfg, fed, state, clients, inv_cfg, evaluate):
   import numpy as np
   from fedjax_het import inversion
   start = time.perf_counter()
+  attacked_round = int(state.round) + 1
   uploads = inversion.round_uploads(fed, state, clients)
   compiled, parts = {}, []
   for cu in uploads:
@@ -91,7 +92,7 @@ def _attack(label, cfg, fed, state, clients, inv_cfg, evaluate):
     state, _ = fed.round(state)
     accuracy = float(fed.evaluate(state)['accuracy'])
   cat = lambda k: np.concatenate([p[k] for p in parts])
-  result = {'method': label, 'seed': cfg.seed, 'algorithm': cfg.algorithm, 'round': int(state.round),
+  result = {'method': label, 'seed': cfg.seed, 'algorithm': cfg.algorithm, 'round': attacked_round,
             'kind': parts[0]['kind'], 'clients': [cu.client for cu in uploads],
             'targets_per_client': [len(p['psnr']) for p in parts], 'psnr': cat('psnr'), 'mse': cat('mse'),
             'rep_loss': cat('rep_loss'), 'labels': cat('labels'), 'accuracy': accuracy,

@@ -59,9 +59,9 @@ class InversionConfig:
   """
   steps: int = 500
   learning_rate: float = 0.05
-  tv_weight: float = 0.01
+  tv_weight: float = 0.1
   prior: str = 'pixel'
-  dip_channels: int = 32
+  dip_channels: int = 16
   init_scale: float = 0.1
 
   def __post_init__(self):
