@@ -223,7 +223,7 @@ def felo_family(name: str, cfg: FeloConfig, num_classes: int, rounds: int, num_c
                 feature_scalars=None, extra_statistics=None) -> Algorithm:
   """Felo, FedHe and (with the feature hooks) Velo as one `Algorithm` over --rounds rounds.
 
-  feature_upload(stats) -> the feature part of the upload; init_features(spec) -> the server's feature state;
+  feature_upload(stats) -> the feature part of the upload; init_features(spec, key) -> the server's feature state;
   feature_server(server, uploads, key) -> (server with 'features'/'feature_present' set, metrics);
   feature_scalars(upload) -> scalars of the feature upload; extra_statistics -> (empty, gather) added to the
   per-class sums (Velo's feature rows). Default: Felo's per-class (sum, count) pairs and `window_mean`.
@@ -242,7 +242,7 @@ def felo_family(name: str, cfg: FeloConfig, num_classes: int, rounds: int, num_c
               'features': jnp.zeros((num_classes, spec.feature_dim)),
               'feature_present': jnp.zeros(num_classes, bool)}
     if with_features:
-      server.update(init_features(spec) if init_features else
+      server.update(init_features(spec, key) if init_features else
                     {'feature_store': empty_store(num_classes, uploads_per_class_features(cfg, rounds, num_clients),
                                                   spec.feature_dim + 1)})
     return server

@@ -154,9 +154,9 @@ def velo(cfg: VeloConfig, num_classes: int, rounds: int, num_clients: int) -> Al
   def module(feature_dim: int) -> FeatureCVAE:
     return FeatureCVAE(num_classes, feature_dim, cfg.hidden, cfg.latent, cfg.embedding)
 
-  def init_features(spec):
+  def init_features(spec, key):
     return {'feature_store': empty_store(num_classes, cfg.feature_store, spec.feature_dim),
-            'cvae': init_cvae(module(spec.feature_dim), jax.random.fold_in(jax.random.PRNGKey(0), 7)),
+            'cvae': init_cvae(module(spec.feature_dim), jax.random.fold_in(key, 7)),
             'cvae_trained': jnp.zeros((), bool)}
 
   def feature_server(server, uploads, key):
