@@ -406,7 +406,8 @@ def plot_reconstructions(panels: Sequence[tuple[str, np.ndarray, np.ndarray]], p
                     vmin=0, vmax=1)
       axes[2 * p + row, 0].set_ylabel(f'{label}\n{what}' if row == 0 else what, fontsize=8)
   if title:
-    fig.suptitle(title, fontsize=9)
+    import textwrap
+    fig.suptitle(textwrap.fill(title, 100), fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
