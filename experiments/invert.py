@@ -138,8 +138,12 @@ def main(argv):
       results.append(_attack(cfg.algorithm, cfg, fed, state, clients, inv_cfg, FLAGS.evaluate))
       setting = cfg
     else:
-      base = cli.config_from_flags(algorithms=[ALIASES.get(m, m).partition('[')[0]
-                                               for m in (FLAGS.methods or [FLAGS.algorithm])])
+      from fedjax_het.methods import METHODS
+      names = [ALIASES.get(m, m).partition('[')[0] for m in (FLAGS.methods or [FLAGS.algorithm])]
+      unknown = [n for n in names if n not in METHODS]
+      if unknown:
+        raise ConfigError(f'--methods: {", ".join(unknown)} unknown; choose from fedallrep, {", ".join(METHODS)}.')
+      base = cli.config_from_flags(algorithms=names)
       if base.rounds < 1:
         raise ConfigError(f'--rounds={base.rounds} must be >= 1: the attacked round is the last one.')
       setting = base
