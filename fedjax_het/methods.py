@@ -18,7 +18,7 @@ from fedjax_het.algorithms import (CCVRConfig, FDConfig, FedGenConfig, FedGHConf
                                    FedProtoConfig, FedProxConfig, FedREConfig, FedTGPConfig, FedVTCConfig, FeloConfig,
                                    FMLConfig, FPLConfig, GeFLConfig, GeFLFConfig, VeloConfig, ccvr, fd, fedavg_grouped,
                                    fedgen, fedgh, fedhe, fedkd, fedmrl, fedprox, fedproto, fedre, fedtgp, fedvtc, felo,
-                                   fml, fpl, gefl, gefl_f, lg_fedavg, local, velo)
+                                   fml, fpl, gefl, gefl_f, lg_fedavg, lg_fedavg_first_block, local, velo)
 from fedjax_het.core import Algorithm
 from fedjax_het.errors import ConfigError
 
@@ -102,6 +102,9 @@ METHODS: dict[str, Method] = {
     'gefl_f': Method(GeFLFConfig, lambda c, run: gefl_f(c, run.num_classes, run.rounds, run.local_learning_rate,
                                                        run.batch_size),
                      'GeFL-F: GeFL on the features of a shared extractor'),
+    'lg_fedavg_fb': Method(NoHyperparameters, lambda c, run: lg_fedavg_first_block(run.num_classes,
+                                                                                   run.local_learning_rate),
+                           "LG-FedAvg as GeFL runs it: GeFL CNNs' first block shared, the rest within groups"),
     'felo': Method(FeloConfig, lambda c, run: felo(c, run.num_classes, run.rounds, run.num_clients),
                    'Felo: per-class mid-level features and logits, FedAvg within groups'),
     'velo': Method(VeloConfig, lambda c, run: velo(c, run.num_classes, run.rounds, run.num_clients),

@@ -2,6 +2,8 @@
 averaged over all groups in warm-up and then frozen, the generator learns F's maps, and target rounds move only
 the headers, averaged within their group."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,3 +90,22 @@ def test_resume_across_each_phase_boundary_equals_the_uninterrupted_run(recorded
   state, rest = run_rounds(fed, checkpoints.restore(fed.init(), boundary), fed.total_rounds - boundary)
   tree_allclose(state.groups, rec.states[-1].groups, rtol=0, atol=0)
   assert rec.history[boundary:] == rest
+
+
+def test_lg_fedavg_as_gefl_runs_it_averages_f_over_all_groups_and_the_rest_within_each():
+  from fedjax_het.algorithms.gefl_f import lg_fedavg_first_block
+  from fedjax_het.core import Uploads
+  alg = lg_fedavg_first_block(10, 0.05)
+  part = lambda v: {'params': {'w': jnp.asarray(v, jnp.float32)}, 'stats': {}}
+  stack = lambda *ps: jax.tree.map(lambda *a: jnp.stack(a), *ps)
+  server = {'fe': part([0.0]), 'headers': (part([0.0, 0.0]), part([-1.0]))}
+  group0 = Uploads({'fe': stack(part([1.0]), part([3.0])), 'header': stack(part([1.0, 2.0]), part([3.0, 4.0]))},
+                   jnp.asarray([True, True]), jnp.asarray([10.0, 90.0]))
+  group1 = Uploads({'fe': stack(part([8.0])), 'header': stack(part([5.0]))}, jnp.asarray([True]), jnp.asarray([1.0]))
+  new, _ = alg.phases[0].server_update(server, (group0, group1), jax.random.PRNGKey(0))
+  np.testing.assert_allclose(new['fe']['params']['w'], [4.0])              # (1 + 3 + 8) / 3 over all groups
+  np.testing.assert_allclose(new['headers'][0]['params']['w'], [2.0, 3.0])  # within group 0
+  np.testing.assert_allclose(new['headers'][1]['params']['w'], [5.0])
+  assert alg.phases[0].rounds is None
+  with pytest.raises(ConfigError, match='--models=gefl-mnist-10'):
+    build_federation(dataclasses.replace(CFG, algorithm='lg_fedavg_fb', models=('mlp',), methods={}))

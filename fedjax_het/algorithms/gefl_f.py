@@ -100,6 +100,76 @@ def extractor_of(group: GroupSpec, stage: str):
   return extractor.clone(stage=stage, parent=None)
 
 
+def receive_model(client, broadcast):
+  """The client's classifier set to the broadcast F and its group's header (unchanged without a header)."""
+  if 'header' not in broadcast:
+    return client
+  params, model_state = join_client(broadcast['fe'], broadcast['header'], client.model_state)
+  return client._replace(params=params, model_state=model_state)
+
+
+def model_broadcast(server, group):
+  """F and the group's header."""
+  return {'fe': server['fe'], 'header': server['headers'][group.index]}
+
+
+def average_headers(server, uploads):
+  """Each group's header averaged over its participants with equal weights (kept without any)."""
+  return tuple(participant_average(u.values['header'], u.mask.astype(jnp.float32), old)
+               for u, old in zip(uploads, server['headers']))
+
+
+def shared_block_server(key, spec, initial) -> dict:
+  """{'fe': F of the first group's initial model, 'headers': each group's initial header}."""
+  fe, _ = split_client(initial[0].params, initial[0].model_state)
+  return {'fe': fe, 'headers': tuple(split_client(s.params, s.model_state)[1] for s in initial)}
+
+
+def shared_block_program(group: GroupSpec, epochs: int, learning_rate: float) -> ClientProgram:
+  """Full-model training with F shared: receive F and the group's header, `epochs` epochs of plain SGD on CE,
+  upload F and the header (GeFL-F's warm-up; GeFL's LG-FedAvg baseline)."""
+  def step(client, batch: Batch, broadcast, key):
+    def loss(params):
+      logits, _, state = forward(group.model, params, client.model_state, batch.x, True)
+      return cross_entropy(logits, batch.y), state
+    (value, state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
+    params = jax.tree.map(lambda p, g: p - learning_rate * g, client.params, grads)
+    return client._replace(params=params, model_state=state), value
+
+  def final(client, rows, broadcast, key):
+    fe, header = split_client(client.params, client.model_state)
+    return client, {'fe': fe, 'header': header}
+  extractor_of(group, 'features')  # a ConfigError for architectures without F
+  return ClientProgram(lambda client, broadcast, key: receive_model(client, broadcast), None, final,
+                       group.training, stages=(Stage(step, epochs),))
+
+
+def shared_block_update(server, uploads, key):
+  """F averaged over all participants of all groups, each header within its group (equal weights, BatchNorm
+  statistics included)."""
+  u = concat_groups(tuple(g._replace(values=g.values['fe']) for g in uploads))  # headers differ by group
+  fe = participant_average(u.values, u.mask.astype(jnp.float32), server['fe'])
+  return {**server, 'fe': fe, 'headers': average_headers(server, uploads)}, {}
+
+
+def model_scalars(tree) -> dict:
+  """F and the header where they cross (GeFL's LG-FedAvg baseline: every round, both ways)."""
+  count = lambda t: sum(leaf_scalars(t).values())
+  return {'extractor': count(tree['fe']), 'header': count(tree['header'])}
+
+
+def lg_fedavg_first_block(num_classes: int, learning_rate: float) -> Algorithm:
+  """GeFL's LG-FedAvg baseline (gefl.txt Table II; its code's `avg_FE = 1`): GeFL's CNNs with the first
+  convolution block F averaged over all clients and the rest of each model within its architecture, every round
+  --local_epochs epochs of plain SGD (GeFL-F's warm-up phase for the whole run). The library's `lg_fedavg` is
+  LG-FedAvg as HtFLlib runs it (local extractors, one shared head)."""
+  return Algorithm('lg_fedavg_fb', shared_block_server,
+                   (Phase('lg_fedavg_fb', lambda g: shared_block_program(g, g.training.epochs, learning_rate),
+                          shared_block_update, model_broadcast),),
+                   lambda group: head_evaluation(group.model, {'group_model': own_head}, receive=receive_model),
+                   upload_scalars=model_scalars, broadcast_scalars=model_scalars)
+
+
 def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float, batch_size: int) -> Algorithm:
   """GeFL-F as an `Algorithm` of three phases: 'warmup' (T_FE), 'knowledge' (T_KA) and 'target' (`rounds`)."""
   lr_scale = ddpm_lr_scale(cfg)
@@ -129,44 +199,12 @@ def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float
     return {'generator': variables, 'optimizer': gen.init_optimizer(variables)}
 
   def init_server(key, spec, initial):
-    fe, _ = split_client(initial[0].params, initial[0].model_state)
-    headers = tuple(split_client(s.params, s.model_state)[1] for s in initial)
-    return {'fe': fe, 'headers': headers, 'generator': initial[0].extra['generator'],
+    return {**shared_block_server(key, spec, initial), 'generator': initial[0].extra['generator'],
             'generator_round': jnp.zeros((), jnp.int32)}
-
-  def receive_model(client, broadcast):
-    if 'header' not in broadcast:
-      return client
-    params, model_state = join_client(broadcast['fe'], broadcast['header'], client.model_state)
-    return client._replace(params=params, model_state=model_state)
-
-  def model_broadcast(server, group):
-    return {'fe': server['fe'], 'header': server['headers'][group.index]}
-
-  def average_headers(server, uploads):
-    return tuple(participant_average(u.values['header'], u.mask.astype(jnp.float32), old)
-                 for u, old in zip(uploads, server['headers']))
 
   # ---------------------------------------------------------------- phase 'warmup'
   def warmup_client(group: GroupSpec) -> ClientProgram:
-    def step(client, batch: Batch, broadcast, key):
-      def loss(params):
-        logits, _, state = forward(group.model, params, client.model_state, batch.x, True)
-        return cross_entropy(logits, batch.y), state
-      (value, state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
-      params = jax.tree.map(lambda p, g: p - learning_rate * g, client.params, grads)
-      return client._replace(params=params, model_state=state), value
-
-    def final(client, rows, broadcast, key):
-      fe, header = split_client(client.params, client.model_state)
-      return client, {'fe': fe, 'header': header}
-    return ClientProgram(lambda client, broadcast, key: receive_model(client, broadcast), None, final,
-                         group.training, stages=(Stage(step, cfg.warmup_epochs),))
-
-  def warmup_server(server, uploads, key):
-    u = concat_groups(tuple(g._replace(values=g.values['fe']) for g in uploads))  # headers differ by group
-    fe = participant_average(u.values, u.mask.astype(jnp.float32), server['fe'])
-    return {**server, 'fe': fe, 'headers': average_headers(server, uploads)}, {}
+    return shared_block_program(group, cfg.warmup_epochs, learning_rate)
 
   # ---------------------------------------------------------------- phase 'knowledge'
   @functools.lru_cache(maxsize=None)
@@ -253,7 +291,7 @@ def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float
     return out
 
   return Algorithm('gefl_f', init_server,
-                   (Phase('warmup', warmup_client, warmup_server, model_broadcast, rounds=cfg.fe_rounds),
+                   (Phase('warmup', warmup_client, shared_block_update, model_broadcast, rounds=cfg.fe_rounds),
                     Phase('knowledge', knowledge_client, knowledge_server, knowledge_broadcast,
                           rounds=cfg.knowledge_rounds, evaluate=False),
                     Phase('target', target_client, target_server, target_broadcast, rounds=rounds)),
