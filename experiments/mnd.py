@@ -1,7 +1,9 @@
 """The memorisation ratio (MND, gefl.txt Eq. 1) of a finished run's generator: its latest checkpoint's server
 generator draws --per_class images per class (S), --points random training images x_i of the run's clients are
 compared with S and with as many held-out test images (V), and mean_i min_V d / min_S d is printed and written to
-<workdir>/mnd.json for each --distances entry (fedjax_het/privacy.py).
+<workdir>/mnd.json for each --distances entry (fedjax_het/privacy.py). For GeFL-F, whose generator draws feature
+maps, S is the images recovered from them by inversion through the run's frozen extractor F
+(`gefl_f.reconstructed_samples`; --inversion_steps, --inversion_lr, --tv_weight).
 
   python experiments/mnd.py --workdir=/tmp/gefl_mnist5k --distances=pixel,feature
 """
@@ -19,6 +21,9 @@ flags.DEFINE_integer('points', 1000, 'Training points x_i (the paper: 1000).')
 flags.DEFINE_integer('per_class', 60, 'Generated images per class in S (|S| = |V| = per_class x classes; the paper '
                      'gives |S| = 600).')
 flags.DEFINE_integer('seed', 0, 'Seed of the draws.')
+flags.DEFINE_integer('inversion_steps', 500, 'GeFL-F: Adam steps inverting each generated feature map through F.')
+flags.DEFINE_float('inversion_lr', 0.05, 'GeFL-F: Adam rate of the inversion.')
+flags.DEFINE_float('tv_weight', 0.1, 'GeFL-F: total-variation weight of the inversion.')
 flags.mark_flag_as_required('workdir')
 FLAGS = flags.FLAGS
 
@@ -38,8 +43,9 @@ def main(argv):
     with open(path) as f:
       cfg = ExperimentConfig.from_dict(json.load(f))
     fed = build_federation(cfg)
-    if fed.algorithm.samples is None:
-      raise ConfigError(f'--workdir: {cfg.algorithm} has no generator to sample from (GeFL, FedVTC have one).')
+    if fed.algorithm.samples is None and cfg.algorithm != 'gefl_f':
+      raise ConfigError(f'--workdir: {cfg.algorithm} has no generator to sample from (GeFL, GeFL-F, FedVTC have '
+                        f'one).')
     checkpoints = Checkpoints(os.path.join(FLAGS.workdir, 'checkpoints'))
     if checkpoints.latest_round() is None:
       raise ConfigError(f'--workdir={FLAGS.workdir} holds no checkpoint to read the generator from.')
@@ -47,8 +53,19 @@ def main(argv):
   except ConfigError as e:
     sys.exit(f'error: {e}')
   key = jax.random.PRNGKey(FLAGS.seed)
-  synthetic = np.asarray(fed.algorithm.samples(state.server, fed.spec, key, FLAGS.per_class))
-  synthetic = synthetic.reshape((-1,) + synthetic.shape[2:])
+  if cfg.algorithm == 'gefl_f':
+    from fedjax_het.algorithms.gefl_f import reconstructed_samples
+    from fedjax_het.inversion import InversionConfig
+    try:
+      inversion = InversionConfig(steps=FLAGS.inversion_steps, learning_rate=FLAGS.inversion_lr,
+                                  tv_weight=FLAGS.tv_weight)
+    except ConfigError as e:
+      sys.exit(f'error: {e}')
+    synthetic = np.asarray(reconstructed_samples(cfg.method_config, fed.spec.num_classes, fed.spec.groups[0],
+                                                 state.server, key, FLAGS.per_class, inversion))
+  else:
+    synthetic = np.asarray(fed.algorithm.samples(state.server, fed.spec, key, FLAGS.per_class))
+    synthetic = synthetic.reshape((-1,) + synthetic.shape[2:])
   rng = np.random.default_rng(FLAGS.seed)
   train_x = np.concatenate([np.asarray(g.train.x[i, :g.train_sizes[i]]) for g in fed.groups for i in range(g.size)])
   dataset = fed.data.dataset

@@ -109,3 +109,22 @@ def test_lg_fedavg_as_gefl_runs_it_averages_f_over_all_groups_and_the_rest_withi
   assert alg.phases[0].rounds is None
   with pytest.raises(ConfigError, match='--models=gefl-mnist-10'):
     build_federation(dataclasses.replace(CFG, algorithm='lg_fedavg_fb', models=('mlp',), methods={}))
+
+
+def test_mnd_samples_of_gefl_f_are_images_inverted_from_generated_maps_through_f(recorded):
+  """GeFL-F's S for the MND ratio: generated feature maps inverted into images through the frozen F; the
+  inversion brings F(image) towards the map it came from (relative error below that of the starting noise)."""
+  from fedjax_het.algorithms.gefl_f import apply_features, features_module, reconstructed_samples
+  from fedjax_het.inversion import InversionConfig
+  fed, rec = recorded
+  group, server = fed.spec.groups[0], rec.states[-1].server
+  key = jax.random.PRNGKey(3)
+  images = reconstructed_samples(CFG.method_config, 10, group, server, key, 1, InversionConfig(steps=40))
+  assert images.shape == (10, 32, 32, 1) and float(jnp.abs(images).max()) <= 1.0
+  from fedjax_het.algorithms.gefl_f import feature_generator
+  maps = feature_generator(CFG.method_config, 10, group).sample(server['generator'], jnp.arange(10),
+                                                                jax.random.split(key)[0])
+  f = lambda x: apply_features(features_module(group), server['fe'], x)
+  error = lambda x: float(jnp.mean(jnp.sum((f(x) - maps) ** 2, (1, 2, 3)) / jnp.sum(maps ** 2, (1, 2, 3))))
+  noise = 0.1 * jax.random.normal(jax.random.PRNGKey(0), images.shape)
+  assert error(images) < 0.5 * error(jnp.tanh(noise))

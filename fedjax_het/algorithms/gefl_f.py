@@ -16,8 +16,11 @@ Evaluation: F + the group's header on the test set; `best_accuracy_per_architect
 evaluations too (the code's best-over-rounds does).
 
 Not built: update mode (the paper runs GeFL-F frozen), GeFL-F on CIFAR-10 (the library's CIFAR-10 CNNs follow Table
-XXIII's extra conv(10) row, so F would emit 10x16x16 maps where the code's generators emit 3x16x16), the MND ratio
-of GeFL-F (it needs model inversion through F), and samples.png (the generator draws feature maps, not images).
+XXIII's extra conv(10) row, so F would emit 10x16x16 maps where the code's generators emit 3x16x16), and samples.png
+(the generator draws feature maps, not images). The MND ratio's synthetic images are generated maps inverted
+through the frozen F (`reconstructed_samples`, experiments/mnd.py).
+
+GeFL's LG-FedAvg baseline (`lg_fedavg_first_block`) is this module's warm-up phase for the whole run.
 """
 
 from __future__ import annotations
@@ -100,6 +103,43 @@ def extractor_of(group: GroupSpec, stage: str):
   return extractor.clone(stage=stage, parent=None)
 
 
+def features_module(group: GroupSpec) -> GeFLCNN:
+  """F, the same module for every architecture (CNN-1's first block) so that its users compile once."""
+  extractor = extractor_of(group, 'features')
+  return GeFLCNN(extractor.dataset, 1, extractor.conv, stage='features')
+
+
+def apply_features(module: GeFLCNN, fe: dict, x):
+  """F(x) [B, 16, 16, 3] in eval mode with F's {'params', 'stats'}."""
+  variables = {'params': fe['params'], **({'batch_stats': fe['stats']} if fe['stats'] else {})}
+  return module.apply(variables, x, False)
+
+
+def feature_generator(cfg: GeFLFConfig, num_classes: int, group: GroupSpec):
+  """The configured generator of F's feature maps (DCGAN-F, CVAE-F, DDPM-F)."""
+  module = features_module(group)
+  shape = jax.eval_shape(lambda: module.init_with_output(jax.random.PRNGKey(0), group.sample_input(),
+                                                         False)[0]).shape[1:]
+  return build_generator(cfg, num_classes, shape, group.conv, features=True)
+
+
+def reconstructed_samples(cfg: GeFLFConfig, num_classes: int, group: GroupSpec, server: dict, key: jax.Array, n: int,
+                          inversion) -> jnp.ndarray:
+  """GeFL-F's synthetic set S for the MND ratio (gefl.txt Sec. VI, Table VI; SPEC_GENERATIVE.md sec. 3): n feature
+  maps per class from the server's feature generator, each inverted into an image through the frozen, white-box F
+  (`fedjax_het.inversion.invert` with `inversion`, an InversionConfig: Adam on x minimising ||F(x) - f||^2 / ||f||^2
+  + TV; the paper's inversion method [52] is unspecified). Returns images [C * n, H, W, c] in [-1, 1]."""
+  from fedjax_het.inversion import invert
+  sample_key, invert_key = jax.random.split(key)
+  labels = jnp.repeat(jnp.arange(num_classes), n)
+  maps = feature_generator(cfg, num_classes, group).sample(server['generator'], labels, sample_key)
+  module = features_module(group)
+  rep = lambda x: apply_features(module, server['fe'], x).reshape(x.shape[0], -1)
+  images, _ = jax.jit(lambda t: invert(rep, t, tuple(group.input_shape), inversion, invert_key))(
+      maps.reshape(maps.shape[0], -1))
+  return images
+
+
 def receive_model(client, broadcast):
   """The client's classifier set to the broadcast F and its group's header (unchanged without a header)."""
   if 'header' not in broadcast:
@@ -174,21 +214,12 @@ def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float
   """GeFL-F as an `Algorithm` of three phases: 'warmup' (T_FE), 'knowledge' (T_KA) and 'target' (`rounds`)."""
   lr_scale = ddpm_lr_scale(cfg)
 
-  def features_module(group: GroupSpec) -> GeFLCNN:
-    """F, the same module for every architecture (CNN-1's first block) so that its users compile once."""
-    extractor = extractor_of(group, 'features')
-    return GeFLCNN(extractor.dataset, 1, extractor.conv, stage='features')
-
   def features(module: GeFLCNN, fe: dict, x):
     """F(x) in eval mode with the broadcast F, a constant for the caller's gradients."""
-    variables = {'params': fe['params'], **({'batch_stats': fe['stats']} if fe['stats'] else {})}
-    return jax.lax.stop_gradient(module.apply(variables, x, False))
+    return jax.lax.stop_gradient(apply_features(module, fe, x))
 
   def generator_of(group: GroupSpec):
-    module = features_module(group)
-    shape = jax.eval_shape(lambda: module.init_with_output(jax.random.PRNGKey(0), group.sample_input(),
-                                                           False)[0]).shape[1:]
-    return build_generator(cfg, num_classes, shape, group.conv, features=True)
+    return feature_generator(cfg, num_classes, group)
 
   def header_model(group: GroupSpec):
     return group.model.clone(extractor=extractor_of(group, 'header'), parent=None)
