@@ -65,6 +65,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   # Training.
   f.DEFINE_integer('rounds', _D.rounds, 'Communication rounds.')
   f.DEFINE_integer('local_epochs', _D.local_epochs, 'Local epochs per round.')
+  f.DEFINE_integer('local_steps', _D.local_steps, 'At most this many local steps per round (per stage), the first of '
+                   'the epochs\' schedule; 0: every step (Felo\'s code: 10).')
   f.DEFINE_integer('batch_size', _D.batch_size, 'Local batch size.')
   f.DEFINE_float('local_learning_rate', _D.local_learning_rate, 'Local SGD learning rate.')
   f.DEFINE_enum('data_order', _D.data_order, ['stored', 'shuffle'], 'Order of local batches: stored (HtFLlib: '

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from fedjax_het.config import ExperimentConfig
+from fedjax_het.config import ExperimentConfig, run_settings
 from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import train_and_evaluate
 from fedjax_het.workdir import Workdir
@@ -36,7 +36,9 @@ def _finished_summary(workdir: str, cfg: ExperimentConfig):
     return None
   with open(path) as f:
     summary = json.load(f)
-  return summary if summary.get('finished') and summary.get('config') == cfg.to_dict() else None
+  if not summary.get('finished') or 'config' not in summary:
+    return None
+  return summary if run_settings(summary['config']) == run_settings(cfg.to_dict()) else None
 
 
 def _curve(workdir: str) -> tuple[list[int], list[float]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Optional
 
 from fedjax_het.errors import ConfigError
@@ -31,6 +32,7 @@ class ExperimentConfig:
   rm: str = 'ap'
   rounds: int = 100
   local_epochs: int = 1
+  local_steps: int = 0  # at most this many local steps per round (0: every step of local_epochs epochs)
   batch_size: int = 32
   local_learning_rate: float = 0.06
   data_order: str = 'stored'  # HtFLlib's DataLoader(shuffle=False, drop_last=True); 'shuffle': PFLlib
@@ -68,7 +70,8 @@ class ExperimentConfig:
 
   def local_training(self) -> LocalTraining:
     """The local SGD settings of this config."""
-    return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order)
+    return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order,
+                         max_steps=self.local_steps if self.local_steps != 0 else None)
 
   @classmethod
   def from_dict(cls, d: dict) -> 'ExperimentConfig':
@@ -85,3 +88,18 @@ class ExperimentConfig:
     d = dataclasses.asdict(self)
     d['models'] = list(self.models)
     return d
+
+
+def run_settings(d: dict) -> dict:
+  """A run's config dict (`to_dict`, or part of one) as the settings its numbers depend on, comparable across
+  library versions: a field added since the dict was written takes its default, and of the methods only the run's
+  own hyperparameters count (registering a method, or changing another's defaults, changes no finished run)."""
+  from fedjax_het.methods import METHODS
+  defaults = {f.name: f.default for f in dataclasses.fields(ExperimentConfig)
+              if f.default is not dataclasses.MISSING}
+  out = {**defaults, **{k: v for k, v in d.items() if k != 'methods'}}
+  algorithm = out.get('algorithm')
+  if algorithm in METHODS:
+    own = {**dataclasses.asdict(METHODS[algorithm].config()), **(d.get('methods') or {}).get(algorithm, {})}
+    out['methods'] = {algorithm: own}
+  return json.loads(json.dumps(out, default=list))

@@ -19,7 +19,7 @@ import numpy as np
 from absl import logging
 
 from fedjax_het.checkpoints import Checkpoints
-from fedjax_het.config import ExperimentConfig
+from fedjax_het.config import ExperimentConfig, run_settings
 from fedjax_het.core import Algorithm
 from fedjax_het.data.datasets import load_dataset
 from fedjax_het.data.federated import FederatedData, make_federated_data
@@ -138,7 +138,7 @@ def _refuse_changed(before: dict, after: dict, where: str) -> None:
 
 def _check_identity(saved: dict, now: dict, where: str, run: Run) -> None:
   """Refuses to resume from a checkpoint of another run (ConfigError naming the settings that differ)."""
-  before, after = saved.get('settings', {}), now['settings']
+  before, after = run_settings(saved.get('settings', {})), run_settings(now['settings'])
   if before.get('rounds') != after.get('rounds') and run.depends_on_rounds:
     raise ConfigError(f'--resume with --rounds={after["rounds"]}: this method\'s schedule spans the run\'s length '
                       f'(--rounds={before.get("rounds")} when it started), so its numbers would match neither run. '
@@ -156,7 +156,7 @@ def _check_config_json(workdir: Workdir, cfg: ExperimentConfig) -> None:
   if saved is None:
     return
   now = json.loads(json.dumps(cfg.to_dict()))
-  fixed = lambda d: {k: v for k, v in d.items() if k not in RESUMABLE_FIELDS}
+  fixed = lambda d: {k: v for k, v in run_settings(d).items() if k not in RESUMABLE_FIELDS}
   _refuse_changed(fixed(saved), fixed(now), workdir.file('config.json'))
 
 

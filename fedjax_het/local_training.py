@@ -18,6 +18,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedjax_het.rows import shuffled_real_rows
@@ -35,12 +36,15 @@ class LocalTraining:
   rows: None, the schedule runs over the client's own training rows; an int R, over R rows the program generates
   itself (e.g. FedVTC's fine-tuning on S*C decoded latents): every client then takes epochs * (R // batch_size)
   steps, whatever its data, and each step's `Batch` holds only the row ids (`Batch.index`).
+  max_steps: None, every step of the epochs; an int, at most that many steps per stage of a round, the first ones
+  of its schedule (--local_steps; Felo's code trains 10 steps of batch 50 per round).
   """
   learning_rate: float = 0.01
   batch_size: int = 32
   epochs: int = 1
   order: str = 'stored'
   rows: Optional[int] = None
+  max_steps: Optional[int] = None
 
   def __post_init__(self):
     if self.order not in DATA_ORDERS:
@@ -52,6 +56,8 @@ class LocalTraining:
       raise ConfigError(f'--local_epochs={self.epochs} must be >= 0.')
     if self.learning_rate <= 0:
       raise ConfigError(f'--local_learning_rate={self.learning_rate} must be > 0.')
+    if self.max_steps is not None and self.max_steps < 1:
+      raise ConfigError(f'--local_steps={self.max_steps} must be >= 0 (0: whole --local_epochs epochs).')
     if self.rows is not None and self.rows < self.batch_size:
       raise ConfigError(f'generated rows per client ({self.rows}) must be at least one batch ({self.batch_size}).')
 
@@ -93,6 +99,24 @@ def batch_schedule(rng: jax.Array, n: jnp.ndarray, n_max: int, batch_size: int, 
 
   idx, valid = jax.vmap(one_epoch)(jnp.arange(epochs))
   return idx.reshape(epochs * slots, batch_size), valid.reshape(epochs * slots)
+
+
+def cap_schedule(idx: jnp.ndarray, valid: jnp.ndarray, max_steps: Optional[int], epochs: int
+                 ) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """A stage's schedule (`batch_schedule`) with only its first `max_steps` valid steps kept valid (None: all). A
+  one-epoch schedule is also cut to its first max_steps slots (a client's valid slots come first there), so a
+  scan over it runs no more steps than the cap."""
+  if max_steps is None:
+    return idx, valid
+  valid = valid & (jnp.cumsum(valid) <= max_steps)
+  if epochs == 1:
+    return idx[:max_steps], valid[:max_steps]
+  return idx, valid
+
+
+def capped_steps(steps, max_steps: Optional[int]):
+  """Steps a client takes in a stage of `steps` scheduled steps (numpy) under the cap `max_steps`."""
+  return steps if max_steps is None else np.minimum(steps, max_steps)
 
 
 def step_key(rng: jax.Array, epoch, step) -> jax.Array:

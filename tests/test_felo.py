@@ -221,3 +221,32 @@ def test_the_papers_number_is_the_mean_accuracy_over_the_second_half_of_the_roun
                        'broadcast_scalars_per_round': 1, 'second_half_mean_accuracy': a}
   table = comparison_table([MethodResult('felo', [summary(0.5), summary(0.7)], [])])
   assert '| felo | 60.00 +- 10.00 |' in table
+
+
+# ------------------------------------------------------------------ --local_steps (Felo's code: 10 steps per round)
+def test_cap_schedule_keeps_the_first_valid_steps_and_cuts_one_epoch_schedules():
+  from fedjax_het.local_training import cap_schedule
+  idx = jnp.arange(10).reshape(5, 2)
+  valid = jnp.asarray([True, True, True, False, False, True, True, True, False, False])[:5]
+  _, capped = cap_schedule(idx, valid, 2, epochs=2)
+  assert capped.tolist() == [True, True, False, False, False]
+  cut_idx, cut = cap_schedule(idx, valid, 2, epochs=1)
+  assert cut.tolist() == [True, True] and cut_idx.tolist() == [[0, 1], [2, 3]]
+  assert cap_schedule(idx, valid, None, 1)[1].tolist() == valid.tolist()
+  two_epochs = jnp.asarray([True, False, True, False])                  # one valid step per epoch of 2 slots
+  assert cap_schedule(jnp.zeros((4, 1)), two_epochs, 2, epochs=2)[1].tolist() == [True, False, True, False]
+  with pytest.raises(ConfigError, match='--local_steps'):
+    dataclasses.replace(CFG, local_steps=-1).local_training()
+
+
+@pytest.mark.parametrize('epochs', [1, 2])
+def test_local_steps_cap_each_clients_round_under_both_executors(epochs):
+  cfg = dataclasses.replace(CFG, algorithm='fedavg', models=('mlp',), local_steps=3, local_epochs=epochs, rounds=1)
+  runs = {s: record_rounds(f, f.init(), 1) for s in ('sequential', 'vmap')
+          for f in [build_federation(dataclasses.replace(cfg, strategy=s))]}
+  fed = build_federation(cfg)
+  participants = 2                                                      # join_ratio 0.5 of 4 clients
+  assert runs['sequential'].history[0]['local_steps'] == 3 * participants < (fed.train_sizes // 16).min() * epochs
+  np.testing.assert_allclose(runs['vmap'].history[0]['train_loss'], runs['sequential'].history[0]['train_loss'],
+                             rtol=1e-5)
+  tree_allclose(runs['vmap'].states[0].groups, runs['sequential'].states[0].groups, rtol=1e-4, atol=1e-6)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from fedjax_het.core import (Batch, ClientProgram, ClientRows, ClientState, Evaluation, program_stages, stage_key,
                              stage_steps_per_epoch, with_model, without_model)
 from fedjax_het.data.federated import ClientArrays
-from fedjax_het.local_training import batch_schedule, step_key
+from fedjax_het.local_training import batch_schedule, cap_schedule, step_key
 from fedjax_het.models.classifier import HeteroClassifier
 from fedjax_het.models.forward import forward
 
@@ -70,6 +70,7 @@ def run_client(program: ClientProgram, model: HeteroClassifier, client: ClientSt
       idx, valid = batch_schedule(jax.random.fold_in(train_key, 0), n, n_max, training.batch_size,
                                   stage.epochs, training.order)
       slots = max(n_max // training.batch_size, 1)
+    idx, valid = cap_schedule(idx, valid, training.max_steps, stage.epochs)
 
     def body(carry, step, stage=stage, slots=slots, train_key=train_key):
       s, rows, ok = step

@@ -233,11 +233,15 @@ class SequentialExecutor(Executor):
       idx = None
       if not stage.generated:
         idx, _ = stage_fns['schedule'](jax.random.fold_in(train_key, 0), training.rows or g.train.n[i])
+      per_epoch = int(stage_steps_per_epoch(training, stage, g.train_sizes[i]))
+      taken = 0
       for e in range(stage.epochs):
-        for s in range(int(stage_steps_per_epoch(training, stage, g.train_sizes[i]))):
+        for s in range(per_epoch):
+          if training.max_steps is not None and taken >= training.max_steps:
+            break  # --local_steps: the stage's first max_steps steps only
           carry, loss = stage_fns['step'](carry, g.train.x, g.train.y, i, idx, e * slots + s, broadcast,
                                           step_key(train_key, e, s))
-          total, steps = total + loss, steps + 1
+          total, steps, taken = total + loss, steps + 1, taken + 1
     reps = None
     if program.trained is not None:
       trained = program.trained(carry)

@@ -30,7 +30,7 @@ from fedjax_het.engine.groups import (EvalSet, Group, build_groups, host_copy, i
                                       clients_without_steps)
 from fedjax_het.engine.sharding import CLIENTS_AXIS, to_host
 from fedjax_het.errors import ConfigError
-from fedjax_het.local_training import LocalTraining
+from fedjax_het.local_training import LocalTraining, capped_steps
 from fedjax_het.models.init import INITS
 from fedjax_het.models.registry import assign_models
 
@@ -187,14 +187,15 @@ class Federation:
   def local_work(self, participants: np.ndarray, program: Optional[ClientProgram] = None) -> dict:
     """Local steps and samples the participants process this round: per stage, epochs * (n_k // batch_size)
     steps of batch_size rows each (drop_last; generated rows in place of n_k where the program generates its own;
-    at least one step per epoch in a generated stage), summed over participants and stages."""
+    at least one step per epoch in a generated stage; at most --local_steps per stage), summed over participants
+    and stages."""
     training = program.training if program is not None else self.training
     stages = program_stages(program) if program is not None else (Stage(None, training.epochs),)
     steps = 0
     for stage in stages:
       per_client = np.broadcast_to(stage_steps_per_epoch(training, stage, self.train_sizes[participants]),
                                    participants.shape)
-      steps += int(per_client.sum()) * stage.epochs
+      steps += int(capped_steps(per_client * stage.epochs, training.max_steps).sum())
     return {'local_steps': steps, 'local_samples': steps * training.batch_size}
 
   # ---------------------------------------------------------------- one round
