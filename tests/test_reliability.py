@@ -73,8 +73,10 @@ def test_rounds_may_change_on_resume_only_when_the_method_ignores_them():
     m.build(m.config(), run)
     reads[name] = run.depends_on_rounds
   # FedKD's energy schedule spans --rounds; FedVTC's closing phases come after round --rounds; GeFL's and GeFL-F's
-  # target phase is --rounds long after their knowledge (and warm-up) phases
-  assert [name for name, read in reads.items() if read] == ['fedkd', 'fedvtc', 'gefl', 'gefl_f']
+  # target phase is --rounds long after their knowledge (and warm-up) phases; Felo's family warms up for and decays
+  # its rate at shares of --rounds
+  assert [name for name, read in reads.items() if read] == ['fedkd', 'fedvtc', 'gefl', 'gefl_f', 'felo', 'velo',
+                                                            'fedhe']
   run = Run(10, 4, 20, 16, 8, 0.05, None)
   run.rounds  # noqa: B018 (the read is the point)
   with pytest.raises(ConfigError, match='--rounds=20'):
@@ -257,3 +259,17 @@ def test_kill_9_at_several_points_then_resume_gives_the_uninterrupted_metrics(fi
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == (0 if point == 'none' else -signal.SIGKILL), (point, result.stderr[-2000:])
   assert metric_rows(run) == metric_rows(finished)
+
+
+def test_run_settings_ignore_other_methods_and_fill_fields_added_since():
+  """A finished run or checkpoint written before a method was registered (or before a field existed) still
+  matches the same run now; a changed hyperparameter of the run's own method does not."""
+  import json
+  from fedjax_het.config import run_settings
+  now = dataclasses.replace(CFG, algorithm='fedproto').to_dict()
+  old = json.loads(json.dumps(now))
+  del old['methods']['felo'], old['local_steps']
+  old['methods']['fedre']['mechanism'] = 'rsr'                          # another method's hyperparameter
+  assert run_settings(old) == run_settings(now)
+  old['methods']['fedproto']['lamda'] = 1.0
+  assert run_settings(old) != run_settings(now)
