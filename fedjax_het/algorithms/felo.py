@@ -26,9 +26,9 @@ FedHe (the paper's logits-only baseline) is Felo without the feature term (MSE),
 Choices where paper and code differ (SPEC_GENERATIVE.md sec. 4-5): KL as the paper (the code's default without
 --KLD_flag is a logit MSE); alpha 0.5 (code; the paper gives none); weight averaging as the paper (the code has
 none: --nofelo_average_models reproduces that); per-class feature means uploaded as the paper (the code uploads
-every training feature; Velo does). Deviations: one library round is one of the code's iterations; its local
-training is --local_epochs epochs of drop_last batches (the code's `clients_training_epoch = 10` counts 10 steps
-of batch 50: use --local_epochs=1 with a --batch_size and data size of about 10 batches to match it).
+every training feature; Velo does). One library round is one of the code's iterations; the code's local training,
+`clients_training_epoch = 10` steps of batch 50, is --local_steps=10 --batch_size=50 (the first 10 steps of a
+shuffled epoch; the paper flag files set it).
 """
 
 from __future__ import annotations
