@@ -111,7 +111,6 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   import numpy as np
   from fedjax_het import inversion
-  from fedjax_het.config import ExperimentConfig
   from fedjax_het.errors import ConfigError
   from fedjax_het.experiment import build_federation
   results = []
@@ -124,17 +123,8 @@ def main(argv):
                         f'{FLAGS.figure_columns} must be >= 1.')
     os.makedirs(FLAGS.workdir, exist_ok=True)
     if FLAGS.from_workdir:
-      from fedjax_het.checkpoints import Checkpoints
-      path = os.path.join(FLAGS.from_workdir, 'config.json')
-      if not os.path.exists(path):
-        raise ConfigError(f'--from_workdir={FLAGS.from_workdir} holds no config.json: give the folder of a run.')
-      with open(path) as f:
-        cfg = ExperimentConfig.from_dict(json.load(f))
-      fed = build_federation(cfg)
-      checkpoints = Checkpoints(os.path.join(FLAGS.from_workdir, 'checkpoints'))
-      if checkpoints.latest_round() is None:
-        raise ConfigError(f'--from_workdir={FLAGS.from_workdir} holds no checkpoint to attack.')
-      state, _ = checkpoints.restore_latest(fed.init())
+      from fedjax_het.experiment import restore_run
+      cfg, fed, state = restore_run(FLAGS.from_workdir, '--from_workdir')
       results.append(_attack(cfg.algorithm, cfg, fed, state, clients, inv_cfg, FLAGS.evaluate))
       setting = cfg
     else:

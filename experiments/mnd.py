@@ -31,25 +31,14 @@ FLAGS = flags.FLAGS
 def main(argv):
   import jax
   import numpy as np
-  from fedjax_het.checkpoints import Checkpoints
-  from fedjax_het.config import ExperimentConfig
   from fedjax_het.errors import ConfigError
-  from fedjax_het.experiment import build_federation
+  from fedjax_het.experiment import restore_run
   from fedjax_het.privacy import embedding, mnd_ratio
   try:
-    path = os.path.join(FLAGS.workdir, 'config.json')
-    if not os.path.exists(path):
-      raise ConfigError(f'--workdir={FLAGS.workdir} holds no config.json: give the folder of a run.')
-    with open(path) as f:
-      cfg = ExperimentConfig.from_dict(json.load(f))
-    fed = build_federation(cfg)
+    cfg, fed, state = restore_run(FLAGS.workdir)
     if fed.algorithm.samples is None and cfg.algorithm != 'gefl_f':
       raise ConfigError(f'--workdir: {cfg.algorithm} has no generator to sample from (GeFL, GeFL-F, FedVTC have '
                         f'one).')
-    checkpoints = Checkpoints(os.path.join(FLAGS.workdir, 'checkpoints'))
-    if checkpoints.latest_round() is None:
-      raise ConfigError(f'--workdir={FLAGS.workdir} holds no checkpoint to read the generator from.')
-    state, _ = checkpoints.restore_latest(fed.init())
   except ConfigError as e:
     sys.exit(f'error: {e}')
   key = jax.random.PRNGKey(FLAGS.seed)

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import time
 from typing import Optional
 
@@ -170,6 +171,22 @@ def best_per_architecture_mean(cfg: ExperimentConfig, evals: list[dict]) -> Opti
   archs = np.asarray(assign_models(list(cfg.models), cfg.num_clients))
   best = [max(float(r[archs == a].mean()) for r in rows) for a in dict.fromkeys(archs)]
   return float(np.mean(best))
+
+
+def restore_run(workdir: str, flag: str = '--workdir'):
+  """(config, federation, state at its latest checkpoint) of the run in `workdir`, or a ConfigError naming `flag`
+  (for tools that read a finished run: experiments/mnd.py, experiments/invert.py)."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    raise ConfigError(f'{flag}={workdir} holds no config.json: give the folder of a run.')
+  with open(path) as f:
+    cfg = ExperimentConfig.from_dict(json.load(f))
+  fed = build_federation(cfg)
+  checkpoints = Checkpoints(os.path.join(workdir, 'checkpoints'))
+  if checkpoints.latest_round() is None:
+    raise ConfigError(f'{flag}={workdir} holds no checkpoint to read.')
+  state, _ = checkpoints.restore_latest(fed.init())
+  return cfg, fed, state
 
 
 def second_half_mean(evals: list[dict]) -> Optional[float]:

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import tree_allclose
 from runs import CFG, record_rounds, run_rounds
-from fedjax_het.algorithms import FeloConfig, VeloConfig, fedhe, felo, velo
+from fedjax_het.algorithms import FeloConfig, VeloConfig, fedhe, felo
 from fedjax_het.algorithms.common import elementwise_kl
 from fedjax_het.algorithms.felo import (empty_store, felo_loss, logit_upload, multistep_scale, per_class_statistics,
                                         push, store_mean, warmup_rounds, window_mean)
