@@ -242,11 +242,11 @@ def test_cap_schedule_keeps_the_first_valid_steps_and_cuts_one_epoch_schedules()
 @pytest.mark.parametrize('epochs', [1, 2])
 def test_local_steps_cap_each_clients_round_under_both_executors(epochs):
   cfg = dataclasses.replace(CFG, algorithm='fedavg', models=('mlp',), local_steps=3, local_epochs=epochs, rounds=1)
-  runs = {s: record_rounds(f, f.init(), 1) for s in ('sequential', 'vmap')
-          for f in [build_federation(dataclasses.replace(cfg, strategy=s))]}
-  fed = build_federation(cfg)
+  feds = {s: build_federation(dataclasses.replace(cfg, strategy=s)) for s in ('sequential', 'vmap')}
+  runs = {s: record_rounds(f, f.init(), 1) for s, f in feds.items()}
   participants = 2                                                      # join_ratio 0.5 of 4 clients
-  assert runs['sequential'].history[0]['local_steps'] == 3 * participants < (fed.train_sizes // 16).min() * epochs
+  sizes = feds['sequential'].train_sizes
+  assert runs['sequential'].history[0]['local_steps'] == 3 * participants < (sizes // 16).min() * epochs
   np.testing.assert_allclose(runs['vmap'].history[0]['train_loss'], runs['sequential'].history[0]['train_loss'],
                              rtol=1e-5)
   tree_allclose(runs['vmap'].states[0].groups, runs['sequential'].states[0].groups, rtol=1e-4, atol=1e-6)
