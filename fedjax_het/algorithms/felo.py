@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
+from fedjax_het.algorithms.fedavg import receive_group_model
 from fedjax_het.algorithms.common import (class_means_from_sums, class_sums, cross_entropy, elementwise_kl,
                                           participant_average, prototype_regularizer)
 from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientState, GroupSpec, Phase, Uploads,
@@ -162,7 +163,7 @@ def adam_client_program(group: GroupSpec, cfg: FeloConfig, with_features: bool, 
 
   def init(client, broadcast, key):
     if cfg.average_models:
-      client = client._replace(params=broadcast['model'])
+      client = receive_group_model(client, broadcast)
     return client, statistics()
 
   def step(carry, batch: Batch, broadcast, key):
@@ -229,7 +230,8 @@ def felo_family(name: str, cfg: FeloConfig, num_classes: int, rounds: int, num_c
   per-class sums (Velo's feature rows). Default: Felo's per-class (sum, count) pairs and `window_mean`.
   """
   warm = warmup_rounds(cfg.warmup, rounds)
-  uploads_per_class = max(1, min(cfg.logit_store, rounds * num_clients))  # the FIFO cannot hold more than this
+  # a FIFO of uploads never holds more than the run's client-rounds: no longer than that
+  capacity = lambda cap: max(1, min(cap, rounds * num_clients))
 
   def init_client(group, key):
     return {'optimizer': optax.scale_by_adam().init(_params_shape(group))}
@@ -237,14 +239,13 @@ def felo_family(name: str, cfg: FeloConfig, num_classes: int, rounds: int, num_c
   def init_server(key, spec, initial):
     server = {'round': jnp.zeros((), jnp.int32),
               'models': tuple(s.params for s in initial),
-              'logit_store': empty_store(num_classes, uploads_per_class, num_classes),
+              'logit_store': empty_store(num_classes, capacity(cfg.logit_store), num_classes),
               'logits': jnp.zeros((num_classes, num_classes)), 'logit_present': jnp.zeros(num_classes, bool),
               'features': jnp.zeros((num_classes, spec.feature_dim)),
               'feature_present': jnp.zeros(num_classes, bool)}
     if with_features:
       server.update(init_features(spec, key) if init_features else
-                    {'feature_store': empty_store(num_classes, uploads_per_class_features(cfg, rounds, num_clients),
-                                                  spec.feature_dim + 1)})
+                    {'feature_store': empty_store(num_classes, capacity(cfg.feature_store), spec.feature_dim + 1)})
     return server
 
   def broadcast(server, group):
@@ -294,7 +295,7 @@ def felo_family(name: str, cfg: FeloConfig, num_classes: int, rounds: int, num_c
     return {**server, 'round': server['round'] + 1}, metrics
 
   def evaluation(group):
-    receive = (lambda c, b: c._replace(params=b['model'])) if cfg.average_models else None
+    receive = receive_group_model if cfg.average_models else None
     return head_evaluation(group.model, {'local_head': own_head}, receive=receive)
 
   def upload_scalars(upload) -> dict:
@@ -318,11 +319,6 @@ def felo_family(name: str, cfg: FeloConfig, num_classes: int, rounds: int, num_c
 
   return Algorithm(name, init_server, (Phase(name, client, server_update, broadcast),), evaluation,
                    init_client=init_client, upload_scalars=upload_scalars, broadcast_scalars=broadcast_scalars)
-
-
-def uploads_per_class_features(cfg: FeloConfig, rounds: int, num_clients: int) -> int:
-  """Slots of Felo's (sum, count) pair store per class: no more pairs than uploads, none beyond the window."""
-  return max(1, min(cfg.feature_store, rounds * num_clients))
 
 
 def _params_shape(group: GroupSpec) -> Any:
