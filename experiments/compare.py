@@ -18,6 +18,7 @@ interrupts.install()  # Ctrl-C or SIGTERM during the startup seconds: stop clean
 from absl import app, flags, logging  # noqa: E402
 
 from fedjax_het import cli
+from fedjax_het.compilation_cache import use_compilation_cache
 from fedjax_het.compare import parse_entry, run_comparison, write_comparison
 from fedjax_het.errors import ConfigError
 
@@ -38,6 +39,7 @@ def main(argv):
     seeds = [int(s) for s in FLAGS.seeds]
   except ValueError:
     sys.exit(f'error: --seeds={",".join(FLAGS.seeds)} must be integers, e.g. --seeds=0,1,2.')
+  use_compilation_cache(FLAGS.compilation_cache)
   try:
     base = cli.config_from_flags(algorithms=[parse_entry(a)[0] for a in FLAGS.algorithms])
     results = run_comparison(base, FLAGS.algorithms, seeds, FLAGS.workdir, progress=FLAGS.progress)

@@ -109,6 +109,8 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if not FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
+  from fedjax_het.compilation_cache import use_compilation_cache
+  use_compilation_cache(FLAGS.compilation_cache)
   import numpy as np
   from fedjax_het import inversion
   from fedjax_het.errors import ConfigError

@@ -14,6 +14,8 @@ import sys
 
 from absl import app, flags
 
+from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
+
 flags.DEFINE_string('workdir', None, 'A finished (or checkpointed) run of a method with a generator, e.g. GeFL.')
 flags.DEFINE_list('distances', ['pixel', 'feature'], 'Distances d: pixel (L2 of images), feature (L2 of a fixed '
                   'random small_cnn\'s features).')
@@ -24,6 +26,8 @@ flags.DEFINE_integer('seed', 0, 'Seed of the draws.')
 flags.DEFINE_integer('inversion_steps', 500, 'GeFL-F: Adam steps inverting each generated feature map through F.')
 flags.DEFINE_float('inversion_lr', 0.05, 'GeFL-F: Adam rate of the inversion.')
 flags.DEFINE_float('tv_weight', 0.1, 'GeFL-F: total-variation weight of the inversion.')
+flags.DEFINE_string('compilation_cache', DEFAULT_DIRECTORY, 'Folder of XLA\'s persistent compilation cache (as in '
+                    'experiments/run.py); empty: off.')
 flags.mark_flag_as_required('workdir')
 FLAGS = flags.FLAGS
 
@@ -34,6 +38,7 @@ def main(argv):
   from fedjax_het.errors import ConfigError
   from fedjax_het.experiment import restore_run
   from fedjax_het.privacy import embedding, mnd_ratio
+  use_compilation_cache(FLAGS.compilation_cache)
   try:
     cfg, fed, state = restore_run(FLAGS.workdir)
     if fed.algorithm.samples is None and cfg.algorithm != 'gefl_f':

@@ -23,6 +23,7 @@ if _cache != '0':
     _cache = tempfile.mkdtemp(prefix='fedjax_het_xla_cache_')
     os.environ['FEDJAX_HET_TEST_CACHE'] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = _cache  # experiment subprocesses share it (not ~/.cache)
   jax.config.update('jax_compilation_cache_dir', _cache)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)

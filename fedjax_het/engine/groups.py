@@ -123,10 +123,13 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
   of the seed and the architecture's name; otherwise each client draws its own."""
   spec = g.spec
 
-  def init_one(k):
+  def init_classifier(k):
     variables = init_variables(spec.model, k, spec.sample_input(), scheme=spec.init)
     params = variables.pop('params')
-    return params, variables, algorithm.init_client(spec, k)
+    return params, variables
+
+  def init_one(k):
+    return init_classifier(k) + (algorithm.init_client(spec, k),)
 
   if shared_init:
     group_key = architecture_key(init_key, spec.arch)
@@ -135,7 +138,10 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
     init_keys = jax.vmap(lambda c: jax.random.fold_in(init_key, c))(g.stacked_ids)
   trace(lambda: init_one(init_keys[0]), 'the algorithm\'s client modules (e.g. its --global_model)',
         '--global_model', spec.input_shape)
-  params, variables, extra = jax.jit(jax.vmap(init_one))(init_keys)
+  # Two programs, not one: the algorithm's state is often the same program in every group (a generator, an
+  # optimizer), which XLA's persistent compilation cache (`compilation_cache`) then compiles once per run.
+  params, variables = jax.jit(jax.vmap(init_classifier))(init_keys)
+  extra = jax.jit(jax.vmap(lambda k: algorithm.init_client(spec, k)))(init_keys)
   keys = jax.vmap(lambda c: jax.random.fold_in(key_key, c))(g.stacked_ids)
   return place_clients(ClientState(params, dict(variables), extra, keys), mesh)
 
