@@ -9,6 +9,10 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # FEDJAX_HET_TEST_XLA_OPT=1 keeps XLA's default.
 if os.environ.get('FEDJAX_HET_TEST_XLA_OPT', '0') == '0':
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0').strip()
+# Two pytest-xdist workers share two cores: one XLA:CPU thread per worker process instead of a pool per process
+# that competes for both cores. FEDJAX_HET_TEST_THREADS=pool keeps XLA's default pool.
+if os.environ.get('FEDJAX_HET_TEST_THREADS', 'one') == 'one':
+  os.environ['XLA_FLAGS'] += ' --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1'
 
 import jax
 
