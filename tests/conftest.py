@@ -9,10 +9,12 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # FEDJAX_HET_TEST_XLA_OPT=1 keeps XLA's default.
 if os.environ.get('FEDJAX_HET_TEST_XLA_OPT', '0') == '0':
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0').strip()
-# Two pytest-xdist workers share two cores: one XLA:CPU thread per worker process instead of a pool per process
-# that competes for both cores. FEDJAX_HET_TEST_THREADS=pool keeps XLA's default pool.
+# Two pytest-xdist workers share two cores: XLA:CPU's Eigen kernels run on the calling thread instead of a pool
+# per process that competes for both cores. FEDJAX_HET_TEST_THREADS=pool keeps XLA's default pool. (Not the
+# recipe's `intra_op_parallelism_threads=1`: a token without "--" makes XLA ignore every flag after it, such as
+# fedjax_het's own and test_sharding's device count.)
 if os.environ.get('FEDJAX_HET_TEST_THREADS', 'one') == 'one':
-  os.environ['XLA_FLAGS'] += ' --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1'
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_multi_thread_eigen=false').strip()
 
 import jax
 
