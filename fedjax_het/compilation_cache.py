@@ -13,6 +13,7 @@ import os
 from typing import Optional
 
 import jax
+from absl import logging
 
 DEFAULT_DIRECTORY = os.path.join('~', '.cache', 'fedjax_het', 'xla')
 
@@ -25,11 +26,17 @@ def configured_directory() -> Optional[str]:
 
 def use_compilation_cache(directory: Optional[str]) -> Optional[str]:
   """Points XLA's persistent compilation cache at `directory` (created if missing; None or '' leaves it off)
-  unless a cache directory is configured already, which is then kept. Returns the directory in use, or None."""
+  unless a cache directory is configured already, which is then kept; a folder that cannot be created is reported
+  with a warning and the cache left off. Returns the directory in use, or None."""
   current = configured_directory()
   if current or not directory:
     return current
   directory = os.path.expanduser(directory)
-  os.makedirs(directory, exist_ok=True)
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:  # a read-only home, a file in the way: run without the cache rather than not at all
+    logging.warning('--compilation_cache=%s cannot be created (%s); running without the compilation cache. Fix: '
+                    'give a writable folder, or --compilation_cache= to turn it off.', directory, e)
+    return None
   jax.config.update('jax_compilation_cache_dir', directory)
   return directory

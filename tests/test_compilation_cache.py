@@ -37,3 +37,9 @@ def test_a_folder_configured_already_is_kept(tmp_path):
 
 def test_an_empty_flag_leaves_the_cache_off(tmp_path):
   assert run_program('') == 'None'
+
+
+def test_a_folder_that_cannot_be_created_leaves_the_cache_off_with_a_warning(tmp_path):
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('')
+  assert run_program(blocker / 'xla') == 'None'
