@@ -208,7 +208,7 @@ def part_federation_step(rows):
   def federation_steps():
     c = carry
     for s in range(steps):
-      c, _ = fns['step'](c, g.train.x, g.train.y, 0, schedule, s, broadcast, key)
+      c, _ = fns['step'](c, g.train.x, g.train.y, 0, schedule, s, s, g.train.n[0], broadcast, key)
     return c
   rows.append({'part': 'federation_step', 'case': "Federation fns['step'] (FedRE loss, batch gathered in jit)",
                'ms': best_seconds(federation_steps) / steps * 1e3})

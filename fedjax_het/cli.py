@@ -59,6 +59,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
                  'split (default: 0.75 pooled, 1.0 global; below 1 with global, both test sets are scored).')
   f.DEFINE_integer('num_clients', _D.num_clients, 'Number of clients K.')
   f.DEFINE_float('join_ratio', _D.join_ratio, 'Fraction of clients that train each round.')
+  f.DEFINE_integer('full_participation_rounds', _D.full_participation_rounds, 'The run\'s last N rounds train every '
+                   'client whatever --join_ratio (FedVTC gives its baselines 5 such extra rounds).')
   # Models.
   f.DEFINE_list('models', list(_D.models), 'Architectures; client k gets models[k % len(models)].')
   f.DEFINE_integer('feature_dim', _D.feature_dim, 'Representation width d after RM.')
@@ -73,6 +75,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_enum('data_order', _D.data_order, ['stored', 'shuffle'], 'Order of local batches: stored (HtFLlib: '
                 'each client\'s rows in stored order every epoch, the last n mod B never used) or shuffle (PFLlib: '
                 'reshuffled every epoch).')
+  f.DEFINE_bool('drop_last', _D.drop_last, 'An epoch drops the last partial batch (HtFLlib\'s loader: FedRE and its '
+                'baselines); --nodrop_last trains on it (PyTorch\'s default loader: GeFL\'s code).')
   f.DEFINE_enum('init', _D.init, ['torch', 'flax'], 'Initialisation of Conv/Dense layers: torch (PyTorch\'s '
                 'default U(+-1/sqrt(fan_in)), as HtFLlib) or flax (Flax\'s defaults).')
   f.DEFINE_bool('shared_init', _D.shared_init, 'Clients of one architecture start from identical parameters '

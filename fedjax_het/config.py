@@ -27,6 +27,7 @@ class ExperimentConfig:
   train_fraction: Optional[float] = None
   num_clients: int = 10
   join_ratio: float = 1.0
+  full_participation_rounds: int = 0  # the run's last N rounds train every client (FedVTC's baselines: 5)
   models: tuple[str, ...] = ('cnn4',)
   feature_dim: int = 512
   rm: str = 'ap'
@@ -36,6 +37,7 @@ class ExperimentConfig:
   batch_size: int = 32
   local_learning_rate: float = 0.06
   data_order: str = 'stored'  # HtFLlib's DataLoader(shuffle=False, drop_last=True); 'shuffle': PFLlib
+  drop_last: bool = True  # HtFLlib's loader drops the last partial batch; False: PyTorch's default (GeFL's code)
   init: str = 'torch'  # PyTorch's default Conv/Linear initialisation (HtFLlib); 'flax': Flax's defaults
   shared_init: bool = True  # clients of one architecture start identical (HtFLlib seeds 0 before each model)
   # Every registered method's hyperparameters by name (its config dataclass, `fedjax_het.methods`); methods left
@@ -71,7 +73,7 @@ class ExperimentConfig:
   def local_training(self) -> LocalTraining:
     """The local SGD settings of this config."""
     return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order,
-                         max_steps=self.local_steps if self.local_steps != 0 else None)
+                         max_steps=self.local_steps if self.local_steps != 0 else None, drop_last=self.drop_last)
 
   @classmethod
   def from_dict(cls, d: dict) -> 'ExperimentConfig':

@@ -48,10 +48,14 @@ class ClientState(NamedTuple):
 
 class Batch(NamedTuple):
   """One local step's rows: x [B, ...], y [B], and index [B], the rows' indices in the client's training rows.
-  A program that trains on rows it generates (`LocalTraining.rows`) gets x and y None and index its row ids."""
+  A program that trains on rows it generates (`LocalTraining.rows`) gets x and y None and index its row ids.
+  mask [B]: which rows are real when the schedule keeps a partial last batch (`LocalTraining.drop_last` False;
+  None: every row is real). A program that accepts such batches (`Algorithm.partial_batches`) averages its losses
+  over the real rows and runs its classifier inside `models.norm.batch_rows(mask)`."""
   x: Optional[jnp.ndarray]
   y: Optional[jnp.ndarray]
   index: Optional[jnp.ndarray] = None
+  mask: Optional[jnp.ndarray] = None
 
 
 class ClientRows(NamedTuple):
@@ -128,11 +132,12 @@ def program_stages(program: ClientProgram) -> tuple[Stage, ...]:
 
 
 def stage_steps_per_epoch(training: LocalTraining, stage: Stage, n):
-  """Local steps per epoch of `stage` for a client of n training rows: n // B of real rows (drop_last; the
-  generated rows in place of n under `LocalTraining.rows`), at least one for a generated stage."""
-  steps = training.steps_per_epoch(n)
+  """Local steps per epoch of `stage` for a client of n training rows: n // B of real rows (ceil(n / B) without
+  drop_last; the generated rows in place of n under `LocalTraining.rows`); max(1, n // B) for a generated stage
+  whatever the batching rule (GeFL's code: floor(n_k / B) synthetic steps, one of n_k samples when n_k < B)."""
   if not stage.generated:
-    return steps
+    return training.steps_per_epoch(n)
+  steps = n // training.batch_size
   return jnp.maximum(steps, 1) if isinstance(steps, jax.Array) else np.maximum(steps, 1)
 
 
@@ -255,6 +260,8 @@ class Algorithm:
     participant receives (jnp scalars allowed: data-dependent sizes); default `leaf_scalars`.
   samples(server, spec, key, n) -> images [C, n, H, W, channels] in [-1, 1]: n samples per class from the
     method's generator as the server holds it, for pictures (samples.png); None for methods without one.
+  partial_batches: whether its programs weight losses and BatchNorm statistics by `Batch.mask`, so that it can run
+    a schedule that keeps the last partial batch (--nodrop_last); the engine refuses that schedule otherwise.
   """
   name: str
   init_server: Callable[[jax.Array, FederationSpec, Sequence[ClientState]], ServerState]
@@ -264,6 +271,7 @@ class Algorithm:
   upload_scalars: Callable[[Upload], dict] = leaf_scalars
   broadcast_scalars: Callable[[Broadcast], dict] = leaf_scalars
   samples: Optional[Callable[[ServerState, FederationSpec, jax.Array, int], jnp.ndarray]] = None
+  partial_batches: bool = False
 
 
 def one_phase(name: str, init_server, client, server_update, evaluation, broadcast=whole_server,

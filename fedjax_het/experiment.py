@@ -81,7 +81,7 @@ def make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> Algorithm:
 
 def _make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> tuple[Algorithm, Run]:
   run = Run(data.num_classes, cfg.num_clients, cfg.rounds, cfg.feature_dim, cfg.batch_size, cfg.local_learning_rate,
-            lambda: data.loader_label_counts(cfg.batch_size, cfg.data_order == 'stored'))
+            lambda: data.loader_label_counts(cfg.batch_size, cfg.data_order == 'stored' and cfg.drop_last))
   return method(cfg.algorithm).build(cfg.methods[cfg.algorithm], run), run
 
 
@@ -107,7 +107,7 @@ def _build(cfg: ExperimentConfig) -> tuple[Federation, Run]:
                    seed=cfg.seed, chunk_size=cfg.chunk_size, eval_batch_size=cfg.eval_batch_size,
                    conv=cfg.conv or default_conv(strategy), scan_unroll=cfg.scan_unroll, client_mesh=mesh,
                    client_threads=cfg.client_threads, init=cfg.init, shared_init=cfg.shared_init,
-                   rounds=cfg.rounds)
+                   rounds=cfg.rounds, full_participation_rounds=cfg.full_participation_rounds)
   return fed, run
 
 

@@ -1,4 +1,5 @@
-"""Random draws keyed per row, so that padding a client with extra rows never changes a draw for a real row."""
+"""Row-level helpers that make padding invisible: random draws keyed per row (padding a client with extra rows never
+changes a draw for a real row) and batch means over the real rows of a padded batch."""
 
 from __future__ import annotations
 
@@ -19,3 +20,20 @@ def row_uniform(key: jax.Array, num_rows: int) -> jnp.ndarray:
 def shuffled_real_rows(key: jax.Array, valid: jnp.ndarray) -> jnp.ndarray:
   """A random order of the rows with valid=True first (padding rows last), independent of padding."""
   return jnp.argsort(jnp.where(valid, row_uniform(key, valid.shape[0]), 2.0))
+
+
+def batch_mean(values: jnp.ndarray, mask: jnp.ndarray | None = None) -> jnp.ndarray:
+  """The mean of values [B, ...] over all entries, or over the entries of the rows where mask [B] is True (a
+  padded partial batch, `Batch.mask`): what the mean gives on the batch of real rows alone (0 if there is none)."""
+  if mask is None:
+    return values.mean()
+  m = jnp.broadcast_to(mask.reshape((-1,) + (1,) * (values.ndim - 1)), values.shape).astype(values.dtype)
+  return jnp.sum(values * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def row_weights(mask: jnp.ndarray | None, values: jnp.ndarray) -> jnp.ndarray | float:
+  """mask [B] as 0/1 weights broadcastable against values [B, ...] (1.0 without a mask): for losses summed over
+  the batch."""
+  if mask is None:
+    return 1.0
+  return mask.reshape((-1,) + (1,) * (values.ndim - 1)).astype(values.dtype)

@@ -229,3 +229,12 @@ def test_the_experiment_reports_accuracy_before_and_after_finetuning_and_draws_s
   assert os.path.getsize(tmp_path / 'samples.png') > 0
   with pytest.raises(ConfigError, match='--rounds=2'):  # FedVTC's phases hang on --rounds
     train_and_evaluate(dataclasses.replace(CFG, rounds=2), str(tmp_path), resume=True, progress=False)
+
+
+def test_every_round_ablation_keeps_the_servers_decoder_for_fine_tuning():
+  """Table 3 (2): with psi averaged every round, no closing exchange of every client's (mostly stale) local psi
+  replaces the server's last average: the run goes from 'fl' straight to 'finetune'."""
+  from fedjax_het.algorithms.fedvtc import FedVTCConfig, fedvtc
+  names = lambda cfg: [p.name for p in fedvtc(cfg, 10, 3, 0.01, 8).phases]
+  assert names(FedVTCConfig(every_round=True)) == ['fl', 'finetune']
+  assert names(FedVTCConfig()) == ['fl', 'vtc_exchange', 'finetune']

@@ -212,6 +212,18 @@ def test_fedhe_sends_no_features():
   assert alg.upload_scalars(up) == {'logits': 100, 'model': 7}
 
 
+def test_fedhe_by_default_is_the_papers_logits_only_baseline():
+  """The paper's FedHe shares logits only: no weights cross unless --felo_average_models asks for it."""
+  from fedjax_het.methods import METHODS
+  cfg = METHODS['fedhe'].config()
+  assert cfg.average_models is False and METHODS['felo'].config().average_models is True
+  alg = fedhe(cfg, 10, 10, 4)
+  up = {'logits': jnp.zeros((10, 10)), 'logit_counts': jnp.ones(10)}
+  assert alg.upload_scalars(up) == {'logits': 100}
+  assert alg.broadcast_scalars(alg.phases[-1].broadcast(alg.init_server(jax.random.PRNGKey(0), _spec(10, 16), ()),
+                                                        None)).keys() == {'logits'}
+
+
 def _spec(num_classes, feature_dim):
   from fedjax_het.core import FederationSpec
   return FederationSpec(num_classes, feature_dim, 2, 10, (), None)

@@ -74,8 +74,9 @@ def test_warmup_shares_f_over_all_groups_then_only_headers_and_the_generator_mov
 
 
 def test_gefl_f_refuses_what_is_not_built_with_the_fix_named():
+  from fedjax_het.algorithms import gefl_f
   with pytest.raises(ConfigError, match='--gefl_mode=freeze'):
-    GeFLFConfig(mode='update')
+    gefl_f(GeFLFConfig(mode='update'), 10, 2, 0.1, 8)
   with pytest.raises(ConfigError, match='--models=gefl-mnist-10'):
     build_federation(ExperimentConfig(**{**CFG.__dict__, 'models': ('mlp',)}))
 

@@ -2,7 +2,7 @@
 from fedjax_het.algorithms.ccvr import CCVRConfig, ccvr
 from fedjax_het.algorithms.fd import FDConfig, fd
 from fedjax_het.algorithms.fedavg import fedavg_grouped
-from fedjax_het.algorithms.felo import FeloConfig, fedhe, felo
+from fedjax_het.algorithms.felo import FedHeConfig, FeloConfig, fedhe, felo
 from fedjax_het.algorithms.fedgen import FedGenConfig, fedgen
 from fedjax_het.algorithms.fedprox import FedProxConfig, fedprox
 from fedjax_het.algorithms.gefl import GeFLConfig, gefl

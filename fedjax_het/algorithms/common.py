@@ -4,14 +4,14 @@ linear head, server-side SGD over uploaded rows, FedAvg."""
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from fedjax_het.models.forward import forward
-from fedjax_het.rows import shuffled_real_rows
+from fedjax_het.rows import batch_mean, shuffled_real_rows
 
 
 def masked_mean(values: jnp.ndarray, mask: jnp.ndarray, axis: int = 0) -> jnp.ndarray:
@@ -46,24 +46,25 @@ def soft_cross_entropy(logits: jnp.ndarray, soft_labels: jnp.ndarray) -> jnp.nda
   return -jnp.sum(soft_labels * jax.nn.log_softmax(logits, axis=-1), axis=-1)
 
 
-def train_forward(model, client, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray, Any]:
+def train_forward(model, client, x: jnp.ndarray, mask: Optional[jnp.ndarray] = None
+                  ) -> tuple[jnp.ndarray, jnp.ndarray, Any]:
   """Training-mode (logits, representations, client with updated BatchNorm statistics) of the client's own
-  classifier on x."""
-  logits, reps, model_state = forward(model, client.params, client.model_state, x, train=True)
+  classifier on x; mask [B]: the real rows of a padded partial batch (BatchNorm counts only them)."""
+  logits, reps, model_state = forward(model, client.params, client.model_state, x, True, mask)
   return logits, reps, client._replace(model_state=model_state)
 
 
-def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
-  """Mean CE of integer labels over a batch (torch's CrossEntropyLoss)."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray, mask: Optional[jnp.ndarray] = None) -> jnp.ndarray:
+  """Mean CE of integer labels over a batch (torch's CrossEntropyLoss), over its real rows when mask is given."""
+  return batch_mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels), mask)
 
 
 def cross_entropy_loss(model):
-  """The loss (client, batch, broadcast, key) -> (mean CE of the client's classifier on the batch, the client
-  with updated BatchNorm statistics) (FedRE Eq. 1)."""
+  """The loss (client, batch, broadcast, key) -> (mean CE of the client's classifier on the batch's real rows,
+  the client with updated BatchNorm statistics) (FedRE Eq. 1)."""
   def loss(client, batch, broadcast, key):
-    logits, _, client = train_forward(model, client, batch.x)
-    return cross_entropy(logits, batch.y), client
+    logits, _, client = train_forward(model, client, batch.x, batch.mask)
+    return cross_entropy(logits, batch.y, batch.mask), client
   return loss
 
 

@@ -332,6 +332,17 @@ def felo(cfg: FeloConfig, num_classes: int, rounds: int, num_clients: int) -> Al
   return felo_family('felo', cfg, num_classes, rounds, num_clients, with_features=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class FedHeConfig(FeloConfig):
+  """FedHe's hyperparameters: Felo's, but no weights are averaged by default. The Felo paper's FedHe shares
+  logits only, and so does the code's FedHe path (`Server.py`, which averages weights only under its asynchronous
+  homogeneous mode); --felo_average_models adds FedAvg within groups."""
+  average_models: bool = hyperparameter(False, 'Felo/Velo/FedHe: model-wise FedAvg within each architecture group '
+                                               '(Felo, Velo: the paper; FedHe: off, logits only).',
+                                        flag='felo_average_models')
+
+
 def fedhe(cfg: FeloConfig, num_classes: int, rounds: int, num_clients: int) -> Algorithm:
-  """FedHe as the paper's baseline: Felo without the feature term (logits only)."""
+  """FedHe as the Felo paper's baseline: per-class logits only, no feature term and (by default, `FedHeConfig`)
+  no weight averaging."""
   return felo_family('fedhe', cfg, num_classes, rounds, num_clients, with_features=False)

@@ -26,9 +26,13 @@ code). DCGAN trains on and emits [-1, 1]; CVAE and DDPM [0, 1] (the code feeds t
 --gefl_match_range (default) their samples are mapped into the classifiers' input range [-1, 1]; --nogefl_match_range
 feeds the generators' own range unconverted, the code's mismatch (SPEC_GENERATIVE.md: "Code quirks not to copy").
 
-Deviations: the real-data loop uses the library's drop_last batches (the code's loader keeps a last partial
-batch); a client with fewer rows than a batch draws a full batch of samples (the code draws n_k); the LG-FedAvg-like
-first-block sharing of the code's default `avg_FE = 1` is not applied (the paper's model-wise averaging; SPEC).
+Batches: GeFL's code loads real rows with PyTorch's default loader (shuffled, the last partial batch kept), for the
+target networks and the generators alike: run with --data_order=shuffle --nodrop_last, as the paper flag files do
+(a client of 60 rows and batch 64 then takes one step of 60 rows per epoch, where drop_last would take none). A
+synthetic epoch is the code's floor(n_k / B) steps of B generated samples, one step of n_k samples when n_k < B
+(576 samples per epoch for MNIST's 600 rows, not the 64 that Sec. V-D describes).
+Deviations: the LG-FedAvg-like first-block sharing of the code's default `avg_FE = 1` is not applied (the paper's
+model-wise averaging; SPEC).
 Communication: per knowledge round each participant downloads and uploads the generator (|G| + |D| for DCGAN);
 per target round its group's model both ways (plus the generator in update mode).
 """
@@ -126,7 +130,7 @@ def generator_step(gen: ConditionalGenerator, lr_scale, inputs=None):
 
   def step(client, batch: Batch, broadcast, key):
     variables, opt, loss = gen.step(client.extra['generator'], client.extra['optimizer'],
-                                    inputs(batch.x, broadcast), batch.y, key, lr_scale(broadcast))
+                                    inputs(batch.x, broadcast), batch.y, key, lr_scale(broadcast), batch.mask)
     return client._replace(extra={**client.extra, 'generator': variables, 'optimizer': opt}), loss
   return step
 
@@ -192,10 +196,10 @@ def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, b
   def target_client(group: GroupSpec) -> ClientProgram:
     gen = generator_of(group)
 
-    def sgd_on(client, x, y):
+    def sgd_on(client, x, y, mask):
       def loss(params):
-        logits, _, state = forward(group.model, params, client.model_state, x, True)
-        return cross_entropy(logits, y), state
+        logits, _, state = forward(group.model, params, client.model_state, x, True, mask)
+        return cross_entropy(logits, y, mask), state
       (value, state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
       params = jax.tree.map(lambda p, g: p - learning_rate * g, client.params, grads)
       return client._replace(params=params, model_state=state), value
@@ -206,10 +210,10 @@ def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, b
       images = gen.sample(broadcast['generator'], labels, sample_key)
       if cfg.match_range:
         images = from_generator_range(images, gen.unit_range)
-      return sgd_on(client, jax.lax.stop_gradient(images), labels)
+      return sgd_on(client, jax.lax.stop_gradient(images), labels, batch.mask)
 
     def real_step(client, batch: Batch, broadcast, key):
-      return sgd_on(client, batch.x, batch.y)
+      return sgd_on(client, batch.x, batch.y, batch.mask)
 
     def init(client, broadcast, key):
       client = receive_group_model(client, broadcast)
@@ -255,4 +259,4 @@ def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, b
                           knowledge_broadcast, rounds=cfg.knowledge_rounds, evaluate=False),
                     Phase('target', target_client, target_server, target_broadcast, rounds=rounds)),
                    evaluation, init_client=init_client, upload_scalars=scalars, broadcast_scalars=scalars,
-                   samples=samples)
+                   samples=samples, partial_batches=True)

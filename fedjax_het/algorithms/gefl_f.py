@@ -53,9 +53,6 @@ class GeFLFConfig(GeFLConfig):
 
   def __post_init__(self):
     super().__post_init__()
-    if self.mode != 'freeze':
-      raise ConfigError('GeFL-F runs its generator frozen after knowledge aggregation; --gefl_mode=update is not '
-                        'built for it. Fix: --gefl_mode=freeze.')
     if self.fe_rounds < 0 or self.warmup_epochs < 0:
       raise ConfigError(f'--gefl_fe_rounds={self.fe_rounds} and --gefl_warmup_epochs={self.warmup_epochs} must be '
                         f'>= 0.')
@@ -170,8 +167,8 @@ def shared_block_program(group: GroupSpec, epochs: int, learning_rate: float) ->
   upload F and the header (GeFL-F's warm-up; GeFL's LG-FedAvg baseline)."""
   def step(client, batch: Batch, broadcast, key):
     def loss(params):
-      logits, _, state = forward(group.model, params, client.model_state, batch.x, True)
-      return cross_entropy(logits, batch.y), state
+      logits, _, state = forward(group.model, params, client.model_state, batch.x, True, batch.mask)
+      return cross_entropy(logits, batch.y, batch.mask), state
     (value, state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
     params = jax.tree.map(lambda p, g: p - learning_rate * g, client.params, grads)
     return client._replace(params=params, model_state=state), value
@@ -207,11 +204,14 @@ def lg_fedavg_first_block(num_classes: int, learning_rate: float) -> Algorithm:
                    (Phase('lg_fedavg_fb', lambda g: shared_block_program(g, g.training.epochs, learning_rate),
                           shared_block_update, model_broadcast),),
                    lambda group: head_evaluation(group.model, {'group_model': own_head}, receive=receive_model),
-                   upload_scalars=model_scalars, broadcast_scalars=model_scalars)
+                   upload_scalars=model_scalars, broadcast_scalars=model_scalars, partial_batches=True)
 
 
 def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float, batch_size: int) -> Algorithm:
   """GeFL-F as an `Algorithm` of three phases: 'warmup' (T_FE), 'knowledge' (T_KA) and 'target' (`rounds`)."""
+  if cfg.mode != 'freeze':  # refused here, not in the config: --gefl_mode is GeFL's flag too
+    raise ConfigError('GeFL-F runs its generator frozen after knowledge aggregation; --gefl_mode=update is not '
+                      'built for it. Fix: --gefl_mode=freeze.')
   lr_scale = ddpm_lr_scale(cfg)
 
   def features(module: GeFLCNN, fe: dict, x):
@@ -267,14 +267,14 @@ def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float
   def target_client(group: GroupSpec) -> ClientProgram:
     gen, header = generator_of(group), header_model(group)
 
-    def sgd_on_header(client, maps, y):
-      """One SGD step of the header (F's parameters untouched) on feature maps."""
+    def sgd_on_header(client, maps, y, mask):
+      """One SGD step of the header (F's parameters untouched) on feature maps (the rows where mask is True)."""
       fe, head = split_client(client.params, client.model_state)
 
       def loss(head_params):
         params, model_state = join_client(fe, {'params': head_params, 'stats': head['stats']}, client.model_state)
-        logits, _, state = forward(header, params, model_state, maps, True)
-        return cross_entropy(logits, y), state
+        logits, _, state = forward(header, params, model_state, maps, True, mask)
+        return cross_entropy(logits, y, mask), state
       (value, state), grads = jax.value_and_grad(loss, has_aux=True)(head['params'])
       head_params = jax.tree.map(lambda p, g: p - learning_rate * g, head['params'], grads)
       _, new_head = split_client(head_params, state)
@@ -286,10 +286,11 @@ def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float
       label_key, sample_key = jax.random.split(key)
       labels = uniform_labels(label_key, batch_size, num_classes)
       maps = jax.lax.stop_gradient(gen.sample(broadcast['generator'], labels, sample_key))
-      return sgd_on_header(client, maps, labels)
+      return sgd_on_header(client, maps, labels, batch.mask)
 
     def real_step(client, batch: Batch, broadcast, key):
-      return sgd_on_header(client, features(features_module(group), broadcast['fe'], batch.x), batch.y)
+      return sgd_on_header(client, features(features_module(group), broadcast['fe'], batch.x), batch.y,
+                           batch.mask)
 
     def final(client, rows, broadcast, key):
       return client, {'header': split_client(client.params, client.model_state)[1]}
@@ -326,4 +327,5 @@ def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float
                     Phase('knowledge', knowledge_client, knowledge_server, knowledge_broadcast,
                           rounds=cfg.knowledge_rounds, evaluate=False),
                     Phase('target', target_client, target_server, target_broadcast, rounds=rounds)),
-                   evaluation, init_client=init_client, upload_scalars=scalars, broadcast_scalars=scalars)
+                   evaluation, init_client=init_client, upload_scalars=scalars, broadcast_scalars=scalars,
+                   partial_batches=True)

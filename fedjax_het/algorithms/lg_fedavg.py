@@ -27,4 +27,4 @@ def lg_fedavg(num_classes: int) -> Algorithm:
     u = concat_groups(uploads)
     return {'head': participant_average(u.values['head'], u.mask * u.num_train, server['head'])}, {}
 
-  return one_phase('lg_fedavg', initial_head, client, server_update, global_head_evaluation)
+  return one_phase('lg_fedavg', initial_head, client, server_update, global_head_evaluation, partial_batches=True)

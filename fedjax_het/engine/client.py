@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from fedjax_het.core import (Batch, ClientProgram, ClientRows, ClientState, Evaluation, program_stages, stage_key,
                              stage_steps_per_epoch, with_model, without_model)
 from fedjax_het.data.federated import ClientArrays
-from fedjax_het.local_training import batch_schedule, cap_schedule, step_key
+from fedjax_het.local_training import batch_row_mask, batch_schedule, cap_schedule, step_key
 from fedjax_het.models.classifier import HeteroClassifier
 from fedjax_het.models.forward import forward
 
@@ -61,24 +61,25 @@ def run_client(program: ClientProgram, model: HeteroClassifier, client: ClientSt
   total, count = 0.0, 0
   for k, stage in enumerate(program_stages(program)):
     train_key = stage_key(keys['train'], k)
+    slots = training.slots(n_max)
     if stage.generated:
-      slots = max(n_max // training.batch_size, 1)
       steps = jnp.arange(stage.epochs * slots)
       idx = jnp.zeros((steps.shape[0], 0), jnp.int32)
       valid = steps % slots < stage_steps_per_epoch(training, stage, n)
     else:
       idx, valid = batch_schedule(jax.random.fold_in(train_key, 0), n, n_max, training.batch_size,
-                                  stage.epochs, training.order)
-      slots = max(n_max // training.batch_size, 1)
+                                  stage.epochs, training.order, training.drop_last)
     idx, valid = cap_schedule(idx, valid, training.max_steps, stage.epochs)
 
     def body(carry, step, stage=stage, slots=slots, train_key=train_key):
       s, rows, ok = step
       key = step_key(train_key, s // slots, s % slots)
       if stage.generated:
-        batch = Batch(None, None, None)
+        batch = Batch(None, None, None, jnp.arange(training.batch_size) < n)
       else:
-        batch = Batch(None, None, rows) if rows_generated else Batch(data.x[rows], data.y[rows], rows)
+        mask = None if training.drop_last else batch_row_mask(s % slots, n, training.batch_size)
+        batch = (Batch(None, None, rows, mask) if rows_generated
+                 else Batch(data.x[rows], data.y[rows], rows, mask))
       return masked_step(stage.step, carry, batch, broadcast, key, ok)
 
     carry, losses = jax.lax.scan(body, carry, (jnp.arange(valid.shape[0]), idx, valid), unroll=unroll)

@@ -25,7 +25,7 @@ from fedjax_het.core import (Batch, ClientProgram, ClientRows, Evaluation, progr
                              stage_steps_per_epoch, with_model, without_model)
 from fedjax_het.engine.client import client_keys, count_correct, run_client, score_client
 from fedjax_het.engine.groups import EvalSet, Group
-from fedjax_het.local_training import batch_schedule, step_key
+from fedjax_het.local_training import batch_row_mask, batch_schedule, step_key
 from fedjax_het.models.forward import forward
 
 STRATEGIES = ('vmap', 'sequential')
@@ -222,8 +222,8 @@ class SequentialExecutor(Executor):
   def _client(self, g: Group, program: ClientProgram, fns: dict, i: int, client, broadcast, key):
     """Client i's round from the host: init, the real local steps of each stage, representations, final."""
     training = program.training
-    n_max = training.rows or g.train.x.shape[1]
-    slots = max(n_max // training.batch_size, 1)
+    slots = training.slots(training.rows or g.train.x.shape[1])
+    n = training.rows or g.train.n[i]
     keys = client_keys(jax.random.fold_in(key, int(g.clients[i])))
     original, client = client, without_model(program, client)
     carry = fns['init'](client, broadcast, keys['init'])
@@ -232,14 +232,14 @@ class SequentialExecutor(Executor):
       train_key = stage_key(keys['train'], k)
       idx = None
       if not stage.generated:
-        idx, _ = stage_fns['schedule'](jax.random.fold_in(train_key, 0), training.rows or g.train.n[i])
+        idx, _ = stage_fns['schedule'](jax.random.fold_in(train_key, 0), n)
       per_epoch = int(stage_steps_per_epoch(training, stage, g.train_sizes[i]))
       taken = 0
       for e in range(stage.epochs):
         for s in range(per_epoch):
           if training.max_steps is not None and taken >= training.max_steps:
             break  # --local_steps: the stage's first max_steps steps only
-          carry, loss = stage_fns['step'](carry, g.train.x, g.train.y, i, idx, e * slots + s, broadcast,
+          carry, loss = stage_fns['step'](carry, g.train.x, g.train.y, i, idx, e * slots + s, s, n, broadcast,
                                           step_key(train_key, e, s))
           total, steps, taken = total + loss, steps + 1, taken + 1
     reps = None
@@ -266,15 +266,16 @@ class SequentialExecutor(Executor):
     chunk = even_chunk(n_max, self.eval_batch_size)
 
     def stage_fns(stage):
-      def step(carry, x_all, y_all, i, schedule, slot, broadcast, key):
+      def step(carry, x_all, y_all, i, schedule, slot, slot_in_epoch, n, broadcast, key):
         if stage.generated:
-          return stage.step(carry, Batch(None, None, None), broadcast, key)
+          return stage.step(carry, Batch(None, None, None, jnp.arange(training.batch_size) < n), broadcast, key)
         rows = schedule[slot]
+        mask = None if training.drop_last else batch_row_mask(slot_in_epoch, n, training.batch_size)
         if training.rows is not None:
-          return stage.step(carry, Batch(None, None, rows), broadcast, key)
-        return stage.step(carry, Batch(x_all[i, rows], y_all[i, rows], rows), broadcast, key)
+          return stage.step(carry, Batch(None, None, rows, mask), broadcast, key)
+        return stage.step(carry, Batch(x_all[i, rows], y_all[i, rows], rows, mask), broadcast, key)
       schedule = lambda rng, n: batch_schedule(rng, n, training.rows or n_max, training.batch_size, stage.epochs,
-                                               training.order)
+                                               training.order, training.drop_last)
       return {'step': jax.jit(step), 'schedule': jax.jit(schedule)}
 
     def final(carry, train, i, reps, broadcast, key):

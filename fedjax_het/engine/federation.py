@@ -56,7 +56,7 @@ class Federation:
                seed: int = 0, chunk_size: int = 0, eval_batch_size: Optional[int] = None, conv: Optional[str] = None,
                scan_unroll: int = 1, client_mesh: Optional[jax.sharding.Mesh] = None,
                client_threads: Optional[int] = None, init: str = 'torch', shared_init: bool = True,
-               rounds: int = 0):
+               rounds: int = 0, full_participation_rounds: int = 0):
     strategy = strategy or default_strategy()
     if init not in INITS:
       raise ConfigError(f'--init={init!r} is unknown; choose one of {", ".join(INITS)} (torch: PyTorch\'s default '
@@ -82,13 +82,19 @@ class Federation:
       raise ConfigError(f'--scan_unroll={scan_unroll} must be >= 1 (local steps per loop iteration).')
     if not 0 < join_ratio <= 1:
       raise ConfigError(f'--join_ratio={join_ratio} must be in (0, 1].')
+    if full_participation_rounds < 0:
+      raise ConfigError(f'--full_participation_rounds={full_participation_rounds} must be >= 0.')
     if feature_dim < 1:
       raise ConfigError(f'--feature_dim={feature_dim} must be >= 1.')
+    if not training.drop_last and not algorithm.partial_batches:
+      raise ConfigError(f'--nodrop_last: {algorithm.name} does not weight its losses by the real rows of a partial '
+                        f'batch yet, so it only runs with epochs of full batches. Fix: --drop_last.')
     eval_batch_size = eval_batch_size or default_eval_batch_size()
     if eval_batch_size < 1:
       raise ConfigError(f'--eval_batch_size={eval_batch_size} must be >= 1 (0: the backend default).')
     self.algorithm, self.data, self.training = algorithm, data, training
     self.strategy, self.seed, self.join_ratio, self.shared_init = strategy, seed, join_ratio, shared_init
+    self.full_participation_rounds = full_participation_rounds
     self.conv = conv or default_conv(strategy)
     self.mesh = client_mesh if client_mesh is not None and client_mesh.size > 1 else None
     self.num_devices = 1 if self.mesh is None else self.mesh.size
@@ -114,11 +120,12 @@ class Federation:
     self.total_rounds = rounds if last.rounds is None else self.phase_starts[-1] + last.rounds
     self.programs = [[phase.client(g.spec) for g in self.groups] for phase in algorithm.phases]
     self.evaluations = [algorithm.evaluation(g.spec) for g in self.groups]
-    self.clients_without_steps = clients_without_steps(self.groups, training.batch_size)
+    self.clients_without_steps = clients_without_steps(self.groups, training.batch_size) if training.drop_last else []
     if len(self.clients_without_steps) == self.num_clients:
       raise ConfigError(f'--batch_size={training.batch_size} is larger than every client\'s training set (the '
                         f'largest holds {int(self.train_sizes.max())} rows), so no client could take a local step. '
-                        f'Fix: --batch_size <= {int(self.train_sizes.max())}, or fewer --num_clients.')
+                        f'Fix: --batch_size <= {int(self.train_sizes.max())}, fewer --num_clients, or --nodrop_last '
+                        f'(train on the partial batch, where the method supports it).')
     if self.clients_without_steps:
       logging.warning('--batch_size=%d: clients %s have fewer training samples than one batch and take no local '
                       'step (one epoch drops the last partial batch, as HtFLlib does).', training.batch_size,
@@ -166,7 +173,10 @@ class Federation:
 
   # ---------------------------------------------------------------- sampling
   def num_join(self, round_index: int = 0) -> int:
-    """Participants per round in the phase of `round_index`."""
+    """Participants per round in the phase of `round_index`: every client in the run's last
+    `full_participation_rounds` rounds (FedVTC's baselines train their 5 extra rounds so)."""
+    if round_index >= self.total_rounds - self.full_participation_rounds:
+      return self.num_clients
     ratio = self.phase(round_index).join_ratio or self.join_ratio
     return max(1, int(self.num_clients * ratio + 1e-9))
 
@@ -186,17 +196,27 @@ class Federation:
 
   def local_work(self, participants: np.ndarray, program: Optional[ClientProgram] = None) -> dict:
     """Local steps and samples the participants process this round: per stage, epochs * (n_k // batch_size)
-    steps of batch_size rows each (drop_last; generated rows in place of n_k where the program generates its own;
-    at least one step per epoch in a generated stage; at most --local_steps per stage), summed over participants
-    and stages."""
+    steps of batch_size rows each (drop_last; without it ceil(n_k / batch_size) steps, the last of the n_k mod B
+    remaining rows; generated rows in place of n_k where the program generates its own; max(1, n_k // B) steps
+    of min(n_k, B) rows per epoch in a generated stage; at most --local_steps per stage), summed over
+    participants and stages."""
     training = program.training if program is not None else self.training
     stages = program_stages(program) if program is not None else (Stage(None, training.epochs),)
-    steps = 0
+    n = np.asarray(training.rows if training.rows is not None else self.train_sizes[participants])
+    n = np.broadcast_to(n, participants.shape)
+    steps = samples = 0
     for stage in stages:
-      per_client = np.broadcast_to(stage_steps_per_epoch(training, stage, self.train_sizes[participants]),
-                                   participants.shape)
-      steps += int(capped_steps(per_client * stage.epochs, training.max_steps).sum())
-    return {'local_steps': steps, 'local_samples': steps * training.batch_size}
+      per_epoch = np.broadcast_to(stage_steps_per_epoch(training, stage, n), participants.shape)
+      taken = capped_steps(per_epoch * stage.epochs, training.max_steps)
+      if stage.generated:
+        rows = taken * np.minimum(n, training.batch_size)
+      elif training.drop_last:
+        rows = taken * training.batch_size
+      else:  # whole epochs see all n rows; the first steps of a cut epoch are full batches
+        whole = taken // np.maximum(per_epoch, 1)
+        rows = whole * n + (taken - whole * per_epoch) * training.batch_size
+      steps, samples = steps + int(taken.sum()), samples + int(rows.sum())
+    return {'local_steps': steps, 'local_samples': samples}
 
   # ---------------------------------------------------------------- one round
   def _fn(self, name: str, where, make):

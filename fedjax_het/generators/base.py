@@ -5,10 +5,12 @@ A `ConditionalGenerator` is pure functions over a pytree of variables, so a clie
 
   init(key) -> variables                     every client and the server start from the same draw (shared key)
   init_optimizer(variables) -> opt_state     per-client optimizer state(s), kept across rounds by GeFL
-  step(variables, opt_state, x, y, key, lr_scale) -> (variables, opt_state, loss)
+  step(variables, opt_state, x, y, key, lr_scale, mask) -> (variables, opt_state, loss)
                                              one update on a batch of real images x [B, H, W, C] in the
                                              generator's own range and labels y [B]; lr_scale multiplies the
-                                             learning rate (DDPM's linear decay over rounds)
+                                             learning rate (DDPM's linear decay over rounds); mask [B] (or None):
+                                             the real rows of a padded partial batch, the only ones its losses
+                                             and BatchNorm statistics count
   sample(variables, labels, key) -> images   one image per label, in the generator's own range, eval mode
   unit_range: True when the generator trains on and emits [0, 1] images (CVAE, DDPM: GeFL's code feeds them
     ToTensor images), False for [-1, 1] (DCGAN's tanh). `to_generator_range` / `from_generator_range` convert.
@@ -21,6 +23,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+
+from fedjax_het.rows import batch_mean, row_weights
 
 
 class ConditionalGenerator(NamedTuple):
@@ -57,11 +61,11 @@ def apply_adam(optimizer: optax.GradientTransformation, params: Any, grads: Any,
   return jax.tree.map(lambda p, d: p - learning_rate * d, params, direction), opt_state
 
 
-def bce(p: jnp.ndarray, target: float) -> jnp.ndarray:
-  """torch.nn.BCELoss (mean) of probabilities p against a constant target, logs clamped at -100 as PyTorch
-  clamps them."""
+def bce(p: jnp.ndarray, target: float, mask: jnp.ndarray | None = None) -> jnp.ndarray:
+  """torch.nn.BCELoss (mean) of probabilities p [B, ...] against a constant target, logs clamped at -100 as
+  PyTorch clamps them; over the rows where mask [B] is True when given (a padded partial batch)."""
   log_p, log_q = jnp.maximum(jnp.log(p), -100.0), jnp.maximum(jnp.log1p(-p), -100.0)
-  return -jnp.mean(target * log_p + (1.0 - target) * log_q)
+  return -batch_mean(target * log_p + (1.0 - target) * log_q, mask)
 
 
 def uniform_labels(key: jax.Array, n: int, num_classes: int) -> jnp.ndarray:
@@ -69,7 +73,8 @@ def uniform_labels(key: jax.Array, n: int, num_classes: int) -> jnp.ndarray:
   return jax.random.randint(key, (n,), 0, num_classes)
 
 
-def gaussian_kl(mu: jnp.ndarray, logvar: jnp.ndarray) -> jnp.ndarray:
+def gaussian_kl(mu: jnp.ndarray, logvar: jnp.ndarray, mask: jnp.ndarray | None = None) -> jnp.ndarray:
   """KL(N(mu, exp(logvar)) || N(0, I)) summed over every entry: -0.5 sum(1 + logvar - mu^2 - exp(logvar)) (the VAE
-  term of GeFL's CVAE and Velo's server CVAE)."""
-  return -0.5 * jnp.sum(1.0 + logvar - mu ** 2 - jnp.exp(logvar))
+  term of GeFL's CVAE and Velo's server CVAE); over the rows where mask [B] is True when given."""
+  terms = 1.0 + logvar - mu ** 2 - jnp.exp(logvar)
+  return -0.5 * jnp.sum(terms * row_weights(mask, terms))

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from fedjax_het.generators.base import ConditionalGenerator, adam, apply_adam, gaussian_kl
 from fedjax_het.models.conv import conv_factory, conv_transpose
 from fedjax_het.models.init import torch_default_init
-from fedjax_het.models.norm import TorchBatchNorm
+from fedjax_het.models.norm import TorchBatchNorm, batch_rows
+from fedjax_het.rows import row_weights
 
 
 class CVAEEncoder(nn.Module):
@@ -85,10 +86,12 @@ class CVAE(nn.Module):
     return self.decoder(z, jax.nn.one_hot(y, self.num_classes), train)
 
 
-def cvae_loss(reconstruction: jnp.ndarray, x: jnp.ndarray, mu: jnp.ndarray, logvar: jnp.ndarray) -> jnp.ndarray:
+def cvae_loss(reconstruction: jnp.ndarray, x: jnp.ndarray, mu: jnp.ndarray, logvar: jnp.ndarray,
+              mask: jnp.ndarray | None = None) -> jnp.ndarray:
   """sum over the batch and pixels of (x' - x)^2, plus the KL summed over the batch: -0.5 sum(1 + logvar - mu^2 -
-  exp(logvar))."""
-  return jnp.sum((reconstruction - x) ** 2) + gaussian_kl(mu, logvar)
+  exp(logvar)); both over the rows where mask [B] is True when given."""
+  squared = (reconstruction - x) ** 2
+  return jnp.sum(squared * row_weights(mask, squared)) + gaussian_kl(mu, logvar, mask)
 
 
 def cvae(num_classes: int, channels: int = 1, width: int = 64, latent: int = 16, learning_rate: float = 1e-3,
@@ -105,13 +108,14 @@ def cvae(num_classes: int, channels: int = 1, width: int = 64, latent: int = 16,
                            jnp.zeros((1, latent)), False)
     return {**variables, 'params': torch_default_init(variables['params'], jax.random.fold_in(key, 1))}
 
-  def step(variables, opt_state, x, y, key, lr_scale=1.0):
+  def step(variables, opt_state, x, y, key, lr_scale=1.0, mask=None):
     eps = jax.random.normal(key, (x.shape[0], latent))
 
     def loss(params):
-      (recon, mu, logvar), state = model.apply({**variables, 'params': params}, x, y, eps, True,
-                                               mutable=['batch_stats'])
-      return cvae_loss(recon, x, mu, logvar), state['batch_stats']
+      with batch_rows(mask):
+        (recon, mu, logvar), state = model.apply({**variables, 'params': params}, x, y, eps, True,
+                                                 mutable=['batch_stats'])
+      return cvae_loss(recon, x, mu, logvar, mask), state['batch_stats']
     (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(variables['params'])
     params, opt_state = apply_adam(optimizer, variables['params'], grads, opt_state, learning_rate * lr_scale)
     return {'params': params, 'batch_stats': stats}, opt_state, value

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from fedjax_het.generators.base import ConditionalGenerator, adam, apply_adam, bce, uniform_labels
 from fedjax_het.models.conv import conv_factory, conv_transpose
-from fedjax_het.models.norm import TorchBatchNorm
+from fedjax_het.models.norm import TorchBatchNorm, batch_rows
 
 NOISE_DIM = 100
 
@@ -103,17 +103,20 @@ def dcgan_losses(g_apply, d_apply, num_classes: int):
                               mutable=['batch_stats'])
     return images, y, g_state['batch_stats']
 
-  def d_loss(d_params, d_stats, g_vars, x, y, key):
-    images, y_fake, g_stats = fake(g_vars, x.shape[0], key)
-    images = jax.lax.stop_gradient(images)
-    p_real, s = d_apply({'params': d_params, 'batch_stats': d_stats}, x, onehot(y), True, mutable=['batch_stats'])
-    p_fake, s = d_apply({'params': d_params, **s}, images, onehot(y_fake), True, mutable=['batch_stats'])
-    return bce(p_real, 1.0) + bce(p_fake, 0.0), (s['batch_stats'], g_stats)
+  def d_loss(d_params, d_stats, g_vars, x, y, key, mask=None):
+    with batch_rows(mask):  # a partial batch of m real rows meets m generated ones, as in the code
+      images, y_fake, g_stats = fake(g_vars, x.shape[0], key)
+      images = jax.lax.stop_gradient(images)
+      p_real, s = d_apply({'params': d_params, 'batch_stats': d_stats}, x, onehot(y), True,
+                          mutable=['batch_stats'])
+      p_fake, s = d_apply({'params': d_params, **s}, images, onehot(y_fake), True, mutable=['batch_stats'])
+    return bce(p_real, 1.0, mask) + bce(p_fake, 0.0, mask), (s['batch_stats'], g_stats)
 
-  def g_loss(g_params, g_stats, d_vars, n, key):
-    images, y_fake, g_stats = fake({'params': g_params, 'batch_stats': g_stats}, n, key)
-    p_fake, s = d_apply(d_vars, images, onehot(y_fake), True, mutable=['batch_stats'])
-    return bce(p_fake, 1.0), (s['batch_stats'], g_stats)
+  def g_loss(g_params, g_stats, d_vars, n, key, mask=None):
+    with batch_rows(mask):
+      images, y_fake, g_stats = fake({'params': g_params, 'batch_stats': g_stats}, n, key)
+      p_fake, s = d_apply(d_vars, images, onehot(y_fake), True, mutable=['batch_stats'])
+    return bce(p_fake, 1.0, mask), (s['batch_stats'], g_stats)
   return d_loss, g_loss
 
 
@@ -139,16 +142,16 @@ def dcgan(num_classes: int, channels: int = 1, g_width: int = 128, d_width: int 
   def init_optimizer(variables):
     return {'G': optimizer.init(variables['G']['params']), 'D': optimizer.init(variables['D']['params'])}
 
-  def step(variables, opt_state, x, y, key, lr_scale=1.0):
+  def step(variables, opt_state, x, y, key, lr_scale=1.0, mask=None):
     d_key, g_key = jax.random.split(key)
     G, D = variables['G'], variables['D']
     (ld, (d_stats, g_stats)), grads = jax.value_and_grad(d_loss, has_aux=True)(
-        D['params'], D['batch_stats'], G, x, y, d_key)
+        D['params'], D['batch_stats'], G, x, y, d_key, mask)
     d_params, d_opt = apply_adam(optimizer, D['params'], grads, opt_state['D'], learning_rate * lr_scale)
     D = {'params': d_params, 'batch_stats': d_stats}
     G = {**G, 'batch_stats': g_stats}
     (lg, (d_stats, g_stats)), grads = jax.value_and_grad(g_loss, has_aux=True)(
-        G['params'], G['batch_stats'], D, x.shape[0], g_key)
+        G['params'], G['batch_stats'], D, x.shape[0], g_key, mask)
     g_params, g_opt = apply_adam(optimizer, G['params'], grads, opt_state['G'], learning_rate * lr_scale)
     return ({'G': {'params': g_params, 'batch_stats': g_stats}, 'D': {**D, 'batch_stats': d_stats}},
             {'G': g_opt, 'D': d_opt}, ld + lg)

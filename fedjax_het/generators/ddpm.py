@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from fedjax_het.generators.base import ConditionalGenerator, adam, apply_adam
 from fedjax_het.models.conv import conv_factory, conv_transpose
 from fedjax_het.models.init import torch_default_init
-from fedjax_het.models.norm import TorchBatchNorm
+from fedjax_het.models.norm import TorchBatchNorm, batch_rows
+from fedjax_het.rows import batch_mean
 
 gelu = lambda x: nn.gelu(x, approximate=False)
 
@@ -140,7 +141,7 @@ def ddpm(num_classes: int, channels: int = 1, size: int = 32, width: int = 128, 
                          False)
     return {**variables, 'params': torch_default_init(variables['params'], jax.random.fold_in(key, 1))}
 
-  def step(variables, opt_state, x, y, key, lr_scale=1.0):
+  def step(variables, opt_state, x, y, key, lr_scale=1.0, mask=None):
     t_key, n_key, m_key = jax.random.split(key, 3)
     t = jax.random.randint(t_key, (x.shape[0],), 1, steps + 1)
     noise = jax.random.normal(n_key, x.shape)
@@ -150,9 +151,10 @@ def ddpm(num_classes: int, channels: int = 1, size: int = 32, width: int = 128, 
     context = jax.nn.one_hot(y, num_classes) * keep[:, None]
 
     def loss(params):
-      eps, state = net.apply({**variables, 'params': params}, x_t, context, t / steps, True,
-                             mutable=['batch_stats'])
-      return jnp.mean((noise - eps) ** 2), state['batch_stats']
+      with batch_rows(mask):
+        eps, state = net.apply({**variables, 'params': params}, x_t, context, t / steps, True,
+                               mutable=['batch_stats'])
+      return batch_mean((noise - eps) ** 2, mask), state['batch_stats']
     (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(variables['params'])
     params, opt_state = apply_adam(optimizer, variables['params'], grads, opt_state, learning_rate * lr_scale)
     return {'params': params, 'batch_stats': stats}, opt_state, value

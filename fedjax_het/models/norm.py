@@ -1,10 +1,48 @@
-"""BatchNorm with PyTorch's defaults, shared by every model ported from PyTorch."""
+"""BatchNorm with PyTorch's defaults, shared by every model ported from PyTorch, and the rows of a partial batch.
+
+A partial last batch (a loader that keeps it, `LocalTraining.drop_last=False`) is padded to the full batch shape
+so that every step compiles once; inside `batch_rows(mask)` every BatchNorm layer in train mode computes its batch
+statistics (and its running-statistics update) over the rows where `mask` is True only, as PyTorch does on the
+shorter batch. The mask reaches layers through a thread-local context rather than through every model's
+signature (as flax's `logical_axis_rules` does): it is read while a function is traced, per host thread.
+"""
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import threading
+from typing import Iterator, Optional
 
 import flax.linen as nn
+import jax.numpy as jnp
 
-# torch BatchNorm: momentum 0.1 (flax's momentum is the complement, 0.9), eps 1e-5 (googlenet overrides 1e-3).
-TorchBatchNorm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
+_context = threading.local()
+
+
+@contextlib.contextmanager
+def batch_rows(mask: Optional[jnp.ndarray]) -> Iterator[None]:
+  """Within the block, train-mode BatchNorm statistics count only the rows where mask [B] is True (None: all)."""
+  previous = getattr(_context, 'mask', None)
+  _context.mask = mask
+  try:
+    yield
+  finally:
+    _context.mask = previous
+
+
+class BatchNorm(nn.BatchNorm):
+  """torch.nn.BatchNorm2d's defaults: momentum 0.1 (flax's momentum is the complement, 0.9), eps 1e-5 (googlenet
+  overrides 1e-3); statistics over the rows of `batch_rows` when one is active. (Named BatchNorm so that its
+  variables keep flax's names, e.g. 'BatchNorm_0'.)"""
+  momentum: float = 0.9
+  epsilon: float = 1e-5
+
+  @nn.compact
+  def __call__(self, x, use_running_average=None, *, mask=None):
+    rows = getattr(_context, 'mask', None)
+    if mask is None and rows is not None:
+      mask = jnp.broadcast_to(rows.reshape((-1,) + (1,) * (x.ndim - 1)), x.shape)
+    return super().__call__(x, use_running_average, mask=mask)
+
+
+TorchBatchNorm = BatchNorm
