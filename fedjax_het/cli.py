@@ -64,7 +64,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   # Models.
   f.DEFINE_list('models', list(_D.models), 'Architectures; client k gets models[k % len(models)].')
   f.DEFINE_integer('feature_dim', _D.feature_dim, 'Representation width d after RM.')
-  f.DEFINE_enum('rm', _D.rm, ['ap', 'mp', 'fc'], 'Representation mapping to width d.')
+  f.DEFINE_enum('rm', _D.rm, ['ap', 'mp', 'fc', 'none'], 'Representation mapping to width d (none: the '
+                'extractor\'s own features, the head straight on them, as GeFL\'s CNNs; --feature_dim unused).')
   # Training.
   f.DEFINE_integer('rounds', _D.rounds, 'Communication rounds.')
   f.DEFINE_integer('local_epochs', _D.local_epochs, 'Local epochs per round.')

@@ -262,6 +262,9 @@ class Algorithm:
     method's generator as the server holds it, for pictures (samples.png); None for methods without one.
   partial_batches: whether its programs weight losses and BatchNorm statistics by `Batch.mask`, so that it can run
     a schedule that keeps the last partial batch (--nodrop_last); the engine refuses that schedule otherwise.
+  shares_representations: whether anything of the representation width d crosses between architecture groups
+    (prototypes, a shared head, representations); methods that exchange only whole models within groups, or
+    generators, set False and may then run groups of different widths (--rm=none).
   """
   name: str
   init_server: Callable[[jax.Array, FederationSpec, Sequence[ClientState]], ServerState]
@@ -272,6 +275,7 @@ class Algorithm:
   broadcast_scalars: Callable[[Broadcast], dict] = leaf_scalars
   samples: Optional[Callable[[ServerState, FederationSpec, jax.Array, int], jnp.ndarray]] = None
   partial_batches: bool = False
+  shares_representations: bool = True
 
 
 def one_phase(name: str, init_server, client, server_update, evaluation, broadcast=whole_server,

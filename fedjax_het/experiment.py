@@ -45,8 +45,11 @@ def validate(cfg: ExperimentConfig) -> None:
     if getattr(cfg, name) < 0:
       raise ConfigError(f'--{name}={getattr(cfg, name)} must be >= 0.')
   for name in ('eval_every', 'batch_size', 'local_epochs', 'num_clients', 'feature_dim'):
-    if getattr(cfg, name) < 1:
-      raise ConfigError(f'--{name}={getattr(cfg, name)} must be >= 1.')
+    if getattr(cfg, name) < 1 and not (name == 'local_epochs' and cfg.local_epochs == 0 and
+                                       getattr(cfg.method_config, 'synthetic_epochs', 0) > 0):
+      raise ConfigError(f'--{name}={getattr(cfg, name)} must be >= 1' + (
+          ' (0 only for a method that also trains on generated data: GeFL\'s synthetic-only runs, '
+          '--local_epochs=0 --gefl_synthetic_epochs=N).' if name == 'local_epochs' else '.'))
   if not 0 <= cfg.seed < 2 ** 32:
     raise ConfigError(f'--seed={cfg.seed} must be in [0, 2**32).')
   if not (math.isfinite(cfg.local_learning_rate) and cfg.local_learning_rate > 0):

@@ -181,3 +181,24 @@ def test_gefls_reported_number_is_the_mean_over_architectures_of_each_ones_best_
   # mlp: best of (0.6, 0.2) = 0.6; cnn1: best of (0.1, 0.8) = 0.8 -> 0.7 (the best single round has 0.6 or 0.5)
   assert best_per_architecture_mean(cfg, evals) == pytest.approx(0.7)
   assert best_per_architecture_mean(cfg, [{'accuracy': 0.3}]) is None
+
+
+def test_shared_first_block_is_the_unweighted_mean_over_all_participants():
+  """--gefl_share_first_block (the code's avg_FE = 1): F's parameters and BatchNorm statistics averaged over every
+  participant of every architecture; the rest of each model stays its group's average."""
+  from fedjax_het.algorithms.gefl import with_shared_first_block
+  from fedjax_het.core import Uploads
+
+  def model(fe, rest):
+    return {'params': {'extractor': {'fe_conv': {'kernel': fe}, 'conv0': {'kernel': rest}}, 'head': {'bias': rest}},
+            'model_state': {'batch_stats': {'extractor': {'fe_bn': {'mean': 10 * fe}}}}}
+  arr = lambda *v: jnp.asarray(v, jnp.float32)
+  uploads = (Uploads({'model': model(arr(1., 3.), arr(0., 0.))}, jnp.array([True, True]), arr(1., 1.)),
+             Uploads({'model': model(arr(5., 7.), arr(0., 0.))}, jnp.array([True, False]), arr(1., 1.)))
+  group_means = (model(jnp.float32(2.), jnp.float32(-1.)), model(jnp.float32(5.), jnp.float32(-2.)))
+  out = with_shared_first_block(group_means, uploads)
+  for g, rest in zip(out, (-1., -2.)):
+    np.testing.assert_allclose(g['params']['extractor']['fe_conv']['kernel'], 3.0)  # (1 + 3 + 5) / 3
+    np.testing.assert_allclose(g['model_state']['batch_stats']['extractor']['fe_bn']['mean'], 30.0)
+    np.testing.assert_allclose(g['params']['extractor']['conv0']['kernel'], rest)
+    np.testing.assert_allclose(g['params']['head']['bias'], rest)

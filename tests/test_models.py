@@ -138,3 +138,27 @@ def test_model_family_assignment_and_errors():
   with pytest.raises(ConfigError, match='--rm'):
     build_model('mlp', 10, 8, rm='avg').init(jax.random.PRNGKey(0), jnp.ones((1, 4, 4, 1)))
   assert {'cnn4', 'resnet18', 'resnet34'} <= set(model_names())
+
+
+def test_rm_none_puts_the_head_straight_on_the_extractor_features():
+  """GeFL's CNNs end in one fc (Table XXI: CNN-1 fc(1024 -> 10), 10,250 parameters; CNN-10 fc(80 -> 10)). A method
+  that exchanges representations refuses groups of different widths, with the fix named."""
+  import numpy as np
+  from fedjax_het.algorithms import FedProtoConfig, fedavg_grouped, fedproto
+  from fedjax_het.data.datasets import make_synthetic
+  from fedjax_het.data import make_federated_data
+  from fedjax_het.engine import Federation, LocalTraining
+  from fedjax_het.errors import ConfigError
+  data = make_federated_data(make_synthetic(40, (32, 32, 1), 10, seed=0), 2, 'iid', 0, protocol='global')
+  models = ['gefl_mnist_cnn1', 'gefl_mnist_cnn10']
+  fed = Federation(fedavg_grouped(10), data, models, LocalTraining(0.1, 8, 1), feature_dim=128, rm='none',
+                   strategy='sequential', conv='xla', rounds=1)
+  heads = [jax.eval_shape(lambda: g.model.init(jax.random.PRNGKey(0), g.spec.sample_input()))['params']['head']
+           for g in fed.groups]
+  assert [g.spec.feature_dim for g in fed.groups] == [1024, 80]
+  assert [sum(int(np.prod(a.shape)) for a in jax.tree.leaves(h)) for h in heads] == [10250, 810]
+  assert 'rm_fc' not in jax.eval_shape(lambda: fed.groups[0].model.init(
+      jax.random.PRNGKey(0), fed.groups[0].spec.sample_input()))['params']
+  with pytest.raises(ConfigError, match='--rm=none'):
+    Federation(fedproto(FedProtoConfig(), 10), data, models, LocalTraining(0.1, 8, 1), rm='none',
+               strategy='sequential', conv='xla', rounds=1)

@@ -119,7 +119,7 @@ def test_generator_losses_count_only_real_rows():
                              (np.log(2) + np.log(4)) / 2, rtol=1e-6)
 
 
-def counting_algorithm() -> Algorithm:
+def counting_algorithm(real_epochs: int = 1) -> Algorithm:
   """A method whose clients count the rows of their generated and real batches (stage 1 and 2)."""
   def program(group):
     def count(slot):
@@ -129,7 +129,7 @@ def counting_algorithm() -> Algorithm:
       return step
     return ClientProgram(lambda client, b, k: (client, jnp.zeros(2, jnp.int32)), None,
                          lambda carry, rows, b, k: (carry[0], {'rows': carry[1]}), group.training,
-                         stages=(Stage(count(0), 1, generated=True), Stage(count(1), 1)))
+                         stages=(Stage(count(0), 1, generated=True), Stage(count(1), real_epochs)))
 
   def server(state, uploads, key):
     return {'rows': jnp.concatenate([u.values['rows'] for u in uploads])}, {}
@@ -187,3 +187,21 @@ def test_last_rounds_at_full_participation():
   with pytest.raises(ConfigError, match='--full_participation_rounds'):
     Federation(local(4), data, ['mlp'], LocalTraining(0.05, 8, 1), feature_dim=16, strategy='sequential',
                conv='xla', rounds=5, full_participation_rounds=-1)
+
+
+@pytest.mark.parametrize('strategy', ['sequential', 'vmap'])
+def test_synthetic_only_round_trains_on_no_real_row(strategy):
+  """GeFL's synthetic-only rows (Tables VII/VIII 'Syn'): --local_epochs=0 leaves only the generated stage."""
+  fed = Federation(counting_algorithm(real_epochs=0), sized_data(), ['mlp'], LocalTraining(0.05, 8, 0),
+                   feature_dim=16, strategy=strategy, conv='xla', eval_batch_size=16, rounds=1)
+  state, metrics = fed.round(fed.init())
+  assert np.asarray(state.server['rows']).tolist() == [[5, 0], [16, 0]]
+
+
+def test_zero_local_epochs_only_for_methods_that_train_on_generated_data():
+  from fedjax_het.algorithms import GeFLConfig
+  from fedjax_het.config import ExperimentConfig
+  from fedjax_het.experiment import validate
+  validate(ExperimentConfig(algorithm='gefl', local_epochs=0, methods={'gefl': GeFLConfig(synthetic_epochs=5)}))
+  with pytest.raises(ConfigError, match='--local_epochs=0 must be >= 1 .*--gefl_synthetic_epochs'):
+    validate(ExperimentConfig(algorithm='fedavg', local_epochs=0))

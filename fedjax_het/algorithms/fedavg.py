@@ -36,4 +36,6 @@ def fedavg_grouped(num_classes: int) -> Algorithm:
     return {'models': models}, {}
 
   evaluation = lambda group: head_evaluation(group.model, {'local_head': own_head}, receive=receive_group_model)
-  return one_phase('fedavg', init_server, client, server_update, evaluation, broadcast=broadcast, partial_batches=True)
+  return one_phase('fedavg', init_server, client, server_update, evaluation, broadcast=broadcast,
+                   partial_batches=True,
+                   shares_representations=False)

@@ -57,4 +57,5 @@ def fedprox(cfg: FedProxConfig, num_classes: int) -> Algorithm:
   return one_phase('fedprox', lambda key, spec, initial: {'models': tuple(s.params for s in initial)}, client,
                    server_update, lambda group: head_evaluation(group.model, {'local_head': own_head},
                                                                 receive=receive_group_model),
-                   broadcast=lambda server, group: {'model': server['models'][group.index]}, partial_batches=True)
+                   broadcast=lambda server, group: {'model': server['models'][group.index]}, partial_batches=True,
+                   shares_representations=False)

@@ -31,8 +31,10 @@ target networks and the generators alike: run with --data_order=shuffle --nodrop
 (a client of 60 rows and batch 64 then takes one step of 60 rows per epoch, where drop_last would take none). A
 synthetic epoch is the code's floor(n_k / B) steps of B generated samples, one step of n_k samples when n_k < B
 (576 samples per epoch for MNIST's 600 rows, not the 64 that Sec. V-D describes).
-Deviations: the LG-FedAvg-like first-block sharing of the code's default `avg_FE = 1` is not applied (the paper's
-model-wise averaging; SPEC).
+First block: the paper averages target networks model-wise within architectures (Alg. 2), the default here. The
+paper-era code's default `avg_FE = 1` also averaged the CNNs' first block (conv, BatchNorm and its statistics) over
+all clients, LG-FedAvg-like, and the README's commands do not override it, so Table II may include that sharing:
+--gefl_share_first_block reproduces it (with one client per architecture, as in Table II, it is the only averaging).
 Communication: per knowledge round each participant downloads and uploads the generator (|G| + |D| for DCGAN);
 per target round its group's model both ways (plus the generator in update mode).
 """
@@ -54,6 +56,7 @@ from fedjax_het.generators import (GENERATORS, ConditionalGenerator, cvae, dcgan
                                    to_generator_range)
 from fedjax_het.generators.base import uniform_labels
 from fedjax_het.models.forward import forward
+from fedjax_het.models.gefl_cnn import join_client, split_client
 
 MODES = ('freeze', 'update')
 
@@ -83,6 +86,11 @@ class GeFLConfig:
                                         flag='gefl_diffusion_steps')
   guidance: float = hyperparameter(0.0, 'GeFL: DDPM classifier-free guidance weight w (Table II: 0 and 2).',
                                    flag='gefl_guidance')
+  share_first_block: bool = hyperparameter(False, 'GeFL: in target rounds also average the CNNs\' first block (conv '
+                                                  'and BatchNorm, F) over all participants of all architectures (the '
+                                                  'code\'s default avg_FE = 1, LG-FedAvg-like); false: the paper\'s '
+                                                  'model-wise averaging within architectures.',
+                                           flag='gefl_share_first_block')
 
   def __post_init__(self):
     if self.generator not in GENERATORS:
@@ -143,6 +151,20 @@ def ddpm_lr_scale(cfg: GeFLConfig):
       return 1.0
     return jnp.maximum(1.0 - (broadcast['generator_round'] + 1) / cfg.ka_rounds, 0.0)
   return scale
+
+
+def with_shared_first_block(models: tuple, uploads) -> tuple:
+  """Each group's averaged model with its first block F replaced by F's unweighted mean over all participants of
+  all groups (parameters and BatchNorm statistics; the code's `LGFedAvg` under avg_FE = 1)."""
+  fe = lambda model: split_client(model['params'], model['model_state'])[0]
+  u = concat_groups(tuple(g._replace(values=jax.vmap(fe)(g.values['model'])) for g in uploads))
+  shared = participant_average(u.values, u.mask.astype(jnp.float32), fe(models[0]))
+  out = []
+  for model in models:
+    params, model_state = join_client(shared, split_client(model['params'], model['model_state'])[1],
+                                      model['model_state'])
+    out.append({'params': params, 'model_state': model_state})
+  return tuple(out)
 
 
 def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, batch_size: int) -> Algorithm:
@@ -231,6 +253,8 @@ def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, b
   def target_server(server, uploads, key):
     models = tuple(participant_average(u.values['model'], u.mask.astype(jnp.float32), old)
                    for u, old in zip(uploads, server['models']))
+    if cfg.share_first_block:
+      models = with_shared_first_block(models, uploads)
     server = {**server, 'models': models}
     return (average_generator(server, uploads) if update else server), {}
 
@@ -259,4 +283,4 @@ def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, b
                           knowledge_broadcast, rounds=cfg.knowledge_rounds, evaluate=False),
                     Phase('target', target_client, target_server, target_broadcast, rounds=rounds)),
                    evaluation, init_client=init_client, upload_scalars=scalars, broadcast_scalars=scalars,
-                   samples=samples, partial_batches=True)
+                   samples=samples, partial_batches=True, shares_representations=False)

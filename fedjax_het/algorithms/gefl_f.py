@@ -39,10 +39,7 @@ from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, 
 from fedjax_het.errors import ConfigError
 from fedjax_het.generators.base import uniform_labels
 from fedjax_het.models.forward import forward
-from fedjax_het.models.gefl_cnn import GeFLCNN
-
-FE_PREFIX = 'fe_'
-
+from fedjax_het.models.gefl_cnn import GeFLCNN, join_client, split_client
 
 @dataclasses.dataclass(frozen=True)
 class GeFLFConfig(GeFLConfig):
@@ -56,38 +53,6 @@ class GeFLFConfig(GeFLConfig):
     if self.fe_rounds < 0 or self.warmup_epochs < 0:
       raise ConfigError(f'--gefl_fe_rounds={self.fe_rounds} and --gefl_warmup_epochs={self.warmup_epochs} must be '
                         f'>= 0.')
-
-
-def split_extractor(tree: dict) -> tuple[dict, dict]:
-  """(F's part, the rest) of a params-like tree {'extractor': {...}, ...}: F's layers are the extractor's entries
-  named 'fe_...'. A tree without 'extractor' is all rest."""
-  if 'extractor' not in tree:
-    return {}, tree
-  fe = {k: v for k, v in tree['extractor'].items() if k.startswith(FE_PREFIX)}
-  rest = {k: v for k, v in tree['extractor'].items() if not k.startswith(FE_PREFIX)}
-  return fe, {**tree, 'extractor': rest}
-
-
-def join_extractor(fe: dict, rest: dict) -> dict:
-  """The inverse of `split_extractor`."""
-  if not fe:
-    return rest
-  return {**rest, 'extractor': {**rest.get('extractor', {}), **fe}}
-
-
-def split_client(params, model_state) -> tuple[dict, dict]:
-  """({'params', 'stats'} of F, {'params', 'stats'} of the header) of a classifier's params and model_state."""
-  fe_p, head_p = split_extractor(params)
-  fe_s, head_s = split_extractor(model_state.get('batch_stats', {}))
-  return {'params': fe_p, 'stats': fe_s}, {'params': head_p, 'stats': head_s}
-
-
-def join_client(fe: dict, header: dict, model_state) -> tuple[dict, dict]:
-  """(params, model_state) of a classifier assembled from F's and the header's parts."""
-  params = join_extractor(fe['params'], header['params'])
-  if 'batch_stats' not in model_state:
-    return params, model_state
-  return params, {**model_state, 'batch_stats': join_extractor(fe['stats'], header['stats'])}
 
 
 def extractor_of(group: GroupSpec, stage: str):
@@ -204,7 +169,8 @@ def lg_fedavg_first_block(num_classes: int, learning_rate: float) -> Algorithm:
                    (Phase('lg_fedavg_fb', lambda g: shared_block_program(g, g.training.epochs, learning_rate),
                           shared_block_update, model_broadcast),),
                    lambda group: head_evaluation(group.model, {'group_model': own_head}, receive=receive_model),
-                   upload_scalars=model_scalars, broadcast_scalars=model_scalars, partial_batches=True)
+                   upload_scalars=model_scalars, broadcast_scalars=model_scalars, partial_batches=True,
+                   shares_representations=False)
 
 
 def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float, batch_size: int) -> Algorithm:
@@ -328,4 +294,4 @@ def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float
                           rounds=cfg.knowledge_rounds, evaluate=False),
                     Phase('target', target_client, target_server, target_broadcast, rounds=rounds)),
                    evaluation, init_client=init_client, upload_scalars=scalars, broadcast_scalars=scalars,
-                   partial_batches=True)
+                   partial_batches=True, shares_representations=False)

@@ -10,4 +10,5 @@ from fedjax_het.algorithms.common import cross_entropy_loss
 def local(num_classes: int) -> Algorithm:
   """The Local baseline as an `Algorithm`."""
   client = lambda group: sgd_program(cross_entropy_loss(group.model), group.training)
-  return one_phase('local', no_server, client, keep_server, local_head_evaluation, partial_batches=True)
+  return one_phase('local', no_server, client, keep_server, local_head_evaluation, partial_batches=True,
+                   shares_representations=False)

@@ -106,6 +106,13 @@ class Federation:
     self.global_test = None if global_test is None else EvalSet(jax.device_put(global_test), shared=True)
     self.groups: list[Group] = build_groups(data, models, training, feature_dim, rm, self.conv, init,
                                             self.num_devices, self.mesh, seed)
+    widths = sorted({g.spec.feature_dim for g in self.groups})
+    if len(widths) > 1 and algorithm.shares_representations:
+      raise ConfigError(f'--rm={rm}: the architectures\' features have different widths {widths}, and '
+                        f'{algorithm.name} exchanges representations (or heads) between them. Fix: --rm=ap, mp or '
+                        f'fc with one --feature_dim.')
+    if rm == 'none' and len(widths) == 1:
+      feature_dim = widths[0]
     if self.global_test is None and not any(g.test.sizes.sum() > 0 for g in self.groups):
       raise ConfigError('--train_fraction: no client has local test rows and there is no global test set, so '
                         'nothing can be evaluated. Fix: --train_fraction < 1 or --eval_protocol=global.')

@@ -90,6 +90,9 @@ def build_groups(data: FederatedData, models: Sequence[str], training: LocalTrai
     spec = GroupSpec(index, arch, model, tuple(int(k) for k in ids), data.num_classes, feature_dim,
                      tuple(train.x.shape[2:]), training, rm, conv, init, seed)
     check_architecture(spec)
+    if rm == 'none':  # d is the architecture's own feature width
+      width = feature_width(spec)
+      spec = dataclasses.replace(spec, model=build_model(arch, data.num_classes, width, rm, conv), feature_dim=width)
     groups.append(Group(spec, train, EvalSet(place(data.group_test(ids)), shared=False)))
   return groups
 
@@ -99,6 +102,12 @@ def check_architecture(spec: GroupSpec) -> None:
   the flag named, instead of deep inside XLA."""
   trace(lambda: spec.model.init_with_output(jax.random.PRNGKey(0), spec.sample_input()),
         f'--models: architecture {spec.arch!r}', '--models', spec.input_shape)
+
+
+def feature_width(spec: GroupSpec) -> int:
+  """The width of the group's representation (its extractor's features under --rm=none)."""
+  out = jax.eval_shape(lambda: spec.model.init_with_output(jax.random.PRNGKey(0), spec.sample_input()))
+  return int(out[0][1].shape[-1])
 
 
 def trace(fn, what: str, flag: str, image_shape) -> Any:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.pooling import adaptive_avg_pool1d, adaptive_max_pool1d
 
-RM_MODES = ('ap', 'mp', 'fc')
+RM_MODES = ('ap', 'mp', 'fc', 'none')
 
 
 class HeteroClassifier(nn.Module):
@@ -17,8 +17,11 @@ class HeteroClassifier(nn.Module):
   The extractor maps x [B, ...] to a feature map [B, H, W, L] or a vector [B, L]. RM:
     ap: mean over spatial positions, then adaptive average pooling of the L channels to d (PyTorch bin rule);
     mp: max over spatial positions, then adaptive max pooling to d;
-    fc: mean over spatial positions, then a learned Dense(L -> d) that belongs to the extractor.
-  The head is `Dense(num_classes)` named 'head', so its parameters have the same pytree in every architecture.
+    fc: mean over spatial positions, then a learned Dense(L -> d) that belongs to the extractor;
+    none: the extractor's L features as they are (mean over spatial positions of a map), the head Dense(L -> C)
+      straight on them, as GeFL's CNNs end in one fc (d is then L, `feature_width`).
+  The head is `Dense(num_classes)` named 'head', so its parameters have the same pytree in every architecture (and,
+  except under 'none', the same shapes).
   """
   extractor: nn.Module
   num_classes: int
@@ -42,6 +45,8 @@ class HeteroClassifier(nn.Module):
       return self.rm_fc(h)
     if self.rm == 'mp':
       return adaptive_max_pool1d(h, self.feature_dim)
+    if self.rm == 'none':
+      return h
     return adaptive_avg_pool1d(h, self.feature_dim)
 
   def classify(self, r: jnp.ndarray) -> jnp.ndarray:

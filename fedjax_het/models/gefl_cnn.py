@@ -36,6 +36,7 @@ def gefl_widths(dataset: str, k: int) -> tuple[int, ...]:
 
 
 STAGES = ('all', 'features', 'header')
+FE_PREFIX = 'fe_'  # the layers of the common block F (GeFL-F's shared extractor; the code's `avg_FE` block)
 
 
 class GeFLCNN(nn.Module):
@@ -66,3 +67,35 @@ class GeFLCNN(nn.Module):
       x = self.conv(width, (3, 3), padding=1, name=f'conv{i}')(x)
       x = pool(nn.relu(norm(f'bn{i}')(x) if bn_after else x))
     return x.reshape(x.shape[0], -1)
+
+
+def split_extractor(tree: dict) -> tuple[dict, dict]:
+  """(F's part, the rest) of a params-like tree {'extractor': {...}, ...}: F's layers are the extractor's entries
+  named 'fe_...'. A tree without 'extractor' is all rest."""
+  if 'extractor' not in tree:
+    return {}, tree
+  fe = {k: v for k, v in tree['extractor'].items() if k.startswith(FE_PREFIX)}
+  rest = {k: v for k, v in tree['extractor'].items() if not k.startswith(FE_PREFIX)}
+  return fe, {**tree, 'extractor': rest}
+
+
+def join_extractor(fe: dict, rest: dict) -> dict:
+  """The inverse of `split_extractor`."""
+  if not fe:
+    return rest
+  return {**rest, 'extractor': {**rest.get('extractor', {}), **fe}}
+
+
+def split_client(params, model_state) -> tuple[dict, dict]:
+  """({'params', 'stats'} of F, {'params', 'stats'} of the header) of a classifier's params and model_state."""
+  fe_p, head_p = split_extractor(params)
+  fe_s, head_s = split_extractor(model_state.get('batch_stats', {}))
+  return {'params': fe_p, 'stats': fe_s}, {'params': head_p, 'stats': head_s}
+
+
+def join_client(fe: dict, header: dict, model_state) -> tuple[dict, dict]:
+  """(params, model_state) of a classifier assembled from F's and the header's parts."""
+  params = join_extractor(fe['params'], header['params'])
+  if 'batch_stats' not in model_state:
+    return params, model_state
+  return params, {**model_state, 'batch_stats': join_extractor(fe['stats'], header['stats'])}
