@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from fedjax_het.algorithms import FedVTCConfig
-from fedjax_het.algorithms.fedvtc import (kl_to_prototype, reconstruction_error, row_normals, sum_of_class_means,
-                                          vtc_objective, vtc_steps, vtc_terms)
+from fedjax_het.algorithms.fedvtc import (finetune_latents, kl_to_prototype, reconstruction_error, row_normals,
+                                          sum_of_class_means, vtc_objective, vtc_steps, vtc_terms)
 from fedjax_het.checkpoints import Checkpoints
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Uploads
@@ -64,17 +64,54 @@ def test_vtc_output_shapes_and_parameter_counts_are_the_papers(shape, p, params)
   assert out.shape == (2,) + shape
 
 
-def test_the_transposed_convolution_is_pytorchs_as_a_convolution_of_the_dilated_input():
-  from fedjax_het.models.conv import im2col_conv_general_dilated
-  from fedjax_het.models.conv import dilate
-  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 5, 3))
-  k = jax.random.normal(jax.random.PRNGKey(1), (4, 4, 3, 6))
-  dims = ('NHWC', 'HWIO', 'NHWC')
-  reference = jax.lax.conv_transpose(x, k, (2, 2), [(2, 2), (2, 2)], dimension_numbers=dims)  # k4 s2 p1
-  assert reference.shape == (2, 10, 10, 6)
-  for conv in (jax.lax.conv_general_dilated, im2col_conv_general_dilated):
-    np.testing.assert_allclose(conv(dilate(x, 2), k, (1, 1), [(2, 2), (2, 2)], dimension_numbers=dims), reference,
-                               atol=1e-5)
+def torch_conv_transpose(x: np.ndarray, w: np.ndarray, stride: int, padding: int) -> np.ndarray:
+  """PyTorch's ConvTranspose2d by its definition, one scatter per input pixel: x [H, W, in], weight w [in, out, k,
+  k]; out[y s - p + i, x s - p + j, o] += x[y, x, c] w[c, o, i, j], rows and columns outside the output dropped."""
+  h, wd, _ = x.shape
+  k = w.shape[-1]
+  size = lambda n: (n - 1) * stride - 2 * padding + k
+  out = np.zeros((size(h), size(wd), w.shape[1]))
+  for y in range(h):
+    for xx in range(wd):
+      for i in range(k):
+        for j in range(k):
+          oy, ox = y * stride - padding + i, xx * stride - padding + j
+          if 0 <= oy < out.shape[0] and 0 <= ox < out.shape[1]:
+            out[oy, ox] += x[y, xx] @ w[:, :, i, j]
+  return out
+
+
+def test_the_transposed_convolution_is_pytorchs():
+  """ConvTranspose2d(k4, s2, p1), VTC's upsampling layer: by hand on a 2x2 input with an all-ones kernel, and
+  against PyTorch's definition with a random, asymmetric one (the library's kernel is PyTorch's flipped, its axes
+  swapped), in both convolution formulations."""
+  import flax.linen as nn
+  from fedjax_het.models.conv import conv_transpose
+
+  class Up(nn.Module):
+    impl: str
+    out: int
+
+    @nn.compact
+    def __call__(self, x):
+      return conv_transpose(self.impl, x, self.out, 4, 2, 1, 'convt')
+
+  def run(impl, x, w):
+    kernel = np.transpose(w[:, :, ::-1, ::-1], (2, 3, 0, 1))  # [in, out, k, k] -> flipped [k, k, in, out]
+    variables = {'params': {'convt': {'kernel': jnp.asarray(kernel), 'bias': jnp.zeros(w.shape[1])}}}
+    return np.asarray(Up(impl, w.shape[1]).apply(variables, jnp.asarray(x)[None]))[0]
+
+  ones = np.ones((1, 1, 4, 4), np.float32)
+  x = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)[:, :, None]
+  by_hand = np.array([[1, 3, 3, 2], [4, 10, 10, 6], [4, 10, 10, 6], [3, 7, 7, 4]], np.float32)[:, :, None]
+  rng = np.random.default_rng(0)
+  x2, w2 = rng.normal(size=(3, 5, 2)).astype(np.float32), rng.normal(size=(2, 3, 4, 4)).astype(np.float32)
+  np.testing.assert_allclose(torch_conv_transpose(x, ones, 2, 1), by_hand)
+  for impl in ('xla', 'im2col'):
+    np.testing.assert_allclose(run(impl, x, ones), by_hand, atol=1e-5)
+    out = run(impl, x2, w2)
+    assert out.shape == (6, 10, 3)  # (H - 1) * 2 - 2 + 4
+    np.testing.assert_allclose(out, torch_conv_transpose(x2, w2, 2, 1), atol=1e-4)
 
 
 def test_a_latent_width_that_does_not_reshape_is_named():
@@ -109,18 +146,48 @@ def test_the_f_step_leaves_psi_and_sigma_and_the_psi_step_leaves_f_unchanged(fed
                          after_f.extra['psi']['params']['convt0']['kernel'])
 
 
-def test_mean_reduction_divides_l_rc_by_the_pixels_and_kl_and_l_dm_by_p(fed):
+def test_the_f_step_trains_g_through_the_decoder_and_through_g_of_the_decoded_images(fed):
+  """L_tc's gradient reaches g along both of its paths: through x' = psi(g(x) + sigma eps) (L_rc; visible as the
+  f-step's extractor update changing when only psi changes, which CE and KL do not read) and through g(x')
+  (L_dm; visible as the update changing with lambda). An f-step on CE alone would show neither."""
   client, g = _client(fed)
   decoder = VTCDecoder(g.spec.input_shape, 80)
-  args = (client.params, client.model_state, client.extra['psi'], client.extra['sigma'] * 0.5, g.train.x[0, :16],
-          g.train.y[0, :16], jnp.ones((10, 80)), jax.random.normal(jax.random.PRNGKey(1), (16, 80)))
-  ce, l_rc, kl, l_dm, _ = vtc_terms(g.model, decoder, 10)(*args)
-  assert float(kl) > 0 and float(l_dm) > 0 and float(l_rc) > 0
+  x, y = g.train.x[0, :16], g.train.y[0, :16]
+  protos, eps = jnp.ones((10, 80)), jax.random.normal(jax.random.PRNGKey(1), (16, 80))
+  step = lambda lam, c: jax.jit(vtc_steps(g.model, decoder, 10, lam, 0.05)[0])(c, x, y, protos, eps)[0]
+  extractor = lambda c: np.concatenate([np.ravel(a) for a in jax.tree.leaves(c.params['extractor'])])
+  base = extractor(step(0.1, client))
+  psi = client.extra['psi']
+  scaled = {**psi, 'params': jax.tree.map(lambda a: 1.5 * a, psi['params'])}
+  other_psi = extractor(step(0.1, client._replace(extra={**client.extra, 'psi': scaled})))
+  no_dm = extractor(step(0.0, client))
+  start = extractor(client)
+  assert np.abs(other_psi - base).max() > 1e-3 * np.abs(base - start).max()
+  assert np.abs(no_dm - base).max() > 1e-3 * np.abs(base - start).max()
+
+
+def test_mean_reduction_divides_l_rc_by_the_pixels_and_kl_and_l_dm_by_p(fed):
+  """Both reductions against the terms computed here in numpy from the model's z, the decoder's x' and g(x')."""
+  from fedjax_het.models.forward import forward
+  client, g = _client(fed)
+  decoder = VTCDecoder(g.spec.input_shape, 80)
+  x, y = g.train.x[0, :16], g.train.y[0, :16]
+  sigma, protos = client.extra['sigma'] * 0.5, jnp.ones((10, 80))
+  eps = jax.random.normal(jax.random.PRNGKey(1), (16, 80))
+  args = (client.params, client.model_state, client.extra['psi'], sigma, x, y, protos, eps)
+  _, z, _ = forward(g.model, client.params, client.model_state, x, True)
+  decoded = decoder.apply(client.extra['psi'], z + sigma * eps, True, mutable=['batch_stats'])[0]
+  _, z_dec, _ = forward(g.model, client.params, client.model_state, 2.0 * decoded - 1.0, True)
+  z, decoded, z_dec, yv, sig = (np.asarray(a, np.float64) for a in (z, decoded, z_dec, y, sigma))
+  per_row = {'rc': ((decoded - (np.asarray(x) + 1) / 2) ** 2).reshape(16, -1).sum(1),
+             'kl': 0.5 * (((z - 1.0) ** 2).sum(1) + (sig ** 2).sum() - 80 - np.log(sig ** 2).sum()),
+             'dm': ((z_dec - 1.0) ** 2).sum(1)}
+  term = {k: sum(v[yv == c].mean() for c in np.unique(yv)) for k, v in per_row.items()}
   ce_sum, tc_sum, _ = vtc_objective(g.model, decoder, 10, 0.1)(*args)
   ce_mean, tc_mean, _ = vtc_objective(g.model, decoder, 10, 0.1, 'mean')(*args)
-  assert float(ce_sum) == float(ce_mean) == float(ce)
-  np.testing.assert_allclose(tc_sum, l_rc + kl + 0.1 * l_dm, rtol=1e-6)
-  np.testing.assert_allclose(tc_mean, l_rc / 64 + kl / 80 + 0.1 * l_dm / 80, rtol=1e-6)
+  assert float(ce_sum) == float(ce_mean)
+  np.testing.assert_allclose(tc_sum, term['rc'] + term['kl'] + 0.1 * term['dm'], rtol=1e-4)
+  np.testing.assert_allclose(tc_mean, term['rc'] / 64 + term['kl'] / 80 + 0.1 * term['dm'] / 80, rtol=1e-4)
   with pytest.raises(ConfigError, match='--vtc_loss_reduction'):
     FedVTCConfig(loss_reduction='avg')
 
@@ -150,18 +217,20 @@ def test_the_final_psi_is_the_mean_of_every_clients_psi(fed):
 
 
 def test_generated_latents_have_mean_c_and_sd_sigma_and_the_right_labels():
+  """The fine-tuning step's latents (`finetune_latents`, what its step decodes): S rows per class, label r // S,
+  per-class mean c^y and SD sigma (a large-S check), each row's draw its own."""
   S, C, p = 4000, 3, 4
   rows = jnp.arange(S * C)
-  labels = rows // S
-  assert np.bincount(np.asarray(labels)).tolist() == [S] * C
   protos, sigma = jnp.array([[0.0] * p, [1.0] * p, [-2.0, 3.0, 0.5, 4.0]]), jnp.array([0.5, 1.0, 2.0, 0.1])
-  latents = protos[labels] + sigma * row_normals(jax.random.PRNGKey(0), rows, p)
+  latents, labels = finetune_latents(jax.random.PRNGKey(0), rows, S, protos, sigma)
+  assert np.bincount(np.asarray(labels)).tolist() == [S] * C
+  np.testing.assert_array_equal(labels[S - 1:S + 1], [0, 1])
   for c in range(C):
     block = np.asarray(latents[labels == c])
     np.testing.assert_allclose(block.mean(0), protos[c], atol=4 * float(sigma.max()) / np.sqrt(S))
     np.testing.assert_allclose(block.std(0), sigma, rtol=0.05)
-  np.testing.assert_array_equal(row_normals(jax.random.PRNGKey(0), rows[:5], p),
-                                row_normals(jax.random.PRNGKey(0), rows, p)[:5])  # a row's draw is its own
+  few, _ = finetune_latents(jax.random.PRNGKey(0), rows[S:S + 5], S, protos, sigma)
+  np.testing.assert_array_equal(few, latents[S:S + 5])  # a row's draw is its own, whatever the batch
 
 
 # ------------------------------------------------------------------ the three-phase run

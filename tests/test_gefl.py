@@ -202,3 +202,29 @@ def test_shared_first_block_is_the_unweighted_mean_over_all_participants():
     np.testing.assert_allclose(g['model_state']['batch_stats']['extractor']['fe_bn']['mean'], 30.0)
     np.testing.assert_allclose(g['params']['extractor']['conv0']['kernel'], rest)
     np.testing.assert_allclose(g['params']['head']['bias'], rest)
+
+
+def test_synthetic_batches_have_uniform_labels_and_the_classifiers_range():
+  """Labels uniform over all classes; a [0, 1] generator's samples (CVAE, DDPM) mapped to [-1, 1] with
+  --gefl_match_range, left in [0, 1] without (the code's mismatch); DCGAN's [-1, 1] never remapped."""
+  from fedjax_het.algorithms.gefl import synthetic_batch
+  from fedjax_het.generators.base import ConditionalGenerator
+  constant = lambda value, unit: ConditionalGenerator('c', None, None, None,
+                                                      lambda v, y, k: jnp.full((y.shape[0], 2, 2, 1), value), unit)
+  images, labels = synthetic_batch(constant(0.75, True), None, jax.random.PRNGKey(0), 20000, 10, True)
+  counts = np.bincount(np.asarray(labels), minlength=10)
+  assert counts.min() > 1800 and counts.max() < 2200  # 2000 each, +- 4.7 SD
+  np.testing.assert_allclose(images, 0.5)  # 2 * 0.75 - 1
+  np.testing.assert_allclose(synthetic_batch(constant(0.75, True), None, jax.random.PRNGKey(0), 8, 10, False)[0],
+                             0.75)
+  np.testing.assert_allclose(synthetic_batch(constant(-0.5, False), None, jax.random.PRNGKey(0), 8, 10, True)[0],
+                             -0.5)
+
+
+def test_ddpm_rate_decays_linearly_over_the_knowledge_rounds():
+  """The code: lr = 1e-4 (1 - t / T_KA) in the t-th (1-based) generator round; other generators keep their rate."""
+  from fedjax_het.algorithms.gefl import ddpm_lr_scale
+  scale = ddpm_lr_scale(GeFLConfig(generator='ddpm', ka_rounds=4))
+  np.testing.assert_allclose([float(scale({'generator_round': jnp.int32(r)})) for r in range(4)],
+                             [0.75, 0.5, 0.25, 0.0])
+  assert ddpm_lr_scale(GeFLConfig(generator='cvae', ka_rounds=4))({'generator_round': jnp.int32(0)}) == 1.0

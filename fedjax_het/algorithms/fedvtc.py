@@ -197,6 +197,14 @@ def row_normals(key: jax.Array, rows: jnp.ndarray, p: int) -> jnp.ndarray:
   return jax.vmap(lambda r: jax.random.normal(jax.random.fold_in(key, r), (p,)))(rows)
 
 
+def finetune_latents(key: jax.Array, rows: jnp.ndarray, samples_per_class: int, protos: jnp.ndarray,
+                     sigma: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """(latents [B, p], labels [B]) of generated fine-tuning rows `rows` (Alg. 1 lines 25-28): row r has label
+  r // S and latent c^y + sigma * eps_r ~ N(c^y, diag sigma^2), eps_r the row's own draw (`row_normals`)."""
+  labels = rows // samples_per_class
+  return protos[labels] + sigma * row_normals(key, rows, protos.shape[-1]), labels
+
+
 def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int, learning_rate: float, batch_size: int) -> Algorithm:
   """FedVTC as an `Algorithm` of three phases: 'fl' (`rounds` rounds), 'vtc_exchange' and 'finetune' (one round
   each, every client)."""
@@ -277,9 +285,8 @@ def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int, learning_rate: floa
 
     def step(carry, batch: Batch, broadcast, key):
       client, sample_key = carry
-      labels = batch.index // S
-      eps = row_normals(sample_key, batch.index, group.feature_dim)
-      x = decode_latents(decoder, broadcast['psi'], broadcast['protos'], broadcast['sigma'], labels, eps)
+      latents, labels = finetune_latents(sample_key, batch.index, S, broadcast['protos'], broadcast['sigma'])
+      x = 2.0 * decoder.apply(broadcast['psi'], latents, False) - 1.0
       weight = broadcast['present'][labels]  # classes without a global prototype get no samples
 
       def loss(f_params):

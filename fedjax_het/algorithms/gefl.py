@@ -143,6 +143,19 @@ def generator_step(gen: ConditionalGenerator, lr_scale, inputs=None):
   return step
 
 
+def synthetic_batch(gen: ConditionalGenerator, variables, key: jax.Array, batch_size: int, num_classes: int,
+                    match_range: bool) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """(images, labels) of one synthetic target step: labels uniform over all classes (not the client's label mix),
+  images G(z | y) in eval mode, mapped into the classifiers' range [-1, 1] when `match_range` (else the
+  generator's own, the code's mismatch), constants for the target's gradients."""
+  label_key, sample_key = jax.random.split(key)
+  labels = uniform_labels(label_key, batch_size, num_classes)
+  images = gen.sample(variables, labels, sample_key)
+  if match_range:
+    images = from_generator_range(images, gen.unit_range)
+  return jax.lax.stop_gradient(images), labels
+
+
 def ddpm_lr_scale(cfg: GeFLConfig):
   """broadcast -> the generator's rate factor: for DDPM 1 - t / T_KA in the t-th (1-based) generator round, as the
   code; 1 for the others."""
@@ -227,12 +240,8 @@ def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, b
       return client._replace(params=params, model_state=state), value
 
     def synthetic_step(client, batch: Batch, broadcast, key):
-      label_key, sample_key = jax.random.split(key)
-      labels = uniform_labels(label_key, batch_size, num_classes)
-      images = gen.sample(broadcast['generator'], labels, sample_key)
-      if cfg.match_range:
-        images = from_generator_range(images, gen.unit_range)
-      return sgd_on(client, jax.lax.stop_gradient(images), labels, batch.mask)
+      images, labels = synthetic_batch(gen, broadcast['generator'], key, batch_size, num_classes, cfg.match_range)
+      return sgd_on(client, images, labels, batch.mask)
 
     def real_step(client, batch: Batch, broadcast, key):
       return sgd_on(client, batch.x, batch.y, batch.mask)
