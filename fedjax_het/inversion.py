@@ -14,12 +14,26 @@ a small randomly initialised convolutional net whose output, from a fixed noise 
 independent problems: one jitted function vmaps the attack over a batch of them, each keyed by its own index, so a
 target's reconstruction does not depend on which others share its batch or on padding (`invert_padded`).
 
-Leakage (`leakage`): PSNR and MSE on the 0-255 scale (images mapped (x + 1) / 2 * 255, as the paper reports)
-between each reconstruction and the most similar original the upload could have come from, the attacker-favourable
-way: for a representation, its own sample; for a prototype of class c, the client's best-matching training sample
-of class c; for an entangled representation, the client's best-matching training sample (`candidate_mask`).
-"Most similar" is the lowest MSE. PSNR is capped at `PSNR_MAX` dB (an exact reconstruction). SSIM is not reported:
-no well-kept SSIM library is installed with this package (dm-pix / scikit-image would provide one).
+Leakage, PSNR and MSE on the 0-255 scale (images mapped (x + 1) / 2 * 255, as the paper reports), measured three
+ways so that an uninformative image cannot win:
+  reference (`reference_images`): against the one image the upload describes, fixed before the attack: for a
+    representation its own sample; for a prototype of class c the mean image of the client's class-c samples; for
+    an entangled representation sum_c w_c (mean image of class c), the weights w_c its soft label reveals (Eq. 2:
+    the same weights that mix the class prototypes);
+  best match (`leakage`, the attacker-favourable measure): against the most similar (lowest MSE) original the upload
+    could have come from (`candidate_mask`: the sample; any sample of the class; any sample of the client). On
+    MNIST this favours any blob: a black image finds some dark digit among hundreds;
+  null baseline (`NULL_IMAGE`, all black, the digits' background): the same two scores of an image that knows
+    nothing; the table reports each score's gain over it, the leakage a null image cannot win;
+  identification (`identified`): whether a reconstruction is nearer (MSE) to its own reference than to every other
+    target's reference of the same run (chance: 1 / targets).
+PSNR is capped at `PSNR_MAX` dB (an exact reconstruction). SSIM is not reported: no well-kept SSIM library is
+installed with this package (dm-pix / scikit-image would provide one).
+
+Prototype targets are the classes with the most samples (at least --min_class_samples) and must come from the model
+the attacker inverts through: FedGH, FedTGP, CCVR and FedVTC upload eval-mode prototypes of the trained extractor;
+FedProto's are gathered during its training passes (train mode, a model that moves every step), so an attack on them
+through the final extractor mixes two models (the comparison in docs/ uses FedGH).
 
 What is attacked (`round_uploads`): the method's own client program run for one round, from a federation state,
 on the chosen clients, exactly as `Federation.round` runs it (the same executor, broadcast and per-client keys, so
@@ -46,6 +60,7 @@ from fedjax_het.errors import ConfigError
 PRIORS = ('pixel', 'dip')
 KINDS = ('representation', 'prototype', 'entangled')
 PSNR_MAX = 100.0  # dB, reported for an exact reconstruction (MSE 0)
+NULL_IMAGE = -1.0  # the null reconstruction: every pixel black (0 on the 0-255 scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +73,9 @@ class InversionConfig:
   initial noise (pixel prior: of z; DIP: of its fixed input).
   """
   steps: int = 500
-  learning_rate: float = 0.05
+  learning_rate: float = 0.01
   tv_weight: float = 0.1
-  prior: str = 'pixel'
+  prior: str = 'dip'
   dip_channels: int = 16
   init_scale: float = 0.1
 
@@ -139,6 +154,35 @@ def leakage(reconstructions: jnp.ndarray, originals: jnp.ndarray, allowed: jnp.n
   best = jnp.take_along_axis(mse, match[:, None], axis=1)[:, 0]
   has = jnp.any(allowed, axis=1)
   return {'psnr': jnp.where(has, psnr_from_mse(best), -jnp.inf), 'mse': best, 'match': jnp.where(has, match, -1)}
+
+
+def class_mean_images(x: jnp.ndarray, y: jnp.ndarray, valid: jnp.ndarray, num_classes: int) -> jnp.ndarray:
+  """The mean image of each class over a client's valid rows: [C, H, W, c] (zeros for classes it lacks)."""
+  onehot = jax.nn.one_hot(y, num_classes) * jnp.asarray(valid, jnp.float32)[:, None]
+  sums = jnp.tensordot(onehot, jnp.asarray(x, jnp.float32), axes=(0, 0))
+  return sums / jnp.maximum(onehot.sum(0), 1.0).reshape((-1,) + (1,) * (x.ndim - 1))
+
+
+def reference_images(kind: str, weights: jnp.ndarray, rows: jnp.ndarray, x: jnp.ndarray, y: jnp.ndarray,
+                     valid: jnp.ndarray) -> jnp.ndarray:
+  """The image each target [T] describes (module docstring), [T, H, W, c]: a representation's own sample x[row];
+  otherwise sum_c weights[t, c] (mean image of class c), weights [T, C] the target's class weights (one-hot for a
+  prototype, the soft label of an entangled representation)."""
+  if kind == 'representation':
+    return jnp.asarray(x)[jnp.asarray(rows)]
+  if kind not in KINDS:
+    raise ConfigError(f'upload kind {kind!r} is unknown; choose one of {", ".join(KINDS)}.')
+  means = class_mean_images(x, y, valid, weights.shape[-1])
+  return jnp.tensordot(jnp.asarray(weights, jnp.float32), means, axes=(1, 0))
+
+
+def identified(reconstructions: jnp.ndarray, references: jnp.ndarray) -> jnp.ndarray:
+  """bool [T]: reconstruction t is nearer (MSE) to reference t than to every other reference (ties count as
+  misses); the rate's chance level is 1 / T."""
+  mse = jax.vmap(lambda r: mse_255(r[None], references))(jnp.asarray(reconstructions, jnp.float32))  # [T, T]
+  own = jnp.diagonal(mse)
+  others = jnp.where(jnp.eye(mse.shape[0], dtype=bool), jnp.inf, mse)
+  return own < others.min(axis=1)
 
 
 # ---------------------------------------------------------------------------------------------------- attack
@@ -257,39 +301,47 @@ def extractor_fn(model: Any, params: Any, model_state: Any) -> Callable[[jnp.nda
 class Targets(NamedTuple):
   """What one client's upload offers the attacker: kind ('representation', 'prototype', 'entangled'), vectors
   [T, d], labels [T] (the class of a prototype, the row's label for a representation, the entangled label's
-  arg-max otherwise) and rows [T] (the training row of a representation, -1 otherwise)."""
+  arg-max otherwise), rows [T] (the training row of a representation, -1 otherwise) and weights [T, C] (the
+  target's class weights: its soft label, one-hot for a prototype or a representation)."""
   kind: str
   vectors: np.ndarray
   labels: np.ndarray
   rows: np.ndarray
+  weights: np.ndarray
 
 
-def upload_targets(upload: dict, limit: int = 0) -> Targets:
-  """One client's upload pytree -> its `Targets` (at most `limit` of them when limit > 0, the first ones).
+def upload_targets(upload: dict, limit: int = 0, min_class_samples: int = 1) -> Targets:
+  """One client's upload pytree -> its `Targets` (at most `limit` of them when limit > 0).
 
   {'rep', 'label', 'weight'} (FedRE): every row with weight > 0 is a representation when the upload has several
-  rows (FedAllRep), an entangled representation when it has one; {'protos', 'counts'} (FedProto, FedGH, FedTGP,
-  FPL, FedVTC) and {'means', 'counts'} (CCVR): the classes with counts > 0 are prototypes. Anything else is a
-  ConfigError: the method uploads no d-vectors to invert.
+  rows (FedAllRep; the first ones), an entangled representation when it has one; {'protos', 'counts'} (FedProto,
+  FedGH, FedTGP, FPL, FedVTC) and {'means', 'counts'} (CCVR): the classes with at least `min_class_samples` samples
+  are prototypes, the most populated first (a prototype of a few samples is nearly a representation). Anything
+  else is a ConfigError: the method uploads no d-vectors to invert. The result may hold no target.
   """
   upload = {k: np.asarray(v) for k, v in upload.items()} if isinstance(upload, dict) else {}
   if 'rep' in upload and 'weight' in upload:
     sent = np.flatnonzero(upload['weight'] > 0)
     kind = 'representation' if upload['rep'].shape[0] > 1 else 'entangled'
-    labels = np.argmax(upload['label'][sent], -1) if 'label' in upload else np.zeros(len(sent), int)
+    soft = upload['label'][sent] if 'label' in upload else np.ones((len(sent), 1))
+    labels = np.argmax(soft, -1)
     rows = sent if kind == 'representation' else np.full(len(sent), -1)
     vectors = upload['rep'][sent]
   elif ('protos' in upload or 'means' in upload) and 'counts' in upload:
-    sent = np.flatnonzero(upload['counts'] > 0)
+    counts = upload['counts']
+    sent = np.array([c for c in np.argsort(-counts, kind='stable') if counts[c] >= max(min_class_samples, 1)],
+                    int)
     kind, labels, rows = 'prototype', sent, np.full(len(sent), -1)
+    soft = np.eye(len(counts))[sent]
     vectors = upload['protos' if 'protos' in upload else 'means'][sent]
   else:
     raise ConfigError(f'--algorithm: its upload ({", ".join(sorted(upload)) or type(upload).__name__}) holds no '
                       f'representations or class vectors to invert; the attack covers FedAllRep, FedRE, FedProto, '
                       f'FedGH, FedTGP, FPL, CCVR and FedVTC.')
   if limit > 0:
-    vectors, labels, rows = vectors[:limit], labels[:limit], rows[:limit]
-  return Targets(kind, np.asarray(vectors, np.float32), np.asarray(labels), np.asarray(rows))
+    vectors, labels, rows, soft = vectors[:limit], labels[:limit], rows[:limit], soft[:limit]
+  return Targets(kind, np.asarray(vectors, np.float32), np.asarray(labels), np.asarray(rows),
+                 np.asarray(soft, np.float32))
 
 
 class ClientUpload(NamedTuple):
@@ -335,12 +387,16 @@ def round_uploads(fed: Any, state: Any, clients: Sequence[int]) -> list[ClientUp
 
 
 def attack_client(fed: Any, cu: ClientUpload, cfg: InversionConfig, key: jax.Array, limit: int = 0,
-                  batch: int = 8, compiled: Optional[dict] = None) -> dict:
-  """Inverts one client's upload through its own trained extractor and measures the leakage: {'kind', 'labels',
-  'reconstructions' [T, H, W, C], 'originals' [T, H, W, C] (the matched ones), 'psnr', 'mse', 'rep_loss' [T]}.
+                  batch: int = 8, compiled: Optional[dict] = None, min_class_samples: int = 1) -> Optional[dict]:
+  """Inverts one client's upload through its own trained extractor and measures the leakage (module docstring):
+  {'kind', 'labels', 'reconstructions', 'references', 'originals' (the best matches) [T, H, W, C]; per target
+  'psnr' and 'mse' against the reference, 'null_psnr' (the null image against it), 'best_psnr', 'best_null_psnr'
+  (best match of the reconstruction, of the null image), 'rep_loss'}; None when the upload offers no target.
   `compiled`: a dict caching one `inverter` per group across calls."""
   g = fed.groups[cu.group]
-  targets = upload_targets(cu.upload, limit)
+  targets = upload_targets(cu.upload, limit, min_class_samples)
+  if not len(targets.vectors):
+    return None
   compiled = {} if compiled is None else compiled
   if cu.group not in compiled:
     compiled[cu.group] = inverter(g.model, cu.x.shape[1:], cfg)
@@ -351,10 +407,16 @@ def attack_client(fed: Any, cu: ClientUpload, cfg: InversionConfig, key: jax.Arr
   valid = np.arange(cu.x.shape[0]) < cu.n
   allowed = candidate_mask(targets.kind, jnp.asarray(cu.y), jnp.asarray(valid), jnp.asarray(targets.rows),
                            jnp.asarray(targets.labels))
-  m = jax.device_get(leakage(jnp.asarray(images), jnp.asarray(cu.x), allowed))
-  return {'kind': targets.kind, 'labels': targets.labels, 'reconstructions': images,
-          'originals': cu.x[np.maximum(m['match'], 0)], 'psnr': np.asarray(m['psnr']), 'mse': np.asarray(m['mse']),
-          'rep_loss': rep_loss}
+  best = jax.device_get(leakage(jnp.asarray(images), jnp.asarray(cu.x), allowed))
+  null = jnp.full_like(jnp.asarray(images), NULL_IMAGE)
+  best_null = jax.device_get(leakage(null, jnp.asarray(cu.x), allowed))
+  refs = np.asarray(reference_images(targets.kind, jnp.asarray(targets.weights), jnp.asarray(targets.rows),
+                                     jnp.asarray(cu.x), jnp.asarray(cu.y), jnp.asarray(valid)))
+  mse = np.asarray(mse_255(jnp.asarray(images), jnp.asarray(refs)))
+  return {'kind': targets.kind, 'labels': targets.labels, 'reconstructions': images, 'references': refs,
+          'originals': cu.x[np.maximum(best['match'], 0)], 'psnr': np.asarray(psnr_from_mse(mse)), 'mse': mse,
+          'null_psnr': np.asarray(psnr_255(null, jnp.asarray(refs))), 'best_psnr': np.asarray(best['psnr']),
+          'best_null_psnr': np.asarray(best_null['psnr']), 'rep_loss': rep_loss}
 
 
 # ---------------------------------------------------------------------------------------------------- reports
@@ -366,26 +428,34 @@ def mean_std(values: Sequence[float], digits: int = 2) -> str:
 
 
 def leakage_table(results: Sequence[dict]) -> str:
-  """Markdown: per method (in order), its upload kind, targets, PSNR (dB) and MSE (0-255 scale) as mean +- std
-  over all its targets (every seed), the same over the seeds' means, the final representation loss of the attack
-  and the method's accuracy after the attacked round. `results`: dicts with 'method', 'seed', 'kind', 'psnr',
-  'mse', 'rep_loss' (arrays over that run's targets) and 'accuracy' (None when not evaluated)."""
-  lines = ['| method | upload | targets | PSNR (dB) over targets | MSE over targets | PSNR over seed means | '
-           'MSE over seed means | attack loss | accuracy (%) | seeds |', '|---|---|---|---|---|---|---|---|---|---|']
+  """Markdown: per method (in order), its upload kind and targets, then each measure as mean +- std over the
+  seeds' means: PSNR (dB) and MSE (0-255) against the reference, the PSNR's gain over the null image's, the
+  best-match PSNR and its gain over the null image's best match, the identification rate against its chance
+  level, the attack's final representation loss and the accuracy after the attacked round. `results`: dicts with
+  'method', 'seed', 'kind', arrays over that run's targets 'psnr', 'mse', 'null_psnr', 'best_psnr',
+  'best_null_psnr', 'identified', 'rep_loss', and 'accuracy' (None when not evaluated)."""
+  lines = ['| method | upload | targets | PSNR vs reference (dB) | gain over null (dB) | MSE vs reference | '
+           'best-match PSNR (dB) | gain over null (dB) | identified (%) | chance (%) | attack loss | accuracy (%) | '
+           'seeds |', '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
   for name in dict.fromkeys(r['method'] for r in results):
     runs = [r for r in results if r['method'] == name]
-    cat = lambda k: np.concatenate([np.asarray(r[k], float) for r in runs])
+    per_seed = lambda f, digits=2: mean_std([f(r) for r in runs], digits)
+    mean = lambda k: (lambda r: float(np.mean(np.asarray(r[k], float))))
+    gain = lambda a, b: (lambda r: float(np.mean(np.asarray(r[a], float) - np.asarray(r[b], float))))
     acc = [100 * r['accuracy'] for r in runs if r.get('accuracy') is not None]
-    lines.append(f'| {name} | {"/".join(dict.fromkeys(r["kind"] for r in runs))} | {len(cat("psnr"))} | '
-                 f'{mean_std(cat("psnr"))} | {mean_std(cat("mse"), 1)} | '
-                 f'{mean_std([np.mean(r["psnr"]) for r in runs])} | {mean_std([np.mean(r["mse"]) for r in runs], 1)} | '
-                 f'{mean_std(cat("rep_loss"), 3)} | {mean_std(acc) if acc else "-"} | {len(runs)} |')
+    lines.append(f'| {name} | {"/".join(dict.fromkeys(r["kind"] for r in runs))} | '
+                 f'{sum(len(r["psnr"]) for r in runs)} | {per_seed(mean("psnr"))} | '
+                 f'{per_seed(gain("psnr", "null_psnr"))} | {per_seed(mean("mse"), 1)} | {per_seed(mean("best_psnr"))} | '
+                 f'{per_seed(gain("best_psnr", "best_null_psnr"))} | '
+                 f'{per_seed(lambda r: 100 * float(np.mean(r["identified"])), 1)} | '
+                 f'{per_seed(lambda r: 100 / len(r["psnr"]), 1)} | {per_seed(mean("rep_loss"), 3)} | '
+                 f'{mean_std(acc) if acc else "-"} | {len(runs)} |')
   return '\n'.join(lines) + '\n'
 
 
 def plot_reconstructions(panels: Sequence[tuple[str, np.ndarray, np.ndarray]], path: str, title: str = '') -> None:
-  """The paper's Figure 4: per panel (label, originals [T, H, W, C], reconstructions [T, H, W, C], images in
-  [-1, 1]) a row of the matched originals above a row of their reconstructions; written as a PNG to `path`."""
+  """The paper's Figure 4: per panel (label, references [T, H, W, C], reconstructions [T, H, W, C], images in
+  [-1, 1]) a row of the images the uploads describe above a row of their reconstructions; a PNG at `path`."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -393,7 +463,7 @@ def plot_reconstructions(panels: Sequence[tuple[str, np.ndarray, np.ndarray]], p
   fig, axes = plt.subplots(2 * len(panels), cols, figsize=(1.1 * cols + 1.6, 2.3 * len(panels) + 0.5),
                            squeeze=False)
   for p, (label, originals, recons) in enumerate(panels):
-    for row, (imgs, what) in enumerate(((originals, 'original'), (recons, 'reconstruction'))):
+    for row, (imgs, what) in enumerate(((originals, 'reference'), (recons, 'reconstruction'))):
       for c in range(cols):
         ax = axes[2 * p + row, c]
         ax.set_xticks([])

@@ -74,7 +74,7 @@ def test_invertible_extractor_is_inverted_exactly():
   """A full-rank linear extractor: the attack recovers the image and the metric reports its maximum."""
   rep = linear_extractor()
   x0 = images(3)
-  cfg = inv.InversionConfig(steps=300, learning_rate=0.1, tv_weight=0.0)
+  cfg = inv.InversionConfig(steps=300, learning_rate=0.1, tv_weight=0.0, prior='pixel')
   recon, loss = jax.jit(lambda t: inv.invert(rep, t, SHAPE, cfg, jax.random.PRNGKey(0)))(rep(x0))
   np.testing.assert_allclose(recon, x0, atol=1e-4)
   assert float(loss.max()) < 1e-8
@@ -88,7 +88,7 @@ def test_vmap_and_padding_do_not_change_results():
   rep = linear_extractor()
   targets = rep(images(5, seed=2))
   key = jax.random.PRNGKey(3)
-  cfg = inv.InversionConfig(steps=40, learning_rate=0.05, tv_weight=0.1)
+  cfg = inv.InversionConfig(steps=40, learning_rate=0.05, tv_weight=0.1, prior='pixel')
   batched, losses = jax.jit(lambda t: inv.invert(rep, t, SHAPE, cfg, key))(targets)
   one = jax.jit(lambda t, k: inv.invert_one(rep, t, SHAPE, cfg, k))
   for i in (0, 4):
@@ -178,14 +178,54 @@ def test_round_uploads_are_the_trained_extractors_representations():
     inv.round_uploads(fed, after, clients)
 
 
+def test_references_identification_and_the_null_image_by_hand():
+  """References: a representation's own sample; a prototype's class-mean image; an entangled representation's mix
+  of class means by its soft label. Identification: nearer to its own reference than to any other."""
+  x = jnp.stack([jnp.full((2, 2, 1), v) for v in (-1.0, 0.0, 1.0, 0.5, 0.9)])
+  y, valid = jnp.array([0, 0, 1, 1, 1]), jnp.array([True, True, True, True, False])
+  np.testing.assert_allclose(inv.class_mean_images(x, y, valid, 3)[:, 0, 0, 0], [-0.5, 0.75, 0.0])
+  rep = inv.reference_images('representation', jnp.eye(3)[jnp.array([1])], jnp.array([3]), x, y, valid)
+  np.testing.assert_allclose(rep[:, 0, 0, 0], [0.5])
+  proto = inv.reference_images('prototype', jnp.eye(3)[jnp.array([1, 0])], jnp.array([-1, -1]), x, y, valid)
+  np.testing.assert_allclose(proto[:, 0, 0, 0], [0.75, -0.5])
+  mixed = inv.reference_images('entangled', jnp.array([[0.2, 0.8, 0.0]]), jnp.array([-1]), x, y, valid)
+  np.testing.assert_allclose(mixed[:, 0, 0, 0], [0.2 * -0.5 + 0.8 * 0.75])  # 0.5
+  refs = jnp.stack([jnp.full((2, 2, 1), v) for v in (-0.5, 0.0, 0.5)])
+  recons = jnp.stack([jnp.full((2, 2, 1), v) for v in (-0.4, 0.4, 0.45)])
+  np.testing.assert_array_equal(inv.identified(recons, refs), [True, False, True])
+  assert not bool(inv.identified(refs[:1].repeat(2, 0), refs[:1].repeat(2, 0))[0])  # a tie is a miss
+  with pytest.raises(ConfigError, match='kind'):
+    inv.reference_images('logits', jnp.eye(3)[jnp.array([0])], jnp.array([0]), x, y, valid)
+
+
+def test_upload_targets_weights_and_populated_classes_first():
+  protos = inv.upload_targets({'protos': np.arange(8.0).reshape(4, 2), 'counts': np.array([3, 12, 0, 40])},
+                              min_class_samples=10)
+  assert protos.labels.tolist() == [3, 1]  # 40 and 12 samples; class 0's 3 are too few
+  np.testing.assert_array_equal(protos.weights, np.eye(4)[[3, 1]])
+  entangled = inv.upload_targets({'rep': np.ones((1, 2)), 'label': np.array([[0.3, 0.7]]), 'weight': np.ones(1)})
+  np.testing.assert_allclose(entangled.weights, [[0.3, 0.7]])
+  assert len(inv.upload_targets({'protos': np.ones((2, 2)), 'counts': np.array([1, 2])}, min_class_samples=5)
+             .vectors) == 0
+
+
+def run_result(seed, psnr, null, best, best_null, ident, accuracy):
+  return dict(method='fedre', seed=seed, kind='entangled', psnr=np.array(psnr), mse=np.array([100.0, 300.0]),
+              null_psnr=np.array(null), best_psnr=np.array(best), best_null_psnr=np.array(best_null),
+              identified=np.array(ident), rep_loss=np.zeros(2), accuracy=accuracy)
+
+
 def test_table_and_figure(tmp_path):
-  runs = [dict(method='fedre', seed=s, kind='entangled', psnr=np.array(p), mse=np.array(m), rep_loss=np.zeros(2),
-               accuracy=a) for s, p, m, a in [(0, [10.0, 12.0], [100.0, 300.0], 0.5), (1, [14.0, 16.0],
-                                                                                   [500.0, 700.0], 0.7)]]
+  runs = [run_result(0, [10.0, 12.0], [9.0, 9.0], [15.0, 15.0], [14.0, 16.0], [True, False], 0.5),
+          run_result(1, [14.0, 16.0], [10.0, 10.0], [14.0, 14.0], [14.0, 14.0], [True, True], 0.7)]
   table = inv.leakage_table(runs)
-  # over the 4 targets: PSNR 13 +- sqrt(5), MSE 400 +- sqrt(50000); over the seed means 11 and 15: 13 +- 2
-  assert '| fedre | entangled | 4 | 13.00 +- 2.24 | 400.0 +- 223.6 | 13.00 +- 2.00 | 400.0 +- 200.0 |' in table
-  assert '| 60.00 +- 10.00 | 2 |' in table
+  # per-seed means: PSNR 11, 15 -> 13 +- 2; gains 2, 5 -> 3.5 +- 1.5; MSE 200, 200; best 15, 14 -> 14.5 +- 0.5;
+  # best gains 0, 0; identified 50 %, 100 % -> 75 +- 25; chance 1/2 -> 50; accuracy 60 +- 10.
+  assert ('| fedre | entangled | 4 | 13.00 +- 2.00 | 3.50 +- 1.50 | 200.0 +- 0.0 | 14.50 +- 0.50 | 0.00 +- 0.00 | '
+          '75.0 +- 25.0 | 50.0 +- 0.0 | 0.000 +- 0.000 | 60.00 +- 10.00 | 2 |') in table
   path = tmp_path / 'inversion.png'
-  inv.plot_reconstructions([('fedre', np.zeros((2,) + SHAPE), np.ones((1,) + SHAPE))], str(path), 'title')
-  assert path.stat().st_size > 0
+  inv.plot_reconstructions([('fedre', -np.ones((2,) + SHAPE), np.ones((1,) + SHAPE))], str(path), 'title')
+  import matplotlib.image
+  picture = matplotlib.image.imread(str(path))
+  assert picture.shape[0] > 100 and picture.shape[1] > 100
+  assert picture[..., :3].min() < 0.1 and picture[..., :3].max() > 0.9  # the black reference and white reconstruction
