@@ -45,6 +45,9 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_string('data_dir', None, 'tfds data_dir holding prepared datasets.')
   f.DEFINE_integer('image_size', _D.image_size, 'Resize every image to S x S (bilinear; 0: keep the dataset\'s '
                    'size). GeFL resizes MNIST 28 -> 32.')
+  f.DEFINE_enum('input_normalization', _D.input_normalization, ['symmetric', 'cifar10'], 'Image scaling: '
+                'symmetric ((x/255 - 0.5) / 0.5, in [-1, 1]) or cifar10 (per channel (x/255 - mean) / std with '
+                'CIFAR-10\'s statistics, as the Felo/Velo and GeFL codes normalise CIFAR-10).')
   f.DEFINE_float('data_fraction', _D.data_fraction, 'Share of the training set used (a seeded subsample drawn '
                  'before partitioning; the test set is kept whole). GeFL Table XIV: 0.1 MNIST/FMNIST, 0.5 CIFAR-10.')
   f.DEFINE_enum('partition', _D.partition, ['dirichlet', 'pathological', 'iid'], 'PRA (dirichlet), PAT, IID.')

@@ -17,6 +17,7 @@ class ExperimentConfig:
   dataset: str = 'cifar10'
   data_dir: Optional[str] = None
   image_size: int = 0  # 0: as loaded; S: every image resized to S x S (GeFL resizes MNIST 28 -> 32)
+  input_normalization: str = 'symmetric'  # (x/255 - 0.5) / 0.5; 'cifar10': CIFAR-10's per-channel mean and std
   data_fraction: float = 1.0  # share of the training set used, a seeded subsample (GeFL Table XIV: 0.1 / 0.5)
   partition: str = 'dirichlet'
   alpha: float = 0.1

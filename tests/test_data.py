@@ -112,3 +112,18 @@ def test_resize_and_subsample_keep_the_labels_and_the_test_set():
   np.testing.assert_allclose(constant.resized(32).x, 0.25, atol=1e-6)  # bilinear keeps a constant image
   with pytest.raises(ConfigError, match='--data_fraction'):
     ds.subsampled(0.0)
+
+
+def test_cifar10_normalisation_by_hand():
+  """--input_normalization=cifar10: pixel v/255 becomes (v/255 - mean) / std per channel (Felo's and GeFL's code)."""
+  from fedjax_het.data.datasets import Dataset, normalize_uint8
+  raw = np.array([[[[0, 255, 51]]]], np.uint8)  # one 1x1 RGB image
+  ds = Dataset('t', normalize_uint8(raw), np.zeros(1, np.int32), 10, normalize_uint8(raw), np.zeros(1, np.int32))
+  out = ds.normalized('cifar10')
+  expected = [(0.0 - 0.4914) / 0.2023, (1.0 - 0.4822) / 0.1994, (0.2 - 0.4465) / 0.2010]
+  np.testing.assert_allclose(out.x[0, 0, 0], expected, rtol=1e-5)
+  np.testing.assert_allclose(out.x_test[0, 0, 0], expected, rtol=1e-5)
+  assert ds.normalized('symmetric') is ds
+  grey = Dataset('g', np.zeros((1, 2, 2, 1), np.float32), np.zeros(1, np.int32), 10)
+  with pytest.raises(ConfigError, match='--input_normalization=symmetric'):
+    grey.normalized('cifar10')

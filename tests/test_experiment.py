@@ -125,10 +125,16 @@ def test_every_flag_file_parses_into_a_config(flagfile):
   cli.define_flags(flag_values=fv)
   fv(['prog', f'--flagfile={os.path.join(ROOT, "experiments", "flags", flagfile)}', '--workdir=/tmp/x'])
   cfg = cli.config_from_flags(fv)
-  twenty = flagfile.startswith(('fedvtc_mnist5k', 'felo_table2', 'felo_table3_previous_cifar10', 'felo_table3_extreme'))
+  twenty = flagfile.startswith('fedvtc_mnist5k') or (flagfile.startswith('felo_table') and 'cifar10' in flagfile)
   assert cfg.rounds > 0 and cfg.num_clients == (100 if flagfile.startswith('fedvtc_table1') else 20 if twenty else 10)
   if flagfile.startswith('felo_table'):  # one library round per code iteration: 100 paper-rounds of K x 0.2 (x 1.0)
     assert cfg.rounds == 100 * round(cfg.num_clients * cfg.join_ratio)
+    assert cfg.input_normalization == ('cifar10' if 'cifar10' in flagfile else 'symmetric')  # the code's CIFAR-10
+  if flagfile.startswith('gefl'):  # GeFL's loaders keep the last partial batch; its CNNs end in one fc
+    assert not cfg.drop_last and cfg.rm == 'none'
+    assert cfg.methods[cfg.algorithm].mode == ('update' if 'table2' in flagfile and 'dcgan' in flagfile else 'freeze')
+  if flagfile.startswith('fedvtc_table1'):  # the scaling under which the paper's rates train
+    assert cfg.methods['fedvtc'].loss_reduction == 'mean'
 
 
 def test_architecture_that_cannot_take_the_images_fails_clearly():

@@ -16,6 +16,8 @@ from fedjax_het.errors import ConfigError, DatasetUnavailableError
 
 TFDS_DATASETS = ('mnist', 'fashion_mnist', 'cifar10', 'cifar100', 'svhn_cropped')
 OFFLINE_DATASETS = ('digits', 'mnist5k', 'synthetic')
+NORMALIZATIONS = ('symmetric', 'cifar10')
+CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,21 @@ class Dataset:
     resize = lambda a: None if a is None else np.asarray(
         jax.image.resize(a, (a.shape[0], size, size, a.shape[3]), 'bilinear', antialias=True), np.float32)
     return dataclasses.replace(self, x=resize(self.x), x_test=resize(self.x_test))
+
+  def normalized(self, kind: str) -> 'Dataset':
+    """The images (in the library's [-1, 1], (x/255 - 0.5) / 0.5) renormalised: 'symmetric' keeps them;
+    'cifar10' maps them to (x/255 - mean) / std per channel with CIFAR-10's statistics, mean (0.4914, 0.4822,
+    0.4465) and std (0.2023, 0.1994, 0.2010), as the Felo/Velo and GeFL codes normalise CIFAR-10."""
+    if kind not in NORMALIZATIONS:
+      raise ConfigError(f'--input_normalization={kind!r} is unknown; choose one of {", ".join(NORMALIZATIONS)}.')
+    if kind == 'symmetric':
+      return self
+    if self.x.shape[-1] != 3:
+      raise ConfigError(f'--input_normalization={kind}: per-channel statistics of 3-channel images, and '
+                        f'{self.name} has {self.x.shape[-1]} channel(s). Fix: --input_normalization=symmetric.')
+    mean, std = (np.asarray(v, np.float32) for v in CIFAR10_MEAN_STD)
+    renorm = lambda a: None if a is None else (((a + 1.0) / 2.0 - mean) / std).astype(np.float32)
+    return dataclasses.replace(self, x=renorm(self.x), x_test=renorm(self.x_test))
 
   def subsampled(self, fraction: float, seed: int = 0) -> 'Dataset':
     """A seeded random `fraction` of the training rows (at least one; the test set whole); the same dataset at
