@@ -258,6 +258,8 @@ class Algorithm:
   evaluation(group) -> the `Evaluation` of that group's clients.
   upload_scalars(upload) / broadcast_scalars(broadcast) -> {part: scalars} of one client's upload / of what one
     participant receives (jnp scalars allowed: data-dependent sizes); default `leaf_scalars`.
+  received_scalars(broadcast, upload) -> {part: scalars} that one participant receives when it depends on the
+    participant (FedVTC sends prototype c^y only to holders of y, which its upload shows); None: broadcast_scalars.
   samples(server, spec, key, n) -> images [C, n, H, W, channels] in [-1, 1]: n samples per class from the
     method's generator as the server holds it, for pictures (samples.png); None for methods without one.
   partial_batches: whether its programs weight losses and BatchNorm statistics by `Batch.mask`, so that it can run
@@ -273,6 +275,7 @@ class Algorithm:
   init_client: Callable[[GroupSpec, jax.Array], Any] = no_client_state
   upload_scalars: Callable[[Upload], dict] = leaf_scalars
   broadcast_scalars: Callable[[Broadcast], dict] = leaf_scalars
+  received_scalars: Optional[Callable[[Broadcast, Upload], dict]] = None
   samples: Optional[Callable[[ServerState, FederationSpec, jax.Array, int], jnp.ndarray]] = None
   partial_batches: bool = False
   shares_representations: bool = True

@@ -312,3 +312,15 @@ def test_every_round_ablation_keeps_the_servers_decoder_for_fine_tuning():
   names = lambda cfg: [p.name for p in fedvtc(cfg, 10, 3, 0.01, 8).phases]
   assert names(FedVTCConfig(every_round=True)) == ['fl', 'finetune']
   assert names(FedVTCConfig()) == ['fl', 'vtc_exchange', 'finetune']
+
+
+def test_a_participant_receives_the_prototypes_of_the_classes_it_holds():
+  """Down-link per participant: |Y_k| p (c^y only to holders of y, among the classes with a global prototype),
+  plus sigma; the exchange round's broadcast is counted as it is."""
+  from fedjax_het.algorithms.fedvtc import fedvtc
+  alg = fedvtc(FedVTCConfig(), 3, 2, 0.01, 8)
+  broadcast = {'protos': jnp.ones((3, 4)), 'present': jnp.array([True, True, False]), 'sigma': jnp.ones(4)}
+  upload = {'protos': jnp.zeros((3, 4)), 'counts': jnp.array([3.0, 0.0, 5.0]), 'sigma': jnp.ones(4)}
+  got = {k: int(v) for k, v in alg.received_scalars(broadcast, upload).items()}
+  assert got == {'prototypes': 4, 'sigma': 4}  # class 0 only: class 1 not held, class 2 has no prototype yet
+  assert alg.received_scalars({}, {'psi': 1}) == {}

@@ -46,7 +46,8 @@ reduction its numbers came from is unknown; since only 'mean' trains at the pape
 others), the Table 1 flag files use it. The default stays 'sum', Eq. 3-5 as printed.
 
 Communication (scalars; bytes are 4 per scalar): per participant per round up p per class held (prototypes) + p
-(sigma), down p per class with a global prototype + p; at the end every client uploads psi (parameters and
+(sigma), down p per class it holds that has a global prototype (|Y_k| p: the server sends c^y to holders of y)
++ p; at the end every client uploads psi (parameters and
 BatchNorm statistics) and receives it back with the prototypes and sigma.
 """
 
@@ -308,6 +309,17 @@ def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int, learning_rate: floa
       out['psi'] = sum(leaf_scalars(tree['psi']).values())
     return out
 
+  def received(broadcast, upload) -> dict:
+    """A participant of the 'fl' phase receives the global prototypes of the classes it holds (|Y_k| p: the
+    paper sends c^y only to holders of y), sigma, and psi in the per-round ablation; other phases as broadcast."""
+    if 'protos' not in broadcast or 'counts' not in upload:
+      return scalars(broadcast)
+    out = {'prototypes': jnp.sum((upload['counts'] > 0) & broadcast['present']) * broadcast['protos'].shape[-1],
+           'sigma': broadcast['sigma'].size}
+    if 'psi' in broadcast:
+      out['psi'] = sum(leaf_scalars(broadcast['psi']).values())
+    return out
+
   def samples(server, spec, key, n):
     """n images per class decoded by the server's psi (the averaged one after 'vtc_exchange'); black for classes
     without a global prototype."""
@@ -326,5 +338,5 @@ def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int, learning_rate: floa
                    (Phase('fl', fl_client, fl_server, fl_broadcast, rounds=rounds),) + exchange +
                    (Phase('finetune', finetune_client, keep_server, finetune_broadcast, rounds=1, join_ratio=1.0),),
                    local_head_evaluation, init_client=init_client, upload_scalars=scalars,
-                   broadcast_scalars=scalars, samples=samples)
+                   broadcast_scalars=scalars, received_scalars=received, samples=samples)
 

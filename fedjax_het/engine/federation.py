@@ -264,10 +264,15 @@ class Federation:
       losses.append((loss, slot_idx < g.size))
       upload_parts.append(self._fn('count_uploads', (p, gi), lambda: jax.jit(
           lambda u, m: count_uploads(self.algorithm.upload_scalars, u, m)))(values, real))
-      receivers = int(np.sum(slot_idx < g.size))
-      broadcast_parts.append((self._fn('count_broadcast', (p, gi), lambda: jax.jit(
-          lambda b: {k: jnp.asarray(v, jnp.float32) for k, v in self.algorithm.broadcast_scalars(b).items()}))(
-              broadcast), receivers))
+      received = self.algorithm.received_scalars
+      if received is not None:  # what each participant receives depends on it
+        broadcast_parts.append((self._fn('count_received', (p, gi), lambda: jax.jit(
+            lambda b, u, m: count_uploads(lambda one: received(b, one), u, m)))(broadcast, values, real), 1))
+      else:
+        receivers = int(np.sum(slot_idx < g.size))
+        broadcast_parts.append((self._fn('count_broadcast', (p, gi), lambda: jax.jit(
+            lambda b: {k: jnp.asarray(v, jnp.float32) for k, v in self.algorithm.broadcast_scalars(b).items()}))(
+                broadcast), receivers))
     server_update = self._fn('server', p, lambda: jax.jit(phase.server_update))
     server, server_metrics = server_update(state.server, tuple(uploads), server_key)
     new_state = FederationState(tuple(groups), server, state.round + 1)
