@@ -15,8 +15,8 @@ from conftest import tree_allclose
 from runs import CFG, record_rounds, run_rounds
 from fedjax_het.algorithms import FeloConfig, VeloConfig, fedhe, felo
 from fedjax_het.algorithms.common import elementwise_kl
-from fedjax_het.algorithms.felo import (empty_store, felo_loss, logit_upload, multistep_scale, per_class_statistics,
-                                        push, store_mean, warmup_rounds, window_mean)
+from fedjax_het.algorithms.felo import (empty_store, felo_loss, felo_terms, logit_upload, multistep_scale,
+                                        per_class_statistics, push, store_mean, warmup_rounds, window_mean)
 from fedjax_het.algorithms.velo import FeatureCVAE, cvae_loss, generated_features, init_cvae, train_cvae
 from fedjax_het.checkpoints import Checkpoints
 from fedjax_het.core import Uploads
@@ -64,6 +64,9 @@ def test_felo_loss_is_ce_plus_half_mse_plus_kl_and_warmup_is_ce_only():
   np.testing.assert_allclose(felo_loss(logits, features, labels, warm, 0.5, True), ce, rtol=1e-6)
   absent = {**broadcast, 'logit_present': jnp.asarray([False, True]), 'feature_present': jnp.asarray([False, True])}
   np.testing.assert_allclose(felo_loss(logits, features, labels, absent, 0.5, True), ce, rtol=1e-6)
+  # the terms the server logs per round (client_ce, client_alpha_mse, client_alpha_kl)
+  np.testing.assert_allclose(felo_terms(logits, features, labels, broadcast, 0.5, True),
+                             [ce, 0.5 * mse, 0.5 * 0.029446], rtol=1e-5)
 
 
 def test_schedules_warmup_rounds_and_multistep_lr():
@@ -82,8 +85,12 @@ def test_server_logit_mean_is_per_upload_and_feature_mean_is_per_sample():
   values = {'logits': jnp.asarray([[[2.0, 3.0], [0.0, 0.0]], [[4.0, 5.0], [0.0, 0.0]]]),
             'logit_counts': jnp.asarray([[1.0, 0.0], [9.0, 0.0]]),
             'feature_sums': jnp.asarray([[[2.0, 3.0], [0.0, 0.0]], [[36.0, 45.0], [0.0, 0.0]]]),
-            'feature_counts': jnp.asarray([[1.0, 0.0], [9.0, 0.0]])}
-  new, _ = alg.phases[0].server_update(server, (uploads(values, [True, True], [1, 9]),), jax.random.PRNGKey(0))
+            'feature_counts': jnp.asarray([[1.0, 0.0], [9.0, 0.0]]),
+            'loss_terms': jnp.asarray([[2.0, 0.5, 0.1], [4.0, 1.5, 0.3]])}
+  new, metrics = alg.phases[0].server_update(server, (uploads(values, [True, True], [1, 9]),),
+                                             jax.random.PRNGKey(0))
+  np.testing.assert_allclose([metrics[k] for k in ('client_ce', 'client_alpha_mse', 'client_alpha_kl')],
+                             [3.0, 1.0, 0.2], rtol=1e-6)  # the participants' mean, logged per round
   np.testing.assert_allclose(new['logits'][0], [3.0, 4.0])      # every client-round counts once
   np.testing.assert_allclose(new['features'][0], [3.8, 4.8])    # (2 + 36) / 10, (3 + 45) / 10
   assert new['logit_present'].tolist() == [True, False] and new['feature_present'].tolist() == [True, False]

@@ -44,7 +44,7 @@ import optax
 from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
 from fedjax_het.algorithms.fedavg import receive_group_model
 from fedjax_het.algorithms.common import (class_means_from_sums, class_sums, cross_entropy, elementwise_kl,
-                                          participant_average, prototype_regularizer)
+                                          masked_mean, participant_average, prototype_regularizer)
 from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientState, GroupSpec, Phase, Uploads,
                              hyperparameter, leaf_scalars)
 from fedjax_het.errors import ConfigError
@@ -144,13 +144,19 @@ def window_mean(store: dict, window: int) -> tuple[jnp.ndarray, jnp.ndarray]:
 
 
 # ------------------------------------------------------------------ the client
-def felo_loss(logits, features, labels, broadcast, alpha, with_features: bool) -> jnp.ndarray:
-  """Eq. 1: CE + alpha * distill * (MSE(s, s^s_y) + KL(softmax(p^s_y) || softmax(p))), distill 0 in warm-up
-  rounds; FedHe drops the MSE."""
+def felo_terms(logits, features, labels, broadcast, alpha, with_features: bool) -> jnp.ndarray:
+  """The three terms of Eq. 1, [CE, alpha * distill * MSE(s, s^s_y), alpha * distill * KL(softmax(p^s_y) ||
+  softmax(p))], distill 0 in warm-up rounds; FedHe has no MSE term (0)."""
   kl = elementwise_kl(broadcast['logits'][labels], logits, broadcast['logit_present'][labels])
   mse = (prototype_regularizer(features, labels, broadcast['features'], broadcast['feature_present'])
-         if with_features else 0.0)
-  return cross_entropy(logits, labels) + alpha * broadcast['distill'] * (mse + kl)
+         if with_features else jnp.zeros(()))
+  weight = alpha * broadcast['distill']
+  return jnp.stack([cross_entropy(logits, labels), weight * mse, weight * kl])
+
+
+def felo_loss(logits, features, labels, broadcast, alpha, with_features: bool) -> jnp.ndarray:
+  """Eq. 1: CE + alpha * distill * (MSE(s, s^s_y) + KL(softmax(p^s_y) || softmax(p))) (`felo_terms`)."""
+  return felo_terms(logits, features, labels, broadcast, alpha, with_features).sum()
 
 
 def adam_client_program(group: GroupSpec, cfg: FeloConfig, with_features: bool, statistics, gather, upload
@@ -158,31 +164,34 @@ def adam_client_program(group: GroupSpec, cfg: FeloConfig, with_features: bool, 
   """The client program of Felo, Velo and FedHe: receive the group model (when averaging), Adam steps on
   `felo_loss` with the client's own optimizer state, scaled to the round's rate; `gather(stats, logits, features,
   labels)` adds a step's training-mode outputs to the statistics (`statistics()` the empty ones); upload(client,
-  stats) -> the upload."""
+  stats) -> the upload, to which the program adds 'loss_terms', the mean of each of Eq. 1's terms over the
+  client's steps (`felo_terms`; a diagnostic the server logs, not part of the method's traffic)."""
   adam = optax.scale_by_adam()
 
   def init(client, broadcast, key):
     if cfg.average_models:
       client = receive_group_model(client, broadcast)
-    return client, statistics()
+    return client, statistics(), jnp.zeros(4)  # summed [CE, alpha MSE, alpha KL, steps]
 
   def step(carry, batch: Batch, broadcast, key):
-    client, stats = carry
+    client, stats, terms = carry
 
     def objective(params):
       logits, features, model_state = forward(group.model, params, client.model_state, batch.x, True)
-      return felo_loss(logits, features, batch.y, broadcast, cfg.alpha, with_features), (model_state, logits,
-                                                                                        features)
-    (value, (model_state, logits, features)), grads = jax.value_and_grad(objective, has_aux=True)(client.params)
+      parts = felo_terms(logits, features, batch.y, broadcast, cfg.alpha, with_features)
+      return parts.sum(), (model_state, logits, features, parts)
+    (value, (model_state, logits, features, parts)), grads = jax.value_and_grad(objective, has_aux=True)(
+        client.params)
     updates, opt_state = adam.update(grads, client.extra['optimizer'], client.params)
     rate = cfg.learning_rate * broadcast['lr_scale']
     params = jax.tree.map(lambda p, u: p - rate * u, client.params, updates)
     client = client._replace(params=params, model_state=model_state, extra={**client.extra, 'optimizer': opt_state})
-    return (client, gather(stats, logits, features, batch.y)), value
+    terms = terms + jnp.concatenate([jax.lax.stop_gradient(parts), jnp.ones(1)])
+    return (client, gather(stats, logits, features, batch.y), terms), value
 
   def final(carry, rows, broadcast, key):
-    client, stats = carry
-    return client, upload(client, stats)
+    client, stats, terms = carry
+    return client, {**upload(client, stats), 'loss_terms': terms[:3] / jnp.maximum(terms[3], 1.0)}
 
   return ClientProgram(init, step, final, group.training)
 
@@ -280,6 +289,9 @@ def felo_family(name: str, cfg: FeloConfig, num_classes: int, rounds: int, num_c
     logits, logit_present = store_mean(logit_store)
     server = {**server, 'logit_store': logit_store, 'logits': logits, 'logit_present': logit_present}
     metrics = {'logit_classes': logit_present.sum()}
+    if 'loss_terms' in u.values:  # the participants' mean of each term of Eq. 1 over their steps
+      terms = masked_mean(u.values['loss_terms'], u.mask)
+      metrics.update(client_ce=terms[0], client_alpha_mse=terms[1], client_alpha_kl=terms[2])
     if with_features:
       if feature_server is not None:
         server, more = feature_server(server, uploads, key)
