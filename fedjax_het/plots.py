@@ -56,12 +56,10 @@ def plot_partition(counts: np.ndarray, path: str, title: str) -> None:
   plt.close(fig)
 
 
-def plot_samples(generated: np.ndarray, real: np.ndarray, path: str, title: str) -> None:
-  """A grid with one row per class: `real` images [C, m, H, W, ch] on the left, a gap, then the `generated` ones
-  [C, n, H, W, ch] (both in [-1, 1]), as a PNG (FedVTC Figure 4; GeFL's sample grids)."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
+def sample_canvas(generated: np.ndarray, real: np.ndarray) -> np.ndarray:
+  """The picture of `plot_samples` as one image in [0, 1]: one row per class, `real` images [C, m, H, W, ch] on the
+  left, a white gap of max(2, W // 2) columns, then the `generated` ones [C, n, H, W, ch] (both in [-1, 1]), each
+  image followed by one white row and column."""
   to_unit = lambda a: np.clip((np.asarray(a, np.float32) + 1.0) / 2.0, 0.0, 1.0)
   classes, m, n = generated.shape[0], real.shape[1], generated.shape[1]
   h, w, ch = generated.shape[2:]
@@ -73,6 +71,16 @@ def plot_samples(generated: np.ndarray, real: np.ndarray, path: str, title: str)
     for j in range(n):
       left = m * (w + 1) + gap + j * (w + 1)
       canvas[c * (h + 1):c * (h + 1) + h, left:left + w] = to_unit(generated[c, j])
+  return canvas
+
+
+def plot_samples(generated: np.ndarray, real: np.ndarray, path: str, title: str) -> None:
+  """`sample_canvas` with a title, as a PNG (FedVTC Figure 4; GeFL's sample grids)."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  canvas = sample_canvas(generated, real)
+  ch = canvas.shape[-1]
   fig, ax = plt.subplots(figsize=(max(4, canvas.shape[1] / 12), max(3, canvas.shape[0] / 12)))
   ax.imshow(canvas[..., 0] if ch == 1 else canvas, cmap='gray' if ch == 1 else None, vmin=0, vmax=1,
             interpolation='nearest')

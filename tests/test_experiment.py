@@ -233,3 +233,17 @@ def test_accuracy_plot_draws_one_line_per_architecture(tmp_path, monkeypatch):
   rows = [{'round': 1, 'phase': 'p', 'accuracy': 0.5, 'eval_head': 'group_model', 'client_accuracy': [0.2, 0.8, 0.4]}]
   plots.plot_accuracy(rows, str(tmp_path / 'a.png'), 't', ['cnn', 'mlp', 'cnn'])
   assert drawn == ['group_model', 'cnn', 'mlp'] and (tmp_path / 'a.png').stat().st_size > 0
+
+
+def test_sample_grid_puts_each_classs_real_images_left_of_its_generated_ones():
+  import numpy as np
+  from fedjax_het.plots import sample_canvas
+  real = np.stack([np.full((1, 2, 2, 1), -1.0), np.full((1, 2, 2, 1), 0.0)])        # classes 0, 1: one each
+  generated = np.stack([np.full((2, 2, 2, 1), 1.0), np.full((2, 2, 2, 1), -0.5)])  # two each
+  canvas = sample_canvas(generated, real)[..., 0]
+  assert canvas.shape == (2 * 3, 1 * 3 + 2 + 2 * 3)  # rows: 2 classes x (2 + 1); columns: 3, a gap of 2, 6
+  np.testing.assert_allclose(canvas[0:2, 0:2], 0.0)    # class 0's real image (-1 -> 0)
+  np.testing.assert_allclose(canvas[3:5, 0:2], 0.5)    # class 1's real image (0 -> 0.5)
+  np.testing.assert_allclose(canvas[0:2, 5:7], 1.0)    # class 0's first generated image
+  np.testing.assert_allclose(canvas[3:5, 8:10], 0.25)  # class 1's second generated image (-0.5 -> 0.25)
+  np.testing.assert_allclose(canvas[:, 3:5], 1.0)      # separator column and the gap are white
