@@ -93,13 +93,14 @@ def test_masked_padded_batch_equals_the_short_batch_with_batchnorm():
   def loss(p, xb, yb, m):
     logits, _, new = forward(model, p, state, xb, True, m)
     return cross_entropy(logits, yb, m), new
-  (short, s_short), g_short = jax.value_and_grad(loss, has_aux=True)(params, x[:3], y[:3], None)
-  (long, s_long), g_long = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, padded, y, mask)
+  value_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  (short, s_short), g_short = value_and_grad(params, x[:3], y[:3], None)
+  (long, s_long), g_long = value_and_grad(params, padded, y, mask)
   np.testing.assert_allclose(long, short, rtol=1e-5)
   tree_allclose(g_long, g_short, rtol=1e-4, atol=1e-6)
   tree_allclose(s_long, s_short, rtol=1e-5, atol=1e-6)
   # Without the mask the padding would count: the check above can fail.
-  (unmasked, _), _ = jax.value_and_grad(loss, has_aux=True)(params, padded, y, None)
+  (unmasked, _), _ = value_and_grad(params, padded, y, None)
   assert abs(float(unmasked) - float(short)) > 1e-3
 
 
