@@ -63,6 +63,24 @@ def test_target_server_averages_each_group_within_itself_with_equal_weights():
   assert int(new['generator_round']) == 2                                  # freeze: the generator stays
 
 
+def test_update_mode_target_server_averages_models_within_and_the_generator_across_architectures():
+  """Update mode with two architectures whose models differ in shape: each model within its group, the generator
+  over every participant of every group."""
+  alg = gefl(dataclasses.replace(GEFL, mode='update'), 10, 2, 0.1, 64)
+  stack = lambda *ts: jax.tree.map(lambda *a: jnp.stack(a), *ts)
+  small = lambda v: {'params': {'w': jnp.full(1, v)}, 'model_state': {}}
+  large = lambda v: {'params': {'w': jnp.full(1, v), 'extra': jnp.full(3, v)}, 'model_state': {}}
+  gen = lambda v: {'w': jnp.full(2, v)}
+  server = {'generator': gen(0.0), 'generator_round': jnp.asarray(1), 'models': (small(0.0), large(0.0))}
+  group0 = uploads({'model': stack(small(1.0), small(3.0)), 'generator': stack(gen(1.0), gen(3.0))}, [1, 1])
+  group1 = uploads({'model': stack(large(8.0)), 'generator': stack(gen(8.0))}, [1])
+  new, _ = alg.phases[1].server_update(server, (group0, group1), jax.random.PRNGKey(0))
+  np.testing.assert_allclose(new['models'][0]['params']['w'], [2.0])
+  np.testing.assert_allclose(new['models'][1]['params']['extra'], [8.0, 8.0, 8.0])
+  np.testing.assert_allclose(new['generator']['w'], [4.0, 4.0])  # (1 + 3 + 8) / 3
+  assert int(new['generator_round']) == 2
+
+
 # ------------------------------------------------------------------ the run
 @pytest.fixture(scope='module')
 def fed():

@@ -199,7 +199,8 @@ def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, b
             'models': tuple({'params': s.params, 'model_state': s.model_state} for s in initial)}
 
   def average_generator(server, uploads):
-    u = concat_groups(uploads)
+    # Only the generator crosses groups (target models differ in shape between architectures).
+    u = concat_groups(tuple(g._replace(values={'generator': g.values['generator']}) for g in uploads))
     generator = participant_average(u.values['generator'], u.mask.astype(jnp.float32), server['generator'])
     return {**server, 'generator': generator, 'generator_round': server['generator_round'] + 1}
 
