@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedjax_het.algorithms.common import class_prototypes
 from fedjax_het.errors import ConfigError
 
 PRIORS = ('pixel', 'dip')
@@ -158,9 +159,9 @@ def leakage(reconstructions: jnp.ndarray, originals: jnp.ndarray, allowed: jnp.n
 
 def class_mean_images(x: jnp.ndarray, y: jnp.ndarray, valid: jnp.ndarray, num_classes: int) -> jnp.ndarray:
   """The mean image of each class over a client's valid rows: [C, H, W, c] (zeros for classes it lacks)."""
-  onehot = jax.nn.one_hot(y, num_classes) * jnp.asarray(valid, jnp.float32)[:, None]
-  sums = jnp.tensordot(onehot, jnp.asarray(x, jnp.float32), axes=(0, 0))
-  return sums / jnp.maximum(onehot.sum(0), 1.0).reshape((-1,) + (1,) * (x.ndim - 1))
+  x = jnp.asarray(x, jnp.float32)
+  means, _ = class_prototypes(x.reshape(x.shape[0], -1), jnp.asarray(y), jnp.asarray(valid, bool), num_classes)
+  return means.reshape((num_classes,) + x.shape[1:])
 
 
 def reference_images(kind: str, weights: jnp.ndarray, rows: jnp.ndarray, x: jnp.ndarray, y: jnp.ndarray,
