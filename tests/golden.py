@@ -4,7 +4,8 @@ a digest of its final state (sums of absolute values of the client and server le
 import jax
 import numpy as np
 
-from fedjax_het.algorithms import (CCVRConfig, FedGenConfig, FedKDConfig, FedMRLConfig, FedTGPConfig)
+from fedjax_het.algorithms import (CCVRConfig, FedGenConfig, FedKDConfig, FedMRLConfig, FedTGPConfig, FedVTCConfig,
+                                   GeFLConfig, GeFLFConfig, VeloConfig)
 from fedjax_het.algorithms.fml import FMLConfig
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.data import make_federated_data, make_synthetic
@@ -12,19 +13,37 @@ from fedjax_het.engine import Federation, LocalTraining
 from fedjax_het.experiment import make_algorithm
 
 METHODS = ['fedre', 'local', 'fedavg', 'lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen', 'fml', 'fedkd',
-           'fedmrl', 'fpl', 'ccvr']
+           'fedmrl', 'fpl', 'ccvr', 'fedprox', 'fedhe', 'felo', 'velo', 'fedvtc', 'gefl', 'gefl_f', 'lg_fedavg_fb']
 TINY = dict(methods=dict(fedtgp=FedTGPConfig(server_epochs=2),
                          fedgen=FedGenConfig(server_epochs=2, generator_learning_rate=0.005),
                          fml=FMLConfig(global_model='small_cnn_narrow'),
                          fedkd=FedKDConfig(global_model='small_cnn_narrow'),
                          fedmrl=FedMRLConfig(sub_feature_dim=8, global_model='small_cnn_narrow'),
-                         ccvr=CCVRConfig(virtual_per_class=16, calibration_epochs=2)),
+                         ccvr=CCVRConfig(virtual_per_class=16, calibration_epochs=2),
+                         velo=VeloConfig(warmup=0.0, feature_store=16, hidden=16, latent=8, embedding=8,
+                                         upload_rows=16, epochs=1, batch_size=12),
+                         fedvtc=FedVTCConfig(samples_per_class=4, finetune_epochs=1),
+                         gefl=GeFLConfig(generator='dcgan', ka_rounds=2, generator_epochs=1, width=4,
+                                         mode='update'),
+                         gefl_f=GeFLFConfig(generator='cvae', fe_rounds=1, ka_rounds=1, generator_epochs=1,
+                                            warmup_epochs=1, width=4, latent=3)),
             feature_dim=16, num_clients=6,
             batch_size=8, local_learning_rate=0.05, rounds=2)
 
 
-def tiny_data():
-  ds = make_synthetic(num_samples=480, image_shape=(8, 8, 1), num_classes=4, noise=0.3, seed=1)
+# Methods whose federation differs from the tiny one: FedVTC's decoder needs g to end in Linear(L, p) (--rm=fc)
+# of the VTC latent's width (80 on 8x8 images);
+# GeFL's generators emit 32x32 images and GeFL-F and lg_fedavg_fb split GeFL's CNNs. Each multi-phase method's
+# run crosses every phase boundary (its rounds are the phases' total).
+FEDERATIONS = {'fedvtc': dict(rm='fc', feature_dim=80),
+               'gefl': dict(image=32, models=('gefl_mnist_cnn1', 'gefl_mnist_cnn2'), rm='none'),
+               'gefl_f': dict(image=32, models=('gefl_fmnist_cnn1', 'gefl_fmnist_cnn2'), rm='fc'),
+               'lg_fedavg_fb': dict(image=32, models=('gefl_mnist_cnn1', 'gefl_mnist_cnn2'), rm='none')}
+ROUNDS = {'fedvtc': 1, 'gefl': 1, 'gefl_f': 1}
+
+
+def tiny_data(image: int = 8):
+  ds = make_synthetic(num_samples=480, image_shape=(image, image, 1), num_classes=4, noise=0.3, seed=1)
   return make_federated_data(ds, num_clients=6, partition='dirichlet', seed=3, alpha=0.5)
 
 
@@ -40,13 +59,18 @@ def golden_federation(name: str, strategy: str = 'sequential', data=None):
   """(federation, final state, per-round metrics) of the golden run, computed once per process (other tests
   check their method's properties on it instead of compiling a federation of their own)."""
   if (name, strategy) not in _RUNS:
-    data = data or tiny_data()
-    cfg = ExperimentConfig(algorithm=name, **TINY)
-    fed = Federation(make_algorithm(cfg, data), data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1),
-                     feature_dim=16, strategy=strategy, eval_batch_size=16, conv='xla', join_ratio=0.5, rounds=2)
+    settings = FEDERATIONS.get(name, {})
+    if 'image' in settings or data is None:
+      data = tiny_data(settings.get('image', 8))
+    rounds = ROUNDS.get(name, 2)
+    cfg = ExperimentConfig(algorithm=name, **{**TINY, 'rounds': rounds, 'feature_dim': settings.get('feature_dim', 16)})
+    training = LocalTraining(0.05, 8, 1, drop_last=settings.get('drop_last', True))
+    fed = Federation(make_algorithm(cfg, data), data, list(settings.get('models', ('small_cnn_narrow', 'mlp'))),
+                     training, feature_dim=settings.get('feature_dim', 16), rm=settings.get('rm', 'ap'), strategy=strategy, eval_batch_size=16,
+                     conv='xla', join_ratio=0.5, rounds=rounds)
     state = fed.init()
     history = []
-    for _ in range(2):
+    for _ in range(fed.total_rounds):
       state, m = fed.round(state)
       m.update(fed.evaluate(state))
       history.append(m)

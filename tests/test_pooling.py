@@ -26,3 +26,22 @@ def test_adaptive_pooling_hand_computed():
 def test_adaptive_avg_pool_2048_to_512_is_group_mean():
   v = jnp.arange(2048.)[None]
   np.testing.assert_allclose(adaptive_avg_pool1d(v, 512), v.reshape(1, 512, 4).mean(-1))
+
+
+def test_max_pool_2d_values_and_pytorchs_tie_rule_for_the_gradient():
+  """2x2 max pooling: flax's values; the gradient of each window goes to its FIRST maximal element in row-major
+  order (PyTorch's max_pool2d), never split among ties (a reduce-max VJP splits it, and at XLA:CPU's level 0 can
+  lose it: docs/xla_cpu_miscompile.md)."""
+  import flax.linen as nn
+  import jax
+  from fedjax_het.models.pooling import max_pool
+  x = jnp.asarray([[1.0, 3.0, 0.0, 0.0],
+                   [3.0, 2.0, 0.0, -1.0],
+                   [5.0, 4.0, -2.0, -3.0],
+                   [4.0, 5.0, -4.0, -2.0]]).reshape(1, 4, 4, 1)
+  np.testing.assert_array_equal(max_pool(x, (2, 2)), nn.max_pool(x, (2, 2), (2, 2)))
+  grad = jax.grad(lambda v: jnp.sum(max_pool(v, (2, 2)) * jnp.asarray([1.0, 2.0, 3.0, 4.0]).reshape(1, 2, 2, 1)))(x)
+  np.testing.assert_array_equal(grad[0, :, :, 0], [[0.0, 1.0, 2.0, 0.0],
+                                                   [0.0, 0.0, 0.0, 0.0],
+                                                   [3.0, 0.0, 4.0, 0.0],
+                                                   [0.0, 0.0, 0.0, 0.0]])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -43,9 +44,12 @@ def max_pool(x: jnp.ndarray, window: tuple[int, int], strides: tuple[int, int] |
              padding: str | tuple = 'VALID') -> jnp.ndarray:
   """2-D max pooling of NHWC x, as `flax.linen.max_pool`.
 
-  Non-overlapping windows (window == strides, 'VALID' or 'SAME') are computed as a reshape and a max: the same
-  values, but a gradient XLA:CPU runs several times faster than reduce_window's select-and-scatter (README,
-  "CPU kernels"). Other windows use `flax.linen.max_pool`.
+  Non-overlapping windows (window == strides, 'VALID' or 'SAME') are computed by `window_max`: the same values,
+  PyTorch's gradient (all of a window's gradient to its first maximal element in row-major order, where a
+  reduce-max splits it among ties), and a gradient XLA:CPU runs faster than a reduce-max's or reduce_window's
+  (benchmarks/cpu_kernels.py --parts=pool,step). Choosing by index also cannot lose the gradient as a reduce-max's
+  VJP can at XLA:CPU's optimisation level 0 (its tie count compares values that one fusion FMA-contracted and
+  another did not; docs/xla_cpu_miscompile.md). Other windows use `flax.linen.max_pool`.
   """
   strides = tuple(strides or window)
   if tuple(window) != strides or not isinstance(padding, str):
@@ -57,4 +61,40 @@ def max_pool(x: jnp.ndarray, window: tuple[int, int], strides: tuple[int, int] |
   else:
     x = x[:, :h // kh * kh, :w // kw * kw]
   b, h, w, c = x.shape
-  return x.reshape(b, h // kh, kh, w // kw, kw, c).max(axis=(2, 4))
+  return window_max(x.reshape(b, h // kh, kh, w // kw, kw, c))
+
+
+@jax.custom_vjp
+def window_max(windows: jnp.ndarray) -> jnp.ndarray:
+  """[b, H, kh, W, kw, c] -> [b, H, W, c]: the maximum of each window; its gradient goes to the window's first
+  maximal element (row-major), chosen by index, not by comparing values again."""
+  return first_max(windows)[0]
+
+
+def first_max(windows: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """(maximum, row-major index of its first occurrence) of each window: a later element replaces the running
+  maximum only when larger."""
+  kh, kw = windows.shape[2], windows.shape[4]
+  out = windows[:, :, 0, :, 0]
+  index = jnp.zeros(out.shape, jnp.int32)
+  for k in range(1, kh * kw):
+    later = windows[:, :, k // kw, :, k % kw]
+    larger = later > out
+    out, index = jnp.where(larger, later, out), jnp.where(larger, k, index)
+  return out, index
+
+
+def _window_max_fwd(windows):
+  out, index = first_max(windows)
+  return out, (index, windows.shape)
+
+
+def _window_max_bwd(residuals, g):
+  index, shape = residuals
+  kh, kw = shape[2], shape[4]
+  position = jnp.arange(kh * kw).reshape(kh, kw)
+  chosen = index[:, :, None, :, None, :] == position[None, None, :, None, :, None]
+  return (jnp.where(chosen, g[:, :, None, :, None, :], 0).astype(g.dtype),)
+
+
+window_max.defvjp(_window_max_fwd, _window_max_bwd)
