@@ -5,7 +5,8 @@
 Batch 32, 32x32x3 inputs, milliseconds, best of 3 after a warm-up. Parts:
   step:            one jitted SGD step per convolution formulation (xla, im2col, auto), and PyTorch's.
   layers:          forward / kernel-gradient / input-gradient of each convolution of the CNN, XLA vs im2col.
-  pool:            gradient of 2x2 max pooling: reshape-and-max (models/pooling.py) vs flax's reduce_window.
+  pool:            gradient of 2x2 max pooling: the first-maximum pool of models/pooling.py vs a reshape and reduce-max vs
+                   flax's reduce_window.
   threads:         steps of two independent clients driven from one host thread vs two (ms per client-step).
   vmap:            one step of 10 clients vmapped (per client-step) per formulation, vs a host loop.
   represent:       eval-mode representations of 288 rows in passes of 32..288 rows (the eval batch size), per
@@ -108,7 +109,9 @@ def part_layers(rows):
 
 def part_pool(rows):
   x = jnp.asarray(np.random.default_rng(0).normal(size=(B, 28, 28, 32)).astype(np.float32))
-  for name, pool in [('reshape max', lambda x: max_pool(x, (2, 2), (2, 2))),
+  reshape_max = lambda x: x.reshape(x.shape[0], x.shape[1] // 2, 2, x.shape[2] // 2, 2, x.shape[3]).max(axis=(2, 4))
+  for name, pool in [('first maximum by index (models/pooling.py)', lambda x: max_pool(x, (2, 2), (2, 2))),
+                     ('reshape and reduce-max', reshape_max),
                      ('flax reduce_window', lambda x: nn.max_pool(x, (2, 2), (2, 2)))]:
     g = jax.jit(jax.grad(lambda x, pool=pool: jnp.sum(jnp.sin(pool(jax.nn.relu(x))))))
     rows.append({'part': 'pool', 'case': f'max pool 2x2 gradient, {name}', 'ms': best_seconds(lambda: g(x)) * 1e3})
@@ -201,16 +204,18 @@ def part_federation_step(rows):
   client = fed.executor.stack_functions()['take'](state.groups[0], 0)
   broadcast = fed.broadcast(state.server, 0, 0)
   key = jax.random.PRNGKey(0)
-  schedule, _ = fns['schedule'](key, g.train.n[0])
+  stage = fns['stages'][0]
+  n = int(g.train_sizes[0])
+  schedule = stage['schedule'](key, n)
   carry = fns['init'](client, broadcast, key)
-  steps = int(g.train_sizes[0]) // B
+  steps = n // B
 
   def federation_steps():
     c = carry
-    for s in range(steps):
-      c, _ = fns['step'](c, g.train.x, g.train.y, 0, schedule, s, s, g.train.n[0], broadcast, key)
+    for t in range(steps):
+      c, _ = stage['step'](c, t, schedule, g.train.x, g.train.y, 0, n, broadcast, key)
     return c
-  rows.append({'part': 'federation_step', 'case': "Federation fns['step'] (FedRE loss, batch gathered in jit)",
+  rows.append({'part': 'federation_step', 'case': "Federation fns['stages'][0]['step'] (FedRE loss, batch gathered in jit)",
                'ms': best_seconds(federation_steps) / steps * 1e3})
   _, step, _ = step_setup('auto')
   xb, yb = g.train.x[0][schedule[0]], g.train.y[0][schedule[0]]

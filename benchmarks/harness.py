@@ -30,7 +30,7 @@ def sgd_step_fn(model, params: Any, learning_rate: float = 0.01) -> tuple[Callab
   with `sgd_program` runs, for one model; carry[0] is the client (its params: carry[0].params)."""
   program = sgd_program(cross_entropy_loss(model), LocalTraining(learning_rate))
   key = jax.random.PRNGKey(0)
-  step = lambda c, xb, yb: program.step(c, Batch(xb, yb), None, key)
+  step = lambda c, xb, yb: program.stages[0].step(c, Batch(xb, yb), None, key)
   return step, program.init(ClientState(params, {}, {}, key), None, key)
 
 

@@ -18,7 +18,6 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fedjax_het.local_training import LocalTraining
 from fedjax_het.models.classifier import HeteroClassifier
@@ -73,12 +72,14 @@ class ClientRows(NamedTuple):
 
 
 class Stage(NamedTuple):
-  """A stretch of a client's local loop with its own step function (see `ClientProgram.stages`).
+  """A stretch of a client's local loop with its own step function.
 
-  step(carry, batch, broadcast, key) -> (carry, loss), like `ClientProgram.step`; epochs: how many epochs;
-  generated: whether its batches are ones the program generates itself (`Batch(None, None, None)`, e.g. GeFL's
-  target training on generator samples), max(1, n // batch_size) steps per epoch for a client of n rows; otherwise
-  epochs of the client's real rows as `ClientProgram.training` schedules them.
+  step(carry, batch, broadcast, key) -> (carry, loss): one local step on a `Batch` (the program may also, or
+  instead, train on batches it generates); epochs: how many epochs; generated: whether its batches are ones the
+  program generates itself (`Batch(None, None, None, mask)`, e.g. GeFL's target training on generator samples),
+  max(1, n // batch_size) steps per epoch for a client of n rows; otherwise epochs of the client's real rows (or of
+  the program's generated rows, `LocalTraining.rows`) as `ClientProgram.training` schedules them. (The broadcast
+  is an argument rather than part of the carry so that vmapped clients share one copy.)
   """
   step: Callable[[Any, Batch, Any, jax.Array], tuple[Any, jnp.ndarray]]
   epochs: int
@@ -86,65 +87,45 @@ class Stage(NamedTuple):
 
 
 class ClientProgram(NamedTuple):
-  """One client's round as pure functions; every executor runs exactly these.
+  """One client's round as pure functions; every executor runs exactly these (`engine.plan`).
 
   init(client, broadcast, key) -> carry: receive the broadcast, build the optimizer state(s).
-  step(carry, batch, broadcast, key) -> (carry, loss): one local step on a `Batch` of the client's rows (the
-    program may also, or instead, train on batches it generates). The executor skips padded step slots. (The
-    broadcast is an argument rather than part of the carry so that vmapped clients share one copy.)
+  stages: the local loop, `Stage`s run in order (a single-loss method has one: `single_stage`; GeFL's target
+    round has T_s epochs on generated batches, then T_r on real rows, then T_g of generator training). The
+    executor runs only the step slots a client takes.
   final(carry, rows, broadcast, key) -> (client, upload): statistics passes and the upload (a fixed-shape pytree).
-  training: the local schedule: epochs of drop_last batches of the client's rows, in stored or shuffled order.
+  training: the local schedule: batch size, order, batching rule, generated rows and step cap of the stages.
   trained: (carry) -> the trained `ClientState`, when `final` reads `rows.reps` (the executor computes the
     eval-mode representations of the training rows with the group's model its fastest way); None otherwise.
-  stages: a local loop of several `Stage`s run in order, each with its own step (e.g. GeFL's T_s epochs on
-    generated batches, then T_r on real rows, then T_g of generator training); when set, `step` and
-    training.epochs are not used (`program_stages`).
-  reads_model: False for a program that never reads or changes the classifier (GeFL's generator training): it
-    then gets the client with params and model_state None, which the executor puts back after `final`, so every
-    architecture group runs (and compiles) the same functions.
+  identity: None for a program of its group; a hashable value for a program that reads nothing of the group's
+    classifier (GeFL's generator training), equal for every group whose program computes the same functions (e.g.
+    the generator's configuration and the input shape). Such a program gets the client with params and
+    model_state None, which the executor puts back after `final`, and is compiled once for all those groups.
   """
   init: Callable[[ClientState, Broadcast, jax.Array], Carry]
-  step: Optional[Callable[[Carry, Batch, Broadcast, jax.Array], tuple[Carry, jnp.ndarray]]]
+  stages: tuple[Stage, ...]
   final: Callable[[Carry, ClientRows, Broadcast, jax.Array], tuple[ClientState, Upload]]
   training: LocalTraining
   trained: Optional[Callable[[Carry], ClientState]] = None
-  stages: Optional[tuple[Stage, ...]] = None
-  reads_model: bool = True
+  identity: Any = None
+
+
+def single_stage(step: Callable[[Any, Batch, Any, jax.Array], tuple[Any, jnp.ndarray]], training: LocalTraining
+                 ) -> tuple[Stage, ...]:
+  """The stages of a program with one step over `training.epochs` epochs of the client's rows."""
+  return (Stage(step, training.epochs),)
 
 
 def without_model(program: ClientProgram, client: ClientState) -> ClientState:
-  """What `program` receives of a client: the client, or for a program that does not read the classifier
-  (`ClientProgram.reads_model`) the client with params and model_state None."""
-  return client if program.reads_model else client._replace(params=None, model_state=None)
+  """What `program` receives of a client: the client, or for a program that reads nothing of the classifier
+  (`ClientProgram.identity` set) the client with params and model_state None."""
+  return client if program.identity is None else client._replace(params=None, model_state=None)
 
 
 def with_model(program: ClientProgram, client: ClientState, original: ClientState) -> ClientState:
   """A program's returned client with the classifier of `original` put back when the program does not read it."""
-  return client if program.reads_model else client._replace(params=original.params,
-                                                            model_state=original.model_state)
-
-
-def program_stages(program: ClientProgram) -> tuple[Stage, ...]:
-  """The stages of a program's local loop: its `stages`, or one stage of `step` over training.epochs."""
-  if program.stages is not None:
-    return tuple(program.stages)
-  return (Stage(program.step, program.training.epochs),)
-
-
-def stage_steps_per_epoch(training: LocalTraining, stage: Stage, n):
-  """Local steps per epoch of `stage` for a client of n training rows: n // B of real rows (ceil(n / B) without
-  drop_last; the generated rows in place of n under `LocalTraining.rows`); max(1, n // B) for a generated stage
-  whatever the batching rule (GeFL's code: floor(n_k / B) synthetic steps, one of n_k samples when n_k < B)."""
-  if not stage.generated:
-    return training.steps_per_epoch(n)
-  steps = n // training.batch_size
-  return jnp.maximum(steps, 1) if isinstance(steps, jax.Array) else np.maximum(steps, 1)
-
-
-def stage_key(train_key: jax.Array, stage: int) -> jax.Array:
-  """The key of stage `stage`'s local steps and schedule: the round's training key for the first stage (so a
-  one-stage program draws what it always drew), fold_in(train key, 1000 + stage) for later ones."""
-  return train_key if stage == 0 else jax.random.fold_in(train_key, 1000 + stage)
+  return client if program.identity is None else client._replace(params=original.params,
+                                                                  model_state=original.model_state)
 
 
 class Evaluation(NamedTuple):

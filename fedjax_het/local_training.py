@@ -23,7 +23,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from fedjax_het.rows import shuffled_real_rows
@@ -124,24 +123,6 @@ def batch_row_mask(slot, n, batch_size: int) -> jnp.ndarray:
   tail of a partial last batch). Positions s * B + j of an epoch hold real rows iff they are < n, in stored and in
   shuffled order (padding sorts last)."""
   return slot * batch_size + jnp.arange(batch_size) < n
-
-
-def cap_schedule(idx: jnp.ndarray, valid: jnp.ndarray, max_steps: Optional[int], epochs: int
-                 ) -> tuple[jnp.ndarray, jnp.ndarray]:
-  """A stage's schedule (`batch_schedule`) with only its first `max_steps` valid steps kept valid (None: all). A
-  one-epoch schedule is also cut to its first max_steps slots (a client's valid slots come first there), so a
-  scan over it runs no more steps than the cap."""
-  if max_steps is None:
-    return idx, valid
-  valid = valid & (jnp.cumsum(valid) <= max_steps)
-  if epochs == 1:
-    return idx[:max_steps], valid[:max_steps]
-  return idx, valid
-
-
-def capped_steps(steps, max_steps: Optional[int]):
-  """Steps a client takes in a stage of `steps` scheduled steps (numpy) under the cap `max_steps`."""
-  return steps if max_steps is None else np.minimum(steps, max_steps)
 
 
 def step_key(rng: jax.Array, epoch, step) -> jax.Array:

@@ -19,7 +19,7 @@ import optax
 
 from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
 from fedjax_het.algorithms.common import cross_entropy, participant_average, train_forward
-from fedjax_het.core import Algorithm, Batch, ClientProgram, Phase
+from fedjax_het.core import Algorithm, Batch, ClientProgram, Phase, single_stage
 
 NOISE = 4
 
@@ -111,7 +111,7 @@ def cgan(num_classes: int, gan_rounds: int = 2, learning_rate: float = 0.05, ada
     def final(carry, rows, broadcast, key):
       client = carry[0]
       return client, {'generator': client.extra['gen'], 'classifier': client.params}
-    return ClientProgram(init, step, final, group.training)
+    return ClientProgram(init, single_stage(step, group.training), final, group.training)
 
   def synthetic_client(group) -> ClientProgram:
     gen, _ = modules(group)
@@ -129,7 +129,7 @@ def cgan(num_classes: int, gan_rounds: int = 2, learning_rate: float = 0.05, ada
 
     def final(carry, rows, broadcast, key):
       return carry[0], {'classifier': carry[0].params}
-    return ClientProgram(init, step, final, group.training)
+    return ClientProgram(init, single_stage(step, group.training), final, group.training)
 
   def average_classifiers(server, uploads):
     return tuple(participant_average(u.values['classifier'], u.mask * u.num_train, old)

@@ -248,11 +248,11 @@ def staged_algorithm():
   def client(group):
     zero = {'gen': 0, 'real': 0, 'labels': 0, 'keys': 0.0}
     training = LocalTraining(batch_size=8, epochs=99)  # ignored: the stages set the epochs
-    return ClientProgram(lambda c, b, k: (c, zero), None, lambda carry, rows, b, k: (carry[0], carry[1]), training,
-                         stages=(Stage(lambda c, *a: (lambda r: ((c[0], r[0]), r[1]))(generated(c[1], *a)), 2, True),
-                                 Stage(lambda c, *a: (lambda r: ((c[0], r[0]), r[1]))(real(c[1], *a)), 1),
-                                 Stage(lambda c, *a: (lambda r: ((c[0], r[0]), r[1]))(generated(c[1], *a)), 1,
-                                       True)))
+    return ClientProgram(lambda c, b, k: (c, zero),
+                         (Stage(lambda c, *a: (lambda r: ((c[0], r[0]), r[1]))(generated(c[1], *a)), 2, True),
+                          Stage(lambda c, *a: (lambda r: ((c[0], r[0]), r[1]))(real(c[1], *a)), 1),
+                          Stage(lambda c, *a: (lambda r: ((c[0], r[0]), r[1]))(generated(c[1], *a)), 1, True)),
+                         lambda carry, rows, b, k: (carry[0], carry[1]), training)
 
   def server_update(server, uploads, key):
     return {'seen': uploads[0].values}, {}

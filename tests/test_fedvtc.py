@@ -8,6 +8,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from fedjax_het.algorithms import FedVTCConfig
@@ -133,7 +134,7 @@ def _client(fed, k=0):
 def test_the_f_step_leaves_psi_and_sigma_and_the_psi_step_leaves_f_unchanged(fed):
   client, g = _client(fed)
   decoder = VTCDecoder(g.spec.input_shape, 80)
-  f_step, psi_step = map(jax.jit, vtc_steps(g.model, decoder, 10, 0.1, 0.05))
+  f_step, psi_step = map(jax.jit, vtc_steps(g.model, decoder, 10, 0.1, optax.sgd(0.05)))
   x, y = g.train.x[0, :16], g.train.y[0, :16]
   protos, eps = jnp.ones((10, 80)), jax.random.normal(jax.random.PRNGKey(1), (16, 80))
   after_f, _ = f_step(client, x, y, protos, eps)
@@ -154,7 +155,7 @@ def test_the_f_step_trains_g_through_the_decoder_and_through_g_of_the_decoded_im
   decoder = VTCDecoder(g.spec.input_shape, 80)
   x, y = g.train.x[0, :16], g.train.y[0, :16]
   protos, eps = jnp.ones((10, 80)), jax.random.normal(jax.random.PRNGKey(1), (16, 80))
-  step = lambda lam, c: jax.jit(vtc_steps(g.model, decoder, 10, lam, 0.05)[0])(c, x, y, protos, eps)[0]
+  step = lambda lam, c: jax.jit(vtc_steps(g.model, decoder, 10, lam, optax.sgd(0.05))[0])(c, x, y, protos, eps)[0]
   extractor = lambda c: np.concatenate([np.ravel(a) for a in jax.tree.leaves(c.params['extractor'])])
   base = extractor(step(0.1, client))
   psi = client.extra['psi']
@@ -309,7 +310,7 @@ def test_every_round_ablation_keeps_the_servers_decoder_for_fine_tuning():
   """Table 3 (2): with psi averaged every round, no closing exchange of every client's (mostly stale) local psi
   replaces the server's last average: the run goes from 'fl' straight to 'finetune'."""
   from fedjax_het.algorithms.fedvtc import FedVTCConfig, fedvtc
-  names = lambda cfg: [p.name for p in fedvtc(cfg, 10, 3, 0.01, 8).phases]
+  names = lambda cfg: [p.name for p in fedvtc(cfg, 10, 3).phases]
   assert names(FedVTCConfig(every_round=True)) == ['fl', 'finetune']
   assert names(FedVTCConfig()) == ['fl', 'vtc_exchange', 'finetune']
 
@@ -318,7 +319,7 @@ def test_a_participant_receives_the_prototypes_of_the_classes_it_holds():
   """Down-link per participant: |Y_k| p (c^y only to holders of y, among the classes with a global prototype),
   plus sigma; the exchange round's broadcast is counted as it is."""
   from fedjax_het.algorithms.fedvtc import fedvtc
-  alg = fedvtc(FedVTCConfig(), 3, 2, 0.01, 8)
+  alg = fedvtc(FedVTCConfig(), 3, 2)
   broadcast = {'protos': jnp.ones((3, 4)), 'present': jnp.array([True, True, False]), 'sigma': jnp.ones(4)}
   upload = {'protos': jnp.zeros((3, 4)), 'counts': jnp.array([3.0, 0.0, 5.0]), 'sigma': jnp.ones(4)}
   got = {k: int(v) for k, v in alg.received_scalars(broadcast, upload).items()}

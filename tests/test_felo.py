@@ -22,6 +22,7 @@ from fedjax_het.checkpoints import Checkpoints
 from fedjax_het.core import Uploads
 from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import build_federation
+from fedjax_het.local_training import LocalTraining
 
 
 def uploads(values, mask, num_train):
@@ -256,17 +257,18 @@ def test_the_papers_number_is_the_mean_accuracy_over_the_second_half_of_the_roun
 
 
 # ------------------------------------------------------------------ --local_steps (Felo's code: 10 steps per round)
-def test_cap_schedule_keeps_the_first_valid_steps_and_cuts_one_epoch_schedules():
-  from fedjax_het.local_training import cap_schedule
-  idx = jnp.arange(10).reshape(5, 2)
-  valid = jnp.asarray([True, True, True, False, False, True, True, True, False, False])[:5]
-  _, capped = cap_schedule(idx, valid, 2, epochs=2)
-  assert capped.tolist() == [True, True, False, False, False]
-  cut_idx, cut = cap_schedule(idx, valid, 2, epochs=1)
-  assert cut.tolist() == [True, True] and cut_idx.tolist() == [[0, 1], [2, 3]]
-  assert cap_schedule(idx, valid, None, 1)[1].tolist() == valid.tolist()
-  two_epochs = jnp.asarray([True, False, True, False])                  # one valid step per epoch of 2 slots
-  assert cap_schedule(jnp.zeros((4, 1)), two_epochs, 2, epochs=2)[1].tolist() == [True, False, True, False]
+def test_local_steps_keep_the_first_valid_slots_and_cut_one_epoch_plans():
+  from fedjax_het.core import ClientProgram, Stage
+  from fedjax_het.engine.plan import plan_stages
+  plan = lambda epochs, cap: plan_stages(ClientProgram(None, (Stage(None, epochs),), None, LocalTraining(
+      batch_size=2, max_steps=cap)), 10)[0]                            # 5 slots per epoch
+  assert plan(1, None).valid(6).tolist() == [True, True, True, False, False]  # a client of 6 rows: 3 steps
+  assert plan(2, 2).valid(6).tolist() == [True, True] + [False] * 8  # the first 2 of its 6 steps
+  assert plan(1, 2).length == 2 and plan(1, 2).valid(6).tolist() == [True, True]  # the scan stops at the cap
+  assert plan(2, 2).valid(3).tolist() == [True] + [False] * 4 + [True] + [False] * 4  # one step per epoch
+  schedule = plan(1, 2).schedule(jax.random.PRNGKey(0), jnp.asarray(6))
+  assert schedule.tolist() == [[0, 1], [2, 3]]                          # stored order, cut to the cap
+  assert jnp.asarray(plan(2, 2).valid(jnp.asarray(6))).tolist() == plan(2, 2).valid(6).tolist()  # device == host
   with pytest.raises(ConfigError, match='--local_steps'):
     dataclasses.replace(CFG, local_steps=-1).local_training()
 

@@ -79,7 +79,7 @@ def test_warmup_shares_f_over_all_groups_then_only_headers_and_the_generator_mov
 def test_gefl_f_refuses_what_is_not_built_with_the_fix_named():
   from fedjax_het.algorithms import gefl_f
   with pytest.raises(ConfigError, match='--gefl_mode=freeze'):
-    gefl_f(GeFLFConfig(mode='update'), 10, 2, 0.1, 8)
+    gefl_f(GeFLFConfig(mode='update'), 10, 2)
   with pytest.raises(ConfigError, match='--models=gefl-mnist-10'):
     build_federation(ExperimentConfig(**{**CFG.__dict__, 'models': ('mlp',)}))
 
@@ -99,7 +99,7 @@ def test_resume_across_each_phase_boundary_equals_the_uninterrupted_run(recorded
 def test_lg_fedavg_as_gefl_runs_it_averages_f_over_all_groups_and_the_rest_within_each():
   from fedjax_het.algorithms.gefl_f import lg_fedavg_first_block
   from fedjax_het.core import Uploads
-  alg = lg_fedavg_first_block(10, 0.05)
+  alg = lg_fedavg_first_block(10)
   part = lambda v: {'params': {'w': jnp.asarray(v, jnp.float32)}, 'stats': {}}
   stack = lambda *ps: jax.tree.map(lambda *a: jnp.stack(a), *ps)
   server = {'fe': part([0.0]), 'headers': (part([0.0, 0.0]), part([-1.0]))}

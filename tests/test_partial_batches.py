@@ -13,7 +13,8 @@ from conftest import tree_allclose
 from fedjax_het.algorithms import FedREConfig, fedre, local
 from fedjax_het.algorithms.base import local_head_evaluation
 from fedjax_het.algorithms.common import cross_entropy
-from fedjax_het.core import Algorithm, ClientProgram, Phase, Stage, stage_steps_per_epoch
+from fedjax_het.core import Algorithm, ClientProgram, Phase, Stage
+from fedjax_het.engine.plan import stage_steps_per_epoch
 from fedjax_het.data.datasets import make_synthetic
 from fedjax_het.data.federated import FederatedData
 from fedjax_het.data.partition import ClientSplit
@@ -128,9 +129,9 @@ def counting_algorithm(real_epochs: int = 1) -> Algorithm:
         rows = batch.mask.sum() if batch.mask is not None else batch.x.shape[0]
         return (carry[0], carry[1].at[slot].add(rows)), 0.0
       return step
-    return ClientProgram(lambda client, b, k: (client, jnp.zeros(2, jnp.int32)), None,
-                         lambda carry, rows, b, k: (carry[0], {'rows': carry[1]}), group.training,
-                         stages=(Stage(count(0), 1, generated=True), Stage(count(1), real_epochs)))
+    return ClientProgram(lambda client, b, k: (client, jnp.zeros(2, jnp.int32)),
+                         (Stage(count(0), 1, generated=True), Stage(count(1), real_epochs)),
+                         lambda carry, rows, b, k: (carry[0], {'rows': carry[1]}), group.training)
 
   def server(state, uploads, key):
     return {'rows': jnp.concatenate([u.values['rows'] for u in uploads])}, {}

@@ -47,7 +47,7 @@ def test_same_batches_give_the_same_sgd_losses_and_weights():
   idx = np.asarray(idx)[np.asarray(valid)][:4]
   program = sgd_program(cross_entropy_loss(model), LocalTraining(0.05, 8, 1))
   key = jax.random.PRNGKey(0)
-  step = jax.jit(lambda carry, xb, yb: program.step(carry, Batch(xb, yb), None, key))
+  step = jax.jit(lambda carry, xb, yb: program.stages[0].step(carry, Batch(xb, yb), None, key))
   carry, jax_losses = program.init(ClientState(params, {}, {}, key), None, key), []
   for b in idx:
     carry, loss = step(carry, x[b], y[b])

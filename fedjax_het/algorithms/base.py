@@ -11,7 +11,8 @@ import optax
 
 from fedjax_het.algorithms.common import head_apply
 from fedjax_het.core import (Algorithm, Batch, Broadcast, ClientProgram, ClientRows, ClientState, Evaluation,
-                             FederationSpec, GroupSpec, Phase, Upload, Uploads, leaf_scalars, one_phase)
+                             FederationSpec, GroupSpec, Phase, Upload, Uploads, leaf_scalars, one_phase,
+                             single_stage)
 from fedjax_het.local_training import LocalTraining
 from fedjax_het.models.classifier import HeteroClassifier
 from fedjax_het.models.forward import forward
@@ -83,7 +84,8 @@ def sgd_program(loss: Loss, training: LocalTraining, *, receive: Optional[Callab
       return client, {}
     return client, upload(client, rows._replace(statistics=sums), broadcast, key)
 
-  return ClientProgram(init, step, final, training, (lambda carry: carry[0]) if representations else None)
+  return ClientProgram(init, single_stage(step, training), final, training,
+                       (lambda carry: carry[0]) if representations else None)
 
 
 def head_evaluation(model: HeteroClassifier, heads: dict[str, Callable[[ClientState, Broadcast], dict]],

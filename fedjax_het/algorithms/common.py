@@ -123,6 +123,13 @@ def nearest_prototype_head(protos: jnp.ndarray, present: jnp.ndarray) -> dict:
   return {'kernel': 2.0 * protos.T, 'bias': bias}
 
 
+def descend(optimizer: optax.GradientTransformation, params: Any, grads: Any) -> Any:
+  """params after one update of a stateless optax optimizer (plain SGD: `LocalTraining.optimizer`), built afresh
+  for the update; a stateless optimizer built once per loop takes the same steps."""
+  updates, _ = optimizer.update(grads, optimizer.init(params), params)
+  return optax.apply_updates(params, updates)
+
+
 def fit_rows(params: Any, state: Any, batch_loss: Callable, row_weight: jnp.ndarray, rng: jax.Array,
              optimizer: optax.GradientTransformation, batch_size: int, epochs: int
              ) -> tuple[Any, Any, jnp.ndarray]:

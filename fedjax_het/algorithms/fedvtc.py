@@ -61,12 +61,11 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_het.algorithms.base import concat_groups, keep_server, local_head_evaluation
-from fedjax_het.algorithms.common import (aggregate_class_means, class_prototypes, cross_entropy, masked_mean,
+from fedjax_het.algorithms.common import (aggregate_class_means, class_prototypes, cross_entropy, descend, masked_mean,
                                           participant_average)
-from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientRows, GroupSpec, Phase, hyperparameter,
+from fedjax_het.core import (Algorithm, Batch, ClientProgram, single_stage, ClientRows, GroupSpec, Phase, hyperparameter,
                              leaf_scalars)
 from fedjax_het.errors import ConfigError
-from fedjax_het.local_training import LocalTraining
 from fedjax_het.models.forward import forward
 from fedjax_het.models.vtc import VTCDecoder, init_vtc
 
@@ -151,7 +150,7 @@ def vtc_objective(model, decoder: VTCDecoder, num_classes: int, lamda: float, re
   return objective
 
 
-def vtc_steps(model, decoder: VTCDecoder, num_classes: int, lamda: float, learning_rate: float,
+def vtc_steps(model, decoder: VTCDecoder, num_classes: int, lamda: float, optimizer: optax.GradientTransformation,
               reduction: str = 'sum'):
   """(f_step, psi_step), each (client, x, y, protos, eps) -> (client, loss): the two updates of a FedVTC batch
   (Alg. 1 lines 11-14). f_step: f <- f - eta grad_f (CE + L_tc) with psi and sigma constants; it keeps g's
@@ -166,7 +165,7 @@ def vtc_steps(model, decoder: VTCDecoder, num_classes: int, lamda: float, learni
       ce, tc, aux = objective(f_params, client.model_state, psi, sigma, x, y, protos, eps)
       return ce + tc, aux
     (value, (model_state, _)), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
-    return client._replace(params=sgd(client.params, grads, learning_rate), model_state=model_state), value
+    return client._replace(params=descend(optimizer, client.params, grads), model_state=model_state), value
 
   def psi_step(client, x, y, protos, eps):
     psi = client.extra['psi']
@@ -176,15 +175,10 @@ def vtc_steps(model, decoder: VTCDecoder, num_classes: int, lamda: float, learni
                              protos, eps)
       return tc, aux
     (value, (_, psi_stats)), grads = jax.value_and_grad(loss, has_aux=True)((psi['params'], client.extra['sigma']))
-    psi_params, sigma = sgd((psi['params'], client.extra['sigma']), grads, learning_rate)
+    psi_params, sigma = descend(optimizer, (psi['params'], client.extra['sigma']), grads)
     extra = {**client.extra, 'psi': {'params': psi_params, 'batch_stats': psi_stats}, 'sigma': sigma}
     return client._replace(extra=extra), value
   return f_step, psi_step
-
-
-def sgd(params, grads, learning_rate: float):
-  """Plain SGD without state."""
-  return jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
 
 
 def decode_latents(decoder: VTCDecoder, psi: dict, protos: jnp.ndarray, sigma: jnp.ndarray, labels: jnp.ndarray,
@@ -206,10 +200,10 @@ def finetune_latents(key: jax.Array, rows: jnp.ndarray, samples_per_class: int, 
   return protos[labels] + sigma * row_normals(key, rows, protos.shape[-1]), labels
 
 
-def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int, learning_rate: float, batch_size: int) -> Algorithm:
+def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int) -> Algorithm:
   """FedVTC as an `Algorithm` of three phases: 'fl' (`rounds` rounds), 'vtc_exchange' and 'finetune' (one round
   each, every client)."""
-  lr, S = learning_rate, cfg.samples_per_class
+  S = cfg.samples_per_class
 
   def decoder_of(group: GroupSpec) -> VTCDecoder:
     if group.rm != 'fc':
@@ -232,7 +226,8 @@ def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int, learning_rate: floa
     return {**out, 'psi': server['psi']} if cfg.every_round else out
 
   def fl_client(group: GroupSpec) -> ClientProgram:
-    f_step, psi_step = vtc_steps(group.model, decoder_of(group), num_classes, cfg.vtc_lambda, lr,
+    f_step, psi_step = vtc_steps(group.model, decoder_of(group), num_classes, cfg.vtc_lambda,
+                                  group.training.optimizer(),
                                   cfg.loss_reduction)
 
     def init(client, broadcast, key):
@@ -251,7 +246,8 @@ def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int, learning_rate: floa
                                         num_classes)
       upload = {'protos': protos, 'counts': counts, 'sigma': client.extra['sigma']}
       return client, ({**upload, 'psi': client.extra['psi']} if cfg.every_round else upload)
-    return ClientProgram(init, step, final, group.training, trained=lambda client: client)
+    return ClientProgram(init, single_stage(step, group.training), final, group.training,
+                         trained=lambda client: client)
 
   def fl_server(server, uploads, key):
     u = concat_groups(uploads)
@@ -265,9 +261,8 @@ def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int, learning_rate: floa
 
   # ---------------------------------------------------------------- phase 'vtc_exchange'
   def exchange_client(group: GroupSpec) -> ClientProgram:
-    return ClientProgram(lambda client, broadcast, key: client, lambda client, batch, broadcast, key: (client, 0.0),
-                         lambda client, rows, broadcast, key: (client, {'psi': client.extra['psi']}),
-                         dataclasses.replace(group.training, epochs=0))
+    return ClientProgram(lambda client, broadcast, key: client, (),
+                         lambda client, rows, broadcast, key: (client, {'psi': client.extra['psi']}), group.training)
 
   def exchange_server(server, uploads, key):
     u = concat_groups(uploads)
@@ -279,7 +274,9 @@ def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int, learning_rate: floa
 
   def finetune_client(group: GroupSpec) -> ClientProgram:
     decoder = decoder_of(group)
-    training = LocalTraining(lr, batch_size, cfg.finetune_epochs, 'shuffle', rows=S * num_classes)
+    training = dataclasses.replace(group.training, epochs=cfg.finetune_epochs, order='shuffle', rows=S * num_classes,
+                                   max_steps=None, drop_last=True)
+    optimizer = training.optimizer()
 
     def init(client, broadcast, key):
       return client, key  # the key of this client's samples: the same rows in every epoch
@@ -295,9 +292,11 @@ def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int, learning_rate: floa
         per_row = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         return masked_mean(per_row, weight), model_state
       (value, model_state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
-      return (client._replace(params=sgd(client.params, grads, lr), model_state=model_state), sample_key), value
+      return (client._replace(params=descend(optimizer, client.params, grads), model_state=model_state),
+              sample_key), value
 
-    return ClientProgram(init, step, lambda carry, rows, broadcast, key: (carry[0], {}), training)
+    return ClientProgram(init, single_stage(step, training), lambda carry, rows, broadcast, key: (carry[0], {}),
+                         training)
 
   def scalars(tree) -> dict:
     out = {}

@@ -39,16 +39,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
 from fedjax_het.algorithms.fedavg import receive_group_model
 from fedjax_het.algorithms.common import (class_means_from_sums, class_sums, cross_entropy, elementwise_kl,
                                           masked_mean, participant_average, prototype_regularizer)
-from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientState, GroupSpec, Phase, Uploads,
+from fedjax_het.core import (Algorithm, Batch, ClientProgram, single_stage, ClientState, GroupSpec, Phase, Uploads,
                              hyperparameter, leaf_scalars)
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.forward import forward
+from fedjax_het.optim import step_at_rate, torch_adam
 
 MILESTONES = (0.4, 0.7)  # MultiStepLR milestones as shares of the rounds (the code's int(0.4 R), int(0.7 R))
 
@@ -166,7 +166,7 @@ def adam_client_program(group: GroupSpec, cfg: FeloConfig, with_features: bool, 
   labels)` adds a step's training-mode outputs to the statistics (`statistics()` the empty ones); upload(client,
   stats) -> the upload, to which the program adds 'loss_terms', the mean of each of Eq. 1's terms over the
   client's steps (`felo_terms`; a diagnostic the server logs, not part of the method's traffic)."""
-  adam = optax.scale_by_adam()
+  adam = torch_adam(cfg.learning_rate)
 
   def init(client, broadcast, key):
     if cfg.average_models:
@@ -182,9 +182,8 @@ def adam_client_program(group: GroupSpec, cfg: FeloConfig, with_features: bool, 
       return parts.sum(), (model_state, logits, features, parts)
     (value, (model_state, logits, features, parts)), grads = jax.value_and_grad(objective, has_aux=True)(
         client.params)
-    updates, opt_state = adam.update(grads, client.extra['optimizer'], client.params)
-    rate = cfg.learning_rate * broadcast['lr_scale']
-    params = jax.tree.map(lambda p, u: p - rate * u, client.params, updates)
+    params, opt_state = step_at_rate(adam, client.params, grads, client.extra['optimizer'],
+                                     cfg.learning_rate * broadcast['lr_scale'])  # the round's MultiStepLR
     client = client._replace(params=params, model_state=model_state, extra={**client.extra, 'optimizer': opt_state})
     terms = terms + jnp.concatenate([jax.lax.stop_gradient(parts), jnp.ones(1)])
     return (client, gather(stats, logits, features, batch.y), terms), value
@@ -193,7 +192,7 @@ def adam_client_program(group: GroupSpec, cfg: FeloConfig, with_features: bool, 
     client, stats, terms = carry
     return client, {**upload(client, stats), 'loss_terms': terms[:3] / jnp.maximum(terms[3], 1.0)}
 
-  return ClientProgram(init, step, final, group.training)
+  return ClientProgram(init, single_stage(step, group.training), final, group.training)
 
 
 def per_class_statistics(num_classes: int, feature_dim: int):
@@ -243,7 +242,7 @@ def felo_family(name: str, cfg: FeloConfig, num_classes: int, rounds: int, num_c
   capacity = lambda cap: max(1, min(cap, rounds * num_clients))
 
   def init_client(group, key):
-    return {'optimizer': optax.scale_by_adam().init(_params_shape(group))}
+    return {'optimizer': torch_adam(cfg.learning_rate).init(_params_shape(group))}
 
   def init_server(key, spec, initial):
     server = {'round': jnp.zeros((), jnp.int32),

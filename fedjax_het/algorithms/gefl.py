@@ -10,7 +10,7 @@ Phase 'knowledge' (T_KA = --gefl_ka_rounds rounds; T_KA / 2 in update mode; no e
 Phase 'target' (T_TN = --rounds rounds): a participant sets its target network to its group's model, trains it
   T_s = --gefl_synthetic_epochs epochs of max(1, n_k // B) steps on generated batches (B labels uniform over all
   classes, not its own label mix; the server's generator in eval mode; target BatchNorm in train mode), then
-  T_r = --local_epochs epochs on its real rows, plain SGD at --local_learning_rate (a fresh optimizer per loop,
+  T_r = --local_epochs epochs on its real rows, plain SGD at --local_learning_rate (`LocalTraining.optimizer`,
   stateless); the server averages each group's uploads with equal weights (Alg. 2; BatchNorm statistics too).
   "Update" mode (--gefl_mode=update, Table VII): after its target training each participant also trains the
   generator T_g epochs (own optimizer state) and the server averages it, so target round t samples from the
@@ -42,13 +42,12 @@ per target round its group's model both ways (plus the generator in update mode)
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
-from fedjax_het.algorithms.common import cross_entropy, participant_average
+from fedjax_het.algorithms.common import cross_entropy, descend, participant_average
 from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, Stage, hyperparameter,
                              leaf_scalars)
 from fedjax_het.errors import ConfigError
@@ -180,7 +179,7 @@ def with_shared_first_block(models: tuple, uploads) -> tuple:
   return tuple(out)
 
 
-def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, batch_size: int) -> Algorithm:
+def gefl(cfg: GeFLConfig, num_classes: int, rounds: int) -> Algorithm:
   """GeFL as an `Algorithm` of two phases: 'knowledge' (cfg.knowledge_rounds rounds) and 'target' (`rounds`)."""
   update = cfg.mode == 'update'
 
@@ -208,16 +207,15 @@ def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, b
     return client._replace(extra={**client.extra, 'generator': broadcast['generator']})
 
   # ---------------------------------------------------------------- phase 'knowledge'
-  @functools.lru_cache(maxsize=None)
-  def knowledge_program(input_shape, conv, training) -> ClientProgram:
-    step = generator_step(build_generator(cfg, num_classes, input_shape, conv), lr_scale)
-    return ClientProgram(lambda client, broadcast, key: receive_generator(client, broadcast), None,
-                         lambda client, rows, broadcast, key: (client, {'generator': client.extra['generator']}),
-                         training, stages=(Stage(step, cfg.generator_epochs),), reads_model=False)
-
   def knowledge_client(group: GroupSpec) -> ClientProgram:
-    # No target network enters this program: one object for every group, so executors can share its compiled code.
-    return knowledge_program(tuple(group.input_shape), group.conv, group.training)
+    # No target network enters this program: it is the same for every group of one input shape and convolution,
+    # so executors compile it once.
+    step = generator_step(generator_of(group), lr_scale)
+    return ClientProgram(lambda client, broadcast, key: receive_generator(client, broadcast),
+                         (Stage(step, cfg.generator_epochs),),
+                         lambda client, rows, broadcast, key: (client, {'generator': client.extra['generator']}),
+                         group.training, identity=('gefl.knowledge', tuple(group.input_shape), group.conv,
+                                                   group.training))
 
   def knowledge_broadcast(server, group):
     return {'generator': server['generator'], 'generator_round': server['generator_round']}
@@ -232,16 +230,18 @@ def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, b
   def target_client(group: GroupSpec) -> ClientProgram:
     gen = generator_of(group)
 
+    optimizer = group.training.optimizer()
+
     def sgd_on(client, x, y, mask):
       def loss(params):
         logits, _, state = forward(group.model, params, client.model_state, x, True, mask)
         return cross_entropy(logits, y, mask), state
       (value, state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
-      params = jax.tree.map(lambda p, g: p - learning_rate * g, client.params, grads)
-      return client._replace(params=params, model_state=state), value
+      return client._replace(params=descend(optimizer, client.params, grads), model_state=state), value
 
     def synthetic_step(client, batch: Batch, broadcast, key):
-      images, labels = synthetic_batch(gen, broadcast['generator'], key, batch_size, num_classes, cfg.match_range)
+      images, labels = synthetic_batch(gen, broadcast['generator'], key, group.training.batch_size, num_classes,
+                                       cfg.match_range)
       return sgd_on(client, images, labels, batch.mask)
 
     def real_step(client, batch: Batch, broadcast, key):
@@ -258,7 +258,7 @@ def gefl(cfg: GeFLConfig, num_classes: int, rounds: int, learning_rate: float, b
     stages = (Stage(synthetic_step, cfg.synthetic_epochs, generated=True), Stage(real_step, group.training.epochs))
     if update:
       stages += (Stage(generator_step(gen, lr_scale), cfg.generator_epochs),)
-    return ClientProgram(init, None, final, group.training, stages=stages)
+    return ClientProgram(init, stages, final, group.training)
 
   def target_server(server, uploads, key):
     models = tuple(participant_average(u.values['model'], u.mask.astype(jnp.float32), old)

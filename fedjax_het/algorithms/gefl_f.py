@@ -26,13 +26,12 @@ GeFL's LG-FedAvg baseline (`lg_fedavg_first_block`) is this module's warm-up pha
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
-from fedjax_het.algorithms.common import cross_entropy, participant_average
+from fedjax_het.algorithms.common import cross_entropy, descend, participant_average
 from fedjax_het.algorithms.gefl import GeFLConfig, build_generator, ddpm_lr_scale, generator_step
 from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, Stage, hyperparameter,
                              leaf_scalars)
@@ -127,23 +126,24 @@ def shared_block_server(key, spec, initial) -> dict:
   return {'fe': fe, 'headers': tuple(split_client(s.params, s.model_state)[1] for s in initial)}
 
 
-def shared_block_program(group: GroupSpec, epochs: int, learning_rate: float) -> ClientProgram:
+def shared_block_program(group: GroupSpec, epochs: int) -> ClientProgram:
   """Full-model training with F shared: receive F and the group's header, `epochs` epochs of plain SGD on CE,
   upload F and the header (GeFL-F's warm-up; GeFL's LG-FedAvg baseline)."""
+  optimizer = group.training.optimizer()
+
   def step(client, batch: Batch, broadcast, key):
     def loss(params):
       logits, _, state = forward(group.model, params, client.model_state, batch.x, True, batch.mask)
       return cross_entropy(logits, batch.y, batch.mask), state
     (value, state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
-    params = jax.tree.map(lambda p, g: p - learning_rate * g, client.params, grads)
-    return client._replace(params=params, model_state=state), value
+    return client._replace(params=descend(optimizer, client.params, grads), model_state=state), value
 
   def final(client, rows, broadcast, key):
     fe, header = split_client(client.params, client.model_state)
     return client, {'fe': fe, 'header': header}
   extractor_of(group, 'features')  # a ConfigError for architectures without F
-  return ClientProgram(lambda client, broadcast, key: receive_model(client, broadcast), None, final,
-                       group.training, stages=(Stage(step, epochs),))
+  return ClientProgram(lambda client, broadcast, key: receive_model(client, broadcast), (Stage(step, epochs),),
+                       final, group.training)
 
 
 def shared_block_update(server, uploads, key):
@@ -160,20 +160,20 @@ def model_scalars(tree) -> dict:
   return {'extractor': count(tree['fe']), 'header': count(tree['header'])}
 
 
-def lg_fedavg_first_block(num_classes: int, learning_rate: float) -> Algorithm:
+def lg_fedavg_first_block(num_classes: int) -> Algorithm:
   """GeFL's LG-FedAvg baseline (gefl.txt Table II; its code's `avg_FE = 1`): GeFL's CNNs with the first
   convolution block F averaged over all clients and the rest of each model within its architecture, every round
   --local_epochs epochs of plain SGD (GeFL-F's warm-up phase for the whole run). The library's `lg_fedavg` is
   LG-FedAvg as HtFLlib runs it (local extractors, one shared head)."""
   return Algorithm('lg_fedavg_fb', shared_block_server,
-                   (Phase('lg_fedavg_fb', lambda g: shared_block_program(g, g.training.epochs, learning_rate),
+                   (Phase('lg_fedavg_fb', lambda g: shared_block_program(g, g.training.epochs),
                           shared_block_update, model_broadcast),),
                    lambda group: head_evaluation(group.model, {'group_model': own_head}, receive=receive_model),
                    upload_scalars=model_scalars, broadcast_scalars=model_scalars, partial_batches=True,
                    shares_representations=False)
 
 
-def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float, batch_size: int) -> Algorithm:
+def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int) -> Algorithm:
   """GeFL-F as an `Algorithm` of three phases: 'warmup' (T_FE), 'knowledge' (T_KA) and 'target' (`rounds`)."""
   if cfg.mode != 'freeze':  # refused here, not in the config: --gefl_mode is GeFL's flag too
     raise ConfigError('GeFL-F runs its generator frozen after knowledge aggregation; --gefl_mode=update is not '
@@ -201,25 +201,22 @@ def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float
 
   # ---------------------------------------------------------------- phase 'warmup'
   def warmup_client(group: GroupSpec) -> ClientProgram:
-    return shared_block_program(group, cfg.warmup_epochs, learning_rate)
+    return shared_block_program(group, cfg.warmup_epochs)
 
   # ---------------------------------------------------------------- phase 'knowledge'
-  @functools.lru_cache(maxsize=None)
-  def knowledge_program(module: GeFLCNN, generator_key: tuple, training) -> ClientProgram:
-    gen = build_generator(cfg, num_classes, *generator_key, features=True)
-    step = generator_step(gen, lr_scale, lambda x, broadcast: features(module, broadcast['fe'], x))
-    receive = lambda client, broadcast, key: client._replace(
-        extra={**client.extra, 'generator': broadcast['generator']})
-    return ClientProgram(receive, None,
-                         lambda client, rows, broadcast, key: (client, {'generator': client.extra['generator']}),
-                         training, stages=(Stage(step, cfg.generator_epochs),), reads_model=False)
-
   def knowledge_client(group: GroupSpec) -> ClientProgram:
-    # No header enters this program: one object for every group, so executors share its compiled code.
+    # No header enters this program: it is the same for every group of one F, so executors compile it once.
     module = features_module(group)
     shape = jax.eval_shape(lambda: module.init_with_output(jax.random.PRNGKey(0), group.sample_input(),
                                                            False)[0]).shape[1:]
-    return knowledge_program(module, (tuple(shape), group.conv), group.training)
+    gen = build_generator(cfg, num_classes, tuple(shape), group.conv, features=True)
+    step = generator_step(gen, lr_scale, lambda x, broadcast: features(module, broadcast['fe'], x))
+    receive = lambda client, broadcast, key: client._replace(
+        extra={**client.extra, 'generator': broadcast['generator']})
+    return ClientProgram(receive, (Stage(step, cfg.generator_epochs),),
+                         lambda client, rows, broadcast, key: (client, {'generator': client.extra['generator']}),
+                         group.training, identity=('gefl_f.knowledge', module, tuple(shape), group.conv,
+                                                   group.training))
 
   def knowledge_server(server, uploads, key):
     u = concat_groups(uploads)
@@ -231,7 +228,7 @@ def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float
 
   # ---------------------------------------------------------------- phase 'target'
   def target_client(group: GroupSpec) -> ClientProgram:
-    gen, header = generator_of(group), header_model(group)
+    gen, header, optimizer = generator_of(group), header_model(group), group.training.optimizer()
 
     def sgd_on_header(client, maps, y, mask):
       """One SGD step of the header (F's parameters untouched) on feature maps (the rows where mask is True)."""
@@ -242,7 +239,7 @@ def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float
         logits, _, state = forward(header, params, model_state, maps, True, mask)
         return cross_entropy(logits, y, mask), state
       (value, state), grads = jax.value_and_grad(loss, has_aux=True)(head['params'])
-      head_params = jax.tree.map(lambda p, g: p - learning_rate * g, head['params'], grads)
+      head_params = descend(optimizer, head['params'], grads)
       _, new_head = split_client(head_params, state)
       params, model_state = join_client(fe, {'params': head_params, 'stats': new_head['stats']},
                                         client.model_state)
@@ -250,7 +247,7 @@ def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float
 
     def synthetic_step(client, batch: Batch, broadcast, key):
       label_key, sample_key = jax.random.split(key)
-      labels = uniform_labels(label_key, batch_size, num_classes)
+      labels = uniform_labels(label_key, group.training.batch_size, num_classes)
       maps = jax.lax.stop_gradient(gen.sample(broadcast['generator'], labels, sample_key))
       return sgd_on_header(client, maps, labels, batch.mask)
 
@@ -261,9 +258,9 @@ def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int, learning_rate: float
     def final(client, rows, broadcast, key):
       return client, {'header': split_client(client.params, client.model_state)[1]}
 
-    return ClientProgram(lambda client, broadcast, key: receive_model(client, broadcast), None, final,
-                         group.training, stages=(Stage(synthetic_step, cfg.synthetic_epochs, generated=True),
-                                                 Stage(real_step, group.training.epochs)))
+    return ClientProgram(lambda client, broadcast, key: receive_model(client, broadcast),
+                         (Stage(synthetic_step, cfg.synthetic_epochs, generated=True),
+                          Stage(real_step, group.training.epochs)), final, group.training)
 
   def target_server(server, uploads, key):
     return {**server, 'headers': average_headers(server, uploads)}, {}

@@ -21,12 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_het.core import (Batch, ClientProgram, ClientRows, Evaluation, program_stages, stage_key,
-                             stage_steps_per_epoch, with_model, without_model)
-from fedjax_het.engine.client import client_keys, count_correct, run_client, score_client
+from fedjax_het.core import ClientProgram, ClientRows, Evaluation, with_model, without_model
+from fedjax_het.engine.client import run_client, score_client
 from fedjax_het.engine.groups import EvalSet, Group
-from fedjax_het.local_training import batch_row_mask, batch_schedule, step_key
-from fedjax_het.models.forward import forward
+from fedjax_het.engine.plan import (client_keys, count_into, even_chunk, plan_stages, represent_into, stage_key,
+                                    take_step)
 
 STRATEGIES = ('vmap', 'sequential')
 
@@ -54,13 +53,6 @@ def default_eval_batch_size(backend: Optional[str] = None) -> int:
 def default_client_threads() -> int:
   """Host threads of the sequential strategy: 2 (measured on 2 cores, README), at most the core count."""
   return max(1, min(2, os.cpu_count() or 1))
-
-
-def even_chunk(rows: int, max_chunk: int) -> int:
-  """The smallest chunk that covers `rows` in as few passes of at most `max_chunk` rows (288 rows with at most
-  256 per pass: 2 x 144, not 256 + a clamped 256 that recomputes 224 rows)."""
-  passes = -(-max(rows, 1) // max(max_chunk, 1))
-  return -(-max(rows, 1) // passes)
 
 
 def take(tree: Any, idx) -> Any:
@@ -161,7 +153,8 @@ class VmapExecutor(Executor):
 
 
 class SequentialExecutor(Executor):
-  """The participants one by one from the host (`threads` at a time), each running only its real local steps."""
+  """The participants one by one from the host (`threads` at a time), each running only the valid slots of its
+  plan."""
 
   def __init__(self, eval_batch_size: int, threads: int = 1):
     super().__init__(eval_batch_size)
@@ -174,13 +167,9 @@ class SequentialExecutor(Executor):
 
   def functions(self, g: Group, program: ClientProgram, phase: int) -> dict:
     """The jitted pieces a participant of group g runs in `phase`: 'init', per stage a 'schedule' and a 'step'
-    ('stages'; the first stage's also as 'schedule' and 'step'), 'represent_into' and 'final' (benchmarks time
-    them one by one). They read the group's model only to compute representations (`ClientProgram.trained`)."""
-    # Groups that run the same program object on equally padded rows share these functions, and programs that do
-    # not read the classifier (`ClientProgram.reads_model`, e.g. GeFL's generator training) their compiled code.
-    owner = g.spec.index if program.trained is not None else None
-    return self.compiled('sequential', program, owner, g.train.x.shape[1:], phase,
-                         make=lambda: self._make_fns(g, program))
+    ('stages'), 'represent_into' and 'final' (benchmarks time them one by one). Programs of equal `ClientProgram.identity` share them across groups."""
+    owner = ('program', program.identity) if program.identity is not None else ('group', g.spec.index, phase)
+    return self.compiled('sequential', owner, make=lambda: self._make_fns(g, program))
 
   def stack_functions(self) -> dict:
     """The jitted 'take' (client i of a stack) and 'put' (client i written back, the stack donated)."""
@@ -206,53 +195,45 @@ class SequentialExecutor(Executor):
         uploads.append(upload)
         losses.append(loss)
     # Uploads are laid out in the same fixed slots as the vmap executor, empty slots zero.
-    if 'empty_upload' not in fns:
-      client = without_model(program, jax.eval_shape(stack['take'], stacked, 0))
-      carry = jax.eval_shape(fns['init'], client, broadcast, jax.random.PRNGKey(0))
-      reps = None
-      if program.trained is not None:
-        reps = jax.ShapeDtypeStruct((g.train.x.shape[1], g.model.feature_dim), jnp.float32)
-      template = jax.eval_shape(fns['final'], carry, g.train, 0, reps, broadcast, jax.random.PRNGKey(0))[1]
-      fns['empty_upload'] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
-    zeros = fns['empty_upload']
+    zeros = self.compiled('empty_upload', g.spec.index, phase, make=lambda: self._empty_upload(
+        g, program, fns, stacked, broadcast))
     padded = uploads + [zeros] * (len(slot_idx) - len(uploads))
     losses = losses + [0.0] * (len(slot_idx) - len(losses))
     return stacked, jax.tree.map(lambda *a: jnp.stack(a), *padded), jnp.asarray(losses, jnp.float32)
 
+  def _empty_upload(self, g: Group, program: ClientProgram, fns: dict, stacked, broadcast) -> Any:
+    client = without_model(program, jax.eval_shape(self.stack_functions()['take'], stacked, 0))
+    carry = jax.eval_shape(fns['init'], client, broadcast, jax.random.PRNGKey(0))
+    reps = None
+    if program.trained is not None:
+      reps = jax.ShapeDtypeStruct((g.train.x.shape[1], g.model.feature_dim), jnp.float32)
+    template = jax.eval_shape(fns['final'], carry, g.train, 0, reps, broadcast, jax.random.PRNGKey(0))[1]
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
+
   def _client(self, g: Group, program: ClientProgram, fns: dict, i: int, client, broadcast, key):
-    """Client i's round from the host: init, the real local steps of each stage, representations, final."""
-    training = program.training
-    slots = training.slots(training.rows or g.train.x.shape[1])
-    n = training.rows or g.train.n[i]
+    """Client i's round from the host: init, the valid slots of each stage's plan, representations, final."""
+    n = int(g.train_sizes[i])
     keys = client_keys(jax.random.fold_in(key, int(g.clients[i])))
     original, client = client, without_model(program, client)
     carry = fns['init'](client, broadcast, keys['init'])
     total, steps = 0.0, 0
-    for k, (stage, stage_fns) in enumerate(zip(program_stages(program), fns['stages'])):
-      train_key = stage_key(keys['train'], k)
-      idx = None
-      if not stage.generated:
-        idx, _ = stage_fns['schedule'](jax.random.fold_in(train_key, 0), n)
-      per_epoch = int(stage_steps_per_epoch(training, stage, g.train_sizes[i]))
-      taken = 0
-      for e in range(stage.epochs):
-        for s in range(per_epoch):
-          if training.max_steps is not None and taken >= training.max_steps:
-            break  # --local_steps: the stage's first max_steps steps only
-          carry, loss = stage_fns['step'](carry, g.train.x, g.train.y, i, idx, e * slots + s, s, n, broadcast,
-                                          step_key(train_key, e, s))
-          total, steps, taken = total + loss, steps + 1, taken + 1
+    for plan, stage_fns in zip(plan_stages(program, g.train.x.shape[1]), fns['stages']):
+      train_key = stage_key(keys['train'], plan.index)
+      schedule = None if plan.stage.generated else stage_fns['schedule'](train_key, n)
+      for t in np.flatnonzero(plan.valid(n)).tolist():
+        carry, loss = stage_fns['step'](carry, t, schedule, g.train.x, g.train.y, i, n, broadcast, train_key)
+        total, steps = total + loss, steps + 1
     reps = None
     if program.trained is not None:
       trained = program.trained(carry)
-      rows = int(program.training.statistics_rows(g.train_sizes[i]))
-      reps = self._represent(g, fns, trained.params, trained.model_state, i, rows)
+      reps = self._represent(g, fns, trained.params, trained.model_state, i,
+                             int(program.training.statistics_rows(n)))
     client, upload = fns['final'](carry, g.train, i, reps, broadcast, keys['final'])
     return with_model(program, client, original), upload, total / max(steps, 1)
 
   def _represent(self, g: Group, fns: dict, params, model_state, i: int, rows: int) -> jnp.ndarray:
     """Eval-mode representations [n_max, d] of client i's first `rows` training rows (zeros after), chunk by
-    chunk."""
+    chunk (`represent_into`)."""
     n_max = g.train.x.shape[1]
     chunk = even_chunk(n_max, self.eval_batch_size)
     buf = jnp.zeros((n_max, g.model.feature_dim))
@@ -262,56 +243,34 @@ class SequentialExecutor(Executor):
 
   def _make_fns(self, g: Group, program: ClientProgram) -> dict:
     training, model = program.training, g.model
-    n_max = g.train.x.shape[1]
-    chunk = even_chunk(n_max, self.eval_batch_size)
+    chunk = even_chunk(g.train.x.shape[1], self.eval_batch_size)
 
-    def stage_fns(stage):
-      def step(carry, x_all, y_all, i, schedule, slot, slot_in_epoch, n, broadcast, key):
-        if stage.generated:
-          return stage.step(carry, Batch(None, None, None, jnp.arange(training.batch_size) < n), broadcast, key)
-        rows = schedule[slot]
-        mask = None if training.drop_last else batch_row_mask(slot_in_epoch, n, training.batch_size)
-        if training.rows is not None:
-          return stage.step(carry, Batch(None, None, rows, mask), broadcast, key)
-        return stage.step(carry, Batch(x_all[i, rows], y_all[i, rows], rows, mask), broadcast, key)
-      schedule = lambda rng, n: batch_schedule(rng, n, training.rows or n_max, training.batch_size, stage.epochs,
-                                               training.order, training.drop_last)
-      return {'step': jax.jit(step), 'schedule': jax.jit(schedule)}
+    def stage_fns(plan):
+      step = lambda carry, t, schedule, x_all, y_all, i, n, broadcast, key: take_step(
+          plan, carry, t, schedule, x_all, y_all, n, broadcast, key, client=i)
+      return {'step': jax.jit(step), 'schedule': jax.jit(plan.schedule)}
 
     def final(carry, train, i, reps, broadcast, key):
       n = train.n[i]
       return program.final(carry, ClientRows(train.x[i], train.y[i], training.statistics_rows(n), n, reps),
                            broadcast, key)
 
-    def represent_into(buf, params, model_state, x_all, i, start):
-      # Near the end dynamic_slice and dynamic_update_slice clamp the start identically, so the last chunk
-      # recomputes a few rows instead of reading past n_max.
-      rows = jax.lax.dynamic_slice_in_dim(x_all[i], start, chunk)
-      reps = forward(model, params, model_state, rows, False)[1]
-      return jax.lax.dynamic_update_slice_in_dim(buf, reps, start, 0)
-
-    stages = [stage_fns(stage) for stage in program_stages(program)]
+    represent = lambda buf, params, model_state, x_all, i, start: represent_into(
+        model, buf, params, model_state, x_all[i], start, chunk)
+    stages = [stage_fns(plan) for plan in plan_stages(program, g.train.x.shape[1])]
     return {
         'init': jax.jit(program.init),
         'stages': stages,
-        'schedule': stages[0]['schedule'],  # the first stage's, by the names benchmarks time them under
-        'step': stages[0]['step'],
-        'represent_into': jax.jit(represent_into, donate_argnums=0),
+        'represent_into': jax.jit(represent, donate_argnums=0),
         'final': jax.jit(final),
     }
 
   def correct(self, g, evaluation, phase, stacked, broadcast, test, which):
     chunk = even_chunk(test.arrays.x.shape[1], self.eval_batch_size)
-
-    def count_into(counts, evaluated, x_all, y_all, j, start, n):
-      first = jnp.minimum(start, x_all.shape[1] - chunk)  # where dynamic_slice reads when clamped
-      x = jax.lax.dynamic_slice_in_dim(x_all[j], first, chunk)
-      y = jax.lax.dynamic_slice_in_dim(y_all[j], first, chunk)
-      row = first + jnp.arange(chunk)
-      return counts + count_correct(evaluation, evaluated, x, y, (row >= start) & (row < n))
-
+    count = lambda counts, evaluated, x_all, y_all, j, start, n: count_into(
+        evaluation, counts, evaluated, x_all[j], y_all[j], start, chunk, n)
     fns = self.compiled(f'sequential_eval_{which}', g.spec.index, phase, make=lambda: {
-        'prepare': jax.jit(evaluation.prepare), 'count_into': jax.jit(count_into)})
+        'prepare': jax.jit(evaluation.prepare), 'count_into': jax.jit(count)})
     take_one = self.stack_functions()['take']
     out = []
     for i in range(g.size):

@@ -19,8 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from fedjax_het.core import (Algorithm, ClientProgram, FederationSpec, Phase, Stage, Uploads, program_stages,
-                             stage_steps_per_epoch)
+from fedjax_het.core import Algorithm, FederationSpec, Phase, Uploads
 from fedjax_het.data.federated import FederatedData
 from fedjax_het.engine.accounting import accuracy_metrics, communication_metrics, count_uploads
 from fedjax_het.engine.executors import (STRATEGIES, Executor, SequentialExecutor, VmapExecutor,
@@ -28,9 +27,10 @@ from fedjax_het.engine.executors import (STRATEGIES, Executor, SequentialExecuto
                                          default_strategy)
 from fedjax_het.engine.groups import (EvalSet, Group, build_groups, host_copy, init_group, slot_indices,
                                       clients_without_steps)
+from fedjax_het.engine.plan import plan_stages
 from fedjax_het.engine.sharding import CLIENTS_AXIS, to_host
 from fedjax_het.errors import ConfigError
-from fedjax_het.local_training import LocalTraining, capped_steps
+from fedjax_het.local_training import LocalTraining
 from fedjax_het.models.init import INITS
 from fedjax_het.models.registry import assign_models
 
@@ -201,28 +201,16 @@ class Federation:
     num_join = self.num_join(round_index)
     return [-(-min(g.size, num_join) // self.num_devices) * self.num_devices for g in self.groups]
 
-  def local_work(self, participants: np.ndarray, program: Optional[ClientProgram] = None) -> dict:
-    """Local steps and samples the participants process this round: per stage, epochs * (n_k // batch_size)
-    steps of batch_size rows each (drop_last; without it ceil(n_k / batch_size) steps, the last of the n_k mod B
-    remaining rows; generated rows in place of n_k where the program generates its own; max(1, n_k // B) steps
-    of min(n_k, B) rows per epoch in a generated stage; at most --local_steps per stage), summed over
-    participants and stages."""
-    training = program.training if program is not None else self.training
-    stages = program_stages(program) if program is not None else (Stage(None, training.epochs),)
-    n = np.asarray(training.rows if training.rows is not None else self.train_sizes[participants])
-    n = np.broadcast_to(n, participants.shape)
+  def local_work(self, participants: np.ndarray, phase: int) -> dict:
+    """Local steps and samples the participants process in a round of `phase`, as its programs' plans
+    (`engine.plan`) lay them out: per stage epochs * (n_k // B) steps of B rows under drop_last; without it
+    ceil(n_k / B) steps, the last of the n_k mod B remaining rows; max(1, n_k // B) steps of min(n_k, B) rows per
+    epoch in a generated stage; at most --local_steps per stage; summed over participants and stages."""
     steps = samples = 0
-    for stage in stages:
-      per_epoch = np.broadcast_to(stage_steps_per_epoch(training, stage, n), participants.shape)
-      taken = capped_steps(per_epoch * stage.epochs, training.max_steps)
-      if stage.generated:
-        rows = taken * np.minimum(n, training.batch_size)
-      elif training.drop_last:
-        rows = taken * training.batch_size
-      else:  # whole epochs see all n rows; the first steps of a cut epoch are full batches
-        whole = taken // np.maximum(per_epoch, 1)
-        rows = whole * n + (taken - whole * per_epoch) * training.batch_size
-      steps, samples = steps + int(taken.sum()), samples + int(rows.sum())
+    for g, program in zip(self.groups, self.programs[phase]):
+      for n in g.train_sizes[np.isin(g.clients, participants)].tolist():
+        for plan in plan_stages(program, n):
+          steps, samples = steps + int(plan.valid(n).sum()), samples + int(plan.rows(n).sum())
     return {'local_steps': steps, 'local_samples': samples}
 
   # ---------------------------------------------------------------- one round
@@ -279,7 +267,7 @@ class Federation:
     losses = np.concatenate([to_host(loss)[real] for loss, real in losses])  # host reads after all dispatches
     metrics = {'round': r + 1, 'phase': phase.name, 'train_loss': float(np.mean(losses)),
                'participants': len(participants),
-               **self.local_work(participants, self.programs[p][0])}
+               **self.local_work(participants, p)}
     metrics.update(communication_metrics([jax.device_get(u) for u in upload_parts],
                                          [(jax.device_get(b), n) for b, n in broadcast_parts]))
     metrics.update({k: float(v) for k, v in server_metrics.items()})

@@ -22,7 +22,6 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from fedjax_het.rows import batch_mean, row_weights
 
@@ -45,20 +44,6 @@ def to_generator_range(x: jnp.ndarray, unit_range: bool) -> jnp.ndarray:
 def from_generator_range(x: jnp.ndarray, unit_range: bool) -> jnp.ndarray:
   """A generator's images mapped back to [-1, 1] (from [0, 1] if unit_range)."""
   return 2.0 * x - 1.0 if unit_range else x
-
-
-def adam(b1: float = 0.9, b2: float = 0.999, weight_decay: float = 0.0) -> optax.GradientTransformation:
-  """PyTorch's Adam without the learning rate (`apply_adam` multiplies by it): weight decay is an L2 term added
-  to the gradient before the moments (torch.optim.Adam's weight_decay), not AdamW's."""
-  parts = [optax.add_decayed_weights(weight_decay)] if weight_decay else []
-  return optax.chain(*parts, optax.scale_by_adam(b1, b2, eps=1e-8))
-
-
-def apply_adam(optimizer: optax.GradientTransformation, params: Any, grads: Any, opt_state: Any,
-               learning_rate) -> tuple[Any, Any]:
-  """(params - learning_rate * Adam direction, new optimizer state)."""
-  direction, opt_state = optimizer.update(grads, opt_state, params)
-  return jax.tree.map(lambda p, d: p - learning_rate * d, params, direction), opt_state
 
 
 def bce(p: jnp.ndarray, target: float, mask: jnp.ndarray | None = None) -> jnp.ndarray:

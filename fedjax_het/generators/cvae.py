@@ -19,7 +19,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.generators.base import ConditionalGenerator, adam, apply_adam, gaussian_kl
+from fedjax_het.generators.base import ConditionalGenerator, gaussian_kl
+from fedjax_het.optim import step_at_rate, torch_adam
 from fedjax_het.models.conv import conv_factory, conv_transpose
 from fedjax_het.models.init import torch_default_init
 from fedjax_het.models.norm import TorchBatchNorm, batch_rows
@@ -101,7 +102,7 @@ def cvae(num_classes: int, channels: int = 1, width: int = 64, latent: int = 16,
   if size not in (16, 32):
     raise ValueError(f'CVAE takes 32x32 images or 16x16 feature maps, not {size}x{size}.')
   model = CVAE(num_classes, channels, width, latent, conv, size)
-  optimizer = adam(weight_decay=weight_decay)
+  optimizer = torch_adam(learning_rate, weight_decay=weight_decay)
 
   def init(key):
     variables = model.init(key, jnp.zeros((1, size, size, channels)), jnp.zeros(1, jnp.int32),
@@ -117,7 +118,7 @@ def cvae(num_classes: int, channels: int = 1, width: int = 64, latent: int = 16,
                                                  mutable=['batch_stats'])
       return cvae_loss(recon, x, mu, logvar, mask), state['batch_stats']
     (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(variables['params'])
-    params, opt_state = apply_adam(optimizer, variables['params'], grads, opt_state, learning_rate * lr_scale)
+    params, opt_state = step_at_rate(optimizer, variables['params'], grads, opt_state, learning_rate * lr_scale)
     return {'params': params, 'batch_stats': stats}, opt_state, value
 
   def sample(variables, labels, key):

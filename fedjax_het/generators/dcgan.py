@@ -25,7 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.generators.base import ConditionalGenerator, adam, apply_adam, bce, uniform_labels
+from fedjax_het.generators.base import ConditionalGenerator, bce, uniform_labels
+from fedjax_het.optim import step_at_rate, torch_adam
 from fedjax_het.models.conv import conv_factory, conv_transpose
 from fedjax_het.models.norm import TorchBatchNorm, batch_rows
 
@@ -128,7 +129,7 @@ def dcgan(num_classes: int, channels: int = 1, g_width: int = 128, d_width: int 
   if size not in (16, 32):
     raise ValueError(f'DCGAN emits 32x32 images or 16x16 feature maps, not {size}x{size}.')
   g, d = DCGANGenerator(g_width, channels, conv, features=size == 16), DCGANDiscriminator(d_width, conv)
-  optimizer = adam(0.5, 0.999)
+  optimizer = torch_adam(learning_rate, 0.5, 0.999)
   d_loss, g_loss = dcgan_losses(g.apply, d.apply, num_classes)
 
   def init(key):
@@ -147,12 +148,12 @@ def dcgan(num_classes: int, channels: int = 1, g_width: int = 128, d_width: int 
     G, D = variables['G'], variables['D']
     (ld, (d_stats, g_stats)), grads = jax.value_and_grad(d_loss, has_aux=True)(
         D['params'], D['batch_stats'], G, x, y, d_key, mask)
-    d_params, d_opt = apply_adam(optimizer, D['params'], grads, opt_state['D'], learning_rate * lr_scale)
+    d_params, d_opt = step_at_rate(optimizer, D['params'], grads, opt_state['D'], learning_rate * lr_scale)
     D = {'params': d_params, 'batch_stats': d_stats}
     G = {**G, 'batch_stats': g_stats}
     (lg, (d_stats, g_stats)), grads = jax.value_and_grad(g_loss, has_aux=True)(
         G['params'], G['batch_stats'], D, x.shape[0], g_key, mask)
-    g_params, g_opt = apply_adam(optimizer, G['params'], grads, opt_state['G'], learning_rate * lr_scale)
+    g_params, g_opt = step_at_rate(optimizer, G['params'], grads, opt_state['G'], learning_rate * lr_scale)
     return ({'G': {'params': g_params, 'batch_stats': g_stats}, 'D': {**D, 'batch_stats': d_stats}},
             {'G': g_opt, 'D': d_opt}, ld + lg)
 

@@ -29,7 +29,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.generators.base import ConditionalGenerator, adam, apply_adam
+from fedjax_het.generators.base import ConditionalGenerator
+from fedjax_het.optim import step_at_rate, torch_adam
 from fedjax_het.models.conv import conv_factory, conv_transpose
 from fedjax_het.models.init import torch_default_init
 from fedjax_het.models.norm import TorchBatchNorm, batch_rows
@@ -134,7 +135,7 @@ def ddpm(num_classes: int, channels: int = 1, size: int = 32, width: int = 128, 
   """GeFL's DDPM as a `ConditionalGenerator` (variables of `ContextUnet`), T = `steps`, guidance weight w."""
   net = ContextUnet(channels, width, conv)
   schedule = ddpm_schedule(steps)
-  optimizer = adam()
+  optimizer = torch_adam(learning_rate)
 
   def init(key):
     variables = net.init(key, jnp.zeros((1, size, size, channels)), jnp.zeros((1, num_classes)), jnp.zeros(1),
@@ -156,7 +157,7 @@ def ddpm(num_classes: int, channels: int = 1, size: int = 32, width: int = 128, 
                                mutable=['batch_stats'])
       return batch_mean((noise - eps) ** 2, mask), state['batch_stats']
     (value, stats), grads = jax.value_and_grad(loss, has_aux=True)(variables['params'])
-    params, opt_state = apply_adam(optimizer, variables['params'], grads, opt_state, learning_rate * lr_scale)
+    params, opt_state = step_at_rate(optimizer, variables['params'], grads, opt_state, learning_rate * lr_scale)
     return {'params': params, 'batch_stats': stats}, opt_state, value
 
   def sample(variables, labels, key):

@@ -1,0 +1,91 @@
+"""How a federation's rounds are executed: strategy, convolution kernels, devices, chunking and threads. None of it
+changes a number (the executors and kernels are tested equal); every default is decided once, by `resolve`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import jax
+
+from fedjax_het.engine.executors import STRATEGIES, Executor, SequentialExecutor, VmapExecutor
+from fedjax_het.engine.sharding import CLIENTS_AXIS
+from fedjax_het.errors import ConfigError
+from fedjax_het.models.conv import CONV_IMPLS
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionConfig:
+  """strategy: 'vmap' (`VmapExecutor`) or 'sequential' (`SequentialExecutor`); None: sequential on CPU (measured
+    faster there, README), vmap on GPU/TPU.
+  conv: 'xla', 'im2col' or 'auto' (models/conv.py); None: im2col under vmap on CPU (grouped convolutions are slow
+    there), auto for sequential on CPU, xla on GPU/TPU.
+  client_mesh: a one-axis ('clients') mesh of D > 1 devices over which the vmap executor lays each group's clients
+    (`engine.client_mesh`); None: one device.
+  chunk_size: vmap this many clients per call (0: a whole group); a multiple of the mesh's devices.
+  scan_unroll: local steps per loop iteration of the vmap executor's lax.scan.
+  client_threads: clients the sequential executor runs at once, one host thread each; None: 2, at most the cores.
+  eval_batch_size: rows per eval-mode pass (representations, evaluation); None: 64 on CPU, where larger passes
+    spill the im2col patches out of cache (benchmarks/cpu_kernels.py --parts=represent), 256 on GPU/TPU.
+  """
+  strategy: Optional[str] = None
+  conv: Optional[str] = None
+  client_mesh: Optional[jax.sharding.Mesh] = None
+  chunk_size: int = 0
+  scan_unroll: int = 1
+  client_threads: Optional[int] = None
+  eval_batch_size: Optional[int] = None
+
+  def __post_init__(self):
+    if self.strategy is not None and self.strategy not in STRATEGIES:
+      raise ConfigError(f'ExecutionConfig.strategy={self.strategy!r} is unknown; choose one of '
+                        f'{", ".join(STRATEGIES)}.')
+    if self.conv is not None and self.conv not in CONV_IMPLS:
+      raise ConfigError(f'ExecutionConfig.conv={self.conv!r} is unknown; choose one of {", ".join(CONV_IMPLS)}.')
+    mesh = self.client_mesh
+    if mesh is not None and mesh.axis_names != (CLIENTS_AXIS,):
+      raise ConfigError(f'ExecutionConfig.client_mesh must have the single axis {CLIENTS_AXIS!r}; got '
+                        f'{mesh.axis_names}. Fix: build it with fedjax_het.engine.client_mesh().')
+    if self.chunk_size < 0:
+      raise ConfigError(f'ExecutionConfig.chunk_size={self.chunk_size} must be >= 0 (0: a whole group per vmapped '
+                        f'call).')
+    if self.scan_unroll < 1:
+      raise ConfigError(f'ExecutionConfig.scan_unroll={self.scan_unroll} must be >= 1 (local steps per loop '
+                        f'iteration).')
+    if self.client_threads is not None and self.client_threads < 1:
+      raise ConfigError(f'ExecutionConfig.client_threads={self.client_threads} must be >= 1.')
+    if self.eval_batch_size is not None and self.eval_batch_size < 1:
+      raise ConfigError(f'ExecutionConfig.eval_batch_size={self.eval_batch_size} must be >= 1 (None: the '
+                        f'backend default).')
+    devices = self.num_devices
+    if devices > 1 and self.strategy == 'sequential':
+      raise ConfigError(f'ExecutionConfig.client_mesh of {devices} devices: sharding clients over devices needs '
+                        f'strategy=\'vmap\' (got {self.strategy!r}). Fix: strategy=\'vmap\', or one device.')
+    if self.chunk_size and devices > 1 and self.chunk_size % devices:
+      raise ConfigError(f'ExecutionConfig.chunk_size={self.chunk_size} must be a multiple of the {devices} devices '
+                        f'of the client mesh, so every chunk splits evenly. Fix: chunk_size='
+                        f'{devices * max(1, self.chunk_size // devices)}.')
+
+  @property
+  def num_devices(self) -> int:
+    """Devices the clients are laid over (1 without a mesh)."""
+    return 1 if self.client_mesh is None else self.client_mesh.size
+
+  def resolve(self, backend: Optional[str] = None) -> 'ExecutionConfig':
+    """This configuration with every default decided for `backend` (default: JAX's): the one place they are."""
+    cpu = (backend or jax.default_backend()) == 'cpu'
+    strategy = self.strategy or ('sequential' if cpu else 'vmap')
+    if self.num_devices > 1 and self.strategy is None:
+      strategy = 'vmap'
+    conv = self.conv or (('im2col' if strategy == 'vmap' else 'auto') if cpu else 'xla')
+    threads = self.client_threads or max(1, min(2, os.cpu_count() or 1))
+    mesh = self.client_mesh if self.num_devices > 1 else None
+    return dataclasses.replace(self, strategy=strategy, conv=conv, client_mesh=mesh, client_threads=threads,
+                               eval_batch_size=self.eval_batch_size or (64 if cpu else 256))
+
+  def executor(self) -> Executor:
+    """The executor of a resolved configuration."""
+    if self.strategy == 'vmap':
+      return VmapExecutor(self.eval_batch_size, self.chunk_size, self.scan_unroll)
+    return SequentialExecutor(self.eval_batch_size, self.client_threads)

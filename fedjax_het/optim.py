@@ -1,0 +1,29 @@
+"""Optimizers the methods share, as optax transformations: torch.optim.Adam with a rate set at every step (the
+generators' DDPM decay, Felo's MultiStepLR driven by the server's round counter)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+
+def torch_adam(learning_rate: float, b1: float = 0.9, b2: float = 0.999, weight_decay: float = 0.0
+               ) -> optax.GradientTransformation:
+  """torch.optim.Adam (eps 1e-8; weight decay an L2 term added to the gradient before the moments, not AdamW's),
+  its rate an injected hyperparameter that `step_at_rate` sets."""
+  def adam(learning_rate):
+    parts = [optax.add_decayed_weights(weight_decay)] if weight_decay else []
+    return optax.chain(*parts, optax.adam(learning_rate, b1, b2, eps=1e-8))
+  return optax.inject_hyperparams(adam)(learning_rate=learning_rate)
+
+
+def step_at_rate(optimizer: optax.GradientTransformation, params: Any, grads: Any, opt_state: Any, rate
+                 ) -> tuple[Any, Any]:
+  """(params after one update at learning rate `rate`, the new state) of an optimizer built by
+  `optax.inject_hyperparams` with a 'learning_rate' (`torch_adam`)."""
+  rate = jnp.asarray(rate, jnp.float32)
+  opt_state = opt_state._replace(hyperparams={**opt_state.hyperparams, 'learning_rate': rate})
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
