@@ -5,8 +5,8 @@
 Batch 32, 32x32x3 inputs, milliseconds, best of 3 after a warm-up. Parts:
   step:            one jitted SGD step per convolution formulation (xla, im2col, auto), and PyTorch's.
   layers:          forward / kernel-gradient / input-gradient of each convolution of the CNN, XLA vs im2col.
-  pool:            gradient of 2x2 max pooling: the first-maximum pool of models/pooling.py vs a reshape and reduce-max vs
-                   flax's reduce_window.
+  pool:            gradient of 2x2 max pooling: the first-maximum pool of models/pooling.py vs a reshape and
+                   reduce-max vs flax's reduce_window.
   threads:         steps of two independent clients driven from one host thread vs two (ms per client-step).
   vmap:            one step of 10 clients vmapped (per client-step) per formulation, vs a host loop.
   represent:       eval-mode representations of 288 rows in passes of 32..288 rows (the eval batch size), per
@@ -30,7 +30,7 @@ from jax import lax
 from harness import best_seconds, cifar_like, sgd_step_fn, write_results
 
 from fedjax_het.algorithms import FedREConfig, fedre
-from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
 from fedjax_het.models.forward import forward
 from fedjax_het.models import build_model
 from fedjax_het.models.conv import im2col_conv_general_dilated
@@ -197,7 +197,7 @@ def part_represent(rows):
 
 def part_federation_step(rows):
   fed = Federation(fedre(FedREConfig(), 10), cifar_like(4, 384), ['cnn4'], LocalTraining(0.01, B, 1),
-                   strategy='sequential', conv='auto', client_threads=1)
+                   ExecutionConfig(strategy='sequential', conv='auto', client_threads=1))
   state, _ = fed.round(fed.init())
   g = fed.groups[0]
   fns = fed.executor.functions(g, fed.programs[0][0], 0)
@@ -215,7 +215,8 @@ def part_federation_step(rows):
     for t in range(steps):
       c, _ = stage['step'](c, t, schedule, g.train.x, g.train.y, 0, n, broadcast, key)
     return c
-  rows.append({'part': 'federation_step', 'case': "Federation fns['stages'][0]['step'] (FedRE loss, batch gathered in jit)",
+  rows.append({'part': 'federation_step',
+               'case': "Federation fns['stages'][0]['step'] (FedRE loss, batch gathered in jit)",
                'ms': best_seconds(federation_steps) / steps * 1e3})
   _, step, _ = step_setup('auto')
   xb, yb = g.train.x[0][schedule[0]], g.train.y[0][schedule[0]]

@@ -23,7 +23,7 @@ import jax
 from harness import CompileLog, cifar_like, write_results
 
 from fedjax_het.algorithms import FedREConfig, fedavg_grouped, fedre
-from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
 
 flags.DEFINE_list('algorithms', ['fedre', 'fedavg'], 'fedre and/or fedavg (grouped).')
 flags.DEFINE_list('num_clients', ['10', '20'], 'Client counts.')
@@ -50,7 +50,7 @@ def measure(algorithm: str, k: int, groups: int, model: str, batch: int) -> dict
   family = ([model] + [m for m in FLAGS.group_family if m != model])[:groups]
   alg = fedre(FedREConfig(), 10) if algorithm == 'fedre' else fedavg_grouped(10)
   fed = Federation(alg, cifar_like(k, FLAGS.samples_per_client), family, LocalTraining(0.01, batch, 1),
-                   strategy=FLAGS.strategy)
+                   ExecutionConfig(strategy=FLAGS.strategy))
   with CompileLog() as compiles:
     state = fed.init()
     t0 = time.perf_counter()

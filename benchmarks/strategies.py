@@ -17,7 +17,7 @@ import jax
 from harness import cifar_like, write_results
 
 from fedjax_het.algorithms import FedREConfig, fedre
-from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
 
 flags.DEFINE_integer('num_clients', 10, 'Clients.')
 flags.DEFINE_integer('samples_per_client', 384, 'Pool samples per client (75% train).')
@@ -37,8 +37,8 @@ def main(_):
   for variant in FLAGS.variants:
     strategy, conv, *threads = variant.split('/')
     fed = Federation(fedre(FedREConfig(), 10), data, FLAGS.models, LocalTraining(0.06, FLAGS.batch_size, 1),
-                     strategy=strategy, chunk_size=FLAGS.chunk_size, conv=conv,
-                     client_threads=int(threads[0]) if threads else None)
+                     ExecutionConfig(strategy=strategy, conv=conv, chunk_size=FLAGS.chunk_size,
+                                     client_threads=int(threads[0]) if threads else None))
     state = fed.init()
     t0 = time.perf_counter()
     state, _ = fed.round(state)

@@ -28,7 +28,7 @@ from harness import CompileLog, cifar_like, sgd_step_fn, write_results
 from torch_reference import TorchFedRE, client_tensors
 
 from fedjax_het.algorithms import FedREConfig, fedre
-from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
 from fedjax_het.models.forward import forward
 from fedjax_het.models import build_model
 
@@ -75,8 +75,8 @@ def main(_):
   print(f'{"clients":>7} | {"torch s/round":>13} | {"torch+disk":>10} | {"fedjax_het":>10} | {"speed-up":>8} | '
         f'{"vs +disk":>8} | {"limit s":>7} | {"overhead":>8}', flush=True)
   for k in [int(v) for v in FLAGS.num_clients]:
-    fed = Federation(fedre(FedREConfig(), 10), cifar_like(k, FLAGS.samples_per_client), ['cnn4'], LocalTraining(lr, FLAGS.batch_size, 1),
-                     strategy=FLAGS.strategy)
+    fed = Federation(fedre(FedREConfig(), 10), cifar_like(k, FLAGS.samples_per_client), ['cnn4'],
+                     LocalTraining(lr, FLAGS.batch_size, 1), ExecutionConfig(strategy=FLAGS.strategy))
     g = fed.groups[0]
     tensors = client_tensors(g.train.x, g.train.y, g.train_sizes, torch_device)
     make_torch = lambda disk_io: TorchFedRE(tensors, 10, lr, FLAGS.batch_size, device=torch_device, disk_io=disk_io,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Optional
 
 from fedjax_het.errors import ConfigError
@@ -75,6 +76,28 @@ class ExperimentConfig:
     """The local SGD settings of this config."""
     return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order,
                          max_steps=self.local_steps if self.local_steps != 0 else None, drop_last=self.drop_last)
+
+  def model_config(self):
+    """The clients' classifiers of this config (`engine.ModelConfig`)."""
+    from fedjax_het.engine.groups import ModelConfig
+    return ModelConfig(tuple(self.models), self.feature_dim, self.rm, self.init, self.shared_init)
+
+  def execution_config(self):
+    """How this config's rounds run (`engine.ExecutionConfig`), with --num_devices as a client mesh; its errors
+    name the flags."""
+    from fedjax_het.engine.execution import ExecutionConfig
+    from fedjax_het.engine.sharding import client_mesh
+    mesh = None
+    strategy = self.strategy or ExecutionConfig().resolve().strategy
+    if self.num_devices != 1 and (self.num_devices > 1 or strategy == 'vmap'):
+      mesh = client_mesh(self.num_devices)
+    try:
+      return ExecutionConfig(self.strategy or None, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
+                             self.client_threads, self.eval_batch_size or None)
+    except ConfigError as e:
+      message = str(e).replace("strategy='vmap'", '--strategy=vmap').replace(
+          'ExecutionConfig.client_mesh of ', '--num_devices=').replace('or one device', 'or --num_devices=1')
+      raise ConfigError(re.sub(r'ExecutionConfig\.(\w+)', r'--\1', message)) from None
 
   @classmethod
   def from_dict(cls, d: dict) -> 'ExperimentConfig':

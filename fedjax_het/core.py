@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from fedjax_het.local_training import LocalTraining
-from fedjax_het.models.classifier import HeteroClassifier
-from fedjax_het.models.init import architecture_key, init_variables
-from fedjax_het.models.registry import build_model
 
 Broadcast = Any
 Upload = Any
@@ -145,36 +142,50 @@ class Uploads(NamedTuple):
   num_train: jnp.ndarray
 
 
+class ModelMaker(Protocol):
+  """How a run builds and initialises classifiers and modules (the engine provides it: `engine.groups`)."""
+
+  def build(self, arch: str, feature_dim: int) -> Any:
+    """A registered architecture built as the run builds its clients' (RM, convolutions)."""
+
+  def init(self, module: Any, key: jax.Array, *inputs: Any, path: tuple) -> dict:
+    """A module's variables initialised as the run initialises its clients (--init)."""
+
+  def shared_key(self, name: str) -> jax.Array:
+    """A key of the run's seed and `name` only."""
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupSpec:
-  """What an algorithm knows about one architecture group."""
+  """What an algorithm knows about one architecture group. model: the group's classifier (a flax module with
+  `represent` and `head`, `models.classifier.HeteroClassifier`); maker: how the run builds and initialises
+  modules (`build_model`, `init_module`, `shared_key`)."""
   index: int
   arch: str
-  model: HeteroClassifier
+  model: Any
   clients: tuple[int, ...]
   num_classes: int
   feature_dim: int
   input_shape: tuple[int, ...]
   training: LocalTraining
+  maker: ModelMaker
   rm: str = 'ap'
   conv: str = 'xla'
-  init: str = 'torch'
-  seed: int = 0  # the run's seed: modules every client must start identically (FedVTC's psi) draw from it
 
-  def build_model(self, arch: str, feature_dim: Optional[int] = None) -> HeteroClassifier:
+  def build_model(self, arch: str, feature_dim: Optional[int] = None) -> Any:
     """A registered architecture built the way this run builds its clients' (RM, convolutions), with RM to
     `feature_dim` (default the run's d): e.g. the small global model of FML, FedKD and FedMRL."""
-    return build_model(arch, self.num_classes, feature_dim or self.feature_dim, self.rm, self.conv)
+    return self.maker.build(arch, feature_dim or self.feature_dim)
 
   def init_module(self, module: Any, key: jax.Array, *inputs: Any, name: str) -> dict:
     """A module's variables initialised as this run initialises its clients (--init): `name` is the module's
     place in the client ('companion', 'hidden_map', ...), which keys its PyTorch-style draws."""
-    return init_variables(module, key, *inputs, scheme=self.init, path=(name,))
+    return self.maker.init(module, key, *inputs, path=(name,))
 
   def shared_key(self, name: str) -> jax.Array:
     """A key of the run's seed and `name` only, the same in every group: for modules that all clients of all
     architectures must start from identically (a shared decoder or generator)."""
-    return architecture_key(jax.random.PRNGKey(self.seed), name)
+    return self.maker.shared_key(name)
 
   def sample_input(self, rows: int = 1) -> jnp.ndarray:
     """Zeros shaped like `rows` input images (for initialising modules that read images)."""

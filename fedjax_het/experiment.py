@@ -24,8 +24,7 @@ from fedjax_het.config import ExperimentConfig, run_settings
 from fedjax_het.core import Algorithm
 from fedjax_het.data.datasets import load_dataset
 from fedjax_het.data.federated import FederatedData, make_federated_data
-from fedjax_het.engine.federation import Federation, default_conv, default_strategy
-from fedjax_het.engine.sharding import client_mesh
+from fedjax_het.engine.federation import Federation
 from fedjax_het.errors import ConfigError
 from fedjax_het.interrupts import Interrupted, StopAtRoundEnd
 from fedjax_het.methods import Run, flag_name, method
@@ -41,7 +40,7 @@ RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eva
 
 def validate(cfg: ExperimentConfig) -> None:
   """Checks the settings that need no data, so a bad flag fails in the first second with one clear message."""
-  for name in ('rounds', 'checkpoint_every', 'chunk_size'):
+  for name in ('rounds', 'checkpoint_every'):
     if getattr(cfg, name) < 0:
       raise ConfigError(f'--{name}={getattr(cfg, name)} must be >= 0.')
   for name in ('eval_every', 'batch_size', 'local_epochs', 'num_clients', 'feature_dim'):
@@ -67,19 +66,7 @@ def validate(cfg: ExperimentConfig) -> None:
       raise ConfigError(f'--{flag_name(field)}={value} ({cfg.algorithm}) must be a finite number.')
   method(cfg.algorithm)  # an unknown method fails before any data is loaded
   assign_models(cfg.models, cfg.num_clients)
-  strategy = cfg.strategy or default_strategy()
-  if (cfg.algorithm == 'fedvtc' and strategy == 'vmap' and (cfg.conv or default_conv(strategy)) == 'im2col'
-      and xla_optimisation_level_zero()):
-    # XLA:CPU miscompiles FedVTC's vmapped round with im2col convolutions at backend optimisation level 0 (NaN
-    # updates; equal to the sequential run at the default level): docs/xla_cpu_miscompile.md.
-    raise ConfigError('FedVTC under --strategy=vmap with --conv=im2col compiles to NaN updates when XLA_FLAGS sets '
-                      '--xla_backend_optimization_level=0 (an XLA:CPU miscompile, docs/xla_cpu_miscompile.md). Fix: '
-                      'drop that XLA flag, or use --conv=xla or --strategy=sequential.')
-
-
-def xla_optimisation_level_zero() -> bool:
-  """Whether XLA_FLAGS asks XLA:CPU for backend optimisation level 0 (the test suite's setting)."""
-  return '--xla_backend_optimization_level=0' in os.environ.get('XLA_FLAGS', '').split()
+  cfg.model_config(), cfg.local_training(), cfg.execution_config()  # each record checks its own settings
 
 
 def make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> Algorithm:
@@ -106,17 +93,10 @@ def _build(cfg: ExperimentConfig) -> tuple[Federation, Run]:
   data = make_federated_data(dataset, cfg.num_clients, cfg.partition, cfg.seed, cfg.eval_protocol,
                              alpha=cfg.alpha, classes_per_client=cfg.classes_per_client, balance=cfg.balance,
                              imbalance_factor=cfg.imbalance_factor, train_fraction=cfg.train_fraction)
-  strategy = cfg.strategy or default_strategy()
-  mesh = None
-  if cfg.num_devices != 1 and (cfg.num_devices > 1 or strategy == 'vmap'):
-    mesh = client_mesh(cfg.num_devices)
   algorithm, run = _make_algorithm(cfg, data)
-  fed = Federation(algorithm, data, cfg.models, cfg.local_training(),
-                   feature_dim=cfg.feature_dim, rm=cfg.rm, strategy=strategy, join_ratio=cfg.join_ratio,
-                   seed=cfg.seed, chunk_size=cfg.chunk_size, eval_batch_size=cfg.eval_batch_size,
-                   conv=cfg.conv or default_conv(strategy), scan_unroll=cfg.scan_unroll, client_mesh=mesh,
-                   client_threads=cfg.client_threads, init=cfg.init, shared_init=cfg.shared_init,
-                   rounds=cfg.rounds, full_participation_rounds=cfg.full_participation_rounds)
+  fed = Federation(algorithm, data, cfg.model_config(), cfg.local_training(), cfg.execution_config(),
+                   rounds=cfg.rounds, join_ratio=cfg.join_ratio,
+                   full_participation_rounds=cfg.full_participation_rounds, seed=cfg.seed)
   return fed, run
 
 

@@ -6,8 +6,8 @@ import tempfile
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Tests run tiny models for a few steps, so XLA:CPU's compile time dominates them; its backend optimisation level
 # 0 compiles about 1.6x faster here (tests/test_golden.py still matches numbers pinned at the default level).
-# Level 0 can compute wrong gradients through a max (docs/xla_cpu_miscompile.md: FedVTC under vmap + im2col gives
-# NaN there, so that combination is refused at level 0); benchmarks/vmap_equals_sequential.py checks every method
+# Level 0 can compute wrong gradients through a reduce-max (docs/xla_cpu_miscompile.md; max pooling chooses by
+# index and is not affected); benchmarks/vmap_equals_sequential.py checks every method
 # at the default level. FEDJAX_HET_TEST_XLA_OPT=1 keeps XLA's default.
 if os.environ.get('FEDJAX_HET_TEST_XLA_OPT', '0') == '0':
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0').strip()

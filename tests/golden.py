@@ -9,7 +9,7 @@ from fedjax_het.algorithms import (CCVRConfig, FedGenConfig, FedKDConfig, FedMRL
 from fedjax_het.algorithms.fml import FMLConfig
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.data import make_federated_data, make_synthetic
-from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.experiment import make_algorithm
 
 METHODS = ['fedre', 'local', 'fedavg', 'lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen', 'fml', 'fedkd',
@@ -63,11 +63,13 @@ def golden_federation(name: str, strategy: str = 'sequential', data=None):
     if 'image' in settings or data is None:
       data = tiny_data(settings.get('image', 8))
     rounds = ROUNDS.get(name, 2)
-    cfg = ExperimentConfig(algorithm=name, **{**TINY, 'rounds': rounds, 'feature_dim': settings.get('feature_dim', 16)})
+    cfg = ExperimentConfig(algorithm=name, **{**TINY, 'rounds': rounds,
+                                              'feature_dim': settings.get('feature_dim', 16)})
     training = LocalTraining(0.05, 8, 1, drop_last=settings.get('drop_last', True))
-    fed = Federation(make_algorithm(cfg, data), data, list(settings.get('models', ('small_cnn_narrow', 'mlp'))),
-                     training, feature_dim=settings.get('feature_dim', 16), rm=settings.get('rm', 'ap'), strategy=strategy, eval_batch_size=16,
-                     conv='xla', join_ratio=0.5, rounds=rounds)
+    models = ModelConfig(settings.get('models', ('small_cnn_narrow', 'mlp')), settings.get('feature_dim', 16),
+                         settings.get('rm', 'ap'))
+    fed = Federation(make_algorithm(cfg, data), data, models, training,
+                     ExecutionConfig(strategy=strategy, conv='xla', eval_batch_size=16), join_ratio=0.5, rounds=rounds)
     state = fed.init()
     history = []
     for _ in range(fed.total_rounds):

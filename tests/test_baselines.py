@@ -22,7 +22,7 @@ from fedjax_het.algorithms.common import elementwise_kl
 from fedjax_het.algorithms.fml import FMLConfig, fml, mutual_loss
 from fedjax_het.algorithms.fedtgp import adaptive_margin, margin_contrastive_loss
 from fedjax_het.core import Uploads
-from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
 
 C, D = 3, 2
@@ -180,8 +180,8 @@ def test_fml_server_averages_the_global_models_and_clients_carry_them(tiny_data)
 
 def test_fml_companion_with_batchnorm_updates_its_statistics(tiny_data):
   alg = fml(FMLConfig(global_model='resnet4'), tiny_data.num_classes)
-  fed = Federation(alg, tiny_data, ['mlp'], LocalTraining(0.05, 8, 1), feature_dim=16, strategy='sequential',
-                   eval_batch_size=16, conv='xla')
+  fed = Federation(alg, tiny_data, ModelConfig(['mlp'], feature_dim=16), LocalTraining(0.05, 8, 1),
+                   ExecutionConfig(strategy='sequential', conv='xla', eval_batch_size=16))
   stats = lambda st: [np.asarray(a) for a in jax.tree.leaves(st.groups[0].extra['state']['companion'])]
   state = fed.init()
   before = stats(state)  # rounds donate their input state

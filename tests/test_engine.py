@@ -7,7 +7,8 @@ from conftest import tree_allclose
 from fedjax_het.algorithms import FedREConfig, fedavg_grouped, fedre, local
 from fedjax_het.core import Uploads
 from fedjax_het.data.federated import ClientArrays
-from fedjax_het.engine import Federation, LocalTraining, batch_schedule, run_client
+from fedjax_het.engine import (ExecutionConfig, Federation, LocalTraining, ModelConfig, batch_schedule,
+                               run_client)
 from fedjax_het.errors import ConfigError
 
 TRAINING = LocalTraining(learning_rate=0.05, batch_size=8, epochs=2)
@@ -16,8 +17,10 @@ TRAINING = LocalTraining(learning_rate=0.05, batch_size=8, epochs=2)
 def make_fed(data, strategy, algorithm=None, join_ratio=1.0, seed=0, models=('small_cnn_narrow', 'mlp'),
              conv='xla', eval_batch_size=16, training=TRAINING, **kw):
   algorithm = algorithm or fedre(FedREConfig(), data.num_classes)
-  return Federation(algorithm, data, list(models), training, feature_dim=16, strategy=strategy,
-                    join_ratio=join_ratio, seed=seed, eval_batch_size=eval_batch_size, conv=conv, **kw)
+  execution = {k: kw.pop(k) for k in ('chunk_size', 'client_threads', 'scan_unroll') if k in kw}
+  return Federation(algorithm, data, ModelConfig(list(models), feature_dim=16), training,
+                    ExecutionConfig(strategy=strategy, conv=conv, eval_batch_size=eval_batch_size, **execution),
+                    join_ratio=join_ratio, seed=seed, **kw)
 
 
 def run(fed, rounds):
@@ -60,7 +63,8 @@ def test_stored_order_statistics_pass_leaves_out_the_last_partial_batch(tiny_dat
   alg = fedre(FedREConfig(all_representations=True), tiny_data.num_classes)
   for order in ('stored', 'shuffle'):
     training = LocalTraining(learning_rate=0.05, batch_size=8, epochs=1, order=order)
-    fed = Federation(alg, tiny_data, ['mlp'], training, feature_dim=16, strategy='vmap', eval_batch_size=16)
+    fed = Federation(alg, tiny_data, ModelConfig(['mlp'], feature_dim=16), training,
+                     ExecutionConfig(strategy='vmap', eval_batch_size=16))
     g = fed.groups[0]
     state = fed.init()
     rngs = jax.vmap(lambda c: jax.random.fold_in(jax.random.PRNGKey(5), c))(jnp.asarray(g.clients))
@@ -207,13 +211,13 @@ def test_local_communicates_nothing(tiny_data):
 
 
 def test_bad_engine_arguments(tiny_data):
-  with pytest.raises(ConfigError, match='--strategy'):
+  with pytest.raises(ConfigError, match=r"ExecutionConfig.strategy='pmap'"):
     make_fed(tiny_data, 'pmap')
   with pytest.raises(ConfigError, match='--join_ratio'):
     make_fed(tiny_data, 'vmap', join_ratio=0.0)
   with pytest.raises(ConfigError, match='--models'):
     make_fed(tiny_data, 'vmap', models=('resnet9000',))
-  with pytest.raises(ConfigError, match='--eval_batch_size'):
+  with pytest.raises(ConfigError, match='ExecutionConfig.eval_batch_size=-1'):
     make_fed(tiny_data, 'vmap', eval_batch_size=-1)
   assert make_fed(tiny_data, 'sequential', eval_batch_size=None).executor.eval_batch_size == 64  # the CPU default
 

@@ -15,7 +15,7 @@ from fedjax_het.algorithms.common import elementwise_kl
 from fedjax_het.algorithms.fedkd import (compress_matrix, compress_params, distillation_loss, energy_threshold,
                                          kept_rank)
 from fedjax_het.algorithms.fedmrl import matryoshka_loss
-from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.registry import build_model
 
@@ -67,8 +67,8 @@ def test_fedkd_loss_divides_distillation_and_hidden_terms_by_the_task_losses():
 def test_fedkd_mentee_rate_moves_only_the_mentee_slower(tiny_data):
   def one_round(mentee_rate):
     alg = fedkd(FedKDConfig(global_model='small_cnn_narrow', mentee_learning_rate=mentee_rate), 4, 2)
-    fed = Federation(alg, tiny_data, ['mlp'], LocalTraining(0.05, 8, 1), feature_dim=16, strategy='sequential',
-                     eval_batch_size=16, conv='xla')
+    fed = Federation(alg, tiny_data, ModelConfig(['mlp'], feature_dim=16), LocalTraining(0.05, 8, 1),
+                     ExecutionConfig(strategy='sequential', conv='xla', eval_batch_size=16))
     state = fed.init()
     parts = lambda st: jax.tree.map(np.asarray, {'own': st.groups[0].params, **st.groups[0].extra['params']})
     before = parts(state)

@@ -10,7 +10,7 @@ import pytest
 from fedjax_het.algorithms import fedavg_grouped, local
 from fedjax_het.algorithms.fedavg import receive_group_model
 from fedjax_het.core import ClientState
-from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.init import torch_default_init
 
@@ -54,26 +54,28 @@ def _params(fed, state, gi):
 
 
 def test_clients_of_one_architecture_start_identical_unless_asked_otherwise(tiny_data):
-  kw = dict(feature_dim=16, strategy='sequential', eval_batch_size=16, conv='xla')
+  kw = dict(execution=ExecutionConfig('sequential', 'xla', eval_batch_size=16))
   training = LocalTraining(0.05, 8, 1)
-  shared = Federation(local(4), tiny_data, ['small_cnn_narrow', 'mlp'], training, **kw)
+  shared = Federation(local(4), tiny_data, ModelConfig(['small_cnn_narrow', 'mlp'], 16), training, **kw)
   state = shared.init()
   for gi in range(2):
     p = _params(shared, state, gi)
     assert all(np.array_equal(p[0], q) for q in p[1:])
   a, b = _params(shared, state, 0)[0], _params(shared, state, 1)[0]
   assert a.shape != b.shape or not np.array_equal(a, b)
-  own = Federation(local(4), tiny_data, ['small_cnn_narrow', 'mlp'], training, init='flax', shared_init=False, **kw)
+  own = Federation(local(4), tiny_data, ModelConfig(['small_cnn_narrow', 'mlp'], 16, init='flax', shared_init=False),
+                   training, **kw)
   p = _params(own, own.init(), 0)
   assert not np.array_equal(p[0], p[1])
   # Grouped FedAvg starts each group from one model even without shared_init (PFLlib broadcasts first): the
   # server's group model, which every participant receives before its first step.
-  avg = Federation(fedavg_grouped(4), tiny_data, ['small_cnn_narrow', 'mlp'], training, shared_init=False, **kw)
+  avg = Federation(fedavg_grouped(4), tiny_data, ModelConfig(['small_cnn_narrow', 'mlp'], 16, shared_init=False),
+                   training, **kw)
   state = avg.init()
   assert all(np.array_equal(a, b[0]) for a, b in zip(jax.tree.leaves(state.server['models'][1]),
                                                      jax.tree.leaves(state.groups[1].params)))
   with pytest.raises(ConfigError, match='--init'):
-    Federation(local(4), tiny_data, ['mlp'], training, init='xavier', **kw)
+    Federation(local(4), tiny_data, ModelConfig(['mlp'], 16, init='xavier'), training, **kw)
 
 
 def test_grouped_fedavg_sends_parameters_and_keeps_batchnorm_statistics_local():

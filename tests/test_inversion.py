@@ -149,13 +149,13 @@ def test_round_uploads_are_the_trained_extractors_representations():
   representation of its rows by the client as the real round 2 leaves it; the state is not changed."""
   from fedjax_het.algorithms import FedREConfig
   from fedjax_het.config import ExperimentConfig
-  from fedjax_het.engine import Federation, LocalTraining
+  from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
   from fedjax_het.experiment import make_algorithm
   from golden import TINY, tiny_data
   data = tiny_data()
   cfg = ExperimentConfig(algorithm='fedre', **{**TINY, 'methods': {'fedre': FedREConfig(all_representations=True)}})
-  fed = Federation(make_algorithm(cfg, data), data, ['mlp'], LocalTraining(0.05, 8, 1),
-                   feature_dim=16, strategy='sequential', eval_batch_size=16, conv='xla', join_ratio=0.5, rounds=2)
+  fed = Federation(make_algorithm(cfg, data), data, ModelConfig(['mlp'], feature_dim=16), LocalTraining(0.05, 8, 1),
+                   ExecutionConfig(strategy='sequential', conv='xla', eval_batch_size=16), join_ratio=0.5, rounds=2)
   state, _ = fed.round(fed.init())
   before = jax.tree.map(np.asarray, state)
   clients = [int(c) for c in fed.participants(1)[:2]]

@@ -147,12 +147,12 @@ def test_rm_none_puts_the_head_straight_on_the_extractor_features():
   from fedjax_het.algorithms import FedProtoConfig, fedavg_grouped, fedproto
   from fedjax_het.data.datasets import make_synthetic
   from fedjax_het.data import make_federated_data
-  from fedjax_het.engine import Federation, LocalTraining
+  from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
   from fedjax_het.errors import ConfigError
   data = make_federated_data(make_synthetic(40, (32, 32, 1), 10, seed=0), 2, 'iid', 0, protocol='global')
   models = ['gefl_mnist_cnn1', 'gefl_mnist_cnn10']
-  fed = Federation(fedavg_grouped(10), data, models, LocalTraining(0.1, 8, 1), feature_dim=128, rm='none',
-                   strategy='sequential', conv='xla', rounds=1)
+  fed = Federation(fedavg_grouped(10), data, ModelConfig(models, feature_dim=128, rm='none'),
+                   LocalTraining(0.1, 8, 1), ExecutionConfig(strategy='sequential', conv='xla'), rounds=1)
   heads = [jax.eval_shape(lambda: g.model.init(jax.random.PRNGKey(0), g.spec.sample_input()))['params']['head']
            for g in fed.groups]
   assert [g.spec.feature_dim for g in fed.groups] == [1024, 80]
@@ -160,5 +160,5 @@ def test_rm_none_puts_the_head_straight_on_the_extractor_features():
   assert 'rm_fc' not in jax.eval_shape(lambda: fed.groups[0].model.init(
       jax.random.PRNGKey(0), fed.groups[0].spec.sample_input()))['params']
   with pytest.raises(ConfigError, match='--rm=none'):
-    Federation(fedproto(FedProtoConfig(), 10), data, models, LocalTraining(0.1, 8, 1), rm='none',
-               strategy='sequential', conv='xla', rounds=1)
+    Federation(fedproto(FedProtoConfig(), 10), data, ModelConfig(models, rm='none'), LocalTraining(0.1, 8, 1),
+               ExecutionConfig(strategy='sequential', conv='xla'), rounds=1)

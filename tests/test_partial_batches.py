@@ -18,7 +18,7 @@ from fedjax_het.engine.plan import stage_steps_per_epoch
 from fedjax_het.data.datasets import make_synthetic
 from fedjax_het.data.federated import FederatedData
 from fedjax_het.data.partition import ClientSplit
-from fedjax_het.engine import Federation, LocalTraining, batch_schedule
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig, batch_schedule
 from fedjax_het.errors import ConfigError
 from fedjax_het.generators.base import bce, gaussian_kl
 from fedjax_het.generators.cvae import cvae_loss
@@ -145,8 +145,9 @@ def test_rows_each_stage_trains_on_under_each_rule(strategy):
   5 and 16. Real stage: drop_last 0 and 16 rows; PyTorch's loader all 5 and 20 (8 + 8 + 4)."""
   data = sized_data()
   for drop_last, real in ((True, [0, 16]), (False, [5, 20])):
-    fed = Federation(counting_algorithm(), data, ['mlp'], LocalTraining(0.05, 8, 1, drop_last=drop_last),
-                     feature_dim=16, strategy=strategy, conv='xla', eval_batch_size=16, rounds=1)
+    fed = Federation(counting_algorithm(), data, ModelConfig(['mlp'], feature_dim=16),
+                     LocalTraining(0.05, 8, 1, drop_last=drop_last),
+                     ExecutionConfig(strategy=strategy, conv='xla', eval_batch_size=16), rounds=1)
     state, metrics = fed.round(fed.init())
     assert np.asarray(state.server['rows']).tolist() == [[5, real[0]], [16, real[1]]]
     assert metrics['local_samples'] == 5 + 16 + sum(real)
@@ -159,8 +160,9 @@ def test_client_smaller_than_a_batch_takes_one_step_on_its_rows(strategy):
   data = sized_data()
   model = build_model('mlp', 4, 16, 'ap', 'xla')
   for drop_last in (False, True):
-    fed = Federation(local(4), data, ['mlp'], LocalTraining(0.05, 8, 1, drop_last=drop_last), feature_dim=16,
-                     strategy=strategy, conv='xla', eval_batch_size=16, rounds=1)
+    fed = Federation(local(4), data, ModelConfig(['mlp'], feature_dim=16),
+                     LocalTraining(0.05, 8, 1, drop_last=drop_last),
+                     ExecutionConfig(strategy=strategy, conv='xla', eval_batch_size=16), rounds=1)
     start = fed.init()
     before = jax.tree.map(lambda a: np.asarray(a[0]), start.groups[0].params)  # round() donates the state
     state, _ = fed.round(start)
@@ -176,26 +178,29 @@ def test_client_smaller_than_a_batch_takes_one_step_on_its_rows(strategy):
 
 def test_a_method_without_masked_losses_refuses_partial_batches():
   with pytest.raises(ConfigError, match='--drop_last'):
-    Federation(fedre(FedREConfig(), 4), sized_data(), ['mlp'], LocalTraining(0.05, 8, 1, drop_last=False),
-               feature_dim=16, strategy='sequential', conv='xla', rounds=1)
+    Federation(fedre(FedREConfig(), 4), sized_data(), ModelConfig(['mlp'], feature_dim=16),
+               LocalTraining(0.05, 8, 1, drop_last=False), ExecutionConfig(strategy='sequential', conv='xla'),
+               rounds=1)
 
 
 def test_last_rounds_at_full_participation():
   """FedVTC's baselines: 105 rounds at 10 % participation, the last 5 with every client."""
   data = sized_data((8,) * 10)
-  fed = Federation(local(4), data, ['mlp'], LocalTraining(0.05, 8, 1), feature_dim=16, strategy='sequential',
-                   conv='xla', join_ratio=0.1, rounds=105, full_participation_rounds=5)
+  fed = Federation(local(4), data, ModelConfig(['mlp'], feature_dim=16), LocalTraining(0.05, 8, 1),
+                   ExecutionConfig(strategy='sequential', conv='xla'), join_ratio=0.1, rounds=105,
+                   full_participation_rounds=5)
   assert [len(fed.participants(r)) for r in (0, 99, 100, 104)] == [1, 1, 10, 10]
   with pytest.raises(ConfigError, match='--full_participation_rounds'):
-    Federation(local(4), data, ['mlp'], LocalTraining(0.05, 8, 1), feature_dim=16, strategy='sequential',
-               conv='xla', rounds=5, full_participation_rounds=-1)
+    Federation(local(4), data, ModelConfig(['mlp'], feature_dim=16), LocalTraining(0.05, 8, 1),
+               ExecutionConfig(strategy='sequential', conv='xla'), rounds=5, full_participation_rounds=-1)
 
 
 @pytest.mark.parametrize('strategy', ['sequential', 'vmap'])
 def test_synthetic_only_round_trains_on_no_real_row(strategy):
   """GeFL's synthetic-only rows (Tables VII/VIII 'Syn'): --local_epochs=0 leaves only the generated stage."""
-  fed = Federation(counting_algorithm(real_epochs=0), sized_data(), ['mlp'], LocalTraining(0.05, 8, 0),
-                   feature_dim=16, strategy=strategy, conv='xla', eval_batch_size=16, rounds=1)
+  fed = Federation(counting_algorithm(real_epochs=0), sized_data(), ModelConfig(['mlp'], feature_dim=16),
+                   LocalTraining(0.05, 8, 0), ExecutionConfig(strategy=strategy, conv='xla', eval_batch_size=16),
+                   rounds=1)
   state, metrics = fed.round(fed.init())
   assert np.asarray(state.server['rows']).tolist() == [[5, 0], [16, 0]]
 

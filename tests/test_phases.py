@@ -10,16 +10,16 @@ import pytest
 from cgan_method import cgan
 from conftest import tree_allclose
 from runs import record_rounds, run_rounds
-from fedjax_het.engine import Federation, LocalTraining
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.checkpoints import Checkpoints
 
 ROUNDS = 4  # 2 GAN rounds, then 2 rounds on generated batches
 
 
 def make(data, strategy='sequential', join_ratio=0.5):
-  return Federation(cgan(data.num_classes), data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 1),
-                    feature_dim=16, strategy=strategy, eval_batch_size=16, conv='xla', join_ratio=join_ratio,
-                    rounds=ROUNDS)
+  return Federation(cgan(data.num_classes), data, ModelConfig(['small_cnn_narrow', 'mlp'], feature_dim=16),
+                    LocalTraining(0.05, 8, 1), ExecutionConfig(strategy=strategy, conv='xla', eval_batch_size=16),
+                    join_ratio=join_ratio, rounds=ROUNDS)
 
 
 @pytest.fixture(scope='module')

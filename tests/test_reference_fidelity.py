@@ -10,12 +10,13 @@ from fedjax_het.algorithms.common import class_prototypes
 from types import SimpleNamespace
 
 from fedjax_het.core import Uploads
-from fedjax_het.engine import Federation, LocalTraining, run_client
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig, run_client
 from fedjax_het.models.forward import forward
 
 
 def _one_client_round(alg, data, training, strategy='vmap'):
-  fed = Federation(alg, data, ['mlp'], training, feature_dim=16, strategy=strategy, eval_batch_size=16, conv='xla')
+  fed = Federation(alg, data, ModelConfig(['mlp'], feature_dim=16), training,
+                   ExecutionConfig(strategy=strategy, conv='xla', eval_batch_size=16))
   g = fed.groups[0]
   state = fed.init()
   take = lambda t: jax.tree.map(lambda a: a[0], t)
@@ -44,8 +45,8 @@ def test_fedproto_upload_equals_in_both_strategies(tiny_data):
   alg = fedproto(FedProtoConfig(), 4)
   ups = []
   for strategy in ('vmap', 'sequential'):
-    fed = Federation(alg, tiny_data, ['mlp'], training, feature_dim=16, strategy=strategy, eval_batch_size=16,
-                     conv='xla')
+    fed = Federation(alg, tiny_data, ModelConfig(['mlp'], feature_dim=16), training,
+                     ExecutionConfig(strategy=strategy, conv='xla', eval_batch_size=16))
     state, _ = fed.round(fed.init())
     ups.append(state.server)
   tree_allclose(ups[0], ups[1], rtol=1e-5, atol=1e-6)

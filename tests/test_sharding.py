@@ -19,14 +19,15 @@ PRELUDE = textwrap.dedent('''
     assert len(jax.devices()) == 4, jax.devices()
     from fedjax_het.algorithms import FedREConfig, fedre
     from fedjax_het.data import make_federated_data, make_synthetic
-    from fedjax_het.engine import Federation, LocalTraining, client_mesh
+    from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig, client_mesh
 
     ds = make_synthetic(num_samples=360, image_shape=(8, 8, 1), num_classes=4, noise=0.3, seed=1)
     data = make_federated_data(ds, num_clients=6, partition='dirichlet', seed=0, alpha=0.5)
 
     def run(algorithm, mesh, rounds=2, **kw):
-      fed = Federation(algorithm, data, ['small_cnn_narrow', 'mlp'], LocalTraining(0.05, 8, 2), feature_dim=16,
-                       strategy='vmap', eval_batch_size=16, conv='xla', client_mesh=mesh, **kw)
+      chunk = kw.pop('chunk_size', 0)
+      fed = Federation(algorithm, data, ModelConfig(['small_cnn_narrow', 'mlp'], 16), LocalTraining(0.05, 8, 2),
+                       ExecutionConfig('vmap', 'xla', mesh, chunk, eval_batch_size=16), **kw)
       state = fed.init()
       history = []
       for _ in range(rounds):

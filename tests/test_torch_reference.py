@@ -17,7 +17,7 @@ from fedjax_het.algorithms.base import sgd_program  # noqa: E402
 from fedjax_het.algorithms.common import cross_entropy_loss  # noqa: E402
 from fedjax_het.core import Batch, ClientState  # noqa: E402
 from fedjax_het.data import make_federated_data, make_synthetic  # noqa: E402
-from fedjax_het.engine import Federation, LocalTraining, batch_schedule  # noqa: E402
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, batch_schedule  # noqa: E402
 from fedjax_het.models.forward import forward  # noqa: E402
 from fedjax_het.models import build_model  # noqa: E402
 
@@ -67,7 +67,8 @@ def test_same_batches_give_the_same_sgd_losses_and_weights():
 def test_a_round_does_the_same_number_of_steps_and_samples(disk_io):
   ds = make_synthetic(num_samples=4 * 60, image_shape=(32, 32, 3), num_classes=10, seed=0)
   data = make_federated_data(ds, 4, 'dirichlet', seed=0, alpha=0.5)
-  fed = Federation(fedre(FedREConfig(), 10), data, ['cnn4'], LocalTraining(0.05, 8, 2), strategy='sequential')
+  fed = Federation(fedre(FedREConfig(), 10), data, ['cnn4'], LocalTraining(0.05, 8, 2),
+                   ExecutionConfig(strategy='sequential'))
   _, metrics = fed.round(fed.init())
   g = fed.groups[0]
   ref = TorchFedRE(client_tensors(g.train.x, g.train.y, g.train_sizes), 10, 0.05, 8, epochs=2, disk_io=disk_io)

@@ -61,10 +61,10 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_het.algorithms.base import concat_groups, keep_server, local_head_evaluation
-from fedjax_het.algorithms.common import (aggregate_class_means, class_prototypes, cross_entropy, descend, masked_mean,
-                                          participant_average)
-from fedjax_het.core import (Algorithm, Batch, ClientProgram, single_stage, ClientRows, GroupSpec, Phase, hyperparameter,
-                             leaf_scalars)
+from fedjax_het.algorithms.common import (aggregate_class_means, class_prototypes, cross_entropy, descend,
+                                          masked_mean, participant_average)
+from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientRows, GroupSpec, Phase, hyperparameter,
+                             leaf_scalars, single_stage)
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.forward import forward
 from fedjax_het.models.vtc import VTCDecoder, init_vtc

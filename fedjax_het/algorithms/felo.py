@@ -44,8 +44,8 @@ from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
 from fedjax_het.algorithms.fedavg import receive_group_model
 from fedjax_het.algorithms.common import (class_means_from_sums, class_sums, cross_entropy, elementwise_kl,
                                           masked_mean, participant_average, prototype_regularizer)
-from fedjax_het.core import (Algorithm, Batch, ClientProgram, single_stage, ClientState, GroupSpec, Phase, Uploads,
-                             hyperparameter, leaf_scalars)
+from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientState, GroupSpec, Phase, Uploads,
+                             hyperparameter, leaf_scalars, single_stage)
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.forward import forward
 from fedjax_het.optim import step_at_rate, torch_adam

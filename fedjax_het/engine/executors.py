@@ -14,8 +14,7 @@ Executors cache their compiled functions per (name, group, phase); `compiled_fun
 from __future__ import annotations
 
 import concurrent.futures
-import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,31 +27,6 @@ from fedjax_het.engine.plan import (client_keys, count_into, even_chunk, plan_st
                                     take_step)
 
 STRATEGIES = ('vmap', 'sequential')
-
-
-def default_strategy(backend: Optional[str] = None) -> str:
-  """'sequential' on CPU (measured faster there, see README), 'vmap' on GPU/TPU."""
-  return 'sequential' if (backend or jax.default_backend()) == 'cpu' else 'vmap'
-
-
-def default_conv(strategy: str, backend: Optional[str] = None) -> str:
-  """On CPU: 'im2col' under vmap (grouped convolutions are slow there), 'auto' otherwise; 'xla' on GPU/TPU.
-  Figures in the README."""
-  if (backend or jax.default_backend()) != 'cpu':
-    return 'xla'
-  return 'im2col' if strategy == 'vmap' else 'auto'
-
-
-def default_eval_batch_size(backend: Optional[str] = None) -> int:
-  """Rows per eval-mode forward pass (representations, evaluation): 64 on CPU, where larger passes spill the
-  im2col patches out of cache and run ~2x slower per row (benchmarks/cpu_kernels.py --parts=represent), 256 on
-  GPU/TPU."""
-  return 64 if (backend or jax.default_backend()) == 'cpu' else 256
-
-
-def default_client_threads() -> int:
-  """Host threads of the sequential strategy: 2 (measured on 2 cores, README), at most the core count."""
-  return max(1, min(2, os.cpu_count() or 1))
 
 
 def take(tree: Any, idx) -> Any:
@@ -167,7 +141,8 @@ class SequentialExecutor(Executor):
 
   def functions(self, g: Group, program: ClientProgram, phase: int) -> dict:
     """The jitted pieces a participant of group g runs in `phase`: 'init', per stage a 'schedule' and a 'step'
-    ('stages'), 'represent_into' and 'final' (benchmarks time them one by one). Programs of equal `ClientProgram.identity` share them across groups."""
+    ('stages'), 'represent_into' and 'final' (benchmarks time them one by one). Programs of equal
+    `ClientProgram.identity` share them across groups."""
     owner = ('program', program.identity) if program.identity is not None else ('group', g.spec.index, phase)
     return self.compiled('sequential', owner, make=lambda: self._make_fns(g, program))
 
@@ -184,9 +159,14 @@ class SequentialExecutor(Executor):
     real = [int(i) for i in slot_idx if i < g.size]
     uploads, losses = [], []
     # Waves of `threads` clients run concurrently (one host thread each: XLA:CPU then uses every core); each
-    # client's round is independent of the others, so the numbers do not depend on the thread count.
-    for w in range(0, len(real), self.threads):
-      wave = real[w:w + self.threads]
+    # client's round is independent of the others, so the numbers do not depend on the thread count. The first
+    # client of these functions runs alone, so that their compilation (and its write to the persistent cache)
+    # happens on one thread.
+    waves = [real[w:w + self.threads] for w in range(0, len(real), self.threads)]
+    if waves and not fns.get('compiled') and len(waves[0]) > 1:
+      waves = [waves[0][:1], waves[0][1:]] + waves[1:]
+    fns['compiled'] = True
+    for wave in waves:
       taken = [stack['take'](stacked, i) for i in wave]
       run = lambda a: self._client(g, program, fns, a[0], a[1], broadcast, key)
       done = list(self._threads().map(run, zip(wave, taken))) if len(wave) > 1 else [run((wave[0], taken[0]))]

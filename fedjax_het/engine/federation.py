@@ -12,7 +12,7 @@ one-device run.
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,17 +22,14 @@ from absl import logging
 from fedjax_het.core import Algorithm, FederationSpec, Phase, Uploads
 from fedjax_het.data.federated import FederatedData
 from fedjax_het.engine.accounting import accuracy_metrics, communication_metrics, count_uploads
-from fedjax_het.engine.executors import (STRATEGIES, Executor, SequentialExecutor, VmapExecutor,
-                                         default_client_threads, default_conv, default_eval_batch_size,
-                                         default_strategy)
-from fedjax_het.engine.groups import (EvalSet, Group, build_groups, host_copy, init_group, slot_indices,
-                                      clients_without_steps)
+from fedjax_het.engine.execution import ExecutionConfig
+from fedjax_het.engine.executors import Executor
+from fedjax_het.engine.groups import (EvalSet, Group, ModelConfig, build_groups, clients_without_steps, host_copy,
+                                      init_group, slot_indices)
 from fedjax_het.engine.plan import plan_stages
-from fedjax_het.engine.sharding import CLIENTS_AXIS, to_host
+from fedjax_het.engine.sharding import to_host
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
-from fedjax_het.models.init import INITS
-from fedjax_het.models.registry import assign_models
 
 
 class FederationState(NamedTuple):
@@ -46,73 +43,48 @@ class Federation:
   """Builds groups from a `FederatedData` and a model family, and runs rounds of an `Algorithm`.
 
   `init()` returns the initial `FederationState`; `round(state)` runs one round of the phase it falls in and
-  returns (state, metrics); `evaluate(state)` scores every client on its test data. `training` is the run's
-  local schedule, handed to the algorithm's programs through `GroupSpec.training`; `rounds` is the run's length
-  (phases of open length take the rounds left).
+  returns (state, metrics); `evaluate(state)` scores every client on its test data.
+
+  models: the clients' classifiers (`ModelConfig`, or just the architecture names); training: the run's local
+  schedule, handed to the algorithm's programs through `GroupSpec.training`; execution: how rounds run
+  (`ExecutionConfig`, which changes no number); rounds: the run's length (phases of open length take the rounds
+  left); join_ratio: the share of clients in each round; full_participation_rounds: the run's last rounds in which
+  every client joins; seed: the run's seed.
   """
 
-  def __init__(self, algorithm: Algorithm, data: FederatedData, models: Sequence[str], training: LocalTraining,
-               feature_dim: int = 512, rm: str = 'ap', strategy: Optional[str] = None, join_ratio: float = 1.0,
-               seed: int = 0, chunk_size: int = 0, eval_batch_size: Optional[int] = None, conv: Optional[str] = None,
-               scan_unroll: int = 1, client_mesh: Optional[jax.sharding.Mesh] = None,
-               client_threads: Optional[int] = None, init: str = 'torch', shared_init: bool = True,
-               rounds: int = 0, full_participation_rounds: int = 0):
-    strategy = strategy or default_strategy()
-    if init not in INITS:
-      raise ConfigError(f'--init={init!r} is unknown; choose one of {", ".join(INITS)} (torch: PyTorch\'s default '
-                        f'Conv/Linear initialisation, as HtFLlib; flax: Flax\'s defaults).')
-    if strategy not in STRATEGIES:
-      raise ConfigError(f'--strategy={strategy!r} is unknown; choose one of {", ".join(STRATEGIES)}.')
-    if client_mesh is not None and client_mesh.axis_names != (CLIENTS_AXIS,):
-      raise ConfigError(f'client_mesh must have the single axis {CLIENTS_AXIS!r}; got {client_mesh.axis_names}. '
-                        f'Fix: build it with fedjax_het.engine.client_mesh().')
-    if client_mesh is not None and client_mesh.size > 1 and strategy != 'vmap':
-      raise ConfigError(f'--num_devices={client_mesh.size}: sharding clients over devices needs --strategy=vmap '
-                        f'(got {strategy!r}). Fix: --strategy=vmap, or --num_devices=1.')
-    if chunk_size and client_mesh is not None and client_mesh.size > 1 and chunk_size % client_mesh.size:
-      raise ConfigError(f'--chunk_size={chunk_size} must be a multiple of the {client_mesh.size} devices of the '
-                        f'client mesh, so every chunk splits evenly. Fix: --chunk_size='
-                        f'{client_mesh.size * max(1, chunk_size // client_mesh.size)}.')
-    client_threads = default_client_threads() if client_threads is None else client_threads
-    if client_threads < 1:
-      raise ConfigError(f'--client_threads={client_threads} must be >= 1.')
-    if chunk_size < 0:
-      raise ConfigError(f'--chunk_size={chunk_size} must be >= 0 (0: a whole group per vmapped call).')
-    if scan_unroll < 1:
-      raise ConfigError(f'--scan_unroll={scan_unroll} must be >= 1 (local steps per loop iteration).')
+  def __init__(self, algorithm: Algorithm, data: FederatedData, models: ModelConfig | Sequence[str],
+               training: LocalTraining, execution: ExecutionConfig = ExecutionConfig(), *, rounds: int = 0,
+               join_ratio: float = 1.0, full_participation_rounds: int = 0, seed: int = 0):
+    if not isinstance(models, ModelConfig):
+      models = ModelConfig(tuple(models))
     if not 0 < join_ratio <= 1:
       raise ConfigError(f'--join_ratio={join_ratio} must be in (0, 1].')
     if full_participation_rounds < 0:
       raise ConfigError(f'--full_participation_rounds={full_participation_rounds} must be >= 0.')
-    if feature_dim < 1:
-      raise ConfigError(f'--feature_dim={feature_dim} must be >= 1.')
     if not training.drop_last and not algorithm.partial_batches:
       raise ConfigError(f'--nodrop_last: {algorithm.name} does not weight its losses by the real rows of a partial '
                         f'batch yet, so it only runs with epochs of full batches. Fix: --drop_last.')
-    eval_batch_size = eval_batch_size or default_eval_batch_size()
-    if eval_batch_size < 1:
-      raise ConfigError(f'--eval_batch_size={eval_batch_size} must be >= 1 (0: the backend default).')
-    self.algorithm, self.data, self.training = algorithm, data, training
-    self.strategy, self.seed, self.join_ratio, self.shared_init = strategy, seed, join_ratio, shared_init
-    self.full_participation_rounds = full_participation_rounds
-    self.conv = conv or default_conv(strategy)
-    self.mesh = client_mesh if client_mesh is not None and client_mesh.size > 1 else None
-    self.num_devices = 1 if self.mesh is None else self.mesh.size
-    self.executor: Executor = (VmapExecutor(eval_batch_size, chunk_size, scan_unroll) if strategy == 'vmap'
-                               else SequentialExecutor(eval_batch_size, client_threads))
+    execution = execution.resolve()
+    self.algorithm, self.data, self.training, self.models, self.execution = (algorithm, data, training, models,
+                                                                              execution)
+    self.seed, self.join_ratio, self.full_participation_rounds = seed, join_ratio, full_participation_rounds
+    self.strategy, self.conv, self.mesh = execution.strategy, execution.conv, execution.client_mesh
+    self.num_devices = execution.num_devices
+    self.executor: Executor = execution.executor()
     self.num_clients = data.num_clients
-    self.architectures = assign_models(list(models), self.num_clients)
     global_test = data.global_test()
     self.global_test = None if global_test is None else EvalSet(jax.device_put(global_test), shared=True)
-    self.groups: list[Group] = build_groups(data, models, training, feature_dim, rm, self.conv, init,
-                                            self.num_devices, self.mesh, seed)
+    self.groups: list[Group] = build_groups(data, models, training, self.conv, self.num_devices, self.mesh, seed)
+    self.architectures = [None] * self.num_clients  # client k's architecture, as the groups assigned it
+    for g in self.groups:
+      for k in g.clients:
+        self.architectures[k] = g.arch
     widths = sorted({g.spec.feature_dim for g in self.groups})
     if len(widths) > 1 and algorithm.shares_representations:
-      raise ConfigError(f'--rm={rm}: the architectures\' features have different widths {widths}, and '
+      raise ConfigError(f'--rm={models.rm}: the architectures\' features have different widths {widths}, and '
                         f'{algorithm.name} exchanges representations (or heads) between them. Fix: --rm=ap, mp or '
                         f'fc with one --feature_dim.')
-    if rm == 'none' and len(widths) == 1:
-      feature_dim = widths[0]
+    feature_dim = widths[0] if models.rm == 'none' and len(widths) == 1 else models.feature_dim
     if self.global_test is None and not any(g.test.sizes.sum() > 0 for g in self.groups):
       raise ConfigError('--train_fraction: no client has local test rows and there is no global test set, so '
                         'nothing can be evaluated. Fix: --train_fraction < 1 or --eval_protocol=global.')
@@ -172,7 +144,7 @@ class Federation:
   def init(self) -> FederationState:
     """Initial client states (`groups.init_group`) and the server state."""
     init_key, key_key, server_key = jax.random.split(jax.random.PRNGKey(self.seed), 3)
-    states = tuple(init_group(self.algorithm, g, init_key, key_key, self.shared_init, self.mesh)
+    states = tuple(init_group(self.algorithm, g, init_key, key_key, self.models.shared_init, self.mesh)
                    for g in self.groups)
     initial = tuple(host_copy(s) for s in states)
     server = self.algorithm.init_server(server_key, self.spec, initial)

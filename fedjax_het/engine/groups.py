@@ -15,8 +15,54 @@ from fedjax_het.data.federated import ClientArrays, FederatedData
 from fedjax_het.engine.sharding import place_clients, to_host
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
-from fedjax_het.models.init import architecture_key, init_variables
+from fedjax_het.models.init import INITS, architecture_key, init_variables
 from fedjax_het.models.registry import assign_models, build_model
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The clients' classifiers.
+
+  names: registered architectures (models/registry.py); client k gets names[k % len(names)].
+  feature_dim: the representation width d after the RM step. rm: the RM step, 'ap' / 'mp' (adaptive pooling),
+    'fc' (a learned Linear) or 'none' (the extractor's own features, of each architecture's width).
+  init: 'torch' (PyTorch's default Conv/Linear initialisation, as HtFLlib) or 'flax' (Flax's defaults).
+  shared_init: every client of an architecture starts from the same parameters (HtFLlib); otherwise each draws
+    its own.
+  """
+  names: tuple[str, ...]
+  feature_dim: int = 512
+  rm: str = 'ap'
+  init: str = 'torch'
+  shared_init: bool = True
+
+  def __post_init__(self):
+    object.__setattr__(self, 'names', tuple(self.names))
+    if self.init not in INITS:
+      raise ConfigError(f'--init={self.init!r} is unknown; choose one of {", ".join(INITS)} (torch: PyTorch\'s '
+                        f'default Conv/Linear initialisation, as HtFLlib; flax: Flax\'s defaults).')
+    if self.feature_dim < 1:
+      raise ConfigError(f'--feature_dim={self.feature_dim} must be >= 1.')
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassifierMaker:
+  """The run's `core.ModelMaker`: registered architectures with its classes, RM and convolutions; modules
+  initialised with its --init scheme; shared keys from its seed."""
+  num_classes: int
+  rm: str
+  conv: str
+  init_scheme: str
+  seed: int
+
+  def build(self, arch: str, feature_dim: int):
+    return build_model(arch, self.num_classes, feature_dim, self.rm, self.conv)
+
+  def init(self, module, key, *inputs, path: tuple = ()) -> dict:
+    return init_variables(module, key, *inputs, scheme=self.init_scheme, path=path)
+
+  def shared_key(self, name: str) -> jax.Array:
+    return architecture_key(jax.random.PRNGKey(self.seed), name)
 
 
 @dataclasses.dataclass
@@ -75,24 +121,25 @@ def pad_clients(tree: Any, size: int) -> Any:
   return jax.tree.map(lambda a: np.concatenate([a, np.repeat(a[-1:], size - a.shape[0], 0)]), tree)
 
 
-def build_groups(data: FederatedData, models: Sequence[str], training: LocalTraining, feature_dim: int, rm: str,
-                 conv: str, init: str, num_devices: int, mesh, seed: int = 0) -> list[Group]:
-  """One `Group` per architecture of the model family (client k gets models[k % len(models)]), in order of first
-  appearance, each padded to a multiple of `num_devices` clients and placed on `mesh` (None: one device)."""
-  architectures = assign_models(list(models), data.num_clients)
+def build_groups(data: FederatedData, models: ModelConfig, training: LocalTraining, conv: str, num_devices: int,
+                 mesh, seed: int = 0) -> list[Group]:
+  """One `Group` per architecture of the model family (client k gets models.names[k % len(names)]), in order of
+  first appearance, each padded to a multiple of `num_devices` clients and placed on `mesh` (None: one device)."""
+  architectures = assign_models(list(models.names), data.num_clients)
+  feature_dim, rm = models.feature_dim, models.rm
+  maker = ClassifierMaker(data.num_classes, rm, conv, models.init, seed)
   groups = []
   for index, arch in enumerate(dict.fromkeys(architectures)):
     ids = np.array([k for k, a in enumerate(architectures) if a == arch])
     stacked = -(-len(ids) // num_devices) * num_devices
     place = lambda arrays: place_clients(pad_clients(arrays, stacked), mesh)
-    model = build_model(arch, data.num_classes, feature_dim, rm, conv)
     train = place(data.group_train(ids))
-    spec = GroupSpec(index, arch, model, tuple(int(k) for k in ids), data.num_classes, feature_dim,
-                     tuple(train.x.shape[2:]), training, rm, conv, init, seed)
+    spec = GroupSpec(index, arch, maker.build(arch, feature_dim), tuple(int(k) for k in ids), data.num_classes,
+                     feature_dim, tuple(train.x.shape[2:]), training, maker, rm, conv)
     check_architecture(spec)
     if rm == 'none':  # d is the architecture's own feature width
       width = feature_width(spec)
-      spec = dataclasses.replace(spec, model=build_model(arch, data.num_classes, width, rm, conv), feature_dim=width)
+      spec = dataclasses.replace(spec, model=maker.build(arch, width), feature_dim=width)
     groups.append(Group(spec, train, EvalSet(place(data.group_test(ids)), shared=False)))
   return groups
 
@@ -133,7 +180,7 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
   spec = g.spec
 
   def init_classifier(k):
-    variables = init_variables(spec.model, k, spec.sample_input(), scheme=spec.init)
+    variables = spec.maker.init(spec.model, k, spec.sample_input())
     params = variables.pop('params')
     return params, variables
 
