@@ -44,6 +44,17 @@ def test_split_and_join_of_a_gefl_cnn_and_the_header_from_feature_maps():
                 rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture(scope='module', autouse=True)
+def without_persistent_cache():
+  """In the full suite (never when this file runs alone), writing one of GeFL-F's executables to XLA's persistent
+  cache has crashed the worker inside jax's compilation_cache.put_executable_and_time (executable.serialize(),
+  a segfault), 3 times in 3 runs; this file compiles its own programs anyway, so it runs without the cache."""
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  yield
+  jax.config.update('jax_enable_compilation_cache', enabled)
+
+
 @pytest.fixture(scope='module')
 def recorded():
   fed = build_federation(CFG)
