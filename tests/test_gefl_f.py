@@ -48,11 +48,11 @@ def test_split_and_join_of_a_gefl_cnn_and_the_header_from_feature_maps():
 def without_persistent_cache():
   """In the full suite (never when this file runs alone), writing one of GeFL-F's executables to XLA's persistent
   cache has crashed the worker inside jax's compilation_cache.put_executable_and_time (executable.serialize(),
-  a segfault), 3 times in 3 runs; this file compiles its own programs anyway, so it runs without the cache."""
-  enabled = jax.config.jax_enable_compilation_cache
-  jax.config.update('jax_enable_compilation_cache', False)
+  a segfault), 4 times in 4 runs; this file compiles its own programs anyway, so it writes nothing there."""
+  min_seconds = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 1e9)  # nothing is written, nothing serialised
   yield
-  jax.config.update('jax_enable_compilation_cache', enabled)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', min_seconds)
 
 
 @pytest.fixture(scope='module')
