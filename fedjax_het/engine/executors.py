@@ -160,12 +160,13 @@ class SequentialExecutor(Executor):
     uploads, losses = [], []
     # Waves of `threads` clients run concurrently (one host thread each: XLA:CPU then uses every core); each
     # client's round is independent of the others, so the numbers do not depend on the thread count. The first
-    # client of these functions runs alone, so that their compilation (and its write to the persistent cache)
-    # happens on one thread.
+    # client of each group (whose rows may be padded to a length these functions have not compiled for yet) runs
+    # alone: XLA:CPU has crashed (a segfault) compiling one function from two threads at once.
     waves = [real[w:w + self.threads] for w in range(0, len(real), self.threads)]
-    if waves and not fns.get('compiled') and len(waves[0]) > 1:
+    warm = fns.setdefault('compiled_for', set())
+    if waves and g.train.x.shape not in warm and len(waves[0]) > 1:
       waves = [waves[0][:1], waves[0][1:]] + waves[1:]
-    fns['compiled'] = True
+    warm.add(g.train.x.shape)
     for wave in waves:
       taken = [stack['take'](stacked, i) for i in wave]
       run = lambda a: self._client(g, program, fns, a[0], a[1], broadcast, key)
