@@ -1,7 +1,8 @@
 """GeFL-F's checks (gefl_f_checks.py) in a pytest process of their own.
 
 In the full suite, a worker that had run other test files crashed (a segfault inside XLA:CPU, compiling or
-serialising one of GeFL-F's programs) in 5 of 5 runs, always in this file; run alone, the same tests pass. A
+serialising one of GeFL-F's programs) in 6 of 6 runs, always in this file; run alone, the same tests pass (a 7th run
+crashed deserialising a cached executable in test_phases.py, so the cause is not GeFL-F's). A
 fresh process isolates them until the cause is found (a crash then fails this one test instead of the worker).
 """
 
