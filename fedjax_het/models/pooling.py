@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,10 +45,9 @@ def max_pool(x: jnp.ndarray, window: tuple[int, int], strides: tuple[int, int] |
 
   Non-overlapping windows (window == strides, 'VALID' or 'SAME') are computed by `window_max`: the same values,
   PyTorch's gradient (all of a window's gradient to its first maximal element in row-major order, where a
-  reduce-max splits it among ties), and a gradient XLA:CPU runs faster than a reduce-max's or reduce_window's
-  (benchmarks/cpu_kernels.py --parts=pool,step). Choosing by index also cannot lose the gradient as a reduce-max's
-  VJP can at XLA:CPU's optimisation level 0 (its tie count compares values that one fusion FMA-contracted and
-  another did not; docs/xla_cpu_miscompile.md). Other windows use `flax.linen.max_pool`.
+  reduce-max splits it among ties), through selects (benchmarks/cpu_kernels.py --parts=pool,step times it). A
+  select cannot lose the gradient as a reduce-max's VJP can at XLA:CPU's optimisation level 0 (its tie count
+  compares values that one fusion FMA-contracted and another did not; docs/xla_cpu_miscompile.md). Other windows use `flax.linen.max_pool`.
   """
   strides = tuple(strides or window)
   if tuple(window) != strides or not isinstance(padding, str):
@@ -64,37 +62,13 @@ def max_pool(x: jnp.ndarray, window: tuple[int, int], strides: tuple[int, int] |
   return window_max(x.reshape(b, h // kh, kh, w // kw, kw, c))
 
 
-@jax.custom_vjp
 def window_max(windows: jnp.ndarray) -> jnp.ndarray:
-  """[b, H, kh, W, kw, c] -> [b, H, W, c]: the maximum of each window; its gradient goes to the window's first
-  maximal element (row-major), chosen by index, not by comparing values again."""
-  return first_max(windows)[0]
-
-
-def first_max(windows: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-  """(maximum, row-major index of its first occurrence) of each window: a later element replaces the running
-  maximum only when larger."""
+  """[b, H, kh, W, kw, c] -> [b, H, W, c]: the maximum of each window as a running maximum that a later element
+  replaces only when larger, so the gradient (through selects) goes to the window's first maximal element
+  (row-major) and no value is compared twice."""
   kh, kw = windows.shape[2], windows.shape[4]
   out = windows[:, :, 0, :, 0]
-  index = jnp.zeros(out.shape, jnp.int32)
   for k in range(1, kh * kw):
     later = windows[:, :, k // kw, :, k % kw]
-    larger = later > out
-    out, index = jnp.where(larger, later, out), jnp.where(larger, k, index)
-  return out, index
-
-
-def _window_max_fwd(windows):
-  out, index = first_max(windows)
-  return out, (index, windows.shape)
-
-
-def _window_max_bwd(residuals, g):
-  index, shape = residuals
-  kh, kw = shape[2], shape[4]
-  position = jnp.arange(kh * kw).reshape(kh, kw)
-  chosen = index[:, :, None, :, None, :] == position[None, None, :, None, :, None]
-  return (jnp.where(chosen, g[:, :, None, :, None, :], 0).astype(g.dtype),)
-
-
-window_max.defvjp(_window_max_fwd, _window_max_bwd)
+    out = jnp.where(later > out, later, out)
+  return out
