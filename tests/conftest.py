@@ -6,7 +6,7 @@ import tempfile
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # Tests run tiny models for a few steps, so XLA:CPU's compile time dominates them; its backend optimisation level
 # 0 compiles about 1.6x faster here (tests/test_golden.py still matches numbers pinned at the default level).
-# Level 0 can compute wrong gradients through a reduce-max (docs/xla_cpu_miscompile.md; max pooling chooses by
+# Level 0 can compute wrong gradients through a reduce-max (docs/xla_cpu_miscompile.md; max pooling selects, by
 # index and is not affected); benchmarks/vmap_equals_sequential.py checks every method
 # at the default level. FEDJAX_HET_TEST_XLA_OPT=1 keeps XLA's default.
 if os.environ.get('FEDJAX_HET_TEST_XLA_OPT', '0') == '0':
