@@ -1,4 +1,5 @@
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -40,6 +41,16 @@ import numpy as np
 import pytest
 
 from fedjax_het.data import make_federated_data, make_synthetic
+
+
+@pytest.fixture(autouse=True, scope='module')
+def release_compiled_programs():
+  """Drops every compiled program after each test module. An XLA:CPU executable holds dozens of memory mappings;
+  a worker keeping all of the suite's reaches the kernel's limit (vm.max_map_count, 65,530) and segfaults inside
+  XLA. Modules rarely share programs, and the persistent cache serves the few they do."""
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 @pytest.fixture(scope='session')

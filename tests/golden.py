@@ -52,13 +52,19 @@ def digest(tree) -> float:
                    if np.issubdtype(np.asarray(a).dtype, np.floating)))
 
 
+# The last few golden runs (other tests check their method's properties on one instead of compiling a federation
+# of their own). Bounded: a federation keeps its compiled programs, dozens of memory mappings each, and a process
+# holding all 44 runs' programs reaches the kernel's limit on mappings (vm.max_map_count), where XLA segfaults.
 _RUNS: dict = {}
+_KEPT_RUNS = 2
 
 
 def golden_federation(name: str, strategy: str = 'sequential', data=None):
-  """(federation, final state, per-round metrics) of the golden run, computed once per process (other tests
-  check their method's properties on it instead of compiling a federation of their own)."""
+  """(federation, final state, per-round metrics) of the golden run, computed once while among the last
+  `_KEPT_RUNS` asked for."""
   if (name, strategy) not in _RUNS:
+    while len(_RUNS) >= _KEPT_RUNS:
+      del _RUNS[next(iter(_RUNS))]
     settings = FEDERATIONS.get(name, {})
     if 'image' in settings or data is None:
       data = tiny_data(settings.get('image', 8))
