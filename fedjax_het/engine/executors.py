@@ -159,15 +159,9 @@ class SequentialExecutor(Executor):
     real = [int(i) for i in slot_idx if i < g.size]
     uploads, losses = [], []
     # Waves of `threads` clients run concurrently (one host thread each: XLA:CPU then uses every core); each
-    # client's round is independent of the others, so the numbers do not depend on the thread count. The first
-    # client of each group (whose rows may be padded to a length these functions have not compiled for yet) runs
-    # alone: XLA:CPU has crashed (a segfault) compiling one function from two threads at once.
-    waves = [real[w:w + self.threads] for w in range(0, len(real), self.threads)]
-    warm = fns.setdefault('compiled_for', set())
-    if waves and g.train.x.shape not in warm and len(waves[0]) > 1:
-      waves = [waves[0][:1], waves[0][1:]] + waves[1:]
-    warm.add(g.train.x.shape)
-    for wave in waves:
+    # client's round is independent of the others, so the numbers do not depend on the thread count.
+    for w in range(0, len(real), self.threads):
+      wave = real[w:w + self.threads]
       taken = [stack['take'](stacked, i) for i in wave]
       run = lambda a: self._client(g, program, fns, a[0], a[1], broadcast, key)
       done = list(self._threads().map(run, zip(wave, taken))) if len(wave) > 1 else [run((wave[0], taken[0]))]
