@@ -14,11 +14,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from absl import app, flags
 
 from harness import write_results
-from fedjax_het.algorithms.common import cross_entropy
-from fedjax_het.algorithms.fedvtc import sgd, vtc_steps
+from fedjax_het.algorithms.common import cross_entropy, descend
+from fedjax_het.algorithms.fedvtc import vtc_steps
 from fedjax_het.core import ClientState
 from fedjax_het.data.datasets import load_mnist5k
 from fedjax_het.models.forward import forward
@@ -41,7 +42,7 @@ def ce_step(model, lr: float):
       logits, _, state = forward(model, params, client.model_state, x, True)
       return cross_entropy(logits, y), state
     (value, state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
-    return client._replace(params=sgd(client.params, grads, lr), model_state=state), value
+    return client._replace(params=descend(optax.sgd(lr), client.params, grads), model_state=state), value
   return step
 
 
@@ -56,7 +57,7 @@ def train(objective: str, lr: float, epochs: int, lamda: float, ds) -> dict:
   if objective == 'ce':
     f_step, psi_step = ce_step(model, lr), None
   else:
-    f_step, psi_step = vtc_steps(model, decoder, 10, lamda, lr, objective)
+    f_step, psi_step = vtc_steps(model, decoder, 10, lamda, optax.sgd(lr), objective)
 
   @jax.jit
   def batch_step(client, x, y, protos, eps):
