@@ -54,6 +54,7 @@ BatchNorm statistics) and receives it back with the prototypes and sigma.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -200,142 +201,169 @@ def finetune_latents(key: jax.Array, rows: jnp.ndarray, samples_per_class: int, 
   return protos[labels] + sigma * row_normals(key, rows, protos.shape[-1]), labels
 
 
+def vtc_decoder(group: GroupSpec) -> VTCDecoder:
+  """The group's decoder psi: transposed convolutions from the latent width p (--feature_dim) to its images."""
+  if group.rm != 'fc':
+    raise ConfigError(f'FedVTC: g must end in a learned map to the latent width p (the paper\'s Linear(L, p)). '
+                      f'Fix: --rm=fc (now --rm={group.rm}).')
+  return VTCDecoder(tuple(group.input_shape), group.feature_dim, group.conv)
+
+
+def init_client_extra(cfg: FedVTCConfig, group: GroupSpec, key: jax.Array) -> dict:
+  """A client's psi_k (the same initialisation on every client) and sigma_k = --vtc_sigma_init."""
+  return {'psi': init_vtc(vtc_decoder(group), group.shared_key('fedvtc_psi')),
+          'sigma': jnp.full(group.feature_dim, cfg.sigma_init, jnp.float32)}
+
+
+def init_server(num_classes: int, key: jax.Array, spec, initial) -> dict:
+  """Prototypes 0 (no class present yet), and the clients' initial sigma and psi."""
+  return {'protos': jnp.zeros((num_classes, spec.feature_dim)), 'present': jnp.zeros(num_classes, bool),
+          'sigma': initial[0].extra['sigma'], 'psi': initial[0].extra['psi']}
+
+
+# ---------------------------------------------------------------- phase 'fl'
+def fl_broadcast(cfg: FedVTCConfig, server: dict, group) -> dict:
+  """The global prototypes, which classes have one, sigma; psi too under --vtc_every_round."""
+  out = {k: server[k] for k in ('protos', 'present', 'sigma')}
+  return {**out, 'psi': server['psi']} if cfg.every_round else out
+
+
+def fl_client(cfg: FedVTCConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
+  """sigma_k <- sigma (psi_k <- psi under --vtc_every_round); per batch an f-step then a psi-step (Alg. 1 lines
+  11-14); then the class prototypes of all training rows, which classes it holds and sigma_k (psi_k too)."""
+  f_step, psi_step = vtc_steps(group.model, vtc_decoder(group), num_classes, cfg.vtc_lambda,
+                               group.training.optimizer(), cfg.loss_reduction)
+
+  def init(client, broadcast, key):
+    extra = {**client.extra, 'sigma': broadcast['sigma']}
+    if cfg.every_round:
+      extra['psi'] = broadcast['psi']
+    return client._replace(extra=extra)
+
+  def step(client, batch: Batch, broadcast, key):
+    args = (batch.x, batch.y, broadcast['protos'], jax.random.normal(key, (batch.x.shape[0], group.feature_dim)))
+    client, loss = f_step(client, *args)
+    return psi_step(client, *args)[0], loss
+
+  def final(client, rows: ClientRows, broadcast, key):
+    protos, counts = class_prototypes(rows.reps, rows.y, jnp.arange(rows.y.shape[0]) < rows.num_train,
+                                      num_classes)
+    upload = {'protos': protos, 'counts': counts, 'sigma': client.extra['sigma']}
+    return client, ({**upload, 'psi': client.extra['psi']} if cfg.every_round else upload)
+  return ClientProgram(init, single_stage(step, group.training), final, group.training,
+                       trained=lambda client: client)
+
+
+def fl_server(cfg: FedVTCConfig, server: dict, uploads, key) -> tuple[dict, dict]:
+  """Each class's prototype averaged over the participants holding it (a class nobody held keeps its value),
+  sigma (and psi under --vtc_every_round) over all participants, unweighted."""
+  u = concat_groups(uploads)
+  protos, present = aggregate_class_means(u.values['protos'], u.values['counts'], u.mask)
+  weights = u.mask.astype(jnp.float32)
+  new = {'protos': jnp.where(present[:, None], protos, server['protos']), 'present': present | server['present'],
+         'sigma': participant_average(u.values['sigma'], weights, server['sigma']), 'psi': server['psi']}
+  if cfg.every_round:
+    new['psi'] = participant_average(u.values['psi'], weights, server['psi'])
+  return new, {'global_classes': new['present'].sum(), 'sigma_rms': jnp.sqrt(jnp.mean(new['sigma'] ** 2))}
+
+
+# ---------------------------------------------------------------- phase 'vtc_exchange'
+def exchange_client(group: GroupSpec) -> ClientProgram:
+  """No training; uploads psi_k."""
+  return ClientProgram(lambda client, broadcast, key: client, (),
+                       lambda client, rows, broadcast, key: (client, {'psi': client.extra['psi']}), group.training)
+
+
+def exchange_server(server: dict, uploads, key) -> tuple[dict, dict]:
+  """psi <- the average of every client's psi_k."""
+  u = concat_groups(uploads)
+  return {**server, 'psi': participant_average(u.values['psi'], u.mask.astype(jnp.float32), server['psi'])}, {}
+
+
+# ---------------------------------------------------------------- phase 'finetune'
+def finetune_broadcast(server: dict, group) -> dict:
+  """Everything the server holds: prototypes, which classes have one, sigma, the averaged psi."""
+  return {k: server[k] for k in ('protos', 'present', 'sigma', 'psi')}
+
+
+def finetune_client(cfg: FedVTCConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
+  """CE of the whole f on S * C rows decoded by the averaged psi (Alg. 1 lines 25-28) for --vtc_finetune_epochs
+  epochs of --batch_size; rows of classes without a global prototype weigh 0; nothing uploaded."""
+  decoder = vtc_decoder(group)
+  S = cfg.samples_per_class
+  training = dataclasses.replace(group.training, epochs=cfg.finetune_epochs, order='shuffle', rows=S * num_classes,
+                                 max_steps=None, drop_last=True)
+  optimizer = training.optimizer()
+
+  def init(client, broadcast, key):
+    return client, key  # the key of this client's samples: the same rows in every epoch
+
+  def step(carry, batch: Batch, broadcast, key):
+    client, sample_key = carry
+    latents, labels = finetune_latents(sample_key, batch.index, S, broadcast['protos'], broadcast['sigma'])
+    x = 2.0 * decoder.apply(broadcast['psi'], latents, False) - 1.0
+    weight = broadcast['present'][labels]  # classes without a global prototype get no samples
+
+    def loss(f_params):
+      logits, _, model_state = forward(group.model, f_params, client.model_state, x, True)
+      per_row = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+      return masked_mean(per_row, weight), model_state
+    (value, model_state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
+    return (client._replace(params=descend(optimizer, client.params, grads), model_state=model_state),
+            sample_key), value
+
+  return ClientProgram(init, single_stage(step, training), lambda carry, rows, broadcast, key: (carry[0], {}),
+                       training)
+
+
+# ---------------------------------------------------------------- traffic and samples
+def sent_scalars(tree: dict) -> dict:
+  """Scalars of an upload or broadcast: p per class held (prototypes), sigma's p, psi's parameters and statistics."""
+  out = {}
+  if 'protos' in tree:
+    held = tree['counts'] > 0 if 'counts' in tree else tree['present']
+    out['prototypes'] = jnp.sum(held) * tree['protos'].shape[-1]
+    out['sigma'] = tree['sigma'].size
+  if 'psi' in tree:
+    out['psi'] = sum(leaf_scalars(tree['psi']).values())
+  return out
+
+
+def received_scalars(broadcast: dict, upload: dict) -> dict:
+  """A participant of the 'fl' phase receives the global prototypes of the classes it holds (|Y_k| p: the paper
+  sends c^y only to holders of y), sigma, and psi in the per-round ablation; other phases as broadcast."""
+  if 'protos' not in broadcast or 'counts' not in upload:
+    return sent_scalars(broadcast)
+  out = {'prototypes': jnp.sum((upload['counts'] > 0) & broadcast['present']) * broadcast['protos'].shape[-1],
+         'sigma': broadcast['sigma'].size}
+  if 'psi' in broadcast:
+    out['psi'] = sum(leaf_scalars(broadcast['psi']).values())
+  return out
+
+
+def decoded_samples(num_classes: int, server: dict, spec, key: jax.Array, n: int) -> jnp.ndarray:
+  """[C, n, H, W, c]: n images per class decoded by the server's psi (the averaged one after 'vtc_exchange');
+  black for classes without a global prototype."""
+  labels = jnp.repeat(jnp.arange(num_classes), n)
+  eps = jax.random.normal(key, (num_classes * n, spec.feature_dim))
+  images = decode_latents(vtc_decoder(spec.groups[0]), server['psi'], server['protos'], server['sigma'], labels,
+                          eps)
+  images = jnp.where(server['present'][labels][:, None, None, None], images, -1.0)
+  return images.reshape((num_classes, n) + images.shape[1:])
+
+
 def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int) -> Algorithm:
   """FedVTC as an `Algorithm` of three phases: 'fl' (`rounds` rounds), 'vtc_exchange' and 'finetune' (one round
-  each, every client)."""
-  S = cfg.samples_per_class
-
-  def decoder_of(group: GroupSpec) -> VTCDecoder:
-    if group.rm != 'fc':
-      raise ConfigError(f'FedVTC: g must end in a learned map to the latent width p (the paper\'s Linear(L, p)). '
-                        f'Fix: --rm=fc (now --rm={group.rm}).')
-    return VTCDecoder(tuple(group.input_shape), group.feature_dim, group.conv)
-
-  def init_client(group, key):
-    decoder = decoder_of(group)
-    return {'psi': init_vtc(decoder, group.shared_key('fedvtc_psi')),
-            'sigma': jnp.full(group.feature_dim, cfg.sigma_init, jnp.float32)}
-
-  def init_server(key, spec, initial):
-    return {'protos': jnp.zeros((num_classes, spec.feature_dim)), 'present': jnp.zeros(num_classes, bool),
-            'sigma': initial[0].extra['sigma'], 'psi': initial[0].extra['psi']}
-
-  # ---------------------------------------------------------------- phase 'fl'
-  def fl_broadcast(server, group):
-    out = {k: server[k] for k in ('protos', 'present', 'sigma')}
-    return {**out, 'psi': server['psi']} if cfg.every_round else out
-
-  def fl_client(group: GroupSpec) -> ClientProgram:
-    f_step, psi_step = vtc_steps(group.model, decoder_of(group), num_classes, cfg.vtc_lambda,
-                                  group.training.optimizer(),
-                                  cfg.loss_reduction)
-
-    def init(client, broadcast, key):
-      extra = {**client.extra, 'sigma': broadcast['sigma']}
-      if cfg.every_round:
-        extra['psi'] = broadcast['psi']
-      return client._replace(extra=extra)
-
-    def step(client, batch: Batch, broadcast, key):
-      args = (batch.x, batch.y, broadcast['protos'], jax.random.normal(key, (batch.x.shape[0], group.feature_dim)))
-      client, loss = f_step(client, *args)
-      return psi_step(client, *args)[0], loss
-
-    def final(client, rows: ClientRows, broadcast, key):
-      protos, counts = class_prototypes(rows.reps, rows.y, jnp.arange(rows.y.shape[0]) < rows.num_train,
-                                        num_classes)
-      upload = {'protos': protos, 'counts': counts, 'sigma': client.extra['sigma']}
-      return client, ({**upload, 'psi': client.extra['psi']} if cfg.every_round else upload)
-    return ClientProgram(init, single_stage(step, group.training), final, group.training,
-                         trained=lambda client: client)
-
-  def fl_server(server, uploads, key):
-    u = concat_groups(uploads)
-    protos, present = aggregate_class_means(u.values['protos'], u.values['counts'], u.mask)
-    weights = u.mask.astype(jnp.float32)
-    new = {'protos': jnp.where(present[:, None], protos, server['protos']), 'present': present | server['present'],
-           'sigma': participant_average(u.values['sigma'], weights, server['sigma']), 'psi': server['psi']}
-    if cfg.every_round:
-      new['psi'] = participant_average(u.values['psi'], weights, server['psi'])
-    return new, {'global_classes': new['present'].sum(), 'sigma_rms': jnp.sqrt(jnp.mean(new['sigma'] ** 2))}
-
-  # ---------------------------------------------------------------- phase 'vtc_exchange'
-  def exchange_client(group: GroupSpec) -> ClientProgram:
-    return ClientProgram(lambda client, broadcast, key: client, (),
-                         lambda client, rows, broadcast, key: (client, {'psi': client.extra['psi']}), group.training)
-
-  def exchange_server(server, uploads, key):
-    u = concat_groups(uploads)
-    return {**server, 'psi': participant_average(u.values['psi'], u.mask.astype(jnp.float32), server['psi'])}, {}
-
-  # ---------------------------------------------------------------- phase 'finetune'
-  def finetune_broadcast(server, group):
-    return {k: server[k] for k in ('protos', 'present', 'sigma', 'psi')}
-
-  def finetune_client(group: GroupSpec) -> ClientProgram:
-    decoder = decoder_of(group)
-    training = dataclasses.replace(group.training, epochs=cfg.finetune_epochs, order='shuffle', rows=S * num_classes,
-                                   max_steps=None, drop_last=True)
-    optimizer = training.optimizer()
-
-    def init(client, broadcast, key):
-      return client, key  # the key of this client's samples: the same rows in every epoch
-
-    def step(carry, batch: Batch, broadcast, key):
-      client, sample_key = carry
-      latents, labels = finetune_latents(sample_key, batch.index, S, broadcast['protos'], broadcast['sigma'])
-      x = 2.0 * decoder.apply(broadcast['psi'], latents, False) - 1.0
-      weight = broadcast['present'][labels]  # classes without a global prototype get no samples
-
-      def loss(f_params):
-        logits, _, model_state = forward(group.model, f_params, client.model_state, x, True)
-        per_row = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        return masked_mean(per_row, weight), model_state
-      (value, model_state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
-      return (client._replace(params=descend(optimizer, client.params, grads), model_state=model_state),
-              sample_key), value
-
-    return ClientProgram(init, single_stage(step, training), lambda carry, rows, broadcast, key: (carry[0], {}),
-                         training)
-
-  def scalars(tree) -> dict:
-    out = {}
-    if 'protos' in tree:
-      held = tree['counts'] > 0 if 'counts' in tree else tree['present']
-      out['prototypes'] = jnp.sum(held) * tree['protos'].shape[-1]
-      out['sigma'] = tree['sigma'].size
-    if 'psi' in tree:
-      out['psi'] = sum(leaf_scalars(tree['psi']).values())
-    return out
-
-  def received(broadcast, upload) -> dict:
-    """A participant of the 'fl' phase receives the global prototypes of the classes it holds (|Y_k| p: the
-    paper sends c^y only to holders of y), sigma, and psi in the per-round ablation; other phases as broadcast."""
-    if 'protos' not in broadcast or 'counts' not in upload:
-      return scalars(broadcast)
-    out = {'prototypes': jnp.sum((upload['counts'] > 0) & broadcast['present']) * broadcast['protos'].shape[-1],
-           'sigma': broadcast['sigma'].size}
-    if 'psi' in broadcast:
-      out['psi'] = sum(leaf_scalars(broadcast['psi']).values())
-    return out
-
-  def samples(server, spec, key, n):
-    """n images per class decoded by the server's psi (the averaged one after 'vtc_exchange'); black for classes
-    without a global prototype."""
-    group = spec.groups[0]
-    labels = jnp.repeat(jnp.arange(num_classes), n)
-    eps = jax.random.normal(key, (num_classes * n, spec.feature_dim))
-    images = decode_latents(decoder_of(group), server['psi'], server['protos'], server['sigma'], labels, eps)
-    images = jnp.where(server['present'][labels][:, None, None, None], images, -1.0)
-    return images.reshape((num_classes, n) + images.shape[1:])
-
-  exchange = (Phase('vtc_exchange', exchange_client, exchange_server, lambda server, group: {}, rounds=1,
-                    join_ratio=1.0),)
-  if cfg.every_round:  # psi is already the server's per-round average: no stale local decoders replace it
-    exchange = ()
-  return Algorithm('fedvtc', init_server,
-                   (Phase('fl', fl_client, fl_server, fl_broadcast, rounds=rounds),) + exchange +
-                   (Phase('finetune', finetune_client, keep_server, finetune_broadcast, rounds=1, join_ratio=1.0),),
-                   local_head_evaluation, init_client=init_client, upload_scalars=scalars,
-                   broadcast_scalars=scalars, received_scalars=received, samples=samples)
-
+  each, every client); under --vtc_every_round psi is already the server's per-round average, and no stale local
+  decoders replace it in an exchange."""
+  fl = Phase('fl', functools.partial(fl_client, cfg, num_classes), functools.partial(fl_server, cfg),
+             functools.partial(fl_broadcast, cfg), rounds=rounds)
+  exchange = Phase('vtc_exchange', exchange_client, exchange_server, lambda server, group: {}, rounds=1,
+                   join_ratio=1.0)
+  finetune = Phase('finetune', functools.partial(finetune_client, cfg, num_classes), keep_server,
+                   finetune_broadcast, rounds=1, join_ratio=1.0)
+  phases = (fl, finetune) if cfg.every_round else (fl, exchange, finetune)
+  return Algorithm('fedvtc', functools.partial(init_server, num_classes), phases, local_head_evaluation,
+                   init_client=functools.partial(init_client_extra, cfg), upload_scalars=sent_scalars,
+                   broadcast_scalars=sent_scalars, received_scalars=received_scalars,
+                   samples=functools.partial(decoded_samples, num_classes))
