@@ -18,7 +18,8 @@ Defaults are HtFLlib's tuned script (`total.sh`: -nd 32 -glr 0.1 -hd 512 -se 100
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import functools
+from typing import NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -71,78 +72,104 @@ def ensemble_logits(heads: dict, weights: jnp.ndarray, z: jnp.ndarray) -> jnp.nd
   return jnp.einsum('k,kbc->bc', weights, jnp.einsum('bd,kdc->kbc', z, heads['kernel']) + heads['bias'][:, None])
 
 
+class GeneratedDraws(NamedTuple):
+  """What the server's and the clients' generated batches draw from: `batch_size` labels from `label_probs` [C],
+  and noise of width cfg.noise_dim."""
+  cfg: FedGenConfig
+  num_classes: int
+  batch_size: int
+  label_probs: jnp.ndarray
+
+  def labels(self, key: jax.Array) -> jnp.ndarray:
+    """[batch_size] labels drawn from the training-label distribution."""
+    return jax.random.choice(key, self.num_classes, (self.batch_size,), p=self.label_probs)
+
+  def generator(self, feature_dim: int) -> FeatureGenerator:
+    return FeatureGenerator(self.num_classes, feature_dim, self.cfg.hidden_dim)
+
+  def generate(self, variables: dict, feature_dim: int, labels: jnp.ndarray, key: jax.Array):
+    """(G(eps, y) in training mode, its updated BatchNorm statistics), eps ~ U(0, 1)^noise_dim."""
+    noise = jax.random.uniform(key, (labels.shape[0], self.cfg.noise_dim))
+    return self.generator(feature_dim).apply(variables, noise, labels, mutable=['batch_stats'])
+
+
+def label_distribution(num_classes: int, label_counts: Optional[np.ndarray]) -> jnp.ndarray:
+  """[C] the distribution of generated labels: the counts normalised, uniform for None."""
+  if label_counts is None:
+    return jnp.full(num_classes, 1.0 / num_classes, jnp.float32)
+  label_counts = np.asarray(label_counts, np.float64)
+  if label_counts.shape != (num_classes,) or label_counts.min() < 0 or label_counts.sum() <= 0:
+    raise ConfigError(f'fedgen: label_counts must be {num_classes} non-negative counts with a positive sum; got '
+                      f'{label_counts}.')
+  return jnp.asarray(label_counts / label_counts.sum(), jnp.float32)
+
+
+def init_server(draws: GeneratedDraws, key: jax.Array, spec, initial) -> dict:
+  """The first client's head and G with PyTorch's default initialisation."""
+  generator = draws.generator(spec.feature_dim)
+  variables = generator.init(key, jnp.zeros((2, draws.cfg.noise_dim)), jnp.zeros(2, jnp.int32))
+  variables = {**variables, 'params': torch_default_init(variables['params'], key)}
+  return {'head': initial[0].params['head'], 'generator': variables}
+
+
+def client_program(draws: GeneratedDraws, group):
+  """head <- global head; CE(f(x), y) + CE(head(G(eps, y')), y') with G's output a constant; uploads the head."""
+  def loss(client, batch, broadcast, key):
+    value, client = cross_entropy_loss(group.model)(client, batch, broadcast, key)
+    label_key, noise_key = jax.random.split(key)
+    labels = draws.labels(label_key)
+    z, _ = draws.generate(broadcast['generator'], group.feature_dim, labels, noise_key)
+    logits = head_apply(client.params['head'], jax.lax.stop_gradient(z))
+    return value + cross_entropy(logits, labels), client
+  return sgd_program(loss, group.training, receive=receive_head, upload=upload_head)
+
+
+def server_update(draws: GeneratedDraws, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+  """Trains G for server_epochs Adam steps (fresh state) against the sample-weighted ensemble of the uploaded
+  heads, then averages the heads."""
+  cfg = draws.cfg
+  u = concat_groups(uploads)
+  weights = u.num_train * u.mask
+  w = weights / jnp.maximum(weights.sum(), 1e-12)
+  d = server['head']['kernel'].shape[0]
+  optimizer = optax.adam(cfg.generator_learning_rate, b1=0.9, b2=0.999, eps=1e-8)
+
+  def step(carry, step_key):
+    variables, opt_state = carry
+    label_key, noise_key = jax.random.split(step_key)
+    labels = draws.labels(label_key)
+
+    def loss_fn(params):
+      z, updated = draws.generate({**variables, 'params': params}, d, labels, noise_key)
+      return cross_entropy(ensemble_logits(u.values['head'], w, z), labels), updated
+    (loss, updated), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables['params'])
+    updates, opt_state = optimizer.update(grads, opt_state, variables['params'])
+    variables = {**variables, **updated, 'params': optax.apply_updates(variables['params'], updates)}
+    return (variables, opt_state), loss
+
+  variables = server['generator']
+  (variables, _), losses = jax.lax.scan(step, (variables, optimizer.init(variables['params'])),
+                                        jax.random.split(key, cfg.server_epochs))
+  head = participant_average(u.values['head'], weights, server['head'])
+  return ({'head': head, 'generator': variables},
+          {'generator_loss': losses.mean() if cfg.server_epochs else jnp.asarray(0.0)})
+
+
+def broadcast_scalars(b: dict) -> dict:
+  """The head and G's parameters (FedRE Table 11 counts the heads only: HtFLlib never sends G; G's BatchNorm
+  running statistics are not sent: clients run G in training mode). The label distribution is fixed at
+  construction and not counted per round."""
+  return {'head': b['head']['kernel'].size + b['head']['bias'].size,
+          'generator': sum(a.size for a in jax.tree.leaves(b['generator']['params']))}
+
+
 def fedgen(cfg: FedGenConfig, num_classes: int, local_batch_size: int = 32,
            label_counts: Optional[np.ndarray] = None) -> Algorithm:
   """FedGen as an `Algorithm` (`local_batch_size`: generated batch size when cfg.generator_batch_size is None;
   `label_counts` [C]: all clients' training label counts, whose distribution the generated labels follow; None:
   uniform)."""
-  batch_size = cfg.generator_batch_size or local_batch_size
-  if label_counts is None:
-    label_probs = np.full(num_classes, 1.0 / num_classes)
-  else:
-    label_counts = np.asarray(label_counts, np.float64)
-    if label_counts.shape != (num_classes,) or label_counts.min() < 0 or label_counts.sum() <= 0:
-      raise ConfigError(f'fedgen: label_counts must be {num_classes} non-negative counts with a positive sum; got '
-                        f'{label_counts}.')
-    label_probs = label_counts / label_counts.sum()
-  label_probs = jnp.asarray(label_probs, jnp.float32)
-
-  def generator(feature_dim: int) -> FeatureGenerator:
-    return FeatureGenerator(num_classes, feature_dim, cfg.hidden_dim)
-
-  def generate(variables: dict, feature_dim: int, labels: jnp.ndarray, rng: jax.Array):
-    noise = jax.random.uniform(rng, (labels.shape[0], cfg.noise_dim))
-    return generator(feature_dim).apply(variables, noise, labels, mutable=['batch_stats'])
-
-  def init_server(key, spec, initial):
-    variables = generator(spec.feature_dim).init(key, jnp.zeros((2, cfg.noise_dim)), jnp.zeros(2, jnp.int32))
-    variables = {**variables, 'params': torch_default_init(variables['params'], key)}
-    return {'head': initial[0].params['head'], 'generator': variables}
-
-  def client(group):
-    def loss(client, batch, broadcast, key):
-      value, client = cross_entropy_loss(group.model)(client, batch, broadcast, key)
-      label_key, noise_key = jax.random.split(key)
-      labels = jax.random.choice(label_key, num_classes, (batch_size,), p=label_probs)
-      z, _ = generate(broadcast['generator'], group.feature_dim, labels, noise_key)
-      logits = head_apply(client.params['head'], jax.lax.stop_gradient(z))
-      return value + cross_entropy(logits, labels), client
-    return sgd_program(loss, group.training, receive=receive_head, upload=upload_head)
-
-  def server_update(server, uploads, key):
-    """Trains G against the weighted ensemble of the uploaded heads, then averages the heads."""
-    u = concat_groups(uploads)
-    weights = u.num_train * u.mask
-    w = weights / jnp.maximum(weights.sum(), 1e-12)
-    d = server['head']['kernel'].shape[0]
-    optimizer = optax.adam(cfg.generator_learning_rate, b1=0.9, b2=0.999, eps=1e-8)
-
-    def step(carry, step_key):
-      variables, opt_state = carry
-      label_key, noise_key = jax.random.split(step_key)
-      labels = jax.random.choice(label_key, num_classes, (batch_size,), p=label_probs)
-
-      def loss_fn(params):
-        z, updated = generate({**variables, 'params': params}, d, labels, noise_key)
-        return cross_entropy(ensemble_logits(u.values['head'], w, z), labels), updated
-      (loss, updated), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables['params'])
-      updates, opt_state = optimizer.update(grads, opt_state, variables['params'])
-      variables = {**variables, **updated, 'params': optax.apply_updates(variables['params'], updates)}
-      return (variables, opt_state), loss
-
-    variables = server['generator']
-    (variables, _), losses = jax.lax.scan(step, (variables, optimizer.init(variables['params'])),
-                                          jax.random.split(key, cfg.server_epochs))
-    head = participant_average(u.values['head'], weights, server['head'])
-    return ({'head': head, 'generator': variables},
-            {'generator_loss': losses.mean() if cfg.server_epochs else jnp.asarray(0.0)})
-
-  def broadcast_scalars(b):
-    """The head and G's parameters (FedRE Table 11 counts the heads only: HtFLlib never sends G; G's BatchNorm
-    running statistics are not sent: clients run G in training mode). The label distribution is fixed at
-    construction and not counted per round."""
-    return {'head': b['head']['kernel'].size + b['head']['bias'].size,
-            'generator': sum(a.size for a in jax.tree.leaves(b['generator']['params']))}
-
-  return one_phase('fedgen', init_server, client, server_update, global_head_evaluation,
+  draws = GeneratedDraws(cfg, num_classes, cfg.generator_batch_size or local_batch_size,
+                         label_distribution(num_classes, label_counts))
+  return one_phase('fedgen', functools.partial(init_server, draws), functools.partial(client_program, draws),
+                   functools.partial(server_update, draws), global_head_evaluation,
                    broadcast_scalars=broadcast_scalars)
