@@ -42,6 +42,8 @@ per target round its group's model both ways (plus the generator in update mode)
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -179,118 +181,155 @@ def with_shared_first_block(models: tuple, uploads) -> tuple:
   return tuple(out)
 
 
+def image_generator(cfg: GeFLConfig, num_classes: int, group: GroupSpec) -> ConditionalGenerator:
+  """The group's generator of its images."""
+  return build_generator(cfg, num_classes, group.input_shape, group.conv)
+
+
+def init_generator_extra(make_generator: Callable[[GroupSpec], ConditionalGenerator], group: GroupSpec,
+                         key: jax.Array) -> dict:
+  """A client's generator (the same initialisation on every client) and its own optimizer state."""
+  gen = make_generator(group)
+  variables = gen.init(group.shared_key('gefl_generator'))
+  return {'generator': variables, 'optimizer': gen.init_optimizer(variables)}
+
+
+def init_server(key: jax.Array, spec, initial) -> dict:
+  """The first client's generator, the generator's round count, and each group's first model."""
+  return {'generator': initial[0].extra['generator'], 'generator_round': jnp.zeros((), jnp.int32),
+          'models': tuple({'params': s.params, 'model_state': s.model_state} for s in initial)}
+
+
+def average_generators(server: dict, uploads) -> dict:
+  """The generator <- the unweighted mean of the participants' generators over all groups; its round count + 1.
+  Only the generator crosses groups (target models differ in shape between architectures)."""
+  u = concat_groups(tuple(g._replace(values={'generator': g.values['generator']}) for g in uploads))
+  generator = participant_average(u.values['generator'], u.mask.astype(jnp.float32), server['generator'])
+  return {**server, 'generator': generator, 'generator_round': server['generator_round'] + 1}
+
+
+def knowledge_server(server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+  """Knowledge aggregation (Alg. 1): the generators averaged."""
+  return average_generators(server, uploads), {}
+
+
+def receive_generator(client, broadcast: dict):
+  """The client's generator <- the server's (its optimizer state stays its own)."""
+  return client._replace(extra={**client.extra, 'generator': broadcast['generator']})
+
+
+def generator_broadcast(server: dict, group) -> dict:
+  """The generator and its round count (the DDPM rate schedule reads the count)."""
+  return {'generator': server['generator'], 'generator_round': server['generator_round']}
+
+
+def upload_generator(client, rows, broadcast, key):
+  """Uploads the client's generator (every variable: BatchNorm statistics and DCGAN's D too)."""
+  return client, {'generator': client.extra['generator']}
+
+
+# ---------------------------------------------------------------- phase 'knowledge'
+def knowledge_client(cfg: GeFLConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
+  """The server's generator, trained T_g epochs on the client's real batches with its own optimizer state. No
+  target network enters this program: it is the same for every group of one input shape and convolution, so
+  executors compile it once."""
+  step = generator_step(image_generator(cfg, num_classes, group), ddpm_lr_scale(cfg))
+  return ClientProgram(lambda client, broadcast, key: receive_generator(client, broadcast),
+                       (Stage(step, cfg.generator_epochs),), upload_generator, group.training,
+                       identity=('gefl.knowledge', tuple(group.input_shape), group.conv, group.training))
+
+
+# ---------------------------------------------------------------- phase 'target'
+def target_broadcast(server: dict, group) -> dict:
+  """The generator and the group's model."""
+  return {**generator_broadcast(server, group), 'model': server['models'][group.index]}
+
+
+def receive_group_model(client, broadcast: dict):
+  """The client's target network <- its group's model."""
+  return client._replace(params=broadcast['model']['params'], model_state=broadcast['model']['model_state'])
+
+
+def target_client(cfg: GeFLConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
+  """The group's model, trained T_s epochs on generated batches, then T_r epochs on real ones (Alg. 2); in update
+  mode the generator then trains T_g epochs too. Uploads the model (and the generator)."""
+  update = cfg.mode == 'update'
+  gen, optimizer = image_generator(cfg, num_classes, group), group.training.optimizer()
+
+  def sgd_on(client, x, y, mask):
+    def loss(params):
+      logits, _, state = forward(group.model, params, client.model_state, x, True, mask)
+      return cross_entropy(logits, y, mask), state
+    (value, state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
+    return client._replace(params=descend(optimizer, client.params, grads), model_state=state), value
+
+  def synthetic_step(client, batch: Batch, broadcast, key):
+    images, labels = synthetic_batch(gen, broadcast['generator'], key, group.training.batch_size, num_classes,
+                                     cfg.match_range)
+    return sgd_on(client, images, labels, batch.mask)
+
+  def real_step(client, batch: Batch, broadcast, key):
+    return sgd_on(client, batch.x, batch.y, batch.mask)
+
+  def init(client, broadcast, key):
+    client = receive_group_model(client, broadcast)
+    return receive_generator(client, broadcast) if update else client
+
+  def final(client, rows, broadcast, key):
+    upload = {'model': {'params': client.params, 'model_state': client.model_state}}
+    return client, ({**upload, 'generator': client.extra['generator']} if update else upload)
+
+  stages = (Stage(synthetic_step, cfg.synthetic_epochs, generated=True), Stage(real_step, group.training.epochs))
+  if update:
+    stages += (Stage(generator_step(gen, ddpm_lr_scale(cfg)), cfg.generator_epochs),)
+  return ClientProgram(init, stages, final, group.training)
+
+
+def target_server(cfg: GeFLConfig, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+  """Each group's model <- the unweighted mean of its participants' (Alg. 2; the first block over all clients
+  under --gefl_share_first_block); the generators averaged too in update mode."""
+  models = tuple(participant_average(u.values['model'], u.mask.astype(jnp.float32), old)
+                 for u, old in zip(uploads, server['models']))
+  if cfg.share_first_block:
+    models = with_shared_first_block(models, uploads)
+  server = {**server, 'models': models}
+  return (average_generators(server, uploads) if cfg.mode == 'update' else server), {}
+
+
+def evaluation(group: GroupSpec):
+  """Every client scored with its group's model. Knowledge rounds broadcast no target model: scored there (only
+  when a caller asks), a client is its own."""
+  receive = lambda client, broadcast: receive_group_model(client, broadcast) if 'model' in broadcast else client
+  return head_evaluation(group.model, {'group_model': own_head}, receive=receive)
+
+
+def generated_samples(cfg: GeFLConfig, num_classes: int, server: dict, spec, key: jax.Array, n: int):
+  """[C, n, H, W, c]: n samples per class from the server's generator, in [-1, 1]."""
+  gen = image_generator(cfg, num_classes, spec.groups[0])
+  labels = jnp.repeat(jnp.arange(num_classes), n)
+  images = from_generator_range(gen.sample(server['generator'], labels, key), gen.unit_range)
+  return jnp.clip(images, -1.0, 1.0).reshape((num_classes, n) + images.shape[1:])
+
+
+def sent_scalars(cfg: GeFLConfig, tree: dict) -> dict:
+  """The models and generators that cross; in freeze mode a target round's broadcast carries the generator only
+  for the engine (clients hold the final one from the last knowledge round: not counted again)."""
+  out = {'model': sum(leaf_scalars(tree['model']).values())} if 'model' in tree else {}
+  if 'generator' in tree and (cfg.mode == 'update' or 'model' not in tree):
+    out['generator'] = sum(leaf_scalars(tree['generator']).values())
+  return out
+
+
 def gefl(cfg: GeFLConfig, num_classes: int, rounds: int) -> Algorithm:
   """GeFL as an `Algorithm` of two phases: 'knowledge' (cfg.knowledge_rounds rounds) and 'target' (`rounds`)."""
-  update = cfg.mode == 'update'
-
-  def generator_of(group: GroupSpec) -> ConditionalGenerator:
-    return build_generator(cfg, num_classes, group.input_shape, group.conv)
-
-  lr_scale = ddpm_lr_scale(cfg)
-
-  def init_client(group, key):
-    gen = generator_of(group)
-    variables = gen.init(group.shared_key('gefl_generator'))
-    return {'generator': variables, 'optimizer': gen.init_optimizer(variables)}
-
-  def init_server(key, spec, initial):
-    return {'generator': initial[0].extra['generator'], 'generator_round': jnp.zeros((), jnp.int32),
-            'models': tuple({'params': s.params, 'model_state': s.model_state} for s in initial)}
-
-  def average_generator(server, uploads):
-    # Only the generator crosses groups (target models differ in shape between architectures).
-    u = concat_groups(tuple(g._replace(values={'generator': g.values['generator']}) for g in uploads))
-    generator = participant_average(u.values['generator'], u.mask.astype(jnp.float32), server['generator'])
-    return {**server, 'generator': generator, 'generator_round': server['generator_round'] + 1}
-
-  def receive_generator(client, broadcast):
-    return client._replace(extra={**client.extra, 'generator': broadcast['generator']})
-
-  # ---------------------------------------------------------------- phase 'knowledge'
-  def knowledge_client(group: GroupSpec) -> ClientProgram:
-    # No target network enters this program: it is the same for every group of one input shape and convolution,
-    # so executors compile it once.
-    step = generator_step(generator_of(group), lr_scale)
-    return ClientProgram(lambda client, broadcast, key: receive_generator(client, broadcast),
-                         (Stage(step, cfg.generator_epochs),),
-                         lambda client, rows, broadcast, key: (client, {'generator': client.extra['generator']}),
-                         group.training, identity=('gefl.knowledge', tuple(group.input_shape), group.conv,
-                                                   group.training))
-
-  def knowledge_broadcast(server, group):
-    return {'generator': server['generator'], 'generator_round': server['generator_round']}
-
-  # ---------------------------------------------------------------- phase 'target'
-  def target_broadcast(server, group):
-    return {**knowledge_broadcast(server, group), 'model': server['models'][group.index]}
-
-  def receive_group_model(client, broadcast):
-    return client._replace(params=broadcast['model']['params'], model_state=broadcast['model']['model_state'])
-
-  def target_client(group: GroupSpec) -> ClientProgram:
-    gen = generator_of(group)
-
-    optimizer = group.training.optimizer()
-
-    def sgd_on(client, x, y, mask):
-      def loss(params):
-        logits, _, state = forward(group.model, params, client.model_state, x, True, mask)
-        return cross_entropy(logits, y, mask), state
-      (value, state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
-      return client._replace(params=descend(optimizer, client.params, grads), model_state=state), value
-
-    def synthetic_step(client, batch: Batch, broadcast, key):
-      images, labels = synthetic_batch(gen, broadcast['generator'], key, group.training.batch_size, num_classes,
-                                       cfg.match_range)
-      return sgd_on(client, images, labels, batch.mask)
-
-    def real_step(client, batch: Batch, broadcast, key):
-      return sgd_on(client, batch.x, batch.y, batch.mask)
-
-    def init(client, broadcast, key):
-      client = receive_group_model(client, broadcast)
-      return receive_generator(client, broadcast) if update else client
-
-    def final(client, rows, broadcast, key):
-      upload = {'model': {'params': client.params, 'model_state': client.model_state}}
-      return client, ({**upload, 'generator': client.extra['generator']} if update else upload)
-
-    stages = (Stage(synthetic_step, cfg.synthetic_epochs, generated=True), Stage(real_step, group.training.epochs))
-    if update:
-      stages += (Stage(generator_step(gen, lr_scale), cfg.generator_epochs),)
-    return ClientProgram(init, stages, final, group.training)
-
-  def target_server(server, uploads, key):
-    models = tuple(participant_average(u.values['model'], u.mask.astype(jnp.float32), old)
-                   for u, old in zip(uploads, server['models']))
-    if cfg.share_first_block:
-      models = with_shared_first_block(models, uploads)
-    server = {**server, 'models': models}
-    return (average_generator(server, uploads) if update else server), {}
-
-  def evaluation(group):
-    # Knowledge rounds broadcast no target model: scored there (only when a caller asks), a client is its own.
-    receive = lambda client, broadcast: receive_group_model(client, broadcast) if 'model' in broadcast else client
-    return head_evaluation(group.model, {'group_model': own_head}, receive=receive)
-
-  def samples(server, spec, key, n):
-    """n samples per class from the server's generator, in [-1, 1]."""
-    gen = generator_of(spec.groups[0])
-    labels = jnp.repeat(jnp.arange(num_classes), n)
-    images = from_generator_range(gen.sample(server['generator'], labels, key), gen.unit_range)
-    return jnp.clip(images, -1.0, 1.0).reshape((num_classes, n) + images.shape[1:])
-
-  def scalars(tree) -> dict:
-    """The models and generators that cross; in freeze mode a target round's broadcast carries the generator only
-    for the engine (clients hold the final one from the last knowledge round: not counted again)."""
-    out = {'model': sum(leaf_scalars(tree['model']).values())} if 'model' in tree else {}
-    if 'generator' in tree and (update or 'model' not in tree):
-      out['generator'] = sum(leaf_scalars(tree['generator']).values())
-    return out
-
-  return Algorithm('gefl', init_server,
-                   (Phase('knowledge', knowledge_client, lambda s, u, k: (average_generator(s, u), {}),
-                          knowledge_broadcast, rounds=cfg.knowledge_rounds, evaluate=False),
-                    Phase('target', target_client, target_server, target_broadcast, rounds=rounds)),
-                   evaluation, init_client=init_client, upload_scalars=scalars, broadcast_scalars=scalars,
-                   samples=samples, partial_batches=True, shares_representations=False)
+  knowledge = Phase('knowledge', functools.partial(knowledge_client, cfg, num_classes), knowledge_server,
+                    generator_broadcast, rounds=cfg.knowledge_rounds, evaluate=False)
+  target = Phase('target', functools.partial(target_client, cfg, num_classes), functools.partial(target_server, cfg),
+                 target_broadcast, rounds=rounds)
+  scalars = functools.partial(sent_scalars, cfg)
+  return Algorithm('gefl', init_server, (knowledge, target), evaluation,
+                   init_client=functools.partial(init_generator_extra,
+                                                 functools.partial(image_generator, cfg, num_classes)),
+                   upload_scalars=scalars, broadcast_scalars=scalars,
+                   samples=functools.partial(generated_samples, cfg, num_classes), partial_batches=True,
+                   shares_representations=False)
