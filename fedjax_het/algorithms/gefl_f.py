@@ -26,13 +26,16 @@ GeFL's LG-FedAvg baseline (`lg_fedavg_first_block`) is this module's warm-up pha
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
 from fedjax_het.algorithms.common import cross_entropy, descend, participant_average
-from fedjax_het.algorithms.gefl import GeFLConfig, build_generator, ddpm_lr_scale, generator_step
+from fedjax_het.algorithms.gefl import (GeFLConfig, build_generator, ddpm_lr_scale, generator_broadcast,
+                                        generator_step, init_generator_extra, knowledge_server, receive_generator,
+                                        upload_generator)
 from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, Stage, hyperparameter,
                              leaf_scalars)
 from fedjax_het.errors import ConfigError
@@ -76,12 +79,16 @@ def apply_features(module: GeFLCNN, fe: dict, x):
   return module.apply(variables, x, False)
 
 
+def feature_map_shape(group: GroupSpec) -> tuple[int, ...]:
+  """The shape of F's maps of one of the group's inputs."""
+  module = features_module(group)
+  return tuple(jax.eval_shape(lambda: module.init_with_output(jax.random.PRNGKey(0), group.sample_input(),
+                                                              False)[0]).shape[1:])
+
+
 def feature_generator(cfg: GeFLFConfig, num_classes: int, group: GroupSpec):
   """The configured generator of F's feature maps (DCGAN-F, CVAE-F, DDPM-F)."""
-  module = features_module(group)
-  shape = jax.eval_shape(lambda: module.init_with_output(jax.random.PRNGKey(0), group.sample_input(),
-                                                         False)[0]).shape[1:]
-  return build_generator(cfg, num_classes, shape, group.conv, features=True)
+  return build_generator(cfg, num_classes, feature_map_shape(group), group.conv, features=True)
 
 
 def reconstructed_samples(cfg: GeFLFConfig, num_classes: int, group: GroupSpec, server: dict, key: jax.Array, n: int,
@@ -173,122 +180,127 @@ def lg_fedavg_first_block(num_classes: int) -> Algorithm:
                    shares_representations=False)
 
 
+def extractor_features(module: GeFLCNN, fe: dict, x):
+  """F(x) in eval mode with the broadcast F, a constant for the caller's gradients."""
+  return jax.lax.stop_gradient(apply_features(module, fe, x))
+
+
+def header_model(group: GroupSpec):
+  """The group's classifier from F's maps (its header)."""
+  return group.model.clone(extractor=extractor_of(group, 'header'), parent=None)
+
+
+def init_server(key: jax.Array, spec, initial) -> dict:
+  """F and the headers of `shared_block_server`, the first client's generator and its round count."""
+  return {**shared_block_server(key, spec, initial), 'generator': initial[0].extra['generator'],
+          'generator_round': jnp.zeros((), jnp.int32)}
+
+
+# ---------------------------------------------------------------- phase 'warmup'
+def warmup_client(cfg: GeFLFConfig, group: GroupSpec) -> ClientProgram:
+  """The whole classifier trained T_w epochs (`shared_block_program`)."""
+  return shared_block_program(group, cfg.warmup_epochs)
+
+
+# ---------------------------------------------------------------- phase 'knowledge'
+def knowledge_client(cfg: GeFLFConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
+  """The server's feature generator, trained T_g epochs on F's maps of the client's real batches with its own
+  optimizer state. No header enters this program: it is the same for every group of one F, so executors compile
+  it once."""
+  module = features_module(group)
+  gen = feature_generator(cfg, num_classes, group)
+  step = generator_step(gen, ddpm_lr_scale(cfg), lambda x, broadcast: extractor_features(module, broadcast['fe'], x))
+  return ClientProgram(lambda client, broadcast, key: receive_generator(client, broadcast),
+                       (Stage(step, cfg.generator_epochs),), upload_generator, group.training,
+                       identity=('gefl_f.knowledge', module, feature_map_shape(group), group.conv,
+                                 group.training))
+
+
+def knowledge_broadcast(server: dict, group) -> dict:
+  """F, the generator and its round count."""
+  return {'fe': server['fe'], **generator_broadcast(server, group)}
+
+
+# ---------------------------------------------------------------- phase 'target'
+def target_client(cfg: GeFLFConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
+  """F and the group's header; the header trained T_s epochs on generated maps, then T_r epochs on F's maps of
+  real batches, F untouched. Uploads the header."""
+  gen, header, optimizer = feature_generator(cfg, num_classes, group), header_model(group), group.training.optimizer()
+  module = features_module(group)
+
+  def sgd_on_header(client, maps, y, mask):
+    """One SGD step of the header (F's parameters untouched) on feature maps (the rows where mask is True)."""
+    fe, head = split_client(client.params, client.model_state)
+
+    def loss(head_params):
+      params, model_state = join_client(fe, {'params': head_params, 'stats': head['stats']}, client.model_state)
+      logits, _, state = forward(header, params, model_state, maps, True, mask)
+      return cross_entropy(logits, y, mask), state
+    (value, state), grads = jax.value_and_grad(loss, has_aux=True)(head['params'])
+    head_params = descend(optimizer, head['params'], grads)
+    _, new_head = split_client(head_params, state)
+    params, model_state = join_client(fe, {'params': head_params, 'stats': new_head['stats']}, client.model_state)
+    return client._replace(params=params, model_state=model_state), value
+
+  def synthetic_step(client, batch: Batch, broadcast, key):
+    label_key, sample_key = jax.random.split(key)
+    labels = uniform_labels(label_key, group.training.batch_size, num_classes)
+    maps = jax.lax.stop_gradient(gen.sample(broadcast['generator'], labels, sample_key))
+    return sgd_on_header(client, maps, labels, batch.mask)
+
+  def real_step(client, batch: Batch, broadcast, key):
+    return sgd_on_header(client, extractor_features(module, broadcast['fe'], batch.x), batch.y, batch.mask)
+
+  def final(client, rows, broadcast, key):
+    return client, {'header': split_client(client.params, client.model_state)[1]}
+
+  return ClientProgram(lambda client, broadcast, key: receive_model(client, broadcast),
+                       (Stage(synthetic_step, cfg.synthetic_epochs, generated=True),
+                        Stage(real_step, group.training.epochs)), final, group.training)
+
+
+def target_server(server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+  """Each group's header <- the mean of its participants' (`average_headers`)."""
+  return {**server, 'headers': average_headers(server, uploads)}, {}
+
+
+def target_broadcast(server: dict, group) -> dict:
+  """F, the group's header, the generator and its round count."""
+  return {**model_broadcast(server, group), **generator_broadcast(server, group)}
+
+
+def evaluation(group: GroupSpec):
+  """Every client scored with F and its group's header."""
+  return head_evaluation(group.model, {'group_model': own_head}, receive=receive_model)
+
+
+def sent_scalars(tree: dict) -> dict:
+  """What crosses: F and the headers in warm-up rounds, the generator in knowledge rounds, the headers in target
+  rounds. Later broadcasts carry F (and the generator) only for the engine: clients already hold them, except
+  F's last average, which reaches them once at the start of knowledge aggregation (42 scalars at MNIST size with
+  its BatchNorm statistics; not counted)."""
+  count = lambda t: sum(leaf_scalars(t).values())
+  out = {'header': count(tree['header'])} if 'header' in tree else {}
+  if 'fe' in tree and 'generator' not in tree:
+    out['extractor'] = count(tree['fe'])
+  if 'generator' in tree and 'header' not in tree:
+    out['generator'] = count(tree['generator'])
+  return out
+
+
 def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int) -> Algorithm:
   """GeFL-F as an `Algorithm` of three phases: 'warmup' (T_FE), 'knowledge' (T_KA) and 'target' (`rounds`)."""
   if cfg.mode != 'freeze':  # refused here, not in the config: --gefl_mode is GeFL's flag too
     raise ConfigError('GeFL-F runs its generator frozen after knowledge aggregation; --gefl_mode=update is not '
                       'built for it. Fix: --gefl_mode=freeze.')
-  lr_scale = ddpm_lr_scale(cfg)
-
-  def features(module: GeFLCNN, fe: dict, x):
-    """F(x) in eval mode with the broadcast F, a constant for the caller's gradients."""
-    return jax.lax.stop_gradient(apply_features(module, fe, x))
-
-  def generator_of(group: GroupSpec):
-    return feature_generator(cfg, num_classes, group)
-
-  def header_model(group: GroupSpec):
-    return group.model.clone(extractor=extractor_of(group, 'header'), parent=None)
-
-  def init_client(group, key):
-    gen = generator_of(group)
-    variables = gen.init(group.shared_key('gefl_generator'))
-    return {'generator': variables, 'optimizer': gen.init_optimizer(variables)}
-
-  def init_server(key, spec, initial):
-    return {**shared_block_server(key, spec, initial), 'generator': initial[0].extra['generator'],
-            'generator_round': jnp.zeros((), jnp.int32)}
-
-  # ---------------------------------------------------------------- phase 'warmup'
-  def warmup_client(group: GroupSpec) -> ClientProgram:
-    return shared_block_program(group, cfg.warmup_epochs)
-
-  # ---------------------------------------------------------------- phase 'knowledge'
-  def knowledge_client(group: GroupSpec) -> ClientProgram:
-    # No header enters this program: it is the same for every group of one F, so executors compile it once.
-    module = features_module(group)
-    shape = jax.eval_shape(lambda: module.init_with_output(jax.random.PRNGKey(0), group.sample_input(),
-                                                           False)[0]).shape[1:]
-    gen = build_generator(cfg, num_classes, tuple(shape), group.conv, features=True)
-    step = generator_step(gen, lr_scale, lambda x, broadcast: features(module, broadcast['fe'], x))
-    receive = lambda client, broadcast, key: client._replace(
-        extra={**client.extra, 'generator': broadcast['generator']})
-    return ClientProgram(receive, (Stage(step, cfg.generator_epochs),),
-                         lambda client, rows, broadcast, key: (client, {'generator': client.extra['generator']}),
-                         group.training, identity=('gefl_f.knowledge', module, tuple(shape), group.conv,
-                                                   group.training))
-
-  def knowledge_server(server, uploads, key):
-    u = concat_groups(uploads)
-    generator = participant_average(u.values['generator'], u.mask.astype(jnp.float32), server['generator'])
-    return {**server, 'generator': generator, 'generator_round': server['generator_round'] + 1}, {}
-
-  def knowledge_broadcast(server, group):
-    return {'fe': server['fe'], 'generator': server['generator'], 'generator_round': server['generator_round']}
-
-  # ---------------------------------------------------------------- phase 'target'
-  def target_client(group: GroupSpec) -> ClientProgram:
-    gen, header, optimizer = generator_of(group), header_model(group), group.training.optimizer()
-
-    def sgd_on_header(client, maps, y, mask):
-      """One SGD step of the header (F's parameters untouched) on feature maps (the rows where mask is True)."""
-      fe, head = split_client(client.params, client.model_state)
-
-      def loss(head_params):
-        params, model_state = join_client(fe, {'params': head_params, 'stats': head['stats']}, client.model_state)
-        logits, _, state = forward(header, params, model_state, maps, True, mask)
-        return cross_entropy(logits, y, mask), state
-      (value, state), grads = jax.value_and_grad(loss, has_aux=True)(head['params'])
-      head_params = descend(optimizer, head['params'], grads)
-      _, new_head = split_client(head_params, state)
-      params, model_state = join_client(fe, {'params': head_params, 'stats': new_head['stats']},
-                                        client.model_state)
-      return client._replace(params=params, model_state=model_state), value
-
-    def synthetic_step(client, batch: Batch, broadcast, key):
-      label_key, sample_key = jax.random.split(key)
-      labels = uniform_labels(label_key, group.training.batch_size, num_classes)
-      maps = jax.lax.stop_gradient(gen.sample(broadcast['generator'], labels, sample_key))
-      return sgd_on_header(client, maps, labels, batch.mask)
-
-    def real_step(client, batch: Batch, broadcast, key):
-      return sgd_on_header(client, features(features_module(group), broadcast['fe'], batch.x), batch.y,
-                           batch.mask)
-
-    def final(client, rows, broadcast, key):
-      return client, {'header': split_client(client.params, client.model_state)[1]}
-
-    return ClientProgram(lambda client, broadcast, key: receive_model(client, broadcast),
-                         (Stage(synthetic_step, cfg.synthetic_epochs, generated=True),
-                          Stage(real_step, group.training.epochs)), final, group.training)
-
-  def target_server(server, uploads, key):
-    return {**server, 'headers': average_headers(server, uploads)}, {}
-
-  def target_broadcast(server, group):
-    return {**model_broadcast(server, group), 'generator': server['generator'],
-            'generator_round': server['generator_round']}
-
-  def evaluation(group):
-    return head_evaluation(group.model, {'group_model': own_head}, receive=receive_model)
-
-  def scalars(tree) -> dict:
-    """What crosses: F and the headers in warm-up rounds, the generator in knowledge rounds, the headers in target
-    rounds. Later broadcasts carry F (and the generator) only for the engine: clients already hold them, except
-    F's last average, which reaches them once at the start of knowledge aggregation (42 scalars at MNIST size with
-    its BatchNorm statistics; not counted)."""
-    count = lambda t: sum(leaf_scalars(t).values())
-    out = {'header': count(tree['header'])} if 'header' in tree else {}
-    if 'fe' in tree and 'generator' not in tree:
-      out['extractor'] = count(tree['fe'])
-    if 'generator' in tree and 'header' not in tree:
-      out['generator'] = count(tree['generator'])
-    return out
-
-  return Algorithm('gefl_f', init_server,
-                   (Phase('warmup', warmup_client, shared_block_update, model_broadcast, rounds=cfg.fe_rounds),
-                    Phase('knowledge', knowledge_client, knowledge_server, knowledge_broadcast,
-                          rounds=cfg.knowledge_rounds, evaluate=False),
-                    Phase('target', target_client, target_server, target_broadcast, rounds=rounds)),
-                   evaluation, init_client=init_client, upload_scalars=scalars, broadcast_scalars=scalars,
-                   partial_batches=True, shares_representations=False)
+  phases = (Phase('warmup', functools.partial(warmup_client, cfg), shared_block_update, model_broadcast,
+                  rounds=cfg.fe_rounds),
+            Phase('knowledge', functools.partial(knowledge_client, cfg, num_classes), knowledge_server,
+                  knowledge_broadcast, rounds=cfg.knowledge_rounds, evaluate=False),
+            Phase('target', functools.partial(target_client, cfg, num_classes), target_server, target_broadcast,
+                  rounds=rounds))
+  return Algorithm('gefl_f', init_server, phases, evaluation,
+                   init_client=functools.partial(init_generator_extra,
+                                                 functools.partial(feature_generator, cfg, num_classes)),
+                   upload_scalars=sent_scalars, broadcast_scalars=sent_scalars, partial_batches=True,
+                   shares_representations=False)
