@@ -34,8 +34,9 @@ shuffled epoch; the paper flag files set it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -227,109 +228,164 @@ def class_uploads(uploads) -> Uploads:
 
 
 # ------------------------------------------------------------------ the algorithm
-def felo_family(name: str, cfg: FeloConfig, num_classes: int, rounds: int, num_clients: int, *,
-                with_features: bool, feature_upload=None, feature_server=None, init_features=None,
-                feature_scalars=None, extra_statistics=None) -> Algorithm:
-  """Felo, FedHe and (with the feature hooks) Velo as one `Algorithm` over --rounds rounds.
+class FeloRun(NamedTuple):
+  """A Felo-family method's run: its name, config, classes, rounds, clients, and how it shares class features
+  (`FeatureChannel`; None: logits only, FedHe)."""
+  name: str
+  cfg: FeloConfig
+  num_classes: int
+  rounds: int
+  num_clients: int
+  features: Optional['FeatureChannel']
 
-  feature_upload(stats) -> the feature part of the upload; init_features(spec, key) -> the server's feature state;
-  feature_server(server, uploads, key) -> (server with 'features'/'feature_present' set, metrics);
-  feature_scalars(upload) -> scalars of the feature upload; extra_statistics -> (empty, gather) added to the
-  per-class sums (Velo's feature rows). Default: Felo's per-class (sum, count) pairs and `window_mean`.
-  """
-  warm = warmup_rounds(cfg.warmup, rounds)
-  # a FIFO of uploads never holds more than the run's client-rounds: no longer than that
-  capacity = lambda cap: max(1, min(cap, rounds * num_clients))
+  def capacity(self, cap: int) -> int:
+    """A FIFO of uploads never holds more than the run's client-rounds: no longer than that."""
+    return max(1, min(cap, self.rounds * self.num_clients))
 
-  def init_client(group, key):
-    return {'optimizer': torch_adam(cfg.learning_rate).init(_params_shape(group))}
 
-  def init_server(key, spec, initial):
-    server = {'round': jnp.zeros((), jnp.int32),
-              'models': tuple(s.params for s in initial),
-              'logit_store': empty_store(num_classes, capacity(cfg.logit_store), num_classes),
-              'logits': jnp.zeros((num_classes, num_classes)), 'logit_present': jnp.zeros(num_classes, bool),
-              'features': jnp.zeros((num_classes, spec.feature_dim)),
-              'feature_present': jnp.zeros(num_classes, bool)}
-    if with_features:
-      server.update(init_features(spec, key) if init_features else
-                    {'feature_store': empty_store(num_classes, capacity(cfg.feature_store), spec.feature_dim + 1)})
-    return server
+class FeatureChannel(NamedTuple):
+  """How a Felo-family method shares class features (Felo: per-class (sum, count) pairs averaged over a window of
+  uploads; Velo: feature rows and a server CVAE). Each function takes the `FeloRun` first.
 
-  def broadcast(server, group):
-    out = {'logits': server['logits'], 'logit_present': server['logit_present'],
-           'features': server['features'], 'feature_present': server['feature_present'],
-           'distill': (server['round'] >= warm).astype(jnp.float32),
-           'lr_scale': multistep_scale(server['round'], rounds)}
-    return {**out, 'model': server['models'][group.index]} if cfg.average_models else out
+  init_server(run, spec, key) -> the server's feature state; statistics(run, group) -> (empty, gather) of the
+  per-client statistics added to the per-class sums, or None; upload(stats) -> the feature part of the upload;
+  server(run, server, uploads, key) -> (server with 'features' and 'feature_present' set, metrics);
+  scalars(upload) -> scalars of the feature upload."""
+  init_server: Callable[..., dict]
+  statistics: Optional[Callable[..., tuple[Callable, Callable]]]
+  upload: Callable[[dict], dict]
+  server: Callable[..., tuple[dict, dict]]
+  scalars: Callable[[dict], jnp.ndarray]
 
-  def client(group: GroupSpec) -> ClientProgram:
-    empty, gather = per_class_statistics(num_classes, group.feature_dim)
-    if extra_statistics is not None:
-      more_empty, more_gather = extra_statistics(group)
-      empty_all = lambda: {**empty(), **more_empty()}
-      gather_all = lambda s, lo, f, y: {**gather({k: s[k] for k in ('logits', 'features')}, lo, f, y),
-                                        **more_gather({k: v for k, v in s.items() if k not in ('logits', 'features')},
-                                                      lo, f, y)}
-    else:
-      empty_all, gather_all = empty, gather
 
-    def upload(client: ClientState, stats):
-      out = logit_upload(stats)
-      if with_features:
-        out.update(feature_upload(stats) if feature_upload else
-                   {'feature_sums': stats['features'][0], 'feature_counts': stats['features'][1]})
-      return {**out, 'model': client.params} if cfg.average_models else out
-    return adam_client_program(group, cfg, with_features, empty_all, gather_all, upload)
+def class_pair_store(run: FeloRun, spec, key: jax.Array) -> dict:
+  """Felo's server feature state: a FIFO per class of uploaded (feature sum, count) pairs."""
+  return {'feature_store': empty_store(run.num_classes, run.capacity(run.cfg.feature_store), spec.feature_dim + 1)}
 
-  def server_update(server, uploads, key):
-    u = class_uploads(uploads)
-    logit_store = push(server['logit_store'], *client_rows(u.values['logits'], u.values['logit_counts'], u.mask))
-    logits, logit_present = store_mean(logit_store)
-    server = {**server, 'logit_store': logit_store, 'logits': logits, 'logit_present': logit_present}
-    metrics = {'logit_classes': logit_present.sum()}
-    if 'loss_terms' in u.values:  # the participants' mean of each term of Eq. 1 over their steps
-      terms = masked_mean(u.values['loss_terms'], u.mask)
-      metrics.update(client_ce=terms[0], client_alpha_mse=terms[1], client_alpha_kl=terms[2])
-    if with_features:
-      if feature_server is not None:
-        server, more = feature_server(server, uploads, key)
-        metrics.update(more)
-      else:
-        pairs = jnp.concatenate([u.values['feature_sums'], u.values['feature_counts'][..., None]], axis=-1)
-        store = push(server['feature_store'], *client_rows(pairs, u.values['feature_counts'], u.mask))
-        features, present = window_mean(store, cfg.feature_store)
-        server = {**server, 'feature_store': store, 'features': features, 'feature_present': present}
-    if cfg.average_models:
-      server['models'] = tuple(participant_average(g.values['model'], g.mask * g.num_train, old)
-                               for g, old in zip(uploads, server['models']))
-    return {**server, 'round': server['round'] + 1}, metrics
 
-  def evaluation(group):
-    receive = receive_group_model if cfg.average_models else None
-    return head_evaluation(group.model, {'local_head': own_head}, receive=receive)
+def class_pair_upload(stats: dict) -> dict:
+  """Felo's feature upload: per-class feature sums and counts."""
+  return {'feature_sums': stats['features'][0], 'feature_counts': stats['features'][1]}
 
-  def upload_scalars(upload) -> dict:
-    """C logits per class held (the count is metadata), the model when averaging, the features."""
-    out = {'logits': jnp.sum(upload['logit_counts'] > 0) * num_classes}
-    if cfg.average_models:
-      out['model'] = sum(leaf_scalars(upload['model']).values())
-    if with_features:
-      out['features'] = (feature_scalars(upload) if feature_scalars else
-                         jnp.sum(upload['feature_counts'] > 0) * (upload['feature_sums'].shape[-1] + 1))
-    return out
 
-  def broadcast_scalars(b) -> dict:
-    """The server's class logits and (Felo, Velo) class features that exist, and the group model."""
-    out = {'logits': jnp.sum(b['logit_present']) * num_classes}
-    if with_features:
-      out['features'] = jnp.sum(b['feature_present']) * b['features'].shape[-1]
-    if cfg.average_models:
-      out['model'] = sum(leaf_scalars(b['model']).values())
-    return out
+def class_pair_server(run: FeloRun, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+  """Felo's class features: the uploaded pairs pushed to their class's FIFO, the mean over its window."""
+  u = class_uploads(uploads)
+  pairs = jnp.concatenate([u.values['feature_sums'], u.values['feature_counts'][..., None]], axis=-1)
+  store = push(server['feature_store'], *client_rows(pairs, u.values['feature_counts'], u.mask))
+  features, present = window_mean(store, run.cfg.feature_store)
+  return {**server, 'feature_store': store, 'features': features, 'feature_present': present}, {}
 
-  return Algorithm(name, init_server, (Phase(name, client, server_update, broadcast),), evaluation,
-                   init_client=init_client, upload_scalars=upload_scalars, broadcast_scalars=broadcast_scalars)
+
+FELO_FEATURES = FeatureChannel(
+    class_pair_store, None, class_pair_upload, class_pair_server,
+    lambda upload: jnp.sum(upload['feature_counts'] > 0) * (upload['feature_sums'].shape[-1] + 1))
+
+
+def init_client_extra(run: FeloRun, group: GroupSpec, key: jax.Array) -> dict:
+  """The client's own Adam state (kept across rounds, as the code's per-client optimizer)."""
+  return {'optimizer': torch_adam(run.cfg.learning_rate).init(_params_shape(group))}
+
+
+def init_server(run: FeloRun, key: jax.Array, spec, initial) -> dict:
+  """Round 0, each group's first model, empty logit store, no class logits or features yet."""
+  num_classes = run.num_classes
+  server = {'round': jnp.zeros((), jnp.int32),
+            'models': tuple(s.params for s in initial),
+            'logit_store': empty_store(num_classes, run.capacity(run.cfg.logit_store), num_classes),
+            'logits': jnp.zeros((num_classes, num_classes)), 'logit_present': jnp.zeros(num_classes, bool),
+            'features': jnp.zeros((num_classes, spec.feature_dim)),
+            'feature_present': jnp.zeros(num_classes, bool)}
+  if run.features is not None:
+    server.update(run.features.init_server(run, spec, key))
+  return server
+
+
+def broadcast(run: FeloRun, server: dict, group) -> dict:
+  """Class logits and features, whether distillation is on (after warm-up), the round's MultiStepLR scale, and
+  the group's model when averaging."""
+  out = {'logits': server['logits'], 'logit_present': server['logit_present'],
+         'features': server['features'], 'feature_present': server['feature_present'],
+         'distill': (server['round'] >= warmup_rounds(run.cfg.warmup, run.rounds)).astype(jnp.float32),
+         'lr_scale': multistep_scale(server['round'], run.rounds)}
+  return {**out, 'model': server['models'][group.index]} if run.cfg.average_models else out
+
+
+def client_program(run: FeloRun, group: GroupSpec) -> ClientProgram:
+  """Adam on Eq. 1 (`adam_client_program`); uploads per-class logits, the feature channel's part, the model when
+  averaging."""
+  empty, gather = per_class_statistics(run.num_classes, group.feature_dim)
+  channel = run.features
+  if channel is not None and channel.statistics is not None:
+    more_empty, more_gather = channel.statistics(run, group)
+    shared = ('logits', 'features')
+    empty_all = lambda: {**empty(), **more_empty()}
+    gather_all = lambda s, lo, f, y: {**gather({k: s[k] for k in shared}, lo, f, y),
+                                      **more_gather({k: v for k, v in s.items() if k not in shared}, lo, f, y)}
+  else:
+    empty_all, gather_all = empty, gather
+
+  def upload(client: ClientState, stats):
+    out = logit_upload(stats)
+    if channel is not None:
+      out.update(channel.upload(stats))
+    return {**out, 'model': client.params} if run.cfg.average_models else out
+  return adam_client_program(group, run.cfg, channel is not None, empty_all, gather_all, upload)
+
+
+def server_update(run: FeloRun, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+  """Pushes the uploaded class logits to their FIFOs (class logits: the stores' means), updates the class
+  features through the channel, averages each group's models when asked, and counts the round."""
+  u = class_uploads(uploads)
+  logit_store = push(server['logit_store'], *client_rows(u.values['logits'], u.values['logit_counts'], u.mask))
+  logits, logit_present = store_mean(logit_store)
+  server = {**server, 'logit_store': logit_store, 'logits': logits, 'logit_present': logit_present}
+  metrics = {'logit_classes': logit_present.sum()}
+  if 'loss_terms' in u.values:  # the participants' mean of each term of Eq. 1 over their steps
+    terms = masked_mean(u.values['loss_terms'], u.mask)
+    metrics.update(client_ce=terms[0], client_alpha_mse=terms[1], client_alpha_kl=terms[2])
+  if run.features is not None:
+    server, more = run.features.server(run, server, uploads, key)
+    metrics.update(more)
+  if run.cfg.average_models:
+    server['models'] = tuple(participant_average(g.values['model'], g.mask * g.num_train, old)
+                             for g, old in zip(uploads, server['models']))
+  return {**server, 'round': server['round'] + 1}, metrics
+
+
+def evaluation(run: FeloRun, group: GroupSpec):
+  """Every client scored with its own model (its group's model when averaging)."""
+  receive = receive_group_model if run.cfg.average_models else None
+  return head_evaluation(group.model, {'local_head': own_head}, receive=receive)
+
+
+def upload_scalars(run: FeloRun, upload: dict) -> dict:
+  """C logits per class held (the count is metadata), the model when averaging, the features."""
+  out = {'logits': jnp.sum(upload['logit_counts'] > 0) * run.num_classes}
+  if run.cfg.average_models:
+    out['model'] = sum(leaf_scalars(upload['model']).values())
+  if run.features is not None:
+    out['features'] = run.features.scalars(upload)
+  return out
+
+
+def broadcast_scalars(run: FeloRun, b: dict) -> dict:
+  """The server's class logits and (Felo, Velo) class features that exist, and the group model."""
+  out = {'logits': jnp.sum(b['logit_present']) * run.num_classes}
+  if run.features is not None:
+    out['features'] = jnp.sum(b['feature_present']) * b['features'].shape[-1]
+  if run.cfg.average_models:
+    out['model'] = sum(leaf_scalars(b['model']).values())
+  return out
+
+
+def felo_family(run: FeloRun) -> Algorithm:
+  """Felo, FedHe and Velo as one `Algorithm` of one phase over the run's rounds."""
+  bind = lambda fn: functools.partial(fn, run)
+  return Algorithm(run.name, bind(init_server), (Phase(run.name, bind(client_program), bind(server_update),
+                                                       bind(broadcast)),),
+                   bind(evaluation), init_client=bind(init_client_extra), upload_scalars=bind(upload_scalars),
+                   broadcast_scalars=bind(broadcast_scalars))
 
 
 def _params_shape(group: GroupSpec) -> Any:
@@ -340,7 +396,7 @@ def _params_shape(group: GroupSpec) -> Any:
 
 def felo(cfg: FeloConfig, num_classes: int, rounds: int, num_clients: int) -> Algorithm:
   """Felo as an `Algorithm`: per-class logits and feature means, model-wise FedAvg within groups."""
-  return felo_family('felo', cfg, num_classes, rounds, num_clients, with_features=True)
+  return felo_family(FeloRun('felo', cfg, num_classes, rounds, num_clients, FELO_FEATURES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,4 +412,4 @@ class FedHeConfig(FeloConfig):
 def fedhe(cfg: FeloConfig, num_classes: int, rounds: int, num_clients: int) -> Algorithm:
   """FedHe as the Felo paper's baseline: per-class logits only, no feature term and (by default, `FedHeConfig`)
   no weight averaging."""
-  return felo_family('fedhe', cfg, num_classes, rounds, num_clients, with_features=False)
+  return felo_family(FeloRun('fedhe', cfg, num_classes, rounds, num_clients, None))

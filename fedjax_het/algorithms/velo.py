@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_het.algorithms.common import fit_rows
-from fedjax_het.algorithms.felo import (FeloConfig, class_uploads, empty_store, felo_family, push, store_mean,
-                                        warmup_rounds)
+from fedjax_het.algorithms.felo import (FeatureChannel, FeloConfig, FeloRun, class_uploads, empty_store,
+                                        felo_family, push, store_mean, warmup_rounds)
 from fedjax_het.core import Algorithm, hyperparameter
 from fedjax_het.errors import ConfigError
 from fedjax_het.generators.base import gaussian_kl
@@ -147,41 +147,51 @@ def feature_rows(upload_rows: int, feature_dim: int):
   return empty, gather
 
 
+def cvae_module(run: FeloRun, feature_dim: int) -> FeatureCVAE:
+  """The server's CVAE of the run's features."""
+  cfg = run.cfg
+  return FeatureCVAE(run.num_classes, feature_dim, cfg.hidden, cfg.latent, cfg.embedding)
+
+
+def init_feature_server(run: FeloRun, spec, key: jax.Array) -> dict:
+  """A FIFO per class of uploaded feature rows and an untrained CVAE."""
+  return {'feature_store': empty_store(run.num_classes, run.cfg.feature_store, spec.feature_dim),
+          'cvae': init_cvae(cvae_module(run, spec.feature_dim), jax.random.fold_in(key, 7)),
+          'cvae_trained': jnp.zeros((), bool)}
+
+
+def feature_server(run: FeloRun, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+  """Pushes the uploaded rows; after warm-up, every --velo_interval rounds, trains the CVAE on the store; once
+  trained, the class features are its decodings (the stores' means before)."""
+  cfg = run.cfg
+  warm = warmup_rounds(cfg.warmup, run.rounds)
+  u = class_uploads(uploads)
+  k, m, d = u.values['rows'].shape
+  valid = u.values['row_valid'] & u.mask[:, None].astype(bool)
+  store = push(server['feature_store'], u.values['rows'].reshape(k * m, d), u.values['row_labels'].reshape(-1),
+               valid.reshape(-1))
+  cvae = cvae_module(run, d)
+  train_key, draw_key = jax.random.split(key)
+  done = server['round'] + 1                                   # rounds whose uploads the store now holds
+  train = (done >= warm) & ((done - warm) % cfg.interval == 0)
+  variables, loss = jax.lax.cond(train, lambda v: train_cvae(cvae, v, store, train_key, cfg),
+                                 lambda v: (v, jnp.zeros(())), server['cvae'])
+  trained = server['cvae_trained'] | train
+  means, present = store_mean(store)
+  features = jnp.where(trained, generated_features(cvae, variables, draw_key), means)
+  server = {**server, 'feature_store': store, 'cvae': variables, 'cvae_trained': trained, 'features': features,
+            'feature_present': jnp.where(trained, True, present)}
+  return server, {'cvae_loss': loss, 'cvae_trained': train.astype(jnp.float32)}
+
+
+VELO_FEATURES = FeatureChannel(
+    init_feature_server,
+    lambda run, group: feature_rows(run.cfg.upload_rows, group.feature_dim),
+    lambda stats: {k: stats[k] for k in ('rows', 'row_labels', 'row_valid')},
+    feature_server,
+    lambda upload: jnp.sum(upload['row_valid']) * upload['rows'].shape[-1])
+
+
 def velo(cfg: VeloConfig, num_classes: int, rounds: int, num_clients: int) -> Algorithm:
   """Velo as an `Algorithm`: Felo's clients uploading feature rows, a server CVAE generating the class features."""
-  warm = warmup_rounds(cfg.warmup, rounds)
-
-  def module(feature_dim: int) -> FeatureCVAE:
-    return FeatureCVAE(num_classes, feature_dim, cfg.hidden, cfg.latent, cfg.embedding)
-
-  def init_features(spec, key):
-    return {'feature_store': empty_store(num_classes, cfg.feature_store, spec.feature_dim),
-            'cvae': init_cvae(module(spec.feature_dim), jax.random.fold_in(key, 7)),
-            'cvae_trained': jnp.zeros((), bool)}
-
-  def feature_server(server, uploads, key):
-    u = class_uploads(uploads)
-    k, m, d = u.values['rows'].shape
-    valid = u.values['row_valid'] & u.mask[:, None].astype(bool)
-    store = push(server['feature_store'], u.values['rows'].reshape(k * m, d), u.values['row_labels'].reshape(-1),
-                 valid.reshape(-1))
-    cvae = module(d)
-    train_key, draw_key = jax.random.split(key)
-    done = server['round'] + 1                                   # rounds whose uploads the store now holds
-    train = (done >= warm) & ((done - warm) % cfg.interval == 0)
-    variables, loss = jax.lax.cond(train, lambda v: train_cvae(cvae, v, store, train_key, cfg),
-                                   lambda v: (v, jnp.zeros(())), server['cvae'])
-    trained = server['cvae_trained'] | train
-    means, present = store_mean(store)
-    features = jnp.where(trained, generated_features(cvae, variables, draw_key), means)
-    server = {**server, 'feature_store': store, 'cvae': variables, 'cvae_trained': trained, 'features': features,
-              'feature_present': jnp.where(trained, True, present)}
-    return server, {'cvae_loss': loss, 'cvae_trained': train.astype(jnp.float32)}
-
-  def feature_upload(stats):
-    return {k: stats[k] for k in ('rows', 'row_labels', 'row_valid')}
-
-  return felo_family('velo', cfg, num_classes, rounds, num_clients, with_features=True,
-                     feature_upload=feature_upload, feature_server=feature_server, init_features=init_features,
-                     feature_scalars=lambda u: jnp.sum(u['row_valid']) * u['rows'].shape[-1],
-                     extra_statistics=lambda group: feature_rows(cfg.upload_rows, group.feature_dim))
+  return felo_family(FeloRun('velo', cfg, num_classes, rounds, num_clients, VELO_FEATURES))
