@@ -77,7 +77,7 @@ def make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> Algorithm:
 def _make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> tuple[Algorithm, Run]:
   run = Run(data.num_classes, cfg.num_clients, cfg.rounds, cfg.feature_dim, cfg.batch_size, cfg.local_learning_rate,
             lambda: data.loader_label_counts(cfg.batch_size, cfg.data_order == 'stored' and cfg.drop_last))
-  return method(cfg.algorithm).build(cfg.methods[cfg.algorithm], run), run
+  return method(cfg.algorithm).algorithm(cfg.methods[cfg.algorithm], run), run
 
 
 def build_federation(cfg: ExperimentConfig) -> Federation:

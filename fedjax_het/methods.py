@@ -3,13 +3,17 @@
 Adding a method is its module plus one line in `METHODS`. A method's hyperparameters are the fields of its
 frozen config dataclass; each field names its command-line flag in its metadata (`hyperparameter`), so the flags
 of experiments/ are derived from the dataclasses (fedjax_het.cli) and grouped per method in --helpfull. Methods
-may share a flag (e.g. --lamda) when the field means the same thing in each. Every factory has one signature:
-(its config, the `Run` it is built for) -> `Algorithm`.
+may share a flag (e.g. --lamda) when the field means the same thing in each. A factory returns the method's
+`Algorithm`; its parameters are `cfg` (the method's config; omitted by methods without hyperparameters) and any
+fields of the `Run` it is built for (num_classes, num_clients, rounds, feature_dim, batch_size,
+local_learning_rate, label_counts), bound by name (`Method.algorithm`), so a factory keeps the signature a notebook
+calls it with and registers without an adapter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -34,7 +38,8 @@ class Run:
 
   `rounds` (--rounds) is read through a property that records the read: a method that reads it (a schedule over
   the run's length, like FedKD's energy threshold) gives numbers that depend on --rounds, so `depends_on_rounds`
-  tells the experiment that --rounds cannot change when such a run is resumed.
+  tells the experiment that --rounds cannot change when such a run is resumed. `label_counts` is computed only
+  when a factory asks for it.
   """
   num_classes: int
   num_clients: int
@@ -42,7 +47,7 @@ class Run:
   feature_dim: int
   batch_size: int
   local_learning_rate: float
-  label_counts: Callable[[], np.ndarray]  # all clients' training labels as their train loaders yield them
+  loader_label_counts: Callable[[], np.ndarray]  # all clients' training labels as their train loaders yield them
   _reads: set = dataclasses.field(default_factory=set, compare=False, repr=False)
 
   @property
@@ -52,61 +57,67 @@ class Run:
     return self.total_rounds
 
   @property
+  def label_counts(self) -> np.ndarray:
+    """[C] all clients' training label counts as their train loaders yield them."""
+    return self.loader_label_counts()
+
+  @property
   def depends_on_rounds(self) -> bool:
     """Whether the factory read `rounds`."""
     return 'rounds' in self._reads
 
 
+RUN_FIELDS = ('num_classes', 'num_clients', 'rounds', 'feature_dim', 'batch_size', 'local_learning_rate',
+              'label_counts')
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """A registered method: its hyperparameter dataclass, its factory and a one-line summary."""
+  """A registered method: its hyperparameter dataclass, its factory (parameters `cfg` and fields of `Run`, see
+  the module docstring) and a one-line summary."""
   config: type
-  build: Callable[[Any, Run], Algorithm]
+  factory: Callable[..., Algorithm]
   summary: str
+
+  def __post_init__(self):
+    unknown = [p for p in inspect.signature(self.factory).parameters if p != 'cfg' and p not in RUN_FIELDS]
+    if unknown:
+      raise TypeError(f'{self.factory.__name__}: parameters {unknown} are neither cfg nor fields of Run '
+                      f'({", ".join(RUN_FIELDS)}). Fix: rename them after the Run field they take.')
+
+  def algorithm(self, cfg: Any, run: Run) -> Algorithm:
+    """The factory's `Algorithm` for `cfg` and `run`, each parameter bound by its name."""
+    return self.factory(**{p: cfg if p == 'cfg' else getattr(run, p)
+                           for p in inspect.signature(self.factory).parameters})
 
 
 METHODS: dict[str, Method] = {
-    'fedre': Method(FedREConfig, lambda c, run: fedre(c, run.num_classes),
+    'fedre': Method(FedREConfig, fedre,
                     'FedRE: one entangled representation and soft label per client, a global head'),
-    'local': Method(NoHyperparameters, lambda c, run: local(run.num_classes), 'Local training, no communication'),
-    'fedavg': Method(NoHyperparameters, lambda c, run: fedavg_grouped(run.num_classes),
-                     'FedAvg within each architecture group'),
-    'lg_fedavg': Method(NoHyperparameters, lambda c, run: lg_fedavg(run.num_classes),
-                        'LG-FedAvg: local extractors, an averaged head'),
-    'fedproto': Method(FedProtoConfig, lambda c, run: fedproto(c, run.num_classes), 'FedProto: class prototypes'),
-    'fedgh': Method(FedGHConfig, lambda c, run: fedgh(c, run.num_classes, run.batch_size),
-                    'FedGH: a global head trained on prototypes'),
-    'fedtgp': Method(FedTGPConfig, lambda c, run: fedtgp(c, run.num_classes, run.batch_size,
-                                                         run.local_learning_rate),
-                     'FedTGP: trainable global prototypes with an adaptive margin'),
-    'fd': Method(FDConfig, lambda c, run: fd(c, run.num_classes), 'FD: per-class mean logits'),
-    'fedgen': Method(FedGenConfig, lambda c, run: fedgen(c, run.num_classes, run.batch_size, run.label_counts()),
-                     'FedGen: a server generator in representation space'),
-    'fml': Method(FMLConfig, lambda c, run: fml(c, run.num_classes), 'FML: mutual learning with a shared model'),
-    'fedkd': Method(FedKDConfig, lambda c, run: fedkd(c, run.num_classes, run.rounds),
-                    'FedKD: distillation with an SVD-compressed shared mentee'),
-    'fedmrl': Method(FedMRLConfig, lambda c, run: fedmrl(c, run.num_classes, run.feature_dim),
-                     'FedMRL: a shared model fused with the local one (Matryoshka)'),
-    'fpl': Method(FPLConfig, lambda c, run: fpl(c, run.num_classes, run.num_clients),
-                  'FPL: clustered prototypes'),
-    'ccvr': Method(CCVRConfig, lambda c, run: ccvr(c, run.num_classes, run.batch_size),
-                   'CCVR: heads calibrated on virtual representations'),
-    'fedvtc': Method(FedVTCConfig, lambda c, run: fedvtc(c, run.num_classes, run.rounds),
+    'local': Method(NoHyperparameters, local, 'Local training, no communication'),
+    'fedavg': Method(NoHyperparameters, fedavg_grouped, 'FedAvg within each architecture group'),
+    'lg_fedavg': Method(NoHyperparameters, lg_fedavg, 'LG-FedAvg: local extractors, an averaged head'),
+    'fedproto': Method(FedProtoConfig, fedproto, 'FedProto: class prototypes'),
+    'fedgh': Method(FedGHConfig, fedgh, 'FedGH: a global head trained on prototypes'),
+    'fedtgp': Method(FedTGPConfig, fedtgp, 'FedTGP: trainable global prototypes with an adaptive margin'),
+    'fd': Method(FDConfig, fd, 'FD: per-class mean logits'),
+    'fedgen': Method(FedGenConfig, fedgen, 'FedGen: a server generator in representation space'),
+    'fml': Method(FMLConfig, fml, 'FML: mutual learning with a shared model'),
+    'fedkd': Method(FedKDConfig, fedkd, 'FedKD: distillation with an SVD-compressed shared mentee'),
+    'fedmrl': Method(FedMRLConfig, fedmrl, 'FedMRL: a shared model fused with the local one (Matryoshka)'),
+    'fpl': Method(FPLConfig, fpl, 'FPL: clustered prototypes'),
+    'ccvr': Method(CCVRConfig, ccvr, 'CCVR: heads calibrated on virtual representations'),
+    'fedvtc': Method(FedVTCConfig, fedvtc,
                      'FedVTC: prototypes and SDs, a VTC decoder per client, fine-tuning on its samples'),
-    'fedprox': Method(FedProxConfig, lambda c, run: fedprox(c, run.num_classes),
-                      'FedProx within each architecture group'),
-    'gefl': Method(GeFLConfig, lambda c, run: gefl(c, run.num_classes, run.rounds),
+    'fedprox': Method(FedProxConfig, fedprox, 'FedProx within each architecture group'),
+    'gefl': Method(GeFLConfig, gefl,
                    'GeFL: a federated conditional generator (DCGAN, CVAE, DDPM) aiding heterogeneous targets'),
-    'gefl_f': Method(GeFLFConfig, lambda c, run: gefl_f(c, run.num_classes, run.rounds),
-                     'GeFL-F: GeFL on the features of a shared extractor'),
-    'lg_fedavg_fb': Method(NoHyperparameters, lambda c, run: lg_fedavg_first_block(run.num_classes),
+    'gefl_f': Method(GeFLFConfig, gefl_f, 'GeFL-F: GeFL on the features of a shared extractor'),
+    'lg_fedavg_fb': Method(NoHyperparameters, lg_fedavg_first_block,
                            "LG-FedAvg as GeFL runs it: GeFL CNNs' first block shared, the rest within groups"),
-    'felo': Method(FeloConfig, lambda c, run: felo(c, run.num_classes, run.rounds, run.num_clients),
-                   'Felo: per-class mid-level features and logits, FedAvg within groups'),
-    'velo': Method(VeloConfig, lambda c, run: velo(c, run.num_classes, run.rounds, run.num_clients),
-                   'Velo: Felo with class features generated by a server CVAE'),
-    'fedhe': Method(FedHeConfig, lambda c, run: fedhe(c, run.num_classes, run.rounds, run.num_clients),
-                    'FedHe: per-class logits only (Felo without the feature term)'),
+    'felo': Method(FeloConfig, felo, 'Felo: per-class mid-level features and logits, FedAvg within groups'),
+    'velo': Method(VeloConfig, velo, 'Velo: Felo with class features generated by a server CVAE'),
+    'fedhe': Method(FedHeConfig, fedhe, 'FedHe: per-class logits only (Felo without the feature term)'),
 }
 
 

@@ -39,8 +39,7 @@ def shrink(cfg: ShrinkConfig, num_classes: int) -> Algorithm:
 # ------------------------------------------------------------------ its one registry line
 @pytest.fixture
 def registered(monkeypatch):
-  monkeypatch.setitem(METHODS, 'shrink', Method(ShrinkConfig, lambda c, run: shrink(c, run.num_classes),
-                                                'Shrink: CE plus an L2 pull towards 0'))
+  monkeypatch.setitem(METHODS, 'shrink', Method(ShrinkConfig, shrink, 'Shrink: CE plus an L2 pull towards 0'))
 
 
 def test_a_registered_method_gets_its_flag_and_runs_under_both_executors(registered):
@@ -62,3 +61,19 @@ def test_a_registered_method_gets_its_flag_and_runs_under_both_executors(registe
   initial = build_federation(dataclasses.replace(cfg, strategy='sequential')).init()
   norm = lambda state: float(sum(jnp.sum(p ** 2) for p in jax.tree.leaves(state.groups[0].params)))
   assert norm(runs['sequential'].states[0]) < 0.5 * norm(initial)
+
+
+def test_a_factory_gets_its_config_and_the_run_fields_it_names():
+  from fedjax_het.methods import Run
+  seen = {}
+
+  def factory(cfg, num_classes, rounds, label_counts):
+    seen.update(cfg=cfg, num_classes=num_classes, rounds=rounds, label_counts=list(label_counts))
+    return shrink(cfg, num_classes)
+  run = Run(3, 4, 7, 16, 8, 0.05, lambda: np.array([1, 2, 3]))
+  Method(ShrinkConfig, factory, 'a toy').algorithm(ShrinkConfig(2.0), run)
+  assert seen == dict(cfg=ShrinkConfig(2.0), num_classes=3, rounds=7, label_counts=[1, 2, 3])
+  assert run.depends_on_rounds
+
+  with pytest.raises(TypeError, match=r"\['classes'\] are neither cfg nor fields of Run"):
+    Method(ShrinkConfig, lambda cfg, classes: shrink(cfg, classes), 'misnamed')

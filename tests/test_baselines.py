@@ -121,7 +121,7 @@ def test_fedgen_server_trains_the_generator_towards_the_heads_and_averages_heads
   heads = {'kernel': jnp.stack([jnp.eye(d)[:, :c] * 5.0] * 2), 'bias': jnp.zeros((2, c))}
   uploads = (Uploads({'head': heads}, jnp.array([True, True]), jnp.array([10., 30.])),)
   alg = fedgen(FedGenConfig(noise_dim=3, hidden_dim=8, server_epochs=60, generator_learning_rate=0.005), c,
-               local_batch_size=16, label_counts=np.array([5, 25, 10]))
+               batch_size=16, label_counts=np.array([5, 25, 10]))
   initial = [SimpleNamespace(params={'head': jax.tree.map(lambda a: a[0], heads)})]
   server = alg.init_server(jax.random.PRNGKey(0), SimpleNamespace(feature_dim=d), initial)
   trained, m = alg.phases[0].server_update(server, uploads, jax.random.PRNGKey(1))

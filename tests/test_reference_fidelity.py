@@ -58,10 +58,10 @@ def test_fedtgp_server_trains_at_the_local_learning_rate_by_default():
                       'counts': jnp.array([[2., 0., 1., 3.], [1., 1., 0., 0.], [0., 4., 4., 1.]])},
                      jnp.array([True, True, True]), jnp.ones(k)),)
   spec = SimpleNamespace(feature_dim=d)
-  default = fedtgp(FedTGPConfig(server_epochs=3), c, local_batch_size=4, local_learning_rate=0.3)
-  explicit = fedtgp(FedTGPConfig(server_epochs=3, server_learning_rate=0.3), c, local_batch_size=4,
+  default = fedtgp(FedTGPConfig(server_epochs=3), c, batch_size=4, local_learning_rate=0.3)
+  explicit = fedtgp(FedTGPConfig(server_epochs=3, server_learning_rate=0.3), c, batch_size=4,
                     local_learning_rate=0.01)
-  other = fedtgp(FedTGPConfig(server_epochs=3, server_learning_rate=0.01), c, local_batch_size=4)
+  other = fedtgp(FedTGPConfig(server_epochs=3, server_learning_rate=0.01), c, batch_size=4)
   results = []
   for alg in (default, explicit, other):
     server = alg.init_server(jax.random.PRNGKey(1), spec, None)

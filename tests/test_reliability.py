@@ -70,7 +70,7 @@ def test_rounds_may_change_on_resume_only_when_the_method_ignores_them():
   reads = {}
   for name, m in METHODS.items():
     run = Run(10, 4, 20, 512, 8, 0.05, lambda: np.ones(10))
-    m.build(m.config(), run)
+    m.algorithm(m.config(), run)
     reads[name] = run.depends_on_rounds
   # FedKD's energy schedule spans --rounds; FedVTC's closing phases come after round --rounds; GeFL's and GeFL-F's
   # target phase is --rounds long after their knowledge (and warm-up) phases; Felo's family warms up for and decays

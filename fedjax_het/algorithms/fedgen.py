@@ -163,12 +163,12 @@ def broadcast_scalars(b: dict) -> dict:
           'generator': sum(a.size for a in jax.tree.leaves(b['generator']['params']))}
 
 
-def fedgen(cfg: FedGenConfig, num_classes: int, local_batch_size: int = 32,
+def fedgen(cfg: FedGenConfig, num_classes: int, batch_size: int = 32,
            label_counts: Optional[np.ndarray] = None) -> Algorithm:
-  """FedGen as an `Algorithm` (`local_batch_size`: generated batch size when cfg.generator_batch_size is None;
+  """FedGen as an `Algorithm` (`batch_size`: generated batch size when cfg.generator_batch_size is None;
   `label_counts` [C]: all clients' training label counts, whose distribution the generated labels follow; None:
   uniform)."""
-  draws = GeneratedDraws(cfg, num_classes, cfg.generator_batch_size or local_batch_size,
+  draws = GeneratedDraws(cfg, num_classes, cfg.generator_batch_size or batch_size,
                          label_distribution(num_classes, label_counts))
   return one_phase('fedgen', functools.partial(init_server, draws), functools.partial(client_program, draws),
                    functools.partial(server_update, draws), global_head_evaluation,

@@ -33,9 +33,9 @@ class FedGHConfig:
       raise ConfigError('--server_batch_size must be >= 1, --server_epochs >= 0, --server_learning_rate > 0.')
 
 
-def fedgh(cfg: FedGHConfig, num_classes: int, local_batch_size: int = 32) -> Algorithm:
-  """FedGH as an `Algorithm` (`local_batch_size`: the server batch when cfg.server_batch_size is None)."""
-  server_batch = cfg.server_batch_size or local_batch_size
+def fedgh(cfg: FedGHConfig, num_classes: int, batch_size: int = 32) -> Algorithm:
+  """FedGH as an `Algorithm` (`batch_size`: the server batch when cfg.server_batch_size is None)."""
+  server_batch = cfg.server_batch_size or batch_size
 
   def client(group):
     return sgd_program(cross_entropy_loss(group.model), group.training, receive=receive_head,

@@ -87,11 +87,11 @@ def margin_contrastive_loss(protos: jnp.ndarray, labels: jnp.ndarray, generated:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-def fedtgp(cfg: FedTGPConfig, num_classes: int, local_batch_size: int = 32, local_learning_rate: float = 0.01
+def fedtgp(cfg: FedTGPConfig, num_classes: int, batch_size: int = 32, local_learning_rate: float = 0.01
            ) -> Algorithm:
-  """FedTGP as an `Algorithm` (`local_batch_size`, `local_learning_rate`: the server's batch and rate when cfg
+  """FedTGP as an `Algorithm` (`batch_size`, `local_learning_rate`: the server's batch and rate when cfg
   leaves them None)."""
-  server_batch = cfg.server_batch_size or local_batch_size
+  server_batch = cfg.server_batch_size or batch_size
   server_rate = cfg.server_learning_rate or local_learning_rate
   classes = jnp.arange(num_classes)
 
