@@ -1,7 +1,7 @@
 """Representation inversion attacks on what each method uploads (FedRE Q2, fedre.txt Sec. 4 and Appendix C.1).
 
 For every --methods entry and --seeds seed it trains the method for --rounds - 1 rounds, runs the last round's
-client programs on --attack_clients to get their uploads (fedjax_het/inversion.py, `round_uploads`), inverts up to
+client programs on --attack_clients to get their uploads (fedjax_het/privacy/uploads.py, `round_uploads`), inverts up to
 --targets_per_client vectors of each upload through that client's trained extractor (white box; the deep image
 prior by default), and measures PSNR / MSE (0-255 scale) against the image each upload describes (its sample, its
 class's mean image, its soft label's mix of class means), the best-match score, each one's gain over an all-black
@@ -85,7 +85,7 @@ def _attack(label, cfg, fed, state, clients, inv_cfg, evaluate):
   """Attacks the uploads of the round after `state`; returns the run's result dict."""
   import jax
   import numpy as np
-  from fedjax_het import inversion
+  from fedjax_het import privacy as inversion
   start = time.perf_counter()
   attacked_round = int(state.round) + 1
   uploads = inversion.round_uploads(fed, state, clients)
@@ -125,7 +125,7 @@ def main(argv):
   from fedjax_het.compilation_cache import use_compilation_cache
   use_compilation_cache(FLAGS.compilation_cache)
   import numpy as np
-  from fedjax_het import inversion
+  from fedjax_het import privacy as inversion
   from fedjax_het.errors import ConfigError
   from fedjax_het.experiment import build_federation
   results = []

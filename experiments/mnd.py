@@ -1,7 +1,7 @@
 """The memorisation ratio (MND, gefl.txt Eq. 1) of a finished run's generator: its latest checkpoint's server
 generator draws --per_class images per class (S), --points random training images x_i of the run's clients are
 compared with S and with as many held-out test images (V), and mean_i min_V d / min_S d is printed and written to
-<workdir>/mnd.json for each --distances entry (fedjax_het/privacy.py). For GeFL-F, whose generator draws feature
+<workdir>/mnd.json for each --distances entry (fedjax_het/privacy/mnd.py). For GeFL-F, whose generator draws feature
 maps, S is the images recovered from them by inversion through the run's frozen extractor F
 (`gefl_f.reconstructed_samples`; --inversion_steps, --inversion_lr, --tv_weight).
 
@@ -49,7 +49,7 @@ def main(argv):
   key = jax.random.PRNGKey(FLAGS.seed)
   if cfg.algorithm == 'gefl_f':
     from fedjax_het.algorithms.gefl_f import reconstructed_samples
-    from fedjax_het.inversion import InversionConfig
+    from fedjax_het.privacy import InversionConfig
     try:
       inversion = InversionConfig(steps=FLAGS.inversion_steps, learning_rate=FLAGS.inversion_lr,
                                   tv_weight=FLAGS.tv_weight)

@@ -119,7 +119,7 @@ def test_mnd_samples_of_gefl_f_are_images_inverted_from_generated_maps_through_f
   """GeFL-F's S for the MND ratio: generated feature maps inverted into images through the frozen F; the
   inversion brings F(image) towards the map it came from (relative error below that of the starting noise)."""
   from fedjax_het.algorithms.gefl_f import apply_features, features_module, reconstructed_samples
-  from fedjax_het.inversion import InversionConfig
+  from fedjax_het.privacy import InversionConfig
   fed, rec = recorded
   group, server = fed.spec.groups[0], rec.states[-1].server
   key = jax.random.PRNGKey(3)

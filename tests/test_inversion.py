@@ -1,4 +1,4 @@
-"""Representation inversion (fedjax_het/inversion.py): metrics by hand, exact recovery through an invertible
+"""Representation inversion (fedjax_het/privacy/): metrics by hand, exact recovery through an invertible
 extractor, vmap and padding invariance, upload parsing, and the uploads of a real round."""
 
 import math
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het import inversion as inv
+from fedjax_het import privacy as inv
 from fedjax_het.errors import ConfigError
 
 SHAPE = (8, 8, 1)

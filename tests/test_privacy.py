@@ -7,7 +7,7 @@ import pytest
 
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
-from fedjax_het.privacy import embedding, mnd_ratio, nearest_distances
+from fedjax_het.privacy.mnd import embedding, mnd_ratio, nearest_distances
 
 
 def test_mnd_ratio_on_the_toy_points():

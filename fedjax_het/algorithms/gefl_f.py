@@ -95,9 +95,9 @@ def reconstructed_samples(cfg: GeFLFConfig, num_classes: int, group: GroupSpec, 
                           inversion) -> jnp.ndarray:
   """GeFL-F's synthetic set S for the MND ratio (gefl.txt Sec. VI, Table VI; SPEC_GENERATIVE.md sec. 3): n feature
   maps per class from the server's feature generator, each inverted into an image through the frozen, white-box F
-  (`fedjax_het.inversion.invert` with `inversion`, an InversionConfig: Adam on x minimising ||F(x) - f||^2 / ||f||^2
+  (`fedjax_het.privacy.invert` with `inversion`, an InversionConfig: Adam on x minimising ||F(x) - f||^2 / ||f||^2
   + TV; the paper's inversion method [52] is unspecified). Returns images [C * n, H, W, c] in [-1, 1]."""
-  from fedjax_het.inversion import invert
+  from fedjax_het.privacy.attack import invert
   sample_key, invert_key = jax.random.split(key)
   labels = jnp.repeat(jnp.arange(num_classes), n)
   maps = feature_generator(cfg, num_classes, group).sample(server['generator'], labels, sample_key)
