@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-import re
 from typing import Optional
 
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, naming_flags
 from fedjax_het.local_training import LocalTraining
+
+
+# The command-line flag of each library argument a ConfigError may name (`errors.naming_flags`).
+FLAGS_OF_ARGUMENTS = {
+    'LocalTraining.learning_rate': '--local_learning_rate', 'LocalTraining.batch_size': '--batch_size',
+    'LocalTraining.epochs': '--local_epochs', 'LocalTraining.order': '--data_order',
+    'LocalTraining.max_steps': '--local_steps', 'LocalTraining.drop_last=True': '--drop_last',
+    'LocalTraining.drop_last=False': '--nodrop_last', 'LocalTraining.drop_last': '--drop_last',
+    'ModelConfig.names': '--models', 'ModelConfig.*': '',
+    'Federation.*': '', 'make_federated_data.num_clients': '--num_clients', 'make_federated_data.*': '',
+    'ExecutionConfig.client_mesh of ': '--num_devices=', "strategy='vmap'": '--strategy=vmap',
+    'or one device': 'or --num_devices=1', 'ExecutionConfig.*': '',
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +87,17 @@ class ExperimentConfig:
 
   def local_training(self) -> LocalTraining:
     """The local SGD settings of this config."""
-    return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order,
-                         max_steps=self.local_steps if self.local_steps != 0 else None, drop_last=self.drop_last)
+    if self.local_steps < 0:
+      raise ConfigError(f'--local_steps={self.local_steps} must be >= 0 (0: every step of --local_epochs epochs).')
+    with flags_named():
+      return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order,
+                           max_steps=self.local_steps if self.local_steps != 0 else None, drop_last=self.drop_last)
 
   def model_config(self):
     """The clients' classifiers of this config (`engine.ModelConfig`)."""
     from fedjax_het.engine.groups import ModelConfig
-    return ModelConfig(tuple(self.models), self.feature_dim, self.rm, self.init, self.shared_init)
+    with flags_named():
+      return ModelConfig(tuple(self.models), self.feature_dim, self.rm, self.init, self.shared_init)
 
   def execution_config(self):
     """How this config's rounds run (`engine.ExecutionConfig`), with --num_devices as a client mesh; its errors
@@ -91,13 +108,9 @@ class ExperimentConfig:
     strategy = self.strategy or ExecutionConfig().resolve().strategy
     if self.num_devices != 1 and (self.num_devices > 1 or strategy == 'vmap'):
       mesh = client_mesh(self.num_devices)
-    try:
+    with flags_named():
       return ExecutionConfig(self.strategy or None, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
                              self.client_threads, self.eval_batch_size or None)
-    except ConfigError as e:
-      message = str(e).replace("strategy='vmap'", '--strategy=vmap').replace(
-          'ExecutionConfig.client_mesh of ', '--num_devices=').replace('or one device', 'or --num_devices=1')
-      raise ConfigError(re.sub(r'ExecutionConfig\.(\w+)', r'--\1', message)) from None
 
   @classmethod
   def from_dict(cls, d: dict) -> 'ExperimentConfig':
@@ -129,3 +142,13 @@ def run_settings(d: dict) -> dict:
     own = {**dataclasses.asdict(METHODS[algorithm].config()), **(d.get('methods') or {}).get(algorithm, {})}
     out['methods'] = {algorithm: own}
   return json.loads(json.dumps(out, default=list))
+
+
+@contextlib.contextmanager
+def flags_named():
+  """Re-raises a library ConfigError inside the block with the flags of the arguments it names
+  (`FLAGS_OF_ARGUMENTS`)."""
+  try:
+    yield
+  except ConfigError as e:
+    raise naming_flags(e, FLAGS_OF_ARGUMENTS) from None

@@ -20,7 +20,7 @@ import numpy as np
 from absl import logging
 
 from fedjax_het.checkpoints import Checkpoints
-from fedjax_het.config import ExperimentConfig, run_settings
+from fedjax_het.config import ExperimentConfig, flags_named, run_settings
 from fedjax_het.core import Algorithm
 from fedjax_het.data.datasets import load_dataset
 from fedjax_het.data.federated import FederatedData, make_federated_data
@@ -94,9 +94,10 @@ def _build(cfg: ExperimentConfig) -> tuple[Federation, Run]:
                              alpha=cfg.alpha, classes_per_client=cfg.classes_per_client, balance=cfg.balance,
                              imbalance_factor=cfg.imbalance_factor, train_fraction=cfg.train_fraction)
   algorithm, run = _make_algorithm(cfg, data)
-  fed = Federation(algorithm, data, cfg.model_config(), cfg.local_training(), cfg.execution_config(),
-                   rounds=cfg.rounds, join_ratio=cfg.join_ratio,
-                   full_participation_rounds=cfg.full_participation_rounds, seed=cfg.seed)
+  with flags_named():
+    fed = Federation(algorithm, data, cfg.model_config(), cfg.local_training(), cfg.execution_config(),
+                     rounds=cfg.rounds, join_ratio=cfg.join_ratio,
+                     full_participation_rounds=cfg.full_participation_rounds, seed=cfg.seed)
   return fed, run
 
 

@@ -54,18 +54,19 @@ class LocalTraining:
 
   def __post_init__(self):
     if self.order not in DATA_ORDERS:
-      raise ConfigError(f'--data_order={self.order!r} is unknown; choose one of {", ".join(DATA_ORDERS)} '
+      raise ConfigError(f'LocalTraining.order={self.order!r} is unknown; choose one of {", ".join(DATA_ORDERS)} '
                         f'(stored: HtFLlib, shuffle: PFLlib).')
     if self.batch_size < 1:
-      raise ConfigError(f'--batch_size={self.batch_size} must be >= 1.')
+      raise ConfigError(f'LocalTraining.batch_size={self.batch_size} must be >= 1.')
     if self.epochs < 0:
-      raise ConfigError(f'--local_epochs={self.epochs} must be >= 0.')
+      raise ConfigError(f'LocalTraining.epochs={self.epochs} must be >= 0.')
     if self.learning_rate <= 0:
-      raise ConfigError(f'--local_learning_rate={self.learning_rate} must be > 0.')
+      raise ConfigError(f'LocalTraining.learning_rate={self.learning_rate} must be > 0.')
     if self.max_steps is not None and self.max_steps < 1:
-      raise ConfigError(f'--local_steps={self.max_steps} must be >= 0 (0: whole --local_epochs epochs).')
+      raise ConfigError(f'LocalTraining.max_steps={self.max_steps} must be >= 1 (None: whole LocalTraining.epochs epochs).')
     if self.rows is not None and self.rows < self.batch_size:
-      raise ConfigError(f'generated rows per client ({self.rows}) must be at least one batch ({self.batch_size}).')
+      raise ConfigError(f'LocalTraining.rows={self.rows} (generated rows per client) must be at least one batch '
+                        f'(LocalTraining.batch_size={self.batch_size}).')
 
   def steps_per_epoch(self, n) -> int:
     """Local steps per epoch of a client with n training rows (the generated rows when `rows` is set): n // B full

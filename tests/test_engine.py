@@ -53,7 +53,7 @@ def test_stored_order_visits_the_first_rows_in_order_every_epoch():
   training = LocalTraining(batch_size=4)
   assert np.asarray(training.statistics_rows(jnp.asarray([21, 20, 3]))).tolist() == [20, 20, 3]
   assert np.asarray(LocalTraining(batch_size=4, order='shuffle').statistics_rows(jnp.asarray(21))) == 21
-  with pytest.raises(ConfigError, match='--data_order'):
+  with pytest.raises(ConfigError, match=r"LocalTraining.order='random'"):
     LocalTraining(order='random')
 
 
@@ -213,7 +213,7 @@ def test_local_communicates_nothing(tiny_data):
 def test_bad_engine_arguments(tiny_data):
   with pytest.raises(ConfigError, match=r"ExecutionConfig.strategy='pmap'"):
     make_fed(tiny_data, 'pmap')
-  with pytest.raises(ConfigError, match='--join_ratio'):
+  with pytest.raises(ConfigError, match='Federation.join_ratio'):
     make_fed(tiny_data, 'vmap', join_ratio=0.0)
   with pytest.raises(ConfigError, match='--models'):
     make_fed(tiny_data, 'vmap', models=('resnet9000',))
@@ -232,7 +232,7 @@ def test_global_protocol_scores_every_client_on_the_shared_test_set_and_its_loca
     assert results[0][key] == pytest.approx(results[1][key], abs=1e-9)
   # Every client is scored on all test rows: sample-weighted accuracy is the mean of client accuracies.
   assert results[0]['accuracy'] == pytest.approx(np.mean(results[0]['client_accuracy']))
-  with pytest.raises(ConfigError, match='--train_fraction'):
+  with pytest.raises(ConfigError, match='make_federated_data.train_fraction'):
     make_fed(make_federated_data(ds, 4, 'iid', seed=0, protocol='pooled', train_fraction=1.0), 'vmap')
 
 

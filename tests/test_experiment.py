@@ -247,3 +247,20 @@ def test_sample_grid_puts_each_classs_real_images_left_of_its_generated_ones():
   np.testing.assert_allclose(canvas[0:2, 5:7], 1.0)    # class 0's first generated image
   np.testing.assert_allclose(canvas[3:5, 8:10], 0.25)  # class 1's second generated image (-0.5 -> 0.25)
   np.testing.assert_allclose(canvas[:, 3:5], 1.0)      # separator column and the gap are white
+
+
+def test_a_setting_error_names_the_argument_in_the_library_and_the_flag_on_the_command_line():
+  from fedjax_het.config import FLAGS_OF_ARGUMENTS, flags_named
+  from fedjax_het.errors import naming_flags
+  from fedjax_het.experiment import build_federation
+  from fedjax_het.local_training import LocalTraining
+  with pytest.raises(ConfigError, match=r'^LocalTraining\.epochs=-1 must be >= 0'):
+    LocalTraining(epochs=-1)
+  with pytest.raises(ConfigError, match=r'^--local_epochs=-1 must be >= 0'):
+    with flags_named():
+      LocalTraining(epochs=-1)
+  with pytest.raises(ConfigError, match=r'^--join_ratio=0\.0 must be in \(0, 1\]'):  # raised by Federation
+    build_federation(dataclasses.replace(CFG, join_ratio=0.0))
+  message = naming_flags(ConfigError("ModelConfig.rm='none': widths differ. Fix: ModelConfig.rm='ap' with one "
+                                     "ModelConfig.feature_dim, or LocalTraining.drop_last=False."), FLAGS_OF_ARGUMENTS)
+  assert str(message) == "--rm='none': widths differ. Fix: --rm='ap' with one --feature_dim, or --nodrop_last."

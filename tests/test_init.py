@@ -74,7 +74,7 @@ def test_clients_of_one_architecture_start_identical_unless_asked_otherwise(tiny
   state = avg.init()
   assert all(np.array_equal(a, b[0]) for a, b in zip(jax.tree.leaves(state.server['models'][1]),
                                                      jax.tree.leaves(state.groups[1].params)))
-  with pytest.raises(ConfigError, match='--init'):
+  with pytest.raises(ConfigError, match="ModelConfig.init='xavier'"):
     Federation(local(4), tiny_data, ModelConfig(['mlp'], 16, init='xavier'), training, **kw)
 
 

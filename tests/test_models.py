@@ -159,6 +159,6 @@ def test_rm_none_puts_the_head_straight_on_the_extractor_features():
   assert [sum(int(np.prod(a.shape)) for a in jax.tree.leaves(h)) for h in heads] == [10250, 810]
   assert 'rm_fc' not in jax.eval_shape(lambda: fed.groups[0].model.init(
       jax.random.PRNGKey(0), fed.groups[0].spec.sample_input()))['params']
-  with pytest.raises(ConfigError, match='--rm=none'):
+  with pytest.raises(ConfigError, match="ModelConfig.rm='none'"):
     Federation(fedproto(FedProtoConfig(), 10), data, ModelConfig(models, rm='none'), LocalTraining(0.1, 8, 1),
                ExecutionConfig(strategy='sequential', conv='xla'), rounds=1)

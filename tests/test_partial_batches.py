@@ -177,7 +177,7 @@ def test_client_smaller_than_a_batch_takes_one_step_on_its_rows(strategy):
 
 
 def test_a_method_without_masked_losses_refuses_partial_batches():
-  with pytest.raises(ConfigError, match='--drop_last'):
+  with pytest.raises(ConfigError, match='LocalTraining.drop_last=False'):
     Federation(fedre(FedREConfig(), 4), sized_data(), ModelConfig(['mlp'], feature_dim=16),
                LocalTraining(0.05, 8, 1, drop_last=False), ExecutionConfig(strategy='sequential', conv='xla'),
                rounds=1)
@@ -190,7 +190,7 @@ def test_last_rounds_at_full_participation():
                    ExecutionConfig(strategy='sequential', conv='xla'), join_ratio=0.1, rounds=105,
                    full_participation_rounds=5)
   assert [len(fed.participants(r)) for r in (0, 99, 100, 104)] == [1, 1, 10, 10]
-  with pytest.raises(ConfigError, match='--full_participation_rounds'):
+  with pytest.raises(ConfigError, match='Federation.full_participation_rounds'):
     Federation(local(4), data, ModelConfig(['mlp'], feature_dim=16), LocalTraining(0.05, 8, 1),
                ExecutionConfig(strategy='sequential', conv='xla'), rounds=5, full_participation_rounds=-1)
 

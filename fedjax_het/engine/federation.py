@@ -58,12 +58,13 @@ class Federation:
     if not isinstance(models, ModelConfig):
       models = ModelConfig(tuple(models))
     if not 0 < join_ratio <= 1:
-      raise ConfigError(f'--join_ratio={join_ratio} must be in (0, 1].')
+      raise ConfigError(f'Federation.join_ratio={join_ratio} must be in (0, 1].')
     if full_participation_rounds < 0:
-      raise ConfigError(f'--full_participation_rounds={full_participation_rounds} must be >= 0.')
+      raise ConfigError(f'Federation.full_participation_rounds={full_participation_rounds} must be >= 0.')
     if not training.drop_last and not algorithm.partial_batches:
-      raise ConfigError(f'--nodrop_last: {algorithm.name} does not weight its losses by the real rows of a partial '
-                        f'batch yet, so it only runs with epochs of full batches. Fix: --drop_last.')
+      raise ConfigError(f'LocalTraining.drop_last=False: {algorithm.name} does not weight its losses by the real rows of '
+                        f'a partial batch yet, so it only runs with epochs of full batches. Fix: '
+                        f'LocalTraining.drop_last=True.')
     execution = execution.resolve()
     self.algorithm, self.data, self.training, self.models, self.execution = (algorithm, data, training, models,
                                                                               execution)
@@ -81,13 +82,14 @@ class Federation:
         self.architectures[k] = g.arch
     widths = sorted({g.spec.feature_dim for g in self.groups})
     if len(widths) > 1 and algorithm.shares_representations:
-      raise ConfigError(f'--rm={models.rm}: the architectures\' features have different widths {widths}, and '
-                        f'{algorithm.name} exchanges representations (or heads) between them. Fix: --rm=ap, mp or '
-                        f'fc with one --feature_dim.')
+      raise ConfigError(f'ModelConfig.rm={models.rm!r}: the architectures\' features have different widths {widths}, '
+                        f'and {algorithm.name} exchanges representations (or heads) between them. Fix: '
+                        f'ModelConfig.rm=\'ap\', \'mp\' or \'fc\' with one ModelConfig.feature_dim.')
     feature_dim = widths[0] if models.rm == 'none' and len(widths) == 1 else models.feature_dim
     if self.global_test is None and not any(g.test.sizes.sum() > 0 for g in self.groups):
-      raise ConfigError('--train_fraction: no client has local test rows and there is no global test set, so '
-                        'nothing can be evaluated. Fix: --train_fraction < 1 or --eval_protocol=global.')
+      raise ConfigError('make_federated_data.train_fraction: no client has local test rows and there is no global '
+                        'test set, so nothing can be evaluated. Fix: make_federated_data.train_fraction < 1 or '
+                        'make_federated_data.eval_protocol=\'global\'.')
     self.train_sizes = np.zeros(self.num_clients, int)  # per global client id, host copy
     for g in self.groups:
       self.train_sizes[g.clients] = g.train_sizes
@@ -101,10 +103,11 @@ class Federation:
     self.evaluations = [algorithm.evaluation(g.spec) for g in self.groups]
     self.clients_without_steps = clients_without_steps(self.groups, training.batch_size) if training.drop_last else []
     if len(self.clients_without_steps) == self.num_clients:
-      raise ConfigError(f'--batch_size={training.batch_size} is larger than every client\'s training set (the '
-                        f'largest holds {int(self.train_sizes.max())} rows), so no client could take a local step. '
-                        f'Fix: --batch_size <= {int(self.train_sizes.max())}, fewer --num_clients, or --nodrop_last '
-                        f'(train on the partial batch, where the method supports it).')
+      raise ConfigError(f'LocalTraining.batch_size={training.batch_size} is larger than every client\'s training set '
+                        f'(the largest holds {int(self.train_sizes.max())} rows), so no client could take a local '
+                        f'step. Fix: LocalTraining.batch_size <= {int(self.train_sizes.max())}, fewer clients '
+                        f'(make_federated_data.num_clients), or LocalTraining.drop_last=False (train on the partial '
+                        f'batch, where the method supports it).')
     if self.clients_without_steps:
       logging.warning('--batch_size=%d: clients %s have fewer training samples than one batch and take no local '
                       'step (one epoch drops the last partial batch, as HtFLlib does).', training.batch_size,

@@ -39,10 +39,10 @@ class ModelConfig:
   def __post_init__(self):
     object.__setattr__(self, 'names', tuple(self.names))
     if self.init not in INITS:
-      raise ConfigError(f'--init={self.init!r} is unknown; choose one of {", ".join(INITS)} (torch: PyTorch\'s '
+      raise ConfigError(f'ModelConfig.init={self.init!r} is unknown; choose one of {", ".join(INITS)} (torch: PyTorch\'s '
                         f'default Conv/Linear initialisation, as HtFLlib; flax: Flax\'s defaults).')
     if self.feature_dim < 1:
-      raise ConfigError(f'--feature_dim={self.feature_dim} must be >= 1.')
+      raise ConfigError(f'ModelConfig.feature_dim={self.feature_dim} must be >= 1.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +148,7 @@ def check_architecture(spec: GroupSpec) -> None:
   """Traces one forward pass abstractly, so an architecture that cannot take the data's images fails here, with
   the flag named, instead of deep inside XLA."""
   trace(lambda: spec.model.init_with_output(jax.random.PRNGKey(0), spec.sample_input()),
-        f'--models: architecture {spec.arch!r}', '--models', spec.input_shape)
+        f'ModelConfig.names: architecture {spec.arch!r}', 'ModelConfig.names', spec.input_shape)
 
 
 def feature_width(spec: GroupSpec) -> int:
