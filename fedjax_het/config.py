@@ -17,7 +17,8 @@ FLAGS_OF_ARGUMENTS = {
     'LocalTraining.epochs': '--local_epochs', 'LocalTraining.order': '--data_order',
     'LocalTraining.max_steps': '--local_steps', 'LocalTraining.drop_last=True': '--drop_last',
     'LocalTraining.drop_last=False': '--nodrop_last', 'LocalTraining.drop_last': '--drop_last',
-    'ModelConfig.names': '--models', 'ModelConfig.*': '',
+    'ModelConfig.names': '--models', 'ModelConfig.*': '', "the method's config (e.g. FMLConfig.global_model)":
+    '--global_model',
     'Federation.*': '', 'make_federated_data.num_clients': '--num_clients', 'make_federated_data.*': '',
     'ExecutionConfig.client_mesh of ': '--num_devices=', "strategy='vmap'": '--strategy=vmap',
     'or one device': 'or --num_devices=1', 'ExecutionConfig.*': '',
