@@ -123,7 +123,8 @@ def test_mnd_samples_of_gefl_f_are_images_inverted_from_generated_maps_through_f
   fed, rec = recorded
   group, server = fed.spec.groups[0], rec.states[-1].server
   key = jax.random.PRNGKey(3)
-  images = reconstructed_samples(CFG.method_config, 10, group, server, key, 1, InversionConfig(steps=40))
+  images = reconstructed_samples(CFG.method_config, 10, group, server, key, 1,
+                                 InversionConfig(steps=40, learning_rate=0.05, prior='pixel'))
   assert images.shape == (10, 32, 32, 1) and float(jnp.abs(images).max()) <= 1.0
   from fedjax_het.algorithms.gefl_f import feature_generator
   maps = feature_generator(CFG.method_config, 10, group).sample(server['generator'], jnp.arange(10),
