@@ -9,7 +9,7 @@ import sys
 from absl import app, flags, logging
 
 from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
-from fedjax_het.config import ExperimentConfig
+from fedjax_het.config import ExperimentConfig, flags_named
 from fedjax_het.engine.executors import STRATEGIES
 from fedjax_het.methods import METHODS, config_with, hyperparameter_flags, method
 from fedjax_het.models.conv import CONV_IMPLS
@@ -161,8 +161,9 @@ def config_from_flags(fv=None, algorithms=None) -> ExperimentConfig:
   values = method_values(fv)
   general = {field.name: getattr(fv, field.name) for field in dataclasses.fields(ExperimentConfig)
              if field.name not in ('methods', 'models') and field.name in fv}
-  return ExperimentConfig(**general, models=tuple(fv.models),
-                          methods={name: config_with(name, values) for name in METHODS})
+  with flags_named():  # a method config's check names its flag
+    return ExperimentConfig(**general, models=tuple(fv.models),
+                            methods={name: config_with(name, values) for name in METHODS})
 
 
 def parse_flags(argv: list[str], fv) -> None:

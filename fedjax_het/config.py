@@ -17,12 +17,20 @@ FLAGS_OF_ARGUMENTS = {
     'LocalTraining.epochs': '--local_epochs', 'LocalTraining.order': '--data_order',
     'LocalTraining.max_steps': '--local_steps', 'LocalTraining.drop_last=True': '--drop_last',
     'LocalTraining.drop_last=False': '--nodrop_last', 'LocalTraining.drop_last': '--drop_last',
-    'ModelConfig.names': '--models', 'ModelConfig.*': '', "the method's config (e.g. FMLConfig.global_model)":
-    '--global_model',
+    'ModelConfig.names': '--models', 'ModelConfig.*': '', 'Dataset.resized(32)': '--image_size=32',
     'Federation.*': '', 'make_federated_data.num_clients': '--num_clients', 'make_federated_data.*': '',
-    'ExecutionConfig.client_mesh of ': '--num_devices=', "strategy='vmap'": '--strategy=vmap',
-    'or one device': 'or --num_devices=1', 'ExecutionConfig.*': '',
+    'ExecutionConfig.client_mesh=None': '--num_devices=1', 'ExecutionConfig.client_mesh=': '--num_devices=',
+    "ExecutionConfig.strategy='vmap'": '--strategy=vmap', 'ExecutionConfig.*': '',
 }
+
+
+def flags_of_arguments() -> dict[str, str]:
+  """`FLAGS_OF_ARGUMENTS` and, for every registered method, each field of its config ('FMLConfig.alpha') with
+  its command-line flag ('--fml_alpha')."""
+  from fedjax_het.methods import METHODS, flag_name
+  own = {f'{m.config.__name__}.{f.name}': f'--{flag_name(f)}' for m in METHODS.values()
+         for f in dataclasses.fields(m.config)}
+  return {**own, **FLAGS_OF_ARGUMENTS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +156,8 @@ def run_settings(d: dict) -> dict:
 @contextlib.contextmanager
 def flags_named():
   """Re-raises a library ConfigError inside the block with the flags of the arguments it names
-  (`FLAGS_OF_ARGUMENTS`)."""
+  (`flags_of_arguments`)."""
   try:
     yield
   except ConfigError as e:
-    raise naming_flags(e, FLAGS_OF_ARGUMENTS) from None
+    raise naming_flags(e, flags_of_arguments()) from None

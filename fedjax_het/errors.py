@@ -9,6 +9,12 @@ class DatasetUnavailableError(ConfigError):
   """A dataset is not prepared on this machine and cannot be fetched offline."""
 
 
+def setting(record, field: str) -> str:
+  """'Class.field=value', one field of a config record as an error message names it (the command line shows
+  '--flag=value' instead, `naming_flags`)."""
+  return f'{type(record).__name__}.{field}={getattr(record, field)!r}'
+
+
 def naming_flags(error: ConfigError, flags: dict[str, str]) -> ConfigError:
   """`error` (same class) with each library argument it names, a key of `flags` such as 'LocalTraining.epochs',
   replaced by its command-line flag ('--local_epochs'); a key 'Class.*' maps each 'Class.field' to '--field'.

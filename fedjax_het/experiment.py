@@ -40,6 +40,11 @@ RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eva
 
 def validate(cfg: ExperimentConfig) -> None:
   """Checks the settings that need no data, so a bad flag fails in the first second with one clear message."""
+  with flags_named():
+    _validate(cfg)
+
+
+def _validate(cfg: ExperimentConfig) -> None:
   for name in ('rounds', 'checkpoint_every'):
     if getattr(cfg, name) < 0:
       raise ConfigError(f'--{name}={getattr(cfg, name)} must be >= 0.')
@@ -77,7 +82,8 @@ def make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> Algorithm:
 def _make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> tuple[Algorithm, Run]:
   run = Run(data.num_classes, cfg.num_clients, cfg.rounds, cfg.feature_dim, cfg.batch_size, cfg.local_learning_rate,
             lambda: data.loader_label_counts(cfg.batch_size, cfg.data_order == 'stored' and cfg.drop_last))
-  return method(cfg.algorithm).algorithm(cfg.methods[cfg.algorithm], run), run
+  with flags_named():
+    return method(cfg.algorithm).algorithm(cfg.methods[cfg.algorithm], run), run
 
 
 def build_federation(cfg: ExperimentConfig) -> Federation:

@@ -174,7 +174,7 @@ def test_fml_server_averages_the_global_models_and_clients_carry_them(tiny_data)
   copies = [client_state(fed, state, k).extra['params']['companion'] for k in participants]
   expected = jax.tree.map(lambda *a: np.mean(np.stack(a), 0), *copies)
   tree_allclose(state.server['global_model'], expected, rtol=1e-5, atol=1e-6)
-  with pytest.raises(ConfigError, match='--global_model'):
+  with pytest.raises(ConfigError, match="^FMLConfig.global_model='vgg99'"):
     fml(FMLConfig(global_model='vgg99'), 4)
 
 
@@ -243,10 +243,10 @@ def test_table11_communication_of_the_cifar_settings():
 
 
 def test_bad_baseline_hyperparameters():
-  with pytest.raises(ConfigError, match='--lamda'):
+  with pytest.raises(ConfigError, match='^FedProtoConfig.lamda=-1.0 must be >= 0'):
     FedProtoConfig(lamda=-1.)
-  with pytest.raises(ConfigError, match='--server_batch_size'):
+  with pytest.raises(ConfigError, match='^FedTGPConfig.server_batch_size=0 must be >= 1'):
     FedTGPConfig(server_batch_size=0)
-  with pytest.raises(ConfigError, match='--lamda'):
+  with pytest.raises(ConfigError, match='^FDConfig.lamda=-0.5'):
     FDConfig(lamda=-0.5)
 

@@ -119,9 +119,9 @@ def test_fedmrl_server_averages_unweighted_and_clients_keep_proj(tiny_data):
   for k in set(fed.participants(0)) | set(participants):  # proj is trained on and kept, not reset
     before = client_state(fed, initial, k).extra['params']['fusion']['kernel']
     assert not np.allclose(before, client_state(fed, state, k).extra['params']['fusion']['kernel'])
-  with pytest.raises(ConfigError, match='--sub_feature_dim'):
+  with pytest.raises(ConfigError, match='^FedMRLConfig.sub_feature_dim=32 must be <= ModelConfig.feature_dim=16'):
     fedmrl(FedMRLConfig(sub_feature_dim=32), 4, 16)
-  with pytest.raises(ConfigError, match='--global_model'):
+  with pytest.raises(ConfigError, match="^FedKDConfig.global_model='vgg99' is not a registered model"):
     fedkd(FedKDConfig(global_model='vgg99'), 4, 10)
 
 

@@ -189,7 +189,7 @@ def test_mean_reduction_divides_l_rc_by_the_pixels_and_kl_and_l_dm_by_p(fed):
   assert float(ce_sum) == float(ce_mean)
   np.testing.assert_allclose(tc_sum, term['rc'] + term['kl'] + 0.1 * term['dm'], rtol=1e-4)
   np.testing.assert_allclose(tc_mean, term['rc'] / 64 + term['kl'] / 80 + 0.1 * term['dm'] / 80, rtol=1e-4)
-  with pytest.raises(ConfigError, match='--vtc_loss_reduction'):
+  with pytest.raises(ConfigError, match="^FedVTCConfig.loss_reduction='avg'"):
     FedVTCConfig(loss_reduction='avg')
 
 

@@ -75,7 +75,7 @@ def test_schedules_warmup_rounds_and_multistep_lr():
   assert warmup_rounds(0.0, 10) == 0
   scales = [float(multistep_scale(jnp.asarray(r), 10)) for r in range(10)]
   np.testing.assert_allclose(scales, [1] * 4 + [0.1] * 3 + [0.01] * 3, rtol=1e-6)   # milestones int(4.0), int(7.0)
-  with pytest.raises(ConfigError, match='--felo_warmup'):
+  with pytest.raises(ConfigError, match=r'^FeloConfig.warmup=1.0 must be in \[0, 1\)'):
     FeloConfig(warmup=1.0)
 
 

@@ -181,9 +181,9 @@ def test_table_x_cumulative_generator_download_per_client(generator, channels, r
 
 
 def test_generators_need_32x32_images_and_the_fix_is_named():
-  with pytest.raises(ConfigError, match='--image_size=32'):
+  with pytest.raises(ConfigError, match=r'Fix: Dataset\.resized\(32\)'):
     build_generator(GEFL, 10, (28, 28, 1))
-  with pytest.raises(ConfigError, match='--gefl_generator'):
+  with pytest.raises(ConfigError, match="^GeFLConfig.generator='gan'"):
     GeFLConfig(generator='gan')
 
 

@@ -78,9 +78,9 @@ def test_warmup_shares_f_over_all_groups_then_only_headers_and_the_generator_mov
 
 def test_gefl_f_refuses_what_is_not_built_with_the_fix_named():
   from fedjax_het.algorithms import gefl_f
-  with pytest.raises(ConfigError, match='--gefl_mode=freeze'):
+  with pytest.raises(ConfigError, match=r"Fix: GeFLFConfig\.mode='freeze'"):
     gefl_f(GeFLFConfig(mode='update'), 10, 2)
-  with pytest.raises(ConfigError, match='--models=gefl-mnist-10'):
+  with pytest.raises(ConfigError, match='--models=gefl-mnist-10'):  # the command line's names
     build_federation(ExperimentConfig(**{**CFG.__dict__, 'models': ('mlp',)}))
 
 

@@ -30,7 +30,7 @@ from fedjax_het.algorithms.base import (Algorithm, ClientState, concat_groups, h
                                         sgd_program)
 from fedjax_het.algorithms.common import class_prototypes, cross_entropy_loss, head_apply, sgd_on_rows
 from fedjax_het.core import hyperparameter
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +47,10 @@ class CCVRConfig:
 
   def __post_init__(self):
     if self.virtual_per_class < 1 or self.calibration_epochs < 0:
-      raise ConfigError(f'--ccvr_virtual_per_class ({self.virtual_per_class}) must be >= 1 and '
-                        f'--ccvr_calibration_epochs ({self.calibration_epochs}) >= 0.')
+      raise ConfigError(f'{setting(self, "virtual_per_class")} must be >= 1 and '
+                        f'{setting(self, "calibration_epochs")} >= 0.')
     if self.calibration_learning_rate <= 0:
-      raise ConfigError(f'--ccvr_calibration_learning_rate={self.calibration_learning_rate} must be > 0.')
+      raise ConfigError(f'{setting(self, "calibration_learning_rate")} must be > 0.')
 
 
 def class_statistics(reps: jnp.ndarray, labels: jnp.ndarray, valid: jnp.ndarray, num_classes: int

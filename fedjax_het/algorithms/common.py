@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 from fedjax_het.rows import batch_mean, shuffled_real_rows
 
@@ -167,6 +168,17 @@ def fit_rows(params: Any, state: Any, batch_loss: Callable, row_weight: jnp.ndar
 
   (params, _, state), totals = jax.lax.scan(epoch, (params, optimizer.init(params), state), jnp.arange(epochs))
   return params, state, totals.sum() / jnp.maximum(row_weight.sum() * max(epochs, 1), 1.0)
+
+
+def check_server_training(cfg) -> None:
+  """A ConfigError unless the method config's server SGD settings can run: server_batch_size >= 1,
+  server_epochs >= 0, server_learning_rate > 0 (None, where a config allows it, takes the local value)."""
+  for field, bound, holds in (('server_batch_size', '>= 1', lambda v: v >= 1),
+                             ('server_epochs', '>= 0', lambda v: v >= 0),
+                             ('server_learning_rate', '> 0', lambda v: v > 0)):
+    value = getattr(cfg, field)
+    if value is not None and not holds(value):
+      raise ConfigError(f'{setting(cfg, field)} must be {bound}.')
 
 
 def sgd_on_rows(params: Any, row_loss: Callable[[Any, jnp.ndarray], jnp.ndarray], row_weight: jnp.ndarray,

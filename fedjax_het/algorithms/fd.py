@@ -23,7 +23,7 @@ from fedjax_het.algorithms.base import Algorithm, concat_groups, local_head_eval
 from fedjax_het.algorithms.common import (aggregate_class_means, class_means_from_sums, class_sums, cross_entropy,
                                           soft_cross_entropy, train_forward)
 from fedjax_het.core import hyperparameter
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,7 @@ class FDConfig:
 
   def __post_init__(self):
     if self.lamda < 0:
-      raise ConfigError(f'--lamda={self.lamda} must be >= 0.')
+      raise ConfigError(f'{setting(self, "lamda")} must be >= 0.')
 
 
 def distillation_term(logits: jnp.ndarray, labels: jnp.ndarray, global_logits: jnp.ndarray, present: jnp.ndarray

@@ -32,7 +32,7 @@ from fedjax_het.algorithms.base import (Algorithm, concat_groups, global_head_ev
 from fedjax_het.algorithms.common import cross_entropy, cross_entropy_loss, head_apply, participant_average
 from fedjax_het.algorithms.lg_fedavg import upload_head
 from fedjax_het.core import hyperparameter
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.init import torch_default_init
 from fedjax_het.models.norm import TorchBatchNorm
 
@@ -50,8 +50,8 @@ class FedGenConfig:
 
   def __post_init__(self):
     if min(self.noise_dim, self.hidden_dim) < 1 or self.server_epochs < 0 or self.generator_learning_rate <= 0:
-      raise ConfigError('FedGen: --noise_dim and --hidden_dim must be >= 1, --server_epochs >= 0 and '
-                        '--generator_learning_rate > 0.')
+      raise ConfigError(f'{setting(self, "noise_dim")} and {setting(self, "hidden_dim")} must be >= 1, '
+                        f'{setting(self, "server_epochs")} >= 0 and {setting(self, "generator_learning_rate")} > 0.')
 
 
 class FeatureGenerator(nn.Module):

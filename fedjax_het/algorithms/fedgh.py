@@ -14,10 +14,10 @@ import jax
 
 from fedjax_het.algorithms.base import (Algorithm, concat_groups, global_head_evaluation, initial_head, one_phase,
                                         receive_head, sgd_program)
-from fedjax_het.algorithms.common import cross_entropy_loss, head_apply, sgd_on_rows, soft_cross_entropy
+from fedjax_het.algorithms.common import (check_server_training, cross_entropy_loss, head_apply, sgd_on_rows,
+                                          soft_cross_entropy)
 from fedjax_het.algorithms.fedproto import prototype_rows, prototype_upload, prototypes_sent
 from fedjax_het.core import hyperparameter
-from fedjax_het.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +28,7 @@ class FedGHConfig:
   server_epochs: int = hyperparameter(1, 'Server epochs per round.')
 
   def __post_init__(self):
-    if (self.server_batch_size is not None and self.server_batch_size < 1) or self.server_epochs < 0 \
-        or self.server_learning_rate <= 0:
-      raise ConfigError('--server_batch_size must be >= 1, --server_epochs >= 0, --server_learning_rate > 0.')
+    check_server_training(self)
 
 
 def fedgh(cfg: FedGHConfig, num_classes: int, batch_size: int = 32) -> Algorithm:

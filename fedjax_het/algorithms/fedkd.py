@@ -44,7 +44,7 @@ from fedjax_het.algorithms.common import elementwise_kl, participant_average, tr
 from fedjax_het.algorithms.global_model import (check_global_model, global_model_forward, init_global_model,
                                                 initial_global_model, receive_global_model)
 from fedjax_het.core import hyperparameter
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +60,10 @@ class FedKDConfig:
 
   def __post_init__(self):
     if not (0 < self.energy_start <= 1 and 0 < self.energy_end <= 1):
-      raise ConfigError(f'--energy_start ({self.energy_start}) and --energy_end ({self.energy_end}) must be in '
+      raise ConfigError(f'{setting(self, "energy_start")} and {setting(self, "energy_end")} must be in '
                         f'(0, 1].')
     if self.mentee_learning_rate is not None and self.mentee_learning_rate <= 0:
-      raise ConfigError(f'--mentee_learning_rate={self.mentee_learning_rate} must be > 0.')
+      raise ConfigError(f'{setting(self, "mentee_learning_rate")} must be > 0.')
 
 
 def energy_threshold(cfg: FedKDConfig, round_index, rounds: int):
@@ -119,7 +119,7 @@ def distillation_loss(logits, global_logits, rep, mapped_global_rep, y) -> jnp.n
 
 def fedkd(cfg: FedKDConfig, num_classes: int, rounds: int) -> Algorithm:
   """FedKD as an `Algorithm` (the mentee and W_h live in each client's per-client state)."""
-  check_global_model(cfg.global_model, 'FedKD')
+  check_global_model(cfg)
 
   def init_client(group, key):
     extra = init_global_model(group, group.build_model(cfg.global_model), key)

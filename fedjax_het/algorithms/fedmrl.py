@@ -28,7 +28,7 @@ from fedjax_het.algorithms.global_model import (average_global_models, check_glo
                                                 init_global_model, initial_global_model, receive_global_model,
                                                 upload_global_model)
 from fedjax_het.core import hyperparameter
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.classifier import HeteroClassifier
 
 
@@ -43,7 +43,7 @@ class FedMRLConfig:
 
   def __post_init__(self):
     if self.sub_feature_dim < 1:
-      raise ConfigError(f'--sub_feature_dim={self.sub_feature_dim} must be >= 1.')
+      raise ConfigError(f'{setting(self, "sub_feature_dim")} must be >= 1.')
 
 
 def matryoshka_loss(logits: jnp.ndarray, global_logits: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
@@ -70,9 +70,9 @@ def fused_forward(model: HeteroClassifier, global_model: HeteroClassifier, clien
 
 def fedmrl(cfg: FedMRLConfig, num_classes: int, feature_dim: int) -> Algorithm:
   """FedMRL as an `Algorithm` (clients carry the global model and proj in their per-client state)."""
-  check_global_model(cfg.global_model, 'FedMRL')
+  check_global_model(cfg)
   if cfg.sub_feature_dim > feature_dim:
-    raise ConfigError(f'--sub_feature_dim={cfg.sub_feature_dim} must be <= --feature_dim={feature_dim}: the '
+    raise ConfigError(f'{setting(cfg, "sub_feature_dim")} must be <= ModelConfig.feature_dim={feature_dim}: the '
                       f'global head reads the first sub_feature_dim entries of the fused representation.')
 
   def init_client(group, key):

@@ -23,7 +23,7 @@ from fedjax_het.algorithms.common import (aggregate_class_means, class_means_fro
                                           class_sums, cross_entropy, nearest_prototype_head, prototype_regularizer,
                                           train_forward)
 from fedjax_het.core import hyperparameter
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,7 @@ class FedProtoConfig:
 
   def __post_init__(self):
     if self.lamda < 0:
-      raise ConfigError(f'--lamda={self.lamda} must be >= 0.')
+      raise ConfigError(f'{setting(self, "lamda")} must be >= 0.')
 
 
 def prototype_loss(model, lamda: float, num_classes: int = 0):

@@ -16,7 +16,7 @@ from fedjax_het.algorithms.base import Algorithm, GroupSpec, head_evaluation, on
 from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
 from fedjax_het.algorithms.fedavg import receive_group_model
 from fedjax_het.core import hyperparameter
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class FedProxConfig:
 
   def __post_init__(self):
     if self.mu < 0 or self.norm not in ('squared', 'norm'):
-      raise ConfigError(f'--fedprox_mu={self.mu} must be >= 0 and --fedprox_norm={self.norm!r} squared or norm.')
+      raise ConfigError(f'{setting(self, "mu")} must be >= 0 and {setting(self, "norm")} \'squared\' or \'norm\'.')
 
 
 def proximal_term(params, anchor, norm: str = 'squared') -> jnp.ndarray:

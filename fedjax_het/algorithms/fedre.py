@@ -14,10 +14,11 @@ import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import (Algorithm, ClientProgram, ClientRows, ClientState, GroupSpec, concat_groups,
                                         global_head_evaluation, initial_head, one_phase, receive_head, sgd_program)
-from fedjax_het.algorithms.common import cross_entropy_loss, head_apply, sgd_on_rows, soft_cross_entropy
+from fedjax_het.algorithms.common import (check_server_training, cross_entropy_loss, head_apply, sgd_on_rows,
+                                          soft_cross_entropy)
 from fedjax_het.rows import row_keys, row_uniform
 from fedjax_het.core import hyperparameter
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 
 MECHANISMS = ('rsr', 'var', 'rar', 'rsp', 'vap', 'rap')
 DISTRIBUTIONS = ('uniform', 'gaussian', 'laplace')
@@ -47,14 +48,13 @@ class FedREConfig:
 
   def __post_init__(self):
     if self.mechanism not in MECHANISMS:
-      raise ConfigError(f'--re={self.mechanism!r} is unknown; choose one of {", ".join(MECHANISMS)}.')
+      raise ConfigError(f'{setting(self, "mechanism")} is unknown; choose one of {", ".join(MECHANISMS)}.')
     if self.weight_distribution not in DISTRIBUTIONS:
-      raise ConfigError(f'--re_distribution={self.weight_distribution!r} is unknown; choose one of '
+      raise ConfigError(f'{setting(self, "weight_distribution")} is unknown; choose one of '
                         f'{", ".join(DISTRIBUTIONS)}.')
     if self.server_loss_reduction not in ('sum', 'mean'):
-      raise ConfigError(f'--server_loss_reduction={self.server_loss_reduction!r}: choose sum or mean.')
-    if self.server_batch_size < 1 or self.server_epochs < 0 or self.server_learning_rate <= 0:
-      raise ConfigError('--server_batch_size must be >= 1, --server_epochs >= 0, --server_learning_rate > 0.')
+      raise ConfigError(f'{setting(self, "server_loss_reduction")}: choose sum or mean.')
+    check_server_training(self)
 
 
 def random_magnitudes(key: jax.Array, num: int, distribution: str) -> jnp.ndarray:

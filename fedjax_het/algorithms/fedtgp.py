@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_het.algorithms.base import Algorithm, concat_groups, one_phase, sgd_program
-from fedjax_het.algorithms.common import aggregate_class_means, sgd_on_rows
+from fedjax_het.algorithms.common import check_server_training, aggregate_class_means, sgd_on_rows
 from fedjax_het.algorithms.fedproto import (empty_prototypes, global_prototypes_sent, prototype_evaluation,
                                             prototype_loss, prototype_rows, prototype_upload, prototypes_sent)
 from fedjax_het.core import hyperparameter
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.init import torch_default_init
 
 
@@ -45,10 +45,8 @@ class FedTGPConfig:
 
   def __post_init__(self):
     if self.lamda < 0 or self.margin_threshold < 0:
-      raise ConfigError(f'--lamda ({self.lamda}) and --margin_threshold ({self.margin_threshold}) must be >= 0.')
-    if (self.server_batch_size is not None and self.server_batch_size < 1) or self.server_epochs < 0 \
-        or (self.server_learning_rate is not None and self.server_learning_rate <= 0):
-      raise ConfigError('--server_batch_size must be >= 1, --server_epochs >= 0, --server_learning_rate > 0.')
+      raise ConfigError(f'{setting(self, "lamda")} and {setting(self, "margin_threshold")} must be >= 0.')
+    check_server_training(self)
 
 
 class PrototypeGenerator(nn.Module):

@@ -66,7 +66,7 @@ from fedjax_het.algorithms.common import (aggregate_class_means, class_prototype
                                           masked_mean, participant_average)
 from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientRows, GroupSpec, Phase, hyperparameter,
                              leaf_scalars, single_stage)
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 from fedjax_het.models.vtc import VTCDecoder, init_vtc
 
@@ -92,14 +92,14 @@ class FedVTCConfig:
 
   def __post_init__(self):
     if self.vtc_lambda < 0:
-      raise ConfigError(f'--vtc_lambda={self.vtc_lambda} must be >= 0.')
+      raise ConfigError(f'{setting(self, "vtc_lambda")} must be >= 0.')
     if self.samples_per_class < 1 or self.finetune_epochs < 0:
-      raise ConfigError(f'--vtc_samples_per_class={self.samples_per_class} must be >= 1 and '
-                        f'--vtc_finetune_epochs={self.finetune_epochs} >= 0.')
+      raise ConfigError(f'{setting(self, "samples_per_class")} must be >= 1 and '
+                        f'{setting(self, "finetune_epochs")} >= 0.')
     if not self.sigma_init > 0:
-      raise ConfigError(f'--vtc_sigma_init={self.sigma_init} must be > 0.')
+      raise ConfigError(f'{setting(self, "sigma_init")} must be > 0.')
     if self.loss_reduction not in ('sum', 'mean'):
-      raise ConfigError(f"--vtc_loss_reduction={self.loss_reduction!r}: choose 'sum' (the paper's equations) or "
+      raise ConfigError(f"{setting(self, 'loss_reduction')}: choose 'sum' (the paper's equations) or "
                         f"'mean'.")
 
 
@@ -205,7 +205,7 @@ def vtc_decoder(group: GroupSpec) -> VTCDecoder:
   """The group's decoder psi: transposed convolutions from the latent width p (--feature_dim) to its images."""
   if group.rm != 'fc':
     raise ConfigError(f'FedVTC: g must end in a learned map to the latent width p (the paper\'s Linear(L, p)). '
-                      f'Fix: --rm=fc (now --rm={group.rm}).')
+                      f'Fix: ModelConfig.rm=\'fc\' (now {group.rm!r}).')
   return VTCDecoder(tuple(group.input_shape), group.feature_dim, group.conv)
 
 

@@ -47,7 +47,7 @@ from fedjax_het.algorithms.common import (class_means_from_sums, class_sums, cro
                                           masked_mean, participant_average, prototype_regularizer)
 from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientState, GroupSpec, Phase, Uploads,
                              hyperparameter, leaf_scalars, single_stage)
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 from fedjax_het.optim import step_at_rate, torch_adam
 
@@ -73,13 +73,13 @@ class FeloConfig:
 
   def __post_init__(self):
     if not (math.isfinite(self.alpha) and self.alpha >= 0):
-      raise ConfigError(f'--felo_alpha={self.alpha} must be a finite number >= 0.')
+      raise ConfigError(f'{setting(self, "alpha")} must be a finite number >= 0.')
     if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
-      raise ConfigError(f'--felo_learning_rate={self.learning_rate} must be > 0.')
+      raise ConfigError(f'{setting(self, "learning_rate")} must be > 0.')
     if not 0 <= self.warmup < 1:
-      raise ConfigError(f'--felo_warmup={self.warmup} must be in [0, 1).')
+      raise ConfigError(f'{setting(self, "warmup")} must be in [0, 1).')
     if self.logit_store < 1 or self.feature_store < 1:
-      raise ConfigError(f'--felo_logit_store={self.logit_store} and --felo_feature_store={self.feature_store} must '
+      raise ConfigError(f'{setting(self, "logit_store")} and {setting(self, "feature_store")} must '
                         f'be >= 1.')
 
 

@@ -23,7 +23,7 @@ from fedjax_het.algorithms.global_model import (average_global_models, check_glo
                                                 init_global_model, initial_global_model, receive_global_model,
                                                 upload_global_model)
 from fedjax_het.core import hyperparameter
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ class FMLConfig:
 
   def __post_init__(self):
     if not (0 <= self.alpha <= 1 and 0 <= self.beta <= 1):
-      raise ConfigError(f'FML: --fml_alpha ({self.alpha}) and --fml_beta ({self.beta}) must be in [0, 1].')
+      raise ConfigError(f'{setting(self, "alpha")} and {setting(self, "beta")} must be in [0, 1].')
 
 
 def mutual_loss(logits: jnp.ndarray, global_logits: jnp.ndarray, y: jnp.ndarray, alpha: float, beta: float
@@ -49,7 +49,7 @@ def mutual_loss(logits: jnp.ndarray, global_logits: jnp.ndarray, y: jnp.ndarray,
 
 def fml(cfg: FMLConfig, num_classes: int) -> Algorithm:
   """FML as an `Algorithm` (each client carries a copy of `cfg.global_model` in its per-client state)."""
-  check_global_model(cfg.global_model, 'FML')
+  check_global_model(cfg)
 
   def client(group):
     global_model = group.build_model(cfg.global_model)

@@ -28,7 +28,7 @@ from fedjax_het.algorithms.common import cosine_similarity, cross_entropy, train
 from fedjax_het.algorithms.fedproto import prototype_upload, prototypes_sent
 from fedjax_het.algorithms.finch import cluster_means, finch
 from fedjax_het.core import hyperparameter
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class FPLConfig:
 
   def __post_init__(self):
     if self.temperature <= 0:
-      raise ConfigError(f'--fpl_temperature={self.temperature} must be > 0.')
+      raise ConfigError(f'{setting(self, "temperature")} must be > 0.')
 
 
 def cluster_prototypes(protos: jnp.ndarray, holds: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:

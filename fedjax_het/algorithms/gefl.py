@@ -52,7 +52,7 @@ from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
 from fedjax_het.algorithms.common import cross_entropy, descend, participant_average
 from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, Stage, hyperparameter,
                              leaf_scalars)
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 from fedjax_het.generators import (GENERATORS, ConditionalGenerator, cvae, dcgan, ddpm, from_generator_range,
                                    to_generator_range)
 from fedjax_het.generators.base import uniform_labels
@@ -95,17 +95,17 @@ class GeFLConfig:
 
   def __post_init__(self):
     if self.generator not in GENERATORS:
-      raise ConfigError(f'--gefl_generator={self.generator!r}: choose one of {", ".join(GENERATORS)}.')
+      raise ConfigError(f'{setting(self, "generator")}: choose one of {", ".join(GENERATORS)}.')
     if self.mode not in MODES:
-      raise ConfigError(f'--gefl_mode={self.mode!r}: choose freeze or update.')
+      raise ConfigError(f'{setting(self, "mode")}: choose freeze or update.')
     if self.ka_rounds < (2 if self.mode == 'update' else 1):
-      raise ConfigError(f'--gefl_ka_rounds={self.ka_rounds} must be >= 1 (>= 2 in update mode, which runs half).')
+      raise ConfigError(f'{setting(self, "ka_rounds")} must be >= 1 (>= 2 in update mode, which runs half).')
     for name in ('generator_epochs', 'synthetic_epochs', 'width', 'latent'):
       if getattr(self, name) < 0:
-        raise ConfigError(f'--gefl_{name}={getattr(self, name)} must be >= 0.')
+        raise ConfigError(f'{setting(self, name)} must be >= 0.')
     if self.diffusion_steps < 1 or self.guidance < 0:
-      raise ConfigError(f'--gefl_diffusion_steps={self.diffusion_steps} must be >= 1 and --gefl_guidance='
-                        f'{self.guidance} >= 0.')
+      raise ConfigError(f'{setting(self, "diffusion_steps")} must be >= 1 and '
+                        f'{setting(self, "guidance")} >= 0.')
 
   @property
   def knowledge_rounds(self) -> int:
@@ -121,7 +121,7 @@ def build_generator(cfg: GeFLConfig, num_classes: int, input_shape, conv: str = 
   size = 16 if features else 32
   if (h, w) != (size, size):
     raise ConfigError(f'GeFL\'s generators emit 32x32 images (GeFL-F\'s 16x16 feature maps); the data are {h}x{w}. '
-                      f'Fix: --image_size=32 (GeFL resizes MNIST 28 -> 32).')
+                      f'Fix: Dataset.resized(32) (GeFL resizes MNIST 28 -> 32).')
   if cfg.generator == 'dcgan':
     g_width, d_width = (cfg.width, cfg.width) if cfg.width else ((128, 128) if c == 1 or features else (256, 64))
     return dcgan(num_classes, c, g_width, d_width, conv=conv, size=size)

@@ -38,7 +38,7 @@ from fedjax_het.algorithms.gefl import (GeFLConfig, build_generator, ddpm_lr_sca
                                         upload_generator)
 from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, Stage, hyperparameter,
                              leaf_scalars)
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 from fedjax_het.generators.base import uniform_labels
 from fedjax_het.models.forward import forward
 from fedjax_het.models.gefl_cnn import GeFLCNN, join_client, split_client
@@ -53,7 +53,7 @@ class GeFLFConfig(GeFLConfig):
   def __post_init__(self):
     super().__post_init__()
     if self.fe_rounds < 0 or self.warmup_epochs < 0:
-      raise ConfigError(f'--gefl_fe_rounds={self.fe_rounds} and --gefl_warmup_epochs={self.warmup_epochs} must be '
+      raise ConfigError(f'{setting(self, "fe_rounds")} and {setting(self, "warmup_epochs")} must be '
                         f'>= 0.')
 
 
@@ -62,8 +62,8 @@ def extractor_of(group: GroupSpec, stage: str):
   extractor = group.model.extractor
   if not isinstance(extractor, GeFLCNN) or extractor.dataset == 'cifar10':
     raise ConfigError(f'GeFL-F splits GeFL\'s MNIST/FMNIST CNNs into a shared extractor and a header; '
-                      f'{group.arch!r} is not one. Fix: --models=gefl-mnist-10 or gefl-fmnist-10 (CIFAR-10 is not '
-                      f'built, see fedjax_het/algorithms/gefl_f.py).')
+                      f'{group.arch!r} is not one. Fix: ModelConfig.names=gefl-mnist-10 or gefl-fmnist-10 (CIFAR-10 is '
+                      f'not built, see fedjax_het/algorithms/gefl_f.py).')
   return extractor.clone(stage=stage, parent=None)
 
 
@@ -291,8 +291,8 @@ def sent_scalars(tree: dict) -> dict:
 def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int) -> Algorithm:
   """GeFL-F as an `Algorithm` of three phases: 'warmup' (T_FE), 'knowledge' (T_KA) and 'target' (`rounds`)."""
   if cfg.mode != 'freeze':  # refused here, not in the config: --gefl_mode is GeFL's flag too
-    raise ConfigError('GeFL-F runs its generator frozen after knowledge aggregation; --gefl_mode=update is not '
-                      'built for it. Fix: --gefl_mode=freeze.')
+    raise ConfigError('GeFL-F runs its generator frozen after knowledge aggregation; GeFLFConfig.mode=\'update\' '
+                      'is not built for it. Fix: GeFLFConfig.mode=\'freeze\'.')
   phases = (Phase('warmup', functools.partial(warmup_client, cfg), shared_block_update, model_broadcast,
                   rounds=cfg.fe_rounds),
             Phase('knowledge', functools.partial(knowledge_client, cfg, num_classes), knowledge_server,

@@ -12,16 +12,16 @@ import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import ClientState, GroupSpec, concat_groups
 from fedjax_het.algorithms.common import participant_average
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.classifier import HeteroClassifier
 from fedjax_het.models.forward import forward
 from fedjax_het.models.registry import model_names
 
 
-def check_global_model(arch: str, method: str) -> None:
-  """A clear error when --global_model names no registered architecture."""
-  if arch not in model_names():
-    raise ConfigError(f'{method}: --global_model={arch!r} is not a registered model; choose one of '
+def check_global_model(cfg) -> None:
+  """A clear error when the method config's `global_model` names no registered architecture."""
+  if cfg.global_model not in model_names():
+    raise ConfigError(f'{setting(cfg, "global_model")} is not a registered model; choose one of '
                       f'{", ".join(model_names())}.')
 
 

@@ -34,7 +34,7 @@ from fedjax_het.algorithms.common import fit_rows
 from fedjax_het.algorithms.felo import (FeatureChannel, FeloConfig, FeloRun, class_uploads, empty_store,
                                         felo_family, push, store_mean, warmup_rounds)
 from fedjax_het.core import Algorithm, hyperparameter
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import ConfigError, setting
 from fedjax_het.generators.base import gaussian_kl
 from fedjax_het.models.init import torch_default_init
 
@@ -57,9 +57,9 @@ class VeloConfig(FeloConfig):
     super().__post_init__()
     for name in ('interval', 'epochs', 'batch_size', 'hidden', 'latent', 'embedding', 'upload_rows'):
       if getattr(self, name) < 1:
-        raise ConfigError(f'--velo_{name}={getattr(self, name)} must be >= 1.')
+        raise ConfigError(f'{setting(self, name)} must be >= 1.')
     if not self.cvae_learning_rate > 0:
-      raise ConfigError(f'--velo_learning_rate={self.cvae_learning_rate} must be > 0.')
+      raise ConfigError(f'{setting(self, "cvae_learning_rate")} must be > 0.')
 
 
 class FeatureCVAE(nn.Module):

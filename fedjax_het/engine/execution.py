@@ -60,8 +60,9 @@ class ExecutionConfig:
                         f'backend default).')
     devices = self.num_devices
     if devices > 1 and self.strategy == 'sequential':
-      raise ConfigError(f'ExecutionConfig.client_mesh of {devices} devices: sharding clients over devices needs '
-                        f'strategy=\'vmap\' (got {self.strategy!r}). Fix: strategy=\'vmap\', or one device.')
+      raise ConfigError(f'ExecutionConfig.client_mesh={devices} devices: sharding clients over devices needs '
+                        f'ExecutionConfig.strategy=\'vmap\' (got {self.strategy!r}). Fix: '
+                        f'ExecutionConfig.strategy=\'vmap\', or ExecutionConfig.client_mesh=None.')
     if self.chunk_size and devices > 1 and self.chunk_size % devices:
       raise ConfigError(f'ExecutionConfig.chunk_size={self.chunk_size} must be a multiple of the {devices} devices '
                         f'of the client mesh, so every chunk splits evenly. Fix: chunk_size='

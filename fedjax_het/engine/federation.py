@@ -109,8 +109,8 @@ class Federation:
                         f'(make_federated_data.num_clients), or LocalTraining.drop_last=False (train on the partial '
                         f'batch, where the method supports it).')
     if self.clients_without_steps:
-      logging.warning('--batch_size=%d: clients %s have fewer training samples than one batch and take no local '
-                      'step (one epoch drops the last partial batch, as HtFLlib does).', training.batch_size,
+      logging.warning('LocalTraining.batch_size=%d: clients %s have fewer training samples than one batch and take '
+                      'no local step (one epoch drops the last partial batch, as HtFLlib does).', training.batch_size,
                       self.clients_without_steps)
     self._jitted: dict = {}
 

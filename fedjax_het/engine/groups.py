@@ -193,7 +193,7 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
   else:
     init_keys = jax.vmap(lambda c: jax.random.fold_in(init_key, c))(g.stacked_ids)
   trace(lambda: init_one(init_keys[0]), 'the algorithm\'s client modules (e.g. a shared global model)',
-        'the method\'s config (e.g. FMLConfig.global_model)', spec.input_shape)
+        'the method\'s hyperparameters (e.g. its global model)', spec.input_shape)
   # Two programs, not one: the algorithm's state is often the same program in every group (a generator, an
   # optimizer), which XLA's persistent compilation cache (`compilation_cache`) then compiles once per run.
   params, variables = jax.jit(jax.vmap(init_classifier))(init_keys)

@@ -30,7 +30,7 @@ class HeteroClassifier(nn.Module):
 
   def setup(self):
     if self.rm not in RM_MODES:
-      raise ConfigError(f'--rm={self.rm!r} is unknown; choose one of {", ".join(RM_MODES)}.')
+      raise ConfigError(f'ModelConfig.rm={self.rm!r} is unknown; choose one of {", ".join(RM_MODES)}.')
     if self.rm == 'fc':
       self.rm_fc = nn.Dense(self.feature_dim, name='rm_fc')
     self.head = nn.Dense(self.num_classes, name='head')

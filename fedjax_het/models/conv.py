@@ -102,5 +102,5 @@ def conv_transpose(impl: str, x: jnp.ndarray, features: int, kernel: int, stride
 def conv_factory(impl: str) -> ConvFactory:
   """The `nn.Conv`-compatible constructor of convolution formulation `impl` ('xla' or 'patches')."""
   if impl not in CONV_IMPLS:
-    raise ConfigError(f'--conv={impl!r} is unknown; choose one of {", ".join(CONV_IMPLS)}.')
+    raise ConfigError(f'ExecutionConfig.conv={impl!r} is unknown; choose one of {", ".join(CONV_IMPLS)}.')
   return CONV_IMPLS[impl]

@@ -42,18 +42,18 @@ def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = '
   """The classifier `name` with RM to `feature_dim`, a head to `num_classes`, and convolutions computed the
   `conv` way ('xla', 'im2col' or 'auto'; same parameters, same function)."""
   if name not in _EXTRACTORS:
-    raise ConfigError(f'--models: unknown model {name!r}; registered models are {", ".join(model_names())}.')
+    raise ConfigError(f'ModelConfig.names: unknown model {name!r}; registered models are {", ".join(model_names())}.')
   return HeteroClassifier(_EXTRACTORS[name](conv_factory(conv)), num_classes, feature_dim, rm)
 
 
 def assign_models(models: Sequence[str], num_clients: int) -> list[str]:
   """Client k's architecture is models[k % len(models)] (HtFLlib's model-family convention)."""
   if not models:
-    raise ConfigError('--models is empty; give at least one model name, e.g. --models=cnn4,resnet18.')
+    raise ConfigError('ModelConfig.names is empty; give at least one model name, e.g. (\'cnn4\', \'resnet18\').')
   models = expand_models(models)
   for m in models:
     if m not in _EXTRACTORS:
-      raise ConfigError(f'--models: unknown model {m!r}; registered models are {", ".join(model_names())}; '
+      raise ConfigError(f'ModelConfig.names: unknown model {m!r}; registered models are {", ".join(model_names())}; '
                         f'families: {", ".join(MODEL_FAMILIES)}.')
   return [models[k % len(models)] for k in range(num_clients)]
 

@@ -51,11 +51,11 @@ def vtc_layout(image_shape: tuple[int, ...], latent_dim: int) -> tuple[int, tupl
   if tuple(image_shape) in VTC_LAYOUTS:
     c0, widths = VTC_LAYOUTS[tuple(image_shape)]
     if latent_dim != c0 * cells:
-      raise ConfigError(f'FedVTC on {h}x{w}x{c} images: --feature_dim must be p = {c0 * cells} ({c0}x{h // 4}x'
-                        f'{w // 4}, the VTC latent of fedvtc_iclr.txt Table 6); got {latent_dim}.')
+      raise ConfigError(f'FedVTC on {h}x{w}x{c} images: ModelConfig.feature_dim must be p = {c0 * cells} ('
+                        f'{c0}x{h // 4}x{w // 4}, the VTC latent of fedvtc_iclr.txt Table 6); got {latent_dim}.')
     return c0, widths
   if latent_dim % cells:
-    raise ConfigError(f'FedVTC on {h}x{w}x{c} images: --feature_dim={latent_dim} must be a multiple of '
+    raise ConfigError(f'FedVTC on {h}x{w}x{c} images: ModelConfig.feature_dim={latent_dim} must be a multiple of '
                       f'{cells} (= {h // 4}x{w // 4}) to reshape into the VTC latent grid.')
   return latent_dim // cells, ((32, 64, 64) if c == 3 else (16, 32, 32))
 
