@@ -20,6 +20,7 @@ FLAGS_OF_ARGUMENTS = {
     'ModelConfig.names': '--models', 'ModelConfig.*': '', 'Dataset.resized(32)': '--image_size=32',
     'Federation.*': '', 'make_federated_data.num_clients': '--num_clients', 'make_federated_data.*': '',
     'ExecutionConfig.client_mesh=None': '--num_devices=1', 'ExecutionConfig.client_mesh=': '--num_devices=',
+    'client_mesh.num_devices': '--num_devices',
     "ExecutionConfig.strategy='vmap'": '--strategy=vmap', 'ExecutionConfig.*': '',
 }
 
@@ -113,11 +114,11 @@ class ExperimentConfig:
     name the flags."""
     from fedjax_het.engine.execution import ExecutionConfig
     from fedjax_het.engine.sharding import client_mesh
-    mesh = None
-    strategy = self.strategy or ExecutionConfig().resolve().strategy
-    if self.num_devices != 1 and (self.num_devices > 1 or strategy == 'vmap'):
-      mesh = client_mesh(self.num_devices)
     with flags_named():
+      strategy = ExecutionConfig(self.strategy or None).resolve().strategy
+      every_device_under_vmap = self.num_devices == 0 and strategy == 'vmap'
+      # a count other than 0 and 1 always goes to client_mesh, which refuses one it cannot give
+      mesh = client_mesh(self.num_devices) if self.num_devices not in (0, 1) or every_device_under_vmap else None
       return ExecutionConfig(self.strategy or None, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
                              self.client_threads, self.eval_batch_size or None)
 

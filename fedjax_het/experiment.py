@@ -28,7 +28,6 @@ from fedjax_het.engine.federation import Federation
 from fedjax_het.errors import ConfigError
 from fedjax_het.interrupts import Interrupted, StopAtRoundEnd
 from fedjax_het.methods import Run, flag_name, method
-from fedjax_het.models.registry import assign_models
 from fedjax_het.plots import plot_accuracy, plot_partition, plot_samples
 from fedjax_het.workdir import Workdir
 
@@ -70,7 +69,6 @@ def _validate(cfg: ExperimentConfig) -> None:
     if isinstance(value, float) and not math.isfinite(value):
       raise ConfigError(f'--{flag_name(field)}={value} ({cfg.algorithm}) must be a finite number.')
   method(cfg.algorithm)  # an unknown method fails before any data is loaded
-  assign_models(cfg.models, cfg.num_clients)
   cfg.model_config(), cfg.local_training(), cfg.execution_config()  # each record checks its own settings
 
 
@@ -164,7 +162,7 @@ def best_per_architecture_mean(cfg: ExperimentConfig, evals: list[dict]) -> Opti
   rows = [np.asarray(r['client_accuracy']) for r in evals if r.get('client_accuracy')]
   if not rows:
     return None
-  archs = np.asarray(assign_models(list(cfg.models), cfg.num_clients))
+  archs = np.asarray(cfg.model_config().architectures(cfg.num_clients))
   best = [max(float(r[archs == a].mean()) for r in rows) for a in dict.fromkeys(archs)]
   return float(np.mean(best))
 
@@ -353,7 +351,7 @@ def _finish(cfg: ExperimentConfig, wd: Workdir, rows: list[dict], start: float, 
     wd.write_json('summary.json', summary)
     if any('accuracy' in r for r in rows):
       plot_accuracy(rows, wd.file('accuracy.png'), f'{cfg.algorithm} on {cfg.dataset}',
-                    assign_models(list(cfg.models), cfg.num_clients))
+                    cfg.model_config().architectures(cfg.num_clients))
   except OSError as e:
     logging.error('could not write summary.json / accuracy.png in %s: %s', wd.path, e)
   return summary

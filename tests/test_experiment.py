@@ -72,6 +72,7 @@ def test_resume_refuses_changed_settings_and_missing_checkpoints(tmp_path):
      '--sub_feature_dim=64 must be <= --feature_dim=32'),
     ('--global_model=vgg99 --algorithm=fml', "--global_model='vgg99' is not a registered model"),
     ('--algorithm=fedvtc --rm=ap', "Fix: --rm='fc' (now 'ap')"),                  # a check at the groups' init
+    ('--num_devices=99', 'Fix: --num_devices between 1 and'),
 ])
 def test_cli_bad_input_gives_one_clear_error(tmp_path, flags, message):
   """In process: the flags of experiments/fedre.py, parsed and run as its main does; library checks name the

@@ -43,6 +43,11 @@ class ModelConfig:
                         f'default Conv/Linear initialisation, as HtFLlib; flax: Flax\'s defaults).')
     if self.feature_dim < 1:
       raise ConfigError(f'ModelConfig.feature_dim={self.feature_dim} must be >= 1.')
+    self.architectures(1)  # an empty or unknown name fails here
+
+  def architectures(self, num_clients: int) -> list[str]:
+    """Client k's architecture for k < num_clients: names[k % len(names)], a family expanded first."""
+    return assign_models(self.names, num_clients)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +130,7 @@ def build_groups(data: FederatedData, models: ModelConfig, training: LocalTraini
                  mesh, seed: int = 0) -> list[Group]:
   """One `Group` per architecture of the model family (client k gets models.names[k % len(names)]), in order of
   first appearance, each padded to a multiple of `num_devices` clients and placed on `mesh` (None: one device)."""
-  architectures = assign_models(list(models.names), data.num_clients)
+  architectures = models.architectures(data.num_clients)
   feature_dim, rm = models.feature_dim, models.rm
   maker = ClassifierMaker(data.num_classes, rm, conv, models.init, seed)
   groups = []

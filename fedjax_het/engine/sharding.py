@@ -24,8 +24,9 @@ def client_mesh(num_devices: int = 0) -> Mesh:
   """A 1-D mesh with axis 'clients' over the first `num_devices` devices (0: all devices of all processes)."""
   devices = jax.devices()
   if num_devices < 0 or num_devices > len(devices):
-    raise ConfigError(f'--num_devices={num_devices}: this run sees {len(devices)} {jax.default_backend()} '
-                      f'device(s). Fix: --num_devices between 1 and {len(devices)}, or 0 for all.')
+    raise ConfigError(f'client_mesh.num_devices={num_devices}: this run sees {len(devices)} '
+                      f'{jax.default_backend()} device(s). Fix: client_mesh.num_devices between 1 and {len(devices)}, '
+                      f'or 0 for all.')
   return Mesh(np.asarray(devices[:num_devices or len(devices)]), (CLIENTS_AXIS,))
 
 
