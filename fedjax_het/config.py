@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 from typing import Optional
 
 from fedjax_het.errors import ConfigError, naming_flags
@@ -89,6 +90,35 @@ class ExperimentConfig:
         raise ConfigError(f'ExperimentConfig.methods[{name!r}] must be a {METHODS[name].config.__name__}; got '
                           f'{type(cfg).__name__}.')
     object.__setattr__(self, 'methods', {name: self.methods.get(name, m.config()) for name, m in METHODS.items()})
+    if self.algorithm not in METHODS:
+      raise ConfigError(f'--algorithm={self.algorithm!r} is unknown; choose one of {", ".join(METHODS)}.')
+    self._check_run_settings()
+
+  def _check_run_settings(self):
+    """The checks of the fields only a run has (the local training, models and execution records check theirs
+    when built); a bad value fails as the config is made, before any data is loaded."""
+    for name in ('rounds', 'checkpoint_every', 'local_steps'):
+      if getattr(self, name) < 0:
+        raise ConfigError(f'--{name}={getattr(self, name)} must be >= 0.')
+    for name in ('eval_every', 'num_clients'):
+      if getattr(self, name) < 1:
+        raise ConfigError(f'--{name}={getattr(self, name)} must be >= 1.')
+    if self.local_epochs < 1 and not (self.local_epochs == 0 and getattr(self.method_config, 'synthetic_epochs', 0)):
+      raise ConfigError(f'--local_epochs={self.local_epochs} must be >= 1 (0 only for a method that also trains on '
+                        f'generated data: GeFL\'s synthetic-only runs, --local_epochs=0 --gefl_synthetic_epochs=N).')
+    if not 0 <= self.seed < 2 ** 32:
+      raise ConfigError(f'--seed={self.seed} must be in [0, 2**32).')
+    for name in ('alpha', 'join_ratio', 'imbalance_factor'):
+      if not math.isfinite(getattr(self, name)):
+        raise ConfigError(f'--{name}={getattr(self, name)} must be a finite number.')
+    if not 0 < self.data_fraction <= 1 or self.image_size < 0:
+      raise ConfigError(f'--data_fraction={self.data_fraction} must be in (0, 1] and --image_size={self.image_size} '
+                        f'>= 0 (0 keeps the dataset\'s size).')
+    from fedjax_het.methods import flag_name
+    for field in dataclasses.fields(self.method_config):
+      value = getattr(self.method_config, field.name)
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f'--{flag_name(field)}={value} ({self.algorithm}) must be a finite number.')
 
   @property
   def method_config(self):
@@ -97,8 +127,6 @@ class ExperimentConfig:
 
   def local_training(self) -> LocalTraining:
     """The local SGD settings of this config."""
-    if self.local_steps < 0:
-      raise ConfigError(f'--local_steps={self.local_steps} must be >= 0 (0: every step of --local_epochs epochs).')
     with flags_named():
       return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order,
                            max_steps=self.local_steps if self.local_steps != 0 else None, drop_last=self.drop_last)

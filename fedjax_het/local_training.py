@@ -19,6 +19,7 @@ takes; slots past a client's own step count are marked invalid and leave its sta
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import jax
@@ -60,8 +61,8 @@ class LocalTraining:
       raise ConfigError(f'LocalTraining.batch_size={self.batch_size} must be >= 1.')
     if self.epochs < 0:
       raise ConfigError(f'LocalTraining.epochs={self.epochs} must be >= 0.')
-    if self.learning_rate <= 0:
-      raise ConfigError(f'LocalTraining.learning_rate={self.learning_rate} must be > 0.')
+    if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+      raise ConfigError(f'LocalTraining.learning_rate={self.learning_rate} must be a finite number > 0.')
     if self.max_steps is not None and self.max_steps < 1:
       raise ConfigError(f'LocalTraining.max_steps={self.max_steps} must be >= 1 (None: whole LocalTraining.epochs epochs).')
     if self.rows is not None and self.rows < self.batch_size:
