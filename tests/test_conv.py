@@ -55,6 +55,6 @@ def test_models_are_the_same_function_under_vmap_with_either_conv(name):
     tree_allclose(out[c], out['xla'], rtol=1e-4, atol=1e-4)
 
 
-def test_unknown_conv_names_the_flag():
-  with pytest.raises(ConfigError, match='--conv'):
+def test_unknown_conv_names_the_argument():
+  with pytest.raises(ConfigError, match="^ExecutionConfig.conv='winograd' is unknown"):
     conv_factory('winograd')

@@ -116,7 +116,7 @@ def test_the_transposed_convolution_is_pytorchs():
 
 
 def test_a_latent_width_that_does_not_reshape_is_named():
-  with pytest.raises(ConfigError, match='--feature_dim must be p = 980'):
+  with pytest.raises(ConfigError, match='ModelConfig.feature_dim must be p = 980'):
     jax.eval_shape(lambda k: init_vtc(VTCDecoder((28, 28, 1), 512), k), jax.random.PRNGKey(0))
 
 
