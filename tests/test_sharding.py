@@ -36,6 +36,8 @@ PRELUDE = textwrap.dedent('''
         history.append({k: v for k, v in m.items() if 'seconds' not in k})
       return fed, state, history
 
+    SHARDED = {}  # case -> (its 4-device federation, final state)
+
     def same(a, b):
       for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
@@ -66,23 +68,34 @@ def equality_check(name: str, algorithm: str, kw: dict) -> str:
             assert a[k] == b[k], k
           else:
             np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+      SHARDED[{name!r}] = fed4, s4
       print('ok {name}', flush=True)
   ''')
 
 
 def checkpoint_check(workdir: str) -> str:
+  """A sharded state saved and restored (`Checkpoints`, as --resume does) comes back sharded over the 4 devices,
+  equal, and its next round equals the next round of the state that was saved; --num_devices=0 of the experiment
+  layer lays a federation over every device."""
   return textwrap.dedent(f'''
-      import dataclasses, json
+      from fedjax_het.checkpoints import Checkpoints
       from fedjax_het.config import ExperimentConfig
-      from fedjax_het.experiment import train_and_evaluate
+      from fedjax_het.experiment import build_federation
       cfg = ExperimentConfig(dataset='synthetic:8,8,1', num_clients=6, models=('small_cnn_narrow', 'mlp'),
-                             strategy='vmap', rounds=1, batch_size=8, checkpoint_every=1, eval_batch_size=16,
-                             feature_dim=16, num_devices=0, conv='xla')
-      train_and_evaluate(cfg, {workdir + '/a'!r}, progress=False)
-      full = train_and_evaluate(dataclasses.replace(cfg, rounds=2), {workdir + '/b'!r}, progress=False)
-      resumed = train_and_evaluate(dataclasses.replace(cfg, rounds=2), {workdir + '/a'!r}, resume=True,
-                                   progress=False)
-      assert abs(full['final_accuracy'] - resumed['final_accuracy']) < 1e-9, (full, resumed)
+                             strategy='vmap', num_devices=0, feature_dim=16)
+      assert build_federation(cfg).execution.num_devices == 4
+      fed, saved = SHARDED['fedre']
+      checkpoints = Checkpoints({workdir!r})
+      checkpoints.save(saved)
+      restored = checkpoints.restore(fed.init(), int(saved.round))
+      for leaf in jax.tree.leaves(restored.groups):
+        assert len(leaf.sharding.device_set) == 4, leaf.sharding
+      same(restored, saved)
+      after_restore, m_restored = fed.round(restored)
+      after_saved, m_saved = fed.round(saved)
+      same(after_restore, after_saved)
+      assert {{k: v for k, v in m_restored.items() if 'seconds' not in k}} == {{
+          k: v for k, v in m_saved.items() if 'seconds' not in k}}
       print('ok checkpoint', flush=True)
   ''')
 
