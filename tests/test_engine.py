@@ -240,7 +240,7 @@ def staged_algorithm():
   """A program of three stages that records what each one saw: steps of generated stages (and the sum of their
   keys' first words, so both strategies must draw the same keys), real steps and the real rows' label sum."""
   from fedjax_het.core import ClientProgram, Stage
-  from fedjax_het.algorithms.base import keep_server, local_head_evaluation, no_server, one_phase
+  from fedjax_het.algorithms.base import local_head_evaluation, no_server, one_phase
 
   def generated(carry, batch, broadcast, key):
     assert batch.x is None and batch.index is None

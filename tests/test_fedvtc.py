@@ -12,8 +12,8 @@ import optax
 import pytest
 
 from fedjax_het.algorithms import FedVTCConfig
-from fedjax_het.algorithms.fedvtc import (finetune_latents, kl_to_prototype, reconstruction_error, row_normals,
-                                          sum_of_class_means, vtc_objective, vtc_steps, vtc_terms)
+from fedjax_het.algorithms.fedvtc import (finetune_latents, kl_to_prototype, reconstruction_error, sum_of_class_means,
+                                          vtc_objective, vtc_steps)
 from fedjax_het.checkpoints import Checkpoints
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Uploads
@@ -253,28 +253,6 @@ def test_the_run_has_its_three_phases_and_the_finetune_trains_on_s_times_c_rows(
   assert history[2]['upload_scalars'] == 0 and history[2]['local_steps'] == 4 * (8 * 10 // 32) * 2
   assert history[0]['upload_sigma_scalars'] == 2 * 80  # two participants (join ratio 0.5); then all four
   assert all(np.isfinite(m['train_loss']) for m in history)
-
-
-def test_vmap_executor_equals_sequential(uninterrupted):
-  """Under vmap with im2col convolutions, at the suite's XLA level 0: the combination whose max-pool gradient
-  XLA:CPU miscompiled there (NaN; docs/xla_cpu_miscompile.md) before max_pool chose each window's maximum by
-  index."""
-  vmapped = build_federation(dataclasses.replace(CFG, strategy='vmap', conv='im2col'))
-  state, history = run_rounds(vmapped, vmapped.init(), vmapped.total_rounds)
-  for a, b in zip(history, uninterrupted[1]):
-    assert a.keys() == b.keys()
-    for k in a:
-      if isinstance(a[k], str) or isinstance(a[k], list):
-        assert a[k] == b[k] if isinstance(a[k], str) else np.allclose(a[k], b[k], atol=1e-5), k
-      elif 'accuracy' in k:  # a prediction may flip at a near tie: 2 of 2,000 test rows
-        np.testing.assert_allclose(a[k], b[k], atol=1e-3, err_msg=k)
-      else:
-        np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=1e-5, err_msg=k)
-  # 120 steps whose losses are pixel sums amplify float32 reorderings (batched vs single convolutions), most in
-  # small sums such as psi's BatchNorm biases: each group's state agrees to 1 % in norm, the metrics to 2e-4.
-  for a, b in zip(state.groups, uninterrupted[0].groups):
-    flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(t)])
-    assert np.linalg.norm(flat(a) - flat(b)) <= 1e-2 * np.linalg.norm(flat(b))
 
 
 def test_resume_across_the_finetune_boundary_equals_the_uninterrupted_run(fed, recorded, uninterrupted, tmp_path):
