@@ -13,7 +13,9 @@ import sys
 
 from fedjax_het import interrupts
 
-interrupts.install()  # Ctrl-C or SIGTERM during the startup seconds: stop cleanly once started
+# Ctrl-C or SIGTERM from the first second: a clean stop, or an abort
+interrupts.install(watch=True, abort_message='aborted ({signal}): finished runs are kept; run the same command again '
+                                             'to continue.')
 
 from absl import app, flags, logging  # noqa: E402
 
@@ -46,7 +48,8 @@ def main(argv):
   except ConfigError as e:
     sys.exit(f'error: {e}')
   except KeyboardInterrupt:
-    sys.exit(f'interrupted: finished runs are kept in {FLAGS.workdir}; run the same command again to continue.')
+    interrupts.exit_now(f'interrupted: finished runs are kept in {FLAGS.workdir}; run the same command again to '
+                        f'continue.', interrupts.exit_code())
   title = f'{base.dataset}, {base.partition}, {base.num_clients} clients, {base.rounds} rounds, seeds {seeds}'
   print(write_comparison(results, FLAGS.workdir, title))
 

@@ -5,7 +5,7 @@
 
 from fedjax_het import interrupts
 
-interrupts.install()  # Ctrl-C or SIGTERM during the startup seconds: stop cleanly once started
+interrupts.install(watch=True)  # Ctrl-C or SIGTERM from the first second: a clean stop, or an abort
 
 from absl import app, flags  # noqa: E402
 

@@ -8,7 +8,7 @@ describe a setting and name no method; flags given after --flagfile override the
 
 from fedjax_het import interrupts
 
-interrupts.install()  # Ctrl-C or SIGTERM during the startup seconds: stop cleanly once started
+interrupts.install(watch=True)  # Ctrl-C or SIGTERM from the first second: a clean stop, or an abort
 
 from absl import app, flags  # noqa: E402
 

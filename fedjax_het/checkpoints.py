@@ -1,7 +1,8 @@
 """Orbax checkpoints of a `FederationState`, each carrying the identity of the run that wrote it.
 
-A checkpoint holds two items: 'state' (the state's leaves) and 'run' (a JSON dict identifying the run: the
-settings its numbers depend on and a fingerprint of its partition). Restoring checks the identity first, so a
+A checkpoint holds three items: 'state' (the state's leaves), 'run' (a JSON dict identifying the run: the
+settings its numbers depend on and a fingerprint of its partition) and 'metrics' (the run's metrics rows up to its
+round, so a resume can rebuild a metrics.jsonl that was lost or cut short). Restoring checks the identity first, so a
 checkpoint of another run (another seed, dataset or method) is refused whatever config.json says. A checkpoint
 that cannot be read (a crash mid-write, a damaged disk) is moved aside to checkpoints.unreadable/ and the next
 older one is tried. A save that does not land (the manager skips a step at or below its newest, the disk is full)
@@ -39,12 +40,14 @@ class Checkpoints:
     """The round of the newest checkpoint, or None."""
     return self.manager.latest_step()
 
-  def save(self, state: Any, identity: Optional[dict] = None) -> None:
-    """Saves the state under its round number with the run's `identity` and waits until both are on disk."""
+  def save(self, state: Any, identity: Optional[dict] = None, rows: Optional[list] = None) -> None:
+    """Saves the state under its round number with the run's `identity` and its metrics `rows` (JSON-ready
+    dicts, rounds 1 to the state's), and waits until all are on disk."""
     step = int(state.round)
     leaves = {str(i): np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(state))}
     args = self._ocp.args.Composite(state=self._ocp.args.StandardSave(leaves),
-                                    run=self._ocp.args.JsonSave(identity or {}))
+                                    run=self._ocp.args.JsonSave(identity or {}),
+                                    metrics=self._ocp.args.JsonSave({'rows': list(rows or [])}))
     try:
       saved = self.manager.save(step, args=args)
       self.manager.wait_until_finished()
@@ -60,6 +63,14 @@ class Checkpoints:
   def identity(self, step: int) -> dict:
     """The run identity saved with checkpoint `step`."""
     return self.manager.restore(step, args=self._ocp.args.Composite(run=self._ocp.args.JsonRestore()))['run']
+
+  def metrics(self, step: int) -> Optional[list]:
+    """The metrics rows saved with checkpoint `step`, or None when it carries none."""
+    try:
+      saved = self.manager.restore(step, args=self._ocp.args.Composite(metrics=self._ocp.args.JsonRestore()))
+    except Exception:  # a checkpoint written without the item: orbax raises several types
+      return None
+    return saved['metrics']['rows']
 
   def restore(self, template: Any, step: int) -> Any:
     """The state saved at `step`, in the pytree structure and device placement (sharding) of `template`, a

@@ -204,6 +204,7 @@ def main(argv) -> None:
 
   A `ConfigError` (bad input) exits with its one-line message; an interrupt exits saying how to resume."""
   from fedjax_het.errors import ConfigError
+  from fedjax_het import interrupts
   from fedjax_het.interrupts import Interrupted
   fv = flags.FLAGS
   if len(argv) > 1:
@@ -217,6 +218,7 @@ def main(argv) -> None:
   except Interrupted as e:
     _exit_interrupted(e, fv.workdir)
   except KeyboardInterrupt:  # a second signal: aborted mid-round
-    sys.exit(f'aborted: the last checkpoint in {fv.workdir} stands; continue from it with the same flags plus '
-             f'--resume (a run aborted before its first checkpoint starts again without --resume).')
+    interrupts.exit_now(f'aborted: the last checkpoint in {fv.workdir} stands; continue from it with the same flags '
+                        f'plus --resume (a run aborted before its first checkpoint starts again without --resume).',
+                        interrupts.exit_code())
   print(json.dumps({k: v for k, v in summary.items() if k != 'config'}, indent=2))

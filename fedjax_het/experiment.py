@@ -214,11 +214,10 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     state, rows = fed.init(), []
     if resume:
       if not has_checkpoints:
-        raise ConfigError(f'--resume: no checkpoint under {wd.checkpoints}. Fix: drop --resume to start a new run '
-                          f'(with --checkpoint_every > 0 to make it resumable).')
+        raise ConfigError(_no_checkpoint_message(wd))
       where = f'the checkpoint under {wd.checkpoints}'
       state, _ = checkpoints.restore_latest(state, lambda saved: _check_identity(saved, identity, where, run))
-      rows = wd.read_metrics(int(state.round))
+      rows = _resumed_rows(wd, checkpoints, int(state.round))
     if stop.requested:
       raise Interrupted(stop.requested, resume, int(state.round))  # stopped while restoring: nothing new written
     wd.write_json('config.json', cfg.to_dict())
@@ -231,6 +230,32 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     wd.write_metrics(rows)
     return _train(cfg, fed, state, rows, wd, checkpoints if cfg.checkpoint_every else None, identity, stop,
                   progress)
+
+
+def _no_checkpoint_message(wd: Workdir) -> str:
+  """Why --resume cannot go on in a workdir without checkpoints, and the way out that works there."""
+  if wd.holds_run():  # a run without checkpoints (--checkpoint_every=0, or stopped before its first)
+    return (f'--resume: the run in --workdir={wd.path} wrote no checkpoint (--checkpoint_every=0, or it stopped '
+            f'before its first), so it cannot be continued. Fix: start it again in a new --workdir, or after deleting '
+            f'{wd.path} (with --checkpoint_every > 0 to make it resumable).')
+  return (f'--resume: no checkpoint under {wd.checkpoints}. Fix: drop --resume to start a new run (with '
+          f'--checkpoint_every > 0 to make it resumable).')
+
+
+def _resumed_rows(wd: Workdir, checkpoints: Checkpoints, saved_round: int) -> list[dict]:
+  """The metrics rows of rounds 1..saved_round: metrics.jsonl's, or, where it lacks some (deleted, cut short),
+  the copy saved in the checkpoint; a ConfigError when neither holds them all (the summary would be wrong)."""
+  rows = wd.read_metrics(saved_round)
+  if [r.get('round') for r in rows] == list(range(1, saved_round + 1)):
+    return rows
+  saved = checkpoints.metrics(saved_round)
+  if saved is not None and [r.get('round') for r in saved] == list(range(1, saved_round + 1)):
+    logging.warning('%s holds %d of the %d rounds the checkpoint follows; rebuilt it from the checkpoint\'s copy.',
+                    wd.file('metrics.jsonl'), len(rows), saved_round)
+    return saved
+  raise ConfigError(f'--resume: {wd.file("metrics.jsonl")} holds {len(rows)} of the {saved_round} rounds the '
+                    f'checkpoint follows, and the checkpoint carries no copy of them, so the summary of the run would '
+                    f'be wrong. Fix: put back the metrics.jsonl of this run, or start it again in a new --workdir.')
 
 
 def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, progress) -> dict:
@@ -266,7 +291,7 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
             f'server/learning-rate flags; a diverged run cannot be resumed with other settings.')
       due = (r + 1) % max(cfg.checkpoint_every, 1) == 0 or r + 1 == total
       if checkpoints is not None and (due or stop.requested):
-        checkpoints.save(state, identity)
+        checkpoints.save(state, identity, rows)
         saved_round = r + 1
       if bar is not None:
         bar.update(1)
@@ -283,8 +308,13 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
     raise
   except OSError as e:  # metrics.jsonl could not be appended: a full disk, a removed folder
     _finish(cfg, wd, rows, start, idle, total)
-    raise ConfigError(f'writing the outputs of round {len(rows)} in --workdir={wd.path} failed ({e.strerror or e}). '
-                      f'Fix the cause (free disk space), then continue with --resume.') from None
+    failed = f'writing the outputs of round {len(rows)} in --workdir={wd.path} failed ({e.strerror or e}).'
+    if saved_round is None:
+      raise ConfigError(f'{failed} The run wrote no checkpoint (--checkpoint_every=0, or before its first), so it '
+                        f'cannot be continued. Fix the cause (free disk space), then start it again in a new '
+                        f'--workdir, or after deleting {wd.path}.') from None
+    raise ConfigError(f'{failed} Fix the cause (free disk space), then continue from the checkpoint of round '
+                      f'{saved_round} with --resume.') from None
   finally:
     if bar is not None:
       bar.close()

@@ -23,10 +23,10 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import build_federation
 
 GEFL = GeFLConfig(generator='dcgan', ka_rounds=2, generator_epochs=1, width=4)
-# One architecture group keeps compilation (most of these tests' time) small; the servers' cross-group and
-# within-group means are tested directly above the runs.
-CFG = ExperimentConfig(algorithm='gefl', dataset='synthetic:32,32,1', num_clients=4, partition='iid',
-                       models=('gefl_mnist_cnn1',), feature_dim=16, rm='fc', rounds=2, batch_size=64,
+# One architecture group and a quarter of the synthetic rows (one or two batches per client) keep compilation and
+# execution small; the servers' cross-group and within-group means are tested directly above the runs.
+CFG = ExperimentConfig(algorithm='gefl', dataset='synthetic:32,32,1', data_fraction=0.25, num_clients=4,
+                       partition='iid', models=('gefl_mnist_cnn1',), feature_dim=16, rm='fc', rounds=2, batch_size=64,
                        local_learning_rate=0.05, eval_protocol='global', data_order='shuffle', conv='xla',
                        checkpoint_every=1, methods={'gefl': GEFL})
 

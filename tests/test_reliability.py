@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -111,6 +112,51 @@ def test_a_full_disk_during_a_checkpoint_is_one_clear_error_and_keeps_the_summar
   assert json.load(open(tmp_path / 'summary.json'))['rounds'] == 2
 
 
+def test_resume_rebuilds_a_deleted_metrics_file_from_the_checkpoint(finished, tmp_path):
+  """metrics.jsonl deleted (or cut short) in a finished run: --resume takes the rows saved with the checkpoint, so
+  the history and the summary are the run's, not those of the rounds run after the resume."""
+  import shutil
+  run = str(tmp_path / 'run')
+  shutil.copytree(finished, run)
+  os.remove(os.path.join(run, 'metrics.jsonl'))
+  summary = train_and_evaluate(CFG, run, resume=True, progress=False)
+  assert metric_rows(run) == metric_rows(finished)
+  assert summary['second_half_mean_accuracy'] == json.load(open(os.path.join(finished, 'summary.json')))[
+      'second_half_mean_accuracy']
+
+
+def test_resume_refuses_a_history_it_cannot_rebuild(finished, tmp_path, monkeypatch):
+  import shutil
+  run = str(tmp_path / 'run')
+  shutil.copytree(finished, run)
+  with open(os.path.join(run, 'metrics.jsonl')) as f:
+    lines = f.readlines()
+  with open(os.path.join(run, 'metrics.jsonl'), 'w') as f:
+    f.writelines(lines[2:])  # rounds 1 and 2 lost
+  monkeypatch.setattr(Checkpoints, 'metrics', lambda self, step: None)  # a checkpoint without a copy of the rows
+  with pytest.raises(ConfigError, match='holds 2 of the 4 rounds the checkpoint follows, and the checkpoint carries '
+                                        'no copy'):
+    train_and_evaluate(CFG, run, resume=True, progress=False)
+
+
+def test_a_full_disk_without_checkpoints_says_how_to_start_again_not_to_resume(tmp_path, monkeypatch):
+  """--checkpoint_every=0 and metrics.jsonl cannot be appended: neither the error nor a --resume after it
+  sends the user in a circle (resume -> 'drop --resume' -> 'add --resume')."""
+  run = str(tmp_path / 'run')
+  cfg = dataclasses.replace(CFG, rounds=2, checkpoint_every=0)
+
+  def no_space(self, row):
+    raise OSError(28, 'No space left on device')
+  with monkeypatch.context() as patched:
+    patched.setattr(Workdir, 'append_metrics', no_space)
+    with pytest.raises(ConfigError, match='wrote no checkpoint.*start it again in a new --workdir') as error:
+      train_and_evaluate(cfg, run, progress=False)
+  assert '--resume' not in str(error.value)
+  with pytest.raises(ConfigError, match='wrote no checkpoint.*cannot be continued.*new --workdir') as error:
+    train_and_evaluate(cfg, run, resume=True, progress=False)
+  assert 'drop --resume' not in str(error.value)
+
+
 def test_resume_restores_even_with_checkpoint_every_zero(finished, tmp_path):
   import shutil
   run = str(tmp_path / 'run')
@@ -141,6 +187,12 @@ X = np.zeros((6, 4, 4), np.uint8)
     (dict(x=np.full((6, 4, 4), np.nan, np.float32), y=np.array([0, 1, 2, 3, 0, 1])), 'NaN or infinite pixels'),
     (dict(x=X, y=np.array([0, 1, 2, 3, 0, 1]), num_classes=np.array(3)), 'num_classes is 3'),
     (dict(x=X, y=np.array(['a'] * 6)), 'dtype <U1'),
+    (dict(x=np.full((6, 4, 4), 3200, np.uint16), y=np.array([0, 1, 2, 3, 0, 1])),
+     'x holds uint16 pixels from 3200 to 3200; integer images are read as 0..255'),
+    (dict(x=np.full((6, 4, 4), 255.0, np.float32), y=np.array([0, 1, 2, 3, 0, 1])),
+     'x holds float pixels up to 255 in magnitude; float images are used as they are'),
+    (dict(x=X, y=np.array([0, 1, 2, 3, 0, 1]), num_classes=np.array([10, 11])),
+     r'num_classes must be one positive integer .* got int64 of shape \(2,\)'),
 ])
 def test_npz_files_are_checked_before_any_work(tmp_path, arrays, message):
   with pytest.raises(ConfigError, match=message):
@@ -157,6 +209,14 @@ def test_a_file_that_is_not_an_npz_is_named(tmp_path):
 def test_an_npz_with_a_num_classes_array_keeps_classes_without_samples(tmp_path):
   data = load_npz(_npz(tmp_path, x=X, y=np.array([0, 1, 0, 1, 0, 1]), num_classes=np.array(10)))
   assert data.num_classes == 10
+
+
+def test_integer_images_of_any_dtype_in_0_255_read_as_uint8(tmp_path):
+  pixels = np.arange(6 * 16).reshape(6, 4, 4) % 256
+  as_uint16 = load_npz(_npz(tmp_path, x=pixels.astype(np.uint16), y=np.array([0, 1, 0, 1, 0, 1]))).x
+  np.testing.assert_array_equal(as_uint16, load_npz(_npz(tmp_path, x=pixels.astype(np.uint8),
+                                                          y=np.array([0, 1, 0, 1, 0, 1]))).x)
+  assert as_uint16.min() == -1.0 and as_uint16.max() == 1.0  # 0 -> -1, 255 -> 1
 
 
 # ------------------------------------------------------------------ 5, 8, 9: flags and settings
@@ -245,6 +305,32 @@ def test_the_entry_point_stops_cleanly_on_a_signal_during_startup(tmp_path):
   _, stderr = process.communicate(timeout=300)
   assert process.returncode == 143, stderr
   assert 'before the first round' in stderr and 'Traceback' not in stderr
+
+
+def test_a_second_signal_aborts_at_once_while_the_main_thread_waits_inside_native_code():
+  """The main thread held in native code (as while XLA compiles a large program) cannot run Python's signal
+  handler; the entry points' watcher says at once that the stop was heard and, on the second signal, ends the
+  process itself."""
+  import time
+  script = textwrap.dedent('''
+      import ctypes, signal, sys
+      from fedjax_het import interrupts
+      interrupts.install(watch=True)
+      signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # the main thread never takes the signal
+      print('ready', flush=True)
+      ctypes.CDLL(None).sleep(120)  # native code: Python's handler cannot run in this thread meanwhile
+      print('woke', flush=True)
+  ''')
+  process = subprocess.Popen([sys.executable, '-c', script], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert process.stdout.readline().strip() == 'ready'
+  process.send_signal(signal.SIGTERM)
+  assert 'SIGTERM: finishing this round' in process.stderr.readline() + process.stderr.readline()
+  start = time.monotonic()
+  process.send_signal(signal.SIGTERM)
+  _, stderr = process.communicate(timeout=60)
+  assert process.returncode == 143 and 'aborted (SIGTERM): the last checkpoint stands' in stderr
+  assert time.monotonic() - start < interrupts.ABORT_GRACE_SECONDS + 10
 
 
 # ------------------------------------------------------------------ kill -9 anywhere

@@ -127,16 +127,29 @@ def _npz_labels(path: str, name: str, y: np.ndarray) -> np.ndarray:
   return y.astype(np.int32)
 
 
+# Float images are used as they are, so they must already be normalised; beyond this magnitude they are not (pixels
+# stored as 0..255 floats, raw sensor counts) and training would diverge with the learning rate blamed.
+MAX_FLOAT_PIXEL = 16.0
+
+
 def _npz_images(path: str, name: str, a: np.ndarray) -> np.ndarray:
-  """`a` as float32 NHWC (uint8 normalised to [-1, 1]), or a ConfigError: numbers, finite, 3 or 4 dimensions."""
-  if a.dtype == np.uint8:
+  """`a` as float32 NHWC, or a ConfigError: numbers, finite, 3 or 4 dimensions. Integer images (any integer
+  dtype) are 0..255 pixels, normalised to [-1, 1]; float images are used as given and must be normalised already
+  (|x| <= MAX_FLOAT_PIXEL)."""
+  where = f'--dataset=npz:{path}: {name}'
+  if a.dtype.kind in 'iu':
+    low, high = (int(a.min()), int(a.max())) if a.size else (0, 0)
+    if low < 0 or high > 255:
+      raise ConfigError(f'{where} holds {a.dtype} pixels from {low} to {high}; integer images are read as 0..255 '
+                        f'pixels. Fix: scale them to uint8 0..255, or store floats already normalised (e.g. '
+                        f'x / x.max() * 2 - 1).')
     a = normalize_uint8(a)
-  elif a.dtype.kind in 'iuf':
+  elif a.dtype.kind == 'f':
     a = a.astype(np.float32)
     a = a[..., None] if a.ndim == 3 else a
   else:
-    raise ConfigError(f'--dataset=npz:{path}: {name} has dtype {a.dtype}; images must be numbers (uint8 0..255 or '
-                      f'floats). Fix: store a numeric array.')
+    raise ConfigError(f'{where} has dtype {a.dtype}; images must be numbers (uint8 0..255 or normalised floats). '
+                      f'Fix: store a numeric array.')
   if a.ndim != 4:
     raise ConfigError(f'--dataset=npz:{path}: {name} must be [N, H, W] or [N, H, W, C] (channels last); got shape '
                       f'{a.shape}.')
@@ -144,6 +157,11 @@ def _npz_images(path: str, name: str, a: np.ndarray) -> np.ndarray:
   if bad.any():
     raise ConfigError(f'--dataset=npz:{path}: {name} has NaN or infinite pixels in {int(bad.sum())} images (first: '
                       f'{np.flatnonzero(bad)[:5].tolist()}). Fix: repair or drop those images.')
+  peak = float(np.abs(a).max()) if a.size else 0.0
+  if peak > MAX_FLOAT_PIXEL:
+    raise ConfigError(f'{where} holds float pixels up to {peak:g} in magnitude; float images are used as they are, so '
+                      f'they must be normalised already (|x| <= {MAX_FLOAT_PIXEL:g}). Fix: divide 0..255 floats by '
+                      f'255 (or store them as uint8), or standardise the data.')
   return a
 
 
@@ -151,8 +169,8 @@ def load_npz(path: str) -> Dataset:
   """Loads user data from `.npz` with arrays x [N, H, W(, C)] and y [N], optionally x_test and y_test (both) and
   num_classes (a scalar; default max label + 1). Every array is checked before any work starts.
 
-  uint8 images are normalised to [-1, 1]; other numeric images are used as given. Channels-last layout is
-  required.
+  Integer images are 0..255 pixels, normalised to [-1, 1]; float images are used as given and must be normalised
+  already. Channels-last layout is required.
   """
   where = f'--dataset=npz:{path}'
   if not os.path.isfile(path):
@@ -182,7 +200,12 @@ def load_npz(path: str) -> Dataset:
                         f'store both splits at one size.')
   labels = y if y_test is None else np.concatenate([y, y_test])
   if 'num_classes' in arrays:
-    num_classes = int(arrays['num_classes'])
+    stored = arrays['num_classes']
+    if stored.ndim != 0 or stored.dtype.kind not in 'iu' or int(stored) < 1:
+      raise ConfigError(f'{where}: num_classes must be one positive integer (a 0-d array, '
+                        f'numpy.savez(..., num_classes=10)); got {stored.dtype} of shape {stored.shape}: '
+                        f'{np.array2string(stored.reshape(-1)[:5])}.')
+    num_classes = int(stored)
     if labels.max() >= num_classes:
       raise ConfigError(f'{where}: labels reach {labels.max()} but num_classes is {num_classes}; labels must be in '
                         f'0..num_classes-1.')
