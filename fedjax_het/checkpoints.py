@@ -1,8 +1,9 @@
 """Orbax checkpoints of a `FederationState`, each carrying the identity of the run that wrote it.
 
 A checkpoint holds three items: 'state' (the state's leaves), 'run' (a JSON dict identifying the run: the
-settings its numbers depend on and a fingerprint of its partition) and 'metrics' (the run's metrics rows up to its
-round, so a resume can rebuild a metrics.jsonl that was lost or cut short). Restoring checks the identity first, so a
+settings its numbers depend on and a fingerprint of its partition) and 'history' (the run's metrics rows up to its
+round, so a resume can rebuild a metrics.jsonl that was lost or cut short; not 'metrics', a name orbax's manager
+reads for its own purpose). Restoring checks the identity first, so a
 checkpoint of another run (another seed, dataset or method) is refused whatever config.json says. A checkpoint
 that cannot be read (a crash mid-write, a damaged disk) is moved aside to checkpoints.unreadable/ and the next
 older one is tried. A save that does not land (the manager skips a step at or below its newest, the disk is full)
@@ -47,7 +48,7 @@ class Checkpoints:
     leaves = {str(i): np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(state))}
     args = self._ocp.args.Composite(state=self._ocp.args.StandardSave(leaves),
                                     run=self._ocp.args.JsonSave(identity or {}),
-                                    metrics=self._ocp.args.JsonSave({'rows': list(rows or [])}))
+                                    history=self._ocp.args.JsonSave({'rows': list(rows or [])}))
     try:
       saved = self.manager.save(step, args=args)
       self.manager.wait_until_finished()
@@ -67,10 +68,10 @@ class Checkpoints:
   def metrics(self, step: int) -> Optional[list]:
     """The metrics rows saved with checkpoint `step`, or None when it carries none."""
     try:
-      saved = self.manager.restore(step, args=self._ocp.args.Composite(metrics=self._ocp.args.JsonRestore()))
+      saved = self.manager.restore(step, args=self._ocp.args.Composite(history=self._ocp.args.JsonRestore()))
     except Exception:  # a checkpoint written without the item: orbax raises several types
       return None
-    return saved['metrics']['rows']
+    return saved['history']['rows']
 
   def restore(self, template: Any, step: int) -> Any:
     """The state saved at `step`, in the pytree structure and device placement (sharding) of `template`, a

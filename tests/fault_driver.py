@@ -28,10 +28,10 @@ def die():
 
 def main(workdir: str, point: str, round_: int, resume: bool) -> None:
   if point == 'checkpoint':
-    def save(self, state, identity=None):
+    def save(self, state, identity=None, rows=None):
       if int(state.round) == round_:
         self.manager.wait_until_finished = die  # the asynchronous write has started, not finished
-      return original_save(self, state, identity)
+      return original_save(self, state, identity, rows)
     original_save = Checkpoints.save
     Checkpoints.save = save
   elif point == 'metrics':
