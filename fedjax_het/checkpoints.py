@@ -12,7 +12,10 @@ is an error, never ignored.
 
 from __future__ import annotations
 
+import contextlib
+import logging as std_logging
 import os
+import re
 import shutil
 from typing import Any, Optional
 
@@ -27,6 +30,29 @@ class CheckpointError(ConfigError):
   """A checkpoint could not be written or read; the message names the folder and the fix."""
 
 
+@contextlib.contextmanager
+def _orbax_thread_errors_silenced():
+  """Drops the errors orbax's writer threads log (each with a traceback) while the block runs; the failure itself
+  still reaches the caller as an exception."""
+  def keep(record: std_logging.LogRecord) -> bool:
+    return not (record.levelno >= std_logging.ERROR and 'orbax' in record.pathname)
+  logger = std_logging.getLogger('absl')
+  logger.addFilter(keep)
+  try:
+    yield
+  finally:
+    logger.removeFilter(keep)
+
+
+def _cause(error: Exception) -> str:
+  """The OS's words for why a write failed ('No space left on device'), also from orbax's tensorstore messages
+  ("... [os_error_code='28']"), else the error's first line."""
+  if getattr(error, 'strerror', None):
+    return error.strerror
+  code = re.search(r"os_error_code='(\d+)'", str(error))
+  return os.strerror(int(code.group(1))) if code else str(error).splitlines()[0][:300]
+
+
 class Checkpoints:
   """The checkpoints/ folder of a run: `save(state, identity)`, `restore_latest(template)`."""
 
@@ -34,8 +60,22 @@ class Checkpoints:
     import orbax.checkpoint as ocp  # Lazy: orbax is slow to import and only runs with checkpoints need it.
     self._ocp = ocp
     self.directory = os.path.abspath(directory)
-    self._options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep)
+    self._check_writable()
+    # Synchronous saves: `save` waits for each anyway, and a failed write then raises here instead of in orbax's
+    # threads (which wait minutes for a step folder that could not be made, then print their tracebacks).
+    self._options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=False)
     self.manager = ocp.CheckpointManager(self.directory, options=self._options)
+
+  def _check_writable(self) -> None:
+    """A CheckpointError unless a step folder can be made in the directory (orbax's writer would wait minutes
+    for one it could not make)."""
+    import tempfile
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      os.rmdir(tempfile.mkdtemp(prefix='.write_check_', dir=self.directory))
+    except OSError as e:
+      raise CheckpointError(f'{self.directory} cannot be written ({e.strerror or e}), so no checkpoint could be '
+                            f'saved there. Fix: make it writable, or choose another --workdir.') from None
 
   def latest_round(self) -> Optional[int]:
     """The round of the newest checkpoint, or None."""
@@ -50,12 +90,18 @@ class Checkpoints:
                                     run=self._ocp.args.JsonSave(identity or {}),
                                     history=self._ocp.args.JsonSave({'rows': list(rows or [])}))
     try:
-      saved = self.manager.save(step, args=args)
-      self.manager.wait_until_finished()
-    except OSError as e:
+      with _orbax_thread_errors_silenced():  # the error is raised here, once, with its cause
+        saved = self.manager.save(step, args=args)
+        self.manager.wait_until_finished()
+    except Exception as e:  # a full disk or a lost folder: OSError, or orbax's ValueError('RESOURCE_EXHAUSTED ...')
+      shutil.rmtree(os.path.join(self.directory, f'{step}.orbax-checkpoint-tmp'), ignore_errors=True)
+      cause = _cause(e)
+      earlier = self.latest_round()
+      then = (f'continue from the checkpoint of round {earlier} with --resume' if earlier is not None else
+              f'start the run again (no earlier checkpoint exists) in a new --workdir, or after deleting '
+              f'{os.path.dirname(self.directory)}')
       raise CheckpointError(f'the checkpoint of round {step} could not be written under {self.directory} '
-                            f'({e.strerror or e}). The rounds before are kept; fix the cause (free disk space) and '
-                            f'continue with --resume.') from None
+                            f'({cause}). Fix the cause (free disk space), then {then}.') from None
     if not saved:
       raise CheckpointError(f'the checkpoint of round {step} was not written: {self.directory} already holds one '
                             f'at round {self.latest_round()}, which belongs to another run. Fix: use a new '

@@ -4,7 +4,7 @@ leaves behind).
 
   python tests/fault_driver.py WORKDIR POINT ROUND [--resume]
 
-POINT: 'checkpoint' (inside the checkpoint write of ROUND: the write started, not finished), 'metrics' (halfway
+POINT: 'checkpoint' (inside the checkpoint write of ROUND: its files written, not yet committed), 'metrics' (halfway
 through appending ROUND's line of metrics.jsonl), 'round' (inside ROUND's computation), 'none' (run to the end).
 """
 
@@ -28,9 +28,14 @@ def die():
 
 def main(workdir: str, point: str, round_: int, resume: bool) -> None:
   if point == 'checkpoint':
+    # Dies when the checkpoint's files are all in the temporary folder and the commit (its rename) is next: orbax's
+    # internal module, so an orbax that moved it fails here loudly instead of killing nowhere.
+    from orbax.checkpoint._src.path import atomicity
+    assert callable(atomicity.on_commit_callback)
+
     def save(self, state, identity=None, rows=None):
       if int(state.round) == round_:
-        self.manager.wait_until_finished = die  # the asynchronous write has started, not finished
+        atomicity.on_commit_callback = lambda *args, **kwargs: die()
       return original_save(self, state, identity, rows)
     original_save = Checkpoints.save
     Checkpoints.save = save

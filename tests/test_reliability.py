@@ -100,16 +100,37 @@ def test_resume_falls_back_past_an_unreadable_checkpoint_and_a_torn_metrics_line
   assert os.listdir(os.path.join(run, 'checkpoints.unreadable')) == ['4']  # kept aside, not deleted
 
 
-def test_a_full_disk_during_a_checkpoint_is_one_clear_error_and_keeps_the_summary(tmp_path, monkeypatch):
+@pytest.mark.parametrize('error', [
+    OSError(28, 'No space left on device'),
+    ValueError('RESOURCE_EXHAUSTED: Error writing "5/0.0.0" in OCDBT database at local file "x": Failed to write '
+               "4489216 bytes to file 19: No space left on device [os_error_code='28']"),  # orbax's tensorstore
+])
+def test_a_full_disk_during_a_checkpoint_is_one_clear_error_and_keeps_the_summary(tmp_path, monkeypatch, error):
   import orbax.checkpoint as ocp
-  cfg = dataclasses.replace(CFG, rounds=2)
+  cfg = dataclasses.replace(CFG, rounds=4)
+  original = ocp.CheckpointManager.save
 
-  def no_space(self, *args, **kwargs):
-    raise OSError(28, 'No space left on device')
+  def no_space(self, step, *args, **kwargs):
+    if step < 4:
+      return original(self, step, *args, **kwargs)
+    os.makedirs(os.path.join(self.directory, f'{step}.orbax-checkpoint-tmp', 'state'))  # the write had begun
+    raise error
   monkeypatch.setattr(ocp.CheckpointManager, 'save', no_space)
-  with pytest.raises(CheckpointError, match='No space left on device.*--resume'):
+  with pytest.raises(CheckpointError, match=r'round 4 could not be written .*\(No space left on device\)\. Fix the '
+                                            r'cause \(free disk space\), then continue from the checkpoint of round 2 '
+                                            r'with --resume'):
     train_and_evaluate(cfg, str(tmp_path), progress=False)
-  assert json.load(open(tmp_path / 'summary.json'))['rounds'] == 2
+  assert json.load(open(tmp_path / 'summary.json'))['rounds'] == 4
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2']  # the partial write is gone
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_fails_at_once(tmp_path):
+  """orbax's writer would wait five minutes for a step folder it cannot make, then print thread tracebacks."""
+  (tmp_path / 'run').mkdir()
+  (tmp_path / 'run' / 'checkpoints').write_text('')  # unwritable as a folder, even for root
+  with pytest.raises(CheckpointError, match='checkpoints cannot be written .* Fix: make it writable, or choose '
+                                            'another --workdir'):
+    train_and_evaluate(CFG, str(tmp_path / 'run'), progress=False)
 
 
 def test_resume_rebuilds_a_deleted_metrics_file_from_the_checkpoint(finished, tmp_path):
@@ -335,9 +356,10 @@ def test_a_second_signal_aborts_at_once_while_the_main_thread_waits_inside_nativ
 
 # ------------------------------------------------------------------ kill -9 anywhere
 def test_kill_9_at_several_points_then_resume_gives_the_uninterrupted_metrics(finished, tmp_path):
-  """SIGKILL inside the asynchronous checkpoint write of round 4, then (resumed from round 2) halfway through the
-  metrics line of round 3; resumed again, the run's metrics equal the uninterrupted run's. (A kill inside a
-  round's computation leaves what the kill inside the checkpoint write leaves: tests/fault_driver.py 'round'.)"""
+  """SIGKILL inside the checkpoint write of round 4 (its files written, not committed), then (resumed from round 2)
+  halfway through the metrics line of round 3; resumed again, the run's metrics equal the uninterrupted run's. (A
+  kill inside a round's computation leaves what the kill inside the checkpoint write leaves: tests/fault_driver.py
+  'round'.)"""
   run = str(tmp_path / 'run')
   driver = os.path.join(ROOT, 'tests', 'fault_driver.py')
   for point, round_, resume in [('checkpoint', 4, False), ('metrics', 3, True), ('none', 0, True)]:
