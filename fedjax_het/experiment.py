@@ -7,6 +7,7 @@ finishes the current round, checkpoints it and stops (`fedjax_het.interrupts`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,7 +26,7 @@ from fedjax_het.data.federated import FederatedData, make_federated_data
 from fedjax_het.engine.federation import Federation
 from fedjax_het.errors import ConfigError
 from fedjax_het.interrupts import Interrupted, StopAtRoundEnd
-from fedjax_het.methods import Run, method
+from fedjax_het.methods import METHODS, Run, flag_name, method
 from fedjax_het.plots import plot_accuracy, plot_partition, plot_samples
 from fedjax_het.workdir import Workdir
 
@@ -92,8 +93,19 @@ def run_identity(cfg: ExperimentConfig, fed: Federation, run: Run) -> dict:
   return {'settings': json.loads(json.dumps(settings)), 'partition': hashlib.sha256(counts.tobytes()).hexdigest()}
 
 
+def _by_flag(settings: dict) -> dict:
+  """Run settings with the method's hyperparameters ('methods': {name: {field: value}}) as one entry per flag,
+  so a changed one is named by itself."""
+  out = {k: v for k, v in settings.items() if k != 'methods'}
+  for name, values in (settings.get('methods') or {}).items():
+    flags = {f.name: flag_name(f) for f in dataclasses.fields(METHODS[name].config)} if name in METHODS else {}
+    out.update({flags.get(field, f'{name}.{field}'): value for field, value in values.items()})
+  return out
+
+
 def _refuse_changed(before: dict, after: dict, where: str) -> None:
   """A ConfigError naming the settings that differ between `before` (saved in `where`) and `after` (now)."""
+  before, after = _by_flag(before), _by_flag(after)
   changed = [k for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
   if changed:
     diffs = ', '.join(f'{k} ({before.get(k)!r} there, {after.get(k)!r} now)' for k in changed[:6])

@@ -223,13 +223,31 @@ def test_npz_files_are_checked_before_any_work(tmp_path, arrays, message):
 def test_a_file_that_is_not_an_npz_is_named(tmp_path):
   path = tmp_path / 'data.npz'
   path.write_text('not a zip')
-  with pytest.raises(ConfigError, match='not a readable .npz'):
+  with pytest.raises(ConfigError, match=r'not an \.npz file \(an \.npz is a zip archive'):
     load_npz(str(path))
 
 
 def test_an_npz_with_a_num_classes_array_keeps_classes_without_samples(tmp_path):
   data = load_npz(_npz(tmp_path, x=X, y=np.array([0, 1, 0, 1, 0, 1]), num_classes=np.array(10)))
   assert data.num_classes == 10
+
+
+def test_a_stray_label_that_adds_classes_is_reported(tmp_path, caplog):
+  y = np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 9] * 2 + [12])  # one stray 12 in 10-class data
+  data = load_npz(_npz(tmp_path, x=np.zeros((21, 4, 4), np.uint8), y=y))
+  assert data.num_classes == 13
+  assert 'labels reach 12, so the data have 13 classes, 2 of them without a training sample ([10, 11])' in caplog.text
+
+
+def test_a_resume_with_a_changed_hyperparameter_names_its_flag(finished, tmp_path):
+  import shutil
+  from fedjax_het.algorithms import FedREConfig
+  run = str(tmp_path / 'run')
+  shutil.copytree(finished, run)
+  with pytest.raises(ConfigError, match=r'different settings for server_epochs \(1 there, 3 now\)\. Fix') as error:
+    train_and_evaluate(dataclasses.replace(CFG, methods={'fedre': FedREConfig(server_epochs=3)}), run, resume=True,
+                       progress=False)
+  assert 'methods' not in str(error.value)
 
 
 def test_integer_images_of_any_dtype_in_0_255_read_as_uint8(tmp_path):

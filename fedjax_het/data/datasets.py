@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zipfile
 from typing import Optional
 
 import numpy as np
+from absl import logging
 
 from fedjax_het.errors import ConfigError, DatasetUnavailableError
 
@@ -175,6 +177,9 @@ def load_npz(path: str) -> Dataset:
   where = f'--dataset=npz:{path}'
   if not os.path.isfile(path):
     raise ConfigError(f'{where}: file not found. Fix: give the path of an .npz with arrays x and y.')
+  if not zipfile.is_zipfile(path):
+    raise ConfigError(f'{where}: not an .npz file (an .npz is a zip archive of arrays; this file is not a zip). Fix: '
+                      f'write it with numpy.savez(path, x=images, y=labels).')
   try:
     with np.load(path, allow_pickle=False) as f:
       arrays = {k: f[k] for k in f.files}
@@ -216,6 +221,10 @@ def load_npz(path: str) -> Dataset:
       raise ConfigError(f'{where}: labels reach {labels.max()}, so the data would have {num_classes} classes, but '
                         f'{len(empty)} of them have no training sample (e.g. {empty[:5].tolist()}). Fix: relabel to '
                         f'0..C-1, or store the class count as an array num_classes.')
+    if len(empty):  # a stray label makes a larger problem than meant: say so, and how to state the count
+      logging.warning('%s: labels reach %d, so the data have %d classes, %d of them without a training sample (%s); '
+                      'if that is a stray label, fix it, or store num_classes to state the count.', where,
+                      labels.max(), num_classes, len(empty), empty[:5].tolist())
   name = os.path.splitext(os.path.basename(path))[0]
   return Dataset(name, x, y, num_classes, x_test, y_test)
 
