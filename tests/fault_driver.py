@@ -2,8 +2,9 @@
 one chosen point, for the fault-injection test (kill -9 cannot be caught, so only a real process shows what it
 leaves behind).
 
-  python tests/fault_driver.py WORKDIR POINT ROUND [--resume]
+  python tests/fault_driver.py WORKDIR POINT ROUND [--resume] [--run=NAME]
 
+NAME: one of tests/runs.py's FAULT_RUNS (a multi-phase method) instead of the tiny FedAvg run.
 POINT: 'checkpoint' (inside the checkpoint write of ROUND: its files written, not yet committed), 'metrics' (halfway
 through appending ROUND's line of metrics.jsonl), 'round' (inside ROUND's computation), 'none' (run to the end).
 """
@@ -19,14 +20,14 @@ from fedjax_het.checkpoints import Checkpoints  # noqa: E402
 from fedjax_het.engine.federation import Federation  # noqa: E402
 from fedjax_het.experiment import train_and_evaluate  # noqa: E402
 from fedjax_het.workdir import Workdir  # noqa: E402
-from runs import CFG  # noqa: E402
+from runs import CFG, FAULT_RUNS  # noqa: E402
 
 
 def die():
   os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(workdir: str, point: str, round_: int, resume: bool) -> None:
+def main(workdir: str, point: str, round_: int, resume: bool, cfg=CFG) -> None:
   if point == 'checkpoint':
     # Dies when the checkpoint's files are all in the temporary folder and the commit (its rename) is next: orbax's
     # internal module, so an orbax that moved it fails here loudly instead of killing nowhere.
@@ -56,8 +57,9 @@ def main(workdir: str, point: str, round_: int, resume: bool) -> None:
       return original_round(self, state)
     original_round = Federation.round
     Federation.round = round_fn
-  train_and_evaluate(CFG, workdir, resume=resume, progress=False)
+  train_and_evaluate(cfg, workdir, resume=resume, progress=False)
 
 
 if __name__ == '__main__':
-  main(sys.argv[1], sys.argv[2], int(sys.argv[3]), '--resume' in sys.argv)
+  run = [a.split('=', 1)[1] for a in sys.argv if a.startswith('--run=')]
+  main(sys.argv[1], sys.argv[2], int(sys.argv[3]), '--resume' in sys.argv, FAULT_RUNS[run[0]][0] if run else CFG)

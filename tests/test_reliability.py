@@ -22,7 +22,7 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import train_and_evaluate
 from fedjax_het.workdir import Workdir
 
-from runs import CFG, metric_rows
+from runs import CFG, FAULT_RUNS, metric_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -385,6 +385,24 @@ def test_kill_9_at_several_points_then_resume_gives_the_uninterrupted_metrics(fi
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == (0 if point == 'none' else -signal.SIGKILL), (point, result.stderr[-2000:])
   assert metric_rows(run) == metric_rows(finished)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', sorted(FAULT_RUNS))
+def test_kill_9_inside_a_phase_of_a_multi_phase_method_then_resume_gives_the_uninterrupted_metrics(tmp_path, name):
+  """Each multi-phase method (GeFL with each generator and in update mode, GeFL-F, Felo, FedHe, FedVTC's
+  fine-tuning round) killed with SIGKILL inside a round after a checkpoint of that phase, then resumed: its
+  metrics equal those of the same run uninterrupted. (Slow: three processes each; `-m slow`.)"""
+  driver = os.path.join(ROOT, 'tests', 'fault_driver.py')
+  killed, whole = str(tmp_path / 'killed'), str(tmp_path / 'whole')
+  kill_round = FAULT_RUNS[name][1]
+  for workdir, point, resume in [(whole, 'none', False), (killed, 'round', False), (killed, 'none', True)]:
+    result = subprocess.run([sys.executable, driver, workdir, point, str(kill_round), f'--run={name}'] +
+                            ['--resume'] * resume, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == (-signal.SIGKILL if point == 'round' else 0), (point, result.stderr[-2000:])
+    if point == 'round':
+      assert len(metric_rows(killed)) == kill_round - 1  # it died inside the round, after the rows before
+  assert metric_rows(killed) == metric_rows(whole)
 
 
 def test_run_settings_ignore_other_methods_and_fill_fields_added_since():
