@@ -44,7 +44,8 @@ def main(argv):
   use_compilation_cache(FLAGS.compilation_cache)
   try:
     base = cli.config_from_flags(algorithms=[parse_entry(a)[0] for a in FLAGS.algorithms])
-    results = run_comparison(base, FLAGS.algorithms, seeds, FLAGS.workdir, progress=FLAGS.progress)
+    results = run_comparison(base, FLAGS.algorithms, seeds, FLAGS.workdir, progress=FLAGS.progress,
+                             tensorboard=FLAGS.tensorboard)
   except ConfigError as e:
     sys.exit(f'error: {e}')
   except KeyboardInterrupt:

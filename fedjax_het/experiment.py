@@ -28,6 +28,7 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.interrupts import Interrupted, StopAtRoundEnd
 from fedjax_het.methods import METHODS, Run, flag_name, method
 from fedjax_het.plots import plot_accuracy, plot_partition, plot_samples
+from fedjax_het.tensorboard import FOLDER as TENSORBOARD_FOLDER, ScalarLog, summary_writer_class
 from fedjax_het.workdir import Workdir
 
 # Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
@@ -204,14 +205,18 @@ def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
   }
 
 
-def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False, progress: bool = True) -> dict:
+def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False, progress: bool = True,
+                       tensorboard: bool = False) -> dict:
   """Runs the configured rounds (`cfg.rounds`, plus any closing phases of fixed length the method appends, e.g.
-  FedVTC's; continuing from the last checkpoint with `resume`) and writes the workdir outputs.
+  FedVTC's; continuing from the last checkpoint with `resume`) and writes the workdir outputs (with
+  `tensorboard`, also each round's scalars as TensorBoard events in tensorboard/, `fedjax_het.tensorboard`).
 
   Returns the summary dict (also written to summary.json). Raises `ConfigError` for bad input (nothing written
   over an existing run), `TrainingDiverged`, and `interrupts.Interrupted` after a stop request (SIGINT/SIGTERM),
   which finishes the current round, checkpoints it and keeps every output.
   """
+  if tensorboard:
+    summary_writer_class()  # a missing package fails before anything is written
   with StopAtRoundEnd() as stop, Workdir(workdir).open(resume) as wd:
     if resume:
       _check_config_json(wd, cfg)
@@ -240,8 +245,9 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     plot_partition(counts, wd.file('partition.png'), f'{cfg.partition} partition of {cfg.dataset}')
     logging.info('Partition (clients x classes), samples per client: %s', counts.sum(1).tolist())
     wd.write_metrics(rows)
+    scalars = ScalarLog(wd.file(TENSORBOARD_FOLDER), resumed_after=int(state.round)) if tensorboard else None
     return _train(cfg, fed, state, rows, wd, checkpoints if cfg.checkpoint_every else None, identity, stop,
-                  progress)
+                  progress, scalars)
 
 
 def _no_checkpoint_message(wd: Workdir) -> str:
@@ -270,7 +276,7 @@ def _resumed_rows(wd: Workdir, checkpoints: Checkpoints, saved_round: int) -> li
                     f'be wrong. Fix: put back the metrics.jsonl of this run, or start it again in a new --workdir.')
 
 
-def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, progress) -> dict:
+def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, progress, scalars=None) -> dict:
   """The round loop from `state` to the run's last round; outputs are finished (summary.json, plot) however it
   ends."""
   total = fed.total_rounds
@@ -296,6 +302,8 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
       metrics['elapsed_seconds'] = time.perf_counter() - start
       rows.append(metrics)
       wd.append_metrics(metrics)
+      if scalars is not None:
+        scalars.write(metrics)
       if not np.isfinite(metrics['train_loss']):
         raise TrainingDiverged(
             f'training diverged in round {r + 1} (train_loss={metrics["train_loss"]}). Fix: start again in a new '
@@ -330,6 +338,8 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
   finally:
     if bar is not None:
       bar.close()
+    if scalars is not None:
+      scalars.close()
   return _finish(cfg, wd, rows, start, idle, total)
 
 

@@ -17,11 +17,43 @@ from runs import CFG, metric_rows
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def tensorboard_scalars(folder) -> dict:
+  """{(tag, step): value} of every scalar in the TensorBoard event files under `folder`, read record by record
+  (TFRecord framing: length, its CRC, the serialised Event, its CRC) with tensorboardX's Event message."""
+  import struct
+  from tensorboardX.proto import event_pb2
+  out = {}
+  for name in sorted(os.listdir(folder)):
+    with open(os.path.join(folder, name), 'rb') as f:
+      data = f.read()
+    at = 0
+    while at < len(data):
+      (length,) = struct.unpack('<Q', data[at:at + 8])
+      event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+      at += 12 + length + 4
+      for value in event.summary.value:
+        out[(value.tag, event.step)] = value.simple_value
+  return out
+
+
+def test_tensorboard_without_its_package_is_one_clear_error(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, 'tensorboardX', None)  # as if not installed
+  with pytest.raises(ConfigError, match=r"--tensorboard needs tensorboardX.*pip install 'fedjax_het\[tensorboard\]'"):
+    train_and_evaluate(CFG, str(tmp_path / 'run'), progress=False, tensorboard=True)
+  assert not os.path.exists(tmp_path / 'run')  # refused before anything is written
+
+
 def test_outputs_are_written(tmp_path):
-  summary = train_and_evaluate(CFG, str(tmp_path), progress=False)
+  summary = train_and_evaluate(CFG, str(tmp_path), progress=False, tensorboard=True)
   for name in ('metrics.jsonl', 'summary.json', 'accuracy.png', 'config.json', 'partition.json', 'partition.png'):
     assert os.path.exists(tmp_path / name), name
   rows = metric_rows(tmp_path)
+  scalars = tensorboard_scalars(tmp_path / 'tensorboard')  # every number of every round, as metrics.jsonl has it
+  for row in rows:
+    for key, value in row.items():
+      if key != 'round' and isinstance(value, (int, float)) and not isinstance(value, bool):
+        assert scalars[(key, row['round'])] == pytest.approx(value, rel=1e-6), key
+  assert {step for _, step in scalars} == {1, 2, 3, 4}
   assert [r['round'] for r in rows] == [1, 2, 3, 4]
   for key in ('accuracy', 'client_accuracy_mean', 'client_accuracy_std', 'train_loss', 'upload_scalars',
               'broadcast_scalars'):
@@ -213,8 +245,13 @@ def test_comparison_table_shows_each_phases_accuracy_for_methods_of_several_phas
 def test_comparison_runs_every_method_and_seed_then_reuses_finished_runs(tmp_path):
   from fedjax_het.compare import comparison_table, run_comparison, write_comparison
   cfg = dataclasses.replace(CFG, rounds=2, checkpoint_every=0)
-  results = run_comparison(cfg, ['fedre', 'fedproto'], [0, 1], str(tmp_path), progress=False)
+  results = run_comparison(cfg, ['fedre', 'fedproto'], [0, 1], str(tmp_path), progress=False, tensorboard=True)
   assert [r.algorithm for r in results] == ['fedre', 'fedproto']
+  for method in ('fedre', 'fedproto'):  # one TensorBoard run per method and seed, overlaid under --logdir
+    for seed in (0, 1):
+      accuracy = [r['accuracy'] for r in metric_rows(tmp_path / method / f'seed{seed}')]
+      scalars = tensorboard_scalars(tmp_path / method / f'seed{seed}' / 'tensorboard')
+      assert [scalars[('accuracy', step)] for step in (1, 2)] == pytest.approx(accuracy, rel=1e-6)
   finals = [s['final_accuracy'] for s in results[1].summaries]
   assert [c[0] for c in results[1].curves] == [[1, 2], [1, 2]]
   table = write_comparison(results, str(tmp_path), 'test')
