@@ -1,5 +1,7 @@
-"""Runs a list of methods on one setting with the same seeds and partitions, then writes a Markdown table
-(comparison.md), comparison.json and one accuracy-vs-round plot (comparison.png) into --workdir.
+"""Several methods on one setting, with the same seeds and partitions: a table and a plot of their accuracy.
+
+It writes a Markdown table (comparison.md), comparison.json and one accuracy-vs-round plot (comparison.png) into
+--workdir.
 
   python experiments/compare.py --flagfile=experiments/flags/quickstart.flags --workdir=/tmp/compare \
       --algorithms=fedre,local,fedavg,lg_fedavg,fedproto,fedgh,fedtgp,fd --seeds=0,1,2

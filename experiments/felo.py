@@ -1,4 +1,6 @@
-"""Felo, Velo and FedHe from flags (felo_velo.txt; --algorithm=felo|velo|fedhe; every other method: experiments/run.py --algorithm=NAME, same flags).
+"""Felo, Velo and FedHe from flags (felo_velo.txt; --algorithm=felo|velo|fedhe).
+
+Every other method: experiments/run.py --algorithm=NAME, with the same flags.
 
   python experiments/felo.py --flagfile=experiments/flags/felo_mnist5k.flags --workdir=/tmp/felo_mnist5k
 """

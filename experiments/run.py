@@ -2,8 +2,8 @@
 
   python experiments/run.py --algorithm=fedproto --flagfile=experiments/flags/quickstart.flags --workdir=/tmp/proto
 
---algorithm: fedre, local, fedavg (grouped), lg_fedavg, fedproto, fedgh, fedtgp, fd, fedgen, fml. Flag files
-describe a setting and name no method; flags given after --flagfile override the file's.
+--algorithm: one of the registered methods (fedjax_het.methods.METHODS): {methods}. Flag files describe a setting
+and name no method; flags given after --flagfile override the file's.
 """
 
 from fedjax_het import interrupts
@@ -13,7 +13,9 @@ interrupts.install(watch=True)  # Ctrl-C or SIGTERM from the first second: a cle
 from absl import app, flags  # noqa: E402
 
 from fedjax_het import cli
+from fedjax_het.methods import METHODS
 
+__doc__ = __doc__.format(methods=', '.join(METHODS))  # --help lists what is registered, never a stale copy
 cli.define_flags(default_algorithm=None)
 flags.mark_flags_as_required(['algorithm', 'workdir'])
 

@@ -37,3 +37,29 @@ def test_a_missing_name_is_found():
 def test_the_scripts_fedjax_het_imports_exist(script):
   with open(os.path.join(ROOT, script)) as f:
     assert missing_imports(f.read()) == [], script
+
+
+RUNNERS = ['experiments/compare.py', 'experiments/fedre.py', 'experiments/fedvtc.py', 'experiments/felo.py',
+           'experiments/gefl.py', 'experiments/run.py']
+
+
+@pytest.mark.parametrize('script', RUNNERS)
+def test_each_runners_help_says_what_it_runs_and_which_flag_file_to_start_from(script):
+  """--help prints the module docstring: its first line says what the script runs, and it names an existing flag
+  file to start from."""
+  import re
+  with open(os.path.join(ROOT, script)) as f:
+    doc = ast.get_docstring(ast.parse(f.read()))
+  assert doc and doc.splitlines()[0].endswith('.') and len(doc.splitlines()[0]) <= 120, script
+  files = re.findall(r'--flagfile=(\S+\.flags)', doc)
+  assert files and all(os.path.exists(os.path.join(ROOT, path)) for path in files), (script, files)
+
+
+def test_run_py_help_lists_every_registered_method():
+  import subprocess
+  import sys
+  from fedjax_het.methods import METHODS
+  result = subprocess.run([sys.executable, os.path.join(ROOT, 'experiments', 'run.py'), '--help'],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+  listed = result.stdout.split('METHODS): ', 1)[1].split('.', 1)[0]
+  assert listed.split(', ') == list(METHODS)
