@@ -33,8 +33,9 @@ synthetic epoch is the code's floor(n_k / B) steps of B generated samples, one s
 (576 samples per epoch for MNIST's 600 rows, not the 64 that Sec. V-D describes).
 First block: the paper averages target networks model-wise within architectures (Alg. 2), the default here. The
 paper-era code's default `avg_FE = 1` also averaged the CNNs' first block (conv, BatchNorm and its statistics) over
-all clients, LG-FedAvg-like, and the README's commands do not override it, so Table II may include that sharing:
---gefl_share_first_block reproduces it (with one client per architecture, as in Table II, it is the only averaging).
+all clients, LG-FedAvg-like, and the commands of docs/methods/gefl.md do not override it, so Table II may include
+that sharing: --gefl_share_first_block reproduces it (with one client per architecture, as in Table II, it is the
+only averaging).
 Communication: per knowledge round each participant downloads and uploads the generator (|G| + |D| for DCGAN);
 per target round its group's model both ways (plus the generator in update mode).
 """

@@ -18,7 +18,7 @@ from fedjax_het.models.conv import CONV_IMPLS
 @dataclasses.dataclass(frozen=True)
 class ExecutionConfig:
   """strategy: 'vmap' (`VmapExecutor`) or 'sequential' (`SequentialExecutor`); None: sequential on CPU (measured
-    faster there, README), vmap on GPU/TPU.
+    faster there, docs/performance.md), vmap on GPU/TPU.
   conv: 'xla', 'im2col' or 'auto' (models/conv.py); None: im2col under vmap on CPU (grouped convolutions are slow
     there), auto for sequential on CPU, xla on GPU/TPU.
   client_mesh: a one-axis ('clients') mesh of D > 1 devices over which the vmap executor lays each group's clients

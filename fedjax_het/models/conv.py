@@ -5,7 +5,7 @@ All compute `lax.conv_general_dilated` with the same parameters (Flax `nn.Conv`'
 becomes a grouped convolution (feature_group_count = clients), which XLA:CPU runs several times slower than the
 same work as a batched matmul; and XLA:CPU's convolution with few input channels is slow even unbatched. im2col
 gathers patches with strided slices (batched trivially by vmap; their gradient is pads and adds) and contracts
-them with the kernel in one matmul. Figures: benchmarks/cpu_kernels.py and the README.
+them with the kernel in one matmul. Figures: benchmarks/cpu_kernels.py and docs/performance.md.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def im2col_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=
 
 def auto_conv_general_dilated(lhs, rhs, *args, **kwargs) -> jax.Array:
   """im2col for convolutions with few input channels (XLA:CPU's native convolution is ~10x slower than a matmul
-  for e.g. 3 -> 32 channels, see README), XLA's convolution otherwise."""
+  for e.g. 3 -> 32 channels, see docs/performance.md), XLA's convolution otherwise."""
   if rhs.ndim >= 3 and rhs.shape[-2] <= IM2COL_MAX_CHANNELS:
     return im2col_conv_general_dilated(lhs, rhs, *args, **kwargs)
   return lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
