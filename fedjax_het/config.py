@@ -29,9 +29,9 @@ FLAGS_OF_ARGUMENTS = {
 def flags_of_arguments() -> dict[str, str]:
   """`FLAGS_OF_ARGUMENTS` and, for every registered method, each field of its config ('FMLConfig.alpha') with
   its command-line flag ('--fml_alpha')."""
-  from fedjax_het.methods import METHODS, flag_name
-  own = {f'{m.config.__name__}.{f.name}': f'--{flag_name(f)}' for m in METHODS.values()
-         for f in dataclasses.fields(m.config)}
+  from fedjax_het.methods import METHODS, config_flags
+  own = {f'{m.config.__name__}.{field}': f'--{flag}' for name, m in METHODS.items()
+         for field, flag in config_flags(name).items()}
   return {**own, **FLAGS_OF_ARGUMENTS}
 
 
@@ -81,7 +81,7 @@ class ExperimentConfig:
   checkpoint_every: int = 10
 
   def __post_init__(self):
-    from fedjax_het.methods import METHODS  # the registry imports every method; config stays light to import
+    from fedjax_het.methods import METHODS, method  # the registry imports every method; config stays light
     unknown = sorted(set(self.methods) - set(METHODS))
     if unknown:
       raise ConfigError(f'ExperimentConfig.methods: unknown methods {unknown}; registered: {", ".join(METHODS)}.')
@@ -90,8 +90,7 @@ class ExperimentConfig:
         raise ConfigError(f'ExperimentConfig.methods[{name!r}] must be a {METHODS[name].config.__name__}; got '
                           f'{type(cfg).__name__}.')
     object.__setattr__(self, 'methods', {name: self.methods.get(name, m.config()) for name, m in METHODS.items()})
-    if self.algorithm not in METHODS:
-      raise ConfigError(f'--algorithm={self.algorithm!r} is unknown; choose one of {", ".join(METHODS)}.')
+    method(self.algorithm)  # an unknown --algorithm: the registry's error
     self._check_run_settings()
 
   def _check_run_settings(self):
@@ -114,11 +113,11 @@ class ExperimentConfig:
     if not 0 < self.data_fraction <= 1 or self.image_size < 0:
       raise ConfigError(f'--data_fraction={self.data_fraction} must be in (0, 1] and --image_size={self.image_size} '
                         f'>= 0 (0 keeps the dataset\'s size).')
-    from fedjax_het.methods import flag_name
-    for field in dataclasses.fields(self.method_config):
-      value = getattr(self.method_config, field.name)
+    from fedjax_het.methods import config_flags
+    for field, flag in config_flags(self.algorithm).items():
+      value = getattr(self.method_config, field)
       if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f'--{flag_name(field)}={value} ({self.algorithm}) must be a finite number.')
+        raise ConfigError(f'--{flag}={value} ({self.algorithm}) must be a finite number.')
 
   @property
   def method_config(self):

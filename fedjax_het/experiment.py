@@ -7,7 +7,6 @@ finishes the current round, checkpoints it and stops (`fedjax_het.interrupts`).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -26,7 +25,7 @@ from fedjax_het.data.federated import FederatedData, make_federated_data
 from fedjax_het.engine.federation import Federation
 from fedjax_het.errors import ConfigError
 from fedjax_het.interrupts import Interrupted, StopAtRoundEnd
-from fedjax_het.methods import METHODS, Run, flag_name, method
+from fedjax_het.methods import METHODS, Run, config_flags, method
 from fedjax_het.plots import plot_accuracy, plot_partition, plot_samples
 from fedjax_het.tensorboard import FOLDER as TENSORBOARD_FOLDER, ScalarLog, summary_writer_class
 from fedjax_het.workdir import Workdir
@@ -40,8 +39,7 @@ RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eva
 def validate(cfg: ExperimentConfig) -> None:
   """Checks the settings that need no data, so a bad flag fails in the first second with one clear message: the
   config checked its own fields when it was made; each record it builds checks its own."""
-  with flags_named():
-    cfg.model_config(), cfg.local_training(), cfg.execution_config()
+  cfg.model_config(), cfg.local_training(), cfg.execution_config()  # each names the flags in its errors
 
 
 def make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> Algorithm:
@@ -99,7 +97,7 @@ def _by_flag(settings: dict) -> dict:
   so a changed one is named by itself."""
   out = {k: v for k, v in settings.items() if k != 'methods'}
   for name, values in (settings.get('methods') or {}).items():
-    flags = {f.name: flag_name(f) for f in dataclasses.fields(METHODS[name].config)} if name in METHODS else {}
+    flags = config_flags(name) if name in METHODS else {}
     out.update({flags.get(field, f'{name}.{field}'): value for field, value in values.items()})
   return out
 

@@ -138,6 +138,11 @@ def flag_name(field: dataclasses.Field) -> str:
   return field.metadata.get('flag', field.name)
 
 
+def config_flags(name: str) -> dict[str, str]:
+  """field -> command-line flag (without '--') of registered method `name`'s hyperparameters."""
+  return {field.name: flag_name(field) for field in dataclasses.fields(method(name).config)}
+
+
 def hyperparameter_flags() -> dict[str, list[tuple[str, dataclasses.Field]]]:
   """flag -> the (method, field) pairs it sets, over every registered method."""
   out: dict = {}
@@ -150,6 +155,6 @@ def hyperparameter_flags() -> dict[str, list[tuple[str, dataclasses.Field]]]:
 def config_with(name: str, values: dict[str, Any], base: Optional[Any] = None) -> Any:
   """Method `name`'s config with the hyperparameters whose flags appear in `values` (flag -> value) replaced."""
   m = method(name)
-  kwargs = {f.name: values[flag_name(f)] for f in dataclasses.fields(m.config) if flag_name(f) in values}
+  kwargs = {field: values[flag] for field, flag in config_flags(name).items() if flag in values}
   base = base if base is not None else m.config()
   return dataclasses.replace(base, **kwargs)
