@@ -7,7 +7,8 @@ reads for its own purpose). Restoring checks the identity first, so a
 checkpoint of another run (another seed, dataset or method) is refused whatever config.json says. A checkpoint
 that cannot be read (a crash mid-write, a damaged disk) is moved aside to checkpoints.unreadable/ and the next
 older one is tried. A save that does not land (the manager skips a step at or below its newest, the disk is full)
-is an error, never ignored.
+is an error, never ignored. Every process of a multi-process run saves and restores (orbax writes each file once,
+from process 0); a sharded state comes back on the devices of the template's sharding.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from fedjax_het.distributed import is_writer
+from fedjax_het.engine.sharding import to_host
 from fedjax_het.errors import ConfigError
 
 
@@ -85,7 +88,7 @@ class Checkpoints:
     """Saves the state under its round number with the run's `identity` and its metrics `rows` (JSON-ready
     dicts, rounds 1 to the state's), and waits until all are on disk."""
     step = int(state.round)
-    leaves = {str(i): np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(state))}
+    leaves = {str(i): to_host(leaf) for i, leaf in enumerate(jax.tree.leaves(state))}  # gathered from every process
     args = self._ocp.args.Composite(state=self._ocp.args.StandardSave(leaves),
                                     run=self._ocp.args.JsonSave(identity or {}),
                                     history=self._ocp.args.JsonSave({'rows': list(rows or [])}))
@@ -123,12 +126,13 @@ class Checkpoints:
     """The state saved at `step`, in the pytree structure and device placement (sharding) of `template`, a
     freshly initialised state."""
     leaves, treedef = jax.tree.flatten(template)
-    target = {str(i): np.zeros(np.shape(l), np.asarray(l).dtype) for i, l in enumerate(leaves)}
+    target = {str(i): np.zeros(np.shape(l), l.dtype) for i, l in enumerate(leaves)}
     restored = self.manager.restore(step, args=self._ocp.args.Composite(
         state=self._ocp.args.StandardRestore(target)))['state']
-    # Sharded leaves go back to their devices; single-device ones stay uncommitted, as in a fresh state.
-    place = lambda x, leaf: (jax.device_put(x, leaf.sharding) if len(leaf.sharding.device_set) > 1
-                             else jax.numpy.asarray(x))
+    # Sharded leaves go back to their devices (each process keeps its own shards); single-device ones stay
+    # uncommitted, as in a fresh state.
+    place = lambda x, leaf: (jax.make_array_from_callback(x.shape, leaf.sharding, lambda index: x[index])
+                             if len(leaf.sharding.device_set) > 1 else jax.numpy.asarray(x))
     return jax.tree.unflatten(treedef, [place(restored[str(i)], leaf) for i, leaf in enumerate(leaves)])
 
   def restore_latest(self, template: Any, check_identity=None) -> tuple[Any, dict]:
@@ -151,6 +155,8 @@ class Checkpoints:
                           f'the run again in a new --workdir.')
 
   def _set_aside(self, step: int, error: Exception) -> None:
+    if not is_writer():  # the other processes of a multi-process run skip it; process 0 moves it
+      return
     aside = os.path.join(os.path.dirname(self.directory), 'checkpoints.unreadable')
     os.makedirs(aside, exist_ok=True)
     target = os.path.join(aside, str(step))

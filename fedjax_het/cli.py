@@ -98,8 +98,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
                    'devices (0: all devices; 1: no sharding).')
   f.DEFINE_integer('client_threads', None, 'sequential strategy: clients updated at once, one host thread each '
                    '(default: 2, at most the core count).')
-  f.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() first (multi-host runs; one process per '
-                'host, every process with the same flags).')
+  f.DEFINE_bool('distributed', False, 'Join the run\'s other processes first (jax.distributed.initialize; every '
+                'process with the same flags; python -m fedjax_het.launch starts them on one machine).')
   f.DEFINE_integer('eval_every', _D.eval_every, 'Evaluate every N rounds (and after the last).')
   f.DEFINE_integer('eval_batch_size', _D.eval_batch_size, 'Rows per forward pass in evaluation/representations '
                    '(0: 64 on CPU, 256 on GPU/TPU).')
@@ -180,12 +180,12 @@ def parse_flags(argv: list[str], fv) -> None:
 def run(fv) -> dict:
   """Parsed flags -> `train_and_evaluate` -> the summary (no process exit: `main` and tests call it)."""
   from fedjax_het.experiment import train_and_evaluate
+  from fedjax_het import distributed
   if fv.distributed:
-    import jax
-    jax.distributed.initialize()  # before any computation; coordinator and process ids from the environment
+    distributed.initialize()  # before any computation
   use_compilation_cache(fv.compilation_cache)
-  return train_and_evaluate(config_from_flags(fv), fv.workdir, resume=fv.resume, progress=fv.progress,
-                            tensorboard=fv.tensorboard)
+  return train_and_evaluate(config_from_flags(fv), fv.workdir, resume=fv.resume,
+                            progress=fv.progress and distributed.is_writer(), tensorboard=fv.tensorboard)
 
 
 def _exit_interrupted(e, workdir: str) -> None:
@@ -217,6 +217,8 @@ def main(argv) -> None:
   try:
     summary = run(fv)
   except ConfigError as e:
+    if fv.distributed:  # not through JAX's shutdown, which waits minutes for processes that may never get there
+      interrupts.exit_now(f'error: {e}', 1)
     sys.exit(f'error: {e}')
   except Interrupted as e:
     _exit_interrupted(e, fv.workdir)
@@ -224,4 +226,6 @@ def main(argv) -> None:
     interrupts.exit_now(f'aborted: the last checkpoint in {fv.workdir} stands; continue from it with the same flags '
                         f'plus --resume (a run aborted before its first checkpoint starts again without --resume).',
                         interrupts.exit_code())
-  print(json.dumps({k: v for k, v in summary.items() if k != 'config'}, indent=2))
+  from fedjax_het import distributed
+  if distributed.is_writer():
+    print(json.dumps({k: v for k, v in summary.items() if k != 'config'}, indent=2))

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from fedjax_het import distributed
 from fedjax_het.checkpoints import Checkpoints
 from fedjax_het.config import ExperimentConfig, flags_named, run_settings
 from fedjax_het.core import Algorithm
@@ -206,7 +207,8 @@ def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
 def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False, progress: bool = True,
                        tensorboard: bool = False) -> dict:
   """Runs the configured rounds (`cfg.rounds`, plus any closing phases of fixed length the method appends, e.g.
-  FedVTC's; continuing from the last checkpoint with `resume`) and writes the workdir outputs (with
+  FedVTC's; continuing from the last checkpoint with `resume`) and writes the workdir outputs (process 0 of a
+  multi-process run, `fedjax_het.distributed`; with
   `tensorboard`, also each round's scalars as TensorBoard events in tensorboard/, `fedjax_het.tensorboard`).
 
   Returns the summary dict (also written to summary.json). Raises `ConfigError` for bad input (nothing written
@@ -215,14 +217,15 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
   """
   if tensorboard:
     summary_writer_class()  # a missing package fails before anything is written
-  with StopAtRoundEnd() as stop, Workdir(workdir).open(resume) as wd:
+  with StopAtRoundEnd() as stop, Workdir(workdir, writes=distributed.is_writer()).open(resume) as wd:
+    distributed.barrier('workdir checked')  # every process checks the folder before the first writes to it
     if resume:
       _check_config_json(wd, cfg)
-    if stop.requested:
-      raise Interrupted(stop.requested, resume, 0)
+    if _stopping(stop):
+      raise Interrupted(stop.requested or 'SIGTERM', resume, 0)
     fed, run = _build(cfg)
-    if stop.requested:
-      raise Interrupted(stop.requested, resume, 0)  # stopped during startup: nothing written
+    if _stopping(stop):
+      raise Interrupted(stop.requested or 'SIGTERM', resume, 0)  # stopped during startup: nothing written
     identity = run_identity(cfg, fed, run)
     has_checkpoints = wd.has_checkpoints()
     checkpoints = Checkpoints(wd.checkpoints) if cfg.checkpoint_every or (resume and has_checkpoints) else None
@@ -233,19 +236,26 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
       where = f'the checkpoint under {wd.checkpoints}'
       state, _ = checkpoints.restore_latest(state, lambda saved: _check_identity(saved, identity, where, run))
       rows = _resumed_rows(wd, checkpoints, int(state.round))
-    if stop.requested:
-      raise Interrupted(stop.requested, resume, int(state.round))  # stopped while restoring: nothing new written
+    if _stopping(stop):  # stopped while restoring: nothing new written
+      raise Interrupted(stop.requested or 'SIGTERM', resume, int(state.round))
     wd.write_json('config.json', cfg.to_dict())
     wd.write_json('partition.json', {'architectures': fed.architectures,
                                      'train_class_counts': fed.data.split.train_class_counts.tolist(),
                                      'test_class_counts': fed.data.split.test_class_counts.tolist()})
     counts = fed.data.split.train_class_counts + fed.data.split.test_class_counts
-    plot_partition(counts, wd.file('partition.png'), f'{cfg.partition} partition of {cfg.dataset}')
+    if wd.writes:
+      plot_partition(counts, wd.file('partition.png'), f'{cfg.partition} partition of {cfg.dataset}')
     logging.info('Partition (clients x classes), samples per client: %s', counts.sum(1).tolist())
     wd.write_metrics(rows)
-    scalars = ScalarLog(wd.file(TENSORBOARD_FOLDER), resumed_after=int(state.round)) if tensorboard else None
+    scalars = (ScalarLog(wd.file(TENSORBOARD_FOLDER), resumed_after=int(state.round)) if tensorboard and wd.writes
+               else None)
     return _train(cfg, fed, state, rows, wd, checkpoints if cfg.checkpoint_every else None, identity, stop,
                   progress, scalars)
+
+
+def _stopping(stop: StopAtRoundEnd) -> bool:
+  """Whether a stop was requested, in any process of the run: all of them stop at the same point."""
+  return distributed.any_process(stop.requested is not None)
 
 
 def _no_checkpoint_message(wd: Workdir) -> str:
@@ -295,8 +305,10 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
         metrics['eval_seconds'] = time.perf_counter() - t0
         if fed.algorithm.samples is not None:
           sampler = sampler or _sampler(fed)
-          plot_samples(sampler(state.server), real_examples(fed.data.dataset, SAMPLES_PER_CLASS),
-                       wd.file('samples.png'), f'{cfg.algorithm} on {cfg.dataset}, round {r + 1}')
+          samples = sampler(state.server)  # in every process: each runs every computation of the run
+          if wd.writes:
+            plot_samples(samples, real_examples(fed.data.dataset, SAMPLES_PER_CLASS), wd.file('samples.png'),
+                         f'{cfg.algorithm} on {cfg.dataset}, round {r + 1}')
       metrics['elapsed_seconds'] = time.perf_counter() - start
       rows.append(metrics)
       wd.append_metrics(metrics)
@@ -308,7 +320,8 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
             f'--workdir with a lower --local_learning_rate (now {cfg.local_learning_rate}) or the method\'s '
             f'server/learning-rate flags; a diverged run cannot be resumed with other settings.')
       due = (r + 1) % max(cfg.checkpoint_every, 1) == 0 or r + 1 == total
-      if checkpoints is not None and (due or stop.requested):
+      stopping = _stopping(stop)
+      if checkpoints is not None and (due or stopping):
         checkpoints.save(state, identity, rows)
         saved_round = r + 1
       if bar is not None:
@@ -319,8 +332,8 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
         if idle:
           postfix['no_step'] = f'{len(idle)} clients'
         bar.set_postfix(postfix)
-      if stop.requested:
-        raise Interrupted(stop.requested, saved_round is not None, r + 1)
+      if stopping:
+        raise Interrupted(stop.requested or 'SIGTERM', saved_round is not None, r + 1)
   except (KeyboardInterrupt, ConfigError):
     _finish(cfg, wd, rows, start, idle, total)  # keep the summary and plot of the rounds done
     raise
@@ -369,7 +382,7 @@ def _finish(cfg: ExperimentConfig, wd: Workdir, rows: list[dict], start: float, 
   summary['finished'] = bool(rows) and rows[-1]['round'] == total
   try:
     wd.write_json('summary.json', summary)
-    if any('accuracy' in r for r in rows):
+    if wd.writes and any('accuracy' in r for r in rows):
       plot_accuracy(rows, wd.file('accuracy.png'), f'{cfg.algorithm} on {cfg.dataset}',
                     cfg.model_config().architectures(cfg.num_clients))
   except OSError as e:

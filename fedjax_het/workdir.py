@@ -8,6 +8,9 @@ never write one folder at once (an advisory `flock` on .lock, released by the ke
 kill -9 leaves no stale lock). JSON files are written to a temporary name and renamed, so a crash leaves the old
 file or the new one, never half of one; metrics.jsonl is appended line by line, and a torn last line (a crash
 mid-write) is dropped when it is read back.
+
+In a run of several processes (`fedjax_het.distributed`) only process 0 writes: the others open the folder with
+`writes=False`, which makes the same checks, takes no lock and writes nothing.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ except ImportError:  # not POSIX: no lock, everything else works
 
 
 class Workdir:
-  """The folder of one run. `open(resume)` validates and locks it; `close()` releases the lock."""
+  """The folder of one run. `open(resume)` validates and locks it; `close()` releases the lock. With `writes`
+  False (the processes of a multi-process run but the first) it reads and checks, and every write is skipped."""
 
-  def __init__(self, path: Optional[str]):
+  def __init__(self, path: Optional[str], writes: bool = True):
     if not path:
       raise ConfigError('--workdir is required: the folder for metrics.jsonl, summary.json and checkpoints/.')
-    self.path = path
+    self.path, self.writes = path, writes
     self._lock = None
 
   def file(self, name: str) -> str:
@@ -55,6 +59,9 @@ class Workdir:
     `resume`; every failure is one ConfigError naming --workdir."""
     if os.path.exists(self.path) and not os.path.isdir(self.path):
       raise ConfigError(f'--workdir={self.path} is a file, not a folder. Fix: choose a folder path.')
+    if not self.writes:
+      self._refuse_used(resume)
+      return self
     try:
       os.makedirs(self.path, exist_ok=True)
       self._lock = open(self.file('.lock'), 'a+')
@@ -75,12 +82,18 @@ class Workdir:
       self._lock.truncate()
       self._lock.write(str(os.getpid()))
       self._lock.flush()
-    if not resume and self.holds_run():
+    try:
+      self._refuse_used(resume)
+    except ConfigError:
       self.close()
+      raise
+    return self
+
+  def _refuse_used(self, resume: bool) -> None:
+    if not resume and self.holds_run():
       raise ConfigError(f'--workdir={self.path} already holds a run (metrics.jsonl or checkpoints/); starting '
                         f'another there would overwrite its outputs. Fix: add --resume to continue that run, or '
                         f'choose a new --workdir.')
-    return self
 
   def close(self) -> None:
     """Releases the lock."""
@@ -97,6 +110,8 @@ class Workdir:
   # ---------------------------------------------------------------- files
   def write_json(self, name: str, obj: Any) -> None:
     """Writes `name` atomically (temporary file, then rename)."""
+    if not self.writes:
+      return
     path = self.file(name)
     with open(path + '.tmp', 'w') as f:
       json.dump(obj, f, indent=2)
@@ -136,6 +151,8 @@ class Workdir:
 
   def write_metrics(self, rows: list[dict]) -> None:
     """Replaces metrics.jsonl by `rows` atomically."""
+    if not self.writes:
+      return
     path = self.file('metrics.jsonl')
     with open(path + '.tmp', 'w') as f:
       f.writelines(json.dumps(r) + '\n' for r in rows)
@@ -143,5 +160,7 @@ class Workdir:
 
   def append_metrics(self, row: dict) -> None:
     """Appends one round's row to metrics.jsonl and flushes it to the OS."""
+    if not self.writes:
+      return
     with open(self.file('metrics.jsonl'), 'a') as f:
       f.write(json.dumps(row) + '\n')

@@ -23,6 +23,7 @@ import numpy as np
 from fedjax_het.core import ClientProgram, ClientRows, Evaluation, with_model, without_model
 from fedjax_het.engine.client import run_client, score_client
 from fedjax_het.engine.groups import EvalSet, Group
+from fedjax_het.engine.sharding import to_host
 from fedjax_het.engine.plan import (client_keys, count_into, even_chunk, plan_stages, represent_into, stage_key,
                                     take_step)
 
@@ -115,7 +116,7 @@ class VmapExecutor(Executor):
   def correct(self, g, evaluation, phase, stacked, broadcast, test, which):
     fn = self.compiled(f'vmap_eval_{which}', g.spec.index, phase, make=lambda: jax.jit(
         self._make_eval(evaluation, test.shared)))
-    return np.asarray(fn(stacked, test.arrays, broadcast))[:g.size]
+    return to_host(fn(stacked, test.arrays, broadcast))[:g.size]
 
   def _make_eval(self, evaluation: Evaluation, shared: bool):
     def evaluate(stacked, test, broadcast):

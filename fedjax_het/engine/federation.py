@@ -27,7 +27,7 @@ from fedjax_het.engine.executors import Executor
 from fedjax_het.engine.groups import (EvalSet, Group, ModelConfig, build_groups, clients_without_steps, host_copy,
                                       init_group, slot_indices)
 from fedjax_het.engine.plan import plan_stages
-from fedjax_het.engine.sharding import to_host
+from fedjax_het.engine.sharding import place_replicated, to_host
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
 
@@ -150,7 +150,7 @@ class Federation:
     states = tuple(init_group(self.algorithm, g, init_key, key_key, self.models.shared_init, self.mesh)
                    for g in self.groups)
     initial = tuple(host_copy(s) for s in states)
-    server = self.algorithm.init_server(server_key, self.spec, initial)
+    server = place_replicated(self.algorithm.init_server(server_key, self.spec, initial), self.mesh)
     return FederationState(states, server, jnp.asarray(0, jnp.int32))
 
   # ---------------------------------------------------------------- sampling

@@ -77,7 +77,7 @@ class EvalSet:
   shared: bool
 
   def __post_init__(self):
-    self.sizes = np.asarray(self.arrays.n)  # host copy: loops are planned without device reads
+    self.sizes = to_host(self.arrays.n)  # host copy: loops are planned without device reads
 
   def index(self, i: int) -> int:
     """Which row block client i is scored on."""

@@ -45,6 +45,19 @@ def place_clients(tree: Any, mesh: Optional[Mesh]) -> Any:
   return jax.tree.map(put, tree)
 
 
+def place_replicated(tree: Any, mesh: Optional[Mesh]) -> Any:
+  """Puts a pytree whole on every device of `mesh` (as a round's jitted server step leaves the server state, so
+  the first round compiles the programs every later round runs); unchanged when `mesh` is None."""
+  if mesh is None:
+    return tree
+  sharding = NamedSharding(mesh, PartitionSpec())
+
+  def put(a):
+    host = to_host(a)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  return jax.tree.map(put, tree)
+
+
 def to_host(x: Any) -> np.ndarray:
   """A NumPy copy of a device array, gathered from every process when it spans several."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
