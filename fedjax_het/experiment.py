@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -205,11 +205,14 @@ def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
 
 
 def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False, progress: bool = True,
-                       tensorboard: bool = False) -> dict:
+                       tensorboard: bool = False, federation: Optional[Callable[[Federation], Any]] = None) -> dict:
   """Runs the configured rounds (`cfg.rounds`, plus any closing phases of fixed length the method appends, e.g.
   FedVTC's; continuing from the last checkpoint with `resume`) and writes the workdir outputs (process 0 of a
   multi-process run, `fedjax_het.distributed`; with
   `tensorboard`, also each round's scalars as TensorBoard events in tensorboard/, `fedjax_het.tensorboard`).
+
+  `federation`, when given, wraps the built `Federation` into what runs the rounds (its `init`, `round` and
+  `evaluate`; `flower.rounds.FlowerRounds` runs them on Flower nodes).
 
   Returns the summary dict (also written to summary.json). Raises `ConfigError` for bad input (nothing written
   over an existing run), `TrainingDiverged`, and `interrupts.Interrupted` after a stop request (SIGINT/SIGTERM),
@@ -224,6 +227,8 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     if _stopping(stop):
       raise Interrupted(stop.requested or 'SIGTERM', resume, 0)
     fed, run = _build(cfg)
+    if federation is not None:
+      fed = federation(fed)
     if _stopping(stop):
       raise Interrupted(stop.requested or 'SIGTERM', resume, 0)  # stopped during startup: nothing written
     identity = run_identity(cfg, fed, run)

@@ -155,7 +155,6 @@ class SequentialExecutor(Executor):
                        donate_argnums=0)})
 
   def run(self, g, program, phase, stacked, slot_idx, broadcast, key):
-    fns = self.functions(g, program, phase)
     stack = self.stack_functions()
     real = [int(i) for i in slot_idx if i < g.size]
     uploads, losses = [], []
@@ -164,18 +163,22 @@ class SequentialExecutor(Executor):
     for w in range(0, len(real), self.threads):
       wave = real[w:w + self.threads]
       taken = [stack['take'](stacked, i) for i in wave]
-      run = lambda a: self._client(g, program, fns, a[0], a[1], broadcast, key)
+      run = lambda a: self.run_one(g, program, phase, a[0], a[1], broadcast, key)
       done = list(self._threads().map(run, zip(wave, taken))) if len(wave) > 1 else [run((wave[0], taken[0]))]
       for i, (client, upload, loss) in zip(wave, done):
         stacked = stack['put'](stacked, i, client)
         uploads.append(upload)
         losses.append(loss)
     # Uploads are laid out in the same fixed slots as the vmap executor, empty slots zero.
-    zeros = self.compiled('empty_upload', g.spec.index, phase, make=lambda: self._empty_upload(
-        g, program, fns, stacked, broadcast))
+    zeros = self.empty_upload(g, program, phase, stacked, broadcast)
     padded = uploads + [zeros] * (len(slot_idx) - len(uploads))
     losses = losses + [0.0] * (len(slot_idx) - len(losses))
     return stacked, jax.tree.map(lambda *a: jnp.stack(a), *padded), jnp.asarray(losses, jnp.float32)
+
+  def empty_upload(self, g: Group, program: ClientProgram, phase: int, stacked, broadcast) -> Any:
+    """The upload of an empty slot of group g in `phase`: zeros of the program's upload structure."""
+    return self.compiled('empty_upload', g.spec.index, phase, make=lambda: self._empty_upload(
+        g, program, self.functions(g, program, phase), stacked, broadcast))
 
   def _empty_upload(self, g: Group, program: ClientProgram, fns: dict, stacked, broadcast) -> Any:
     client = without_model(program, jax.eval_shape(self.stack_functions()['take'], stacked, 0))
@@ -186,8 +189,12 @@ class SequentialExecutor(Executor):
     template = jax.eval_shape(fns['final'], carry, g.train, 0, reps, broadcast, jax.random.PRNGKey(0))[1]
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
 
-  def _client(self, g: Group, program: ClientProgram, fns: dict, i: int, client, broadcast, key):
-    """Client i's round from the host: init, the valid slots of each stage's plan, representations, final."""
+  def run_one(self, g: Group, program: ClientProgram, phase: int, i: int, client, broadcast, key: jax.Array
+              ) -> tuple[Any, Any, float]:
+    """Client i of group g (its state `client`, unstacked) in a round of `phase` from the host: init, the valid
+    slots of each stage's plan, representations, final. Returns (client, upload, mean loss of its steps); the
+    round's `key` is folded with the client's id, as every executor does."""
+    fns = self.functions(g, program, phase)
     n = int(g.train_sizes[i])
     keys = client_keys(jax.random.fold_in(key, int(g.clients[i])))
     original, client = client, without_model(program, client)
@@ -242,18 +249,23 @@ class SequentialExecutor(Executor):
     }
 
   def correct(self, g, evaluation, phase, stacked, broadcast, test, which):
+    take_one = self.stack_functions()['take']
+    out = [self.correct_one(g, evaluation, phase, take_one(stacked, i), broadcast, test, which, i)
+           for i in range(g.size)]
+    return np.stack(out) if out else np.zeros((0, len(evaluation.names)))
+
+  def correct_one(self, g: Group, evaluation: Evaluation, phase: int, client, broadcast, test: EvalSet, which: str,
+                  i: int) -> np.ndarray:
+    """Correct predictions [len(evaluation.names)] of client i of group g (its state `client`, unstacked) on its
+    test rows."""
     chunk = even_chunk(test.arrays.x.shape[1], self.eval_batch_size)
     count = lambda counts, evaluated, x_all, y_all, j, start, n: count_into(
         evaluation, counts, evaluated, x_all[j], y_all[j], start, chunk, n)
     fns = self.compiled(f'sequential_eval_{which}', g.spec.index, phase, make=lambda: {
         'prepare': jax.jit(evaluation.prepare), 'count_into': jax.jit(count)})
-    take_one = self.stack_functions()['take']
-    out = []
-    for i in range(g.size):
-      evaluated = fns['prepare'](take_one(stacked, i), broadcast)
-      j = test.index(i)
-      counts = jnp.zeros(len(evaluation.names), jnp.int32)
-      for start in range(0, max(int(test.sizes[j]), 1), chunk):
-        counts = fns['count_into'](counts, evaluated, test.arrays.x, test.arrays.y, j, start, test.arrays.n[j])
-      out.append(counts)
-    return np.stack([np.asarray(c) for c in out]) if out else np.zeros((0, len(evaluation.names)))
+    evaluated = fns['prepare'](client, broadcast)
+    j = test.index(i)
+    counts = jnp.zeros(len(evaluation.names), jnp.int32)
+    for start in range(0, max(int(test.sizes[j]), 1), chunk):
+      counts = fns['count_into'](counts, evaluated, test.arrays.x, test.arrays.y, j, start, test.arrays.n[j])
+    return np.asarray(counts)

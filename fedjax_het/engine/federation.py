@@ -12,7 +12,7 @@ one-device run.
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,16 @@ class FederationState(NamedTuple):
   groups: tuple
   server: Any
   round: jnp.ndarray
+
+
+class GroupRound(NamedTuple):
+  """One group's share of a round, as its participants ran it: slot_idx (local client indices, `Group.stacked_size`
+  marking an empty slot), the updated stacked client states (None where they live elsewhere, e.g. on Flower
+  nodes), the uploads stacked over slots (zeros in empty slots) and each slot's mean local loss."""
+  slot_idx: np.ndarray
+  stacked: Any
+  uploads: Any
+  losses: Any
 
 
 class Federation:
@@ -144,14 +154,29 @@ class Federation:
     return self.algorithm.phases[self.phase_index(round_index)]
 
   # ---------------------------------------------------------------- initialisation
+  def _init_keys(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    init_key, key_key, server_key = jax.random.split(jax.random.PRNGKey(self.seed), 3)
+    return init_key, key_key, server_key
+
   def init(self) -> FederationState:
     """Initial client states (`groups.init_group`) and the server state."""
-    init_key, key_key, server_key = jax.random.split(jax.random.PRNGKey(self.seed), 3)
-    states = tuple(init_group(self.algorithm, g, init_key, key_key, self.models.shared_init, self.mesh)
-                   for g in self.groups)
+    server_key = self._init_keys()[2]
+    states = tuple(self.init_group(gi) for gi in range(len(self.groups)))
     initial = tuple(host_copy(s) for s in states)
     server = place_replicated(self.algorithm.init_server(server_key, self.spec, initial), self.mesh)
     return FederationState(states, server, jnp.asarray(0, jnp.int32))
+
+  def init_group(self, gi: int) -> Any:
+    """Group gi's stacked initial client states, as `init` makes them."""
+    init_key, key_key, _ = self._init_keys()
+    return init_group(self.algorithm, self.groups[gi], init_key, key_key, self.models.shared_init, self.mesh)
+
+  def server_shapes(self) -> Any:
+    """The structure, shapes and dtypes of the server state (`jax.ShapeDtypeStruct`s), without computing it."""
+    server_key = self._init_keys()[2]
+    one = lambda stacked: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked)
+    initial = tuple(one(jax.eval_shape(lambda gi=gi: self.init_group(gi))) for gi in range(len(self.groups)))
+    return jax.eval_shape(lambda init: self.algorithm.init_server(server_key, self.spec, init), initial)
 
   # ---------------------------------------------------------------- sampling
   def num_join(self, round_index: int = 0) -> int:
@@ -200,6 +225,11 @@ class Federation:
     return self._fn('broadcast', (p, gi), lambda: jax.jit(
         lambda s: self.algorithm.phases[p].broadcast(s, self.groups[gi].spec)))(server)
 
+  def round_keys(self, round_index: int) -> tuple[jax.Array, jax.Array]:
+    """(clients' key, server's key) of round `round_index`; client k trains with fold_in(clients' key, k)."""
+    key, server_key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(self.seed), round_index + 1))
+    return key, server_key
+
   def round(self, state: FederationState) -> tuple[FederationState, dict]:
     """One communication round (fedre.txt Alg. 1 lines 5-13 for FedRE); returns the new state and metrics.
 
@@ -210,21 +240,35 @@ class Federation:
     start = time.perf_counter()
     r = int(state.round)
     p = self.phase_index(r)
-    phase = self.algorithm.phases[p]
-    key, server_key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(self.seed), r + 1))
+    key, _ = self.round_keys(r)
     participants = self.participants(r)
-    groups, uploads, losses, upload_parts, broadcast_parts = [], [], [], [], []
+    results = []
     for gi, (g, slots) in enumerate(zip(self.groups, self.slots(r))):
       slot_idx = slot_indices(g, participants, slots)
       broadcast = self.broadcast(state.server, gi, r)
-      program = self.programs[p][gi]
-      stacked, values, loss = self.executor.run(g, program, p, state.groups[gi], slot_idx, broadcast, key)
+      stacked, values, loss = self.executor.run(g, self.programs[p][gi], p, state.groups[gi], slot_idx, broadcast,
+                                                key)
+      results.append(GroupRound(slot_idx, stacked, values, loss))
+    return self.finish_round(state, results, participants, start)
+
+  def finish_round(self, state: FederationState, results: Sequence['GroupRound'], participants: np.ndarray,
+                   start: float) -> tuple[FederationState, dict]:
+    """The server's half of round `state.round` from each group's `GroupRound`: the uploads (a slot past the group
+    is empty), the phase's server step, what crossed, and the round's metrics (see `round`)."""
+    r = int(state.round)
+    p = self.phase_index(r)
+    phase = self.algorithm.phases[p]
+    _, server_key = self.round_keys(r)
+    groups, uploads, losses, upload_parts, broadcast_parts = [], [], [], [], []
+    for gi, (g, result) in enumerate(zip(self.groups, results)):
+      slot_idx, values = result.slot_idx, result.uploads
+      broadcast = self.broadcast(state.server, gi, r)
       real = jnp.asarray(slot_idx < g.size)
       num_train = jnp.asarray(np.where(slot_idx < g.size, self.train_sizes[g.clients[np.minimum(
           slot_idx, g.size - 1)]], 0), jnp.float32)
-      groups.append(stacked)
+      groups.append(result.stacked)
       uploads.append(Uploads(values, real, num_train))
-      losses.append((loss, slot_idx < g.size))
+      losses.append((result.losses, slot_idx < g.size))
       upload_parts.append(self._fn('count_uploads', (p, gi), lambda: jax.jit(
           lambda u, m: count_uploads(self.algorithm.upload_scalars, u, m)))(values, real))
       received = self.algorithm.received_scalars
@@ -240,8 +284,8 @@ class Federation:
     server, server_metrics = server_update(state.server, tuple(uploads), server_key)
     new_state = FederationState(tuple(groups), server, state.round + 1)
     losses = np.concatenate([to_host(loss)[real] for loss, real in losses])  # host reads after all dispatches
-    metrics = {'round': r + 1, 'phase': phase.name, 'train_loss': float(np.mean(losses)),
-               'participants': len(participants),
+    metrics = {'round': r + 1, 'phase': phase.name, 'train_loss': float(np.mean(losses)) if len(losses) else
+               float('nan'), 'participants': len(participants),
                **self.local_work(participants, p)}
     metrics.update(communication_metrics([jax.device_get(u) for u in upload_parts],
                                          [(jax.device_get(b), n) for b, n in broadcast_parts]))
@@ -260,9 +304,18 @@ class Federation:
     protocol with train_fraction < 1) the other is logged with prefix 'local_test_' or 'global_test_'.
     """
     r = max(int(state.round) - 1, 0)
-    has_local = any(g.test.sizes.sum() > 0 for g in self.groups)
-    local = self._evaluate_set(state, r, 'local') if has_local else None
+    local = self._evaluate_set(state, r, 'local') if self.has_local_test else None
     glob = self._evaluate_set(state, r, 'global') if self.global_test is not None else None
+    return self.accuracy(local, glob)
+
+  @property
+  def has_local_test(self) -> bool:
+    """Whether any client has local test rows."""
+    return any(g.test.sizes.sum() > 0 for g in self.groups)
+
+  def accuracy(self, local: Optional[tuple], glob: Optional[tuple]) -> dict:
+    """The metrics of `evaluate` from (correct [clients, predictions], test rows [clients]) on the local test
+    splits and on the global test set (None where there is none)."""
     primary, secondary, prefix = ((glob, local, 'local_test_') if self.data.protocol == 'global'
                                   else (local, glob, 'global_test_'))
     names = self.evaluations[0].names

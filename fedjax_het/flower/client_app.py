@@ -1,0 +1,84 @@
+"""The ClientApp: a SuperNode's client of a fedjax_het run (`Node`), chosen by the node's config.
+
+  flower-supernode --insecure --superlink HOST:PORT --node-config 'partition-id=3 state-dir="/data/fedjax_het"'
+
+partition-id: the client this node holds (its partition of the seeded split, its architecture); state-dir: where
+its client state lives between rounds (default: a folder under the system's temporary directory); data-dir: the
+tfds data_dir on this machine, when it differs from the run's --data_dir; compilation-cache: XLA's persistent
+compilation cache (default ~/.cache/fedjax_het/xla; every message runs in a new ClientApp process, which reads
+its compiled programs there instead of compiling them again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
+from fedjax_het.config import ExperimentConfig
+from fedjax_het.errors import ConfigError
+from fedjax_het.flower.node import Node
+from fedjax_het.flower.records import tree_from_record, tree_to_record
+
+app = ClientApp()
+_nodes: dict = {}  # (config, node config) -> Node, for a process that serves several messages
+
+
+def node_of(message: Message, context: Context) -> tuple[Node, int]:
+  """This node's `Node` for the run the message belongs to, and the message's round."""
+  config = message.content['config']
+  node_config = context.node_config
+  key = (config['experiment'], tuple(sorted(node_config.items())), context.run_config.get('run-name'))
+  if key not in _nodes:
+    _nodes.clear()
+    _nodes[key] = _make_node(config['experiment'], node_config, context.run_config)
+  return _nodes[key], int(config['round'])
+
+
+def _make_node(cfg_json: str, node_config: dict, run_config: dict) -> Node:
+  use_compilation_cache(str(node_config.get('compilation-cache', DEFAULT_DIRECTORY)))
+  cfg = ExperimentConfig.from_dict(json.loads(cfg_json))
+  if 'partition-id' not in node_config:
+    raise ConfigError('this SuperNode has no partition-id. Fix: start it with --node-config "partition-id=K" (K: '
+                      'the client it holds).')
+  if node_config.get('data-dir'):
+    cfg = dataclasses.replace(cfg, data_dir=str(node_config['data-dir']))
+  state_dir = str(node_config.get('state-dir') or os.path.join(tempfile.gettempdir(), 'fedjax_het_flower'))
+  run_dir = os.path.join(state_dir, f'run_{run_config.get("run-name", "default")}')
+  return Node(cfg, int(node_config['partition-id']), run_dir)
+
+
+@app.query()
+def query(message: Message, context: Context) -> Message:
+  """Which client this node holds; forgets the states saved after the round the run starts from."""
+  node, start_round = node_of(message, context)
+  node.states.forget_after(start_round)
+  return Message(RecordDict({'node': ConfigRecord({'client': node.client_id, 'architecture': node.architecture,
+                                                   'num_train': node.num_train})}), reply_to=message)
+
+
+@app.train()
+def train(message: Message, context: Context) -> Message:
+  """The client's round under the broadcast it received: its upload and its mean local loss."""
+  node, r = node_of(message, context)
+  broadcast = tree_from_record(message.content['broadcast'], node.broadcast_template(r), 'the broadcast')
+  upload, loss = node.train(r, broadcast)
+  return Message(RecordDict({'upload': tree_to_record(upload), 'metrics': MetricRecord({'loss': loss})}),
+                 reply_to=message)
+
+
+@app.evaluate()
+def evaluate(message: Message, context: Context) -> Message:
+  """The client's correct predictions and test rows after the round, under the evaluation's broadcast."""
+  node, r = node_of(message, context)
+  broadcast = tree_from_record(message.content['broadcast'], node.broadcast_template(r), 'the broadcast')
+  scores = {}
+  for which, (correct, rows) in node.evaluate(r, broadcast).items():
+    scores[f'{which}_correct'] = [int(c) for c in correct]
+    scores[f'{which}_rows'] = rows
+  return Message(RecordDict({'metrics': MetricRecord(scores)}), reply_to=message)

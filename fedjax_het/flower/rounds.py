@@ -1,0 +1,210 @@
+"""The server's rounds over a Flower `Grid`: what the simulation's executor does in-process, done by the nodes.
+
+`FlowerRounds` stands in for a `Federation` in `experiment.train_and_evaluate`: it samples the same participants,
+sends each its group's broadcast (a TRAIN message), lays the uploads that come back in the simulation's slots
+and hands them to the same `Federation.finish_round` (server step, communication counts, metrics); `evaluate`
+asks every node for its scores (EVALUATE messages) and reduces them as the simulation does. With every reply in,
+its numbers are the simulation's.
+
+A node that does not answer within `round_timeout` seconds (it died, it lost its connection) or answers with an
+error is left out of that round as if it had not been drawn: the method's masks already handle an absent
+participant, so the round goes on with the replies it has, and the row of metrics lists the clients missing. A
+round in which no participant answers, or an evaluation no node answers, stops the run with an error that says
+to --resume from the last checkpoint once the nodes are back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+from fedjax_het.engine.federation import Federation, FederationState, GroupRound
+from fedjax_het.engine.groups import slot_indices
+from fedjax_het.errors import ConfigError
+from fedjax_het.flower.records import tree_from_record, tree_to_record
+
+
+class NodesUnavailable(ConfigError):
+  """Too few nodes answered for the run to go on."""
+
+
+def message_config(cfg_json: str, round_index: int, **extra) -> ConfigRecord:
+  """The ConfigRecord every message carries: the run's config (each node rebuilds the run from it) and the round."""
+  return ConfigRecord({'experiment': cfg_json, 'round': round_index, **extra})
+
+
+class FlowerRounds:
+  """A `Federation` whose participants are Flower nodes: `init`, `round` and `evaluate` go through `grid`; every
+  other attribute is the federation's (`fed`, built from the same config as the nodes build theirs).
+
+  cfg_json: the run's `ExperimentConfig` as JSON; round_timeout: seconds a round waits for its replies;
+  connect_timeout: seconds the first round waits for the nodes to connect (`assign_nodes`)."""
+
+  def __init__(self, fed: Federation, grid, cfg_json: str, round_timeout: float, connect_timeout: float):
+    self.fed, self.grid, self.cfg_json = fed, grid, cfg_json
+    self.round_timeout, self.connect_timeout = round_timeout, connect_timeout
+    self.nodes: Optional[dict[int, int]] = None  # client id -> node id, asked as the first round starts
+    self._templates: dict = {}
+    self._initial_groups = None
+
+  def _connect(self, round_index: int) -> None:
+    if self.nodes is None:
+      self.nodes = assign_nodes(self.grid, self.fed, self.cfg_json, round_index, self.connect_timeout)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self.fed, name)
+
+  def init(self) -> FederationState:
+    """The initial server state; the client states live on the nodes (no groups here)."""
+    state = self.fed.init()
+    self._initial_groups = state.groups
+    return FederationState((), state.server, state.round)
+
+  def _send(self, messages: list[Message]) -> dict[int, Message]:
+    """Replies by client id of the messages that came back without an error within the timeout."""
+    by_node = {node: k for k, node in self.nodes.items()}
+    replies = self.grid.send_and_receive(messages, timeout=self.round_timeout)
+    out = {}
+    for reply in replies:
+      k = by_node.get(reply.metadata.src_node_id)
+      if k is None:
+        continue
+      if reply.has_error():
+        logging.warning('client %d (node %d) replied with an error: %s', k, reply.metadata.src_node_id,
+                        reply.error.reason)
+        continue
+      out[k] = reply
+    return out
+
+  def _upload_template(self, gi: int, p: int, broadcast: Any) -> Any:
+    key = (gi, p)
+    if key not in self._templates:
+      g = self.fed.groups[gi]
+      stacked = self._initial_groups[gi] if self._initial_groups is not None else self.fed.init_group(gi)
+      self._templates[key] = self.fed.executor.empty_upload(g, self.fed.programs[p][gi], p, stacked, broadcast)
+    return self._templates[key]
+
+  def round(self, state: FederationState) -> tuple[FederationState, dict]:
+    """One round: TRAIN messages to the participants, their uploads into the simulation's slots,
+    `Federation.finish_round`. Metrics as the simulation's, plus 'missing_clients'."""
+    start = time.perf_counter()
+    fed, r = self.fed, int(state.round)
+    self._connect(r)
+    p = fed.phase_index(r)
+    participants = fed.participants(r)
+    broadcasts = [fed.broadcast(state.server, gi, r) for gi in range(len(fed.groups))]
+    records = [tree_to_record(b) for b in broadcasts]
+    messages = []
+    for k in participants.tolist():
+      gi = next(i for i, g in enumerate(fed.groups) if k in g.clients)
+      messages.append(Message(RecordDict({'broadcast': records[gi], 'config': message_config(self.cfg_json, r)}),
+                              dst_node_id=self.nodes[k], message_type=MessageType.TRAIN))
+    replies = self._send(messages)
+    missing = sorted(set(participants.tolist()) - set(replies))
+    if missing:
+      logging.warning('round %d: clients %s did not answer; the round goes on without them.', r + 1, missing)
+    if not replies:
+      raise NodesUnavailable(f'round {r + 1}: none of the {len(participants)} participants answered within '
+                             f'{self.round_timeout:g} s. Fix: bring the nodes back (or raise round-timeout), then '
+                             f'run again with resume=true to continue from the last checkpoint.')
+    answered = np.asarray(sorted(replies))
+    results = []
+    for gi, (g, slots) in enumerate(zip(fed.groups, fed.slots(r))):
+      slot_idx = slot_indices(g, answered, slots)
+      template = self._upload_template(gi, p, broadcasts[gi])
+      uploads, losses = [], []
+      for i in slot_idx.tolist():
+        if i < g.size:
+          content = replies[int(g.clients[i])].content
+          uploads.append(tree_from_record(content['upload'], template, f'the upload of client {g.clients[i]}'))
+          losses.append(float(content['metrics']['loss']))
+        else:
+          uploads.append(template)
+          losses.append(0.0)
+      stacked = jax.tree.map(lambda *a: jnp.stack([jnp.asarray(x) for x in a]), *uploads)
+      results.append(GroupRound(slot_idx, None, stacked, jnp.asarray(losses, jnp.float32)))
+    new_state, metrics = fed.finish_round(state, results, answered, start)
+    metrics['missing_clients'] = missing
+    return new_state._replace(groups=()), metrics
+
+  def evaluate(self, state: FederationState) -> dict:
+    """The simulation's `evaluate` from every node's scores (EVALUATE messages); nodes that do not answer are left
+    out ('missing_clients' in the metrics)."""
+    fed = self.fed
+    r = max(int(state.round) - 1, 0)
+    self._connect(int(state.round))
+    records = [tree_to_record(fed.broadcast(state.server, gi, r)) for gi in range(len(fed.groups))]
+    messages = []
+    for k in range(fed.num_clients):
+      gi = next(i for i, g in enumerate(fed.groups) if k in g.clients)
+      messages.append(Message(RecordDict({'broadcast': records[gi], 'config': message_config(self.cfg_json, r)}),
+                              dst_node_id=self.nodes[k], message_type=MessageType.EVALUATE))
+    replies = self._send(messages)
+    if not replies:
+      raise NodesUnavailable(f'the evaluation after round {r + 1}: no node answered within {self.round_timeout:g} '
+                             f's. Fix: bring the nodes back, then run again with resume=true.')
+    names = fed.evaluations[0].names
+    sets = {}
+    for which in ('local', 'global'):
+      if (which == 'local' and not fed.has_local_test) or (which == 'global' and fed.global_test is None):
+        sets[which] = None
+        continue
+      correct, counts = np.zeros((fed.num_clients, len(names))), np.zeros(fed.num_clients)
+      for k, reply in replies.items():
+        scores = reply.content['metrics']
+        correct[k] = np.asarray(scores[f'{which}_correct'])
+        counts[k] = scores[f'{which}_rows']
+      sets[which] = (correct, counts)
+    out = fed.accuracy(sets['local'], sets['global'])
+    out['evaluated_clients'] = len(replies)
+    return out
+
+
+def assign_nodes(grid, fed: Federation, cfg_json: str, start_round: int, connect_timeout: float,
+                 poll_seconds: float = 1.0) -> dict[int, int]:
+  """client id -> node id: waits until `fed.num_clients` nodes are connected (at most `connect_timeout` s), then
+  asks each which client it holds (a QUERY message; the node also forgets states after `start_round`). A
+  ConfigError when nodes are missing or two hold the same client."""
+  deadline = time.monotonic() + connect_timeout
+  while len(list(grid.get_node_ids())) < fed.num_clients and time.monotonic() < deadline:
+    time.sleep(poll_seconds)
+  node_ids = list(grid.get_node_ids())
+  if len(node_ids) < fed.num_clients:
+    raise NodesUnavailable(f'{len(node_ids)} SuperNodes are connected, the run has {fed.num_clients} clients (one '
+                           f'node each). Fix: start a SuperNode per client with --node-config "partition-id=K", or '
+                           f'raise connect-timeout (now {connect_timeout:g} s).')
+  config = message_config(cfg_json, start_round)
+  messages = [Message(RecordDict({'config': config}), dst_node_id=n, message_type=MessageType.QUERY)
+              for n in node_ids]
+  replies = grid.send_and_receive(messages, timeout=connect_timeout)
+  nodes: dict[int, int] = {}
+  for reply in replies:
+    if reply.has_error():
+      raise ConfigError(f'SuperNode {reply.metadata.src_node_id} could not join the run: {reply.error.reason}')
+    k = int(reply.content['node']['client'])
+    if k in nodes:
+      raise ConfigError(f'SuperNodes {nodes[k]} and {reply.metadata.src_node_id} both hold client {k}. Fix: give '
+                        f'each SuperNode its own --node-config "partition-id=K".')
+    nodes[k] = reply.metadata.src_node_id
+  absent = sorted(set(range(fed.num_clients)) - set(nodes))
+  if absent:
+    raise NodesUnavailable(f'no SuperNode holds clients {absent}. Fix: start a SuperNode with --node-config '
+                           f'"partition-id=K" for each of them.')
+  logging.info('nodes by client: %s', json.dumps(nodes))
+  return nodes
+
+
+def run_config_value(run_config: dict, name: str, default: Optional[Any] = None) -> Any:
+  """A value of the Flower run config, or `default`; a ConfigError naming it when it is required and missing."""
+  if run_config.get(name) not in (None, ''):
+    return run_config[name]
+  if default is None:
+    raise ConfigError(f'the Flower run config has no {name!r}. Fix: flwr run ... --run-config \'{name}="..."\'.')
+  return default
