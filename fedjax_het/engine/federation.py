@@ -123,6 +123,7 @@ class Federation:
                       'no local step (one epoch drops the last partial batch, as HtFLlib does).', training.batch_size,
                       self.clients_without_steps)
     self._jitted: dict = {}
+    self._server_shapes = None
 
   def _phase_starts(self, rounds: int) -> list[int]:
     starts, at = [], 0
@@ -173,10 +174,14 @@ class Federation:
 
   def server_shapes(self) -> Any:
     """The structure, shapes and dtypes of the server state (`jax.ShapeDtypeStruct`s), without computing it."""
+    if self._server_shapes is not None:
+      return self._server_shapes
     server_key = self._init_keys()[2]
     one = lambda stacked: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked)
     initial = tuple(one(jax.eval_shape(lambda gi=gi: self.init_group(gi))) for gi in range(len(self.groups)))
-    return jax.eval_shape(lambda init: self.algorithm.init_server(server_key, self.spec, init), initial)
+    self._server_shapes = jax.eval_shape(lambda init: self.algorithm.init_server(server_key, self.spec, init),
+                                         initial)
+    return self._server_shapes
 
   # ---------------------------------------------------------------- sampling
   def num_join(self, round_index: int = 0) -> int:

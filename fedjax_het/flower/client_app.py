@@ -22,35 +22,40 @@ from flwr.clientapp import ClientApp
 from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
-from fedjax_het.flower.node import Node
+from fedjax_het.experiment import build_federation
+from fedjax_het.flower.node import Node, deployed_config
 from fedjax_het.flower.records import tree_from_record, tree_to_record
 
 app = ClientApp()
-_nodes: dict = {}  # (config, node config) -> Node, for a process that serves several messages
+# The run's federation by (config, data dir): a process that serves several messages (several nodes in one process,
+# as the tests deliver them) builds it once.
+_federations: dict = {}
+_nodes: dict = {}  # (client, state folder) -> Node of the federation in _federations
 
 
 def node_of(message: Message, context: Context) -> tuple[Node, int]:
   """This node's `Node` for the run the message belongs to, and the message's round."""
   config = message.content['config']
   node_config = context.node_config
-  key = (config['experiment'], tuple(sorted(node_config.items())), context.run_config.get('run-name'))
-  if key not in _nodes:
-    _nodes.clear()
-    _nodes[key] = _make_node(config['experiment'], node_config, context.run_config)
-  return _nodes[key], int(config['round'])
-
-
-def _make_node(cfg_json: str, node_config: dict, run_config: dict) -> Node:
-  use_compilation_cache(str(node_config.get('compilation-cache', DEFAULT_DIRECTORY)))
-  cfg = ExperimentConfig.from_dict(json.loads(cfg_json))
   if 'partition-id' not in node_config:
     raise ConfigError('this SuperNode has no partition-id. Fix: start it with --node-config "partition-id=K" (K: '
                       'the client it holds).')
-  if node_config.get('data-dir'):
-    cfg = dataclasses.replace(cfg, data_dir=str(node_config['data-dir']))
+  use_compilation_cache(str(node_config.get('compilation-cache', DEFAULT_DIRECTORY)))
+  data_dir = node_config.get('data-dir')
+  key = (config['experiment'], data_dir)
+  if key not in _federations:
+    cfg = ExperimentConfig.from_dict(json.loads(config['experiment']))
+    if data_dir:
+      cfg = dataclasses.replace(cfg, data_dir=str(data_dir))
+    _federations.clear()
+    _federations[key] = build_federation(deployed_config(cfg))
+    _nodes.clear()
   state_dir = str(node_config.get('state-dir') or os.path.join(tempfile.gettempdir(), 'fedjax_het_flower'))
-  run_dir = os.path.join(state_dir, f'run_{run_config.get("run-name", "default")}')
-  return Node(cfg, int(node_config['partition-id']), run_dir)
+  run_dir = os.path.join(state_dir, f'run_{context.run_config.get("run-name", "default")}')
+  client = int(node_config['partition-id'])
+  if (client, run_dir) not in _nodes:
+    _nodes[(client, run_dir)] = Node(_federations[key], client, run_dir)
+  return _nodes[(client, run_dir)], int(config['round'])
 
 
 @app.query()

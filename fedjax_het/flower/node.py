@@ -21,9 +21,9 @@ import jax
 import numpy as np
 
 from fedjax_het.config import ExperimentConfig
+from fedjax_het.engine.federation import Federation
 from fedjax_het.engine.groups import host_copy
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import build_federation
 
 _STATE_FILE = re.compile(r'after_round_(\d+)\.npz$')
 
@@ -78,10 +78,11 @@ class NodeStates:
 
 
 class Node:
-  """Client `client_id` of the run `cfg` on this node: `train(round, broadcast)`, `evaluate(round, broadcast)`."""
+  """Client `client_id` of the run of `fed` (`build_federation(deployed_config(cfg))`) on this node:
+  `train(round, broadcast)`, `evaluate(round, broadcast)`."""
 
-  def __init__(self, cfg: ExperimentConfig, client_id: int, state_dir: str):
-    self.fed = build_federation(deployed_config(cfg))
+  def __init__(self, fed: Federation, client_id: int, state_dir: str):
+    self.fed = fed
     if not 0 <= client_id < self.fed.num_clients:
       raise ConfigError(f'node config partition-id={client_id}: the run has {self.fed.num_clients} clients. Fix: '
                         f'partition-id between 0 and {self.fed.num_clients - 1}, one node per client.')

@@ -1,0 +1,110 @@
+"""The Flower deployment (fedjax_het.flower) runs a method's rounds with the simulation's numbers.
+
+In CI: pytrees through ArrayRecords, the nodes' state files, and `FlowerRounds` over Flower's own ClientApp and
+Message objects delivered in-process (every reply in: the simulation's metrics; a node that stops answering: the
+round goes on without it). With -m slow: a real Deployment Engine on localhost (SuperLink + 4 SuperNodes as
+processes), FedRE and FedProto equal to the simulation, and a SuperNode killed mid-run.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flwr = pytest.importorskip('flwr')
+
+from flwr.app import Context, RecordDict  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+from fedjax_het.config import ExperimentConfig  # noqa: E402
+from fedjax_het.errors import ConfigError  # noqa: E402
+from fedjax_het.experiment import train_and_evaluate  # noqa: E402
+from fedjax_het.flower import client_app  # noqa: E402
+from fedjax_het.flower.node import NodeStates, deployed_config  # noqa: E402
+from fedjax_het.flower.records import tree_from_record, tree_to_record  # noqa: E402
+from fedjax_het.flower.rounds import FlowerRounds  # noqa: E402
+
+CFG = deployed_config(ExperimentConfig(algorithm='fedre', dataset='digits', num_clients=4,
+                                       models=('mlp', 'small_cnn_narrow'), feature_dim=16, rounds=2,
+                                       batch_size=16, checkpoint_every=1))
+
+
+def test_records_round_trip_and_refuse_another_structure():
+  tree = {'w': jnp.arange(6.0).reshape(2, 3), 'n': (np.int32(3), None), 'key': jax.random.PRNGKey(1)}
+  back = tree_from_record(tree_to_record(tree), tree, 'the test tree')
+  assert jax.tree.structure(back) == jax.tree.structure(tree)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+    assert a.dtype == np.asarray(b).dtype
+    np.testing.assert_array_equal(a, b)
+  other = dict(tree, w=jnp.zeros((3, 2)))
+  with pytest.raises(ConfigError, match=r'the test tree: leaf 2 is float32\[2, 3\], expected float32\[3, 2\]'):
+    tree_from_record(tree_to_record(tree), other, 'the test tree')
+
+
+def test_node_states_give_the_newest_state_at_or_before_a_round(tmp_path):
+  states = NodeStates(str(tmp_path / 'client_0'))
+  template = {'a': jnp.zeros(2)}
+  assert states.load(5, template) is None
+  states.save(1, {'a': jnp.ones(2)})
+  states.save(3, {'a': jnp.full(2, 3.0)})
+  assert states.load(0, template) is None
+  np.testing.assert_array_equal(states.load(2, template)['a'], [1, 1])
+  np.testing.assert_array_equal(states.load(9, template)['a'], [3, 3])
+  states.forget_after(2)  # a run resumed from round 2 starts over from there
+  assert states.rounds() == [1]
+
+
+class InProcessGrid:
+  """Flower's Grid, its messages delivered to the ClientApp of the addressed node in this process. `silent`:
+  client id -> the first round (0-based) from which its node answers nothing (as a node that went down)."""
+
+  def __init__(self, node_dir: str, num_nodes: int, silent: dict = {}):
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+    self.contexts = {100 + k: Context(run_id=1, node_id=100 + k, node_config={'partition-id': k, 'state-dir': node_dir},
+                                      state=RecordDict(), run_config={'run-name': 'test'}) for k in range(num_nodes)}
+    self.silent = silent
+
+  def get_node_ids(self):
+    return list(self.contexts)
+
+  def send_and_receive(self, messages, timeout=None):
+    replies = []
+    for m in messages:
+      k = m.metadata.dst_node_id - 100
+      if k in self.silent and int(m.content['config']['round']) >= self.silent[k]:
+        continue
+      reply = client_app.app(m, self.contexts[m.metadata.dst_node_id])
+      replies.append(reply)
+    return replies
+
+
+def _rows(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_rounds_over_flower_messages_equal_the_simulation_and_go_on_without_a_silent_node(tmp_path):
+  cfg_json = json.dumps(CFG.to_dict())
+  over = lambda grid: (lambda fed: FlowerRounds(fed, grid, cfg_json, round_timeout=5, connect_timeout=5))
+  train_and_evaluate(CFG, str(tmp_path / 'flower'), progress=False,
+                     federation=over(InProcessGrid(str(tmp_path / 'nodes'), 4)))
+  train_and_evaluate(CFG, str(tmp_path / 'simulation'), progress=False)
+  flower, simulation = _rows(tmp_path / 'flower'), _rows(tmp_path / 'simulation')
+  assert len(flower) == len(simulation) == 2
+  for a, b in zip(flower, simulation):
+    assert a['missing_clients'] == [] and a['evaluated_clients'] == 4
+    for k in b:
+      if 'seconds' not in k:
+        assert a[k] == b[k], (a['round'], k)
+  # Client 3's node answers nothing from round 2 on: that round trains and scores the other three.
+  train_and_evaluate(dataclasses.replace(CFG, seed=0), str(tmp_path / 'silent'), progress=False,
+                     federation=over(InProcessGrid(str(tmp_path / 'nodes_silent'), 4, silent={3: 1})))
+  silent = _rows(tmp_path / 'silent')
+  assert [r['missing_clients'] for r in silent] == [[], [3]]
+  assert [r['participants'] for r in silent] == [4, 3] and silent[1]['evaluated_clients'] == 3
+  assert silent[0]['accuracy'] == flower[0]['accuracy'] and silent[1]['accuracy'] != flower[1]['accuracy']
+  assert json.loads((tmp_path / 'silent' / 'summary.json').read_text())['finished']
