@@ -108,3 +108,73 @@ def test_rounds_over_flower_messages_equal_the_simulation_and_go_on_without_a_si
   assert [r['participants'] for r in silent] == [4, 3] and silent[1]['evaluated_clients'] == 3
   assert silent[0]['accuracy'] == flower[0]['accuracy'] and silent[1]['accuracy'] != flower[1]['accuracy']
   assert json.loads((tmp_path / 'silent' / 'summary.json').read_text())['finished']
+
+
+FLAGS = '''--dataset=digits
+--num_clients=4
+--models=mlp,small_cnn_narrow
+--feature_dim=16
+--rounds=3
+--batch_size=16
+--checkpoint_every=1
+'''
+
+
+def _flagfile(tmp_path, algorithm: str) -> str:
+  path = tmp_path / f'{algorithm}.flags'
+  path.write_text(FLAGS + f'--algorithm={algorithm}\n')
+  return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('algorithm', ['fedre', 'fedproto'])
+def test_deployment_on_localhost_equals_the_simulation(tmp_path, algorithm):
+  """A SuperLink and 4 SuperNodes as processes on localhost (2 architectures), 3 rounds: every round's metrics
+  and the final server state equal the in-process simulation's."""
+  from fedjax_het.checkpoints import Checkpoints
+  from fedjax_het.experiment import build_federation
+  from fedjax_het.flower.local import LocalDeployment
+  from fedjax_het.flower.server_app import config_from_flagfile
+  flagfile = _flagfile(tmp_path, algorithm)
+  with LocalDeployment(4, str(tmp_path / 'flower')) as deployment:
+    with open(tmp_path / 'flwr_run.log', 'w') as log:
+      assert deployment.run(flagfile, round_timeout=300, stdout=log) == 0
+  cfg = deployed_config(config_from_flagfile(flagfile))
+  train_and_evaluate(cfg, str(tmp_path / 'simulation'), progress=False)
+  flower, simulation = _rows(tmp_path / 'flower'), _rows(tmp_path / 'simulation')
+  assert len(flower) == len(simulation) == 3, (tmp_path / 'flwr_run.log').read_text()[-3000:]
+  for a, b in zip(flower, simulation):
+    for k in b:
+      if 'seconds' not in k:
+        assert a[k] == b[k], (a['round'], k)
+  fed = build_federation(cfg)
+  template = fed.init()
+  saved = [Checkpoints(str(tmp_path / w / 'checkpoints')).restore_latest(t)[0].server
+           for w, t in (('flower', template._replace(groups=())), ('simulation', template))]
+  for x, y in zip(jax.tree.leaves(saved[0]), jax.tree.leaves(saved[1])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
+def test_a_supernode_killed_mid_run_is_left_out_and_the_run_finishes(tmp_path):
+  """Client 3's SuperNode is killed (SIGKILL, with its ClientApp) after round 1: rounds 2 and 3 wait
+  round-timeout for it, then go on with the other three clients; the run finishes."""
+  import threading
+  import time
+  from fedjax_het.flower.local import LocalDeployment
+  flagfile = _flagfile(tmp_path, 'fedre')
+  metrics = tmp_path / 'flower' / 'metrics.jsonl'
+  with LocalDeployment(4, str(tmp_path / 'flower')) as deployment:
+    with open(tmp_path / 'flwr_run.log', 'w') as log:
+      done = []
+      runner = threading.Thread(target=lambda: done.append(deployment.run(flagfile, round_timeout=20, stdout=log)))
+      runner.start()
+      while not (metrics.exists() and metrics.read_text().strip()) and runner.is_alive():
+        time.sleep(0.5)
+      deployment.kill_supernode(3)
+      runner.join(600)
+  assert done == [0], (tmp_path / 'flwr_run.log').read_text()[-3000:]
+  rows = _rows(tmp_path / 'flower')
+  assert [r['missing_clients'] for r in rows] == [[], [3], [3]]
+  assert [r['participants'] for r in rows] == [4, 3, 3] and rows[-1]['evaluated_clients'] == 3
+  assert json.loads((tmp_path / 'flower' / 'summary.json').read_text())['finished']
