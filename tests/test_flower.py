@@ -1,8 +1,8 @@
 """The Flower deployment (fedjax_het.flower) runs a method's rounds with the simulation's numbers.
 
 In CI: pytrees through ArrayRecords, the nodes' state files, and `FlowerRounds` over Flower's own ClientApp and
-Message objects delivered in-process (every reply in: the simulation's metrics; a node that stops answering: the
-round goes on without it). With -m slow: a real Deployment Engine on localhost (SuperLink + 4 SuperNodes as
+Message objects delivered in-process (every reply in: the simulation's metrics; a server restarted from an
+earlier checkpoint ends where it would have; a node that stops answering: the round goes on without it). With -m slow: a real Deployment Engine on localhost (SuperLink + 4 SuperNodes as
 processes), FedRE and FedProto equal to the simulation, and a SuperNode killed mid-run.
 """
 
@@ -100,6 +100,16 @@ def test_rounds_over_flower_messages_equal_the_simulation_and_go_on_without_a_si
     for k in b:
       if 'seconds' not in k:
         assert a[k] == b[k], (a['round'], k)
+  # The server restarts from the checkpoint of round 1 (the later one lost): nodes keep their states, round 2 is
+  # run again and ends where the uninterrupted run ended.
+  import shutil
+  shutil.rmtree(tmp_path / 'flower' / 'checkpoints' / '2')
+  train_and_evaluate(CFG, str(tmp_path / 'flower'), resume=True, progress=False,
+                     federation=over(InProcessGrid(str(tmp_path / 'nodes'), 4)))
+  resumed = _rows(tmp_path / 'flower')
+  assert [r['round'] for r in resumed] == [1, 2]
+  assert {k: v for k, v in resumed[1].items() if 'seconds' not in k} == {
+      k: v for k, v in flower[1].items() if 'seconds' not in k}
   # Client 3's node answers nothing from round 2 on: that round trains and scores the other three.
   train_and_evaluate(dataclasses.replace(CFG, seed=0), str(tmp_path / 'silent'), progress=False,
                      federation=over(InProcessGrid(str(tmp_path / 'nodes_silent'), 4, silent={3: 1})))

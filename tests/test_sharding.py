@@ -44,8 +44,8 @@ PRELUDE = textwrap.dedent('''
 ''')
 
 
+# Full participation over 4 devices is checked against one device across 2 processes (tests/test_multiprocess.py).
 CASES = {
-    'fedre': ('fedre(FedREConfig(), 4)', {}),
     'fedre_partial_chunked': ('fedre(FedREConfig(), 4)', {'join_ratio': 0.5, 'chunk_size': 4, 'rounds': 1}),
 }
 
@@ -84,7 +84,7 @@ def checkpoint_check(workdir: str) -> str:
       cfg = ExperimentConfig(dataset='synthetic:8,8,1', num_clients=6, models=('small_cnn_narrow', 'mlp'),
                              strategy='vmap', num_devices=0, feature_dim=16)
       assert build_federation(cfg).execution.num_devices == 4
-      fed, saved = SHARDED['fedre']
+      fed, saved = SHARDED['fedre_partial_chunked']
       checkpoints = Checkpoints({workdir!r})
       checkpoints.save(saved)
       restored = checkpoints.restore(fed.init(), int(saved.round))

@@ -9,12 +9,3 @@ client per Flower SuperNode (`flwr` 1.42, Message API; `pip install 'fedjax_het[
   local.py       a SuperLink and N SuperNodes on this machine, and the run (python -m fedjax_het.flower.local)
 """
 
-from fedjax_het.errors import ConfigError
-
-
-def require_flwr() -> None:
-  """A ConfigError saying how to install Flower when it is missing."""
-  try:
-    import flwr  # noqa: F401
-  except ImportError:
-    raise ConfigError('the Flower deployment needs flwr. Fix: pip install \'fedjax_het[flower]\'.') from None
