@@ -188,3 +188,22 @@ def test_a_supernode_killed_mid_run_is_left_out_and_the_run_finishes(tmp_path):
   assert [r['missing_clients'] for r in rows] == [[], [3], [3]]
   assert [r['participants'] for r in rows] == [4, 3, 3] and rows[-1]['evaluated_clients'] == 3
   assert json.loads((tmp_path / 'flower' / 'summary.json').read_text())['finished']
+
+
+@pytest.mark.slow
+def test_simulation_engine_equals_the_simulation(tmp_path):
+  """Flower's Simulation Engine (Ray actors as the 4 nodes) gives the in-process simulation's numbers."""
+  pytest.importorskip('ray')
+  from fedjax_het.flower.local import LocalDeployment
+  from fedjax_het.flower.server_app import config_from_flagfile
+  flagfile = _flagfile(tmp_path, 'fedre')
+  with LocalDeployment(4, str(tmp_path / 'flower'), simulation=True) as deployment:
+    with open(tmp_path / 'flwr_run.log', 'w') as log:
+      assert deployment.run(flagfile, round_timeout=300, stdout=log) == 0
+  train_and_evaluate(deployed_config(config_from_flagfile(flagfile)), str(tmp_path / 'simulation'), progress=False)
+  flower, simulation = _rows(tmp_path / 'flower'), _rows(tmp_path / 'simulation')
+  assert len(flower) == len(simulation) == 3, (tmp_path / 'flwr_run.log').read_text()[-3000:]
+  for a, b in zip(flower, simulation):
+    for k in b:
+      if 'seconds' not in k:
+        assert a[k] == b[k], (a['round'], k)

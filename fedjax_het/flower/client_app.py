@@ -3,7 +3,8 @@
   flower-supernode --insecure --superlink HOST:PORT --node-config 'partition-id=3 state-dir="/data/fedjax_het"'
 
 partition-id: the client this node holds (its partition of the seeded split, its architecture); state-dir: where
-its client state lives between rounds (default: a folder under the system's temporary directory); data-dir: the
+its client state lives between rounds (default: the run config's state-dir, which Flower's Simulation Engine
+uses, else a folder under the system's temporary directory); data-dir: the
 tfds data_dir on this machine, when it differs from the run's --data_dir; compilation-cache: XLA's persistent
 compilation cache (default ~/.cache/fedjax_het/xla; every message runs in a new ClientApp process, which reads
 its compiled programs there instead of compiling them again).
@@ -50,7 +51,8 @@ def node_of(message: Message, context: Context) -> tuple[Node, int]:
     _federations.clear()
     _federations[key] = build_federation(deployed_config(cfg))
     _nodes.clear()
-  state_dir = str(node_config.get('state-dir') or os.path.join(tempfile.gettempdir(), 'fedjax_het_flower'))
+  state_dir = str(node_config.get('state-dir') or context.run_config.get('state-dir')
+                  or os.path.join(tempfile.gettempdir(), 'fedjax_het_flower'))
   run_dir = os.path.join(state_dir, f'run_{context.run_config.get("run-name", "default")}')
   client = int(node_config['partition-id'])
   if (client, run_dir) not in _nodes:

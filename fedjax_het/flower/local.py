@@ -5,7 +5,8 @@ localhost), and the run, in one command.
 
 The run's outputs are the simulation's (metrics.jsonl, summary.json, plots, checkpoints/) in --workdir; the nodes
 keep their clients' states in WORKDIR/flower_nodes; the SuperLink's and SuperNodes' logs go to WORKDIR/flower_logs.
---resume continues a stopped run from its last checkpoint. Several machines: see README, "Beyond one machine".
+--resume continues a stopped run from its last checkpoint; --engine=simulation runs Flower's Simulation Engine (Ray)
+instead of SuperNode processes. Several machines: docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -55,10 +56,14 @@ def _stop(processes: Sequence[subprocess.Popen], grace: float = 5.0) -> None:
 
 class LocalDeployment:
   """A SuperLink and `num_supernodes` SuperNodes on localhost (`start`, `stop`, a context manager), and
-  `run(...)`, one fedjax_het run on them. `supernodes[k]` holds client k."""
+  `run(...)`, one fedjax_het run on them. `supernodes[k]` holds client k. With `simulation`, Flower's Simulation
+  Engine instead: the SuperLink runs the ClientApps of `num_supernodes` simulated nodes itself, in Ray actors
+  (needs `pip install 'fedjax_het[flower-simulation]'`)."""
 
-  def __init__(self, num_supernodes: int, workdir: str, app_dir: str = APP_DIR, port: int = 0):
+  def __init__(self, num_supernodes: int, workdir: str, app_dir: str = APP_DIR, port: int = 0,
+               simulation: bool = False):
     self.num_supernodes, self.workdir, self.app_dir = num_supernodes, os.path.abspath(workdir), app_dir
+    self.simulation = simulation
     self.port = port or free_port()
     self.logs = os.path.join(self.workdir, 'flower_logs')
     self.home = os.path.join(self.logs, 'flwr_home')
@@ -76,11 +81,12 @@ class LocalDeployment:
       f.write(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
               f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
     self.superlink = self._spawn(['flower-superlink', '--insecure', '--port', str(self.port), '--database',
-                                  os.path.join(self.home, 'superlink.db'),
-                                  '--disable-runtime-dependency-installation'], 'superlink.log')
+                                  os.path.join(self.home, 'superlink.db'), '--disable-runtime-dependency-installation']
+                                 + (['--simulation'] if self.simulation else []), 'superlink.log')
     wait_for_port(self.port, 60, self.superlink, 'flower-superlink')
-    for k in range(self.num_supernodes):
-      self.start_supernode(k)
+    if not self.simulation:
+      for k in range(self.num_supernodes):
+        self.start_supernode(k)
     return self
 
   def start_supernode(self, k: int) -> subprocess.Popen:
@@ -105,8 +111,11 @@ class LocalDeployment:
     config = (f'flagfile="{os.path.abspath(flagfile)}" workdir="{self.workdir}" resume={str(resume).lower()} '
               f'round-timeout={float(round_timeout)} connect-timeout={float(connect_timeout)} '
               f'run-name="{run_name}"')
+    if self.simulation:  # the simulated nodes' states, where the deployment's SuperNodes keep them
+      config += f' state-dir="{os.path.join(self.workdir, "flower_nodes")}"'
     env = dict(os.environ, FLWR_HOME=self.home)
-    return subprocess.run(['flwr', 'run', self.app_dir, CONNECTION, '--run-config', config, '--stream'],
+    federation = ['--federation-config', f'num-supernodes={self.num_supernodes}'] if self.simulation else []
+    return subprocess.run(['flwr', 'run', self.app_dir, CONNECTION, '--run-config', config, '--stream'] + federation,
                           env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None).returncode
 
   def stop(self) -> None:
@@ -128,6 +137,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--round_timeout', type=float, default=600.0, help='Seconds a round waits for its replies; '
                       'then it goes on without the nodes that did not answer.')
   parser.add_argument('--port', type=int, default=0, help='The SuperLink\'s port (0: a free one).')
+  parser.add_argument('--engine', choices=('deployment', 'simulation'), default='deployment', help='deployment: '
+                      'a SuperNode process per client; simulation: Flower\'s Simulation Engine (Ray actors; '
+                      'pip install \'fedjax_het[flower-simulation]\').')
   args = parser.parse_args(argv)
   if shutil.which('flower-superlink') is None:
     parser.error('flwr is not installed. Fix: pip install \'fedjax_het[flower]\'.')
@@ -137,8 +149,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = config_from_flagfile(os.path.abspath(args.flagfile))
   except ConfigError as e:
     parser.error(str(e))
-  with LocalDeployment(cfg.num_clients, args.workdir, port=args.port) as deployment:
-    print(f'SuperLink on 127.0.0.1:{deployment.port}, {cfg.num_clients} SuperNodes (one per client); logs in '
+  simulation = args.engine == 'simulation'
+  with LocalDeployment(cfg.num_clients, args.workdir, port=args.port, simulation=simulation) as deployment:
+    nodes = 'simulated nodes (Ray)' if simulation else 'SuperNodes'
+    print(f'SuperLink on 127.0.0.1:{deployment.port}, {cfg.num_clients} {nodes}, one per client; logs in '
           f'{deployment.logs}', flush=True)
     try:
       return deployment.run(args.flagfile, args.resume, args.round_timeout)
