@@ -136,17 +136,13 @@ def _flagfile(tmp_path, algorithm: str) -> str:
   return str(path)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize('algorithm', ['fedre', 'fedproto'])
-def test_deployment_on_localhost_equals_the_simulation(tmp_path, algorithm):
-  """A SuperLink and 4 SuperNodes as processes on localhost (2 architectures), 3 rounds: every round's metrics
-  and the final server state equal the in-process simulation's."""
-  from fedjax_het.checkpoints import Checkpoints
-  from fedjax_het.experiment import build_federation
+def _flower_equals_simulation(tmp_path, algorithm: str, simulation: bool):
+  """Runs the flags on a local Flower deployment (or the Simulation Engine) and in-process; asserts every round's
+  metrics equal; returns the config."""
   from fedjax_het.flower.local import LocalDeployment
   from fedjax_het.flower.server_app import config_from_flagfile
   flagfile = _flagfile(tmp_path, algorithm)
-  with LocalDeployment(4, str(tmp_path / 'flower')) as deployment:
+  with LocalDeployment(4, str(tmp_path / 'flower'), simulation=simulation) as deployment:
     with open(tmp_path / 'flwr_run.log', 'w') as log:
       assert deployment.run(flagfile, round_timeout=300, stdout=log) == 0
   cfg = deployed_config(config_from_flagfile(flagfile))
@@ -157,8 +153,17 @@ def test_deployment_on_localhost_equals_the_simulation(tmp_path, algorithm):
     for k in b:
       if 'seconds' not in k:
         assert a[k] == b[k], (a['round'], k)
-  fed = build_federation(cfg)
-  template = fed.init()
+  return cfg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('algorithm', ['fedre', 'fedproto'])
+def test_deployment_on_localhost_equals_the_simulation(tmp_path, algorithm):
+  """A SuperLink and 4 SuperNodes as processes on localhost (2 architectures), 3 rounds: every round's metrics
+  and the final server state equal the in-process simulation's."""
+  from fedjax_het.checkpoints import Checkpoints
+  from fedjax_het.experiment import build_federation
+  template = build_federation(_flower_equals_simulation(tmp_path, algorithm, simulation=False)).init()
   saved = [Checkpoints(str(tmp_path / w / 'checkpoints')).restore_latest(t)[0].server
            for w, t in (('flower', template._replace(groups=())), ('simulation', template))]
   for x, y in zip(jax.tree.leaves(saved[0]), jax.tree.leaves(saved[1])):
@@ -194,16 +199,4 @@ def test_a_supernode_killed_mid_run_is_left_out_and_the_run_finishes(tmp_path):
 def test_simulation_engine_equals_the_simulation(tmp_path):
   """Flower's Simulation Engine (Ray actors as the 4 nodes) gives the in-process simulation's numbers."""
   pytest.importorskip('ray')
-  from fedjax_het.flower.local import LocalDeployment
-  from fedjax_het.flower.server_app import config_from_flagfile
-  flagfile = _flagfile(tmp_path, 'fedre')
-  with LocalDeployment(4, str(tmp_path / 'flower'), simulation=True) as deployment:
-    with open(tmp_path / 'flwr_run.log', 'w') as log:
-      assert deployment.run(flagfile, round_timeout=300, stdout=log) == 0
-  train_and_evaluate(deployed_config(config_from_flagfile(flagfile)), str(tmp_path / 'simulation'), progress=False)
-  flower, simulation = _rows(tmp_path / 'flower'), _rows(tmp_path / 'simulation')
-  assert len(flower) == len(simulation) == 3, (tmp_path / 'flwr_run.log').read_text()[-3000:]
-  for a, b in zip(flower, simulation):
-    for k in b:
-      if 'seconds' not in k:
-        assert a[k] == b[k], (a['round'], k)
+  _flower_equals_simulation(tmp_path, 'fedre', simulation=True)
