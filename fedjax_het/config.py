@@ -8,6 +8,8 @@ import json
 import math
 from typing import Optional
 
+import jax
+
 from fedjax_het.errors import ConfigError, naming_flags
 from fedjax_het.local_training import LocalTraining
 
@@ -142,12 +144,27 @@ class ExperimentConfig:
     from fedjax_het.engine.execution import ExecutionConfig
     from fedjax_het.engine.sharding import client_mesh
     with flags_named():
+      if jax.process_count() > 1:  # every process computes its share of each group: the mesh spans them all
+        return ExecutionConfig(self._distributed_strategy(), self.conv or None, client_mesh(0), self.chunk_size,
+                               self.scan_unroll, self.client_threads, self.eval_batch_size or None)
       strategy = ExecutionConfig(self.strategy or None).resolve().strategy
       every_device_under_vmap = self.num_devices == 0 and strategy == 'vmap'
       # a count other than 0 and 1 always goes to client_mesh, which refuses one it cannot give
       mesh = client_mesh(self.num_devices) if self.num_devices not in (0, 1) or every_device_under_vmap else None
       return ExecutionConfig(self.strategy or None, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
                              self.client_threads, self.eval_batch_size or None)
+
+  def _distributed_strategy(self) -> str:
+    """'vmap', the strategy of a run over several processes; a ConfigError for settings that cannot be one."""
+    processes, devices = jax.process_count(), len(jax.devices())
+    if self.strategy == 'sequential':
+      raise ConfigError(f'ExecutionConfig.strategy=\'sequential\' runs a group on one device, and this run has '
+                        f'{processes} processes, which lay each group over the devices of all of them. Fix: '
+                        f'ExecutionConfig.strategy=\'vmap\' (the default of a run over several processes).')
+    if self.num_devices not in (0, devices):
+      raise ConfigError(f'client_mesh.num_devices={self.num_devices}: a run of {processes} processes lays each group '
+                        f'over all their {devices} devices. Fix: client_mesh.num_devices=0.')
+    return 'vmap'
 
   @classmethod
   def from_dict(cls, d: dict) -> 'ExperimentConfig':

@@ -1,7 +1,7 @@
 """Starts one run as N JAX processes on this machine: what a SLURM or TPU-pod job does across hosts, locally.
 
   python -m fedjax_het.launch --num_processes=2 --cpu_devices=2 experiments/fedre.py \\
-      --flagfile=experiments/flags/quickstart.flags --workdir=/tmp/fedre_2proc --strategy=vmap
+      --flagfile=experiments/flags/quickstart.flags --workdir=/tmp/fedre_2proc
 
 Each process runs the entry point with the same flags plus --distributed, and the variables
 `fedjax_het.distributed.initialize` reads (the coordinator on a free localhost port, the process count and its

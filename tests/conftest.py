@@ -43,6 +43,17 @@ import pytest
 from fedjax_het.data import make_federated_data, make_synthetic
 
 
+# The longest test files, started first: pytest-xdist hands each worker whole files in collection order, so a long
+# file collected last would keep one worker busy after the other has finished.
+LONGEST_FIRST = ('test_golden.py', 'test_gefl_f.py', 'test_multiprocess.py', 'test_sharding.py', 'test_gefl.py',
+                 'test_reliability.py')
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST else len(LONGEST_FIRST)
+  items.sort(key=rank)  # stable: the order within and among the other files is kept
+
+
 @pytest.fixture(autouse=True, scope='module')
 def release_compiled_programs():
   """Drops every compiled program after each test module. An XLA:CPU executable holds dozens of memory mappings;

@@ -27,9 +27,15 @@ def _env(**extra) -> dict:
   return env
 
 
-def one_process(workdir, algorithm: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, DRIVER, f'--algorithm={algorithm}', f'--workdir={workdir}'] + FLAGS,
-                        env=_env(JAX_PLATFORMS='cpu'), capture_output=True, text=True, timeout=600, cwd=ROOT)
+def one_process(workdir, algorithm: str) -> None:
+  """The same flags in this process, on its one device."""
+  from absl import flags
+  from fedjax_het import cli
+  from fedjax_het.experiment import train_and_evaluate
+  fv = flags.FlagValues()
+  cli.define_flags(flag_values=fv)
+  cli.parse_flags(['test', f'--algorithm={algorithm}'] + FLAGS, fv)
+  train_and_evaluate(cli.config_from_flags(fv), str(workdir), progress=False)
 
 
 def two_processes(workdir, algorithm: str, *extra: str, **env) -> subprocess.CompletedProcess:
@@ -78,7 +84,7 @@ def assert_same_run(a, b) -> None:
 @pytest.mark.parametrize('algorithm', ['fedavg', 'fedre'])
 def test_two_processes_equal_one(tmp_path, algorithm):
   one, two = tmp_path / 'one', tmp_path / 'two'
-  _ok(one_process(one, algorithm))
+  one_process(one, algorithm)
   if algorithm == 'fedre':  # process 1 dies as round 3 starts; the launcher stops process 0 and fails
     killed = two_processes(two, algorithm, FEDJAX_HET_TEST_KILL_AT_ROUND='3')
     assert killed.returncode == 137, killed.stderr[-3000:]
@@ -137,3 +143,19 @@ def test_launcher_starts_joined_processes_forwards_a_stop_and_stops_the_rest_on_
   failed = _launch(tmp_path, 'fail')
   assert failed.returncode == 3
   assert 'process 1 of 2 exited with status 3; stopped the others' in failed.stderr
+
+
+def test_a_run_over_several_processes_lays_groups_over_all_their_devices(monkeypatch):
+  """With several processes the default strategy is vmap over every device; a sequential strategy or a mesh of
+  some devices only is refused, naming the flag."""
+  import jax
+  from fedjax_het.config import ExperimentConfig
+  from fedjax_het.errors import ConfigError
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  execution = ExperimentConfig(models=('mlp',)).execution_config().resolve()
+  assert execution.strategy == 'vmap' and execution.num_devices == len(jax.devices())
+  with pytest.raises(ConfigError, match=r"--strategy='sequential' runs a group on one device"):
+    ExperimentConfig(strategy='sequential').execution_config()
+  if len(jax.devices()) == 1:
+    with pytest.raises(ConfigError, match=r'--num_devices=2: a run of 2 processes'):
+      ExperimentConfig(num_devices=2).execution_config()
