@@ -19,9 +19,9 @@ from fedjax_het.experiment import build_federation
 from fedjax_het.models.init import init_variables
 from fedjax_het.models.registry import build_model
 
-CFG = ExperimentConfig(algorithm='gefl_f', dataset='synthetic:32,32,1', num_clients=4, partition='iid',
-                       models=('gefl_fmnist_cnn1', 'gefl_fmnist_cnn2'), feature_dim=16, rm='fc', rounds=1,
-                       batch_size=64, local_learning_rate=0.05, eval_protocol='global', data_order='shuffle',
+CFG = ExperimentConfig(algorithm='gefl_f', dataset='synthetic:32,32,1', data_fraction=0.5, num_clients=4,
+                       partition='iid', models=('gefl_fmnist_cnn1', 'gefl_fmnist_cnn2'), feature_dim=16, rm='fc',
+                       rounds=1, batch_size=64, local_learning_rate=0.05, eval_protocol='global', data_order='shuffle',
                        conv='xla', checkpoint_every=0,
                        methods={'gefl_f': GeFLFConfig(generator='cvae', fe_rounds=1, ka_rounds=1, generator_epochs=1,
                                                       warmup_epochs=1, width=4, latent=3)})
