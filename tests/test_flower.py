@@ -118,6 +118,15 @@ def test_rounds_over_flower_messages_equal_the_simulation_and_go_on_without_a_si
   assert [r['participants'] for r in silent] == [4, 3] and silent[1]['evaluated_clients'] == 3
   assert silent[0]['accuracy'] == flower[0]['accuracy'] and silent[1]['accuracy'] != flower[1]['accuracy']
   assert json.loads((tmp_path / 'silent' / 'summary.json').read_text())['finished']
+  # A node whose config names another architecture than its client's is refused, naming both.
+  from flwr.app import Message, MessageType
+  from fedjax_het.flower.rounds import message_config
+  query = Message(RecordDict({'config': message_config(cfg_json, 0)}), dst_node_id=100,
+                  message_type=MessageType.QUERY)
+  context = Context(run_id=1, node_id=100, node_config={'partition-id': 1, 'architecture': 'mlp'},
+                    state=RecordDict(), run_config={})
+  with pytest.raises(ConfigError, match="architecture='mlp': client 1 of this run has 'small_cnn_narrow'"):
+    client_app.node_of(query, context)
 
 
 FLAGS = '''--dataset=digits

@@ -2,7 +2,8 @@
 
   flower-supernode --insecure --superlink HOST:PORT --node-config 'partition-id=3 state-dir="/data/fedjax_het"'
 
-partition-id: the client this node holds (its partition of the seeded split, its architecture); state-dir: where
+partition-id: the client this node holds (its partition of the seeded split, its architecture); architecture
+(optional): the architecture the node expects, checked against the run's; state-dir: where
 its client state lives between rounds (default: the run config's state-dir, which Flower's Simulation Engine
 uses, else a folder under the system's temporary directory); data-dir: the
 tfds data_dir on this machine, when it differs from the run's --data_dir; compilation-cache: XLA's persistent
@@ -57,7 +58,12 @@ def node_of(message: Message, context: Context) -> tuple[Node, int]:
   client = int(node_config['partition-id'])
   if (client, run_dir) not in _nodes:
     _nodes[(client, run_dir)] = Node(_federations[key], client, run_dir)
-  return _nodes[(client, run_dir)], int(config['round'])
+  node = _nodes[(client, run_dir)]
+  if node_config.get('architecture') and node_config['architecture'] != node.architecture:
+    raise ConfigError(f'node config architecture={node_config["architecture"]!r}: client {client} of this run has '
+                      f'{node.architecture!r} (the flags\' --models, client k taking models[k % len(models)]). Fix: '
+                      f'the partition-id of a client of that architecture, or no architecture in the node config.')
+  return node, int(config['round'])
 
 
 @app.query()
