@@ -87,9 +87,10 @@ class Federation:
     self.global_test = None if global_test is None else EvalSet(jax.device_put(global_test), shared=True)
     self.groups: list[Group] = build_groups(data, models, training, self.conv, self.num_devices, self.mesh, seed)
     self.architectures = [None] * self.num_clients  # client k's architecture, as the groups assigned it
-    for g in self.groups:
+    self.group_of = np.zeros(self.num_clients, int)  # client k's group index
+    for gi, g in enumerate(self.groups):
       for k in g.clients:
-        self.architectures[k] = g.arch
+        self.architectures[k], self.group_of[k] = g.arch, gi
     widths = sorted({g.spec.feature_dim for g in self.groups})
     if len(widths) > 1 and algorithm.shares_representations:
       raise ConfigError(f'ModelConfig.rm={models.rm!r}: the architectures\' features have different widths {widths}, '

@@ -87,7 +87,7 @@ class Node:
       raise ConfigError(f'node config partition-id={client_id}: the run has {self.fed.num_clients} clients. Fix: '
                         f'partition-id between 0 and {self.fed.num_clients - 1}, one node per client.')
     self.client_id = client_id
-    self.group_index = next(gi for gi, g in enumerate(self.fed.groups) if client_id in g.clients)
+    self.group_index = int(self.fed.group_of[client_id])
     self.group = self.fed.groups[self.group_index]
     self.index = int(np.flatnonzero(self.group.clients == client_id)[0])
     self.states = NodeStates(os.path.join(state_dir, f'client_{client_id}'))
@@ -104,8 +104,7 @@ class Node:
   def initial_state(self) -> Any:
     """The client's initial state, as the simulation's `Federation.init` makes it."""
     if self._initial is None:
-      self._stacked = self.fed.init_group(self.group_index)
-      self._initial = host_copy(self._stacked, self.index)
+      self._initial = host_copy(self.fed.init_group(self.group_index), self.index)
     return self._initial
 
   def state(self, round_index: int) -> Any:

@@ -67,6 +67,12 @@ class FlowerRounds:
     self._initial_groups = state.groups
     return FederationState((), state.server, state.round)
 
+  def _messages(self, clients, records: list, round_index: int, message_type: str) -> list[Message]:
+    """One message per client: its group's broadcast record and the run's config."""
+    return [Message(RecordDict({'broadcast': records[self.fed.group_of[k]],
+                                'config': message_config(self.cfg_json, round_index)}),
+                    dst_node_id=self.nodes[k], message_type=message_type) for k in clients]
+
   def _send(self, messages: list[Message]) -> dict[int, Message]:
     """Replies by client id of the messages that came back without an error within the timeout."""
     by_node = {node: k for k, node in self.nodes.items()}
@@ -101,12 +107,7 @@ class FlowerRounds:
     participants = fed.participants(r)
     broadcasts = [fed.broadcast(state.server, gi, r) for gi in range(len(fed.groups))]
     records = [tree_to_record(b) for b in broadcasts]
-    messages = []
-    for k in participants.tolist():
-      gi = next(i for i, g in enumerate(fed.groups) if k in g.clients)
-      messages.append(Message(RecordDict({'broadcast': records[gi], 'config': message_config(self.cfg_json, r)}),
-                              dst_node_id=self.nodes[k], message_type=MessageType.TRAIN))
-    replies = self._send(messages)
+    replies = self._send(self._messages(participants.tolist(), records, r, MessageType.TRAIN))
     missing = sorted(set(participants.tolist()) - set(replies))
     if missing:
       logging.warning('round %d: clients %s did not answer; the round goes on without them.', r + 1, missing)
@@ -141,12 +142,7 @@ class FlowerRounds:
     r = max(int(state.round) - 1, 0)
     self._connect(int(state.round))
     records = [tree_to_record(fed.broadcast(state.server, gi, r)) for gi in range(len(fed.groups))]
-    messages = []
-    for k in range(fed.num_clients):
-      gi = next(i for i, g in enumerate(fed.groups) if k in g.clients)
-      messages.append(Message(RecordDict({'broadcast': records[gi], 'config': message_config(self.cfg_json, r)}),
-                              dst_node_id=self.nodes[k], message_type=MessageType.EVALUATE))
-    replies = self._send(messages)
+    replies = self._send(self._messages(range(fed.num_clients), records, r, MessageType.EVALUATE))
     if not replies:
       raise NodesUnavailable(f'the evaluation after round {r + 1}: no node answered within {self.round_timeout:g} '
                              f's. Fix: bring the nodes back, then run again with resume=true.')
@@ -200,11 +196,3 @@ def assign_nodes(grid, fed: Federation, cfg_json: str, start_round: int, connect
   logging.info('nodes by client: %s', json.dumps(nodes))
   return nodes
 
-
-def run_config_value(run_config: dict, name: str, default: Optional[Any] = None) -> Any:
-  """A value of the Flower run config, or `default`; a ConfigError naming it when it is required and missing."""
-  if run_config.get(name) not in (None, ''):
-    return run_config[name]
-  if default is None:
-    raise ConfigError(f'the Flower run config has no {name!r}. Fix: flwr run ... --run-config \'{name}="..."\'.')
-  return default

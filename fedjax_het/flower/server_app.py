@@ -11,6 +11,7 @@ nodes, default 120), run-name (the folder of the nodes' states; give each run it
 from __future__ import annotations
 
 import json
+from typing import Any, Optional
 
 from absl import flags, logging
 from flwr.app import Context
@@ -20,7 +21,8 @@ from fedjax_het import cli
 from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
 from fedjax_het.experiment import train_and_evaluate
 from fedjax_het.flower.node import deployed_config
-from fedjax_het.flower.rounds import FlowerRounds, run_config_value
+from fedjax_het.errors import ConfigError
+from fedjax_het.flower.rounds import FlowerRounds
 
 app = ServerApp()
 
@@ -31,6 +33,15 @@ def config_from_flagfile(path: str):
   cli.define_flags(flag_values=fv)
   cli.parse_flags(['flower', f'--flagfile={path}'], fv)
   return cli.config_from_flags(fv)
+
+
+def run_config_value(run_config: dict, name: str, default: Optional[Any] = None) -> Any:
+  """A value of the Flower run config, or `default`; a ConfigError naming it when it is required and missing."""
+  if run_config.get(name) not in (None, ''):
+    return run_config[name]
+  if default is None:
+    raise ConfigError(f'the Flower run config has no {name!r}. Fix: flwr run ... --run-config \'{name}="..."\'.')
+  return default
 
 
 @app.main()
