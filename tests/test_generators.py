@@ -37,7 +37,7 @@ def test_feature_map_variants_parameter_counts_and_shapes():
   assert (count(v['G']['params']), count(v['G']['params']) + count(v['D']['params'])) == (2_554_113, 5_191_298)
   assert count(shapes(cvae(10, 1, size=16))['params']) == 5_542_561
   for gen in (dcgan(10, 3, g_width=4, d_width=4, size=16), cvae(10, 3, width=4, latent=3, size=16)):
-    variables = gen.init(jax.random.PRNGKey(0))
+    variables = jax.jit(gen.init)(jax.random.PRNGKey(0))
     maps = jax.jit(gen.sample)(variables, jnp.arange(3), jax.random.PRNGKey(1))
     assert maps.shape == (3, 16, 16, 3) and float(maps.min()) >= 0.0 and not gen.unit_range
 
@@ -88,8 +88,8 @@ def test_each_generator_trains_and_samples_at_test_size(name):
           'ddpm': lambda: ddpm(4, width=8, steps=5, guidance=2.0)}[name]
   gen = make()
   key = jax.random.PRNGKey(0)
-  v = gen.init(key)
-  opt = gen.init_optimizer(v)
+  v = jax.jit(gen.init)(key)
+  opt = jax.jit(gen.init_optimizer)(v)
   x = jax.random.uniform(key, (8, 32, 32, 1), minval=0.0 if gen.unit_range else -1.0, maxval=1.0)
   y = jnp.arange(8) % 4
   step = jax.jit(gen.step)
@@ -104,10 +104,11 @@ def test_each_generator_trains_and_samples_at_test_size(name):
       assert not np.allclose(jax.tree.leaves(v1[part]['params'])[0], jax.tree.leaves(v[part]['params'])[0])
   else:
     assert losses[-1] < losses[0]
-  samples = jax.jit(gen.sample)(v1, jnp.arange(4), jax.random.PRNGKey(3))
+  sample = jax.jit(gen.sample)
+  samples = sample(v1, jnp.arange(4), jax.random.PRNGKey(3))
   assert samples.shape == (4, 32, 32, 1) and bool(jnp.all(jnp.isfinite(samples)))
   if gen.unit_range and name == 'cvae':
     assert float(samples.min()) >= 0.0  # ReLU output
   if not gen.unit_range:
     assert float(jnp.abs(samples).max()) <= 1.0
-  np.testing.assert_array_equal(samples, jax.jit(gen.sample)(v1, jnp.arange(4), jax.random.PRNGKey(3)))
+  np.testing.assert_array_equal(samples, sample(v1, jnp.arange(4), jax.random.PRNGKey(3)))
