@@ -107,6 +107,21 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_string('compilation_cache', DEFAULT_DIRECTORY, 'Folder of XLA\'s persistent compilation cache: '
                   'programs compiled once (by another architecture, seed or run) are read back, not compiled again; '
                   'results are unchanged. Empty: off. JAX_COMPILATION_CACHE_DIR, when set, takes precedence.')
+  # Differential privacy (docs/privacy.md).
+  f.DEFINE_enum('dp_mode', _D.dp_mode, ['off', 'central', 'local'], 'Client-level DP of every upload: central (a '
+                'trusted server adds noise once to each sum of clipped contributions, or to each upload where its '
+                'server reads them one by one) or local (each client noises its own upload).')
+  f.DEFINE_float('dp_clip', _D.dp_clip, 'DP: the L2 bound C of a client\'s contribution (its upload, or model delta).')
+  f.DEFINE_float('dp_noise_multiplier', _D.dp_noise_multiplier, 'DP: sigma, noise N(0, sigma^2 C^2); or '
+                 '--dp_target_epsilon.')
+  f.DEFINE_float('dp_target_epsilon', _D.dp_target_epsilon, 'DP: calibrate sigma so the whole run spends this '
+                 'epsilon at --dp_delta (0: use --dp_noise_multiplier).')
+  f.DEFINE_float('dp_delta', _D.dp_delta, 'DP: the delta at which epsilon is reported (below 1 / clients).')
+  f.DEFINE_enum('dp_clip_parts', _D.dp_clip_parts, ['whole', 'each'], 'DP: clip the contribution as one vector, or '
+                'each private part of the upload to C / sqrt(parts).')
+  f.DEFINE_list('dp_parts', list(_D.dp_parts), 'DP: the upload parts privatised (default: all but the method\'s '
+                'public ones; e.g. FedRE: rep,label to privatise its label encoding too).')
+  f.DEFINE_enum('dp_accountant', _D.dp_accountant, ['rdp', 'pld'], 'DP: dp-accounting\'s accountant.')
   define_method_flags(f)
 
 
@@ -184,8 +199,10 @@ def run(fv) -> dict:
   if fv.distributed:
     distributed.initialize()  # before any computation
   use_compilation_cache(fv.compilation_cache)
-  return train_and_evaluate(config_from_flags(fv), fv.workdir, resume=fv.resume,
-                            progress=fv.progress and distributed.is_writer(), tensorboard=fv.tensorboard)
+  cfg = config_from_flags(fv)
+  with flags_named():  # an error raised while the run builds or traces names the flags, not library arguments
+    return train_and_evaluate(cfg, fv.workdir, resume=fv.resume, progress=fv.progress and distributed.is_writer(),
+                              tensorboard=fv.tensorboard)
 
 
 def _exit_interrupted(e, workdir: str) -> None:

@@ -25,6 +25,9 @@ FLAGS_OF_ARGUMENTS = {
     'ExecutionConfig.client_mesh=None': '--num_devices=1', 'ExecutionConfig.client_mesh=': '--num_devices=',
     'client_mesh.num_devices': '--num_devices',
     "ExecutionConfig.strategy='vmap'": '--strategy=vmap', 'ExecutionConfig.*': '',
+    'DPConfig.mode': '--dp_mode', 'DPConfig.clip_parts': '--dp_clip_parts', 'DPConfig.clip': '--dp_clip',
+    'DPConfig.noise_multiplier': '--dp_noise_multiplier', 'DPConfig.parts': '--dp_parts',
+    'PrivacyBudget.accountant': '--dp_accountant', 'PrivacyBudget.delta': '--dp_delta',
 }
 
 
@@ -81,6 +84,15 @@ class ExperimentConfig:
   eval_every: int = 1
   eval_batch_size: int = 0  # 0: the backend default (engine.default_eval_batch_size)
   checkpoint_every: int = 10
+  # Client-level differential privacy of the uploads (`fedjax_het.privacy.dp`, docs/privacy.md); off by default.
+  dp_mode: str = 'off'  # 'central' (a trusted server noises each sum) or 'local' (each client noises its upload)
+  dp_clip: float = 1.0  # C, the L2 bound of a client's contribution
+  dp_noise_multiplier: float = 0.0  # sigma: noise N(0, sigma^2 C^2); or set dp_target_epsilon
+  dp_target_epsilon: float = 0.0  # > 0: sigma calibrated so that the whole run spends this epsilon at dp_delta
+  dp_delta: float = 1e-5
+  dp_clip_parts: str = 'whole'  # 'each': each private part of the upload to C / sqrt(parts)
+  dp_parts: tuple[str, ...] = ()  # the upload parts privatised (empty: all but the method's public ones)
+  dp_accountant: str = 'rdp'  # 'rdp' or 'pld' (dp-accounting)
 
   def __post_init__(self):
     from fedjax_het.methods import METHODS, method  # the registry imports every method; config stays light
@@ -92,6 +104,7 @@ class ExperimentConfig:
         raise ConfigError(f'ExperimentConfig.methods[{name!r}] must be a {METHODS[name].config.__name__}; got '
                           f'{type(cfg).__name__}.')
     object.__setattr__(self, 'methods', {name: self.methods.get(name, m.config()) for name, m in METHODS.items()})
+    object.__setattr__(self, 'dp_parts', tuple(self.dp_parts))
     method(self.algorithm)  # an unknown --algorithm: the registry's error
     self._check_run_settings()
 
@@ -115,6 +128,13 @@ class ExperimentConfig:
     if not 0 < self.data_fraction <= 1 or self.image_size < 0:
       raise ConfigError(f'--data_fraction={self.data_fraction} must be in (0, 1] and --image_size={self.image_size} '
                         f'>= 0 (0 keeps the dataset\'s size).')
+    self.dp_config()  # its own checks, naming the flags
+    if self.dp_mode != 'off' and (self.dp_noise_multiplier > 0) == (self.dp_target_epsilon > 0):
+      raise ConfigError(f'--dp_mode={self.dp_mode} needs the noise: exactly one of --dp_noise_multiplier (now '
+                        f'{self.dp_noise_multiplier}) and --dp_target_epsilon (now {self.dp_target_epsilon}) > 0.')
+    if not (math.isfinite(self.dp_target_epsilon) and self.dp_target_epsilon >= 0):
+      raise ConfigError(f'--dp_target_epsilon={self.dp_target_epsilon} must be a number >= 0 (0: use '
+                        f'--dp_noise_multiplier).')
     from fedjax_het.methods import config_flags
     for field, flag in config_flags(self.algorithm).items():
       value = getattr(self.method_config, field)
@@ -131,6 +151,14 @@ class ExperimentConfig:
     with flags_named():
       return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order,
                            max_steps=self.local_steps if self.local_steps != 0 else None, drop_last=self.drop_last)
+
+  def dp_config(self, noise_multiplier: Optional[float] = None):
+    """The DP layer's settings (`privacy.dp.DPConfig`), with `noise_multiplier` (a calibrated sigma) in place of
+    --dp_noise_multiplier when given."""
+    from fedjax_het.privacy.dp import DPConfig
+    with flags_named():
+      return DPConfig(self.dp_mode, self.dp_clip, self.dp_noise_multiplier if noise_multiplier is None
+                      else noise_multiplier, self.dp_clip_parts, self.dp_parts)
 
   def model_config(self):
     """The clients' classifiers of this config (`engine.ModelConfig`)."""
@@ -170,16 +198,17 @@ class ExperimentConfig:
   def from_dict(cls, d: dict) -> 'ExperimentConfig':
     """The config a `to_dict` dict (a run's config.json) describes."""
     from fedjax_het.methods import METHODS
-    general = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d and f.name not in ('methods',
-                                                                                                    'models')}
+    general = {f.name: d[f.name] for f in dataclasses.fields(cls)
+               if f.name in d and f.name not in ('methods', 'models', 'dp_parts')}
     methods = {name: METHODS[name].config(**values) for name, values in d.get('methods', {}).items()
                if name in METHODS}
-    return cls(**general, models=tuple(d.get('models', cls.models)), methods=methods)
+    return cls(**general, models=tuple(d.get('models', cls.models)), methods=methods,
+               dp_parts=tuple(d.get('dp_parts', ())))
 
   def to_dict(self) -> dict:
     """A JSON-ready dict (config.json, summary.json)."""
     d = dataclasses.asdict(self)
-    d['models'] = list(self.models)
+    d['models'], d['dp_parts'] = list(self.models), list(self.dp_parts)
     return d
 
 

@@ -226,6 +226,28 @@ class Phase:
   evaluate: bool = True
 
 
+class UploadPrivacy(NamedTuple):
+  """What of a method's upload carries its client's data, for client-level differential privacy
+  (`fedjax_het.privacy.dp`, which clips and noises it); the default treats every floating part as data, read
+  one upload at a time by the server, which is safe for any method.
+
+  public: top-level parts of the upload that pass unclipped and un-noised: bookkeeping that carries no data, or
+    what the method's docs state to leak (FedProto's per-class counts, which say which classes a client holds).
+  reference(broadcast) -> {part: values}: for parts that are a model the client received and trained, what the
+    contribution is measured from (its model delta is clipped, as in DP-FedAvg); None: the upload itself.
+  holds(upload) -> {part: bool array broadcastable to the part}: the entries a client contributes to (the classes
+    it holds; a server that averages each class over its holders); None: every entry.
+  aggregate: how the server reads the private parts: 'records', each participant's upload on its own (FedRE trains
+    its head on them); 'sum', only through unweighted means over the participants of all groups that hold an
+    entry (FedProto); 'group_sum', the same within each group (grouped FedAvg). Central DP adds its noise once to
+    each such sum; to each record for 'records'.
+  """
+  public: tuple[str, ...] = ()
+  reference: Optional[Callable[[Any], dict]] = None
+  holds: Optional[Callable[[Any], dict]] = None
+  aggregate: str = 'records'
+
+
 def leaf_scalars(tree: Any) -> dict:
   """Scalars per part: the leaf sizes under each top-level key of a dict (one part 'all' otherwise)."""
   count = lambda t: sum(math.prod(jnp.shape(a)) for a in jax.tree.leaves(t))
@@ -259,6 +281,8 @@ class Algorithm:
   shares_representations: whether anything of the representation width d crosses between architecture groups
     (prototypes, a shared head, representations); methods that exchange only whole models within groups, or
     generators, set False and may then run groups of different widths (--rm=none).
+  upload_privacy: which parts of its uploads carry its clients' data and how its server reads them
+    (`UploadPrivacy`), for the DP layer.
   """
   name: str
   init_server: Callable[[jax.Array, FederationSpec, Sequence[ClientState]], ServerState]
@@ -271,6 +295,7 @@ class Algorithm:
   samples: Optional[Callable[[ServerState, FederationSpec, jax.Array, int], jnp.ndarray]] = None
   partial_batches: bool = False
   shares_representations: bool = True
+  upload_privacy: UploadPrivacy = UploadPrivacy()
 
 
 def one_phase(name: str, init_server, client, server_update, evaluation, broadcast=whole_server,

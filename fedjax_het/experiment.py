@@ -7,11 +7,12 @@ finishes the current round, checkpoints it and stops (`fedjax_het.interrupts`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -24,12 +25,16 @@ from fedjax_het.core import Algorithm
 from fedjax_het.data.datasets import load_dataset
 from fedjax_het.data.federated import FederatedData, make_federated_data
 from fedjax_het.engine.federation import Federation
+from fedjax_het.engine.schedule import Schedule
 from fedjax_het.errors import ConfigError
 from fedjax_het.interrupts import Interrupted, StopAtRoundEnd
 from fedjax_het.methods import METHODS, Run, config_flags, method
 from fedjax_het.plots import plot_accuracy, plot_partition, plot_samples
 from fedjax_het.tensorboard import FOLDER as TENSORBOARD_FOLDER, ScalarLog, summary_writer_class
 from fedjax_het.workdir import Workdir
+
+if TYPE_CHECKING:
+  from fedjax_het.privacy.budget import PrivacyBudget
 
 # Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
 # --rounds is among them unless the method's numbers depend on it (`methods.Run.depends_on_rounds`).
@@ -60,7 +65,7 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
   return _build(cfg)[0]
 
 
-def _build(cfg: ExperimentConfig) -> tuple[Federation, Run]:
+def _build(cfg: ExperimentConfig) -> tuple[Federation, Run, Optional['PrivacyBudget']]:
   validate(cfg)
   dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
   dataset = dataset.subsampled(cfg.data_fraction, cfg.seed).resized(cfg.image_size)
@@ -69,27 +74,49 @@ def _build(cfg: ExperimentConfig) -> tuple[Federation, Run]:
                              alpha=cfg.alpha, classes_per_client=cfg.classes_per_client, balance=cfg.balance,
                              imbalance_factor=cfg.imbalance_factor, train_fraction=cfg.train_fraction)
   algorithm, run = _make_algorithm(cfg, data)
+  algorithm, budget = private_algorithm(cfg, algorithm, data.num_clients)
   with flags_named():
     fed = Federation(algorithm, data, cfg.model_config(), cfg.local_training(), cfg.execution_config(),
                      rounds=cfg.rounds, join_ratio=cfg.join_ratio,
                      full_participation_rounds=cfg.full_participation_rounds, seed=cfg.seed)
-  return fed, run
+  return fed, run, budget
+
+
+def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: int
+                      ) -> tuple[Algorithm, Optional['PrivacyBudget']]:
+  """`algorithm` under --dp_mode (`privacy.dp.privatize`) and the privacy its run spends, with sigma calibrated
+  to --dp_target_epsilon over the run's schedule when that is set; (algorithm, None) without DP."""
+  if cfg.dp_mode == 'off':
+    return algorithm, None
+  from fedjax_het.privacy.budget import PrivacyBudget, calibrate  # dp-accounting, only for DP runs
+  from fedjax_het.privacy.dp import privatize
+  schedule = Schedule(algorithm.name, algorithm.phases, num_clients, cfg.rounds, cfg.join_ratio,
+                      cfg.full_participation_rounds, cfg.seed)
+  with flags_named():
+    budget = PrivacyBudget(schedule, cfg.dp_mode, cfg.dp_noise_multiplier, cfg.dp_delta, cfg.dp_accountant)
+    if cfg.dp_target_epsilon > 0:
+      budget = dataclasses.replace(budget, noise_multiplier=calibrate(budget, cfg.dp_target_epsilon))
+      logging.info('--dp_target_epsilon=%g: noise multiplier %.4f over %d rounds.', cfg.dp_target_epsilon,
+                   budget.noise_multiplier, schedule.total_rounds)
+    return privatize(algorithm, cfg.dp_config(budget.noise_multiplier)), budget
 
 
 class TrainingDiverged(ConfigError):
   """The loss became NaN/inf; the message names the learning-rate flags."""
 
 
-def resumable_fields(run: Run) -> tuple[str, ...]:
-  """The config fields a resume may change for this run."""
-  return tuple(f for f in RESUMABLE_FIELDS if not (f == 'rounds' and run.depends_on_rounds))
+def resumable_fields(run: Run, cfg: Optional[ExperimentConfig] = None) -> tuple[str, ...]:
+  """The config fields a resume may change for this run: not --rounds when the method's numbers depend on it, nor
+  when the DP noise is calibrated to the whole run (--dp_target_epsilon)."""
+  fixed_length = run.depends_on_rounds or (cfg is not None and cfg.dp_mode != 'off' and cfg.dp_target_epsilon > 0)
+  return tuple(f for f in RESUMABLE_FIELDS if not (f == 'rounds' and fixed_length))
 
 
 def run_identity(cfg: ExperimentConfig, fed: Federation, run: Run) -> dict:
   """What identifies a run, saved with each checkpoint: every setting its numbers depend on, and a digest of its
   partition (class counts per client), which also catches a dataset file changed under the same name."""
   counts = np.concatenate([fed.data.split.train_class_counts, fed.data.split.test_class_counts]).astype(np.int64)
-  settings = {k: v for k, v in cfg.to_dict().items() if k not in resumable_fields(run)}
+  settings = {k: v for k, v in cfg.to_dict().items() if k not in resumable_fields(run, cfg)}
   return {'settings': json.loads(json.dumps(settings)), 'partition': hashlib.sha256(counts.tobytes()).hexdigest()}
 
 
@@ -200,6 +227,10 @@ def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
       # the last accuracy of each phase, for methods of several (FedVTC: before / after fine-tuning)
       'final_accuracy_by_phase': {r['phase']: r['accuracy'] for r in evals} if len({r['phase'] for r in evals}) > 1
                                  else None,
+      # client-level DP (--dp_mode): the epsilon spent at delta by the rounds done, and the noise that spent it
+      'dp': ({'mode': cfg.dp_mode, 'epsilon': rows[-1]['dp_epsilon'], 'delta': rows[-1]['dp_delta'],
+              'noise_multiplier': rows[-1]['dp_noise_multiplier'], 'clip': cfg.dp_clip,
+              'accountant': cfg.dp_accountant} if rows and 'dp_epsilon' in rows[-1] else None),
       'config': cfg.to_dict(),
   }
 
@@ -226,7 +257,7 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
       _check_config_json(wd, cfg)
     if _stopping(stop):
       raise Interrupted(stop.requested or 'SIGTERM', resume, 0)
-    fed, run = _build(cfg)
+    fed, run, budget = _build(cfg)
     if federation is not None:
       fed = federation(fed)
     if _stopping(stop):
@@ -255,7 +286,7 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     scalars = (ScalarLog(wd.file(TENSORBOARD_FOLDER), resumed_after=int(state.round)) if tensorboard and wd.writes
                else None)
     return _train(cfg, fed, state, rows, wd, checkpoints if cfg.checkpoint_every else None, identity, stop,
-                  progress, scalars)
+                  progress, scalars, budget)
 
 
 def _stopping(stop: StopAtRoundEnd) -> bool:
@@ -289,7 +320,8 @@ def _resumed_rows(wd: Workdir, checkpoints: Checkpoints, saved_round: int) -> li
                     f'be wrong. Fix: put back the metrics.jsonl of this run, or start it again in a new --workdir.')
 
 
-def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, progress, scalars=None) -> dict:
+def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, progress, scalars=None,
+           budget=None) -> dict:
   """The round loop from `state` to the run's last round; outputs are finished (summary.json, plot) however it
   ends."""
   total = fed.total_rounds
@@ -304,6 +336,8 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
   try:
     for r in range(start_round, total):
       state, metrics = fed.round(state)
+      if budget is not None:
+        metrics.update(budget.metrics(r + 1))
       if fed.evaluates_after(r, cfg.eval_every):
         t0 = time.perf_counter()
         metrics.update(fed.evaluate(state))

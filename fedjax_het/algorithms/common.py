@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_het.core import UploadPrivacy
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 from fedjax_het.rows import batch_mean, shuffled_real_rows
@@ -204,3 +205,11 @@ def cosine_similarity(a: jnp.ndarray, b: jnp.ndarray, eps: float = 1e-8) -> jnp.
   """[n, m] cosine similarities of the rows of a [n, d] and b [m, d] (torch's: a.b / max(|a| |b|, eps))."""
   norms = jnp.linalg.norm(a, axis=-1)[:, None] * jnp.linalg.norm(b, axis=-1)[None, :]
   return (a @ b.T) / jnp.maximum(norms, eps)
+
+
+def class_means_privacy(part: str, aggregate: str = 'sum') -> UploadPrivacy:
+  """The DP view of an upload {part: [C, ...] per-class means, 'counts': [C] rows per class}: the means are the
+  client's contribution, and of each class only a holder's (counts > 0) count, when the server averages each class
+  over its holders ('sum'; 'records' for a server that trains on each upload). The counts are public: they leak
+  which classes a client holds, and how many rows of each (docs/privacy.md)."""
+  return UploadPrivacy(public=('counts',), holds=lambda u: {part: (u['counts'] > 0)[:, None]}, aggregate=aggregate)

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import Algorithm, concat_groups, local_head_evaluation, one_phase, sgd_program
-from fedjax_het.algorithms.common import (aggregate_class_means, class_means_from_sums, class_sums, cross_entropy,
-                                          soft_cross_entropy, train_forward)
+from fedjax_het.algorithms.common import (aggregate_class_means, class_means_from_sums, class_means_privacy, class_sums,
+                                          cross_entropy, soft_cross_entropy, train_forward)
 from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError, setting
 
@@ -70,4 +70,5 @@ def fd(cfg: FDConfig, num_classes: int) -> Algorithm:
 
   return one_phase('fd', init_server, client, server_update, local_head_evaluation,
                    upload_scalars=lambda u: {'logits': jnp.sum(u['counts'] > 0) * num_classes},
-                   broadcast_scalars=lambda b: {'logits': b['logits'].size})
+                   broadcast_scalars=lambda b: {'logits': b['logits'].size},
+                   upload_privacy=class_means_privacy('logits'))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from fedjax_het.algorithms.base import (Algorithm, ClientState, GroupSpec, head_evaluation, one_phase, own_head,
                                         sgd_program)
 from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
+from fedjax_het.core import UploadPrivacy
 
 
 def receive_group_model(client: ClientState, broadcast) -> ClientState:
@@ -38,4 +39,6 @@ def fedavg_grouped(num_classes: int) -> Algorithm:
   evaluation = lambda group: head_evaluation(group.model, {'local_head': own_head}, receive=receive_group_model)
   return one_phase('fedavg', init_server, client, server_update, evaluation, broadcast=broadcast,
                    partial_batches=True,
-                   shares_representations=False)
+                   shares_representations=False,
+                   # DP-FedAvg: the model delta from the group's model is clipped; the server averages per group
+                   upload_privacy=UploadPrivacy(reference=lambda b: {'model': b['model']}, aggregate='group_sum'))

@@ -14,8 +14,8 @@ import jax
 
 from fedjax_het.algorithms.base import (Algorithm, concat_groups, global_head_evaluation, initial_head, one_phase,
                                         receive_head, sgd_program)
-from fedjax_het.algorithms.common import (check_server_training, cross_entropy_loss, head_apply, sgd_on_rows,
-                                          soft_cross_entropy)
+from fedjax_het.algorithms.common import (check_server_training, class_means_privacy, cross_entropy_loss, head_apply,
+                                          sgd_on_rows, soft_cross_entropy)
 from fedjax_het.algorithms.fedproto import prototype_rows, prototype_upload, prototypes_sent
 from fedjax_het.core import hyperparameter
 
@@ -53,4 +53,5 @@ def fedgh(cfg: FedGHConfig, num_classes: int, batch_size: int = 32) -> Algorithm
     return {'head_kernel': broadcast['head']['kernel'].size, 'head_bias': broadcast['head']['bias'].size}
 
   return one_phase('fedgh', initial_head, client, server_update, global_head_evaluation,
-                   upload_scalars=prototypes_sent, broadcast_scalars=head_sent)
+                   upload_scalars=prototypes_sent, broadcast_scalars=head_sent,
+                   upload_privacy=class_means_privacy('protos', 'records'))

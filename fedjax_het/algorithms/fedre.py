@@ -17,7 +17,7 @@ from fedjax_het.algorithms.base import (Algorithm, ClientProgram, ClientRows, Cl
 from fedjax_het.algorithms.common import (check_server_training, cross_entropy_loss, head_apply, sgd_on_rows,
                                           soft_cross_entropy)
 from fedjax_het.rows import row_keys, row_uniform
-from fedjax_het.core import hyperparameter
+from fedjax_het.core import UploadPrivacy, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 
 MECHANISMS = ('rsr', 'var', 'rar', 'rsp', 'vap', 'rap')
@@ -148,5 +148,7 @@ def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
     sent = jnp.sum(upload['weight'] > 0)
     return {'representation': sent * upload['rep'].shape[-1], 'label': sent * num_classes}
 
+  # DP: the representation is the client's contribution; its label encoding too with --dp_parts=rep,label; the
+  # server trains its head on each upload ('records'). The row weight only marks a client that has rows.
   return one_phase('fedre', initial_head, client, server_update, global_head_evaluation,
-                   upload_scalars=upload_scalars)
+                   upload_scalars=upload_scalars, upload_privacy=UploadPrivacy(public=('label', 'weight')))

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import Algorithm, concat_groups, local_head_evaluation, one_phase, sgd_program
-from fedjax_het.algorithms.common import cosine_similarity, cross_entropy, train_forward
+from fedjax_het.algorithms.common import class_means_privacy, cosine_similarity, cross_entropy, train_forward
 from fedjax_het.algorithms.fedproto import prototype_upload, prototypes_sent
 from fedjax_het.algorithms.finch import cluster_means, finch
 from fedjax_het.core import hyperparameter
@@ -105,4 +105,5 @@ def fpl(cfg: FPLConfig, num_classes: int, num_clients: int) -> Algorithm:
     return {'cluster_prototypes': jnp.sum(broadcast['valid']) * broadcast['clusters'].shape[-1]}
 
   return one_phase('fpl', init_server, client, server_update, local_head_evaluation,
-                   upload_scalars=prototypes_sent, broadcast_scalars=clusters_sent)
+                   upload_scalars=prototypes_sent, broadcast_scalars=clusters_sent,
+                   upload_privacy=class_means_privacy('protos', 'records'))

@@ -27,6 +27,7 @@ from fedjax_het.engine.executors import Executor
 from fedjax_het.engine.groups import (EvalSet, Group, ModelConfig, build_groups, clients_without_steps, host_copy,
                                       init_group, slot_indices)
 from fedjax_het.engine.plan import plan_stages
+from fedjax_het.engine.schedule import Schedule
 from fedjax_het.engine.sharding import place_replicated, to_host
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
@@ -106,10 +107,10 @@ class Federation:
       self.train_sizes[g.clients] = g.train_sizes
     self.spec = FederationSpec(data.num_classes, feature_dim, self.num_clients, rounds,
                                tuple(g.spec for g in self.groups), training)
-    self.phase_starts = self._phase_starts(rounds)
-    last = algorithm.phases[-1]
-    # A run ends with its phases: at --rounds when the last phase is open, else when the last fixed phase ends.
-    self.total_rounds = rounds if last.rounds is None else self.phase_starts[-1] + last.rounds
+    self.schedule = Schedule(algorithm.name, algorithm.phases, self.num_clients, rounds, join_ratio,
+                             full_participation_rounds, seed)
+    self.phase_starts = self.schedule.phase_starts
+    self.total_rounds = self.schedule.total_rounds
     self.programs = [[phase.client(g.spec) for g in self.groups] for phase in algorithm.phases]
     self.evaluations = [algorithm.evaluation(g.spec) for g in self.groups]
     self.clients_without_steps = clients_without_steps(self.groups, training.batch_size) if training.drop_last else []
@@ -126,18 +127,9 @@ class Federation:
     self._jitted: dict = {}
     self._server_shapes = None
 
-  def _phase_starts(self, rounds: int) -> list[int]:
-    starts, at = [], 0
-    for i, phase in enumerate(self.algorithm.phases):
-      starts.append(at)
-      if phase.rounds is None and i < len(self.algorithm.phases) - 1:
-        raise ConfigError(f'{self.algorithm.name}: phase {phase.name!r} has no length but is followed by others.')
-      at += phase.rounds or 0
-    return starts
-
   def phase_index(self, round_index: int) -> int:
     """The phase that round `round_index` (0-based) belongs to."""
-    return max(i for i, s in enumerate(self.phase_starts) if s <= round_index)
+    return self.schedule.phase_index(round_index)
 
   def phase_ends(self, round_index: int) -> bool:
     """Whether round `round_index` (0-based) is the last of its phase (or of the run)."""
@@ -186,20 +178,12 @@ class Federation:
 
   # ---------------------------------------------------------------- sampling
   def num_join(self, round_index: int = 0) -> int:
-    """Participants per round in the phase of `round_index`: every client in the run's last
-    `full_participation_rounds` rounds (FedVTC's baselines train their 5 extra rounds so)."""
-    if round_index >= self.total_rounds - self.full_participation_rounds:
-      return self.num_clients
-    ratio = self.phase(round_index).join_ratio or self.join_ratio
-    return max(1, int(self.num_clients * ratio + 1e-9))
+    """Participants per round in the phase of `round_index` (`Schedule.num_join`)."""
+    return self.schedule.num_join(round_index)
 
   def participants(self, round_index: int) -> np.ndarray:
-    """Ascending ids of the clients that train in `round_index` (num_join of them, drawn without replacement)."""
-    num_join = self.num_join(round_index)
-    if num_join == self.num_clients:
-      return np.arange(self.num_clients)
-    rng = np.random.default_rng([self.seed, round_index, 0x5A])
-    return np.sort(rng.choice(self.num_clients, num_join, replace=False))
+    """Ascending ids of the clients that train in `round_index` (`Schedule.participants`)."""
+    return self.schedule.participants(round_index)
 
   def slots(self, round_index: int) -> list[int]:
     """Participant slots per group in the phase of `round_index`: fixed within a phase (no recompiles), a

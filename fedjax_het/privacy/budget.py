@@ -1,0 +1,166 @@
+"""The (epsilon, delta) a DP run spends, with Google's dp-accounting, and the noise that meets a target epsilon.
+
+Each round that uploads releases every participant's clipped contribution through the Gaussian mechanism
+(`privacy.dp`). The engine draws a fixed number n of the N clients per round, so two neighbouring federations
+differ in one client replaced by another: the contribution's L2 sensitivity is 2C against noise sigma * C, a
+Gaussian of noise multiplier sigma / 2 in dp-accounting's terms.
+
+- central: an observer of what the server releases does not know who was drawn, so each round is the Gaussian
+  subsampled without replacement (n of N; Wang, Balle & Kasiviswanathan 2019), composed over the rounds with the
+  RDP accountant (dp-accounting accounts sampling without replacement only with RDP). A round in which every client
+  joins is the plain Gaussian.
+- local: the server sees who sent what, so nothing is gained from sampling: a client's uploads compose over the
+  rounds it joins (the most of any client, known from the seeded draw), T Gaussians of multiplier s being one of
+  multiplier s / sqrt(T). RDP or PLD.
+
+Epsilon is a function of the round count, which a checkpoint holds, so a resumed run reports what an uninterrupted
+one does. Every round of a run counts, including one whose phase uploads nothing private (an upper bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import dp_accounting
+import numpy as np
+from dp_accounting import pld, rdp
+
+from fedjax_het.engine.schedule import Schedule
+from fedjax_het.errors import ConfigError
+
+ACCOUNTANTS = ('rdp', 'pld')
+_REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
+
+
+def round_event(num_clients: int, num_join: int, noise_multiplier: float) -> dp_accounting.DpEvent:
+  """One central round: the Gaussian of multiplier sigma / 2 (replace-one sensitivity 2C) on a sample of `num_join`
+  of `num_clients` clients drawn without replacement (the plain Gaussian when every client joins)."""
+  gaussian = dp_accounting.GaussianDpEvent(noise_multiplier / 2)
+  if num_join >= num_clients:
+    return gaussian
+  return dp_accounting.SampledWithoutReplacementDpEvent(num_clients, num_join, gaussian)
+
+
+def local_event(participations: int, noise_multiplier: float) -> dp_accounting.DpEvent:
+  """`participations` releases of a client's contribution without sampling (local mode; central rounds that every
+  client joins): Gaussians of multiplier sigma / 2, composed exactly as one of multiplier
+  sigma / (2 sqrt(participations))."""
+  if participations == 0:
+    return dp_accounting.NoOpDpEvent()
+  return dp_accounting.GaussianDpEvent(noise_multiplier / (2 * math.sqrt(participations)))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyBudget:
+  """The privacy a run of `schedule` spends: mode 'central' or 'local', sigma, delta and the accountant."""
+  schedule: Schedule
+  mode: str
+  noise_multiplier: float
+  delta: float
+  accountant: str = 'rdp'
+
+  def __post_init__(self):
+    if self.accountant not in ACCOUNTANTS:
+      raise ConfigError(f'PrivacyBudget.accountant={self.accountant!r} must be one of {", ".join(ACCOUNTANTS)}.')
+    if not 0 < self.delta < 1:
+      raise ConfigError(f'PrivacyBudget.delta={self.delta} must be in (0, 1); a common choice is below 1 / clients '
+                        f'({1 / self.schedule.num_clients:.3g} here).')
+    if self.mode == 'central' and self.accountant == 'pld' and any(
+        self.schedule.num_join(r) < self.schedule.num_clients for r in range(self.schedule.total_rounds)):
+      raise ConfigError('PrivacyBudget.accountant=\'pld\': dp-accounting\'s PLD accountant bounds Poisson sampling '
+                        'only, and this run draws a fixed number of clients per round (--join_ratio < 1), which '
+                        'its RDP accountant bounds. Fix: PrivacyBudget.accountant=\'rdp\', or full participation '
+                        '(--join_ratio=1).')
+
+  def event(self, rounds: int) -> dp_accounting.DpEvent:
+    """What the first `rounds` rounds release about one client (dp-accounting's event); the rounds in which every
+    client joins compose exactly into one Gaussian."""
+    if self.mode == 'local':
+      return local_event(self.participations(rounds), self.noise_multiplier)
+    everyone = sum(k for n, k in self.draws(rounds) if n >= self.schedule.num_clients)
+    events = [dp_accounting.SelfComposedDpEvent(round_event(self.schedule.num_clients, n, self.noise_multiplier), k)
+              for n, k in self.draws(rounds) if n < self.schedule.num_clients]
+    if everyone:
+      events.append(local_event(everyone, self.noise_multiplier))
+    return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
+
+  def draws(self, rounds: int) -> list[tuple[int, int]]:
+    """(clients drawn, rounds) of each stretch of the first `rounds` rounds with one sample size."""
+    runs: list[list[int]] = []
+    for r in range(rounds):
+      n = self.schedule.num_join(r)
+      if runs and runs[-1][0] == n:
+        runs[-1][1] += 1
+      else:
+        runs.append([n, 1])
+    return [(n, k) for n, k in runs]
+
+  def participations(self, rounds: int) -> int:
+    """The most rounds any one client joins among the first `rounds` (the seeded draw of `Schedule`)."""
+    counts = np.zeros(self.schedule.num_clients, int)
+    for r in range(rounds):
+      counts[self.schedule.participants(r)] += 1
+    return int(counts.max()) if rounds else 0
+
+  def epsilon(self, rounds: int) -> float:
+    """Epsilon at `delta` after the first `rounds` rounds."""
+    if rounds == 0:
+      return 0.0
+    if self.mode == 'central' and self.accountant == 'rdp':  # fast: one RDP curve per sample size, summed
+      curve = sum(k * _round_rdp(self.schedule.num_clients, n, self.noise_multiplier) for n, k in self.draws(rounds))
+      return float(rdp.rdp_privacy_accountant.compute_epsilon(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS,
+                                                              curve, self.delta)[0])
+    event = self.event(rounds)
+    if isinstance(event, dp_accounting.NoOpDpEvent):
+      return 0.0
+    if self.accountant == 'pld' and isinstance(event, dp_accounting.GaussianDpEvent):
+      return gaussian_epsilon(event.noise_multiplier, self.delta)
+    acc = make_accountant(self.accountant, self.mode == 'central')
+    acc.compose(event)
+    return float(acc.get_epsilon(self.delta))
+
+  def metrics(self, rounds: int) -> dict:
+    """A round's row entries: dp_epsilon, spent at dp_delta after `rounds` rounds, and the noise multiplier."""
+    return {'dp_epsilon': self.epsilon(rounds), 'dp_delta': self.delta, 'dp_noise_multiplier': self.noise_multiplier}
+
+
+def make_accountant(accountant: str, replace_one: bool) -> dp_accounting.PrivacyAccountant:
+  """A fresh dp-accounting accountant ('rdp' or 'pld'); replace-one neighbours where sampling without replacement
+  needs them (RDP)."""
+  if accountant == 'pld':
+    return pld.PLDAccountant()
+  return rdp.RdpAccountant(neighboring_relation=_REPLACE_ONE) if replace_one else rdp.RdpAccountant()
+
+
+@functools.lru_cache(maxsize=4096)
+def gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
+  """The exact epsilon of one Gaussian mechanism at `delta` (dp-accounting's analytic formula, which its PLD
+  accountant approximates on a grid: the PLD figure for a run that composes only Gaussians)."""
+  return float(dp_accounting.get_epsilon_gaussian(noise_multiplier, delta))
+
+
+@functools.lru_cache(maxsize=64)
+def _round_rdp(num_clients: int, num_join: int, noise_multiplier: float) -> np.ndarray:
+  """The RDP curve (at dp-accounting's default orders) of one central round; RDP composes by adding curves."""
+  acc = make_accountant('rdp', replace_one=True)
+  acc.compose(round_event(num_clients, num_join, noise_multiplier))
+  return np.asarray(acc._rdp)  # dp-accounting keeps the curve it composes; tests check the sum against it
+
+
+def calibrate(budget: PrivacyBudget, target_epsilon: float) -> float:
+  """The noise multiplier sigma for which `budget`'s whole run spends `target_epsilon` at its delta: dp-accounting's
+  `calibrate_dp_mechanism` (a bisection) over its RDP accountant, or, for a run that composes only Gaussians under
+  the PLD accountant, its exact `get_sigma_gaussian` for the one Gaussian they compose into."""
+  if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+    raise ConfigError(f'--dp_target_epsilon={target_epsilon} must be a positive number.')
+  rounds = budget.schedule.total_rounds
+  unit = dataclasses.replace(budget, noise_multiplier=1.0).event(rounds)  # the run at sigma = 1
+  if isinstance(unit, dp_accounting.NoOpDpEvent):
+    raise ConfigError('--dp_target_epsilon: no client uploads in this run, so no noise is needed.')
+  if budget.accountant == 'pld' and isinstance(unit, dp_accounting.GaussianDpEvent):
+    return float(dp_accounting.get_sigma_gaussian(target_epsilon, budget.delta) / unit.noise_multiplier)
+  make_event = lambda sigma: dataclasses.replace(budget, noise_multiplier=float(sigma)).event(rounds)
+  return float(dp_accounting.calibrate_dp_mechanism(
+      lambda: make_accountant('rdp', budget.mode == 'central'), make_event, target_epsilon, budget.delta,
+      dp_accounting.LowerEndpointAndGuess(1e-2, 1.0), tol=1e-4))

@@ -1,0 +1,209 @@
+"""Client-level differential privacy for whatever a method uploads: `privatize(algorithm, DPConfig(...))` returns
+the `Algorithm` whose clients clip their contribution and whose uploads carry Gaussian noise, in optax's style (a
+transformation of the method, not an option inside it).
+
+A client's contribution is the private parts of its upload (`core.UploadPrivacy`: every floating part but the
+method's public ones, or those --dp_parts names), measured from the broadcast where the method says the part is a
+model it received (the model delta, as DP-FedAvg clips it). It is clipped to L2 norm C, as one vector (the client's
+set of class prototypes, its entangled representation, its logit table, its model delta) or, with
+`clip_parts='each'`, each part to C / sqrt(P) so that the whole stays within C. Noise N(0, sigma^2 C^2):
+
+- local: each client noises its own upload before it leaves; nobody, the server included, sees it unnoised.
+- central: a trusted server noises before its step: once per sum for a method whose server reads the private parts
+  only through means over the participants (DP-FedAvg; `UploadPrivacy.aggregate` 'sum' / 'group_sum'; the sum's
+  noise is drawn as shares of the holders of each entry, so every sum carries exactly N(0, sigma^2 C^2)), and to
+  each upload for a method whose server reads each upload on its own ('records', e.g. FedRE's head training).
+
+Under DP every server step weighs participants equally (the sample counts used as weights would leak), and the
+sampling is the engine's, a fixed number of clients per round, so neighbouring federations replace one client (the
+sensitivity of a clipped contribution is 2C; `privacy.budget` accounts it so). What is not protected: parts a
+method declares public (FedProto's and FD's per-class counts: which classes a client holds), the participant set
+(the server draws it), and the evaluation (a simulation's measurement, not part of the protocol).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_het.core import Algorithm, Phase, UploadPrivacy, Uploads
+from fedjax_het.errors import ConfigError
+
+MODES = ('off', 'central', 'local')
+AGGREGATES = ('records', 'sum', 'group_sum')
+_DP_STREAM = 0x44502D  # folded into a client's or the server's key: noise draws that change no other draw
+
+
+@dataclasses.dataclass(frozen=True)
+class DPConfig:
+  """mode: 'off', 'central' or 'local'; clip: the L2 bound C of a client's contribution; noise_multiplier: sigma
+  (the noise's standard deviation is sigma * C); clip_parts: 'whole' (the contribution as one vector) or 'each'
+  (each part to C / sqrt(parts)); parts: the upload parts that are private (empty: every floating part but the
+  method's public ones)."""
+  mode: str = 'off'
+  clip: float = 1.0
+  noise_multiplier: float = 0.0
+  clip_parts: str = 'whole'
+  parts: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ConfigError(f'DPConfig.mode={self.mode!r} must be one of {", ".join(MODES)}.')
+    if not (math.isfinite(self.clip) and self.clip > 0):
+      raise ConfigError(f'DPConfig.clip={self.clip} must be a positive number (the L2 bound of a contribution).')
+    if not (math.isfinite(self.noise_multiplier) and self.noise_multiplier >= 0):
+      raise ConfigError(f'DPConfig.noise_multiplier={self.noise_multiplier} must be a number >= 0.')
+    if self.clip_parts not in ('whole', 'each'):
+      raise ConfigError(f'DPConfig.clip_parts={self.clip_parts!r} must be \'whole\' or \'each\'.')
+    object.__setattr__(self, 'parts', tuple(self.parts))
+
+  @property
+  def noise_std(self) -> float:
+    """The standard deviation of the noise on each coordinate of a sum (central) or an upload (local)."""
+    return self.noise_multiplier * self.clip
+
+
+def private_parts(upload: Any, declared: UploadPrivacy, dp: DPConfig, where: str) -> tuple:
+  """The top-level parts of `upload` that are a client's contribution (every part of an upload that is not a dict:
+  ('all',)); a ConfigError when `dp.parts` names none of the parts an upload has that carry data."""
+  if not isinstance(upload, dict):
+    return ('all',) if jax.tree.leaves(upload) else ()
+  floating = [k for k, v in upload.items()
+              if any(jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) for a in jax.tree.leaves(v))]
+  if not dp.parts:
+    return tuple(k for k in floating if k not in declared.public)
+  chosen = tuple(k for k in dp.parts if k in upload)
+  if not chosen and any(k not in declared.public for k in floating):
+    raise ConfigError(f'DPConfig.parts={list(dp.parts)} names no part of the upload of {where} (its parts: '
+                      f'{", ".join(upload)}; public: {", ".join(declared.public) or "none"}). Fix: '
+                      f'DPConfig.parts from those, or empty for every part but the public ones.')
+  return chosen
+
+
+def _as_parts(upload: Any) -> dict:
+  return upload if isinstance(upload, dict) else {'all': upload}
+
+
+def _from_parts(upload: Any, parts: dict) -> Any:
+  return {**upload, **parts} if isinstance(upload, dict) else parts['all']
+
+
+def clip_contribution(contribution: dict, dp: DPConfig) -> dict:
+  """The contribution scaled to L2 norm at most C: as one vector, or each part to C / sqrt(number of parts)."""
+  if dp.clip_parts == 'whole':
+    return optax.clip_by_global_norm(dp.clip).update(contribution, optax.EmptyState())[0]
+  bound = dp.clip / math.sqrt(len(contribution))
+  return {k: optax.clip_by_global_norm(bound).update(v, optax.EmptyState())[0] for k, v in contribution.items()}
+
+
+def gaussian_noise(tree: Any, key: jax.Array, std: Any) -> Any:
+  """Independent N(0, std^2) draws shaped like `tree` (std broadcastable to each leaf)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(key, max(len(leaves), 1))
+  return treedef.unflatten([std * jax.random.normal(k, jnp.shape(a), jnp.result_type(a))
+                            for a, k in zip(leaves, keys)])
+
+
+def _tree_add(a: Any, b: Any) -> Any:
+  return jax.tree.map(jnp.add, a, b)
+
+
+def privatize_upload(upload: Any, broadcast: Any, declared: UploadPrivacy, dp: DPConfig, key: jax.Array,
+                     where: str) -> Any:
+  """One client's upload as it leaves the client: its private parts' contribution (from the declared reference)
+  clipped, and noised in local mode."""
+  names = private_parts(upload, declared, dp, where)
+  if not names:
+    return upload
+  parts = _as_parts(upload)
+  reference = declared.reference(broadcast) if declared.reference is not None else {}
+  delta = {k: (jax.tree.map(jnp.subtract, parts[k], reference[k]) if k in reference else parts[k]) for k in names}
+  delta = clip_contribution(delta, dp)
+  if dp.mode == 'local':
+    delta = _tree_add(delta, gaussian_noise(delta, key, dp.noise_std))
+  sent = {k: (_tree_add(delta[k], reference[k]) if k in reference else delta[k]) for k in names}
+  return _from_parts(upload, sent)
+
+
+def central_noise(uploads: tuple, declared: UploadPrivacy, dp: DPConfig, key: jax.Array, where: str) -> tuple:
+  """The groups' `Uploads` with the trusted server's noise: N(0, sigma^2 C^2) on each participant's private parts
+  ('records'), or, for a server that reads them only through sums over the holders of each entry (across groups for
+  'sum', within each for 'group_sum'), shares N(0, sigma^2 C^2 / h) on each of the h holders, so that each sum
+  carries N(0, sigma^2 C^2) once."""
+  if declared.aggregate not in AGGREGATES:
+    raise ConfigError(f'UploadPrivacy.aggregate={declared.aggregate!r} ({where}) must be one of '
+                      f'{", ".join(AGGREGATES)}.')
+  one = jax.tree.map(lambda a: a[0], uploads[0].values)
+  names = private_parts(one, declared, dp, where)
+  if not names:
+    return uploads
+
+  def holders(u: Uploads) -> dict:
+    """[S, ...] per private part: 1 where a participant holds the entry."""
+    parts = _as_parts(u.values)
+    held = jax.vmap(declared.holds)(u.values) if declared.holds is not None else {}
+    out = {}
+    for k in names:
+      def per_leaf(a, k=k):
+        h = held.get(k, True)
+        mask = u.mask.reshape((-1,) + (1,) * (a.ndim - 1))
+        return jnp.broadcast_to(jnp.asarray(h) & mask, a.shape).astype(a.dtype)
+      out[k] = jax.tree.map(per_leaf, parts[k])
+    return out
+
+  held = [holders(u) for u in uploads]
+  if declared.aggregate == 'records':
+    counts = [jax.tree.map(lambda h: jnp.ones_like(h[:1]), h) for h in held]
+  elif declared.aggregate == 'group_sum':
+    counts = [jax.tree.map(lambda h: jnp.sum(h, 0, keepdims=True), h) for h in held]
+  else:  # 'sum': the holders of each entry across every group (the groups' uploads have one shape per part)
+    total = jax.tree.map(lambda *hs: sum(jnp.sum(h, 0, keepdims=True) for h in hs), *held)
+    counts = [total] * len(held)
+  out = []
+  for gi, (u, h, c) in enumerate(zip(uploads, held, counts)):
+    parts = _as_parts(u.values)
+    private = {k: parts[k] for k in names}
+    noise = gaussian_noise(private, jax.random.fold_in(key, gi), dp.noise_std)
+    shares = jax.tree.map(lambda z, hk, ck: z * hk / jnp.sqrt(jnp.maximum(ck, 1.0)), noise, h, c)
+    out.append(u._replace(values=_from_parts(u.values, _tree_add(private, shares))))
+  return tuple(out)
+
+
+def _private_phase(phase: Phase, algorithm: Algorithm, dp: DPConfig) -> Phase:
+  declared = algorithm.upload_privacy
+  where = f'{algorithm.name}, phase {phase.name!r}'
+
+  def client(group):
+    program = phase.client(group)
+
+    def final(carry, rows, broadcast, key):
+      client_state, upload = program.final(carry, rows, broadcast, key)
+      return client_state, privatize_upload(upload, broadcast, declared, dp, jax.random.fold_in(key, _DP_STREAM),
+                                            where)
+    return program._replace(final=final)
+
+  def server_update(server, uploads, key):
+    uploads = tuple(u._replace(num_train=u.mask.astype(jnp.float32)) for u in uploads)  # equal weights
+    if dp.mode == 'central':
+      uploads = central_noise(uploads, declared, dp, jax.random.fold_in(key, _DP_STREAM), where)
+    return phase.server_update(server, uploads, key)
+
+  return dataclasses.replace(phase, client=client, server_update=server_update)
+
+
+def privatize(algorithm: Algorithm, dp: Optional[DPConfig]) -> Algorithm:
+  """`algorithm` with client-level DP on every phase's uploads (the module docstring); unchanged when `dp` is None
+  or its mode 'off'."""
+  if dp is None or dp.mode == 'off':
+    return algorithm
+  if dp.noise_multiplier <= 0:
+    raise ConfigError(f'DPConfig.noise_multiplier={dp.noise_multiplier}: with mode {dp.mode!r} the noise must be '
+                      f'positive, or epsilon is infinite. Fix: a positive DPConfig.noise_multiplier, or a target '
+                      f'epsilon to calibrate it (--dp_target_epsilon).')
+  phases = tuple(_private_phase(phase, algorithm, dp) for phase in algorithm.phases)
+  return dataclasses.replace(algorithm, name=algorithm.name, phases=phases)

@@ -1,0 +1,222 @@
+"""Client-level differential privacy of the uploads (fedjax_het.privacy.dp, fedjax_het.privacy.budget): clipping,
+noise, accounting against dp-accounting's own figures, calibration, and DP runs (vmap == sequential, resume)."""
+
+import dataclasses
+import math
+
+import dp_accounting
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from dp_accounting import pld, rdp
+
+from fedjax_het.algorithms.common import class_means_privacy
+from fedjax_het.config import ExperimentConfig
+from fedjax_het.core import Algorithm, ClientProgram, Phase, UploadPrivacy, Uploads, single_stage
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
+from fedjax_het.engine.schedule import Schedule
+from fedjax_het.errors import ConfigError
+from fedjax_het.experiment import make_algorithm, private_algorithm, resumable_fields, train_and_evaluate
+from fedjax_het.methods import Run
+from fedjax_het.privacy.budget import PrivacyBudget, calibrate
+from fedjax_het.privacy.dp import DPConfig, central_noise, privatize, privatize_upload
+
+from golden import TINY, tiny_data
+from runs import CFG, metric_rows
+
+KEY = jax.random.PRNGKey(0)
+
+
+def schedule(num_clients=20, rounds=50, join_ratio=0.25):
+  return Schedule('test', (Phase('p', None, None),), num_clients, rounds, join_ratio)
+
+
+# ---------------------------------------------------------------- clipping and noise
+def test_a_contribution_is_clipped_to_c_as_one_vector_or_per_part():
+  dp = DPConfig('central', clip=1.0, noise_multiplier=1.0)
+  counts = jnp.array([5., 2.])
+  out = privatize_upload({'protos': jnp.array([[3., 0.], [0., 4.]]), 'counts': counts}, None,
+                         UploadPrivacy(public=('counts',)), dp, KEY, 'test')
+  np.testing.assert_allclose(out['protos'], [[0.6, 0.], [0., 0.8]], rtol=1e-6)  # norm 5 -> 1
+  np.testing.assert_array_equal(out['counts'], counts)  # public: as it was
+  small = privatize_upload({'rep': jnp.array([0.3, 0.4])}, None, UploadPrivacy(), dp, KEY, 'test')
+  np.testing.assert_allclose(small['rep'], [0.3, 0.4], rtol=1e-6)  # within C: unchanged
+  # each part to C / sqrt(2) = 1: (3, 4) -> (0.6, 0.8); (0.1, 0) is within its bound
+  each = privatize_upload({'a': jnp.array([3., 4.]), 'b': jnp.array([0.1, 0.])}, None, UploadPrivacy(),
+                          dataclasses.replace(dp, clip=math.sqrt(2), clip_parts='each'), KEY, 'test')
+  np.testing.assert_allclose(each['a'], [0.6, 0.8], rtol=1e-6)
+  np.testing.assert_allclose(each['b'], [0.1, 0.], rtol=1e-6)
+  # a model part: its delta from the broadcast (1, 1) is clipped: (4, 5) - (1, 1) = (3, 4) -> (0.6, 0.8)
+  model = privatize_upload({'model': {'w': jnp.array([4., 5.])}}, {'model': {'w': jnp.ones(2)}},
+                           UploadPrivacy(reference=lambda b: {'model': b['model']}), dp, KEY, 'test')
+  np.testing.assert_allclose(model['model']['w'], [1.6, 1.8], rtol=1e-6)
+  for scale in (1e-3, 0.7, 1.0, 30.0, 1e4):  # never above C, whatever the size
+    tree = {'x': scale * jax.random.normal(jax.random.PRNGKey(int(scale * 10)), (7, 3)), 'y': jnp.full(4, scale)}
+    out = privatize_upload(tree, None, UploadPrivacy(), dp, KEY, 'test')
+    assert float(optax_norm(out)) <= 1.0 + 1e-6
+
+
+def optax_norm(tree):
+  return jnp.sqrt(sum(jnp.sum(a ** 2) for a in jax.tree.leaves(tree)))
+
+
+def test_local_noise_has_standard_deviation_sigma_c():
+  """sigma = 2, C = 0.5: N(0, 1) on each of 40,000 entries; the sample std of 40,000 draws is within 0.01 of the
+  true one with probability > 0.99 (its own std is 1 / sqrt(80,000) = 0.0035); the seed is fixed."""
+  out = privatize_upload({'rep': jnp.zeros((1, 40_000))}, None, UploadPrivacy(),
+                         DPConfig('local', clip=0.5, noise_multiplier=2.0), KEY, 'test')
+  assert abs(float(jnp.std(out['rep'])) - 1.0) < 0.01 and abs(float(jnp.mean(out['rep']))) < 0.02
+  # central mode leaves the client's upload un-noised (the server adds its noise)
+  quiet = privatize_upload({'rep': jnp.zeros((1, 100))}, None, UploadPrivacy(),
+                           DPConfig('central', clip=0.5, noise_multiplier=2.0), KEY, 'test')
+  assert float(jnp.abs(quiet['rep']).max()) == 0.0
+
+
+def group_uploads(slots_real, held, d=20_000):
+  """Zero prototypes of 2 classes for groups of slots; held[g][s] = the classes slot s holds."""
+  out = []
+  for real, classes in zip(slots_real, held):
+    counts = jnp.asarray([[float(c in cs) for c in range(2)] for cs in classes])
+    out.append(Uploads({'protos': jnp.zeros((len(real), 2, d)), 'counts': counts}, jnp.asarray(real),
+                       jnp.ones(len(real))))
+  return tuple(out)
+
+
+def test_central_noise_is_added_once_to_each_sum_in_shares_of_its_holders():
+  """sigma = 2, C = 0.5 (std 1). Class 0 is held by three participants in two groups, class 1 by one: the noise
+  on class 0's sum over its holders has std 1, each holder's share 1 / sqrt(3); class 1's one holder carries all
+  of it; a non-holder and an empty slot carry none."""
+  dp = DPConfig('central', clip=0.5, noise_multiplier=2.0)
+  uploads = group_uploads([[True, True, False], [True]], [[{0, 1}, {0}, {0, 1}], [{0}]])
+  out = central_noise(uploads, class_means_privacy('protos'), dp, KEY, 'test')
+  a, b = out[0].values['protos'], out[1].values['protos']
+  total = a[0, 0] + a[1, 0] + b[0, 0]
+  assert abs(float(jnp.std(total)) - 1.0) < 0.02
+  for share in (a[0, 0], a[1, 0], b[0, 0]):
+    assert abs(float(jnp.std(share)) - 1 / math.sqrt(3)) < 0.015
+  assert abs(float(jnp.std(a[0, 1])) - 1.0) < 0.02  # the one holder of class 1
+  assert float(jnp.abs(a[1, 1]).max()) == 0.0 and float(jnp.abs(a[2]).max()) == 0.0 and float(
+      jnp.abs(b[0, 1]).max()) == 0.0
+  np.testing.assert_array_equal(out[0].values['counts'], uploads[0].values['counts'])
+  # within each group ('group_sum'): group 0's two participants share its sum's noise, group 1's one has it all
+  own = central_noise(uploads, UploadPrivacy(public=('counts',), aggregate='group_sum'), dp, KEY, 'test')
+  assert abs(float(jnp.std(own[0].values['protos'][0])) - 1 / math.sqrt(2)) < 0.015
+  assert abs(float(jnp.std(own[1].values['protos'][0])) - 1.0) < 0.02
+  # records: every participant's upload carries std 1
+  each = central_noise(uploads, UploadPrivacy(public=('counts',)), dp, KEY, 'test')
+  assert abs(float(jnp.std(each[0].values['protos'][1])) - 1.0) < 0.02
+
+
+def test_the_private_method_clips_in_its_clients_and_its_server_sees_equal_weights_and_the_noise():
+  """A method whose client uploads (3, 4) as its model delta from (1, 1) and whose server step returns what it
+  receives: under central DP the client sends (1.6, 1.8); the server step gets weight 1 per participant (not the
+  sample counts) and the group's sum noised."""
+  def final(carry, rows, broadcast, key):
+    return carry, {'model': jnp.array([4., 5.]) + 0 * broadcast['model']}
+  program = ClientProgram(lambda c, b, k: c, single_stage(lambda c, b, bc, k: (c, 0.0), LocalTraining(0.1, 1, 1)),
+                          final, LocalTraining(0.1, 1, 1))
+  method = Algorithm('echo', None, (Phase('p', lambda g: program, lambda s, u, k: (u, {})),), None,
+                     upload_privacy=UploadPrivacy(reference=lambda b: {'model': b['model']}, aggregate='group_sum'))
+  private = privatize(method, DPConfig('central', clip=1.0, noise_multiplier=3.0))
+  _, sent = private.phases[0].client(None).final(None, None, {'model': jnp.ones(2)}, KEY)
+  np.testing.assert_allclose(sent['model'], [1.6, 1.8], rtol=1e-6)
+  values = {'model': jnp.zeros((3, 10_000))}
+  got, _ = private.phases[0].server_update({}, (Uploads(values, jnp.array([True, True, False]),
+                                                        jnp.array([30., 10., 0.])),), KEY)
+  np.testing.assert_array_equal(got[0].num_train, [1., 1., 0.])
+  noise = got[0].values['model']
+  assert abs(float(jnp.std(noise[0] + noise[1])) - 3.0) < 0.1 and float(jnp.abs(noise[2]).max()) == 0.0
+
+
+# ---------------------------------------------------------------- accounting
+def test_epsilon_is_dp_accountings_figure_for_a_hand_chosen_run():
+  """N = 20 clients, 5 drawn per round without replacement, sigma = 2 (multiplier 1 against the replace-one
+  sensitivity 2C), T = 50 rounds, delta = 1e-5."""
+  budget = PrivacyBudget(schedule(), 'central', 2.0, 1e-5)
+  acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+  acc.compose(dp_accounting.SelfComposedDpEvent(
+      dp_accounting.SampledWithoutReplacementDpEvent(20, 5, dp_accounting.GaussianDpEvent(1.0)), 50))
+  assert budget.epsilon(50) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+  assert 0 == budget.epsilon(0) < budget.epsilon(1) < budget.epsilon(10) < budget.epsilon(50)
+  # local mode: the server sees who sent what; the client that joined most often (counted here from the draws)
+  # composes that many Gaussians of multiplier 1, which PLD accounts
+  counts = np.zeros(20, int)
+  for r in range(50):
+    counts[schedule().participants(r)] += 1
+  local = PrivacyBudget(schedule(), 'local', 2.0, 1e-5, 'pld')
+  acc = pld.PLDAccountant()
+  acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.0), int(counts.max())))
+  assert local.epsilon(50) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
+  assert local.epsilon(50) > budget.epsilon(50)  # no amplification by sampling
+
+
+def test_calibration_reaches_the_target_epsilon():
+  for budget in (PrivacyBudget(schedule(rounds=20), 'central', 1.0, 1e-5),
+                 PrivacyBudget(schedule(rounds=20, join_ratio=0.5), 'local', 1.0, 1e-5, 'pld'),
+                 PrivacyBudget(schedule(rounds=20, join_ratio=1.0), 'central', 1.0, 1e-5, 'rdp')):
+    sigma = calibrate(budget, 3.0)
+    assert dataclasses.replace(budget, noise_multiplier=sigma).epsilon(20) == pytest.approx(3.0, rel=1e-3)
+    assert dataclasses.replace(budget, noise_multiplier=0.99 * sigma).epsilon(20) > 3.0
+
+
+def test_settings_the_accountant_cannot_bound_or_lacking_noise_are_refused_naming_the_flag():
+  with pytest.raises(ConfigError, match='exactly one of --dp_noise_multiplier'):
+    dataclasses.replace(CFG, dp_mode='central')
+  with pytest.raises(ConfigError, match='--dp_clip=-1'):
+    dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1.0, dp_clip=-1.0)
+  cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1.0, dp_accountant='pld')
+  with pytest.raises(ConfigError, match="--dp_accountant='pld'.*Poisson.*--join_ratio=1"):
+    private_algorithm(cfg, make_algorithm(cfg, tiny_data()), 4)
+  with pytest.raises(ConfigError, match='DPConfig.parts=.*names no part.*rep, label, weight'):
+    privatize_upload({'rep': jnp.ones(2), 'label': jnp.ones(2), 'weight': jnp.ones(1)}, None,
+                     UploadPrivacy(public=('label', 'weight')), DPConfig('local', 1.0, 1.0, parts=('reps',)), KEY,
+                     'fedre')
+
+
+# ---------------------------------------------------------------- runs
+def test_dp_off_is_the_method_itself():
+  """Off (the default), the method is returned as it is: every number is the golden run's."""
+  algorithm = make_algorithm(CFG, tiny_data())
+  assert privatize(algorithm, DPConfig()) is algorithm
+  assert private_algorithm(CFG, algorithm, 4) == (algorithm, None)
+
+
+@pytest.mark.parametrize('name,mode', [('fedproto', 'central'), ('fedre', 'local')])
+def test_vmap_equals_sequential_with_dp(name, mode):
+  data = tiny_data()
+  cfg = ExperimentConfig(algorithm=name, **TINY)
+  runs = []
+  for strategy in ('sequential', 'vmap'):
+    algorithm = privatize(make_algorithm(cfg, data), DPConfig(mode, clip=0.5, noise_multiplier=0.8))
+    fed = Federation(algorithm, data, ModelConfig(('small_cnn_narrow', 'mlp'), 16), LocalTraining(0.05, 8, 1),
+                     ExecutionConfig(strategy=strategy, conv='xla'), join_ratio=0.5, rounds=2)
+    state, rows = fed.init(), []
+    for _ in range(2):
+      state, m = fed.round(state)
+      rows.append(m)
+    runs.append((state.server, rows))
+  (a, rows_a), (b, rows_b) = runs
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
+  for ra, rb in zip(rows_a, rows_b):
+    assert ra['train_loss'] == pytest.approx(rb['train_loss'], rel=2e-4)
+
+
+def test_a_dp_run_resumes_to_the_uninterrupted_numbers_and_epsilon(tmp_path):
+  cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1.0, dp_clip=0.5)
+  full, part = str(tmp_path / 'full'), str(tmp_path / 'part')
+  summary = train_and_evaluate(cfg, full, progress=False)
+  train_and_evaluate(dataclasses.replace(cfg, rounds=3), part, progress=False)
+  train_and_evaluate(cfg, part, resume=True, progress=False)  # from the checkpoint of round 2
+  rows = metric_rows(full)
+  assert metric_rows(part) == rows
+  budget = PrivacyBudget(Schedule('fedre', (Phase('fedre', None, None),), 4, 4, 0.5), 'central', 1.0, 1e-5)
+  assert [r['dp_epsilon'] for r in rows] == pytest.approx([budget.epsilon(r) for r in (1, 2, 3, 4)], rel=1e-9)
+  assert summary['dp'] == {'mode': 'central', 'epsilon': rows[-1]['dp_epsilon'], 'delta': 1e-5,
+                           'noise_multiplier': 1.0, 'clip': 0.5, 'accountant': 'rdp'}
+  # sigma calibrated to the whole run: its length may not change on resume
+  run = Run(10, 4, 4, 16, 16, 0.05, None)
+  assert 'rounds' in resumable_fields(run, cfg)
+  assert 'rounds' not in resumable_fields(run, dataclasses.replace(cfg, dp_noise_multiplier=0.0,
+                                                                   dp_target_epsilon=3.0))
