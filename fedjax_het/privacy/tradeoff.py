@@ -1,0 +1,127 @@
+"""The privacy-utility trade-off: methods x target epsilons x seeds, each an ordinary run (`compare.run_comparison`
+in `<workdir>/eps<epsilon>/`; epsilon 'inf' is the run without DP), a table of final accuracy against the epsilon
+each run spent, and one plot with every method on the same axes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Sequence
+
+import numpy as np
+
+from fedjax_het.compare import MethodResult, run_comparison
+from fedjax_het.config import ExperimentConfig
+from fedjax_het.errors import ConfigError
+
+
+@dataclasses.dataclass
+class TradeoffPoint:
+  """One method at one target epsilon (inf: without DP): its runs over the seeds."""
+  algorithm: str
+  epsilon: float
+  result: MethodResult
+
+  @property
+  def accuracies(self) -> np.ndarray:
+    """Final accuracy of each seed's run."""
+    return np.asarray([s['final_accuracy'] for s in self.result.summaries], float)
+
+  @property
+  def spent(self) -> list:
+    """The epsilon each seed's run spent (None without DP)."""
+    return [(s.get('dp') or {}).get('epsilon') for s in self.result.summaries]
+
+
+def epsilon_folder(epsilon: float) -> str:
+  """The sub-folder of the runs at `epsilon`."""
+  return 'eps_inf' if math.isinf(epsilon) else f'eps{epsilon:g}'
+
+
+def run_tradeoff(base: ExperimentConfig, algorithms: Sequence[str], epsilons: Sequence[float], seeds: Sequence[int],
+                 workdir: str, progress: bool = True, baselines: Sequence[str] = ()) -> list[TradeoffPoint]:
+  """Runs (or reuses, or resumes) every method at every target epsilon with `base`'s --dp_mode (inf: DP off) and
+  every seed; each finite epsilon calibrates the noise to the whole run (--dp_target_epsilon). `baselines` run
+  without DP only (e.g. 'local', which uploads nothing: the accuracy no knowledge from others gives)."""
+  if base.dp_mode == 'off':
+    raise ConfigError('--dp_mode=off: the trade-off needs the mode its finite epsilons run in. Fix: --dp_mode=central '
+                      'or --dp_mode=local.')
+  if not epsilons or any(not (e > 0) for e in epsilons):
+    raise ConfigError(f'--epsilons={list(epsilons)} must be positive numbers (inf: without DP).')
+  points = []
+  for epsilon in epsilons:
+    cfg = (dataclasses.replace(base, dp_mode='off', dp_noise_multiplier=0.0, dp_target_epsilon=0.0)
+           if math.isinf(epsilon) else dataclasses.replace(base, dp_noise_multiplier=0.0, dp_target_epsilon=epsilon))
+    results = run_comparison(cfg, algorithms, seeds, os.path.join(workdir, epsilon_folder(epsilon)), progress)
+    points += [TradeoffPoint(r.algorithm, epsilon, r) for r in results]
+  if baselines:
+    cfg = dataclasses.replace(base, dp_mode='off', dp_noise_multiplier=0.0, dp_target_epsilon=0.0)
+    results = run_comparison(cfg, baselines, seeds, os.path.join(workdir, epsilon_folder(math.inf)), progress)
+    points += [TradeoffPoint(r.algorithm, math.inf, r) for r in results]
+  return points
+
+
+def tradeoff_table(points: Sequence[TradeoffPoint]) -> str:
+  """Markdown: one row per method, one column per epsilon: final accuracy (%), mean +- std over seeds."""
+  epsilons = sorted({p.epsilon for p in points})
+  by = {(p.algorithm, p.epsilon): p for p in points}
+  header = ' | '.join('no DP' if math.isinf(e) else f'epsilon {e:g}' for e in epsilons)
+  lines = [f'| method | {header} | seeds |', '|---|' + '---|' * len(epsilons) + '---|']
+  for algorithm in dict.fromkeys(p.algorithm for p in points):
+    cells = []
+    for e in epsilons:
+      acc = 100 * by[(algorithm, e)].accuracies if (algorithm, e) in by else None
+      cells.append(f'{acc.mean():.2f} +- {acc.std():.2f}' if acc is not None else '')
+    seeds = len(next(p for p in points if p.algorithm == algorithm).result.summaries)
+    lines.append(f'| {algorithm} | ' + ' | '.join(cells) + f' | {seeds} |')
+  return '\n'.join(lines) + '\n'
+
+
+def plot_tradeoff(points: Sequence[TradeoffPoint], path: str, title: str) -> None:
+  """Final accuracy against epsilon (log axis; 'no DP' at the right), mean over seeds with min-max bars, one line
+  per method; a baseline run only without DP is a dashed level."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  finite = sorted({p.epsilon for p in points if not math.isinf(p.epsilon)})
+  no_dp_at = (finite[-1] * 4) if finite else 1.0
+  fig, ax = plt.subplots(figsize=(6.5, 4.2))
+  for i, algorithm in enumerate(dict.fromkeys(p.algorithm for p in points)):
+    mine = sorted((p for p in points if p.algorithm == algorithm), key=lambda p: p.epsilon)
+    if len(mine) == 1 and math.isinf(mine[0].epsilon):  # a baseline without uploads: a level, not a curve
+      ax.axhline(100 * mine[0].accuracies.mean(), color=f'C{i}', linestyle='--', label=f'{algorithm} (no DP)')
+      continue
+    x = [no_dp_at if math.isinf(p.epsilon) else p.epsilon for p in mine]
+    acc = [100 * p.accuracies for p in mine]
+    mean = np.asarray([a.mean() for a in acc])
+    err = np.asarray([[m - a.min() for a, m in zip(acc, mean)], [a.max() - m for a, m in zip(acc, mean)]])
+    ax.errorbar(x, mean, yerr=err, marker='o', capsize=3, label=algorithm, color=f'C{i}')
+  ax.set_xscale('log')
+  ticks = finite + [no_dp_at]
+  ax.set_xticks(ticks)
+  ax.set_xticklabels([f'{e:g}' for e in finite] + ['no DP'])
+  ax.minorticks_off()
+  ax.set_xlabel('epsilon (client-level, at the run\'s delta)')
+  ax.set_ylabel('final test accuracy (%)')
+  ax.set_title(title, fontsize=10)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def write_tradeoff(points: Sequence[TradeoffPoint], workdir: str, title: str) -> str:
+  """Writes privacy_utility.md, .json and .png into `workdir`; returns the Markdown table."""
+  table = tradeoff_table(points)
+  with open(os.path.join(workdir, 'privacy_utility.md'), 'w') as f:
+    f.write(f'# {title}\n\n{table}')
+  with open(os.path.join(workdir, 'privacy_utility.json'), 'w') as f:
+    json.dump([{'algorithm': p.algorithm, 'target_epsilon': None if math.isinf(p.epsilon) else p.epsilon,
+                'spent_epsilon': p.spent, 'final_accuracy': p.accuracies.tolist(),
+                'noise_multiplier': [(s.get('dp') or {}).get('noise_multiplier') for s in p.result.summaries]}
+               for p in points], f, indent=2)
+  plot_tradeoff(points, os.path.join(workdir, 'privacy_utility.png'), title)
+  return table
