@@ -6,6 +6,15 @@ It writes a Markdown table (comparison.md), comparison.json and one accuracy-vs-
   python experiments/compare.py --flagfile=experiments/flags/quickstart.flags --workdir=/tmp/compare \
       --algorithms=fedre,local,fedavg,lg_fedavg,fedproto,fedgh,fedtgp,fd --seeds=0,1,2
 
+With --epsilons, the privacy-utility trade-off instead (docs/privacy.md): every method under client-level DP
+(--dp_mode) at each target epsilon of the whole run ('inf': without DP; --baselines run only so), each an ordinary
+run in --workdir/eps<epsilon>/<method>/seed<seed>/, and privacy_utility.md, .json and .png (final accuracy against
+epsilon, every method on the same axes):
+
+  python experiments/compare.py --flagfile=experiments/flags/quickstart_mnist5k.flags --rounds=20 \
+      --algorithms=fedre,fedproto,fd,fedavg --baselines=local --epsilons=1,3,8,inf --dp_mode=central \
+      --seeds=0,1,2 --workdir=/tmp/privacy_utility
+
 Every other flag is the experiment's (experiments/run.py); --algorithm and --seed are replaced by the lists. An
 entry NAME[flag=value;flag=value] is a variant of a method's hyperparameters, e.g. 'gefl[gefl_generator=cvae]'.
 Stopped comparisons continue where they stopped when run again with the same flags.
@@ -25,11 +34,15 @@ from fedjax_het import cli
 from fedjax_het.compilation_cache import use_compilation_cache
 from fedjax_het.compare import parse_entry, run_comparison, write_comparison
 from fedjax_het.errors import ConfigError
+from fedjax_het.privacy.tradeoff import run_tradeoff, write_tradeoff
 
 cli.define_flags(default_algorithm='fedre')
 flags.DEFINE_list('algorithms', ['fedre', 'local', 'fedavg', 'lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd'],
                   'Methods to compare.')
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (each gives its own partition and initialisation).')
+flags.DEFINE_list('epsilons', [], 'The privacy-utility trade-off instead of a comparison: target epsilons of the '
+                  'whole run at --dp_delta under --dp_mode (inf: without DP).')
+flags.DEFINE_list('baselines', [], 'With --epsilons: methods run without DP only, drawn as a level (e.g. local).')
 flags.mark_flag_as_required('workdir')
 FLAGS = flags.FLAGS
 
@@ -41,20 +54,32 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   try:
     seeds = [int(s) for s in FLAGS.seeds]
+    epsilons = [float(e) for e in FLAGS.epsilons]
   except ValueError:
-    sys.exit(f'error: --seeds={",".join(FLAGS.seeds)} must be integers, e.g. --seeds=0,1,2.')
+    sys.exit(f'error: --seeds={",".join(FLAGS.seeds)} must be integers and --epsilons={",".join(FLAGS.epsilons)} '
+             f'numbers (inf: without DP), e.g. --seeds=0,1,2 --epsilons=1,3,8,inf.')
   use_compilation_cache(FLAGS.compilation_cache)
+  names = [parse_entry(a)[0] for a in FLAGS.algorithms + FLAGS.baselines]
   try:
-    base = cli.config_from_flags(algorithms=[parse_entry(a)[0] for a in FLAGS.algorithms])
-    results = run_comparison(base, FLAGS.algorithms, seeds, FLAGS.workdir, progress=FLAGS.progress,
-                             tensorboard=FLAGS.tensorboard)
+    if epsilons:  # each point sets its own noise; the base runs without DP
+      base = cli.config_from_flags(algorithms=names, dp_mode='off')
+      points = run_tradeoff(base, FLAGS.dp_mode, FLAGS.algorithms, epsilons, seeds, FLAGS.workdir,
+                            progress=FLAGS.progress, baselines=FLAGS.baselines)
+    else:
+      base = cli.config_from_flags(algorithms=names)
+      results = run_comparison(base, FLAGS.algorithms, seeds, FLAGS.workdir, progress=FLAGS.progress,
+                               tensorboard=FLAGS.tensorboard)
   except ConfigError as e:
     sys.exit(f'error: {e}')
   except KeyboardInterrupt:
     interrupts.exit_now(f'interrupted: finished runs are kept in {FLAGS.workdir}; run the same command again to '
                         f'continue.', interrupts.exit_code())
   title = f'{base.dataset}, {base.partition}, {base.num_clients} clients, {base.rounds} rounds, seeds {seeds}'
-  print(write_comparison(results, FLAGS.workdir, title))
+  if epsilons:
+    print(write_tradeoff(points, FLAGS.workdir, f'{title}; DP {FLAGS.dp_mode}, clip {base.dp_clip:g}, delta '
+                                                 f'{base.dp_delta:g}'))
+  else:
+    print(write_comparison(results, FLAGS.workdir, title))
 
 
 if __name__ == '__main__':

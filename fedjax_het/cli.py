@@ -161,8 +161,9 @@ def ignored_method_flags(fv, algorithms) -> list[str]:
   return [flag for flag in method_values(fv) if not any(name in algorithms for name, _ in uses[flag])]
 
 
-def config_from_flags(fv=None, algorithms=None) -> ExperimentConfig:
-  """The `ExperimentConfig` of the parsed flags; every method's hyperparameters take the method flags given.
+def config_from_flags(fv=None, algorithms=None, **overrides) -> ExperimentConfig:
+  """The `ExperimentConfig` of the parsed flags, with `overrides` (config fields) in place of theirs; every
+  method's hyperparameters take the method flags given.
 
   Method flags that none of `algorithms` (default: --algorithm) reads are reported with a warning (a flag file
   shared by several methods may set hyperparameters of others)."""
@@ -178,6 +179,7 @@ def config_from_flags(fv=None, algorithms=None) -> ExperimentConfig:
   values = method_values(fv)
   general = {field.name: getattr(fv, field.name) for field in dataclasses.fields(ExperimentConfig)
              if field.name not in ('methods', 'models') and field.name in fv}
+  general.update(overrides)
   with flags_named():  # a method config's check names its flag
     return ExperimentConfig(**general, models=tuple(fv.models),
                             methods={name: config_with(name, values) for name in METHODS})

@@ -2,6 +2,7 @@
 noise, accounting against dp-accounting's own figures, calibration, and DP runs (vmap == sequential, resume)."""
 
 import dataclasses
+import json
 import math
 
 import dp_accounting
@@ -12,6 +13,7 @@ import pytest
 from dp_accounting import pld, rdp
 
 from fedjax_het.algorithms.common import class_means_privacy
+from fedjax_het.compare import MethodResult
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Algorithm, ClientProgram, Phase, UploadPrivacy, Uploads, single_stage
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
@@ -21,6 +23,7 @@ from fedjax_het.experiment import make_algorithm, private_algorithm, resumable_f
 from fedjax_het.methods import Run
 from fedjax_het.privacy.budget import PrivacyBudget, calibrate
 from fedjax_het.privacy.dp import DPConfig, central_noise, privatize, privatize_upload
+from fedjax_het.privacy.tradeoff import TradeoffPoint, run_tradeoff, write_tradeoff
 
 from golden import TINY, tiny_data
 from runs import CFG, metric_rows
@@ -220,3 +223,21 @@ def test_a_dp_run_resumes_to_the_uninterrupted_numbers_and_epsilon(tmp_path):
   assert 'rounds' in resumable_fields(run, cfg)
   assert 'rounds' not in resumable_fields(run, dataclasses.replace(cfg, dp_noise_multiplier=0.0,
                                                                    dp_target_epsilon=3.0))
+
+
+def test_the_tradeoff_table_json_and_plot_put_every_method_on_the_same_axes(tmp_path):
+  def runs(name, accuracies, spent=None):
+    return MethodResult(name, [{'final_accuracy': a, 'dp': spent and {'epsilon': spent, 'noise_multiplier': 2.5}}
+                               for a in accuracies], [])
+  points = [TradeoffPoint('fedre', 1.0, runs('fedre', [0.5, 0.7], 0.99)),
+            TradeoffPoint('fedre', math.inf, runs('fedre', [0.9, 0.8])),
+            TradeoffPoint('local', math.inf, runs('local', [0.6, 0.6]))]
+  table = write_tradeoff(points, str(tmp_path), 'test')
+  assert table == ('| method | epsilon 1 | no DP | seeds |\n|---|---|---|---|\n'
+                   '| fedre | 60.00 +- 10.00 | 85.00 +- 5.00 | 2 |\n| local |  | 60.00 +- 0.00 | 2 |\n')
+  saved = json.load(open(tmp_path / 'privacy_utility.json'))
+  assert saved[0] == {'algorithm': 'fedre', 'target_epsilon': 1.0, 'spent_epsilon': [0.99, 0.99],
+                      'final_accuracy': [0.5, 0.7], 'noise_multiplier': [2.5, 2.5]}
+  assert saved[1]['target_epsilon'] is None and (tmp_path / 'privacy_utility.png').stat().st_size > 0
+  with pytest.raises(ConfigError, match='--dp_mode=off: the trade-off needs'):
+    run_tradeoff(CFG, 'off', ['fedre'], [1.0], [0], str(tmp_path / 'never'))

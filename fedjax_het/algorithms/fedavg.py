@@ -17,6 +17,10 @@ def receive_group_model(client: ClientState, broadcast) -> ClientState:
   return client._replace(params=broadcast['model'])
 
 
+# DP-FedAvg's view of a group-model upload: the delta from the group's model is clipped; the server averages per group
+GROUP_MODEL_PRIVACY = UploadPrivacy(reference=lambda b: {'model': b['model']}, aggregate='group_sum')
+
+
 def fedavg_grouped(num_classes: int) -> Algorithm:
   """Grouped FedAvg as an `Algorithm`; each participant uploads and receives its whole model."""
 
@@ -40,5 +44,4 @@ def fedavg_grouped(num_classes: int) -> Algorithm:
   return one_phase('fedavg', init_server, client, server_update, evaluation, broadcast=broadcast,
                    partial_batches=True,
                    shares_representations=False,
-                   # DP-FedAvg: the model delta from the group's model is clipped; the server averages per group
-                   upload_privacy=UploadPrivacy(reference=lambda b: {'model': b['model']}, aggregate='group_sum'))
+                   upload_privacy=GROUP_MODEL_PRIVACY)

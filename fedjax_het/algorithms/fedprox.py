@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import Algorithm, GroupSpec, head_evaluation, one_phase, own_head, sgd_program
 from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
-from fedjax_het.algorithms.fedavg import receive_group_model
+from fedjax_het.algorithms.fedavg import GROUP_MODEL_PRIVACY, receive_group_model
 from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError, setting
 
@@ -58,4 +58,5 @@ def fedprox(cfg: FedProxConfig, num_classes: int) -> Algorithm:
                    server_update, lambda group: head_evaluation(group.model, {'local_head': own_head},
                                                                 receive=receive_group_model),
                    broadcast=lambda server, group: {'model': server['models'][group.index]}, partial_batches=True,
-                   shares_representations=False)
+                   shares_representations=False,
+                   upload_privacy=GROUP_MODEL_PRIVACY)

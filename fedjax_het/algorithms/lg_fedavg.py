@@ -9,6 +9,7 @@ from __future__ import annotations
 from fedjax_het.algorithms.base import (Algorithm, concat_groups, global_head_evaluation, initial_head, one_phase,
                                         receive_head, sgd_program)
 from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
+from fedjax_het.core import UploadPrivacy
 
 
 def upload_head(client, rows, broadcast, key) -> dict:
@@ -27,4 +28,6 @@ def lg_fedavg(num_classes: int) -> Algorithm:
     u = concat_groups(uploads)
     return {'head': participant_average(u.values['head'], u.mask * u.num_train, server['head'])}, {}
 
-  return one_phase('lg_fedavg', initial_head, client, server_update, global_head_evaluation, partial_batches=True)
+  # DP: the head's delta from the global head is clipped; the server averages every group's heads
+  return one_phase('lg_fedavg', initial_head, client, server_update, global_head_evaluation, partial_batches=True,
+                   upload_privacy=UploadPrivacy(reference=lambda b: {'head': b['head']}, aggregate='sum'))

@@ -40,20 +40,22 @@ def epsilon_folder(epsilon: float) -> str:
   return 'eps_inf' if math.isinf(epsilon) else f'eps{epsilon:g}'
 
 
-def run_tradeoff(base: ExperimentConfig, algorithms: Sequence[str], epsilons: Sequence[float], seeds: Sequence[int],
-                 workdir: str, progress: bool = True, baselines: Sequence[str] = ()) -> list[TradeoffPoint]:
-  """Runs (or reuses, or resumes) every method at every target epsilon with `base`'s --dp_mode (inf: DP off) and
-  every seed; each finite epsilon calibrates the noise to the whole run (--dp_target_epsilon). `baselines` run
+def run_tradeoff(base: ExperimentConfig, mode: str, algorithms: Sequence[str], epsilons: Sequence[float],
+                 seeds: Sequence[int], workdir: str, progress: bool = True, baselines: Sequence[str] = ()
+                 ) -> list[TradeoffPoint]:
+  """Runs (or reuses, or resumes) every method of `base` at every target epsilon in DP `mode` (inf: without DP)
+  and every seed; each finite epsilon calibrates the noise to the whole run (--dp_target_epsilon). `baselines` run
   without DP only (e.g. 'local', which uploads nothing: the accuracy no knowledge from others gives)."""
-  if base.dp_mode == 'off':
-    raise ConfigError('--dp_mode=off: the trade-off needs the mode its finite epsilons run in. Fix: --dp_mode=central '
-                      'or --dp_mode=local.')
+  if mode not in ('central', 'local'):
+    raise ConfigError(f'--dp_mode={mode}: the trade-off needs the mode its finite epsilons run in. Fix: '
+                      f'--dp_mode=central or --dp_mode=local.')
   if not epsilons or any(not (e > 0) for e in epsilons):
     raise ConfigError(f'--epsilons={list(epsilons)} must be positive numbers (inf: without DP).')
   points = []
   for epsilon in epsilons:
     cfg = (dataclasses.replace(base, dp_mode='off', dp_noise_multiplier=0.0, dp_target_epsilon=0.0)
-           if math.isinf(epsilon) else dataclasses.replace(base, dp_noise_multiplier=0.0, dp_target_epsilon=epsilon))
+           if math.isinf(epsilon) else dataclasses.replace(base, dp_mode=mode, dp_noise_multiplier=0.0,
+                                                           dp_target_epsilon=epsilon))
     results = run_comparison(cfg, algorithms, seeds, os.path.join(workdir, epsilon_folder(epsilon)), progress)
     points += [TradeoffPoint(r.algorithm, epsilon, r) for r in results]
   if baselines:
