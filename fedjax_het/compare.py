@@ -14,10 +14,11 @@ import shutil
 from typing import Sequence
 
 import numpy as np
+from absl import logging
 
 from fedjax_het.config import ExperimentConfig, run_settings
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import train_and_evaluate
+from fedjax_het.experiment import TrainingDiverged, train_and_evaluate
 from fedjax_het.workdir import Workdir
 from fedjax_het.methods import METHODS, config_with, flag_name
 
@@ -36,8 +37,8 @@ def _finished_summary(workdir: str, cfg: ExperimentConfig):
     return None
   with open(path) as f:
     summary = json.load(f)
-  if not summary.get('finished') or 'config' not in summary:
-    return None
+  if not (summary.get('finished') or summary.get('diverged_round')) or 'config' not in summary:
+    return None  # a run that diverged ended for good: its outcome is kept, not run again
   return summary if run_settings(summary['config']) == run_settings(cfg.to_dict()) else None
 
 
@@ -93,7 +94,11 @@ def run_comparison(base: ExperimentConfig, algorithms: Sequence[str], seeds: Seq
         resume = Workdir(run_dir).has_checkpoints()
         if not resume and Workdir(run_dir).holds_run():
           shutil.rmtree(run_dir)  # this comparison's own run, stopped before its first checkpoint: start it again
-        summary = train_and_evaluate(cfg, run_dir, resume=resume, progress=progress, tensorboard=tensorboard)
+        try:
+          summary = train_and_evaluate(cfg, run_dir, resume=resume, progress=progress, tensorboard=tensorboard)
+        except TrainingDiverged as e:  # an outcome of the method at this setting: recorded, the others go on
+          logging.warning('%s, seed %d: %s', algorithm, seed, e)
+          summary = _finished_summary(run_dir, cfg)
       summaries.append(summary)
       curves.append(_curve(run_dir))
     results.append(MethodResult(algorithm, summaries, curves))
@@ -105,8 +110,15 @@ def _mean_std(values: Sequence[float], scale: float = 100.0) -> str:
   return f'{v.mean():.2f} +- {v.std():.2f}'
 
 
+def diverged(summaries: Sequence[dict]) -> str:
+  """' (k diverged)' when k of the runs ended with a NaN/inf loss (their final accuracy is their last model's)."""
+  k = sum(1 for s in summaries if s.get('diverged_round'))
+  return f' ({k} diverged)' if k else ''
+
+
 def comparison_table(results: Sequence[MethodResult]) -> str:
-  """Markdown: per method, mean +- std over seeds (population std) of the final and best-round accuracy (%),
+  """Markdown: per method, mean +- std over seeds (population std) of the final and best-round accuracy (%; a run
+  that diverged counts with its last model, and the seeds column says how many did),
   and upload / broadcast scalars per round (mean over rounds and seeds); then, where the summaries hold them, GeFL's
   mean over architectures of their best rounds, Felo's mean over the second half of the rounds, and for methods of
   several phases the accuracy at the end of each phase (FedVTC: before and after fine-tuning)."""
@@ -117,7 +129,7 @@ def comparison_table(results: Sequence[MethodResult]) -> str:
     down = np.mean([s['broadcast_scalars_per_round'] for s in r.summaries])
     lines.append(f'| {r.algorithm} | {_mean_std([s["final_accuracy"] for s in r.summaries])} | '
                  f'{_mean_std([s["best_accuracy"] for s in r.summaries])} | {up:,.0f} / {down:,.0f} | '
-                 f'{len(r.summaries)} |')
+                 f'{len(r.summaries)}{diverged(r.summaries)} |')
   if any(s.get('best_accuracy_per_architecture_mean') is not None for r in results for s in r.summaries):
     lines += ['', '| method | mean over architectures of each one\'s best-round accuracy (%) |', '|---|---|']
     lines += [f'| {r.algorithm} | {_mean_std([s["best_accuracy_per_architecture_mean"] for s in r.summaries])} |'

@@ -373,6 +373,9 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
         bar.set_postfix(postfix)
       if stopping:
         raise Interrupted(stop.requested or 'SIGTERM', saved_round is not None, r + 1)
+  except TrainingDiverged:
+    _finish(cfg, wd, rows, start, idle, total, diverged_round=len(rows))  # a final state, recorded as such
+    raise
   except (KeyboardInterrupt, ConfigError):
     _finish(cfg, wd, rows, start, idle, total)  # keep the summary and plot of the rounds done
     raise
@@ -412,13 +415,15 @@ def real_examples(dataset, per_class: int) -> np.ndarray:
   return out
 
 
-def _finish(cfg: ExperimentConfig, wd: Workdir, rows: list[dict], start: float, idle: list[int], total: int
-            ) -> dict:
-  """Writes summary.json and accuracy.png for the rounds done so far; returns the summary. A failure to write
-  (a full disk) is logged, never allowed to hide the error that ended the run."""
+def _finish(cfg: ExperimentConfig, wd: Workdir, rows: list[dict], start: float, idle: list[int], total: int,
+            diverged_round: Optional[int] = None) -> dict:
+  """Writes summary.json and accuracy.png for the rounds done so far (`diverged_round`: the round whose loss became
+  NaN/inf, which ended the run); returns the summary. A failure to write (a full disk) is logged, never allowed to
+  hide the error that ended the run."""
   summary = summarize(cfg, rows, time.perf_counter() - start)
   summary['clients_without_local_steps'] = idle
   summary['finished'] = bool(rows) and rows[-1]['round'] == total
+  summary['diverged_round'] = diverged_round
   try:
     wd.write_json('summary.json', summary)
     if wd.writes and any('accuracy' in r for r in rows):

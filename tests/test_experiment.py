@@ -267,6 +267,21 @@ def test_comparison_runs_every_method_and_seed_then_reuses_finished_runs(tmp_pat
     run_comparison(cfg, ['fedre', 'nope'], [0], str(tmp_path), progress=False)
 
 
+def test_a_run_that_diverges_is_recorded_and_the_comparison_goes_on(tmp_path, monkeypatch):
+  """A diverged run is an outcome (e.g. a method under strong DP noise): its summary says the round, the table
+  counts it, the other runs go on, and running the comparison again reuses it."""
+  from fedjax_het import compare
+  cfg = dataclasses.replace(CFG, rounds=3, checkpoint_every=0)
+  results = compare.run_comparison(cfg, ['fedre[server_learning_rate=1e30]', 'local'], [0], str(tmp_path),
+                                   progress=False)
+  broken = results[0].summaries[0]
+  assert broken['diverged_round'] == 2 and not broken['finished'] and results[1].summaries[0]['finished']
+  assert '| 1 (1 diverged) |' in compare.comparison_table(results)
+  monkeypatch.setattr(compare, 'train_and_evaluate', lambda *a, **k: pytest.fail('a kept outcome was run again'))
+  assert compare.run_comparison(cfg, ['fedre[server_learning_rate=1e30]'], [0], str(tmp_path),
+                                progress=False)[0].summaries[0]['diverged_round'] == 2
+
+
 def test_accuracy_plot_draws_one_line_per_architecture(tmp_path, monkeypatch):
   from fedjax_het import plots
   import matplotlib.axes
