@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import textwrap
 from typing import Sequence
 
 import numpy as np
@@ -111,7 +112,7 @@ def plot_tradeoff(points: Sequence[TradeoffPoint], path: str, title: str) -> Non
   ax.minorticks_off()
   ax.set_xlabel('epsilon (client-level, at the run\'s delta)')
   ax.set_ylabel('final test accuracy (%)')
-  ax.set_title(title, fontsize=10)
+  ax.set_title(textwrap.fill(title, 80), fontsize=9)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
