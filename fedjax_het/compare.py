@@ -21,6 +21,7 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import TrainingDiverged, train_and_evaluate
 from fedjax_het.workdir import Workdir
 from fedjax_het.methods import METHODS, config_with, flag_name
+from fedjax_het.plots import save_line_plot
 
 
 @dataclasses.dataclass
@@ -163,14 +164,7 @@ def plot_comparison(results: Sequence[MethodResult], path: str, title: str) -> N
     color = colors[(2 * i) % 20 + (2 * i) // 20 % 2]
     ax.plot(rounds, acc.mean(0), label=r.algorithm, color=color, linestyle=styles[i // 10 % len(styles)])
     ax.fill_between(rounds, acc.min(0), acc.max(0), alpha=0.15, color=color)
-  ax.set_xlabel('round')
-  ax.set_ylabel('test accuracy (%)')
-  ax.set_title(title)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_line_plot(fig, ax, path, 'round', 'test accuracy (%)', title)
 
 
 def write_comparison(results: Sequence[MethodResult], workdir: str, title: str) -> str:

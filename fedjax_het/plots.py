@@ -5,6 +5,19 @@ from __future__ import annotations
 import numpy as np
 
 
+def save_line_plot(fig, ax, path: str, xlabel: str, ylabel: str, title: str, legend_size=8, title_size=None) -> None:
+  """Labels, grid and legend of a line plot, then the figure saved as a PNG at `path` and closed."""
+  import matplotlib.pyplot as plt
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=title_size)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=legend_size)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def plot_accuracy(rows: list[dict], path: str, title: str, architectures=None) -> None:
   """Accuracy (and the local-head accuracy where logged) against round, as a PNG; where the run has several
   phases, a dotted line marks where each begins, with its name; with `architectures` (one name per client) of
@@ -30,14 +43,8 @@ def plot_accuracy(rows: list[dict], path: str, title: str, architectures=None) -
       ax.plot([r['round'] for r in per_client],
               [100 * float(np.mean(np.asarray(r['client_accuracy'])[archs == arch])) for r in per_client],
               linewidth=0.8, alpha=0.6, label=arch)
-  ax.set_xlabel('round')
-  ax.set_ylabel('test accuracy (%)')
-  ax.set_title(title)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=6 if architectures is not None and len(set(architectures)) > 4 else None)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_line_plot(fig, ax, path, 'round', 'test accuracy (%)', title,
+                 legend_size=6 if architectures is not None and len(set(architectures)) > 4 else None)
 
 
 def plot_partition(counts: np.ndarray, path: str, title: str) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 from fedjax_het.compare import MethodResult, diverged, run_comparison
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
+from fedjax_het.plots import save_line_plot
 
 
 @dataclasses.dataclass
@@ -110,14 +111,8 @@ def plot_tradeoff(points: Sequence[TradeoffPoint], path: str, title: str) -> Non
   ax.set_xticks(ticks)
   ax.set_xticklabels([f'{e:g}' for e in finite] + ['no DP'])
   ax.minorticks_off()
-  ax.set_xlabel('epsilon (client-level, at the run\'s delta)')
-  ax.set_ylabel('final test accuracy (%)')
-  ax.set_title(textwrap.fill(title, 80), fontsize=9)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  save_line_plot(fig, ax, path, 'epsilon (client-level, at the run\'s delta)', 'final test accuracy (%)',
+                 textwrap.fill(title, 80), title_size=9)
 
 
 def write_tradeoff(points: Sequence[TradeoffPoint], workdir: str, title: str) -> str:
