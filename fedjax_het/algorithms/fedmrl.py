@@ -24,9 +24,9 @@ import optax
 
 from fedjax_het.algorithms.base import Algorithm, ClientState, Evaluation, one_phase, sgd_program
 from fedjax_het.algorithms.common import head_apply
-from fedjax_het.algorithms.global_model import (average_global_models, check_global_model, global_model_forward,
-                                                init_global_model, initial_global_model, receive_global_model,
-                                                upload_global_model)
+from fedjax_het.algorithms.global_model import (GLOBAL_MODEL_PRIVACY, average_global_models, check_global_model,
+                                                global_model_forward, init_global_model, initial_global_model,
+                                                receive_global_model, upload_global_model)
 from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.classifier import HeteroClassifier
@@ -98,4 +98,4 @@ def fedmrl(cfg: FedMRLConfig, num_classes: int, feature_dim: int) -> Algorithm:
     return Evaluation(('local_head',), prepare, logits)
 
   return one_phase('fedmrl', initial_global_model, client, average_global_models, evaluation,
-                   init_client=init_client)
+                   init_client=init_client, upload_privacy=GLOBAL_MODEL_PRIVACY)

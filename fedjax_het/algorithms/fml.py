@@ -19,9 +19,9 @@ import optax
 
 from fedjax_het.algorithms.base import Algorithm, local_head_evaluation, one_phase, sgd_program
 from fedjax_het.algorithms.common import elementwise_kl, train_forward
-from fedjax_het.algorithms.global_model import (average_global_models, check_global_model, global_model_forward,
-                                                init_global_model, initial_global_model, receive_global_model,
-                                                upload_global_model)
+from fedjax_het.algorithms.global_model import (GLOBAL_MODEL_PRIVACY, average_global_models, check_global_model,
+                                                global_model_forward, init_global_model, initial_global_model,
+                                                receive_global_model, upload_global_model)
 from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError, setting
 
@@ -62,4 +62,4 @@ def fml(cfg: FMLConfig, num_classes: int) -> Algorithm:
 
   init_client = lambda group, key: init_global_model(group, group.build_model(cfg.global_model), key)
   return one_phase('fml', initial_global_model, client, average_global_models, local_head_evaluation,
-                   init_client=init_client)
+                   init_client=init_client, upload_privacy=GLOBAL_MODEL_PRIVACY)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import ClientState, GroupSpec, concat_groups
 from fedjax_het.algorithms.common import participant_average
+from fedjax_het.core import UploadPrivacy
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.classifier import HeteroClassifier
 from fedjax_het.models.forward import forward
@@ -57,6 +58,11 @@ def receive_global_model(client: ClientState, broadcast: Any) -> ClientState:
 def upload_global_model(client: ClientState, rows, broadcast, key) -> dict:
   """The client's trained copy of the global model."""
   return {'global_model': client.extra['params']['companion']}
+
+
+# DP's view of a global-model upload: the delta from the broadcast global model is clipped; the server averages
+# every group's copies
+GLOBAL_MODEL_PRIVACY = UploadPrivacy(reference=lambda b: {'global_model': b['global_model']}, aggregate='sum')
 
 
 def average_global_models(server, uploads, key):
