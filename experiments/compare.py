@@ -32,6 +32,7 @@ from absl import app, flags, logging  # noqa: E402
 
 from fedjax_het import cli
 from fedjax_het.compilation_cache import use_compilation_cache
+from fedjax_het.config import flags_named
 from fedjax_het.compare import parse_entry, run_comparison, write_comparison
 from fedjax_het.errors import ConfigError
 from fedjax_het.privacy.tradeoff import run_tradeoff, write_tradeoff
@@ -61,25 +62,34 @@ def main(argv):
   use_compilation_cache(FLAGS.compilation_cache)
   names = [parse_entry(a)[0] for a in FLAGS.algorithms + FLAGS.baselines]
   try:
-    if epsilons:  # each point sets its own noise; the base runs without DP
-      base = cli.config_from_flags(algorithms=names, dp_mode='off')
-      points = run_tradeoff(base, FLAGS.dp_mode, FLAGS.algorithms, epsilons, seeds, FLAGS.workdir,
-                            progress=FLAGS.progress, baselines=FLAGS.baselines)
-    else:
-      base = cli.config_from_flags(algorithms=names)
-      results = run_comparison(base, FLAGS.algorithms, seeds, FLAGS.workdir, progress=FLAGS.progress,
-                               tensorboard=FLAGS.tensorboard)
+    with flags_named():  # errors raised while the runs build or trace name the flags
+      print(_tradeoff(epsilons, seeds, names) if epsilons else _comparison(seeds, names))
   except ConfigError as e:
     sys.exit(f'error: {e}')
   except KeyboardInterrupt:
     interrupts.exit_now(f'interrupted: finished runs are kept in {FLAGS.workdir}; run the same command again to '
                         f'continue.', interrupts.exit_code())
-  title = f'{base.dataset}, {base.partition}, {base.num_clients} clients, {base.rounds} rounds, seeds {seeds}'
-  if epsilons:
-    print(write_tradeoff(points, FLAGS.workdir, f'{title}; DP {FLAGS.dp_mode}, clip {base.dp_clip:g}, delta '
-                                                 f'{base.dp_delta:g}'))
-  else:
-    print(write_comparison(results, FLAGS.workdir, title))
+
+
+def _title(base, seeds) -> str:
+  return f'{base.dataset}, {base.partition}, {base.num_clients} clients, {base.rounds} rounds, seeds {seeds}'
+
+
+def _comparison(seeds, names) -> str:
+  base = cli.config_from_flags(algorithms=names)
+  results = run_comparison(base, FLAGS.algorithms, seeds, FLAGS.workdir, progress=FLAGS.progress,
+                           tensorboard=FLAGS.tensorboard)
+  return write_comparison(results, FLAGS.workdir, _title(base, seeds))
+
+
+def _tradeoff(epsilons, seeds, names) -> str:
+  """Each point sets its own noise: the base runs without DP."""
+  base = cli.config_from_flags(algorithms=names, dp_mode='off', dp_parts=(), dp_target_epsilon=0.0,
+                               dp_noise_multiplier=0.0)
+  points = run_tradeoff(base, FLAGS.dp_mode, FLAGS.algorithms, epsilons, seeds, FLAGS.workdir,
+                        progress=FLAGS.progress, baselines=FLAGS.baselines, parts=FLAGS.dp_parts)
+  return write_tradeoff(points, FLAGS.workdir, f'{_title(base, seeds)}; DP {FLAGS.dp_mode}, clip {base.dp_clip:g}, '
+                                               f'delta {base.dp_delta:g}')
 
 
 if __name__ == '__main__':

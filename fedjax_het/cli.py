@@ -119,8 +119,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_float('dp_delta', _D.dp_delta, 'DP: the delta at which epsilon is reported (below 1 / clients).')
   f.DEFINE_enum('dp_clip_parts', _D.dp_clip_parts, ['whole', 'each'], 'DP: clip the contribution as one vector, or '
                 'each private part of the upload to C / sqrt(parts).')
-  f.DEFINE_list('dp_parts', list(_D.dp_parts), 'DP: the upload parts privatised (default: all but the method\'s '
-                'public ones; e.g. FedRE: rep,label to privatise its label encoding too).')
+  f.DEFINE_list('dp_parts', list(_D.dp_parts), 'DP: public parts of the method\'s upload to privatise too (every '
+                'other part is private; e.g. FedRE: label, its label encoding).')
   f.DEFINE_enum('dp_accountant', _D.dp_accountant, ['rdp', 'pld'], 'DP: dp-accounting\'s accountant.')
   define_method_flags(f)
 

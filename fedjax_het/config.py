@@ -91,7 +91,7 @@ class ExperimentConfig:
   dp_target_epsilon: float = 0.0  # > 0: sigma calibrated so that the whole run spends this epsilon at dp_delta
   dp_delta: float = 1e-5
   dp_clip_parts: str = 'whole'  # 'each': each private part of the upload to C / sqrt(parts)
-  dp_parts: tuple[str, ...] = ()  # the upload parts privatised (empty: all but the method's public ones)
+  dp_parts: tuple[str, ...] = ()  # public upload parts privatised too (every other part is private)
   dp_accountant: str = 'rdp'  # 'rdp' or 'pld' (dp-accounting)
 
   def __post_init__(self):
@@ -129,6 +129,9 @@ class ExperimentConfig:
       raise ConfigError(f'--data_fraction={self.data_fraction} must be in (0, 1] and --image_size={self.image_size} '
                         f'>= 0 (0 keeps the dataset\'s size).')
     self.dp_config()  # its own checks, naming the flags
+    if self.dp_mode == 'off' and (self.dp_noise_multiplier > 0 or self.dp_target_epsilon > 0 or self.dp_parts):
+      raise ConfigError('--dp_noise_multiplier, --dp_target_epsilon and --dp_parts act only under DP, and '
+                        '--dp_mode=off. Fix: --dp_mode=central or --dp_mode=local (docs/privacy.md), or drop them.')
     if self.dp_mode != 'off' and (self.dp_noise_multiplier > 0) == (self.dp_target_epsilon > 0):
       raise ConfigError(f'--dp_mode={self.dp_mode} needs the noise: exactly one of --dp_noise_multiplier (now '
                         f'{self.dp_noise_multiplier}) and --dp_target_epsilon (now {self.dp_target_epsilon}) > 0.')

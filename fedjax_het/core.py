@@ -241,11 +241,18 @@ class UploadPrivacy(NamedTuple):
     its head on them); 'sum', only through unweighted means over the participants of all groups that hold an
     entry (FedProto); 'group_sum', the same within each group (grouped FedAvg). Central DP adds its noise once to
     each such sum; to each record for 'records'.
+  hides_participants: whether what the server releases hides who took part in a round (its step reads a fixed
+    number of noised records, or means over all participants, so that nothing it broadcasts depends on which
+    clients were drawn beyond their noised contributions); only then may central accounting count on the random
+    draw (amplification by sampling). False (safe): every round a client joins counts in full, because a per-group
+    or per-class mean reveals its holders (a model unchanged when its group had nobody, a class present only when
+    its one holder was drawn).
   """
   public: tuple[str, ...] = ()
   reference: Optional[Callable[[Any], dict]] = None
   holds: Optional[Callable[[Any], dict]] = None
   aggregate: str = 'records'
+  hides_participants: bool = False
 
 
 def leaf_scalars(tree: Any) -> dict:

@@ -93,7 +93,8 @@ def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: 
   schedule = Schedule(algorithm.name, algorithm.phases, num_clients, cfg.rounds, cfg.join_ratio,
                       cfg.full_participation_rounds, cfg.seed)
   with flags_named():
-    budget = PrivacyBudget(schedule, cfg.dp_mode, cfg.dp_noise_multiplier, cfg.dp_delta, cfg.dp_accountant)
+    budget = PrivacyBudget(schedule, cfg.dp_mode, cfg.dp_noise_multiplier, cfg.dp_delta, cfg.dp_accountant,
+                           algorithm.upload_privacy.hides_participants)
     if cfg.dp_target_epsilon > 0:
       budget = dataclasses.replace(budget, noise_multiplier=calibrate(budget, cfg.dp_target_epsilon))
       logging.info('--dp_target_epsilon=%g: noise multiplier %.4f over %d rounds.', cfg.dp_target_epsilon,

@@ -152,6 +152,10 @@ def test_epsilon_is_dp_accountings_figure_for_a_hand_chosen_run():
   acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.0), int(counts.max())))
   assert local.epsilon(50) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-3)
   assert local.epsilon(50) > budget.epsilon(50)  # no amplification by sampling
+  # central, for a method whose releases show who took part (a per-group or per-class mean): no amplification
+  # either, the same figure as local mode
+  shown = PrivacyBudget(schedule(), 'central', 2.0, 1e-5, 'pld', hides_participants=False)
+  assert shown.epsilon(50) == local.epsilon(50)
 
 
 def test_calibration_reaches_the_target_epsilon():
@@ -171,10 +175,22 @@ def test_settings_the_accountant_cannot_bound_or_lacking_noise_are_refused_namin
   cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1.0, dp_accountant='pld')
   with pytest.raises(ConfigError, match="--dp_accountant='pld'.*Poisson.*--join_ratio=1"):
     private_algorithm(cfg, make_algorithm(cfg, tiny_data()), 4)
-  with pytest.raises(ConfigError, match='DPConfig.parts=.*names no part.*rep, label, weight'):
-    privatize_upload({'rep': jnp.ones(2), 'label': jnp.ones(2), 'weight': jnp.ones(1)}, None,
-                     UploadPrivacy(public=('label', 'weight')), DPConfig('local', 1.0, 1.0, parts=('reps',)), KEY,
-                     'fedre')
+  with pytest.raises(ConfigError, match='--dp_noise_multiplier, --dp_target_epsilon and --dp_parts act only under'):
+    dataclasses.replace(CFG, dp_target_epsilon=3.0)  # without --dp_mode: refused, not ignored
+  fedre_ = make_algorithm(CFG, tiny_data())
+  with pytest.raises(ConfigError, match='fedre has no public upload part reps; .* label, weight'):
+    privatize(fedre_, DPConfig('local', 1.0, 1.0, parts=('reps',)))  # a typo is not dropped
+  fedproto_ = make_algorithm(dataclasses.replace(CFG, algorithm='fedproto'), tiny_data())
+  with pytest.raises(ConfigError, match='reads from its public parts which entries each client holds'):
+    privatize(fedproto_, DPConfig('central', 1.0, 1.0, parts=('counts',)))
+  with pytest.raises(ConfigError, match="uploads 'row_labels' as int32, which Gaussian noise cannot protect"):
+    privatize_upload({'rows': jnp.ones(2), 'row_labels': jnp.ones(2, jnp.int32)}, None, UploadPrivacy(),
+                     DPConfig('local', 1.0, 1.0), KEY, 'velo')
+  # --dp_parts adds a public part to the private ones: FedRE's label is clipped with its representation
+  both = privatize_upload({'rep': jnp.array([3., 0.]), 'label': jnp.array([0., 4.]), 'weight': jnp.ones(1)}, None,
+                          UploadPrivacy(public=('label', 'weight')), DPConfig('central', 1.0, 1.0, parts=('label',)),
+                          KEY, 'fedre')
+  np.testing.assert_allclose(jnp.concatenate([both['rep'], both['label']]), [0.6, 0., 0., 0.8], rtol=1e-6)
 
 
 # ---------------------------------------------------------------- runs

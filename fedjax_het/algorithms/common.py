@@ -209,7 +209,7 @@ def cosine_similarity(a: jnp.ndarray, b: jnp.ndarray, eps: float = 1e-8) -> jnp.
 
 def class_means_privacy(part: str, aggregate: str = 'sum') -> UploadPrivacy:
   """The DP view of an upload {part: [C, ...] per-class means, 'counts': [C] rows per class}: the means are the
-  client's contribution, and of each class only a holder's (counts > 0) count, when the server averages each class
-  over its holders ('sum'; 'records' for a server that trains on each upload). The counts are public: they leak
-  which classes a client holds, and how many rows of each (docs/privacy.md)."""
+  client's contribution; a client contributes to the classes it holds (counts > 0), each averaged over its holders
+  by the server ('sum'; 'records' for a server that trains on each upload). The counts are public: they leak which
+  classes a client holds, and how many rows of each (docs/privacy.md)."""
   return UploadPrivacy(public=('counts',), holds=lambda u: {part: (u['counts'] > 0)[:, None]}, aggregate=aggregate)

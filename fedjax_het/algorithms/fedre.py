@@ -148,7 +148,8 @@ def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
     sent = jnp.sum(upload['weight'] > 0)
     return {'representation': sent * upload['rep'].shape[-1], 'label': sent * num_classes}
 
-  # DP: the representation is the client's contribution; its label encoding too with --dp_parts=rep,label; the
-  # server trains its head on each upload ('records'). The row weight only marks a client that has rows.
+  # DP: the representation is the client's contribution; its label encoding too with --dp_parts=label; the server
+  # trains its head on each of a fixed number of uploads ('records'). The row weight only marks a client with rows.
   return one_phase('fedre', initial_head, client, server_update, global_head_evaluation,
-                   upload_scalars=upload_scalars, upload_privacy=UploadPrivacy(public=('label', 'weight')))
+                   upload_scalars=upload_scalars,
+                   upload_privacy=UploadPrivacy(public=('label', 'weight'), hides_participants=True))

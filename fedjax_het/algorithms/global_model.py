@@ -61,8 +61,9 @@ def upload_global_model(client: ClientState, rows, broadcast, key) -> dict:
 
 
 # DP's view of a global-model upload: the delta from the broadcast global model is clipped; the server averages
-# every group's copies
-GLOBAL_MODEL_PRIVACY = UploadPrivacy(reference=lambda b: {'global_model': b['global_model']}, aggregate='sum')
+# the copies of all participants
+GLOBAL_MODEL_PRIVACY = UploadPrivacy(reference=lambda b: {'global_model': b['global_model']}, aggregate='sum',
+                                     hides_participants=True)
 
 
 def average_global_models(server, uploads, key):

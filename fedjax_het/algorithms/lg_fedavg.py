@@ -28,6 +28,7 @@ def lg_fedavg(num_classes: int) -> Algorithm:
     u = concat_groups(uploads)
     return {'head': participant_average(u.values['head'], u.mask * u.num_train, server['head'])}, {}
 
-  # DP: the head's delta from the global head is clipped; the server averages every group's heads
+  # DP: the head's delta from the global head is clipped; the server averages the heads of all participants
   return one_phase('lg_fedavg', initial_head, client, server_update, global_head_evaluation, partial_batches=True,
-                   upload_privacy=UploadPrivacy(reference=lambda b: {'head': b['head']}, aggregate='sum'))
+                   upload_privacy=UploadPrivacy(reference=lambda b: {'head': b['head']}, aggregate='sum',
+                                                hides_participants=True))

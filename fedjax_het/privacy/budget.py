@@ -5,13 +5,14 @@ Each round that uploads releases every participant's clipped contribution throug
 differ in one client replaced by another: the contribution's L2 sensitivity is 2C against noise sigma * C, a
 Gaussian of noise multiplier sigma / 2 in dp-accounting's terms.
 
-- central: an observer of what the server releases does not know who was drawn, so each round is the Gaussian
+- central, for a method whose releases hide who took part (`UploadPrivacy.hides_participants`: FedRE, LG-FedAvg,
+  FML, FedMRL): an observer of what the server releases does not know who was drawn, so each round is the Gaussian
   subsampled without replacement (n of N; Wang, Balle & Kasiviswanathan 2019), composed over the rounds with the
   RDP accountant (dp-accounting accounts sampling without replacement only with RDP). A round in which every client
   joins is the plain Gaussian.
-- local: the server sees who sent what, so nothing is gained from sampling: a client's uploads compose over the
-  rounds it joins (the most of any client, known from the seeded draw), T Gaussians of multiplier s being one of
-  multiplier s / sqrt(T). RDP or PLD.
+- local, and central for every other method (a per-group or per-class mean shows who was drawn): nothing is gained
+  from sampling: a client's uploads compose over the rounds it joins (the most of any client, known from the
+  seeded draw), T Gaussians of multiplier s being one of multiplier s / sqrt(T). RDP or PLD.
 
 Epsilon is a function of the round count, which a checkpoint holds, so a resumed run reports what an uninterrupted
 one does. Every round of a run counts, including one whose phase uploads nothing private (an upper bound).
@@ -42,10 +43,10 @@ def round_event(num_clients: int, num_join: int, noise_multiplier: float) -> dp_
   return dp_accounting.SampledWithoutReplacementDpEvent(num_clients, num_join, gaussian)
 
 
-def local_event(participations: int, noise_multiplier: float) -> dp_accounting.DpEvent:
-  """`participations` releases of a client's contribution without sampling (local mode; central rounds that every
-  client joins): Gaussians of multiplier sigma / 2, composed exactly as one of multiplier
-  sigma / (2 sqrt(participations))."""
+def unsampled_event(participations: int, noise_multiplier: float) -> dp_accounting.DpEvent:
+  """`participations` releases of a client's contribution with nothing gained from sampling (local mode; central
+  rounds that every client joins, or whose releases show who took part): Gaussians of multiplier sigma / 2,
+  composed exactly as one of multiplier sigma / (2 sqrt(participations))."""
   if participations == 0:
     return dp_accounting.NoOpDpEvent()
   return dp_accounting.GaussianDpEvent(noise_multiplier / (2 * math.sqrt(participations)))
@@ -53,20 +54,25 @@ def local_event(participations: int, noise_multiplier: float) -> dp_accounting.D
 
 @dataclasses.dataclass(frozen=True)
 class PrivacyBudget:
-  """The privacy a run of `schedule` spends: mode 'central' or 'local', sigma, delta and the accountant."""
+  """The privacy a run of `schedule` spends: mode 'central' or 'local', sigma, delta, the accountant, and whether
+  the method's releases hide who took part (`UploadPrivacy.hides_participants`: central rounds amplified by the
+  draw)."""
   schedule: Schedule
   mode: str
   noise_multiplier: float
   delta: float
   accountant: str = 'rdp'
+  hides_participants: bool = True
 
   def __post_init__(self):
+    if self.mode not in ('central', 'local'):
+      raise ConfigError(f'PrivacyBudget.mode={self.mode!r} must be \'central\' or \'local\'.')
     if self.accountant not in ACCOUNTANTS:
       raise ConfigError(f'PrivacyBudget.accountant={self.accountant!r} must be one of {", ".join(ACCOUNTANTS)}.')
     if not 0 < self.delta < 1:
       raise ConfigError(f'PrivacyBudget.delta={self.delta} must be in (0, 1); a common choice is below 1 / clients '
                         f'({1 / self.schedule.num_clients:.3g} here).')
-    if self.mode == 'central' and self.accountant == 'pld' and any(
+    if self.sampled and self.accountant == 'pld' and any(
         self.schedule.num_join(r) < self.schedule.num_clients for r in range(self.schedule.total_rounds)):
       raise ConfigError('PrivacyBudget.accountant=\'pld\': dp-accounting\'s PLD accountant bounds Poisson sampling '
                         'only, and this run draws a fixed number of clients per round (--join_ratio < 1), which '
@@ -76,14 +82,19 @@ class PrivacyBudget:
   def event(self, rounds: int) -> dp_accounting.DpEvent:
     """What the first `rounds` rounds release about one client (dp-accounting's event); the rounds in which every
     client joins compose exactly into one Gaussian."""
-    if self.mode == 'local':
-      return local_event(self.participations(rounds), self.noise_multiplier)
+    if not self.sampled:
+      return unsampled_event(self.participations(rounds), self.noise_multiplier)
     everyone = sum(k for n, k in self.draws(rounds) if n >= self.schedule.num_clients)
     events = [dp_accounting.SelfComposedDpEvent(round_event(self.schedule.num_clients, n, self.noise_multiplier), k)
               for n, k in self.draws(rounds) if n < self.schedule.num_clients]
     if everyone:
-      events.append(local_event(everyone, self.noise_multiplier))
+      events.append(unsampled_event(everyone, self.noise_multiplier))
     return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
+
+  @property
+  def sampled(self) -> bool:
+    """Whether rounds count as Gaussians on a random sample (central mode, participants hidden)."""
+    return self.mode == 'central' and self.hides_participants
 
   def draws(self, rounds: int) -> list[tuple[int, int]]:
     """(clients drawn, rounds) of each stretch of the first `rounds` rounds with one sample size."""
@@ -107,7 +118,7 @@ class PrivacyBudget:
     """Epsilon at `delta` after the first `rounds` rounds."""
     if rounds == 0:
       return 0.0
-    if self.mode == 'central' and self.accountant == 'rdp':  # fast: one RDP curve per sample size, summed
+    if self.sampled and self.accountant == 'rdp':  # fast: one RDP curve per sample size, summed
       curve = sum(k * _round_rdp(self.schedule.num_clients, n, self.noise_multiplier) for n, k in self.draws(rounds))
       return float(rdp.rdp_privacy_accountant.compute_epsilon(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS,
                                                               curve, self.delta)[0])
@@ -116,7 +127,7 @@ class PrivacyBudget:
       return 0.0
     if self.accountant == 'pld' and isinstance(event, dp_accounting.GaussianDpEvent):
       return gaussian_epsilon(event.noise_multiplier, self.delta)
-    acc = make_accountant(self.accountant, self.mode == 'central')
+    acc = make_accountant(self.accountant, self.sampled)
     acc.compose(event)
     return float(acc.get_epsilon(self.delta))
 
@@ -162,5 +173,5 @@ def calibrate(budget: PrivacyBudget, target_epsilon: float) -> float:
     return float(dp_accounting.get_sigma_gaussian(target_epsilon, budget.delta) / unit.noise_multiplier)
   make_event = lambda sigma: dataclasses.replace(budget, noise_multiplier=float(sigma)).event(rounds)
   return float(dp_accounting.calibrate_dp_mechanism(
-      lambda: make_accountant('rdp', budget.mode == 'central'), make_event, target_epsilon, budget.delta,
+      lambda: make_accountant('rdp', budget.sampled), make_event, target_epsilon, budget.delta,
       dp_accounting.LowerEndpointAndGuess(1e-2, 1.0), tol=1e-4))

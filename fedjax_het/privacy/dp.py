@@ -2,8 +2,9 @@
 the `Algorithm` whose clients clip their contribution and whose uploads carry Gaussian noise, in optax's style (a
 transformation of the method, not an option inside it).
 
-A client's contribution is the private parts of its upload (`core.UploadPrivacy`: every floating part but the
-method's public ones, or those --dp_parts names), measured from the broadcast where the method says the part is a
+A client's contribution is the private parts of its upload (`core.UploadPrivacy`: every part but the method's
+public ones, and those of them --dp_parts adds; a part that is not floating point cannot take the noise, and is
+refused), measured from the broadcast where the method says the part is a
 model it received (the model delta, as DP-FedAvg clips it). It is clipped to L2 norm C, as one vector (the client's
 set of class prototypes, its entangled representation, its logit table, its model delta) or, with
 `clip_parts='each'`, each part to C / sqrt(P) so that the whole stays within C. Noise N(0, sigma^2 C^2):
@@ -18,7 +19,7 @@ Under DP every server step weighs participants equally (the sample counts used a
 sampling is the engine's, a fixed number of clients per round, so neighbouring federations replace one client (the
 sensitivity of a clipped contribution is 2C; `privacy.budget` accounts it so). What is not protected: parts a
 method declares public (FedProto's and FD's per-class counts: which classes a client holds), the participant set
-(the server draws it), and the evaluation (a simulation's measurement, not part of the protocol).
+(the server draws it), and what a simulation measures beside the protocol (evaluation, the training loss).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ _DP_STREAM = 0x44502D  # folded into a client's or the server's key: noise draws
 class DPConfig:
   """mode: 'off', 'central' or 'local'; clip: the L2 bound C of a client's contribution; noise_multiplier: sigma
   (the noise's standard deviation is sigma * C); clip_parts: 'whole' (the contribution as one vector) or 'each'
-  (each part to C / sqrt(parts)); parts: the upload parts that are private (empty: every floating part but the
-  method's public ones)."""
+  (each part to C / sqrt(parts)); parts: public parts of the method's upload made private too (FedRE's label);
+  every other part is private already."""
   mode: str = 'off'
   clip: float = 1.0
   noise_multiplier: float = 0.0
@@ -69,20 +70,21 @@ class DPConfig:
 
 
 def private_parts(upload: Any, declared: UploadPrivacy, dp: DPConfig, where: str) -> tuple:
-  """The top-level parts of `upload` that are a client's contribution (every part of an upload that is not a dict:
-  ('all',)); a ConfigError when `dp.parts` names none of the parts an upload has that carry data."""
-  if not isinstance(upload, dict):
-    return ('all',) if jax.tree.leaves(upload) else ()
-  floating = [k for k, v in upload.items()
-              if any(jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating) for a in jax.tree.leaves(v))]
-  if not dp.parts:
-    return tuple(k for k in floating if k not in declared.public)
-  chosen = tuple(k for k in dp.parts if k in upload)
-  if not chosen and any(k not in declared.public for k in floating):
-    raise ConfigError(f'DPConfig.parts={list(dp.parts)} names no part of the upload of {where} (its parts: '
-                      f'{", ".join(upload)}; public: {", ".join(declared.public) or "none"}). Fix: '
-                      f'DPConfig.parts from those, or empty for every part but the public ones.')
-  return chosen
+  """The top-level parts of `upload` that are a client's contribution: every part but the method's public ones,
+  and the public ones `dp.parts` adds (the whole upload, ('all',), when it is not a dict). A ConfigError for one
+  that is not floating point (labels, counts): Gaussian noise cannot protect it."""
+  parts = upload if isinstance(upload, dict) else {'all': upload}
+  names = tuple(k for k, v in parts.items()
+                if (k not in declared.public or k in dp.parts) and jax.tree.leaves(v))
+  for k in names:
+    kinds = {str(jnp.asarray(a).dtype) for a in jax.tree.leaves(parts[k])
+             if not jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating)}
+    if kinds:
+      raise ConfigError(f'DPConfig.mode={dp.mode!r}: {where} uploads {k!r} as {", ".join(sorted(kinds))}, which '
+                        f'Gaussian noise cannot protect, so this method does not run under DP. Fix: '
+                        f'DPConfig.mode=\'off\' (or, where that part carries no data, declare it public in the '
+                        f'method\'s UploadPrivacy).')
+  return names
 
 
 def _as_parts(upload: Any) -> dict:
@@ -135,9 +137,6 @@ def central_noise(uploads: tuple, declared: UploadPrivacy, dp: DPConfig, key: ja
   ('records'), or, for a server that reads them only through sums over the holders of each entry (across groups for
   'sum', within each for 'group_sum'), shares N(0, sigma^2 C^2 / h) on each of the h holders, so that each sum
   carries N(0, sigma^2 C^2) once."""
-  if declared.aggregate not in AGGREGATES:
-    raise ConfigError(f'UploadPrivacy.aggregate={declared.aggregate!r} ({where}) must be one of '
-                      f'{", ".join(AGGREGATES)}.')
   one = jax.tree.map(lambda a: a[0], uploads[0].values)
   names = private_parts(one, declared, dp, where)
   if not names:
@@ -205,5 +204,19 @@ def privatize(algorithm: Algorithm, dp: Optional[DPConfig]) -> Algorithm:
     raise ConfigError(f'DPConfig.noise_multiplier={dp.noise_multiplier}: with mode {dp.mode!r} the noise must be '
                       f'positive, or epsilon is infinite. Fix: a positive DPConfig.noise_multiplier, or a target '
                       f'epsilon to calibrate it (--dp_target_epsilon).')
+  declared = algorithm.upload_privacy
+  if declared.aggregate not in AGGREGATES:
+    raise ConfigError(f'UploadPrivacy.aggregate={declared.aggregate!r} ({algorithm.name}) must be one of '
+                      f'{", ".join(AGGREGATES)}.')
+  unknown = [p for p in dp.parts if p not in declared.public]
+  if unknown:
+    raise ConfigError(f'DPConfig.parts={",".join(dp.parts)}: {algorithm.name} has no public upload part '
+                      f'{", ".join(unknown)}; the parts this flag can add to the private ones are '
+                      f'{", ".join(declared.public) or "none"} (every other part is private already). Fix: '
+                      f'DPConfig.parts from those, or empty.')
+  if dp.parts and declared.holds is not None:
+    raise ConfigError(f'DPConfig.parts={",".join(dp.parts)}: {algorithm.name}\'s server reads from its public '
+                      f'parts which entries each client holds, one upload at a time, so they stay public (stated in '
+                      f'docs/privacy.md). Fix: DPConfig.parts empty.')
   phases = tuple(_private_phase(phase, algorithm, dp) for phase in algorithm.phases)
-  return dataclasses.replace(algorithm, name=algorithm.name, phases=phases)
+  return dataclasses.replace(algorithm, phases=phases)

@@ -43,26 +43,28 @@ def epsilon_folder(epsilon: float) -> str:
 
 
 def run_tradeoff(base: ExperimentConfig, mode: str, algorithms: Sequence[str], epsilons: Sequence[float],
-                 seeds: Sequence[int], workdir: str, progress: bool = True, baselines: Sequence[str] = ()
-                 ) -> list[TradeoffPoint]:
-  """Runs (or reuses, or resumes) every method of `base` at every target epsilon in DP `mode` (inf: without DP)
-  and every seed; each finite epsilon calibrates the noise to the whole run (--dp_target_epsilon). `baselines` run
-  without DP only (e.g. 'local', which uploads nothing: the accuracy no knowledge from others gives)."""
+                 seeds: Sequence[int], workdir: str, progress: bool = True, baselines: Sequence[str] = (),
+                 parts: Sequence[str] = ()) -> list[TradeoffPoint]:
+  """Runs (or reuses, or resumes) every method of `base` (a config without DP) at every target epsilon in DP
+  `mode` with `parts` (--dp_parts; inf: without DP) and every seed; each finite epsilon calibrates the noise to the
+  whole run (--dp_target_epsilon). `baselines` run without DP only (e.g. 'local', which uploads nothing: the
+  accuracy no knowledge from others gives)."""
   if mode not in ('central', 'local'):
     raise ConfigError(f'--dp_mode={mode}: the trade-off needs the mode its finite epsilons run in. Fix: '
                       f'--dp_mode=central or --dp_mode=local.')
+  if base.dp_mode != 'off':
+    raise ConfigError('run_tradeoff: its base config runs without DP (each point sets its own). Fix: '
+                      'ExperimentConfig.dp_mode=\'off\'.')
   if not epsilons or any(not (e > 0) for e in epsilons):
     raise ConfigError(f'--epsilons={list(epsilons)} must be positive numbers (inf: without DP).')
   points = []
   for epsilon in epsilons:
-    cfg = (dataclasses.replace(base, dp_mode='off', dp_noise_multiplier=0.0, dp_target_epsilon=0.0)
-           if math.isinf(epsilon) else dataclasses.replace(base, dp_mode=mode, dp_noise_multiplier=0.0,
-                                                           dp_target_epsilon=epsilon))
+    cfg = (base if math.isinf(epsilon) else dataclasses.replace(base, dp_mode=mode, dp_noise_multiplier=0.0,
+                                                                 dp_target_epsilon=epsilon, dp_parts=parts))
     results = run_comparison(cfg, algorithms, seeds, os.path.join(workdir, epsilon_folder(epsilon)), progress)
     points += [TradeoffPoint(r.algorithm, epsilon, r) for r in results]
   if baselines:
-    cfg = dataclasses.replace(base, dp_mode='off', dp_noise_multiplier=0.0, dp_target_epsilon=0.0)
-    results = run_comparison(cfg, baselines, seeds, os.path.join(workdir, epsilon_folder(math.inf)), progress)
+    results = run_comparison(base, baselines, seeds, os.path.join(workdir, epsilon_folder(math.inf)), progress)
     points += [TradeoffPoint(r.algorithm, math.inf, r) for r in results]
   return points
 
