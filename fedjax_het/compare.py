@@ -111,7 +111,7 @@ def _mean_std(values: Sequence[float], scale: float = 100.0) -> str:
   return f'{v.mean():.2f} +- {v.std():.2f}'
 
 
-def diverged(summaries: Sequence[dict]) -> str:
+def diverged_note(summaries: Sequence[dict]) -> str:
   """' (k diverged)' when k of the runs ended with a NaN/inf loss (their final accuracy is their last model's)."""
   k = sum(1 for s in summaries if s.get('diverged_round'))
   return f' ({k} diverged)' if k else ''
@@ -130,7 +130,7 @@ def comparison_table(results: Sequence[MethodResult]) -> str:
     down = np.mean([s['broadcast_scalars_per_round'] for s in r.summaries])
     lines.append(f'| {r.algorithm} | {_mean_std([s["final_accuracy"] for s in r.summaries])} | '
                  f'{_mean_std([s["best_accuracy"] for s in r.summaries])} | {up:,.0f} / {down:,.0f} | '
-                 f'{len(r.summaries)}{diverged(r.summaries)} |')
+                 f'{len(r.summaries)}{diverged_note(r.summaries)} |')
   if any(s.get('best_accuracy_per_architecture_mean') is not None for r in results for s in r.summaries):
     lines += ['', '| method | mean over architectures of each one\'s best-round accuracy (%) |', '|---|---|']
     lines += [f'| {r.algorithm} | {_mean_std([s["best_accuracy_per_architecture_mean"] for s in r.summaries])} |'

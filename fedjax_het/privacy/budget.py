@@ -84,9 +84,10 @@ class PrivacyBudget:
     client joins compose exactly into one Gaussian."""
     if not self.sampled:
       return unsampled_event(self.participations(rounds), self.noise_multiplier)
-    everyone = sum(k for n, k in self.draws(rounds) if n >= self.schedule.num_clients)
+    draws = self.draws(rounds)
+    everyone = sum(k for n, k in draws if n >= self.schedule.num_clients)
     events = [dp_accounting.SelfComposedDpEvent(round_event(self.schedule.num_clients, n, self.noise_multiplier), k)
-              for n, k in self.draws(rounds) if n < self.schedule.num_clients]
+              for n, k in draws if n < self.schedule.num_clients]
     if everyone:
       events.append(unsampled_event(everyone, self.noise_multiplier))
     return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
@@ -109,10 +110,23 @@ class PrivacyBudget:
 
   def participations(self, rounds: int) -> int:
     """The most rounds any one client joins among the first `rounds` (the seeded draw of `Schedule`)."""
+    most = self._most_joins
+    if rounds < len(most):
+      return int(most[rounds])
     counts = np.zeros(self.schedule.num_clients, int)
     for r in range(rounds):
       counts[self.schedule.participants(r)] += 1
-    return int(counts.max()) if rounds else 0
+    return int(counts.max())
+
+  @functools.cached_property
+  def _most_joins(self) -> np.ndarray:
+    """[r]: the most rounds any one client joins among the first r, for r up to the run's length (drawn once, not
+    again at every round's epsilon)."""
+    counts, most = np.zeros(self.schedule.num_clients, int), [0]
+    for r in range(self.schedule.total_rounds):
+      counts[self.schedule.participants(r)] += 1
+      most.append(int(counts.max()))
+    return np.asarray(most)
 
   def epsilon(self, rounds: int) -> float:
     """Epsilon at `delta` after the first `rounds` rounds."""

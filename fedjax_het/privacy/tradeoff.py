@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from fedjax_het.compare import MethodResult, diverged, run_comparison
+from fedjax_het.compare import MethodResult, diverged_note, run_comparison
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
 from fedjax_het.plots import save_line_plot
@@ -82,7 +82,8 @@ def tradeoff_table(points: Sequence[TradeoffPoint]) -> str:
       cells.append(f'{acc.mean():.2f} +- {acc.std():.2f}' if acc is not None else '')
     seeds = len(next(p for p in points if p.algorithm == algorithm).result.summaries)
     lines.append(f'| {algorithm} | ' + ' | '.join(cells) + f' | {seeds} |')
-  gone = [(p.algorithm, p.epsilon, diverged(p.result.summaries)) for p in points if diverged(p.result.summaries)]
+  gone = [(p.algorithm, p.epsilon, diverged_note(p.result.summaries)) for p in points
+          if diverged_note(p.result.summaries)]
   if gone:
     lines += ['', 'Diverged (NaN/inf loss; counted with the accuracy of their last model): ' + '; '.join(
         f'{a} at {"no DP" if math.isinf(e) else f"epsilon {e:g}"}{d}' for a, e, d in gone) + '.']
