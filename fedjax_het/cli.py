@@ -58,6 +58,12 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_bool('balance', _D.balance, 'Equal class shares for --partition=pathological.')
   f.DEFINE_float('imbalance_factor', _D.imbalance_factor, 'Long-tail imbalance factor IF applied to the pool before '
                  'partitioning (1: off; FedRE Table 3 uses 100 and 50 with alpha 0.07).')
+  f.DEFINE_integer('public_size', _D.public_size, 'The server\'s public dataset (FedMD, FedDF): this many training '
+                   'rows held out of every client\'s data (Felo\'s FedMD: 10 %% of CIFAR-10, 5000), or with '
+                   '--public_dataset that many of its rows (0: all).')
+  f.DEFINE_string('public_dataset', _D.public_dataset, 'Another dataset as the public one (a --dataset name; GeFL\'s '
+                  'FedDF: svhn_cropped for MNIST, cifar10 for FMNIST, cifar100 for CIFAR-10), resized and its '
+                  'channels matched to the clients\' images. Empty: held out of --dataset (--public_size).')
   f.DEFINE_enum('eval_protocol', _D.eval_protocol, ['pooled', 'global'],
                 'pooled: merged pool, per-client 75/25 split (HtFLlib). global: score on the global test set.')
   f.DEFINE_float('train_fraction', None, 'Share of each client\'s samples used for training, the rest its local test '

@@ -25,6 +25,7 @@ FLAGS_OF_ARGUMENTS = {
     'ExecutionConfig.client_mesh=None': '--num_devices=1', 'ExecutionConfig.client_mesh=': '--num_devices=',
     'client_mesh.num_devices': '--num_devices',
     "ExecutionConfig.strategy='vmap'": '--strategy=vmap', 'ExecutionConfig.*': '',
+    'Dataset.matching': '--public_dataset',
     'DPConfig.mode': '--dp_mode', 'DPConfig.clip_parts': '--dp_clip_parts', 'DPConfig.clip': '--dp_clip',
     'DPConfig.noise_multiplier': '--dp_noise_multiplier', 'DPConfig.parts': '--dp_parts',
     'PrivacyBudget.accountant': '--dp_accountant', 'PrivacyBudget.delta': '--dp_delta',
@@ -54,6 +55,10 @@ class ExperimentConfig:
   classes_per_client: int = 2
   balance: bool = False
   imbalance_factor: float = 1.0
+  # The server's public dataset of FedMD and FedDF: public_size rows held out of the training rows before they
+  # are partitioned, or (public_dataset set) rows of another dataset, matched to the clients' image shape.
+  public_size: int = 0
+  public_dataset: str = ''
   eval_protocol: str = 'pooled'
   train_fraction: Optional[float] = None
   num_clients: int = 10
@@ -111,7 +116,7 @@ class ExperimentConfig:
   def _check_run_settings(self):
     """The checks of the fields only a run has (the local training, models and execution records check theirs
     when built); a bad value fails as the config is made, before any data is loaded."""
-    for name in ('rounds', 'checkpoint_every', 'local_steps'):
+    for name in ('rounds', 'checkpoint_every', 'local_steps', 'public_size'):
       if getattr(self, name) < 0:
         raise ConfigError(f'--{name}={getattr(self, name)} must be >= 0.')
     for name in ('eval_every', 'num_clients'):

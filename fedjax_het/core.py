@@ -77,10 +77,14 @@ class Stage(NamedTuple):
   max(1, n // batch_size) steps per epoch for a client of n rows; otherwise epochs of the client's real rows (or of
   the program's generated rows, `LocalTraining.rows`) as `ClientProgram.training` schedules them. (The broadcast
   is an argument rather than part of the carry so that vmapped clients share one copy.)
+  training: the stage's own schedule (None: the program's `ClientProgram.training`), e.g. FedMD's digest over the
+  server's P public rows, `LocalTraining(rows=P, ...)`: every client then takes epochs * (P // B) steps whose
+  `Batch.index` names public rows, under the stage's own batch size and --local_steps cap.
   """
   step: Callable[[Any, Batch, Any, jax.Array], tuple[Any, jnp.ndarray]]
   epochs: int
   generated: bool = False
+  training: Optional[LocalTraining] = None
 
 
 class ClientProgram(NamedTuple):
@@ -159,7 +163,8 @@ class ModelMaker(Protocol):
 class GroupSpec:
   """What an algorithm knows about one architecture group. model: the group's classifier (a flax module with
   `represent` and `head`, `models.classifier.HeteroClassifier`); maker: how the run builds and initialises
-  modules (`build_model`, `init_module`, `shared_key`)."""
+  modules (`build_model`, `init_module`, `shared_key`); group_models: every group's classifier in group order (a
+  program that runs the other groups' models reads them: AvgKD's teachers)."""
   index: int
   arch: str
   model: Any
@@ -171,6 +176,7 @@ class GroupSpec:
   maker: ModelMaker
   rm: str = 'ap'
   conv: str = 'xla'
+  group_models: tuple = ()
 
   def build_model(self, arch: str, feature_dim: Optional[int] = None) -> Any:
     """A registered architecture built the way this run builds its clients' (RM, convolutions), with RM to
@@ -215,7 +221,9 @@ class Phase:
   client(group) -> the `ClientProgram` of that group's clients; server_update(server, uploads, key) -> (server,
   metrics), uploads a tuple of `Uploads`, one per group; broadcast(server, group) -> what that group's
   participants receive. rounds: how many (None: the rest of the run); join_ratio: participation (None: the run's);
-  evaluate: whether the run's evaluation schedule applies in this phase.
+  evaluate: whether the run's evaluation schedule applies in this phase. server_of_spec: server_update is
+  (spec: FederationSpec) -> the server step, for a server that runs the groups' classifiers (FedDF distils into
+  them); `server_step` gives the step either way.
   """
   name: str
   client: Callable[[GroupSpec], ClientProgram]
@@ -224,6 +232,12 @@ class Phase:
   rounds: Optional[int] = None
   join_ratio: Optional[float] = None
   evaluate: bool = True
+  server_of_spec: bool = False
+
+
+def server_step(phase: Phase, spec: FederationSpec) -> Callable[..., tuple[ServerState, dict]]:
+  """The phase's server step (server, uploads, key) -> (server, metrics) in the federation `spec`."""
+  return phase.server_update(spec) if phase.server_of_spec else phase.server_update
 
 
 class UploadPrivacy(NamedTuple):

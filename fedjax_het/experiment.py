@@ -55,7 +55,8 @@ def make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> Algorithm:
 
 def _make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> tuple[Algorithm, Run]:
   run = Run(data.num_classes, cfg.num_clients, cfg.rounds, cfg.feature_dim, cfg.batch_size, cfg.local_learning_rate,
-            lambda: data.loader_label_counts(cfg.batch_size, cfg.data_order == 'stored' and cfg.drop_last))
+            lambda: data.loader_label_counts(cfg.batch_size, cfg.data_order == 'stored' and cfg.drop_last),
+            data.public)
   with flags_named():
     return method(cfg.algorithm).algorithm(cfg.methods[cfg.algorithm], run), run
 
@@ -70,9 +71,15 @@ def _build(cfg: ExperimentConfig) -> tuple[Federation, Run, Optional['PrivacyBud
   dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
   dataset = dataset.subsampled(cfg.data_fraction, cfg.seed).resized(cfg.image_size)
   dataset = dataset.normalized(cfg.input_normalization)
-  data = make_federated_data(dataset, cfg.num_clients, cfg.partition, cfg.seed, cfg.eval_protocol,
-                             alpha=cfg.alpha, classes_per_client=cfg.classes_per_client, balance=cfg.balance,
-                             imbalance_factor=cfg.imbalance_factor, train_fraction=cfg.train_fraction)
+  public = None
+  if cfg.public_dataset:
+    public = load_dataset(cfg.public_dataset, cfg.data_dir, seed=cfg.seed).matching(dataset.image_shape)
+    public = public.normalized(cfg.input_normalization)
+  with flags_named():
+    data = make_federated_data(dataset, cfg.num_clients, cfg.partition, cfg.seed, cfg.eval_protocol,
+                               alpha=cfg.alpha, classes_per_client=cfg.classes_per_client, balance=cfg.balance,
+                               imbalance_factor=cfg.imbalance_factor, train_fraction=cfg.train_fraction,
+                               public_size=cfg.public_size, public_dataset=public)
   algorithm, run = _make_algorithm(cfg, data)
   algorithm, budget = private_algorithm(cfg, algorithm, data.num_clients)
   with flags_named():

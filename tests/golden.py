@@ -4,8 +4,8 @@ a digest of its final state (sums of absolute values of the client and server le
 import jax
 import numpy as np
 
-from fedjax_het.algorithms import (CCVRConfig, FedGenConfig, FedKDConfig, FedMRLConfig, FedTGPConfig, FedVTCConfig,
-                                   GeFLConfig, GeFLFConfig, VeloConfig)
+from fedjax_het.algorithms import (CCVRConfig, FedDFConfig, FedGenConfig, FedKDConfig, FedMDConfig, FedMRLConfig,
+                                   FedTGPConfig, FedVTCConfig, GeFLConfig, GeFLFConfig, VeloConfig)
 from fedjax_het.algorithms.fml import FMLConfig
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.data import make_federated_data, make_synthetic
@@ -13,7 +13,8 @@ from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelC
 from fedjax_het.experiment import make_algorithm
 
 METHODS = ['fedre', 'local', 'fedavg', 'lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen', 'fml', 'fedkd',
-           'fedmrl', 'fpl', 'ccvr', 'fedprox', 'fedhe', 'felo', 'velo', 'fedvtc', 'gefl', 'gefl_f', 'lg_fedavg_fb']
+           'fedmrl', 'fpl', 'ccvr', 'fedprox', 'fedhe', 'felo', 'velo', 'fedvtc', 'gefl', 'gefl_f', 'lg_fedavg_fb',
+           'fedmd', 'feddf', 'avgkd']
 TINY = dict(methods=dict(fedtgp=FedTGPConfig(server_epochs=2),
                          fedgen=FedGenConfig(server_epochs=2, generator_learning_rate=0.005),
                          fml=FMLConfig(global_model='small_cnn_narrow'),
@@ -26,25 +27,29 @@ TINY = dict(methods=dict(fedtgp=FedTGPConfig(server_epochs=2),
                          gefl=GeFLConfig(generator='dcgan', ka_rounds=2, generator_epochs=1, width=4,
                                          mode='update'),
                          gefl_f=GeFLFConfig(generator='cvae', fe_rounds=1, ka_rounds=1, generator_epochs=1,
-                                            warmup_epochs=1, width=4, latent=3)),
+                                            warmup_epochs=1, width=4, latent=3),
+                         fedmd=FedMDConfig(transfer_public_epochs=1, transfer_private_epochs=1, digest_batch_size=8),
+                         feddf=FedDFConfig(server_steps=4, server_batch_size=8)),
             feature_dim=16, num_clients=6,
             batch_size=8, local_learning_rate=0.05, rounds=2)
 
 
 # Methods whose federation differs from the tiny one: FedVTC's decoder needs g to end in Linear(L, p) (--rm=fc)
 # of the VTC latent's width (80 on 8x8 images);
-# GeFL's generators emit 32x32 images and GeFL-F and lg_fedavg_fb split GeFL's CNNs. Each multi-phase method's
+# GeFL's generators emit 32x32 images and GeFL-F and lg_fedavg_fb split GeFL's CNNs; FedMD and FedDF distil on 40
+# public rows held out of the pool. Each multi-phase method's
 # run crosses every phase boundary (its rounds are the phases' total).
 FEDERATIONS = {'fedvtc': dict(rm='fc', feature_dim=80),
                'gefl': dict(image=32, models=('gefl_mnist_cnn1', 'gefl_mnist_cnn2'), rm='none'),
                'gefl_f': dict(image=32, models=('gefl_fmnist_cnn1', 'gefl_fmnist_cnn2'), rm='fc'),
-               'lg_fedavg_fb': dict(image=32, models=('gefl_mnist_cnn1', 'gefl_mnist_cnn2'), rm='none')}
+               'lg_fedavg_fb': dict(image=32, models=('gefl_mnist_cnn1', 'gefl_mnist_cnn2'), rm='none'),
+               'fedmd': dict(public=40), 'feddf': dict(public=40)}
 ROUNDS = {'fedvtc': 1, 'gefl': 1, 'gefl_f': 1}
 
 
-def tiny_data(image: int = 8):
+def tiny_data(image: int = 8, public: int = 0):
   ds = make_synthetic(num_samples=480, image_shape=(image, image, 1), num_classes=4, noise=0.3, seed=1)
-  return make_federated_data(ds, num_clients=6, partition='dirichlet', seed=3, alpha=0.5)
+  return make_federated_data(ds, num_clients=6, partition='dirichlet', seed=3, alpha=0.5, public_size=public)
 
 
 def digest(tree) -> float:
@@ -66,8 +71,8 @@ def golden_federation(name: str, strategy: str = 'sequential', data=None):
     while len(_RUNS) >= _KEPT_RUNS:
       del _RUNS[next(iter(_RUNS))]
     settings = FEDERATIONS.get(name, {})
-    if 'image' in settings or data is None:
-      data = tiny_data(settings.get('image', 8))
+    if 'image' in settings or 'public' in settings or data is None:
+      data = tiny_data(settings.get('image', 8), settings.get('public', 0))
     rounds = ROUNDS.get(name, 2)
     cfg = ExperimentConfig(algorithm=name, **{**TINY, 'rounds': rounds,
                                               'feature_dim': settings.get('feature_dim', 16)})

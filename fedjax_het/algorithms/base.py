@@ -20,7 +20,7 @@ from fedjax_het.models.forward import forward
 __all__ = ['Algorithm', 'Batch', 'ClientProgram', 'ClientRows', 'ClientState', 'Evaluation', 'FederationSpec',
            'GroupSpec', 'Phase', 'Uploads', 'leaf_scalars', 'one_phase', 'sgd_program', 'head_evaluation',
            'local_head_evaluation', 'trainable', 'with_trainable', 'no_upload', 'no_server', 'keep_server',
-           'receive_head', 'initial_head']
+           'receive_head', 'initial_head', 'zero_params']
 
 Loss = Callable[[ClientState, Batch, Broadcast, jax.Array], tuple[jnp.ndarray, Any]]
 
@@ -133,6 +133,12 @@ def receive_head(client: ClientState, broadcast: Broadcast) -> ClientState:
 def initial_head(key: jax.Array, spec: FederationSpec, initial) -> dict:
   """init_server of global-head methods: the first group's initial head (HtFLlib builds it from the same seed)."""
   return {'head': initial[0].params['head']}
+
+
+def zero_params(group: GroupSpec) -> Any:
+  """Zero parameters shaped like the group's classifier's (the shapes of an optimizer state a client keeps)."""
+  shapes = jax.eval_shape(lambda: group.model.init(jax.random.PRNGKey(0), group.sample_input(), train=False))
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes['params'])
 
 
 def no_upload(client, rows, broadcast, key) -> Upload:

@@ -41,7 +41,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
+from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head, zero_params
 from fedjax_het.algorithms.fedavg import receive_group_model
 from fedjax_het.algorithms.common import (class_means_from_sums, class_sums, cross_entropy, elementwise_kl,
                                           masked_mean, participant_average, prototype_regularizer)
@@ -284,7 +284,7 @@ FELO_FEATURES = FeatureChannel(
 
 def init_client_extra(run: FeloRun, group: GroupSpec, key: jax.Array) -> dict:
   """The client's own Adam state (kept across rounds, as the code's per-client optimizer)."""
-  return {'optimizer': torch_adam(run.cfg.learning_rate).init(_params_shape(group))}
+  return {'optimizer': torch_adam(run.cfg.learning_rate).init(zero_params(group))}
 
 
 def init_server(run: FeloRun, key: jax.Array, spec, initial) -> dict:
@@ -386,12 +386,6 @@ def felo_family(run: FeloRun) -> Algorithm:
                                                        bind(broadcast)),),
                    bind(evaluation), init_client=bind(init_client_extra), upload_scalars=bind(upload_scalars),
                    broadcast_scalars=bind(broadcast_scalars))
-
-
-def _params_shape(group: GroupSpec) -> Any:
-  """Zero parameters shaped like the group's classifier's (for the Adam state's shapes)."""
-  shapes = jax.eval_shape(lambda: group.model.init(jax.random.PRNGKey(0), group.sample_input(), train=False))
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes['params'])
 
 
 def felo(cfg: FeloConfig, num_classes: int, rounds: int, num_clients: int) -> Algorithm:

@@ -48,6 +48,25 @@ class Dataset:
         jax.image.resize(a, (a.shape[0], size, size, a.shape[3]), 'bilinear', antialias=True), np.float32)
     return dataclasses.replace(self, x=resize(self.x), x_test=resize(self.x_test))
 
+  def matching(self, shape: tuple[int, ...]) -> 'Dataset':
+    """The images as [H, W, C] = `shape`, for a public dataset beside the clients' (FedDF's SVHN beside MNIST):
+    resized (`resized`), 3 channels averaged to 1 or 1 channel repeated to 3."""
+    h, w, c = shape
+    if h != w:
+      raise ConfigError(f'Dataset.matching: the clients\' images are {h}x{w}; a public dataset is matched to square '
+                        f'images only.')
+    out = self.resized(h) if self.x.shape[1:3] != (h, w) else self
+    have = out.x.shape[-1]
+    if have == c:
+      return out
+    if (have, c) not in ((3, 1), (1, 3)):
+      raise ConfigError(f'--public_dataset={self.name}: its images have {have} channels and the clients\' {c}; only '
+                        f'3 -> 1 (their mean) and 1 -> 3 (repeated) are converted. Fix: a public dataset of {c} '
+                        f'channel(s).')
+    convert = (lambda a: None if a is None else a.mean(-1, keepdims=True).astype(np.float32)) if c == 1 else (
+        lambda a: None if a is None else np.repeat(a, 3, axis=-1))
+    return dataclasses.replace(out, x=convert(out.x), x_test=convert(out.x_test))
+
   def normalized(self, kind: str) -> 'Dataset':
     """The images (in the library's [-1, 1], (x/255 - 0.5) / 0.5) renormalised: 'symmetric' keeps them;
     'cifar10' maps them to (x/255 - mean) / std per channel with CIFAR-10's statistics, mean (0.4914, 0.4822,

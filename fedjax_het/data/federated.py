@@ -39,12 +39,22 @@ def stack_clients(x: np.ndarray, y: np.ndarray, index_lists: Sequence[np.ndarray
   return ClientArrays(xs, ys, sizes)
 
 
+class PublicData(NamedTuple):
+  """The server's public dataset (FedMD, FedDF): images x [P, H, W, C], labels y [P] (FedMD's transfer learning
+  reads them; FedDF's distillation does not) and where it comes from ('held out of mnist', 'svhn_cropped')."""
+  x: np.ndarray
+  y: np.ndarray
+  source: str
+
+
 @dataclasses.dataclass(frozen=True)
 class FederatedData:
-  """The pool, the client split over it, and (global-test protocol) a held-out test set for every client."""
+  """The pool, the client split over it, (global-test protocol) a held-out test set for every client and, for
+  methods that distil on public data, the server's public dataset (None: none)."""
   dataset: Dataset
   split: ClientSplit
   protocol: str
+  public: Optional[PublicData] = None
 
   @property
   def num_clients(self) -> int:
@@ -80,15 +90,42 @@ class FederatedData:
     return stack_clients(self.dataset.x_test, self.dataset.y_test, [np.arange(len(self.dataset.y_test))])
 
 
+def hold_out_public(dataset: Dataset, size: int, seed: int) -> tuple[Dataset, PublicData]:
+  """(the dataset without them, PublicData): `size` rows drawn at random (seeded) from the training rows, held out
+  of every client's data as the server's public set (Felo's FedMD: 10 % of CIFAR-10's training images)."""
+  if not 0 < size < len(dataset.y):
+    raise ConfigError(f'make_federated_data.public_size={size} must be in (0, {len(dataset.y)}): the public rows '
+                      f'are held out of the {len(dataset.y)} training rows of {dataset.name}.')
+    # (an unreachable size of 0 is no public data, handled by the caller)
+  order = np.random.RandomState(seed + 7919).permutation(len(dataset.y))
+  public, kept = np.sort(order[:size]), np.sort(order[size:])
+  rest = dataclasses.replace(dataset, x=dataset.x[kept], y=dataset.y[kept])
+  return rest, PublicData(dataset.x[public], dataset.y[public], f'{size} rows held out of {dataset.name}')
+
+
+def public_from(other: Dataset, size: int, seed: int) -> PublicData:
+  """Another dataset's training images as the public set (FedDF's SVHN for MNIST): `size` of them drawn at random
+  (seeded), or all when size is 0; the images must already match the clients' shape (`Dataset.matching`)."""
+  if size < 0 or size > len(other.y):
+    raise ConfigError(f'make_federated_data.public_size={size} must be in [0, {len(other.y)}] (0: every training '
+                      f'image of the public dataset {other.name}).')
+  rows = np.arange(len(other.y)) if size == 0 else np.sort(
+      np.random.RandomState(seed + 7919).permutation(len(other.y))[:size])
+  return PublicData(other.x[rows], other.y[rows], f'{len(rows)} rows of {other.name}')
+
+
 def make_federated_data(dataset: Dataset, num_clients: int, partition: str, seed: int, protocol: str = 'pooled',
                         alpha: float = 0.1, classes_per_client: int = 2, balance: bool = False,
-                        train_fraction: Optional[float] = None, imbalance_factor: float = 1.0) -> FederatedData:
+                        train_fraction: Optional[float] = None, imbalance_factor: float = 1.0,
+                        public_size: int = 0, public_dataset: Optional[Dataset] = None) -> FederatedData:
   """Builds the client split for an evaluation protocol.
 
   - 'pooled' (HtFLlib, FedRE): merge train+test, partition the pool, split each client 75/25 into local
     train/test; accuracy is measured on the local test splits.
   - 'global' (FedVTC, GeFL): partition the training split only; clients train on all of it
     (train_fraction 1 unless set) and are scored on the dataset's global test set.
+  The server's public set: `public_dataset` (another dataset, `public_size` of its rows, 0 for all), or else
+  `public_size` > 0 rows held out of the training rows (the pool under 'pooled') before they are partitioned.
   """
   if protocol not in PROTOCOLS:
     raise ConfigError(f'--eval_protocol={protocol!r} is unknown; choose one of {", ".join(PROTOCOLS)}.')
@@ -100,7 +137,12 @@ def make_federated_data(dataset: Dataset, num_clients: int, partition: str, seed
       raise ConfigError(f'--eval_protocol=global needs a dataset with a test split; {dataset.name} has none. '
                         f'Fix: use --eval_protocol=pooled or supply x_test/y_test in the .npz.')
     train_fraction = 1.0 if train_fraction is None else train_fraction
+  public = None
+  if public_dataset is not None:
+    public = public_from(public_dataset, public_size, seed)
+  elif public_size:
+    dataset, public = hold_out_public(dataset, public_size, seed)
   split = partition_clients(dataset.y, num_clients, partition, seed, dataset.num_classes, alpha=alpha,
                             classes_per_client=classes_per_client, balance=balance, train_fraction=train_fraction,
                             imbalance_factor=imbalance_factor)
-  return FederatedData(dataset, split, protocol)
+  return FederatedData(dataset, split, protocol, public)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from fedjax_het.core import Algorithm, FederationSpec, Phase, Uploads
+from fedjax_het.core import Algorithm, FederationSpec, Phase, Uploads, server_step
 from fedjax_het.data.federated import FederatedData
 from fedjax_het.engine.accounting import accuracy_metrics, communication_metrics, count_uploads
 from fedjax_het.engine.execution import ExecutionConfig
@@ -270,7 +270,7 @@ class Federation:
         broadcast_parts.append((self._fn('count_broadcast', (p, gi), lambda: jax.jit(
             lambda b: {k: jnp.asarray(v, jnp.float32) for k, v in self.algorithm.broadcast_scalars(b).items()}))(
                 broadcast), receivers))
-    server_update = self._fn('server', p, lambda: jax.jit(phase.server_update))
+    server_update = self._fn('server', p, lambda: jax.jit(server_step(phase, self.spec)))
     server, server_metrics = server_update(state.server, tuple(uploads), server_key)
     new_state = FederationState(tuple(groups), server, state.round + 1)
     losses = np.concatenate([to_host(loss)[real] for loss, real in losses])  # host reads after all dispatches

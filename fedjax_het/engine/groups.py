@@ -146,6 +146,9 @@ def build_groups(data: FederatedData, models: ModelConfig, training: LocalTraini
       width = feature_width(spec)
       spec = dataclasses.replace(spec, model=maker.build(arch, width), feature_dim=width)
     groups.append(Group(spec, train, EvalSet(place(data.group_test(ids)), shared=False)))
+  models_of_groups = tuple(g.spec.model for g in groups)
+  for g in groups:
+    g.spec = dataclasses.replace(g.spec, group_models=models_of_groups)
   return groups
 
 

@@ -102,12 +102,13 @@ class StagePlan(NamedTuple):
 
 
 def plan_stages(program: ClientProgram, n_max: int) -> tuple[StagePlan, ...]:
-  """The plan of each stage of `program` for a group padded to n_max training rows."""
-  training = program.training
-  rows = training.rows if training.rows is not None else n_max
-  slots = training.slots(rows)
+  """The plan of each stage of `program` for a group padded to n_max training rows, each under its own schedule
+  (`Stage.training`, else the program's)."""
   plans = []
   for k, stage in enumerate(program.stages):
+    training = stage.training or program.training
+    rows = training.rows if training.rows is not None else n_max
+    slots = training.slots(rows)
     length = stage.epochs * slots
     if training.max_steps is not None and stage.epochs == 1:
       length = min(length, training.max_steps)

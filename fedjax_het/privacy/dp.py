@@ -186,12 +186,16 @@ def _private_phase(phase: Phase, algorithm: Algorithm, dp: DPConfig) -> Phase:
                                             where)
     return program._replace(final=final)
 
-  def server_update(server, uploads, key):
-    uploads = tuple(u._replace(num_train=u.mask.astype(jnp.float32)) for u in uploads)  # equal weights
-    if dp.mode == 'central':
-      uploads = central_noise(uploads, declared, dp, jax.random.fold_in(key, _DP_STREAM), where)
-    return phase.server_update(server, uploads, key)
+  def private_step(step):
+    def server_update(server, uploads, key):
+      uploads = tuple(u._replace(num_train=u.mask.astype(jnp.float32)) for u in uploads)  # equal weights
+      if dp.mode == 'central':
+        uploads = central_noise(uploads, declared, dp, jax.random.fold_in(key, _DP_STREAM), where)
+      return step(server, uploads, key)
+    return server_update
 
+  server_update = ((lambda spec: private_step(phase.server_update(spec))) if phase.server_of_spec
+                   else private_step(phase.server_update))
   return dataclasses.replace(phase, client=client, server_update=server_update)
 
 

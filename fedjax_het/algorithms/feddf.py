@@ -1,0 +1,135 @@
+"""FedDF (Lin et al. 2020, "Ensemble distillation for robust model fusion in federated learning"), as GeFL's Table
+II runs it (gefl.txt Sec. V, Appendix: unlabelled public data at the server, SVHN for MNIST, CIFAR-10 for FMNIST,
+CIFAR-100 for CIFAR-10: --public_dataset).
+
+Clients train their architecture's model on their own data (CE, the run's local SGD) and upload it (parameters and
+BatchNorm statistics). The server, per round:
+  1. averages each architecture's uploads uniformly (the paper's code, `_avg_over_archs`);
+  2. distils into each averaged model whose architecture took part: --feddf_server_steps steps of Adam
+     (--feddf_server_learning_rate, cosine-annealed to 0 over the steps, gradients clipped to norm 5) on batches of
+     --feddf_server_batch_size unlabelled public rows (a fresh permutation each pass), minimising
+       KL(softmax(t / T) || softmax(s / T)),  t = the mean of the logits of every uploaded client model
+     (all architectures, eval mode), s = the student's logits (training mode), T = --feddf_temperature; the
+     KL summed over classes and averaged over the batch (torch's kl_div with reduction='batchmean').
+Each architecture's distilled model is what its clients start from and are scored with.
+
+Choices (the paper's code, epfml/federated-learning-public-code, where GeFL gives no setting): Adam 1e-3, T 1,
+batch 64, clip 5, cosine annealing. Its early stopping on a labelled validation split (1,000 steps of patience,
+at most 10,000) is not reproduced: the server here holds only unlabelled public data, so the step count is fixed
+(--feddf_server_steps, default 500).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_het.algorithms.avgkd import (GROUP_STATE_PRIVACY, group_state_evaluation, initial_group_states,
+                                        model_upload, receive_group_state)
+from fedjax_het.algorithms.base import sgd_program
+from fedjax_het.algorithms.common import cross_entropy, participant_average, train_forward
+from fedjax_het.algorithms.public import PublicRows
+from fedjax_het.core import Algorithm, FederationSpec, Phase, hyperparameter
+from fedjax_het.data.federated import PublicData
+from fedjax_het.errors import ConfigError, setting
+from fedjax_het.models.forward import forward
+
+CLIP_NORM = 5.0  # the paper's code clips the student's gradients to this norm
+
+
+@dataclasses.dataclass(frozen=True)
+class FedDFConfig:
+  """FedDF's server distillation (the paper's code's defaults, a fixed step count in place of early stopping)."""
+  server_steps: int = hyperparameter(500, 'FedDF: distillation steps per architecture and round at the server.',
+                                     flag='feddf_server_steps')
+  server_learning_rate: float = hyperparameter(1e-3, 'FedDF: the server\'s Adam rate (cosine-annealed to 0).',
+                                               flag='feddf_server_learning_rate')
+  server_batch_size: int = hyperparameter(64, 'FedDF: public rows per distillation step.',
+                                          flag='feddf_server_batch_size')
+  temperature: float = hyperparameter(1.0, 'FedDF: distillation temperature T.', flag='feddf_temperature')
+
+  def __post_init__(self):
+    if self.server_steps < 0 or self.server_batch_size < 1:
+      raise ConfigError(f'{setting(self, "server_steps")} must be >= 0 and {setting(self, "server_batch_size")} '
+                        f'>= 1.')
+    if not (self.server_learning_rate > 0 and self.temperature > 0):
+      raise ConfigError(f'{setting(self, "server_learning_rate")} and {setting(self, "temperature")} must be > 0.')
+
+
+def distillation_loss(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, temperature: float) -> jnp.ndarray:
+  """KL(softmax(t/T) || softmax(s/T)) summed over classes, averaged over the batch (kl_div 'batchmean')."""
+  log_q = jax.nn.log_softmax(teacher_logits / temperature, -1)
+  log_p = jax.nn.log_softmax(student_logits / temperature, -1)
+  return jnp.sum(jnp.exp(log_q) * (log_q - log_p)) / student_logits.shape[0]
+
+
+def ensemble_logits(spec: FederationSpec, uploads, x: jnp.ndarray) -> jnp.ndarray:
+  """[B, C] the mean over every participant of every group of its uploaded model's eval-mode logits on x."""
+  total, count = 0.0, 0.0
+  for group, u in zip(spec.groups, uploads):
+    logits = jax.vmap(lambda p, s: forward(group.model, p, s, x, False)[0])(u.values['model'],
+                                                                            u.values['model_state'])
+    mask = u.mask.astype(logits.dtype)
+    total, count = total + jnp.einsum('s,sbc->bc', mask, logits), count + mask.sum()
+  return total / jnp.maximum(count, 1.0)
+
+
+def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
+  """FedDF as an `Algorithm`: grouped local training, the server's ensemble distillation into each
+  architecture's model on public data."""
+  rows = PublicRows(public)
+  batch = min(cfg.server_batch_size, rows.size)
+  per_pass = rows.size // batch
+  optimizer = optax.chain(optax.clip_by_global_norm(CLIP_NORM),
+                          optax.adam(optax.cosine_decay_schedule(cfg.server_learning_rate, max(cfg.server_steps, 1)),
+                                     eps=1e-8))
+
+  def client(group):
+    def loss(client, b, broadcast, key):
+      logits, _, client = train_forward(group.model, client, b.x, b.mask)
+      return cross_entropy(logits, b.y, b.mask), client
+    return sgd_program(loss, group.training, receive=receive_group_state, upload=model_upload)
+
+  def server_for(spec: FederationSpec):
+    def server_update(server, uploads, key):
+      averaged = tuple(participant_average(u.values['model'], u.mask.astype(jnp.float32), old)
+                       for u, old in zip(uploads, server['models']))
+      states = tuple(participant_average(u.values['model_state'], u.mask.astype(jnp.float32), old)
+                     for u, old in zip(uploads, server['model_states']))
+      present = tuple(u.mask.any() for u in uploads)
+
+      def step(t, carry):
+        params, states, opt_states = carry
+        order = jax.random.permutation(jax.random.fold_in(key, t // per_pass), rows.size)
+        index = jax.lax.dynamic_slice_in_dim(order, (t % per_pass) * batch, batch)
+        x = rows.x[index]
+        teacher = jax.lax.stop_gradient(ensemble_logits(spec, uploads, x))
+        out = []
+        for group, p, s, o in zip(spec.groups, params, states, opt_states):
+          def objective(p):
+            logits, _, new_state = forward(group.model, p, s, x, True)
+            return distillation_loss(logits, teacher, cfg.temperature), new_state
+          (_, new_state), grads = jax.value_and_grad(objective, has_aux=True)(p)
+          updates, o = optimizer.update(grads, o, p)
+          out.append((optax.apply_updates(p, updates), new_state, o))
+        return tuple(tuple(v) for v in zip(*out))
+
+      init = (averaged, states, tuple(optimizer.init(p) for p in averaged))
+      distilled, new_states, _ = jax.lax.fori_loop(0, cfg.server_steps, step, init)
+      keep = lambda flag, new, old: jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
+      models = tuple(keep(f, d, a) for f, d, a in zip(present, distilled, averaged))
+      model_states = tuple(keep(f, d, a) for f, d, a in zip(present, new_states, states))
+      return {'models': models, 'model_states': model_states}, {}
+    return server_update
+
+  def own_model(server, group):
+    return {'model': server['models'][group.index], 'model_state': server['model_states'][group.index]}
+
+  return Algorithm('feddf', initial_group_states,
+                   (Phase('feddf', client, server_for, own_model, server_of_spec=True),), group_state_evaluation,
+                   partial_batches=True, shares_representations=False,
+                   # the ensemble reads each uploaded model on its own, not only the groups' means
+                   upload_privacy=GROUP_STATE_PRIVACY._replace(aggregate='records'))

@@ -1,0 +1,56 @@
+"""Distillation on the server's public dataset (FedMD, FedDF): its rows as a local stage's schedule, a model's
+logits over all of them, and the mean of the participants' logits (the consensus, or ensemble target).
+
+The public images live on device once, closed over by the programs that read them (jit passes an array that large
+as an argument, not as a constant of the compiled program); a stage over them names rows by `Batch.index`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_het.core import Uploads
+from fedjax_het.data.federated import PublicData
+from fedjax_het.local_training import LocalTraining
+from fedjax_het.models.forward import forward
+
+
+class PublicRows:
+  """The public images x [P, ...] and labels y [P] on device, and the schedule of a stage over them."""
+
+  def __init__(self, public: PublicData):
+    self.x, self.y, self.source = jnp.asarray(public.x), jnp.asarray(public.y, jnp.int32), public.source
+    self.size = int(public.y.shape[0])
+
+  def training(self, batch_size: int, order: str) -> LocalTraining:
+    """A stage's schedule over the P public rows (`Stage.training`; the stage sets the epochs): P // B batches an
+    epoch (the last partial batch dropped) in `order`; every client takes all of them whatever its own data, and
+    --local_steps does not cap them."""
+    return LocalTraining(batch_size=min(batch_size, self.size), order=order, rows=self.size)
+
+  def batch(self, index: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(images, labels) of the public rows `index` [B]."""
+    return self.x[index], self.y[index]
+
+
+def public_logits(model, params: Any, model_state: Any, x: jnp.ndarray, chunk: int = 500) -> jnp.ndarray:
+  """Eval-mode logits [P, C] of a classifier on all P rows of x, in passes of at most `chunk` rows (a lax.map,
+  so that a vmapped group never holds the activations of all P rows at once)."""
+  p = x.shape[0]
+  chunk = min(chunk, p)
+  passes = -(-p // chunk)
+  padded = jnp.pad(x, [(0, passes * chunk - p)] + [(0, 0)] * (x.ndim - 1))
+  logits = jax.lax.map(lambda rows: forward(model, params, model_state, rows, False)[0],
+                       padded.reshape((passes, chunk) + x.shape[1:]))
+  return logits.reshape((passes * chunk,) + logits.shape[2:])[:p]
+
+
+def mean_of_uploads(uploads: tuple[Uploads, ...], part: str) -> jnp.ndarray:
+  """The unweighted mean over every group's participants of upload part `part` (FedMD's consensus: the mean of
+  their public logits); zeros when nobody took part."""
+  total = sum(jnp.einsum('s,s...->...', u.mask.astype(jnp.float32), u.values[part]) for u in uploads)
+  count = sum(u.mask.astype(jnp.float32).sum() for u in uploads)
+  return total / jnp.maximum(count, 1.0)
