@@ -1,0 +1,169 @@
+"""FedMD, FedDF and AvgKD: the server's public dataset, their losses and targets against hand-computed values, the
+stages over public rows, and FedMD resumed across its phase boundary. (vmap == sequential and the pinned numbers
+of all three: tests/test_golden.py.)"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_het.algorithms import FedDFConfig, FedMDConfig, fedmd
+from fedjax_het.algorithms.avgkd import soft_target
+from fedjax_het.algorithms.feddf import distillation_loss, ensemble_logits, feddf
+from fedjax_het.algorithms.fedmd import digest_loss
+from fedjax_het.algorithms.public import mean_of_uploads, public_logits
+from fedjax_het.checkpoints import Checkpoints
+from fedjax_het.config import ExperimentConfig
+from fedjax_het.core import Uploads, server_step
+from fedjax_het.data import Dataset, make_federated_data, make_synthetic
+from fedjax_het.engine import Federation, LocalTraining, ModelConfig
+from fedjax_het.errors import ConfigError
+from fedjax_het.experiment import build_federation
+from conftest import tree_allclose
+from runs import run_rounds
+
+
+def test_public_rows_are_held_out_of_every_client():
+  ids = np.arange(250)  # each image holds its row's id
+  ds = Dataset('ids', ids.reshape(250, 1, 1, 1) * np.ones((1, 2, 2, 1), np.float32), ids % 4, 4)
+  data = make_federated_data(ds, num_clients=5, partition='iid', seed=1, public_size=30)
+  public = set(data.public.x[:, 0, 0, 0].astype(int).tolist())
+  clients = [set(data.dataset.x[np.concatenate([tr, te]), 0, 0, 0].astype(int).tolist())
+             for tr, te in zip(data.split.train_indices, data.split.test_indices)]
+  assert len(public) == 30 and 'held out of ids' in data.public.source
+  assert all(not (c & public) for c in clients)
+  assert sum(len(c) for c in clients) == 250 - 30
+  np.testing.assert_array_equal(data.public.y, data.public.x[:, 0, 0, 0].astype(int) % 4)  # labels kept with rows
+  with pytest.raises(ConfigError, match='public_size=250'):
+    make_federated_data(ds, num_clients=5, partition='iid', seed=1, public_size=250)
+
+
+def test_another_dataset_is_matched_to_the_clients_images():
+  rgb = Dataset('rgb', np.array([[[[0.3, -0.6, 0.9]]]], np.float32).repeat(2, 1).repeat(2, 2), np.zeros(1, int), 2)
+  gray = rgb.matching((2, 2, 1))
+  np.testing.assert_allclose(gray.x, np.full((1, 2, 2, 1), 0.2), atol=1e-7)   # (0.3 - 0.6 + 0.9) / 3
+  np.testing.assert_allclose(gray.matching((4, 4, 3)).x, np.full((1, 4, 4, 3), 0.2), atol=1e-6)
+  two = Dataset('two', np.zeros((1, 2, 2, 2), np.float32), np.zeros(1, int), 2)
+  with pytest.raises(ConfigError, match='--public_dataset=two: its images have 2 channels'):
+    two.matching((2, 2, 1))
+
+
+def test_a_method_on_public_data_without_any_names_the_flags():
+  cfg = ExperimentConfig(algorithm='fedmd', dataset='synthetic:8,8,1', num_clients=4, models=('mlp',),
+                         feature_dim=16, rounds=2, batch_size=16)
+  with pytest.raises(ConfigError, match='--public_size=N .* or --public_dataset=NAME'):
+    build_federation(cfg)
+
+
+def test_fedmd_digest_losses_by_hand():
+  logits, consensus = jnp.array([[1.0, 2.0], [3.0, 0.0]]), jnp.array([[0.0, 2.0], [1.0, 1.0]])
+  assert float(digest_loss(logits, jnp.array([0, 1]), consensus, 'mae', 0.5)) == pytest.approx(1.0)  # (1+0+2+1)/4
+  # zero logits and consensus: log_softmax = -ln 2, softmax = 1/2, CE = ln 2
+  felo = digest_loss(jnp.zeros((2, 2)), jnp.array([0, 1]), jnp.zeros((2, 2)), 'felo', 0.5)
+  assert float(felo) == pytest.approx(math.log(2) + 0.5 * (math.log(2) + 0.5) ** 2, rel=1e-6)
+
+
+def test_the_consensus_is_the_unweighted_mean_over_the_participants_of_every_group():
+  a = Uploads({'logits': jnp.array([[[1.0, 2.0]], [[9.0, 9.0]]])}, jnp.array([True, False]), jnp.array([5.0, 1.0]))
+  b = Uploads({'logits': jnp.array([[[3.0, 0.0]]])}, jnp.array([True]), jnp.array([100.0]))
+  np.testing.assert_allclose(mean_of_uploads((a, b), 'logits'), [[2.0, 1.0]])
+
+
+def test_public_logits_in_passes_equal_one_pass(tiny_data):
+  fed = Federation(fedmd(FedMDConfig(), 4, 8, make_federated_data(
+      make_synthetic(num_samples=120, image_shape=(8, 8, 1), num_classes=4, seed=1), 2, 'iid', 0,
+      public_size=7).public), tiny_data, ModelConfig(('small_cnn_narrow',), 16), LocalTraining(0.05, 8))
+  client = jax.tree.map(lambda a: a[0], fed.init().groups[0])
+  x = jax.random.normal(jax.random.PRNGKey(0), (7, 8, 8, 1))
+  whole = public_logits(fed.groups[0].model, client.params, client.model_state, x, chunk=7)
+  np.testing.assert_allclose(public_logits(fed.groups[0].model, client.params, client.model_state, x, chunk=3),
+                             whole, rtol=1e-5, atol=1e-6)
+  assert whole.shape == (7, 4)
+
+
+def test_avgkd_soft_targets_by_hand():
+  peers = jnp.array([[[0.2, 0.8]], [[0.6, 0.4]]])  # two other models, one row
+  np.testing.assert_allclose(soft_target(jnp.array([0]), peers, 2, 'average'), [[0.6, 0.4]], rtol=1e-6)
+  e = math.exp(0.6)  # softmax([1.8, 1.2])
+  np.testing.assert_allclose(soft_target(jnp.array([0]), peers, 2, 'gefl'), [[e / (e + 1), 1 / (e + 1)]], rtol=1e-6)
+  np.testing.assert_allclose(soft_target(jnp.array([1]), jnp.zeros((0, 1, 2)), 2, 'average'), [[0.0, 1.0]])
+
+
+def test_feddf_distillation_loss_by_hand():
+  teacher, student = jnp.array([[0.0, math.log(3)]] * 2), jnp.zeros((2, 2))  # q = (1/4, 3/4), p = (1/2, 1/2)
+  kl = 0.25 * math.log(0.5) + 0.75 * math.log(1.5)
+  assert float(distillation_loss(student, teacher, 1.0)) == pytest.approx(kl, rel=1e-6)
+  q = 1 / (1 + math.sqrt(3))  # T = 2: softmax([0, ln(3) / 2])
+  assert float(distillation_loss(student, teacher, 2.0)) == pytest.approx(
+      q * math.log(2 * q) + (1 - q) * math.log(2 * (1 - q)), rel=1e-6)
+
+
+@pytest.fixture(scope='module')
+def feddf_federation(tiny_data):
+  data = make_federated_data(make_synthetic(num_samples=480, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
+                                            seed=1), num_clients=6, partition='dirichlet', seed=3, alpha=0.5,
+                             public_size=40)
+  return Federation(feddf(FedDFConfig(server_steps=3, server_batch_size=8), 4, data.public), data,
+                    ModelConfig(('small_cnn_narrow', 'mlp'), 16), LocalTraining(0.05, 8), join_ratio=0.5)
+
+
+def test_feddf_teachers_are_every_participant_and_an_absent_architecture_keeps_its_model(feddf_federation):
+  fed = feddf_federation
+  state = fed.init()
+  models = [jax.tree.map(lambda a: a[:2], g.params) for g in state.groups]
+  stats = [jax.tree.map(lambda a: a[:2], g.model_state) for g in state.groups]
+  # distinct models in the two slots of the first group
+  models[0] = jax.tree.map(lambda a: a.at[1].multiply(-2.0), models[0])
+  x = fed.data.public.x[:5]
+  one = lambda gi, s: fed.groups[gi].model.apply({'params': jax.tree.map(lambda a: a[s], models[gi]),
+                                                  **jax.tree.map(lambda a: a[s], stats[gi])}, x, train=False)[0]
+  uploads = (Uploads({'model': models[0], 'model_state': stats[0]}, jnp.array([True, True]), jnp.ones(2)),
+             Uploads({'model': models[1], 'model_state': stats[1]}, jnp.array([True, False]), jnp.ones(2)))
+  np.testing.assert_allclose(ensemble_logits(fed.spec, uploads, x), (one(0, 0) + one(0, 1) + one(1, 0)) / 3,
+                             rtol=1e-5, atol=1e-6)
+  nobody = uploads[1]._replace(mask=jnp.array([False, False]))
+  new, _ = server_step(fed.algorithm.phases[0], fed.spec)(state.server, (uploads[0], nobody), jax.random.PRNGKey(0))
+  tree_allclose(new['models'][1], state.server['models'][1], rtol=0, atol=0)       # no participant: kept
+  mean = jax.tree.map(lambda a: a.mean(0), models[0])
+  moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(new['models'][0]), jax.tree.leaves(mean)))
+  assert moved > 0  # the group's mean, then distilled
+
+
+def test_fedmd_stages_run_over_the_public_rows_and_only_the_revisit_is_capped(tiny_data):
+  data = make_federated_data(make_synthetic(num_samples=480, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
+                                            seed=1), num_clients=6, partition='dirichlet', seed=3, alpha=0.5,
+                             public_size=40)
+  cfg = FedMDConfig(transfer_public_epochs=2, transfer_private_epochs=1, digest_epochs=1, digest_batch_size=16)
+  fed = Federation(fedmd(cfg, 4, 8, data.public), data, ModelConfig(('small_cnn_narrow', 'mlp'), 16),
+                   LocalTraining(0.05, 8, max_steps=2), rounds=2, join_ratio=0.5)
+  everyone, sizes = fed.participants(0), fed.train_sizes
+  assert len(everyone) == 6  # the transfer round trains every client
+  transfer = fed.local_work(everyone, 0)
+  # public: 2 epochs of 40 // 16 = 2 steps of 16 rows; private: one whole epoch of n // 8 steps (not capped at 2)
+  assert transfer['local_steps'] == sum(2 * 2 + n // 8 for n in sizes)
+  assert transfer['local_samples'] == sum(2 * 2 * 16 + n // 8 * 8 for n in sizes)
+  later = fed.participants(1)
+  collaborate = fed.local_work(later, 1)
+  assert collaborate['local_steps'] == sum(2 + min(2, sizes[k] // 8) for k in later)
+
+
+def test_fedmd_resumed_at_its_phase_boundary_ends_where_the_uninterrupted_run_ends(tmp_path):
+  data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
+                                            seed=1), num_clients=4, partition='dirichlet', seed=3, alpha=0.5,
+                             public_size=24)
+  make = lambda: Federation(fedmd(FedMDConfig(transfer_public_epochs=1, transfer_private_epochs=1,
+                                              digest_batch_size=8), 4, 8, data.public), data,
+                            ModelConfig(('mlp',), 16), LocalTraining(0.05, 8), rounds=3, join_ratio=0.5)
+  fed = make()
+  final, history = run_rounds(fed, fed.init(), 3)
+  first, head = run_rounds(fed, fed.init(), 1)
+  checkpoints = Checkpoints(str(tmp_path / 'ckpt'))
+  checkpoints.save(first)
+  fresh = make()
+  restored = checkpoints.restore(fresh.init(), checkpoints.latest_round())
+  state, rest = run_rounds(fresh, restored, 2)
+  tree_allclose(state.groups, final.groups, rtol=0, atol=0)
+  tree_allclose(state.server, final.server, rtol=0, atol=0)
+  assert head + rest == history and [h['phase'] for h in history] == ['transfer', 'collaborate', 'collaborate']
