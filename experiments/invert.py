@@ -52,7 +52,7 @@ flags.mark_flag_as_required('workdir')
 FLAGS = flags.FLAGS
 
 ALIASES = {'fedallrep': 'fedre[all_representations=true]'}
-METRICS = ('psnr', 'mse', 'null_psnr', 'best_psnr', 'best_null_psnr', 'rep_loss')
+METRICS = ('psnr', 'mse', 'ssim', 'null_psnr', 'null_ssim', 'best_psnr', 'best_null_psnr', 'rep_loss')
 
 
 def _ints(name: str, values):

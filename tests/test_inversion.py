@@ -41,6 +41,22 @@ def test_mse_and_psnr_by_hand():
   np.testing.assert_allclose(inv.mse_255(jnp.stack([black, grey]), white), [65025.0, 16256.25])
 
 
+def test_ssim_by_hand():
+  # Constant images have no variance, so SSIM is its luminance term (2 mu_a mu_b + C1) / (mu_a^2 + mu_b^2 + C1),
+  # C1 = (0.01 L)^2, L = 255: grey (127.5) against a quarter grey (63.75); black (0) against 12.75, where only C1
+  # keeps it from 0: C1 / (12.75^2 + C1) = 0.0385.
+  grey, quarter = jnp.zeros((8, 8, 1)), jnp.full((8, 8, 1), -0.5)
+  c1 = (0.01 * 255) ** 2
+  want = (2 * 127.5 * 63.75 + c1) / (127.5 ** 2 + 63.75 ** 2 + c1)
+  assert float(inv.ssim_255(grey, quarter)) == pytest.approx(want, rel=1e-5)
+  dark = float(inv.ssim_255(-jnp.ones((8, 8, 1)), jnp.full((8, 8, 1), -0.9)))
+  assert dark == pytest.approx(c1 / (12.75 ** 2 + c1), rel=1e-4)
+  assert float(inv.ssim_255(quarter, quarter)) == pytest.approx(1.0, abs=1e-6)
+  x = images(2)
+  np.testing.assert_allclose(inv.ssim_255(x, x), [1.0, 1.0], atol=1e-5)  # batched over leading axes
+  assert float(inv.ssim_255(x[0], -x[0])) < 0  # a negative image anticorrelates
+
+
 def test_total_variation_by_hand():
   x = jnp.array([[0.0, 1.0], [1.0, 1.0]])[..., None]
   # vertical |1-0|, |1-1| -> mean 0.5; horizontal |1-0|, |1-1| -> mean 0.5
@@ -212,7 +228,8 @@ def test_upload_targets_weights_and_populated_classes_first():
 def run_result(seed, psnr, null, best, best_null, ident, accuracy):
   return dict(method='fedre', seed=seed, kind='entangled', psnr=np.array(psnr), mse=np.array([100.0, 300.0]),
               null_psnr=np.array(null), best_psnr=np.array(best), best_null_psnr=np.array(best_null),
-              identified=np.array(ident), rep_loss=np.zeros(2), accuracy=accuracy)
+              identified=np.array(ident), rep_loss=np.zeros(2), accuracy=accuracy,
+              ssim=np.array([0.1, 0.3]) + seed / 10, null_ssim=np.array([0.0, 0.0]))
 
 
 def test_table_and_figure(tmp_path):
@@ -220,9 +237,12 @@ def test_table_and_figure(tmp_path):
           run_result(1, [14.0, 16.0], [10.0, 10.0], [14.0, 14.0], [14.0, 14.0], [True, True], 0.7)]
   table = inv.leakage_table(runs)
   # per-seed means: PSNR 11, 15 -> 13 +- 2; gains 2, 5 -> 3.5 +- 1.5; MSE 200, 200; best 15, 14 -> 14.5 +- 0.5;
-  # best gains 0, 0; identified 50 %, 100 % -> 75 +- 25; chance 1/2 -> 50; accuracy 60 +- 10.
-  assert ('| fedre | entangled | 4 | 13.00 +- 2.00 | 3.50 +- 1.50 | 200.0 +- 0.0 | 14.50 +- 0.50 | 0.00 +- 0.00 | '
-          '75.0 +- 25.0 | 50.0 +- 0.0 | 0.000 +- 0.000 | 60.00 +- 10.00 | 2 |') in table
+  # best gains 0, 0; identified 50 %, 100 % -> 75 +- 25; chance 1/2 -> 50; accuracy 60 +- 10; SSIM 0.2, 0.3 ->
+  # 0.25 +- 0.05 (null 0).
+  assert ('| fedre | entangled | 4 | 13.00 +- 2.00 | 3.50 +- 1.50 | 200.0 +- 0.0 | 0.250 +- 0.050 (0.000 +- 0.000) '
+          '| 14.50 +- 0.50 | 0.00 +- 0.00 | 75.0 +- 25.0 | 50.0 +- 0.0 | 0.000 +- 0.000 | 60.00 +- 10.00 | 2 |') in table
+  older = inv.leakage_table([{k: v for k, v in r.items() if 'ssim' not in k} for r in runs])
+  assert '| 200.0 +- 0.0 | - | 14.50 +- 0.50 |' in older  # results written before SSIM was measured
   path = tmp_path / 'inversion.png'
   inv.plot_reconstructions([('fedre', -np.ones((2,) + SHAPE), np.ones((1,) + SHAPE))], str(path), 'title')
   import matplotlib.image

@@ -12,7 +12,8 @@ from fedjax_het.privacy.attack import (PRIORS, DeepImagePrior, InversionConfig, 
                                        inversion_loss, invert, invert_one, invert_padded, inverter, target_keys,
                                        total_variation)
 from fedjax_het.privacy.metrics import (KINDS, NULL_IMAGE, PSNR_MAX, candidate_mask, class_mean_images, identified,
-                                        leakage, mse_255, psnr_255, psnr_from_mse, reference_images, to_255)
+                                        leakage, mse_255, psnr_255, psnr_from_mse, reference_images, ssim_255,
+                                        to_255)
 from fedjax_het.privacy.mnd import DISTANCES, embedding, mnd_ratio, nearest_distances
 from fedjax_het.privacy.report import leakage_table, mean_std, plot_reconstructions
 from fedjax_het.privacy.uploads import ClientUpload, Targets, attack_client, round_uploads, upload_targets

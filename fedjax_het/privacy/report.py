@@ -16,23 +16,27 @@ def mean_std(values: Sequence[float], digits: int = 2) -> str:
 
 def leakage_table(results: Sequence[dict]) -> str:
   """Markdown: per method (in order), its upload kind and targets, then each measure as mean +- std over the
-  seeds' means: PSNR (dB) and MSE (0-255) against the reference, the PSNR's gain over the null image's, the
+  seeds' means: PSNR (dB), MSE (0-255) and SSIM against the reference, the PSNR's gain over the null image's, the
   best-match PSNR and its gain over the null image's best match, the identification rate against its chance
   level, the attack's final representation loss and the accuracy after the attacked round. `results`: dicts with
   'method', 'seed', 'kind', arrays over that run's targets 'psnr', 'mse', 'null_psnr', 'best_psnr',
-  'best_null_psnr', 'identified', 'rep_loss', and 'accuracy' (None when not evaluated)."""
+  'best_null_psnr', 'identified', 'rep_loss', 'ssim' and 'null_ssim' (optional), and 'accuracy' (None when not
+  evaluated)."""
   lines = ['| method | upload | targets | PSNR vs reference (dB) | gain over null (dB) | MSE vs reference | '
-           'best-match PSNR (dB) | gain over null (dB) | identified (%) | chance (%) | attack loss | accuracy (%) | '
-           'seeds |', '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+           'SSIM vs reference (null) | best-match PSNR (dB) | gain over null (dB) | identified (%) | chance (%) | '
+           'attack loss | accuracy (%) | seeds |', '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
   for name in dict.fromkeys(r['method'] for r in results):
     runs = [r for r in results if r['method'] == name]
     per_seed = lambda f, digits=2: mean_std([f(r) for r in runs], digits)
     mean = lambda k: (lambda r: float(np.mean(np.asarray(r[k], float))))
     gain = lambda a, b: (lambda r: float(np.mean(np.asarray(r[a], float) - np.asarray(r[b], float))))
     acc = [100 * r['accuracy'] for r in runs if r.get('accuracy') is not None]
+    ssim = (f'{per_seed(mean("ssim"), 3)} ({per_seed(mean("null_ssim"), 3)})' if all('ssim' in r for r in runs)
+            else '-')  # inversion.json files written before SSIM was measured
     lines.append(f'| {name} | {"/".join(dict.fromkeys(r["kind"] for r in runs))} | '
                  f'{sum(len(r["psnr"]) for r in runs)} | {per_seed(mean("psnr"))} | '
-                 f'{per_seed(gain("psnr", "null_psnr"))} | {per_seed(mean("mse"), 1)} | {per_seed(mean("best_psnr"))} | '
+                 f'{per_seed(gain("psnr", "null_psnr"))} | {per_seed(mean("mse"), 1)} | {ssim} | '
+                 f'{per_seed(mean("best_psnr"))} | '
                  f'{per_seed(gain("best_psnr", "best_null_psnr"))} | '
                  f'{per_seed(lambda r: 100 * float(np.mean(r["identified"])), 1)} | '
                  f'{per_seed(lambda r: 100 / len(r["psnr"]), 1)} | {per_seed(mean("rep_loss"), 3)} | '

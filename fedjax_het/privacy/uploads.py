@@ -26,7 +26,7 @@ import numpy as np
 from fedjax_het.errors import ConfigError
 from fedjax_het.privacy.attack import InversionConfig, invert_padded, inverter
 from fedjax_het.privacy.metrics import (NULL_IMAGE, candidate_mask, leakage, mse_255, psnr_255, psnr_from_mse,
-                                        reference_images)
+                                        reference_images, ssim_255)
 
 # ---------------------------------------------------------------------------------------------------- uploads
 class Targets(NamedTuple):
@@ -121,8 +121,8 @@ def attack_client(fed: Any, cu: ClientUpload, cfg: InversionConfig, key: jax.Arr
                   batch: int = 8, compiled: Optional[dict] = None, min_class_samples: int = 1) -> Optional[dict]:
   """Inverts one client's upload through its own trained extractor and measures the leakage (module docstring):
   {'kind', 'labels', 'reconstructions', 'references', 'originals' (the best matches) [T, H, W, C]; per target
-  'psnr' and 'mse' against the reference, 'null_psnr' (the null image against it), 'best_psnr', 'best_null_psnr'
-  (best match of the reconstruction, of the null image), 'rep_loss'}; None when the upload offers no target.
+  'psnr', 'mse' and 'ssim' against the reference, 'null_psnr' and 'null_ssim' (the null image against it),
+  'best_psnr', 'best_null_psnr' (best match of the reconstruction, of the null image), 'rep_loss'}; None when the upload offers no target.
   `compiled`: a dict caching one `inverter` per group across calls."""
   g = fed.groups[cu.group]
   targets = upload_targets(cu.upload, limit, min_class_samples)
@@ -147,4 +147,6 @@ def attack_client(fed: Any, cu: ClientUpload, cfg: InversionConfig, key: jax.Arr
   return {'kind': targets.kind, 'labels': targets.labels, 'reconstructions': images, 'references': refs,
           'originals': cu.x[np.maximum(best['match'], 0)], 'psnr': np.asarray(psnr_from_mse(mse)), 'mse': mse,
           'null_psnr': np.asarray(psnr_255(null, jnp.asarray(refs))), 'best_psnr': np.asarray(best['psnr']),
-          'best_null_psnr': np.asarray(best_null['psnr']), 'rep_loss': rep_loss}
+          'best_null_psnr': np.asarray(best_null['psnr']), 'rep_loss': rep_loss,
+          'ssim': np.asarray(ssim_255(jnp.asarray(images), jnp.asarray(refs))),
+          'null_ssim': np.asarray(ssim_255(null, jnp.asarray(refs)))}
