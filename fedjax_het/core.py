@@ -102,6 +102,9 @@ class ClientProgram(NamedTuple):
     classifier (GeFL's generator training), equal for every group whose program computes the same functions (e.g.
     the generator's configuration and the input shape). Such a program gets the client with params and
     model_state None, which the executor puts back after `final`, and is compiled once for all those groups.
+  prepare(client, rows, broadcast, key) -> client: a pass over the client's rows (`ClientRows` without
+    representations or statistics) before `init`, for a method that sets the client up from its data before the
+    local loop (FedALA's adaptive local aggregation of the received model); None: none.
   """
   init: Callable[[ClientState, Broadcast, jax.Array], Carry]
   stages: tuple[Stage, ...]
@@ -109,6 +112,7 @@ class ClientProgram(NamedTuple):
   training: LocalTraining
   trained: Optional[Callable[[Carry], ClientState]] = None
   identity: Any = None
+  prepare: Optional[Callable[[ClientState, ClientRows, Broadcast, jax.Array], ClientState]] = None
 
 
 def single_stage(step: Callable[[Any, Batch, Any, jax.Array], tuple[Any, jnp.ndarray]], training: LocalTraining

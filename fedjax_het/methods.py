@@ -1,13 +1,13 @@
 """The method registry: every method's name, hyperparameter dataclass and factory, in one place.
 
-Adding a method is its module plus one line in `METHODS`. A method's hyperparameters are the fields of its
-frozen config dataclass; each field names its command-line flag in its metadata (`hyperparameter`), so the flags
-of experiments/ are derived from the dataclasses (fedjax_het.cli) and grouped per method in --helpfull. Methods
-may share a flag (e.g. --lamda) when the field means the same thing in each. A factory returns the method's
+Adding a method is its module plus one line in `METHODS`. A method's hyperparameters are the fields of its frozen
+config dataclass; each field names its command-line flag in its metadata (`hyperparameter`), so the flags of
+experiments/ are derived from the dataclasses (fedjax_het.cli) and grouped per method in --helpfull. Methods may
+share a flag (e.g. --lamda) when the field means the same thing in each. A factory returns the method's
 `Algorithm`; its parameters are `cfg` (the method's config; omitted by methods without hyperparameters) and any
 fields of the `Run` it is built for (num_classes, num_clients, rounds, feature_dim, batch_size,
-local_learning_rate, label_counts, public), bound by name (`Method.algorithm`), so a factory keeps the signature a notebook
-calls it with and registers without an adapter.
+local_learning_rate, label_counts, public), bound by name (`Method.algorithm`), so a factory keeps the signature a
+notebook calls it with and registers without an adapter.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from fedjax_het.algorithms import (AvgKDConfig, CCVRConfig, FDConfig, FedDFConfig, FedGenConfig, FedGHConfig,
-                                   FedHeConfig, FedKDConfig, FedMDConfig, FedMRLConfig, FedProtoConfig, FedProxConfig,
-                                   FedREConfig, FedTGPConfig, FedVTCConfig, FeloConfig, FMLConfig, FPLConfig,
-                                   GeFLConfig, GeFLFConfig, VeloConfig, avgkd, ccvr, fd, fedavg_grouped, feddf, fedgen,
-                                   fedgh, fedhe, fedkd, fedmd, fedmrl, fedprox, fedproto, fedre, fedtgp, fedvtc, felo,
-                                   fml, fpl, gefl, gefl_f, lg_fedavg, lg_fedavg_first_block, local, velo)
+from fedjax_het.algorithms import (AvgKDConfig, CCVRConfig, FDConfig, FedALAConfig, FedDFConfig, FedGenConfig,
+                                   FedGHConfig, FedHeConfig, FedKDConfig, FedMDConfig, FedMRLConfig, FedProtoConfig,
+                                   FedProxConfig, FedREConfig, FedTGPConfig, FedVTCConfig, FeloConfig, FMLConfig,
+                                   FPLConfig, GeFLConfig, GeFLFConfig, VeloConfig, avgkd, ccvr, fd, fedala,
+                                   fedavg_grouped, feddf, fedgen, fedgh, fedhe, fedkd, fedmd, fedmrl, fedprox,
+                                   fedproto, fedre, fedtgp, fedvtc, felo, fml, fpl, gefl, gefl_f, lg_fedavg,
+                                   lg_fedavg_first_block, local, velo)
 from fedjax_het.core import Algorithm
 from fedjax_het.data.federated import PublicData
 from fedjax_het.errors import ConfigError
@@ -135,6 +136,7 @@ METHODS: dict[str, Method] = {
     'feddf': Method(FedDFConfig, feddf, 'FedDF: ensemble distillation into each architecture\'s model on public data '
                                         'at the server'),
     'avgkd': Method(AvgKDConfig, avgkd, 'AvgKD: soft targets from the other architectures\' models'),
+    'fedala': Method(FedALAConfig, fedala, 'FedALA within each architecture group: adaptive local aggregation'),
 }
 
 

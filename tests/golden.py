@@ -14,7 +14,7 @@ from fedjax_het.experiment import make_algorithm
 
 METHODS = ['fedre', 'local', 'fedavg', 'lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen', 'fml', 'fedkd',
            'fedmrl', 'fpl', 'ccvr', 'fedprox', 'fedhe', 'felo', 'velo', 'fedvtc', 'gefl', 'gefl_f', 'lg_fedavg_fb',
-           'fedmd', 'feddf', 'avgkd']
+           'fedmd', 'feddf', 'avgkd', 'fedala']
 TINY = dict(methods=dict(fedtgp=FedTGPConfig(server_epochs=2),
                          fedgen=FedGenConfig(server_epochs=2, generator_learning_rate=0.005),
                          fml=FMLConfig(global_model='small_cnn_narrow'),

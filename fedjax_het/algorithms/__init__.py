@@ -3,6 +3,7 @@ from fedjax_het.algorithms.avgkd import AvgKDConfig, avgkd
 from fedjax_het.algorithms.ccvr import CCVRConfig, ccvr
 from fedjax_het.algorithms.fd import FDConfig, fd
 from fedjax_het.algorithms.fedavg import fedavg_grouped
+from fedjax_het.algorithms.fedala import FedALAConfig, fedala
 from fedjax_het.algorithms.feddf import FedDFConfig, feddf
 from fedjax_het.algorithms.felo import FedHeConfig, FeloConfig, fedhe, felo
 from fedjax_het.algorithms.fedgen import FedGenConfig, fedgen

@@ -21,6 +21,12 @@ def receive_group_model(client: ClientState, broadcast) -> ClientState:
 GROUP_MODEL_PRIVACY = UploadPrivacy(reference=lambda b: {'model': b['model']}, aggregate='group_sum')
 
 
+def average_group_models(server: dict, uploads) -> dict:
+  """Per group: sum_k n_k theta_k / sum_k n_k over its participants' uploaded models (kept when it had none)."""
+  return {'models': tuple(participant_average(u.values['model'], u.mask * u.num_train, old)
+                          for u, old in zip(uploads, server['models']))}
+
+
 def fedavg_grouped(num_classes: int) -> Algorithm:
   """Grouped FedAvg as an `Algorithm`; each participant uploads and receives its whole model."""
 
@@ -35,10 +41,7 @@ def fedavg_grouped(num_classes: int) -> Algorithm:
                        upload=lambda c, rows, b, k: {'model': c.params})
 
   def server_update(server, uploads, key):
-    """Per group: sum_k n_k theta_k / sum_k n_k over its participants (kept when it had none)."""
-    models = tuple(participant_average(u.values['model'], u.mask * u.num_train, old)
-                   for u, old in zip(uploads, server['models']))
-    return {'models': models}, {}
+    return average_group_models(server, uploads), {}
 
   evaluation = lambda group: head_evaluation(group.model, {'local_head': own_head}, receive=receive_group_model)
   return one_phase('fedavg', init_server, client, server_update, evaluation, broadcast=broadcast,

@@ -29,13 +29,17 @@ def represent_rows(model: HeteroClassifier, params: Any, model_state: Any, x: jn
 def run_client(program: ClientProgram, model: HeteroClassifier, client: ClientState, data: ClientArrays,
                broadcast: Any, rng: jax.Array, rep_chunk: int = 256, unroll: int | bool = 1
                ) -> tuple[ClientState, Any, jnp.ndarray]:
-  """ONE client's round: init -> every step slot of each stage's plan in a lax.scan (the slots the client does
+  """ONE client's round: prepare -> init -> every step slot of each stage's plan in a lax.scan (the slots the client does
   not take masked) -> the eval-mode representations if the program reads them -> final. Returns (client, upload,
   mean loss of its steps).
 
   `data` holds this client's padded rows (x [n_max, ...], y [n_max], n []); `unroll` is lax.scan's."""
   keys = client_keys(rng)
-  carry = program.init(without_model(program, client), broadcast, keys['init'])
+  start = without_model(program, client)
+  if program.prepare is not None:
+    start = program.prepare(start, ClientRows(data.x, data.y, program.training.statistics_rows(data.n), data.n),
+                            broadcast, keys['prepare'])
+  carry = program.init(start, broadcast, keys['init'])
   total, count = 0.0, 0
   for plan in plan_stages(program, data.x.shape[0]):
     if not plan.length:  # a stage of 0 epochs (GeFL's synthetic-only rounds have no real epochs)

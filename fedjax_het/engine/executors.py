@@ -192,12 +192,14 @@ class SequentialExecutor(Executor):
   def run_one(self, g: Group, program: ClientProgram, phase: int, i: int, client, broadcast, key: jax.Array
               ) -> tuple[Any, Any, float]:
     """Client i of group g (its state `client`, unstacked) in a round of `phase` from the host: init, the valid
-    slots of each stage's plan, representations, final. Returns (client, upload, mean loss of its steps); the
+    slots of each stage's plan, representations, final (after `prepare` where the program has one). Returns (client, upload, mean loss of its steps); the
     round's `key` is folded with the client's id, as every executor does."""
     fns = self.functions(g, program, phase)
     n = int(g.train_sizes[i])
     keys = client_keys(jax.random.fold_in(key, int(g.clients[i])))
     original, client = client, without_model(program, client)
+    if program.prepare is not None:
+      client = fns['prepare'](client, g.train, i, broadcast, keys['prepare'])
     carry = fns['init'](client, broadcast, keys['init'])
     total, steps = 0.0, 0
     for plan, stage_fns in zip(plan_stages(program, g.train.x.shape[1]), fns['stages']):
@@ -238,6 +240,11 @@ class SequentialExecutor(Executor):
       return program.final(carry, ClientRows(train.x[i], train.y[i], training.statistics_rows(n), n, reps),
                            broadcast, key)
 
+    def prepare(client, train, i, broadcast, key):
+      n = train.n[i]
+      return program.prepare(client, ClientRows(train.x[i], train.y[i], training.statistics_rows(n), n), broadcast,
+                             key)
+
     represent = lambda buf, params, model_state, x_all, i, start: represent_into(
         model, buf, params, model_state, x_all[i], start, chunk)
     stages = [stage_fns(plan) for plan in plan_stages(program, g.train.x.shape[1])]
@@ -246,6 +253,7 @@ class SequentialExecutor(Executor):
         'stages': stages,
         'represent_into': jax.jit(represent, donate_argnums=0),
         'final': jax.jit(final),
+        'prepare': jax.jit(prepare) if program.prepare is not None else None,
     }
 
   def correct(self, g, evaluation, phase, stacked, broadcast, test, which):

@@ -23,10 +23,10 @@ from fedjax_het.models.forward import forward
 
 
 def client_keys(rng: jax.Array) -> dict:
-  """The keys of one client's round, from its round key fold_in(round key, client id): init, the local steps
-  (stage k's: `stage_key`) and final."""
+  """The keys of one client's round, from its round key fold_in(round key, client id): prepare, init, the local
+  steps (stage k's: `stage_key`) and final."""
   return {'init': jax.random.fold_in(rng, 3), 'train': jax.random.fold_in(rng, 1),
-          'final': jax.random.fold_in(rng, 2)}
+          'final': jax.random.fold_in(rng, 2), 'prepare': jax.random.fold_in(rng, 4)}
 
 
 def stage_key(train_key: jax.Array, stage: int) -> jax.Array:

@@ -1,6 +1,6 @@
-"""FedMD, FedDF and AvgKD: the server's public dataset, their losses and targets against hand-computed values, the
-stages over public rows, and FedMD resumed across its phase boundary. (vmap == sequential and the pinned numbers
-of all three: tests/test_golden.py.)"""
+"""The seed tables' baselines FedMD, FedDF, AvgKD and FedALA: the server's public dataset, their losses, targets and
+aggregation rules against hand-computed values, the stages over public rows, and FedMD resumed across its phase
+boundary. (vmap == sequential and the pinned numbers of all four: tests/test_golden.py.)"""
 
 import math
 
@@ -167,3 +167,44 @@ def test_fedmd_resumed_at_its_phase_boundary_ends_where_the_uninterrupted_run_en
   tree_allclose(state.groups, final.groups, rtol=0, atol=0)
   tree_allclose(state.server, final.server, rtol=0, atol=0)
   assert head + rest == history and [h['phase'] for h in history] == ['transfer', 'collaborate', 'collaborate']
+
+
+# ---------------------------------------------------------------------------------------------------- FedALA
+def test_fedala_head_mixing_and_weight_step_by_hand():
+  from fedjax_het.algorithms.fedala import ala_head, ala_weight_step, settled
+  local, group = {'k': jnp.array([1.0, 2.0, 3.0])}, {'k': jnp.array([3.0, 2.0, -1.0])}
+  np.testing.assert_allclose(ala_head(local, group, {'k': jnp.array([0.5, 1.0, 0.25])})['k'], [2.0, 2.0, 2.0])
+  # W - eta * grad * (g - l) = [0.5 - 0.1 * 2 * 2, 0.5, 0.5 - 0.1 * (-3) * (-4)], clipped to [0, 1]
+  stepped = ala_weight_step({'k': jnp.full(3, 0.5)}, {'k': jnp.array([2.0, 5.0, -3.0])}, local, group, 0.1)
+  np.testing.assert_allclose(stepped['k'], [0.1, 0.5, 0.0], atol=1e-7)
+  np.testing.assert_allclose(ala_weight_step({'k': jnp.full(3, 0.9)}, {'k': jnp.array([-1.0, 0.0, 0.0])}, local,
+                                             group, 1.0)['k'], [1.0, 0.9, 0.9])
+  # np.std([1, 1.1, 1, 1.1]) = 0.05: settled once more epochs than the window have run
+  window = jnp.array([1.0, 1.1, 1.0, 1.1])
+  assert bool(settled(window, 5, 0.1)) and not bool(settled(window, 4, 0.1)) and not bool(settled(window, 5, 0.01))
+
+
+def test_fedala_keeps_a_model_equal_to_the_groups_and_mixes_only_the_head_otherwise(tiny_data):
+  from fedjax_het.algorithms import FedALAConfig, fedala
+  from fedjax_het.algorithms.fedala import adaptive_local_aggregation
+  from fedjax_het.core import ClientRows
+  fed = Federation(fedala(FedALAConfig(max_start_epochs=30), 4, 8), tiny_data, ModelConfig(('small_cnn_narrow',), 16),
+                   LocalTraining(0.05, 8))
+  state = fed.init()
+  client = jax.tree.map(lambda a: a[0], state.groups[0])
+  g = fed.groups[0]
+  rows = ClientRows(g.train.x[0], g.train.y[0], g.train.n[0], g.train.n[0])
+  ala = jax.jit(lambda c, p, k: adaptive_local_aggregation(g.model, FedALAConfig(max_start_epochs=30), 8, c, rows, p,
+                                                           k))
+  same = ala(client, client.params, jax.random.PRNGKey(0))
+  tree_allclose(same, client, rtol=0, atol=0)  # the first round: no ALA, the start phase still ahead
+  group = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(1), a.shape), client.params)
+  out = ala(client, group, jax.random.PRNGKey(0))
+  tree_allclose(out.params['extractor'], group['extractor'], rtol=0, atol=0)  # lower layers: the group's
+  weights = out.extra['ala_weights']
+  assert bool(out.extra['ala_started'])
+  for w, l, gp, h in zip(*(jax.tree.leaves(t) for t in (weights, client.params['head'], group['head'],
+                                                        out.params['head']))):
+    assert float(w.min()) >= 0 and float(w.max()) <= 1
+    np.testing.assert_allclose(h, l + (gp - l) * w, rtol=1e-5, atol=1e-6)
+  assert any(float(jnp.abs(w - 1).max()) > 0 for w in jax.tree.leaves(weights))  # learned, not left at ones
