@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import head_evaluation, own_head, sgd_program
-from fedjax_het.algorithms.common import cross_entropy, participant_average, soft_cross_entropy, train_forward
+from fedjax_het.algorithms.common import (cross_entropy_loss, participant_average, soft_cross_entropy,
+                                          train_forward)
 from fedjax_het.core import Algorithm, ClientState, GroupSpec, Phase, UploadPrivacy, hyperparameter, leaf_scalars
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
@@ -97,10 +98,8 @@ def avgkd(cfg: AvgKDConfig, num_classes: int) -> Algorithm:
   architectures' models."""
 
   def local(group: GroupSpec):
-    def loss(client, batch, broadcast, key):
-      logits, _, client = train_forward(group.model, client, batch.x, batch.mask)
-      return cross_entropy(logits, batch.y, batch.mask), client
-    return sgd_program(loss, group.training, receive=receive_group_state, upload=model_upload)
+    return sgd_program(cross_entropy_loss(group.model), group.training, receive=receive_group_state,
+                       upload=model_upload)
 
   def distill(group: GroupSpec):
     peers = [j for j in range(len(group.group_models)) if j != group.index]

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import local_head_evaluation, sgd_program
-from fedjax_het.algorithms.common import cross_entropy, train_forward
+from fedjax_het.algorithms.common import cross_entropy, cross_entropy_loss, train_forward
 from fedjax_het.algorithms.fedavg import GROUP_MODEL_PRIVACY, average_group_models
 from fedjax_het.core import Algorithm, ClientRows, ClientState, GroupSpec, hyperparameter, one_phase
 from fedjax_het.errors import ConfigError, setting
@@ -126,13 +126,9 @@ def fedala(cfg: FedALAConfig, num_classes: int, batch_size: int) -> Algorithm:
             'ala_started': jnp.asarray(False)}
 
   def client(group: GroupSpec):
-    def loss(client, batch, broadcast, key):
-      logits, _, client = train_forward(group.model, client, batch.x, batch.mask)
-      return cross_entropy(logits, batch.y, batch.mask), client
-
     def prepare(client, rows, broadcast, key):
       return adaptive_local_aggregation(group.model, cfg, batch_size, client, rows, broadcast['model'], key)
-    program = sgd_program(loss, group.training, upload=lambda c, rows, b, k: {'model': c.params})
+    program = sgd_program(cross_entropy_loss(group.model), group.training, upload=lambda c, rows, b, k: {'model': c.params})
     return program._replace(prepare=prepare)
 
   def server_update(server, uploads, key):

@@ -30,7 +30,7 @@ import optax
 from fedjax_het.algorithms.avgkd import (GROUP_STATE_PRIVACY, group_state_evaluation, initial_group_states,
                                         model_upload, receive_group_state)
 from fedjax_het.algorithms.base import sgd_program
-from fedjax_het.algorithms.common import cross_entropy, participant_average, train_forward
+from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
 from fedjax_het.algorithms.public import PublicRows
 from fedjax_het.core import Algorithm, FederationSpec, Phase, hyperparameter
 from fedjax_het.data.federated import PublicData
@@ -88,10 +88,8 @@ def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
                                      eps=1e-8))
 
   def client(group):
-    def loss(client, b, broadcast, key):
-      logits, _, client = train_forward(group.model, client, b.x, b.mask)
-      return cross_entropy(logits, b.y, b.mask), client
-    return sgd_program(loss, group.training, receive=receive_group_state, upload=model_upload)
+    return sgd_program(cross_entropy_loss(group.model), group.training, receive=receive_group_state,
+                       upload=model_upload)
 
   def server_for(spec: FederationSpec):
     def server_update(server, uploads, key):

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_het.algorithms.base import local_head_evaluation, zero_params
-from fedjax_het.algorithms.common import cross_entropy, train_forward
+from fedjax_het.algorithms.common import cross_entropy, cross_entropy_loss, train_forward
 from fedjax_het.algorithms.public import PublicRows, mean_of_uploads, public_logits
 from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientState, GroupSpec, Phase, Stage, UploadPrivacy,
                              hyperparameter)
@@ -117,10 +117,8 @@ def fedmd(cfg: FedMDConfig, num_classes: int, batch_size: int, public: PublicDat
     return loss
 
   def private_ce(group):
-    def loss(client, batch, broadcast):
-      logits, _, client = train_forward(group.model, client, batch.x, batch.mask)
-      return cross_entropy(logits, batch.y, batch.mask), client
-    return loss
+    ce = cross_entropy_loss(group.model)
+    return lambda client, batch, broadcast: ce(client, batch, broadcast, None)
 
   def program(group: GroupSpec, stages: tuple[Stage, ...]) -> ClientProgram:
     def final(client, client_rows, broadcast, key):
