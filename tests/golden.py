@@ -14,7 +14,7 @@ from fedjax_het.experiment import make_algorithm
 
 METHODS = ['fedre', 'local', 'fedavg', 'lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen', 'fml', 'fedkd',
            'fedmrl', 'fpl', 'ccvr', 'fedprox', 'fedhe', 'felo', 'velo', 'fedvtc', 'gefl', 'gefl_f', 'lg_fedavg_fb',
-           'fedmd', 'feddf', 'avgkd', 'fedala']
+           'fedmd', 'feddf', 'avgkd', 'fedala', 'heterofl']
 TINY = dict(methods=dict(fedtgp=FedTGPConfig(server_epochs=2),
                          fedgen=FedGenConfig(server_epochs=2, generator_learning_rate=0.005),
                          fml=FMLConfig(global_model='small_cnn_narrow'),
@@ -37,13 +37,14 @@ TINY = dict(methods=dict(fedtgp=FedTGPConfig(server_epochs=2),
 # Methods whose federation differs from the tiny one: FedVTC's decoder needs g to end in Linear(L, p) (--rm=fc)
 # of the VTC latent's width (80 on 8x8 images);
 # GeFL's generators emit 32x32 images and GeFL-F and lg_fedavg_fb split GeFL's CNNs; FedMD and FedDF distil on 40
-# public rows held out of the pool. Each multi-phase method's
+# public rows held out of the pool; HeteroFL's groups are one CNN at two widths. Each multi-phase method's
 # run crosses every phase boundary (its rounds are the phases' total).
 FEDERATIONS = {'fedvtc': dict(rm='fc', feature_dim=80),
                'gefl': dict(image=32, models=('gefl_mnist_cnn1', 'gefl_mnist_cnn2'), rm='none'),
                'gefl_f': dict(image=32, models=('gefl_fmnist_cnn1', 'gefl_fmnist_cnn2'), rm='fc'),
                'lg_fedavg_fb': dict(image=32, models=('gefl_mnist_cnn1', 'gefl_mnist_cnn2'), rm='none'),
-               'fedmd': dict(public=40), 'feddf': dict(public=40)}
+               'fedmd': dict(public=40), 'feddf': dict(public=40),
+               'heterofl': dict(models=('heterofl_conv@0.125', 'heterofl_conv@0.0625'), rm='none')}
 ROUNDS = {'fedvtc': 1, 'gefl': 1, 'gefl_f': 1}
 
 

@@ -208,3 +208,43 @@ def test_fedala_keeps_a_model_equal_to_the_groups_and_mixes_only_the_head_otherw
     assert float(w.min()) >= 0 and float(w.max()) <= 1
     np.testing.assert_allclose(h, l + (gp - l) * w, rtol=1e-5, atol=1e-6)
   assert any(float(jnp.abs(w - 1).max()) > 0 for w in jax.tree.leaves(weights))  # learned, not left at ones
+
+
+# ---------------------------------------------------------------------------------------------------- HeteroFL
+def test_heterofl_sub_models_are_leading_slices_and_entries_average_over_their_holders():
+  from fedjax_het.algorithms.heterofl import combine, sub_model
+  w = jnp.arange(9.0).reshape(3, 3)
+  glob = {'w': w, 'head': {'kernel': jnp.zeros((3, 2)), 'bias': jnp.zeros(2)}}
+  small = sub_model(glob, {'w': jnp.zeros((2, 2)), 'head': {'kernel': jnp.zeros((2, 2)), 'bias': jnp.zeros(2)}})
+  np.testing.assert_array_equal(small['w'], [[0.0, 1.0], [3.0, 4.0]])
+  # width 3: one participant (all ones); width 2: two participants (2s and 4s) and an empty slot (100s)
+  wide = Uploads({'model': {'w': jnp.ones((1, 3, 3)), 'head': {'kernel': jnp.ones((1, 3, 2)), 'bias': jnp.ones((1, 2))}},
+                  'label_mask': jnp.array([[1.0, 1.0]])}, jnp.array([True]), jnp.ones(1))
+  narrow = Uploads({'model': {'w': jnp.stack([jnp.full((2, 2), 2.0), jnp.full((2, 2), 4.0), jnp.full((2, 2), 100.0)]),
+                              'head': {'kernel': jnp.stack([jnp.full((2, 2), 2.0), jnp.full((2, 2), 4.0),
+                                                            jnp.full((2, 2), 100.0)]),
+                                       'bias': jnp.stack([jnp.full(2, 2.0), jnp.full(2, 4.0), jnp.full(2, 100.0)])}},
+                    'label_mask': jnp.array([[1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])},
+                   jnp.array([True, True, False]), jnp.ones(3))
+  out = combine(glob, (wide, narrow))
+  # top-left 2x2: (1 + 2 + 4) / 3; the rest only the wide participant's 1
+  np.testing.assert_allclose(out['w'], [[7 / 3, 7 / 3, 1.0], [7 / 3, 7 / 3, 1.0], [1.0, 1.0, 1.0]], rtol=1e-6)
+  # head: class 0 held by all three, class 1 by the wide one and the second narrow one only (not by the first)
+  np.testing.assert_allclose(out['head']['kernel'], [[7 / 3, 5 / 2], [7 / 3, 5 / 2], [1.0, 1.0]], rtol=1e-6)
+  np.testing.assert_allclose(out['head']['bias'], [7 / 3, 5 / 2], rtol=1e-6)
+  kept = combine(glob, (wide._replace(mask=jnp.array([False])), narrow))
+  np.testing.assert_allclose(kept['w'], [[3.0, 3.0, 2.0], [3.0, 3.0, 5.0], [6.0, 7.0, 8.0]])  # nobody: kept
+
+
+def test_width_scaled_models_narrow_every_hidden_width_and_refuse_what_cannot_be_sliced():
+  from fedjax_het.models.registry import build_model
+  shapes = lambda name: jax.eval_shape(lambda: build_model(name, 10, 16, 'none').init(
+      jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3))))['params']
+  half, full = shapes('resnet10@0.5'), shapes('resnet10')
+  assert half['extractor']['Conv_0']['kernel'].shape == (7, 7, 3, 32)  # ceil(0.5 * 64)
+  assert half['head']['kernel'].shape == (256, 10) and full['head']['kernel'].shape == (512, 10)
+  assert shapes('heterofl_conv@0.3')['head']['kernel'].shape == (154, 10)  # ceil(0.3 * 512)
+  with pytest.raises(ConfigError, match="'cnn4@0.5': 'cnn4' has no width-scaled form"):
+    build_model('cnn4@0.5', 10)
+  with pytest.raises(ConfigError, match=r'must be a number in \(0, 1\]'):
+    build_model('resnet10@2', 10)

@@ -9,6 +9,7 @@ from fedjax_het.algorithms.felo import FedHeConfig, FeloConfig, fedhe, felo
 from fedjax_het.algorithms.fedgen import FedGenConfig, fedgen
 from fedjax_het.algorithms.fedprox import FedProxConfig, fedprox
 from fedjax_het.algorithms.gefl import GeFLConfig, gefl
+from fedjax_het.algorithms.heterofl import HeteroFLConfig, heterofl
 from fedjax_het.algorithms.gefl_f import GeFLFConfig, gefl_f, lg_fedavg_first_block
 from fedjax_het.algorithms.fedgh import FedGHConfig, fedgh
 from fedjax_het.algorithms.fedkd import FedKDConfig, fedkd

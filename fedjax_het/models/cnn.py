@@ -1,4 +1,5 @@
-"""Convolutional and dense extractors: HtFLlib's 4-layer CNN and small models for the offline quickstart."""
+"""Convolutional and dense extractors: HtFLlib's 4-layer CNN, HeteroFL's CNN and small models for the offline
+quickstart."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fedjax_het.models.norm import TorchBatchNorm
 from fedjax_het.models.pooling import max_pool
 
 
@@ -47,4 +49,20 @@ class MLP(nn.Module):
     x = x.reshape(x.shape[0], -1)
     for w in self.widths:
       x = nn.relu(nn.Dense(w)(x))
+    return x
+
+
+class HeteroFLConv(nn.Module):
+  """HeteroFL's CNN (Diao et al. 2021, its `conv` model): per width w_i a 3x3 conv -> BatchNorm -> ReLU, a 2x2 max
+  pool between blocks; returns the last feature map (RM averages it over positions, as the model's adaptive
+  average pool). Its widths scale with HeteroFL's rate (`models.registry`, 'heterofl_conv@0.5')."""
+  widths: tuple[int, ...] = (64, 128, 256, 512)
+  conv: Any = nn.Conv
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    for i, w in enumerate(self.widths):
+      if i:
+        x = max_pool(x, (2, 2), (2, 2))
+      x = nn.relu(TorchBatchNorm(use_running_average=not train)(self.conv(w, (3, 3), padding=1)(x)))
     return x

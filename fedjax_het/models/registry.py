@@ -7,22 +7,55 @@ HtFLlib's model families.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import flax.linen as nn
 
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.classifier import HeteroClassifier
-from fedjax_het.models.cnn import MLP, FedAvgCNN, SmallCNN
+from fedjax_het.models.cnn import MLP, FedAvgCNN, HeteroFLConv, SmallCNN
 from fedjax_het.models.conv import ConvFactory, conv_factory
 from fedjax_het.models.gefl_cnn import GEFL_DATASETS, GeFLCNN
 from fedjax_het.models.googlenet import GoogLeNet
 from fedjax_het.models.mobilenet import MobileNetV2
-from fedjax_het.models.resnet import Bottleneck, ResNet
+from fedjax_het.models.resnet import BasicBlock, Bottleneck, ResNet
 from fedjax_het.models.vit import VisionTransformer
 
 ExtractorFactory = Callable[[ConvFactory], nn.Module]
 _EXTRACTORS: dict[str, ExtractorFactory] = {}
+_WIDTH_SCALED: dict[str, Callable[[ConvFactory, float], nn.Module]] = {}
+
+
+def register_width_scaled(name: str, factory: Callable[[ConvFactory, float], nn.Module]) -> None:
+  """Registers how architecture `name` narrows: factory(conv, rate) -> its extractor with every hidden width w
+  replaced by ceil(rate * w) (HeteroFL's sub-models), built under the name 'NAME@RATE'."""
+  _WIDTH_SCALED[name] = factory
+
+
+def width_rate(name: str) -> tuple[str, float]:
+  """('resnet18', 0.5) for 'resnet18@0.5'; (name, 1.0) for a name without a rate. A ConfigError for a rate that
+  is not in (0, 1] or an architecture that does not narrow."""
+  if '@' not in name:
+    return name, 1.0
+  base, _, rate = name.partition('@')
+  try:
+    value = float(rate)
+  except ValueError:
+    value = -1.0
+  if not 0 < value <= 1:
+    raise ConfigError(f'ModelConfig.names: {name!r}: the width rate after @ must be a number in (0, 1], e.g. '
+                      f'{base}@0.5.')
+  if base not in _WIDTH_SCALED:
+    raise ConfigError(f'ModelConfig.names: {name!r}: {base!r} has no width-scaled form; these do: '
+                      f'{", ".join(sorted(_WIDTH_SCALED))} (a model that flattens a feature map into a Dense, such as '
+                      f'cnn4, has no channel-sliceable sub-model).')
+  return base, value
+
+
+def scaled(widths: Sequence[int], rate: float) -> tuple[int, ...]:
+  """HeteroFL's widths of a sub-model: ceil(rate * w) each."""
+  return tuple(int(math.ceil(rate * w - 1e-9)) for w in widths)
 
 
 def register_model(name: str, extractor_factory: ExtractorFactory) -> None:
@@ -41,9 +74,12 @@ def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = '
                 ) -> HeteroClassifier:
   """The classifier `name` with RM to `feature_dim`, a head to `num_classes`, and convolutions computed the
   `conv` way ('xla', 'im2col' or 'auto'; same parameters, same function)."""
-  if name not in _EXTRACTORS:
+  base, rate = width_rate(name)
+  if base not in _EXTRACTORS:
     raise ConfigError(f'ModelConfig.names: unknown model {name!r}; registered models are {", ".join(model_names())}.')
-  return HeteroClassifier(_EXTRACTORS[name](conv_factory(conv)), num_classes, feature_dim, rm)
+  extractor = (_WIDTH_SCALED[base](conv_factory(conv), rate) if '@' in name
+               else _EXTRACTORS[name](conv_factory(conv)))
+  return HeteroClassifier(extractor, num_classes, feature_dim, rm)
 
 
 def assign_models(models: Sequence[str], num_clients: int) -> list[str]:
@@ -52,7 +88,7 @@ def assign_models(models: Sequence[str], num_clients: int) -> list[str]:
     raise ConfigError('ModelConfig.names is empty; give at least one model name, e.g. (\'cnn4\', \'resnet18\').')
   models = expand_models(models)
   for m in models:
-    if m not in _EXTRACTORS:
+    if width_rate(m)[0] not in _EXTRACTORS:
       raise ConfigError(f'ModelConfig.names: unknown model {m!r}; registered models are {", ".join(model_names())}; '
                         f'families: {", ".join(MODEL_FAMILIES)}.')
   return [models[k % len(models)] for k in range(num_clients)]
@@ -78,6 +114,17 @@ register_model('mobilenet_v2', lambda conv: MobileNetV2(conv=conv))
 register_model('googlenet', lambda conv: GoogLeNet(conv=conv))
 register_model('vit_b16', lambda conv: VisionTransformer(16, conv=conv))
 register_model('vit_b32', lambda conv: VisionTransformer(32, conv=conv))
+register_model('heterofl_conv', lambda conv: HeteroFLConv(conv=conv))
+register_width_scaled('heterofl_conv', lambda conv, rate: HeteroFLConv(scaled(HeteroFLConv.widths, rate), conv=conv))
+_RESNETS = {'resnet4': ((1,), BasicBlock), 'resnet6': ((1, 1), BasicBlock), 'resnet8': ((1, 1, 1), BasicBlock),
+            'resnet10': ((1, 1, 1, 1), BasicBlock), 'resnet14': ((1, 1, 2, 2), BasicBlock),
+            'resnet18': ((2, 2, 2, 2), BasicBlock), 'resnet22': ((2, 2, 3, 3), BasicBlock),
+            'resnet26': ((3, 3, 3, 3), BasicBlock), 'resnet34': ((3, 4, 6, 3), BasicBlock),
+            'resnet50': ((3, 4, 6, 3), Bottleneck), 'resnet101': ((3, 4, 23, 3), Bottleneck),
+            'resnet152': ((3, 8, 36, 3), Bottleneck)}
+for _name, (_stages, _block) in _RESNETS.items():  # HeteroFL's ResNet widths: ceil(rate * (64, 128, 256, 512))
+  register_width_scaled(_name, lambda conv, rate, st=_stages, b=_block: ResNet(
+      st, conv=conv, block=b, stage_widths=scaled([64 * 2**i for i in range(len(st))], rate)))
 for _dataset in GEFL_DATASETS:
   for _k in range(1, 11):
     register_model(f'gefl_{_dataset}_cnn{_k}', lambda conv, d=_dataset, k=_k: GeFLCNN(d, k, conv=conv))

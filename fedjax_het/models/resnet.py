@@ -5,7 +5,7 @@ basic blocks for ResNet-4/6/8/10 (HtFLlib's, one block per stage, 1-4 stages), 1
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -59,13 +59,15 @@ class ResNet(nn.Module):
   base_width: int = 64
   conv: Any = nn.Conv
   block: Any = BasicBlock
+  stage_widths: Optional[Sequence[int]] = None  # per stage (the stem takes the first); default base * 2^stage
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
-    x = self.conv(self.base_width, (7, 7), 2, padding=3, use_bias=False)(x)
+    widths = self.stage_widths or [self.base_width * 2**i for i in range(len(self.stage_sizes))]
+    x = self.conv(widths[0], (7, 7), 2, padding=3, use_bias=False)(x)
     x = nn.relu(TorchBatchNorm(use_running_average=not train)(x))
     x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
     for i, blocks in enumerate(self.stage_sizes):
       for j in range(blocks):
-        x = self.block(self.base_width * 2**i, strides=2 if i > 0 and j == 0 else 1, conv=self.conv)(x, train)
+        x = self.block(widths[i], strides=2 if i > 0 and j == 0 else 1, conv=self.conv)(x, train)
     return x

@@ -1,0 +1,164 @@
+"""HeteroFL (Diao et al., ICLR 2021, "HeteroFL: Computation and communication efficient federated learning for
+heterogeneous clients"), as Felo's Fig. 4 runs it (felo_velo.txt Sec. 4: sub-models of the largest ResNet with
+smaller widths and the same depth, evaluated on the server).
+
+The architecture groups are one architecture at several width rates, `--models=resnet26@1,resnet26@0.5,...`
+(`models.registry`: every hidden width w becomes ceil(rate * w)). The server holds the global model, the widest
+group's; a participant receives its sub-model, the leading slice of every parameter (the first ceil(rate * w)
+channels of each layer), trains it and uploads it with the classes it holds. The server averages every entry of the
+global model over the participants whose sub-model holds it, unweighted; an entry nobody held keeps its value; the
+output layer's row of class c counts only the participants holding c (HeteroFL's label split, `combine`).
+
+Training: CE with the logits of classes the client does not hold set to 0 (HeteroFL's `masked_fill(label_mask ==
+0, 0)`, --heterofl_mask), SGD at --local_learning_rate with momentum --heterofl_momentum and weight decay
+--heterofl_weight_decay (HeteroFL's 0.9 and 5e-4), a fresh optimizer every round. Its static BatchNorm keeps no
+running statistics for training; every client is scored with the global model (Felo: "evaluated on the server
+side").
+
+Choices: HeteroFL computes the global model's BatchNorm statistics for testing in a pass over all training data
+(`stats`, sBN); here the global model normalises each test batch by its own statistics (PyTorch's BatchNorm without
+running statistics, --eval_batch_size rows per batch), so a score depends on the batch size. Its Scaler (1 / rate
+on every conv output during training) is left out: a BatchNorm follows every scaled convolution in both model
+families and removes the factor. Felo's 'dynamic' split (each client draws its rate every round) is not
+reproduced: a client keeps its group's rate ('fix' in HeteroFL's code). The models are HeteroFL's CNN
+(`heterofl_conv`) and the zoo's torchvision-style ResNets (HeteroFL's are pre-activation ResNets); models that
+flatten a feature map into a Dense have no channel-sliceable sub-model and are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_het.algorithms.base import sgd_program
+from fedjax_het.algorithms.common import cross_entropy
+from fedjax_het.core import (Algorithm, ClientState, Evaluation, GroupSpec, UploadPrivacy, hyperparameter,
+                             leaf_scalars, one_phase)
+from fedjax_het.errors import ConfigError, setting
+from fedjax_het.models.forward import forward
+
+
+@dataclasses.dataclass(frozen=True)
+class HeteroFLConfig:
+  """HeteroFL's local optimiser and label masking (its code's defaults)."""
+  momentum: float = hyperparameter(0.9, 'HeteroFL: SGD momentum (a fresh optimiser every round).',
+                                   flag='heterofl_momentum')
+  weight_decay: float = hyperparameter(5e-4, 'HeteroFL: SGD weight decay.', flag='heterofl_weight_decay')
+  mask: bool = hyperparameter(True, 'HeteroFL: set the logits of classes a client does not hold to 0 in training.',
+                              flag='heterofl_mask')
+
+  def __post_init__(self):
+    if not 0 <= self.momentum < 1 or self.weight_decay < 0:
+      raise ConfigError(f'{setting(self, "momentum")} must be in [0, 1) and {setting(self, "weight_decay")} >= 0.')
+
+
+def sub_model(tree: Any, shapes: Any) -> Any:
+  """The leading slice of every leaf of `tree` with the shape of the matching leaf of `shapes` (a sub-model's
+  parameters from the global model's)."""
+  return jax.tree.map(lambda a, s: a[tuple(slice(0, d) for d in s.shape)], tree, shapes)
+
+
+def pad_to(tree: Any, shapes: Any) -> Any:
+  """Every leaf zero-padded at the end of each axis to the shape of the matching leaf of `shapes`."""
+  return jax.tree.map(lambda a, s: jnp.pad(a, [(0, t - d) for d, t in zip(a.shape, s.shape)]), tree, shapes)
+
+
+def class_rows(tree: dict, label_mask: jnp.ndarray) -> dict:
+  """Per-parameter weights [S, ...leaf] of the participants' entries: 1 everywhere except the head, whose class
+  axis (the last) carries each participant's `label_mask` [S, C]."""
+  ones = jax.tree.map(jnp.ones_like, tree)
+  head = jax.tree.map(lambda a: jnp.broadcast_to(label_mask.reshape(label_mask.shape[:1] + (1,) * (a.ndim - 2)
+                                                                    + label_mask.shape[1:]), a.shape),
+                      tree['head'])
+  return {**ones, 'head': head}
+
+
+def combine(global_params: dict, uploads) -> dict:
+  """HeteroFL's aggregation: each entry of the global model the unweighted mean of the participants' values of it
+  (their sub-models' leading slices; the head's class rows only from participants holding the class), kept where
+  no participant held it. `uploads`: per group `Uploads` of {'model', 'label_mask'}."""
+  total = jax.tree.map(jnp.zeros_like, global_params)
+  count = jax.tree.map(jnp.zeros_like, global_params)
+  for u in uploads:
+    weights = class_rows(u.values['model'], u.values['label_mask'])
+    real = lambda w: w * u.mask.astype(w.dtype).reshape((-1,) + (1,) * (w.ndim - 1))
+    held = jax.tree.map(real, weights)
+    total = jax.tree.map(jnp.add, total, pad_to(jax.tree.map(lambda w, v: (w * v).sum(0), held, u.values['model']),
+                                                global_params))
+    count = jax.tree.map(jnp.add, count, pad_to(jax.tree.map(lambda w: w.sum(0), held), global_params))
+  return jax.tree.map(lambda t, c, old: jnp.where(c > 0, t / jnp.maximum(c, 1.0), old), total, count, global_params)
+
+
+def heterofl(cfg: HeteroFLConfig, num_classes: int, local_learning_rate: float) -> Algorithm:
+  """HeteroFL (fixed rates per group) as an `Algorithm`."""
+
+  def variables(group: GroupSpec, model=None):
+    model = model or group.model
+    return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), group.sample_input(), train=False))
+
+  def widest(group: GroupSpec) -> int:
+    """The index of the group with the most parameters (the global model's architecture)."""
+    sizes = [sum(leaf.size for leaf in jax.tree.leaves(variables(group, m)['params'])) for m in group.group_models]
+    return max(range(len(sizes)), key=lambda i: sizes[i])
+
+  def init_server(key, spec, initial):
+    top = widest(spec.groups[0])
+    big = variables(spec.groups[top])['params']
+    for g in spec.groups:
+      small = variables(g)['params']
+      if (jax.tree.structure(small) != jax.tree.structure(big) or
+              any(any(d > t for d, t in zip(a.shape, b.shape)) for a, b in zip(jax.tree.leaves(small),
+                                                                                jax.tree.leaves(big)))):
+        raise ConfigError(f'ModelConfig.names: HeteroFL needs one architecture at several width rates (e.g. '
+                          f'resnet26@1,resnet26@0.5); {g.arch!r} is not a sub-model of {spec.groups[top].arch!r}.')
+    return {'model': initial[top].params, 'state': initial[top].model_state}
+
+  def broadcast(server, group):
+    return {'model': sub_model(server['model'], variables(group)['params']), 'global': server['model'],
+            'global_state': server['state']}
+
+  def init_client(group, key):
+    return {'label_mask': jnp.ones(num_classes)}
+
+  def client(group: GroupSpec):
+    optimizer = optax.chain(optax.add_decayed_weights(cfg.weight_decay) if cfg.weight_decay else optax.identity(),
+                            optax.sgd(local_learning_rate, momentum=cfg.momentum or None))
+
+    def loss(client, batch, broadcast, key):
+      logits, _, model_state = forward(group.model, client.params, client.model_state, batch.x, True, batch.mask)
+      if cfg.mask:
+        logits = jnp.where(client.extra['label_mask'] > 0, logits, 0.0)
+      return cross_entropy(logits, batch.y, batch.mask), client._replace(model_state=model_state)
+
+    def prepare(client, rows, broadcast, key):
+      held = (jnp.arange(rows.x.shape[0]) < rows.num_train)[:, None] & (rows.y[:, None] == jnp.arange(num_classes))
+      return client._replace(extra={**client.extra, 'label_mask': held.any(0).astype(jnp.float32)})
+
+    program = sgd_program(loss, group.training, optimizer=optimizer,
+                          receive=lambda c, b: c._replace(params=b['model']),
+                          upload=lambda c, rows, b, k: {'model': c.params, 'label_mask': c.extra['label_mask']})
+    return program._replace(prepare=prepare)
+
+  def server_update(server, uploads, key):
+    return {**server, 'model': combine(server['model'], uploads)}, {}
+
+  def evaluation(group: GroupSpec) -> Evaluation:
+    """Every client scored with the global model."""
+    model = group.group_models[widest(group)]
+
+    def prepare(client: ClientState, broadcast):
+      return broadcast['global'], broadcast['global_state']
+
+    def logits(evaluated, x):
+      params, state = evaluated
+      return (forward(model, params, state, x, True)[0],)  # BatchNorm on the test batch's statistics
+    return Evaluation(('global_model',), prepare, logits)
+
+  return one_phase('heterofl', init_server, client, server_update, evaluation, broadcast=broadcast,
+                   init_client=init_client, partial_batches=True, shares_representations=False,
+                   broadcast_scalars=lambda b: leaf_scalars({'model': b['model']}),
+                   upload_privacy=UploadPrivacy(public=('label_mask',), reference=lambda b: {'model': b['model']}))
