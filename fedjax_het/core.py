@@ -79,7 +79,7 @@ class Stage(NamedTuple):
   is an argument rather than part of the carry so that vmapped clients share one copy.)
   training: the stage's own schedule (None: the program's `ClientProgram.training`), e.g. FedMD's digest over the
   server's P public rows, `LocalTraining(rows=P, ...)`: every client then takes epochs * (P // B) steps whose
-  `Batch.index` names public rows, under the stage's own batch size and --local_steps cap.
+  `Batch.index` names public rows, under the stage's own batch size and step cap (`LocalTraining.max_steps`).
   """
   step: Callable[[Any, Batch, Any, jax.Array], tuple[Any, jnp.ndarray]]
   epochs: int
@@ -136,10 +136,13 @@ def with_model(program: ClientProgram, client: ClientState, original: ClientStat
 class Evaluation(NamedTuple):
   """How a group's clients are scored: names of the scored predictions, the first being the method's reported
   accuracy; prepare(client, broadcast) -> evaluated (once per client and evaluation: the model as evaluated, its
-  heads); logits(evaluated, x) -> one [B, C] array per name, on a batch of test rows. Evaluation never trains."""
+  heads); logits(evaluated, x) -> one [B, C] array per name, on a batch of test rows, or with `batch_rows`
+  logits(evaluated, x, rows), rows [B] marking the batch's real test rows (a model normalised by each test batch's
+  own statistics, HeteroFL's, must not count padding). Evaluation never trains."""
   names: tuple[str, ...]
   prepare: Callable[[ClientState, Broadcast], Any]
-  logits: Callable[[Any, jnp.ndarray], tuple[jnp.ndarray, ...]]
+  logits: Callable[..., tuple[jnp.ndarray, ...]]
+  batch_rows: bool = False
 
 
 class Uploads(NamedTuple):
@@ -308,6 +311,11 @@ class Algorithm:
     generators, set False and may then run groups of different widths (--rm=none).
   upload_privacy: which parts of its uploads carry its clients' data and how its server reads them
     (`UploadPrivacy`), for the DP layer.
+  constants: None, or a dict of arrays that programs and server steps read and no round changes (FedMD's and
+    FedDF's public images): the engine keeps them on device once and passes them to every jitted function as an
+    argument (an array a function closes over would be compiled into it as a constant), handing them to the method
+    as broadcast['constants'] (a dict broadcast) and server['constants'] (a dict server state; the step's input
+    only, never stored, checkpointed or counted as traffic).
   """
   name: str
   init_server: Callable[[jax.Array, FederationSpec, Sequence[ClientState]], ServerState]
@@ -321,6 +329,7 @@ class Algorithm:
   partial_batches: bool = False
   shares_representations: bool = True
   upload_privacy: UploadPrivacy = UploadPrivacy()
+  constants: Any = None
 
 
 def one_phase(name: str, init_server, client, server_update, evaluation, broadcast=whole_server,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import time
@@ -72,10 +73,18 @@ def _build(cfg: ExperimentConfig) -> tuple[Federation, Run, Optional['PrivacyBud
   dataset = dataset.subsampled(cfg.data_fraction, cfg.seed).resized(cfg.image_size)
   dataset = dataset.normalized(cfg.input_normalization)
   public = None
-  if cfg.public_dataset:
-    public = load_dataset(cfg.public_dataset, cfg.data_dir, seed=cfg.seed).matching(dataset.image_shape)
-    public = public.normalized(cfg.input_normalization)
+  if (cfg.public_size or cfg.public_dataset) and 'public' not in inspect.signature(
+      method(cfg.algorithm).factory).parameters:
+    logging.warning('--public_size / --public_dataset: %s reads no public data; %s', cfg.algorithm,
+                    'the clients still lose the held-out rows.' if cfg.public_size and not cfg.public_dataset
+                    else 'the public dataset is not used.')
   with flags_named():
+    if cfg.public_dataset:
+      try:
+        public = load_dataset(cfg.public_dataset, cfg.data_dir, seed=cfg.seed)
+      except ConfigError as e:
+        raise type(e)(str(e).replace('--dataset', '--public_dataset')) from None
+      public = public.matching(dataset.image_shape).normalized(cfg.input_normalization)
     data = make_federated_data(dataset, cfg.num_clients, cfg.partition, cfg.seed, cfg.eval_protocol,
                                alpha=cfg.alpha, classes_per_client=cfg.classes_per_client, balance=cfg.balance,
                                imbalance_factor=cfg.imbalance_factor, train_fraction=cfg.train_fraction,

@@ -124,7 +124,8 @@ def test_feddf_teachers_are_every_participant_and_an_absent_architecture_keeps_i
   np.testing.assert_allclose(ensemble_logits(fed.spec, uploads, x), (one(0, 0) + one(0, 1) + one(1, 0)) / 3,
                              rtol=1e-5, atol=1e-6)
   nobody = uploads[1]._replace(mask=jnp.array([False, False]))
-  new, _ = server_step(fed.algorithm.phases[0], fed.spec)(state.server, (uploads[0], nobody), jax.random.PRNGKey(0))
+  new, _ = server_step(fed.algorithm.phases[0], fed.spec)({**state.server, 'constants': fed.constants},
+                                                          (uploads[0], nobody), jax.random.PRNGKey(0))
   tree_allclose(new['models'][1], state.server['models'][1], rtol=0, atol=0)       # no participant: kept
   mean = jax.tree.map(lambda a: a.mean(0), models[0])
   moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(new['models'][0]), jax.tree.leaves(mean)))
@@ -248,3 +249,63 @@ def test_width_scaled_models_narrow_every_hidden_width_and_refuse_what_cannot_be
     build_model('cnn4@0.5', 10)
   with pytest.raises(ConfigError, match=r'must be a number in \(0, 1\]'):
     build_model('resnet10@2', 10)
+
+
+def test_public_images_reach_the_programs_as_arguments_not_compiled_constants(feddf_federation):
+  """The FedDF server step and the broadcast carry the public images as an argument (`Algorithm.constants`): its
+  compiled text does not hold them, so a CIFAR-sized public set is not compiled into every program."""
+  fed = feddf_federation
+  state = fed.init()
+  shape = 'x'.join(str(d) for d in fed.data.public.x.shape)
+  step = jax.jit(fed._server_step(fed.algorithm.phases[0]))
+  uploads = tuple(Uploads({'model': g.params, 'model_state': g.model_state}, jnp.ones(g.params['head']['bias'].shape[0],
+                                                                                      bool), jnp.ones(2))
+                  for g in state.groups)
+  text = step.lower(state.server, uploads, jax.random.PRNGKey(0), fed.constants).as_text()
+  assert not [line for line in text.splitlines() if 'constant' in line and f'tensor<{shape}xf32>' in line]
+  assert 'constants' not in step(state.server, uploads, jax.random.PRNGKey(0), fed.constants)[0]
+  assert fed.broadcast(state.server, 0, 0)['constants'] is fed.constants and 'constants' not in fed.sent(
+      state.server, 0, 0)
+
+
+def test_heterofl_scores_do_not_depend_on_how_the_test_rows_are_padded(tiny_data):
+  from fedjax_het.algorithms import HeteroFLConfig, heterofl
+  from fedjax_het.data.federated import ClientArrays
+  from fedjax_het.engine.client import score_client
+  fed = Federation(heterofl(HeteroFLConfig(), 4, 0.05), tiny_data,
+                   ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.05, 8))
+  state = fed.init()
+  client = jax.tree.map(lambda a: a[0], state.groups[1])
+  broadcast = fed.broadcast(state.server, 1, 0)
+  x = jax.random.normal(jax.random.PRNGKey(3), (37, 8, 8, 1))
+  y = jnp.arange(37) % 4
+  score = lambda pad, chunk: int(score_client(fed.evaluations[1], client, broadcast, ClientArrays(
+      jnp.pad(x, [(0, pad)] + [(0, 0)] * 3), jnp.pad(y, (0, pad)), jnp.asarray(37)), chunk)[0])
+  # one pass over the rows each time: the batch's statistics are those of the same 37 real rows
+  assert score(0, 256) == score(20, 256) == score(191, 256)
+
+
+def test_heterofl_refuses_an_rm_that_pools_every_width_to_d(tiny_data):
+  from fedjax_het.algorithms import HeteroFLConfig, heterofl
+  fed = Federation(heterofl(HeteroFLConfig(), 4, 0.05), tiny_data,
+                   ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'ap'), LocalTraining(0.05, 8))
+  with pytest.raises(ConfigError, match="rm='ap': HeteroFL slices"):
+    fed.init()
+
+
+def test_public_data_mistakes_are_named():
+  from fedjax_het.data import PublicData
+  with pytest.raises(ConfigError, match='labels up to 5 where the run has 4 classes'):
+    fedmd(FedMDConfig(), 4, 8, PublicData(np.zeros((2, 8, 8, 1)), np.array([0, 5]), 'other'))
+  cfg = ExperimentConfig(algorithm='feddf', dataset='synthetic:8,8,1', public_dataset='nosuchset', num_clients=4,
+                         models=('mlp',), feature_dim=16, rounds=2, batch_size=16)
+  with pytest.raises(ConfigError, match="--public_dataset='nosuchset' is unknown"):
+    build_federation(cfg)
+
+
+def test_noised_batchnorm_variances_are_clipped_at_zero():
+  from fedjax_het.algorithms.avgkd import nonnegative_variances
+  state = {'batch_stats': {'bn': {'mean': jnp.array([-1.0]), 'var': jnp.array([-0.5, 2.0])}}}
+  out = nonnegative_variances(state)
+  np.testing.assert_array_equal(out['batch_stats']['bn']['var'], [0.0, 2.0])
+  np.testing.assert_array_equal(out['batch_stats']['bn']['mean'], [-1.0])

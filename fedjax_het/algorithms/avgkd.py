@@ -22,6 +22,7 @@ summary's best accuracy is that figure.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,12 +70,19 @@ def group_state_evaluation(group: GroupSpec):
   return head_evaluation(group.model, {'local_head': own_head}, receive=receive_group_state)
 
 
-def average_group_states(server: dict, uploads) -> dict:
-  """Per architecture, the sample-weighted mean of its participants' parameters and BatchNorm statistics (kept
-  when it had none)."""
-  models = tuple(participant_average(u.values['model'], u.mask * u.num_train, old)
+def nonnegative_variances(model_state: Any) -> Any:
+  """BatchNorm statistics with every running variance clipped at 0 (a mean of noised uploads under DP can fall
+  below it; clipping is post-processing, free under DP)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, a: jnp.maximum(a, 0.0) if getattr(path[-1], 'key', None) == 'var' else a, model_state)
+
+
+def average_group_states(server: dict, uploads, weight=lambda u: u.mask * u.num_train) -> dict:
+  """Per architecture, the mean of its participants' parameters and BatchNorm statistics weighted by
+  `weight(uploads)` (default: their training rows; kept when it had none)."""
+  models = tuple(participant_average(u.values['model'], weight(u), old)
                  for u, old in zip(uploads, server['models']))
-  states = tuple(participant_average(u.values['model_state'], u.mask * u.num_train, old)
+  states = tuple(nonnegative_variances(participant_average(u.values['model_state'], weight(u), old))
                  for u, old in zip(uploads, server['model_states']))
   return {'models': models, 'model_states': states}
 

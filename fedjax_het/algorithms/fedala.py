@@ -21,7 +21,10 @@ Choices: the weight-learning loss is CE with the model in training mode whose Ba
 settled (PFLlib loops until they do); PFLlib compares the first parameter tensor's sum with the global one's to
 detect the first round, this module every parameter. PFLlib scores the models ALA makes from the newest global
 model before they train; here a client is scored with its model after its last local training (a client's
-evaluation has no data to run ALA on).
+evaluation has no data to run ALA on), and only a round's participants run ALA (PFLlib runs it on every client
+when it sends the global model; with full participation, as GeFL's setting, the two agree). With one client per
+group (GeFL's 10-client setting) the group model is that client's own, ALA never runs and FedALA is local
+training, as the paper says of its grouped baselines there.
 """
 
 from __future__ import annotations

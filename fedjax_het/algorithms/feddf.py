@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.avgkd import (GROUP_STATE_PRIVACY, group_state_evaluation, initial_group_states,
-                                        model_upload, receive_group_state)
+from fedjax_het.algorithms.avgkd import (GROUP_STATE_PRIVACY, average_group_states, group_state_evaluation,
+                                        initial_group_states, model_upload, receive_group_state)
 from fedjax_het.algorithms.base import sgd_program
-from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
+from fedjax_het.algorithms.common import cross_entropy_loss
 from fedjax_het.algorithms.public import PublicRows
 from fedjax_het.core import Algorithm, FederationSpec, Phase, hyperparameter
 from fedjax_het.data.federated import PublicData
@@ -93,17 +93,15 @@ def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
 
   def server_for(spec: FederationSpec):
     def server_update(server, uploads, key):
-      averaged = tuple(participant_average(u.values['model'], u.mask.astype(jnp.float32), old)
-                       for u, old in zip(uploads, server['models']))
-      states = tuple(participant_average(u.values['model_state'], u.mask.astype(jnp.float32), old)
-                     for u, old in zip(uploads, server['model_states']))
+      means = average_group_states(server, uploads, weight=lambda u: u.mask.astype(jnp.float32))  # uniform
+      averaged, states = means['models'], means['model_states']
       present = tuple(u.mask.any() for u in uploads)
 
       def step(t, carry):
         params, states, opt_states = carry
         order = jax.random.permutation(jax.random.fold_in(key, t // per_pass), rows.size)
         index = jax.lax.dynamic_slice_in_dim(order, (t % per_pass) * batch, batch)
-        x = rows.x[index]
+        x = server['constants']['public_x'][index]
         teacher = jax.lax.stop_gradient(ensemble_logits(spec, uploads, x))
         out = []
         for group, p, s, o in zip(spec.groups, params, states, opt_states):
@@ -128,6 +126,6 @@ def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
 
   return Algorithm('feddf', initial_group_states,
                    (Phase('feddf', client, server_for, own_model, server_of_spec=True),), group_state_evaluation,
-                   partial_batches=True, shares_representations=False,
+                   partial_batches=True, shares_representations=False, constants=rows.constants,
                    # the ensemble reads each uploaded model on its own, not only the groups' means
                    upload_privacy=GROUP_STATE_PRIVACY._replace(aggregate='records'))

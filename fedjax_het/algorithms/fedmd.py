@@ -99,19 +99,23 @@ def adam_step(optimizer: optax.GradientTransformation, loss):
 
 def fedmd(cfg: FedMDConfig, num_classes: int, batch_size: int, public: PublicData) -> Algorithm:
   """FedMD as an `Algorithm` of two phases: 'transfer' (one round, every client) and 'collaborate'."""
+  if int(public.y.max(initial=0)) >= num_classes:
+    raise ConfigError(f'FedMD trains on the public labels, and {public.source} has labels up to {int(public.y.max())} '
+                      f'where the run has {num_classes} classes. Fix: --public_dataset with the run\'s classes, or '
+                      f'--public_size=N rows held out of the run\'s own data.')
   rows = PublicRows(public)
   adam = torch_adam(cfg.learning_rate)
 
   def public_ce(group):
     def loss(client, batch, broadcast):
-      x, y = rows.batch(batch.index)
+      x, y = rows.batch(broadcast['constants'], batch.index)
       logits, _, client = train_forward(group.model, client, x)
       return cross_entropy(logits, y), client
     return loss
 
   def digest(group):
     def loss(client, batch, broadcast):
-      x, y = rows.batch(batch.index)
+      x, y = rows.batch(broadcast['constants'], batch.index)
       logits, _, client = train_forward(group.model, client, x)
       return digest_loss(logits, y, broadcast['consensus'][batch.index], cfg.digest, cfg.alpha), client
     return loss
@@ -122,7 +126,8 @@ def fedmd(cfg: FedMDConfig, num_classes: int, batch_size: int, public: PublicDat
 
   def program(group: GroupSpec, stages: tuple[Stage, ...]) -> ClientProgram:
     def final(client, client_rows, broadcast, key):
-      return client, {'logits': public_logits(group.model, client.params, client.model_state, rows.x)}
+      return client, {'logits': public_logits(group.model, client.params, client.model_state,
+                                              broadcast['constants']['public_x'])}
     return ClientProgram(lambda client, broadcast, key: client, stages, final, group.training)
 
   public_schedule = lambda group: rows.training(cfg.digest_batch_size or batch_size, group.training.order)
@@ -151,5 +156,5 @@ def fedmd(cfg: FedMDConfig, num_classes: int, batch_size: int, public: PublicDat
   phases = (Phase('transfer', transfer, server_update, broadcast=lambda server, group: {}, rounds=1, join_ratio=1.0),
             Phase('collaborate', collaborate, server_update))
   return Algorithm('fedmd', init_server, phases, local_head_evaluation, init_client=init_client,
-                   partial_batches=True, shares_representations=False,
+                   partial_batches=True, shares_representations=False, constants=rows.constants,
                    upload_privacy=UploadPrivacy(aggregate='sum', hides_participants=True))

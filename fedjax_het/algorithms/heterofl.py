@@ -16,8 +16,9 @@ running statistics for training; every client is scored with the global model (F
 side").
 
 Choices: HeteroFL computes the global model's BatchNorm statistics for testing in a pass over all training data
-(`stats`, sBN); here the global model normalises each test batch by its own statistics (PyTorch's BatchNorm without
-running statistics, --eval_batch_size rows per batch), so a score depends on the batch size. Its Scaler (1 / rate
+(`stats`, sBN); here the global model normalises each test batch by the statistics of its real rows (PyTorch's
+BatchNorm without running statistics, --eval_batch_size rows per batch), so a score depends on the batch size.
+Under DP the classes a client holds (its label mask) are sent in the clear. Its Scaler (1 / rate
 on every conv output during training) is left out: a BatchNorm follows every scaled convolution in both model
 families and removes the factor. Felo's 'dynamic' split (each client draws its rate every round) is not
 reproduced: a client keeps its group's rate ('fix' in HeteroFL's code). The models are HeteroFL's CNN
@@ -106,6 +107,11 @@ def heterofl(cfg: HeteroFLConfig, num_classes: int, local_learning_rate: float) 
     return max(range(len(sizes)), key=lambda i: sizes[i])
 
   def init_server(key, spec, initial):
+    if spec.groups[0].rm not in ('none', 'fc'):
+      raise ConfigError(f'ModelConfig.rm={spec.groups[0].rm!r}: HeteroFL slices every layer to its width, and '
+                        f'{spec.groups[0].rm!r} pools each width\'s features to the same d, so a narrow model\'s '
+                        f'features would not be the leading slice of the wide one\'s. Fix: ModelConfig.rm=\'none\' '
+                        f'(HeteroFL: the head on the pooled features) or \'fc\'.')
     top = widest(spec.groups[0])
     big = variables(spec.groups[top])['params']
     for g in spec.groups:
@@ -153,10 +159,10 @@ def heterofl(cfg: HeteroFLConfig, num_classes: int, local_learning_rate: float) 
     def prepare(client: ClientState, broadcast):
       return broadcast['global'], broadcast['global_state']
 
-    def logits(evaluated, x):
+    def logits(evaluated, x, rows):
       params, state = evaluated
-      return (forward(model, params, state, x, True)[0],)  # BatchNorm on the test batch's statistics
-    return Evaluation(('global_model',), prepare, logits)
+      return (forward(model, params, state, x, True, rows)[0],)  # BatchNorm on the batch's real test rows
+    return Evaluation(('global_model',), prepare, logits, batch_rows=True)
 
   return one_phase('heterofl', init_server, client, server_update, evaluation, broadcast=broadcast,
                    init_client=init_client, partial_batches=True, shares_representations=False,

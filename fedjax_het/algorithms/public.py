@@ -1,8 +1,10 @@
 """Distillation on the server's public dataset (FedMD, FedDF): its rows as a local stage's schedule, a model's
 logits over all of them, and the mean of the participants' logits (the consensus, or ensemble target).
 
-The public images live on device once, closed over by the programs that read them (jit passes an array that large
-as an argument, not as a constant of the compiled program); a stage over them names rows by `Batch.index`.
+The public images are the algorithm's constants (`Algorithm.constants`): the engine keeps them on device once and
+passes them to every compiled program as an argument (a closed-over array would be compiled into each program as
+a constant), and a program reads them as broadcast['constants'] (a server step: server['constants']); a stage over
+them names rows by `Batch.index`.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from fedjax_het.models.forward import forward
 
 
 class PublicRows:
-  """The public images x [P, ...] and labels y [P] on device, and the schedule of a stage over them."""
+  """The server's public dataset as an algorithm's constants, and the schedule of a stage over its rows."""
 
   def __init__(self, public: PublicData):
-    self.x, self.y, self.source = jnp.asarray(public.x), jnp.asarray(public.y, jnp.int32), public.source
-    self.size = int(public.y.shape[0])
+    self.source, self.size = public.source, int(public.y.shape[0])
+    self.constants = {'public_x': jnp.asarray(public.x), 'public_y': jnp.asarray(public.y, jnp.int32)}
 
   def training(self, batch_size: int, order: str) -> LocalTraining:
     """A stage's schedule over the P public rows (`Stage.training`; the stage sets the epochs): P // B batches an
@@ -31,9 +33,10 @@ class PublicRows:
     --local_steps does not cap them."""
     return LocalTraining(batch_size=min(batch_size, self.size), order=order, rows=self.size)
 
-  def batch(self, index: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """(images, labels) of the public rows `index` [B]."""
-    return self.x[index], self.y[index]
+  @staticmethod
+  def batch(constants: dict, index: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(images, labels) of the public rows `index` [B] from the constants a program receives."""
+    return constants['public_x'][index], constants['public_y'][index]
 
 
 def public_logits(model, params: Any, model_state: Any, x: jnp.ndarray, chunk: int = 500) -> jnp.ndarray:

@@ -126,6 +126,7 @@ class Federation:
                       self.clients_without_steps)
     self._jitted: dict = {}
     self._server_shapes = None
+    self.constants = None if algorithm.constants is None else place_replicated(algorithm.constants, self.mesh)
 
   def phase_index(self, round_index: int) -> int:
     """The phase that round `round_index` (0-based) belongs to."""
@@ -209,11 +210,25 @@ class Federation:
       self._jitted[(name, where)] = make()
     return self._jitted[(name, where)]
 
-  def broadcast(self, server: Any, gi: int, round_index: int) -> Any:
-    """What group gi's participants receive in round `round_index`."""
+  def sent(self, server: Any, gi: int, round_index: int) -> Any:
+    """What the server sends group gi's participants in round `round_index` (the phase's broadcast)."""
     p = self.phase_index(round_index)
     return self._fn('broadcast', (p, gi), lambda: jax.jit(
         lambda s: self.algorithm.phases[p].broadcast(s, self.groups[gi].spec)))(server)
+
+  def broadcast(self, server: Any, gi: int, round_index: int) -> Any:
+    """What group gi's programs and evaluation read in round `round_index`: what the server sends, with the
+    algorithm's constants (`with_constants`)."""
+    return self.with_constants(self.sent(server, gi, round_index))
+
+  def with_constants(self, broadcast: Any) -> Any:
+    """`broadcast` with the algorithm's constants under 'constants' (`Algorithm.constants`); as is without any."""
+    if self.constants is None:
+      return broadcast
+    if not isinstance(broadcast, dict):
+      raise TypeError(f'{self.algorithm.name}: an algorithm with constants must broadcast a dict, not '
+                      f'{type(broadcast).__name__}.')
+    return {**broadcast, 'constants': self.constants}
 
   def round_keys(self, round_index: int) -> tuple[jax.Array, jax.Array]:
     """(clients' key, server's key) of round `round_index`; client k trains with fold_in(clients' key, k)."""
@@ -252,7 +267,7 @@ class Federation:
     groups, uploads, losses, upload_parts, broadcast_parts = [], [], [], [], []
     for gi, (g, result) in enumerate(zip(self.groups, results)):
       slot_idx, values = result.slot_idx, result.uploads
-      broadcast = self.broadcast(state.server, gi, r)
+      broadcast = self.sent(state.server, gi, r)
       real = jnp.asarray(slot_idx < g.size)
       num_train = jnp.asarray(np.where(slot_idx < g.size, self.train_sizes[g.clients[np.minimum(
           slot_idx, g.size - 1)]], 0), jnp.float32)
@@ -270,8 +285,8 @@ class Federation:
         broadcast_parts.append((self._fn('count_broadcast', (p, gi), lambda: jax.jit(
             lambda b: {k: jnp.asarray(v, jnp.float32) for k, v in self.algorithm.broadcast_scalars(b).items()}))(
                 broadcast), receivers))
-    server_update = self._fn('server', p, lambda: jax.jit(server_step(phase, self.spec)))
-    server, server_metrics = server_update(state.server, tuple(uploads), server_key)
+    server_update = self._fn('server', p, lambda: jax.jit(self._server_step(phase)))
+    server, server_metrics = server_update(state.server, tuple(uploads), server_key, self.constants)
     new_state = FederationState(tuple(groups), server, state.round + 1)
     losses = np.concatenate([to_host(loss)[real] for loss, real in losses])  # host reads after all dispatches
     metrics = {'round': r + 1, 'phase': phase.name, 'train_loss': float(np.mean(losses)) if len(losses) else
@@ -283,6 +298,18 @@ class Federation:
     jax.block_until_ready(new_state)
     metrics['train_seconds'] = time.perf_counter() - start
     return new_state, metrics
+
+  def _server_step(self, phase: Phase):
+    """The phase's server step (server, uploads, key, constants) -> (server, metrics), the constants handed to it
+    as server['constants'] and dropped from the state it returns."""
+    step = server_step(phase, self.spec)
+    if self.constants is None:
+      return lambda server, uploads, key, constants: step(server, uploads, key)
+
+    def with_constants(server, uploads, key, constants):
+      new, metrics = step({**server, 'constants': constants}, uploads, key)
+      return {k: v for k, v in new.items() if k != 'constants'}, metrics
+    return with_constants
 
   # ---------------------------------------------------------------- evaluation
   def evaluate(self, state: FederationState) -> dict:

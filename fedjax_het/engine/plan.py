@@ -168,5 +168,5 @@ def count_into(evaluation: Evaluation, counts: jnp.ndarray, evaluated: Any, x: j
   ys = jax.lax.dynamic_slice_in_dim(y, first, chunk)
   row = first + jnp.arange(chunk)
   valid = (row >= start) & (row < n)
-  logits = evaluation.logits(evaluated, xs)
+  logits = evaluation.logits(evaluated, xs, valid) if evaluation.batch_rows else evaluation.logits(evaluated, xs)
   return counts + jnp.stack([jnp.sum((jnp.argmax(z, -1) == ys) & valid) for z in logits]).astype(counts.dtype)

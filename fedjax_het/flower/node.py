@@ -125,7 +125,7 @@ class Node:
     key, _ = self.fed.round_keys(round_index)
     program = self.fed.programs[p][self.group_index]
     client, upload, loss = self.fed.executor.run_one(self.group, program, p, self.index,
-                                                     self.state(round_index), broadcast, key)
+                                                     self.state(round_index), self.fed.with_constants(broadcast), key)
     self.states.save(round_index + 1, client)
     return upload, float(loss)
 
@@ -139,6 +139,7 @@ class Node:
     sets = {'local': self.group.test if self.fed.has_local_test else None, 'global': self.fed.global_test}
     for which, es in sets.items():
       if es is not None:
-        correct = self.fed.executor.correct_one(self.group, evaluation, p, client, broadcast, es, which, self.index)
+        correct = self.fed.executor.correct_one(self.group, evaluation, p, client, self.fed.with_constants(broadcast),
+                                                es, which, self.index)
         out[which] = (correct, int(es.sizes[es.index(self.index)]))
     return out

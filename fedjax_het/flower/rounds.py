@@ -105,7 +105,7 @@ class FlowerRounds:
     self._connect(r)
     p = fed.phase_index(r)
     participants = fed.participants(r)
-    broadcasts = [fed.broadcast(state.server, gi, r) for gi in range(len(fed.groups))]
+    broadcasts = [fed.sent(state.server, gi, r) for gi in range(len(fed.groups))]
     records = [tree_to_record(b) for b in broadcasts]
     replies = self._send(self._messages(participants.tolist(), records, r, MessageType.TRAIN))
     missing = sorted(set(participants.tolist()) - set(replies))
@@ -119,7 +119,7 @@ class FlowerRounds:
     results = []
     for gi, (g, slots) in enumerate(zip(fed.groups, fed.slots(r))):
       slot_idx = slot_indices(g, answered, slots)
-      template = self._upload_template(gi, p, broadcasts[gi])
+      template = self._upload_template(gi, p, fed.with_constants(broadcasts[gi]))
       uploads, losses = [], []
       for i in slot_idx.tolist():
         if i < g.size:
@@ -141,7 +141,7 @@ class FlowerRounds:
     fed = self.fed
     r = max(int(state.round) - 1, 0)
     self._connect(int(state.round))
-    records = [tree_to_record(fed.broadcast(state.server, gi, r)) for gi in range(len(fed.groups))]
+    records = [tree_to_record(fed.sent(state.server, gi, r)) for gi in range(len(fed.groups))]
     replies = self._send(self._messages(range(fed.num_clients), records, r, MessageType.EVALUATE))
     if not replies:
       raise NodesUnavailable(f'the evaluation after round {r + 1}: no node answered within {self.round_timeout:g} '
