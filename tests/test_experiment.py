@@ -164,14 +164,22 @@ def test_every_flag_file_parses_into_a_config(flagfile):
   cli.define_flags(flag_values=fv)
   fv(['prog', f'--flagfile={os.path.join(ROOT, "experiments", "flags", flagfile)}', '--workdir=/tmp/x'])
   cfg = cli.config_from_flags(fv)
-  twenty = flagfile.startswith('fedvtc_mnist5k') or (flagfile.startswith('felo_table') and 'cifar10' in flagfile)
+  felo = flagfile.startswith(('felo_table', 'fedmd_felo', 'heterofl_felo'))  # Felo's settings and its baselines'
+  twenty = flagfile.startswith('fedvtc_mnist5k') or (felo and 'cifar10' in flagfile)
   assert cfg.rounds > 0 and cfg.num_clients == (100 if flagfile.startswith('fedvtc_table1') else 20 if twenty else 10)
-  if flagfile.startswith('felo_table'):  # one library round per code iteration: 100 paper-rounds of K x 0.2 (x 1.0)
-    assert cfg.rounds == 100 * round(cfg.num_clients * cfg.join_ratio)
+  if felo:  # one library round per code iteration: 100 paper-rounds of K x 0.2 (x 1.0); FedMD's transfer round
+    assert cfg.rounds == 100 * round(cfg.num_clients * cfg.join_ratio) + (cfg.algorithm == 'fedmd')
     assert cfg.input_normalization == ('cifar10' if 'cifar10' in flagfile else 'symmetric')  # the code's CIFAR-10
   if flagfile.startswith('gefl'):  # GeFL's loaders keep the last partial batch; its CNNs end in one fc
     assert not cfg.drop_last and cfg.rm == 'none'
-    assert cfg.methods[cfg.algorithm].mode == ('update' if 'table2' in flagfile and 'dcgan' in flagfile else 'freeze')
+    if cfg.algorithm in ('gefl', 'gefl_f'):
+      assert cfg.methods[cfg.algorithm].mode == ('update' if 'table2' in flagfile and 'dcgan' in flagfile
+                                                 else 'freeze')
+  # every method flag the file sets is its method's, or one of a method its comments name (a shared file)
+  with open(os.path.join(ROOT, 'experiments', 'flags', flagfile)) as f:
+    comments = ' '.join(line for line in f if line.startswith('#'))
+  foreign = [flag for flag in cli.ignored_method_flags(fv, [cfg.algorithm]) if flag.split('_')[0] not in comments]
+  assert not foreign, foreign
   if flagfile.startswith('fedvtc_table1'):  # the scaling under which the paper's rates train
     assert cfg.methods['fedvtc'].loss_reduction == 'mean'
 

@@ -67,10 +67,12 @@ def _template():
 
 def test_rounds_may_change_on_resume_only_when_the_method_ignores_them():
   from fedjax_het.experiment import _check_identity
+  from fedjax_het.data import PublicData
   from fedjax_het.methods import METHODS, Run
   reads = {}
   for name, m in METHODS.items():
-    run = Run(10, 4, 20, 512, 8, 0.05, lambda: np.ones(10))
+    run = Run(10, 4, 20, 512, 8, 0.05, lambda: np.ones(10),
+              PublicData(np.zeros((4, 8, 8, 1), np.float32), np.arange(4) % 10, 'public'))
     m.algorithm(m.config(), run)
     reads[name] = run.depends_on_rounds
   # FedKD's energy schedule spans --rounds; FedVTC's closing phases come after round --rounds; GeFL's and GeFL-F's

@@ -64,24 +64,3 @@ def test_run_py_help_lists_every_registered_method():
   listed = result.stdout.split('METHODS): ', 1)[1].split('.', 1)[0]
   assert listed.split(', ') == list(METHODS)
 
-
-FLAG_FILES = sorted(f for f in os.listdir(os.path.join(ROOT, 'experiments', 'flags')) if f.endswith('.flags'))
-
-
-@pytest.mark.parametrize('name', FLAG_FILES)
-def test_every_flag_file_is_a_valid_config_of_its_method(name):
-  """Each shipped flag file parses, names only flags that exist, and makes a config whose records pass their
-  checks (no data loaded); its method reads every method flag it sets but those of methods it says it compares
-  with (a shared file such as felo_mnist5k's sets Velo's too)."""
-  from absl import flags
-  from fedjax_het.cli import config_from_flags, define_flags, ignored_method_flags, parse_flags
-  from fedjax_het.experiment import validate
-  fv = flags.FlagValues()
-  define_flags(flag_values=fv)
-  parse_flags(['prog', f'--flagfile={os.path.join(ROOT, "experiments", "flags", name)}'], fv)
-  cfg = config_from_flags(fv)
-  validate(cfg)
-  with open(os.path.join(ROOT, 'experiments', 'flags', name)) as f:
-    comments = ' '.join(line for line in f if line.startswith('#'))
-  foreign = [flag for flag in ignored_method_flags(fv, [cfg.algorithm]) if flag.split('_')[0] not in comments]
-  assert not foreign, (name, foreign)
