@@ -65,26 +65,30 @@ _RUNS: dict = {}
 _KEPT_RUNS = 2
 
 
+def make_golden_federation(name: str, strategy: str = 'sequential', data=None) -> Federation:
+  """The golden run's `Federation` of method `name`, not yet run."""
+  settings = FEDERATIONS.get(name, {})
+  if 'image' in settings or 'public' in settings or data is None:
+    data = tiny_data(settings.get('image', 8), settings.get('public', 0))
+  rounds = ROUNDS.get(name, 2)
+  cfg = ExperimentConfig(algorithm=name, **{**TINY, 'rounds': rounds, 'feature_dim': settings.get('feature_dim', 16)})
+  training = LocalTraining(0.05, 8, 1, drop_last=settings.get('drop_last', True))
+  models = ModelConfig(settings.get('models', ('small_cnn_narrow', 'mlp')), settings.get('feature_dim', 16),
+                       settings.get('rm', 'ap'))
+  # The vmap runs take im2col convolutions, the CPU default under vmap (`ExecutionConfig.resolve`), so they also
+  # guard XLA:CPU's batched max-pool gradient at the suite's level 0 (docs/xla_cpu_miscompile.md).
+  conv = 'xla' if strategy == 'sequential' else 'im2col'
+  return Federation(make_algorithm(cfg, data), data, models, training,
+                    ExecutionConfig(strategy=strategy, conv=conv, eval_batch_size=16), join_ratio=0.5, rounds=rounds)
+
+
 def golden_federation(name: str, strategy: str = 'sequential', data=None):
   """(federation, final state, per-round metrics) of the golden run, computed once while among the last
   `_KEPT_RUNS` asked for."""
   if (name, strategy) not in _RUNS:
     while len(_RUNS) >= _KEPT_RUNS:
       del _RUNS[next(iter(_RUNS))]
-    settings = FEDERATIONS.get(name, {})
-    if 'image' in settings or 'public' in settings or data is None:
-      data = tiny_data(settings.get('image', 8), settings.get('public', 0))
-    rounds = ROUNDS.get(name, 2)
-    cfg = ExperimentConfig(algorithm=name, **{**TINY, 'rounds': rounds,
-                                              'feature_dim': settings.get('feature_dim', 16)})
-    training = LocalTraining(0.05, 8, 1, drop_last=settings.get('drop_last', True))
-    models = ModelConfig(settings.get('models', ('small_cnn_narrow', 'mlp')), settings.get('feature_dim', 16),
-                         settings.get('rm', 'ap'))
-    # The vmap runs take im2col convolutions, the CPU default under vmap (`ExecutionConfig.resolve`), so they also
-    # guard XLA:CPU's batched max-pool gradient at the suite's level 0 (docs/xla_cpu_miscompile.md).
-    conv = 'xla' if strategy == 'sequential' else 'im2col'
-    fed = Federation(make_algorithm(cfg, data), data, models, training,
-                     ExecutionConfig(strategy=strategy, conv=conv, eval_batch_size=16), join_ratio=0.5, rounds=rounds)
+    fed = make_golden_federation(name, strategy, data)
     state = fed.init()
     history = []
     for _ in range(fed.total_rounds):

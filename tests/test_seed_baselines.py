@@ -309,3 +309,21 @@ def test_noised_batchnorm_variances_are_clipped_at_zero():
   out = nonnegative_variances(state)
   np.testing.assert_array_equal(out['batch_stats']['bn']['var'], [0.0, 2.0])
   np.testing.assert_array_equal(out['batch_stats']['bn']['mean'], [-1.0])
+
+
+@pytest.mark.parametrize('name', ['feddf', 'avgkd', 'fedala', 'heterofl'])
+def test_resumed_after_round_one_ends_where_the_golden_run_ends(name, tmp_path):
+  """Round 1 of the golden run, a checkpoint, a fresh federation restored from it and round 2: the golden run's
+  final state and metrics exactly (AvgKD crosses its phase boundary there)."""
+  from golden import golden_federation, make_golden_federation
+  fed = make_golden_federation(name)
+  first, head = run_rounds(fed, fed.init(), 1)
+  checkpoints = Checkpoints(str(tmp_path / 'ckpt'))
+  checkpoints.save(first)
+  fresh = make_golden_federation(name)
+  state, rest = run_rounds(fresh, checkpoints.restore(fresh.init(), checkpoints.latest_round()), 1)
+  _, final, history = golden_federation(name)
+  tree_allclose(state.groups, final.groups, rtol=0, atol=0)
+  tree_allclose(state.server, final.server, rtol=0, atol=0)
+  timeless = lambda rows: [{k: v for k, v in r.items() if 'seconds' not in k} for r in rows]
+  assert head + rest == timeless(history)
