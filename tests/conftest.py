@@ -9,7 +9,8 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # 0 compiles about 1.6x faster here (tests/test_golden.py still matches numbers pinned at the default level), and
 # its legacy loop emitters in place of the MLIR fusion emitters (--xla_cpu_use_fusion_emitters=false) compile
 # another 1.4x faster (GeFL's vmap golden run: 33 s -> 19.5 s of backend compilation; the whole suite 585 s ->
-# 461 s on the 2-core CI machine), with every golden number still within its tolerance.
+# 461 s on the 2-core CI machine), with every golden number still within its tolerance. They run slower (a FedRE
+# round 0.84x PyTorch's against 0.97x, benchmarks/vs_pytorch.py), so this is a test setting, not the library's.
 # Level 0 can compute wrong gradients through a reduce-max (docs/xla_cpu_miscompile.md; max pooling selects, by
 # index and is not affected); benchmarks/vmap_equals_sequential.py checks every method
 # at the default level. FEDJAX_HET_TEST_XLA_OPT=1 keeps XLA's default.
