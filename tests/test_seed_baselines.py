@@ -189,8 +189,8 @@ def test_fedala_keeps_a_model_equal_to_the_groups_and_mixes_only_the_head_otherw
   from fedjax_het.algorithms import FedALAConfig, fedala
   from fedjax_het.algorithms.fedala import adaptive_local_aggregation
   from fedjax_het.core import ClientRows
-  fed = Federation(fedala(FedALAConfig(max_start_epochs=30), 4, 8), tiny_data, ModelConfig(('small_cnn_narrow',), 16),
-                   LocalTraining(0.05, 8))
+  fed = Federation(fedala(FedALAConfig(max_start_epochs=30), 4, 8), tiny_data,
+                   ModelConfig(('small_cnn_narrow',), 16), LocalTraining(0.05, 8))
   state = fed.init()
   client = jax.tree.map(lambda a: a[0], state.groups[0])
   g = fed.groups[0]
@@ -219,7 +219,8 @@ def test_heterofl_sub_models_are_leading_slices_and_entries_average_over_their_h
   small = sub_model(glob, {'w': jnp.zeros((2, 2)), 'head': {'kernel': jnp.zeros((2, 2)), 'bias': jnp.zeros(2)}})
   np.testing.assert_array_equal(small['w'], [[0.0, 1.0], [3.0, 4.0]])
   # width 3: one participant (all ones); width 2: two participants (2s and 4s) and an empty slot (100s)
-  wide = Uploads({'model': {'w': jnp.ones((1, 3, 3)), 'head': {'kernel': jnp.ones((1, 3, 2)), 'bias': jnp.ones((1, 2))}},
+  wide = Uploads({'model': {'w': jnp.ones((1, 3, 3)),
+                            'head': {'kernel': jnp.ones((1, 3, 2)), 'bias': jnp.ones((1, 2))}},
                   'label_mask': jnp.array([[1.0, 1.0]])}, jnp.array([True]), jnp.ones(1))
   narrow = Uploads({'model': {'w': jnp.stack([jnp.full((2, 2), 2.0), jnp.full((2, 2), 4.0), jnp.full((2, 2), 100.0)]),
                               'head': {'kernel': jnp.stack([jnp.full((2, 2), 2.0), jnp.full((2, 2), 4.0),

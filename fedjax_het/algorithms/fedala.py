@@ -34,7 +34,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.algorithms.base import local_head_evaluation, sgd_program
+from fedjax_het.algorithms.base import local_head_evaluation, sgd_program, zero_params
 from fedjax_het.algorithms.common import cross_entropy, cross_entropy_loss, train_forward
 from fedjax_het.algorithms.fedavg import GROUP_MODEL_PRIVACY, average_group_models
 from fedjax_het.core import Algorithm, ClientRows, ClientState, GroupSpec, hyperparameter, one_phase
@@ -123,15 +123,14 @@ def fedala(cfg: FedALAConfig, num_classes: int, batch_size: int) -> Algorithm:
     return {'models': tuple(s.params for s in initial)}
 
   def init_client(group: GroupSpec, key):
-    head = jax.eval_shape(lambda: group.model.init(jax.random.PRNGKey(0), group.sample_input(),
-                                                   train=False))['params']['head']
-    return {'ala_weights': jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), head),
+    return {'ala_weights': jax.tree.map(jnp.ones_like, zero_params(group)['head']),
             'ala_started': jnp.asarray(False)}
 
   def client(group: GroupSpec):
     def prepare(client, rows, broadcast, key):
       return adaptive_local_aggregation(group.model, cfg, batch_size, client, rows, broadcast['model'], key)
-    program = sgd_program(cross_entropy_loss(group.model), group.training, upload=lambda c, rows, b, k: {'model': c.params})
+    program = sgd_program(cross_entropy_loss(group.model), group.training,
+                          upload=lambda c, rows, b, k: {'model': c.params})
     return program._replace(prepare=prepare)
 
   def server_update(server, uploads, key):

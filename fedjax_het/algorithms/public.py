@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from fedjax_het.algorithms.base import concat_groups
+from fedjax_het.algorithms.common import masked_mean
 from fedjax_het.core import Uploads
 from fedjax_het.data.federated import PublicData
 from fedjax_het.local_training import LocalTraining
@@ -54,6 +56,5 @@ def public_logits(model, params: Any, model_state: Any, x: jnp.ndarray, chunk: i
 def mean_of_uploads(uploads: tuple[Uploads, ...], part: str) -> jnp.ndarray:
   """The unweighted mean over every group's participants of upload part `part` (FedMD's consensus: the mean of
   their public logits); zeros when nobody took part."""
-  total = sum(jnp.einsum('s,s...->...', u.mask.astype(jnp.float32), u.values[part]) for u in uploads)
-  count = sum(u.mask.astype(jnp.float32).sum() for u in uploads)
-  return total / jnp.maximum(count, 1.0)
+  every = concat_groups(uploads)
+  return masked_mean(every.values[part], every.mask)

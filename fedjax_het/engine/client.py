@@ -8,10 +8,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.core import ClientProgram, ClientRows, ClientState, Evaluation, with_model, without_model
+from fedjax_het.core import ClientProgram, ClientState, Evaluation, with_model, without_model
 from fedjax_het.data.federated import ClientArrays
-from fedjax_het.engine.plan import (client_keys, count_into, even_chunk, masked, plan_stages, represent_into,
-                                    stage_key, take_step)
+from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, masked, plan_stages,
+                                    represent_into, stage_key, take_step)
 from fedjax_het.models.classifier import HeteroClassifier
 
 
@@ -29,16 +29,15 @@ def represent_rows(model: HeteroClassifier, params: Any, model_state: Any, x: jn
 def run_client(program: ClientProgram, model: HeteroClassifier, client: ClientState, data: ClientArrays,
                broadcast: Any, rng: jax.Array, rep_chunk: int = 256, unroll: int | bool = 1
                ) -> tuple[ClientState, Any, jnp.ndarray]:
-  """ONE client's round: prepare -> init -> every step slot of each stage's plan in a lax.scan (the slots the client does
-  not take masked) -> the eval-mode representations if the program reads them -> final. Returns (client, upload,
-  mean loss of its steps).
+  """ONE client's round: prepare (where the program has it) -> init -> every step slot of each stage's plan in a
+  lax.scan (the slots the client does not take masked) -> the eval-mode representations if the program reads them
+  -> final. Returns (client, upload, mean loss of its steps).
 
   `data` holds this client's padded rows (x [n_max, ...], y [n_max], n []); `unroll` is lax.scan's."""
   keys = client_keys(rng)
   start = without_model(program, client)
   if program.prepare is not None:
-    start = program.prepare(start, ClientRows(data.x, data.y, program.training.statistics_rows(data.n), data.n),
-                            broadcast, keys['prepare'])
+    start = program.prepare(start, client_rows(program, data.x, data.y, data.n), broadcast, keys['prepare'])
   carry = program.init(start, broadcast, keys['init'])
   total, count = 0.0, 0
   for plan in plan_stages(program, data.x.shape[0]):
@@ -57,8 +56,7 @@ def run_client(program: ClientProgram, model: HeteroClassifier, client: ClientSt
   if program.trained is not None:
     trained = program.trained(carry)
     reps = represent_rows(model, trained.params, trained.model_state, data.x, rep_chunk)
-  rows = ClientRows(data.x, data.y, program.training.statistics_rows(data.n), data.n, reps)
-  out, upload = program.final(carry, rows, broadcast, keys['final'])
+  out, upload = program.final(carry, client_rows(program, data.x, data.y, data.n, reps), broadcast, keys['final'])
   return with_model(program, out, client), upload, total / jnp.maximum(count, 1)
 
 

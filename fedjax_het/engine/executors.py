@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_het.core import ClientProgram, ClientRows, Evaluation, with_model, without_model
+from fedjax_het.core import ClientProgram, Evaluation, with_model, without_model
 from fedjax_het.engine.client import run_client, score_client
 from fedjax_het.engine.groups import EvalSet, Group
 from fedjax_het.engine.sharding import to_host
-from fedjax_het.engine.plan import (client_keys, count_into, even_chunk, plan_stages, represent_into, stage_key,
-                                    take_step)
+from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, plan_stages, represent_into,
+                                    stage_key, take_step)
 
 STRATEGIES = ('vmap', 'sequential')
 
@@ -191,9 +191,9 @@ class SequentialExecutor(Executor):
 
   def run_one(self, g: Group, program: ClientProgram, phase: int, i: int, client, broadcast, key: jax.Array
               ) -> tuple[Any, Any, float]:
-    """Client i of group g (its state `client`, unstacked) in a round of `phase` from the host: init, the valid
-    slots of each stage's plan, representations, final (after `prepare` where the program has one). Returns (client, upload, mean loss of its steps); the
-    round's `key` is folded with the client's id, as every executor does."""
+    """Client i of group g (its state `client`, unstacked) in a round of `phase` from the host: prepare (where the
+    program has it), init, the valid slots of each stage's plan, representations, final. Returns (client, upload,
+    mean loss of its steps); the round's `key` is folded with the client's id, as every executor does."""
     fns = self.functions(g, program, phase)
     n = int(g.train_sizes[i])
     keys = client_keys(jax.random.fold_in(key, int(g.clients[i])))
@@ -227,7 +227,7 @@ class SequentialExecutor(Executor):
     return buf
 
   def _make_fns(self, g: Group, program: ClientProgram) -> dict:
-    training, model = program.training, g.model
+    model = g.model
     chunk = even_chunk(g.train.x.shape[1], self.eval_batch_size)
 
     def stage_fns(plan):
@@ -236,14 +236,10 @@ class SequentialExecutor(Executor):
       return {'step': jax.jit(step), 'schedule': jax.jit(plan.schedule)}
 
     def final(carry, train, i, reps, broadcast, key):
-      n = train.n[i]
-      return program.final(carry, ClientRows(train.x[i], train.y[i], training.statistics_rows(n), n, reps),
-                           broadcast, key)
+      return program.final(carry, client_rows(program, train.x[i], train.y[i], train.n[i], reps), broadcast, key)
 
     def prepare(client, train, i, broadcast, key):
-      n = train.n[i]
-      return program.prepare(client, ClientRows(train.x[i], train.y[i], training.statistics_rows(n), n), broadcast,
-                             key)
+      return program.prepare(client, client_rows(program, train.x[i], train.y[i], train.n[i]), broadcast, key)
 
     represent = lambda buf, params, model_state, x_all, i, start: represent_into(
         model, buf, params, model_state, x_all[i], start, chunk)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_het.core import Batch, ClientProgram, Evaluation, Stage
+from fedjax_het.core import Batch, ClientProgram, ClientRows, Evaluation, Stage
 from fedjax_het.local_training import LocalTraining, batch_row_mask, batch_schedule, step_key
 from fedjax_het.models.forward import forward
 
@@ -27,6 +27,12 @@ def client_keys(rng: jax.Array) -> dict:
   steps (stage k's: `stage_key`) and final."""
   return {'init': jax.random.fold_in(rng, 3), 'train': jax.random.fold_in(rng, 1),
           'final': jax.random.fold_in(rng, 2), 'prepare': jax.random.fold_in(rng, 4)}
+
+
+def client_rows(program: ClientProgram, x: jnp.ndarray, y: jnp.ndarray, n, reps=None) -> ClientRows:
+  """What a client's `prepare` and `final` see of its rows x [n_max, ...], y [n_max] (n real): `ClientRows` with
+  the rows a statistics pass visits (`LocalTraining.statistics_rows`) and the representations where given."""
+  return ClientRows(x, y, program.training.statistics_rows(n), n, reps)
 
 
 def stage_key(train_key: jax.Array, stage: int) -> jax.Array:
