@@ -147,10 +147,13 @@ class Evaluation(NamedTuple):
 
 class Uploads(NamedTuple):
   """One group's uploads in a round: values (the programs' uploads stacked over slots [S, ...]), mask [S] (the
-  slots that hold a participant), num_train [S] (their training rows, float: sample weights the server knows)."""
+  slots that hold a participant), num_train [S] (their training rows, float: sample weights the server knows),
+  client [S] (each slot's client, its index in the group; the group's size or more for an empty slot: where a
+  server keeps something per client, FedGKT's logits of its rows)."""
   values: Any
   mask: jnp.ndarray
   num_train: jnp.ndarray
+  client: Optional[jnp.ndarray] = None
 
 
 class ModelMaker(Protocol):
@@ -171,7 +174,8 @@ class GroupSpec:
   """What an algorithm knows about one architecture group. model: the group's classifier (a flax module with
   `represent` and `head`, `models.classifier.HeteroClassifier`); maker: how the run builds and initialises
   modules (`build_model`, `init_module`, `shared_key`); group_models: every group's classifier in group order (a
-  program that runs the other groups' models reads them: AvgKD's teachers)."""
+  program that runs the other groups' models reads them: AvgKD's teachers); train_rows: the padded training rows of
+  each client (n_max, the group's longest client's; a server keeping something per row sizes it by this)."""
   index: int
   arch: str
   model: Any
@@ -184,6 +188,7 @@ class GroupSpec:
   rm: str = 'ap'
   conv: str = 'xla'
   group_models: tuple = ()
+  train_rows: int = 0
 
   def build_model(self, arch: str, feature_dim: Optional[int] = None) -> Any:
     """A registered architecture built the way this run builds its clients' (RM, convolutions), with RM to
@@ -221,14 +226,28 @@ def whole_server(server: ServerState, group: GroupSpec) -> Broadcast:
   return server
 
 
+PER_CLIENT = 'per_client'
+
+
+def for_client(broadcast: Broadcast, i) -> Broadcast:
+  """What client i (its index in its group) reads of its group's `broadcast`: the broadcast itself, except that a
+  dict's PER_CLIENT part, whose leaves carry a leading axis over the group's clients in group order (what the
+  server sends each client alone: FedGKT's server logits of its rows), becomes client i's slice. Every executor
+  and the Flower server hand programs and evaluations this, never the others' slices."""
+  if not isinstance(broadcast, dict) or PER_CLIENT not in broadcast:
+    return broadcast
+  return {**broadcast, PER_CLIENT: jax.tree.map(lambda a: jnp.take(a, i, axis=0, mode='clip'),
+                                                broadcast[PER_CLIENT])}
+
+
 @dataclasses.dataclass(frozen=True)
 class Phase:
   """A stretch of rounds with one client program and server step.
 
   client(group) -> the `ClientProgram` of that group's clients; server_update(server, uploads, key) -> (server,
   metrics), uploads a tuple of `Uploads`, one per group; broadcast(server, group) -> what that group's
-  participants receive. rounds: how many (None: the rest of the run); join_ratio: participation (None: the run's);
-  evaluate: whether the run's evaluation schedule applies in this phase. server_of_spec: server_update is
+  participants receive (a dict may carry a PER_CLIENT part, one slice per client of the group: `for_client`).
+  rounds: how many (None: the rest of the run); join_ratio: participation (None: the run's); evaluate: whether the run's evaluation schedule applies in this phase. server_of_spec: server_update is
   (spec: FederationSpec) -> the server step, for a server that runs the groups' classifiers (FedDF distils into
   them); `server_step` gives the step either way.
   """

@@ -19,12 +19,12 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from fedjax_het.algorithms import (AvgKDConfig, CCVRConfig, FDConfig, FedALAConfig, FedDFConfig, FedGenConfig,
-                                   FedGHConfig, FedHeConfig, FedKDConfig, FedMDConfig, FedMRLConfig, FedProtoConfig,
-                                   FedProxConfig, FedREConfig, FedTGPConfig, FedVTCConfig, FeloConfig, FMLConfig,
-                                   FPLConfig, GeFLConfig, GeFLFConfig, HeteroFLConfig, VeloConfig, avgkd, ccvr, fd,
-                                   fedala, fedavg_grouped, feddf, fedgen, fedgh, fedhe, fedkd, fedmd, fedmrl, fedprox,
-                                   fedproto, fedre, fedtgp, fedvtc, felo, fml, fpl, gefl, gefl_f, heterofl,
-                                   lg_fedavg, lg_fedavg_first_block, local, velo)
+                                   FedGHConfig, FedGKTConfig, FedHeConfig, FedKDConfig, FedMDConfig, FedMRLConfig,
+                                   FedProtoConfig, FedProxConfig, FedREConfig, FedTGPConfig, FedVTCConfig, FeloConfig,
+                                   FMLConfig, FPLConfig, GeFLConfig, GeFLFConfig, HeteroFLConfig, VeloConfig, avgkd,
+                                   ccvr, fd, fedala, fedavg_grouped, feddf, fedgen, fedgh, fedgkt, fedhe, fedkd, fedmd,
+                                   fedmrl, fedprox, fedproto, fedre, fedtgp, fedvtc, felo, fml, fpl, gefl, gefl_f,
+                                   heterofl, lg_fedavg, lg_fedavg_first_block, local, velo)
 from fedjax_het.core import Algorithm
 from fedjax_het.data.federated import PublicData
 from fedjax_het.errors import ConfigError
@@ -137,6 +137,8 @@ METHODS: dict[str, Method] = {
                                         'at the server'),
     'avgkd': Method(AvgKDConfig, avgkd, 'AvgKD: soft targets from the other architectures\' models'),
     'fedala': Method(FedALAConfig, fedala, 'FedALA within each architecture group: adaptive local aggregation'),
+    'fedgkt': Method(FedGKTConfig, fedgkt, 'FedGKT: small client models, a large server model trained on their '
+                                           'features, distillation both ways'),
     'heterofl': Method(HeteroFLConfig, heterofl, 'HeteroFL: width-scaled sub-models of one global model, averaged '
                                                  'entry by entry'),
 }

@@ -4,8 +4,8 @@ a digest of its final state (sums of absolute values of the client and server le
 import jax
 import numpy as np
 
-from fedjax_het.algorithms import (CCVRConfig, FedDFConfig, FedGenConfig, FedKDConfig, FedMDConfig, FedMRLConfig,
-                                   FedTGPConfig, FedVTCConfig, GeFLConfig, GeFLFConfig, VeloConfig)
+from fedjax_het.algorithms import (CCVRConfig, FedDFConfig, FedGenConfig, FedGKTConfig, FedKDConfig, FedMDConfig,
+                                   FedMRLConfig, FedTGPConfig, FedVTCConfig, GeFLConfig, GeFLFConfig, VeloConfig)
 from fedjax_het.algorithms.fml import FMLConfig
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.data import make_federated_data, make_synthetic
@@ -14,7 +14,7 @@ from fedjax_het.experiment import make_algorithm
 
 METHODS = ['fedre', 'local', 'fedavg', 'lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen', 'fml', 'fedkd',
            'fedmrl', 'fpl', 'ccvr', 'fedprox', 'fedhe', 'felo', 'velo', 'fedvtc', 'gefl', 'gefl_f', 'lg_fedavg_fb',
-           'fedmd', 'feddf', 'avgkd', 'fedala', 'heterofl']
+           'fedmd', 'feddf', 'avgkd', 'fedala', 'heterofl', 'fedgkt']
 TINY = dict(methods=dict(fedtgp=FedTGPConfig(server_epochs=2),
                          fedgen=FedGenConfig(server_epochs=2, generator_learning_rate=0.005),
                          fml=FMLConfig(global_model='small_cnn_narrow'),
@@ -29,7 +29,8 @@ TINY = dict(methods=dict(fedtgp=FedTGPConfig(server_epochs=2),
                          gefl_f=GeFLFConfig(generator='cvae', fe_rounds=1, ka_rounds=1, generator_epochs=1,
                                             warmup_epochs=1, width=4, latent=3),
                          fedmd=FedMDConfig(transfer_public_epochs=1, transfer_private_epochs=1, digest_batch_size=8),
-                         feddf=FedDFConfig(server_steps=4, server_batch_size=8)),
+                         feddf=FedDFConfig(server_steps=4, server_batch_size=8),
+                         fedgkt=FedGKTConfig(server_epochs=2, server_blocks=1, optimizer='sgd', learning_rate=3e-5)),
             feature_dim=16, num_clients=6,
             batch_size=8, local_learning_rate=0.05, rounds=2)
 
@@ -44,7 +45,8 @@ FEDERATIONS = {'fedvtc': dict(rm='fc', feature_dim=80),
                'gefl_f': dict(image=32, models=('gefl_fmnist_cnn1', 'gefl_fmnist_cnn2'), rm='fc'),
                'lg_fedavg_fb': dict(image=32, models=('gefl_mnist_cnn1', 'gefl_mnist_cnn2'), rm='none'),
                'fedmd': dict(public=40), 'feddf': dict(public=40),
-               'heterofl': dict(models=('heterofl_conv@0.125', 'heterofl_conv@0.0625'), rm='none')}
+               'heterofl': dict(models=('heterofl_conv@0.125', 'heterofl_conv@0.0625'), rm='none'),
+               'fedgkt': dict(models=('mlp',))}  # see test_golden.UNPINNED_ACCURACY
 ROUNDS = {'fedvtc': 1, 'gefl': 1, 'gefl_f': 1}
 
 

@@ -129,6 +129,41 @@ def test_rounds_over_flower_messages_equal_the_simulation_and_go_on_without_a_si
     client_app.node_of(query, context)
 
 
+def test_a_per_client_broadcast_reaches_each_node_alone_and_equals_the_simulation(tmp_path):
+  """FedGKT's server sends each client its own rows' logits: every TRAIN message carries one client's slice (not
+  the group's), and the rounds equal the simulation's."""
+  from fedjax_het.algorithms import FedGKTConfig
+  cfg = dataclasses.replace(CFG, algorithm='fedgkt', rounds=3, join_ratio=0.5, methods={
+      'fedgkt': FedGKTConfig(server_epochs=1, server_blocks=1)})
+
+  class Recording(InProcessGrid):
+    sent = []
+
+    def send_and_receive(self, messages, timeout=None):
+      for m in messages:
+        if m.metadata.message_type == 'train':
+          record = m.content['broadcast']
+          self.sent.append([record[k].numpy().shape for k in sorted(record)])
+      return super().send_and_receive(messages, timeout)
+
+  grid = Recording(str(tmp_path / 'nodes'), 4)
+  train_and_evaluate(cfg, str(tmp_path / 'flower'), progress=False, federation=lambda fed: FlowerRounds(
+      fed, grid, json.dumps(cfg.to_dict()), round_timeout=5, connect_timeout=5))
+  train_and_evaluate(cfg, str(tmp_path / 'simulation'), progress=False)
+  flower, simulation = _rows(tmp_path / 'flower'), _rows(tmp_path / 'simulation')
+  assert len(flower) == len(simulation) == 3
+  for a, b in zip(flower, simulation):
+    for k in b:
+      if 'seconds' not in k:
+        assert a[k] == b[k], (a['round'], k)
+  assert flower[2]['broadcast_scalars'] > 0  # logits went out
+  # Each TRAIN message: one client's [rows, 10] logits and its flag, never the group's [clients, rows, 10].
+  assert len(grid.sent) == 6
+  for shapes in grid.sent:
+    assert () in shapes  # its flag, a scalar
+    assert not any(len(s) == 3 and s[-1] == 10 for s in shapes)
+
+
 FLAGS = '''--dataset=digits
 --num_clients=4
 --models=mlp,small_cnn_narrow

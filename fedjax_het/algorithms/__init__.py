@@ -7,6 +7,7 @@ from fedjax_het.algorithms.fedala import FedALAConfig, fedala
 from fedjax_het.algorithms.feddf import FedDFConfig, feddf
 from fedjax_het.algorithms.felo import FedHeConfig, FeloConfig, fedhe, felo
 from fedjax_het.algorithms.fedgen import FedGenConfig, fedgen
+from fedjax_het.algorithms.fedgkt import FedGKTConfig, fedgkt
 from fedjax_het.algorithms.fedprox import FedProxConfig, fedprox
 from fedjax_het.algorithms.gefl import GeFLConfig, gefl
 from fedjax_het.algorithms.heterofl import HeteroFLConfig, heterofl

@@ -88,6 +88,18 @@ def sgd_program(loss: Loss, training: LocalTraining, *, receive: Optional[Callab
                        (lambda carry: carry[0]) if representations else None)
 
 
+def kept_optimizer_step(optimizer: optax.GradientTransformation, loss):
+  """A local step on `loss(client, batch, broadcast) -> (value, client with new BatchNorm statistics)` with the
+  client's own optimizer state kept across rounds (`ClientState.extra['optimizer']`: FedMD's and FedGKT's Adam)."""
+  def step(client: ClientState, batch, broadcast, key):
+    objective = lambda params: loss(client._replace(params=params), batch, broadcast)
+    (value, updated), grads = jax.value_and_grad(objective, has_aux=True)(client.params)
+    updates, opt_state = optimizer.update(grads, client.extra['optimizer'], client.params)
+    return updated._replace(params=optax.apply_updates(client.params, updates),
+                            extra={**client.extra, 'optimizer': opt_state}), value
+  return step
+
+
 def head_evaluation(model: HeteroClassifier, heads: dict[str, Callable[[ClientState, Broadcast], dict]],
                     receive: Optional[Callable] = None) -> Evaluation:
   """Scores the client's eval-mode representations with each named head (heads[name](client, broadcast) -> head

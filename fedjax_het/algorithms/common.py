@@ -82,6 +82,19 @@ def elementwise_kl(target_logits: jnp.ndarray, logits: jnp.ndarray, rows: jnp.nd
   return jnp.mean(terms)
 
 
+def distillation_loss(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, temperature: float,
+                      rows: Optional[jnp.ndarray] = None) -> jnp.ndarray:
+  """KL(softmax(t/T) || softmax(s/T)) summed over classes, averaged over the batch (torch's kl_div with
+  reduction='batchmean': FedDF's, FedGKT's without its T^2); rows [B] (optional): average over these rows only."""
+  log_q = jax.nn.log_softmax(teacher_logits / temperature, -1)
+  log_p = jax.nn.log_softmax(student_logits / temperature, -1)
+  per_row = jnp.sum(jnp.exp(log_q) * (log_q - log_p), -1)
+  if rows is None:
+    return per_row.mean()
+  rows = rows.astype(per_row.dtype)
+  return jnp.sum(per_row * rows) / jnp.maximum(rows.sum(), 1.0)
+
+
 def weighted_average(tree: Any, weights: jnp.ndarray) -> Any:
   """sum_k w_k tree_k / sum_k w_k over the leading client axis of every leaf."""
   w = weights / jnp.maximum(weights.sum(), 1e-12)

@@ -30,7 +30,7 @@ import optax
 from fedjax_het.algorithms.avgkd import (GROUP_STATE_PRIVACY, average_group_states, group_state_evaluation,
                                         initial_group_states, model_upload, receive_group_state)
 from fedjax_het.algorithms.base import sgd_program
-from fedjax_het.algorithms.common import cross_entropy_loss
+from fedjax_het.algorithms.common import cross_entropy_loss, distillation_loss
 from fedjax_het.algorithms.public import PublicRows
 from fedjax_het.core import Algorithm, FederationSpec, Phase, hyperparameter
 from fedjax_het.data.federated import PublicData
@@ -57,13 +57,6 @@ class FedDFConfig:
                         f'>= 1.')
     if not (self.server_learning_rate > 0 and self.temperature > 0):
       raise ConfigError(f'{setting(self, "server_learning_rate")} and {setting(self, "temperature")} must be > 0.')
-
-
-def distillation_loss(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, temperature: float) -> jnp.ndarray:
-  """KL(softmax(t/T) || softmax(s/T)) summed over classes, averaged over the batch (kl_div 'batchmean')."""
-  log_q = jax.nn.log_softmax(teacher_logits / temperature, -1)
-  log_p = jax.nn.log_softmax(student_logits / temperature, -1)
-  return jnp.sum(jnp.exp(log_q) * (log_q - log_p)) / student_logits.shape[0]
 
 
 def ensemble_logits(spec: FederationSpec, uploads, x: jnp.ndarray) -> jnp.ndarray:

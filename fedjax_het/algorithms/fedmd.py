@@ -33,13 +33,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from fedjax_het.algorithms.base import local_head_evaluation, zero_params
+from fedjax_het.algorithms.base import kept_optimizer_step, local_head_evaluation, zero_params
 from fedjax_het.algorithms.common import cross_entropy, cross_entropy_loss, train_forward
 from fedjax_het.algorithms.public import PublicRows, mean_of_uploads, public_logits
-from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientState, GroupSpec, Phase, Stage, UploadPrivacy,
-                             hyperparameter)
+from fedjax_het.core import Algorithm, ClientProgram, GroupSpec, Phase, Stage, UploadPrivacy, hyperparameter
 from fedjax_het.data.federated import PublicData
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.optim import torch_adam
@@ -85,18 +83,6 @@ def digest_loss(logits: jnp.ndarray, labels: jnp.ndarray, consensus: jnp.ndarray
   return cross_entropy(logits, labels) + alpha * jnp.mean(gap ** 2)
 
 
-def adam_step(optimizer: optax.GradientTransformation, loss):
-  """A local step on `loss(client, batch, broadcast) -> (value, client with new BatchNorm statistics)` with the
-  client's own optimizer state (`ClientState.extra['optimizer']`)."""
-  def step(client: ClientState, batch: Batch, broadcast, key):
-    objective = lambda params: loss(client._replace(params=params), batch, broadcast)
-    (value, updated), grads = jax.value_and_grad(objective, has_aux=True)(client.params)
-    updates, opt_state = optimizer.update(grads, client.extra['optimizer'], client.params)
-    return updated._replace(params=optax.apply_updates(client.params, updates),
-                            extra={**client.extra, 'optimizer': opt_state}), value
-  return step
-
-
 def fedmd(cfg: FedMDConfig, num_classes: int, batch_size: int, public: PublicData) -> Algorithm:
   """FedMD as an `Algorithm` of two phases: 'transfer' (one round, every client) and 'collaborate'."""
   if int(public.y.max(initial=0)) >= num_classes:
@@ -134,14 +120,14 @@ def fedmd(cfg: FedMDConfig, num_classes: int, batch_size: int, public: PublicDat
 
   def transfer(group):
     whole_epochs = dataclasses.replace(group.training, max_steps=None)
-    return program(group, (Stage(adam_step(adam, public_ce(group)), cfg.transfer_public_epochs,
+    return program(group, (Stage(kept_optimizer_step(adam, public_ce(group)), cfg.transfer_public_epochs,
                                  training=public_schedule(group)),
-                           Stage(adam_step(adam, private_ce(group)), cfg.transfer_private_epochs,
+                           Stage(kept_optimizer_step(adam, private_ce(group)), cfg.transfer_private_epochs,
                                  training=whole_epochs)))
 
   def collaborate(group):
-    return program(group, (Stage(adam_step(adam, digest(group)), cfg.digest_epochs, training=public_schedule(group)),
-                           Stage(adam_step(adam, private_ce(group)), group.training.epochs)))
+    return program(group, (Stage(kept_optimizer_step(adam, digest(group)), cfg.digest_epochs, training=public_schedule(group)),
+                           Stage(kept_optimizer_step(adam, private_ce(group)), group.training.epochs)))
 
   def init_server(key, spec, initial):
     return {'consensus': jnp.zeros((rows.size, num_classes))}

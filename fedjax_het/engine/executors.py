@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_het.core import ClientProgram, Evaluation, with_model, without_model
+from fedjax_het.core import PER_CLIENT, ClientProgram, Evaluation, for_client, with_model, without_model
 from fedjax_het.engine.client import run_client, score_client
 from fedjax_het.engine.groups import EvalSet, Group
 from fedjax_het.engine.sharding import to_host
@@ -33,6 +33,16 @@ STRATEGIES = ('vmap', 'sequential')
 def take(tree: Any, idx) -> Any:
   """Rows `idx` of every leaf's leading axis (indices past the end clip to the last row)."""
   return jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode='clip'), tree)
+
+
+def vmap_broadcast(fn: Callable, broadcast: Any, idx) -> Callable:
+  """`fn(*args, broadcast)` vmapped over the leading axis of args, each call reading `for_client(broadcast, i)` for
+  its slot's client i (idx [S]): the broadcast's PER_CLIENT part is gathered at idx and vmapped with the slots."""
+  if not isinstance(broadcast, dict) or PER_CLIENT not in broadcast:
+    return lambda *args: jax.vmap(lambda *a: fn(*a, broadcast))(*args)
+  shared = {k: v for k, v in broadcast.items() if k != PER_CLIENT}
+  per = take(broadcast[PER_CLIENT], idx)
+  return lambda *args: jax.vmap(lambda p, *a: fn(*a, {**shared, PER_CLIENT: p}))(per, *args)
 
 
 class Executor:
@@ -95,7 +105,7 @@ class VmapExecutor(Executor):
     return stacked, jax.tree.map(cat, *uploads), jnp.concatenate(losses)[:keep]
 
   def _make_update(self, g: Group, program: ClientProgram, full: bool):
-    one = lambda c, d, b, k: run_client(program, g.model, c, d, b, k, self.eval_batch_size, self.scan_unroll)
+    one = lambda c, d, k, b: run_client(program, g.model, c, d, b, k, self.eval_batch_size, self.scan_unroll)
 
     def update(stacked, train, slot_idx, client_ids, broadcast, key):
       if full:  # the slots are the stacked group in order
@@ -104,9 +114,10 @@ class VmapExecutor(Executor):
         clients, data = take(stacked, slot_idx), take(train, slot_idx)
         ids = jnp.take(client_ids, slot_idx, mode='clip')
       rngs = jax.vmap(lambda c: jax.random.fold_in(key, c))(ids)
-      new, uploads, losses = jax.vmap(one, in_axes=(0, 0, None, 0))(clients, data, broadcast, rngs)
+      new, uploads, losses = vmap_broadcast(one, broadcast, slot_idx)(clients, data, rngs)
       real = slot_idx < g.size
-      uploads = jax.tree.map(lambda u: jnp.where(real.reshape((-1,) + (1,) * (u.ndim - 1)), u, 0), uploads)
+      uploads = jax.tree.map(lambda u: jnp.where(real.reshape((-1,) + (1,) * (u.ndim - 1)), u, jnp.zeros((), u.dtype)),
+                             uploads)  # empty slots zero, in the upload's own dtype (a bool stays bool)
       if full:
         return new, uploads, losses
       stacked = jax.tree.map(lambda a, b: a.at[slot_idx].set(b, mode='drop'), stacked, new)
@@ -120,10 +131,12 @@ class VmapExecutor(Executor):
 
   def _make_eval(self, evaluation: Evaluation, shared: bool):
     def evaluate(stacked, test, broadcast):
-      fn = lambda c, t: score_client(evaluation, c, broadcast, t, self.eval_batch_size)
+      fn = lambda c, t, b: score_client(evaluation, c, b, t, self.eval_batch_size)
+      size = jax.tree.leaves(stacked)[0].shape[0]
       if shared:
-        return jax.vmap(fn, in_axes=(0, None))(stacked, jax.tree.map(lambda a: a[0], test))
-      return jax.vmap(fn)(stacked, test)
+        one_test = jax.tree.map(lambda a: a[0], test)
+        return vmap_broadcast(lambda c, b: fn(c, one_test, b), broadcast, jnp.arange(size))(stacked)
+      return vmap_broadcast(fn, broadcast, jnp.arange(size))(stacked, test)
     return evaluate
 
 
@@ -163,20 +176,21 @@ class SequentialExecutor(Executor):
     for w in range(0, len(real), self.threads):
       wave = real[w:w + self.threads]
       taken = [stack['take'](stacked, i) for i in wave]
-      run = lambda a: self.run_one(g, program, phase, a[0], a[1], broadcast, key)
+      run = lambda a: self.run_one(g, program, phase, a[0], a[1], for_client(broadcast, a[0]), key)
       done = list(self._threads().map(run, zip(wave, taken))) if len(wave) > 1 else [run((wave[0], taken[0]))]
       for i, (client, upload, loss) in zip(wave, done):
         stacked = stack['put'](stacked, i, client)
         uploads.append(upload)
         losses.append(loss)
     # Uploads are laid out in the same fixed slots as the vmap executor, empty slots zero.
-    zeros = self.empty_upload(g, program, phase, stacked, broadcast)
+    zeros = self.empty_upload(g, program, phase, stacked, for_client(broadcast, 0))
     padded = uploads + [zeros] * (len(slot_idx) - len(uploads))
     losses = losses + [0.0] * (len(slot_idx) - len(losses))
     return stacked, jax.tree.map(lambda *a: jnp.stack(a), *padded), jnp.asarray(losses, jnp.float32)
 
   def empty_upload(self, g: Group, program: ClientProgram, phase: int, stacked, broadcast) -> Any:
-    """The upload of an empty slot of group g in `phase`: zeros of the program's upload structure."""
+    """The upload of an empty slot of group g in `phase`: zeros of the program's upload structure (`broadcast` as
+    one client reads it, `for_client`)."""
     return self.compiled('empty_upload', g.spec.index, phase, make=lambda: self._empty_upload(
         g, program, self.functions(g, program, phase), stacked, broadcast))
 
@@ -191,8 +205,8 @@ class SequentialExecutor(Executor):
 
   def run_one(self, g: Group, program: ClientProgram, phase: int, i: int, client, broadcast, key: jax.Array
               ) -> tuple[Any, Any, float]:
-    """Client i of group g (its state `client`, unstacked) in a round of `phase` from the host: prepare (where the
-    program has it), init, the valid slots of each stage's plan, representations, final. Returns (client, upload,
+    """Client i of group g (its state `client`, unstacked, and `broadcast` as it reads it: `for_client`) in a round
+    of `phase` from the host: prepare (where the program has it), init, the valid slots of each stage's plan, representations, final. Returns (client, upload,
     mean loss of its steps); the round's `key` is folded with the client's id, as every executor does."""
     fns = self.functions(g, program, phase)
     n = int(g.train_sizes[i])
@@ -254,14 +268,14 @@ class SequentialExecutor(Executor):
 
   def correct(self, g, evaluation, phase, stacked, broadcast, test, which):
     take_one = self.stack_functions()['take']
-    out = [self.correct_one(g, evaluation, phase, take_one(stacked, i), broadcast, test, which, i)
+    out = [self.correct_one(g, evaluation, phase, take_one(stacked, i), for_client(broadcast, i), test, which, i)
            for i in range(g.size)]
     return np.stack(out) if out else np.zeros((0, len(evaluation.names)))
 
   def correct_one(self, g: Group, evaluation: Evaluation, phase: int, client, broadcast, test: EvalSet, which: str,
                   i: int) -> np.ndarray:
-    """Correct predictions [len(evaluation.names)] of client i of group g (its state `client`, unstacked) on its
-    test rows."""
+    """Correct predictions [len(evaluation.names)] of client i of group g (its state `client`, unstacked, and
+    `broadcast` as it reads it: `for_client`) on its test rows."""
     chunk = even_chunk(test.arrays.x.shape[1], self.eval_batch_size)
     count = lambda counts, evaluated, x_all, y_all, j, start, n: count_into(
         evaluation, counts, evaluated, x_all[j], y_all[j], start, chunk, n)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from fedjax_het.core import Algorithm, FederationSpec, Phase, Uploads, server_step
+from fedjax_het.core import Algorithm, FederationSpec, Phase, Uploads, for_client, server_step
 from fedjax_het.data.federated import FederatedData
 from fedjax_het.engine.accounting import accuracy_metrics, communication_metrics, count_uploads
 from fedjax_het.engine.execution import ExecutionConfig
@@ -272,7 +272,7 @@ class Federation:
       num_train = jnp.asarray(np.where(slot_idx < g.size, self.train_sizes[g.clients[np.minimum(
           slot_idx, g.size - 1)]], 0), jnp.float32)
       groups.append(result.stacked)
-      uploads.append(Uploads(values, real, num_train))
+      uploads.append(Uploads(values, real, num_train, jnp.asarray(slot_idx, jnp.int32)))
       losses.append((result.losses, slot_idx < g.size))
       upload_parts.append(self._fn('count_uploads', (p, gi), lambda: jax.jit(
           lambda u, m: count_uploads(self.algorithm.upload_scalars, u, m)))(values, real))
@@ -283,8 +283,8 @@ class Federation:
       else:
         receivers = int(np.sum(slot_idx < g.size))
         broadcast_parts.append((self._fn('count_broadcast', (p, gi), lambda: jax.jit(
-            lambda b: {k: jnp.asarray(v, jnp.float32) for k, v in self.algorithm.broadcast_scalars(b).items()}))(
-                broadcast), receivers))
+            lambda b: {k: jnp.asarray(v, jnp.float32) for k, v in self.algorithm.broadcast_scalars(
+                for_client(b, 0)).items()}))(broadcast), receivers))
     server_update = self._fn('server', p, lambda: jax.jit(self._server_step(phase)))
     server, server_metrics = server_update(state.server, tuple(uploads), server_key, self.constants)
     new_state = FederationState(tuple(groups), server, state.round + 1)

@@ -140,7 +140,8 @@ def build_groups(data: FederatedData, models: ModelConfig, training: LocalTraini
     place = lambda arrays: place_clients(pad_clients(arrays, stacked), mesh)
     train = place(data.group_train(ids))
     spec = GroupSpec(index, arch, maker.build(arch, feature_dim), tuple(int(k) for k in ids), data.num_classes,
-                     feature_dim, tuple(train.x.shape[2:]), training, maker, rm, conv)
+                     feature_dim, tuple(train.x.shape[2:]), training, maker, rm, conv,
+                     train_rows=int(train.x.shape[1]))
     check_architecture(spec)
     if rm == 'none':  # d is the architecture's own feature width
       width = feature_width(spec)

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from fedjax_het.config import ExperimentConfig
+from fedjax_het.core import for_client
 from fedjax_het.engine.federation import Federation
 from fedjax_het.engine.groups import host_copy
 from fedjax_het.errors import ConfigError
@@ -113,10 +114,10 @@ class Node:
     return self.initial_state() if saved is None else saved
 
   def broadcast_template(self, round_index: int) -> Any:
-    """The structure of what the client's group receives in round `round_index`."""
+    """The structure of what the client receives in round `round_index` (its group's broadcast as it reads it)."""
     p = self.fed.phase_index(round_index)
     phase, spec = self.fed.algorithm.phases[p], self.group.spec
-    return jax.eval_shape(lambda s: phase.broadcast(s, spec), self.fed.server_shapes())
+    return jax.eval_shape(lambda s: for_client(phase.broadcast(s, spec), self.index), self.fed.server_shapes())
 
   def train(self, round_index: int, broadcast: Any) -> tuple[Any, float]:
     """The client's round `round_index` under `broadcast`: (its upload, its mean local loss); its new state is

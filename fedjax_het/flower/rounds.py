@@ -1,10 +1,10 @@
 """The server's rounds over a Flower `Grid`: what the simulation's executor does in-process, done by the nodes.
 
 `FlowerRounds` stands in for a `Federation` in `experiment.train_and_evaluate`: it samples the same participants,
-sends each its group's broadcast (a TRAIN message), lays the uploads that come back in the simulation's slots
-and hands them to the same `Federation.finish_round` (server step, communication counts, metrics); `evaluate`
-asks every node for its scores (EVALUATE messages) and reduces them as the simulation does. With every reply in,
-its numbers are the simulation's.
+sends each what it reads of its group's broadcast (a TRAIN message), lays the uploads that come back in the
+simulation's slots and hands them to the same `Federation.finish_round` (server step, communication counts,
+metrics); `evaluate` asks every node for its scores (EVALUATE messages) and reduces them as the simulation does.
+With every reply in, its numbers are the simulation's.
 
 A node that does not answer within `round_timeout` seconds (it died, it lost its connection) or answers with an
 error is left out of that round as if it had not been drawn: the method's masks already handle an absent
@@ -25,6 +25,7 @@ import numpy as np
 from absl import logging
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
+from fedjax_het.core import PER_CLIENT, for_client
 from fedjax_het.engine.federation import Federation, FederationState, GroupRound
 from fedjax_het.engine.groups import slot_indices
 from fedjax_het.errors import ConfigError
@@ -67,10 +68,20 @@ class FlowerRounds:
     self._initial_groups = state.groups
     return FederationState((), state.server, state.round)
 
-  def _messages(self, clients, records: list, round_index: int, message_type: str) -> list[Message]:
-    """One message per client: its group's broadcast record and the run's config."""
-    return [Message(RecordDict({'broadcast': records[self.fed.group_of[k]],
-                                'config': message_config(self.cfg_json, round_index)}),
+  def _messages(self, clients, broadcasts: list, round_index: int, message_type: str) -> list[Message]:
+    """One message per client: what it reads of its group's broadcast (`for_client`: its own slice of a
+    PER_CLIENT part, never the others') and the run's config."""
+    by_group = {}
+
+    def record(k: int):
+      gi = int(self.fed.group_of[k])
+      b = broadcasts[gi]
+      if isinstance(b, dict) and PER_CLIENT in b:
+        return tree_to_record(for_client(b, int(np.flatnonzero(self.fed.groups[gi].clients == k)[0])))
+      if gi not in by_group:
+        by_group[gi] = tree_to_record(b)
+      return by_group[gi]
+    return [Message(RecordDict({'broadcast': record(k), 'config': message_config(self.cfg_json, round_index)}),
                     dst_node_id=self.nodes[k], message_type=message_type) for k in clients]
 
   def _send(self, messages: list[Message]) -> dict[int, Message]:
@@ -106,8 +117,7 @@ class FlowerRounds:
     p = fed.phase_index(r)
     participants = fed.participants(r)
     broadcasts = [fed.sent(state.server, gi, r) for gi in range(len(fed.groups))]
-    records = [tree_to_record(b) for b in broadcasts]
-    replies = self._send(self._messages(participants.tolist(), records, r, MessageType.TRAIN))
+    replies = self._send(self._messages(participants.tolist(), broadcasts, r, MessageType.TRAIN))
     missing = sorted(set(participants.tolist()) - set(replies))
     if missing:
       logging.warning('round %d: clients %s did not answer; the round goes on without them.', r + 1, missing)
@@ -119,7 +129,7 @@ class FlowerRounds:
     results = []
     for gi, (g, slots) in enumerate(zip(fed.groups, fed.slots(r))):
       slot_idx = slot_indices(g, answered, slots)
-      template = self._upload_template(gi, p, fed.with_constants(broadcasts[gi]))
+      template = self._upload_template(gi, p, for_client(fed.with_constants(broadcasts[gi]), 0))
       uploads, losses = [], []
       for i in slot_idx.tolist():
         if i < g.size:
@@ -141,8 +151,8 @@ class FlowerRounds:
     fed = self.fed
     r = max(int(state.round) - 1, 0)
     self._connect(int(state.round))
-    records = [tree_to_record(fed.sent(state.server, gi, r)) for gi in range(len(fed.groups))]
-    replies = self._send(self._messages(range(fed.num_clients), records, r, MessageType.EVALUATE))
+    broadcasts = [fed.sent(state.server, gi, r) for gi in range(len(fed.groups))]
+    replies = self._send(self._messages(range(fed.num_clients), broadcasts, r, MessageType.EVALUATE))
     if not replies:
       raise NodesUnavailable(f'the evaluation after round {r + 1}: no node answered within {self.round_timeout:g} '
                              f's. Fix: bring the nodes back, then run again with resume=true.')

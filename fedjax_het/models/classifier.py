@@ -37,7 +37,10 @@ class HeteroClassifier(nn.Module):
 
   def represent(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
     """The mapped representation r = RM(g(x)) [B, d]."""
-    h = self.extractor(x, train=train)
+    return self.features_of(self.extractor(x, train=train))
+
+  def features_of(self, h: jnp.ndarray) -> jnp.ndarray:
+    """RM(h) [B, d]: the representation of an extractor output h (a map [B, H, W, L] or a vector [B, L])."""
     if h.ndim > 2:
       spatial = tuple(range(1, h.ndim - 1))
       h = h.max(axis=spatial) if self.rm == 'mp' else h.mean(axis=spatial)

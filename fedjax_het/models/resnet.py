@@ -71,3 +71,22 @@ class ResNet(nn.Module):
       for j in range(blocks):
         x = self.block(widths[i], strides=2 if i > 0 and j == 0 else 1, conv=self.conv)(x, train)
     return x
+
+
+class StemlessResNet(nn.Module):
+  """A ResNet's stages on a feature map, without the stem, then the mean over positions and Dense(num_classes):
+  FedGKT's server model (its ResNet-56 server: the CIFAR ResNet's three stages of bottlenecks, 16/32/64 filters,
+  on the clients' 16-channel maps). A vector [B, L] is read as a 1x1 map."""
+  num_classes: int
+  blocks: int = 6
+  widths: Sequence[int] = (16, 32, 64)
+  conv: Any = nn.Conv
+
+  @nn.compact
+  def __call__(self, h: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    if h.ndim == 2:
+      h = h[:, None, None, :]
+    for i, width in enumerate(self.widths):
+      for j in range(self.blocks):
+        h = Bottleneck(width, strides=2 if i > 0 and j == 0 else 1, conv=self.conv)(h, train)
+    return nn.Dense(self.num_classes)(h.mean(axis=(1, 2)))

@@ -1,0 +1,116 @@
+"""FedGKT: its distillation loss by hand, the per-client broadcast of the server's logits (each client reads its
+own rows' logits, kept per client across rounds, none before the server has sent any), what crosses, the server
+model's adapters, and the refusal under DP. (vmap == sequential and its pinned numbers: tests/test_golden.py;
+resume == uninterrupted: tests/test_seed_baselines.py.)"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_het.algorithms import FedGKTConfig
+from fedjax_het.algorithms.fedgkt import ServerModel, client_kd_loss
+from fedjax_het.config import ExperimentConfig
+from fedjax_het.core import PER_CLIENT, for_client
+from fedjax_het.engine.executors import vmap_broadcast
+from fedjax_het.errors import ConfigError
+from fedjax_het.experiment import build_federation
+
+
+def test_client_distillation_loss_by_hand():
+  # T = 2: student [0, 0] -> p = (1/2, 1/2); teacher [2 ln 3, 0] / T -> q = (3/4, 1/4);
+  # T^2 KL(q || p) = 4 (3/4 ln(3/2) + 1/4 ln(1/2)), averaged over the real rows only.
+  student = jnp.array([[0.0, 0.0], [5.0, -5.0]])
+  teacher = jnp.array([[2 * math.log(3), 0.0], [0.0, 0.0]])
+  expected = 4 * (0.75 * math.log(1.5) + 0.25 * math.log(0.5))
+  got = client_kd_loss(student, teacher, 2.0, jnp.array([True, False]))
+  assert float(got) == pytest.approx(expected, rel=1e-6)
+  assert float(client_kd_loss(student[:1], teacher[:1], 2.0)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_each_client_reads_only_its_own_slice_of_a_per_client_broadcast():
+  b = {'model': jnp.array([7.0]), PER_CLIENT: {'logits': jnp.array([[1.0], [2.0], [3.0]])}}
+  assert float(for_client(b, 2)[PER_CLIENT]['logits'][0]) == 3.0
+  assert float(for_client(b, 2)['model'][0]) == 7.0
+  assert for_client({'model': 1}, 0) == {'model': 1}  # nothing per client: the broadcast itself
+  # The vmap executor's slots [2, 0, past the group] read clients 2, 0 and (clipped, an empty slot) the last.
+  read = vmap_broadcast(lambda x, b: x + b[PER_CLIENT]['logits'][0] + b['model'][0], b, jnp.array([2, 0, 5]))
+  np.testing.assert_allclose(read(jnp.zeros(3)), [10.0, 8.0, 10.0])
+
+
+def _federation(**methods):
+  cfg = ExperimentConfig(algorithm='fedgkt', dataset='synthetic:8,8,1', data_fraction=0.1, num_clients=4,
+                         models=('mlp',), feature_dim=16, rounds=3, batch_size=8, join_ratio=0.5, partition='iid',
+                         methods={'fedgkt': FedGKTConfig(server_epochs=1, server_blocks=1, **methods)})
+  return build_federation(cfg)
+
+
+def test_server_logits_go_to_the_clients_that_sent_the_rows_and_are_kept():
+  fed = _federation()
+  state = fed.init()
+  g = fed.groups[0]
+  logits0 = np.asarray(state.server['logits'][0])
+  assert logits0.shape == (4, g.train.x.shape[1], 10) and not np.asarray(state.server['has'][0]).any()
+  seen = set()
+  for r in range(3):
+    joined = set(fed.participants(r).tolist())
+    before = jax.device_get(state.server)
+    state, m = fed.round(state)
+    after = jax.device_get(state.server)
+    sizes = g.train_sizes
+    # What each participant receives: its own rows' logits, once the server has sent it any.
+    assert m['broadcast_scalars'] == sum(int(sizes[k]) * 10 for k in joined if k in seen)
+    # per row: the mlp extractor's 512 features (before RM), 10 logits, its label
+    assert m['upload_scalars'] == sum(int(sizes[k]) * (512 + 10 + 1) for k in joined)
+    for k in range(4):
+      if k in joined:  # new logits for its real rows, zeros past them
+        assert after['has'][0][k]
+        assert not np.allclose(after['logits'][0][k][:sizes[k]], before['logits'][0][k][:sizes[k]])
+        np.testing.assert_array_equal(after['logits'][0][k][sizes[k]:], 0.0)
+      else:  # a client not drawn keeps what it had
+        np.testing.assert_array_equal(after['logits'][0][k], before['logits'][0][k])
+        assert after['has'][0][k] == before['has'][0][k]
+    seen |= joined
+
+
+def test_the_distillation_term_waits_for_the_servers_logits():
+  # Round 1 trains on CE alone whatever alpha is; from the round a client has logits, alpha changes its loss.
+  losses = {}
+  for alpha in (0.0, 50.0):
+    fed = _federation(alpha=alpha)
+    state = fed.init()
+    losses[alpha] = []
+    for _ in range(3):
+      state, m = fed.round(state)
+      losses[alpha].append(m['train_loss'])
+  assert losses[0.0][0] == losses[50.0][0]
+  assert losses[50.0][2] > losses[0.0][2] + 1e-3
+
+
+def test_the_server_model_adapts_groups_whose_features_differ_in_width():
+  cfg = ExperimentConfig(algorithm='fedgkt', dataset='synthetic:8,8,1', num_clients=4,
+                         models=('mlp', 'heterofl_conv@0.125'), feature_dim=16, rounds=1, batch_size=8,
+                         methods={'fedgkt': FedGKTConfig(server_blocks=1)})
+  fed = build_federation(cfg)
+  server = ServerModel(fed.spec, 4, 1)
+  channels = [s[-1] for s in server.map_shapes]
+  params, _ = server.init(jax.random.PRNGKey(0))
+  assert channels[0] != channels[1] and server.width == max(channels)
+  assert [p['kernel'].shape for p in params['adapters']] == [(c, max(channels)) for c in channels]
+  same = dataclasses.replace(cfg, models=('mlp',))
+  assert ServerModel(build_federation(same).spec, 4, 1).init(jax.random.PRNGKey(0))[0]['adapters'] == ({},)
+
+
+def test_fedgkt_is_refused_under_dp_and_bad_settings_name_their_flags():
+  cfg = ExperimentConfig(algorithm='fedgkt', dataset='synthetic:8,8,1', num_clients=4, models=('mlp',),
+                         feature_dim=16, rounds=1, batch_size=8, dp_mode='central', dp_noise_multiplier=1.0)
+  fed = build_federation(cfg)
+  with pytest.raises(ConfigError, match="uploads 'y' as int32, which Gaussian noise cannot protect"):
+    fed.round(fed.init())
+  with pytest.raises(ConfigError, match=r"FedGKTConfig.optimizer='rmsprop': choose one of adam, sgd"):
+    FedGKTConfig(optimizer='rmsprop')
+  with pytest.raises(ConfigError, match='FedGKTConfig.server_epochs=-1 must be >= 0'):
+    FedGKTConfig(server_epochs=-1)
