@@ -44,7 +44,7 @@ def test_each_client_reads_only_its_own_slice_of_a_per_client_broadcast():
 def _federation(**methods):
   cfg = ExperimentConfig(algorithm='fedgkt', dataset='synthetic:8,8,1', data_fraction=0.1, num_clients=4,
                          models=('mlp',), feature_dim=16, rounds=3, batch_size=8, join_ratio=0.5, partition='iid',
-                         methods={'fedgkt': FedGKTConfig(server_epochs=1, server_blocks=1, **methods)})
+                         methods={'fedgkt': FedGKTConfig(**{'server_epochs': 1, 'server_blocks': 1, **methods})})
   return build_federation(cfg)
 
 
@@ -114,3 +114,21 @@ def test_fedgkt_is_refused_under_dp_and_bad_settings_name_their_flags():
     FedGKTConfig(optimizer='rmsprop')
   with pytest.raises(ConfigError, match='FedGKTConfig.server_epochs=-1 must be >= 0'):
     FedGKTConfig(server_epochs=-1)
+
+
+def test_a_last_batch_of_one_row_keeps_the_deep_server_finite():
+  # 9 rows in batches of 8: the second batch has one real row and seven of padding. Padding normalised by that
+  # row's statistics overflowed through ResNet-56's BatchNorms (0 * inf = NaN in the masked loss); it must not.
+  from fedjax_het.core import Uploads, server_step
+  fed = _federation(server_blocks=6, server_distill=True, temperature=1.0)
+  state = fed.init()
+  n_max = fed.groups[0].train.x.shape[1]
+  rows = jnp.zeros((2, n_max), bool).at[0, :9].set(True)
+  features = jnp.where(rows[..., None], jax.random.normal(jax.random.PRNGKey(0), (2, n_max, 512)) * 3, 0.0)
+  values = {'features': features, 'logits': jax.random.normal(jax.random.PRNGKey(1), (2, n_max, 10)),
+            'y': jnp.zeros((2, n_max), jnp.int32), 'rows': rows, 'received': jnp.zeros(2, bool)}
+  uploads = (Uploads(values, jnp.array([True, False]), jnp.array([9.0, 0.0]), jnp.array([0, 4])),)
+  new, metrics = jax.jit(server_step(fed.algorithm.phases[0], fed.spec))(state.server, uploads, jax.random.PRNGKey(2))
+  assert np.isfinite(float(metrics['server_loss']))
+  assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(new['model']))
+  assert np.isfinite(np.asarray(new['logits'][0][0, :9])).all() and new['has'][0][0] and not new['has'][0][1:].any()

@@ -214,8 +214,13 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
         r = b * batch_size + jnp.arange(batch_size)
         rc = jnp.minimum(r, n - 1)
         valid = (r < n) & rows[s, rc]
+        # The batch's padding repeats its first real row: a padding row normalised by statistics that are not its
+        # own grows through the server's dozens of BatchNorms until it overflows, and 0 * inf in the masked loss
+        # is NaN. Its output is never counted (the loss and the statistics read only the real rows).
+        picked = jnp.where(valid, rc, rc[jnp.argmax(valid)])
         (value, (z_s, new_state)), grads = jax.value_and_grad(objective, has_aux=True)(
-            params, state, u.values['features'][s, rc], u.values['logits'][s, rc], u.values['y'][s, rc], valid)
+            params, state, u.values['features'][s, picked], u.values['logits'][s, picked], u.values['y'][s, picked],
+            valid)
         # The trunk and the group's adapter keep optimizer states of their own (torch's Adam counts steps per
         # parameter, and the other groups' adapters take no step here).
         updated = {part: optimizer.update(grads[part], opts[part], params[part]) for part in params}
@@ -225,7 +230,8 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
         any_row = valid.any()
         params, state, opts = jax.tree.map(lambda a, b: jnp.where(any_row, a, b), new, (params, state, opts))
         out = out.at[s, r].set(jnp.where(valid[:, None], z_s, out[s, rc]), mode='drop')
-        return (params, state, opts, out, total + value * valid.sum(), count + valid.sum()), None
+        total = total + jnp.where(any_row, value * valid.sum(), 0.0)
+        return (params, state, opts, out, total, count + valid.sum()), None
       carry, _ = jax.lax.scan(step, carry, jnp.arange(slots * steps))
       return carry
 
