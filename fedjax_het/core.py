@@ -138,11 +138,17 @@ class Evaluation(NamedTuple):
   accuracy; prepare(client, broadcast) -> evaluated (once per client and evaluation: the model as evaluated, its
   heads); logits(evaluated, x) -> one [B, C] array per name, on a batch of test rows, or with `batch_rows`
   logits(evaluated, x, rows), rows [B] marking the batch's real test rows (a model normalised by each test batch's
-  own statistics, HeteroFL's, must not count padding). Evaluation never trains."""
+  own statistics, HeteroFL's, must not count padding). Evaluation never trains.
+
+  statistics(evaluated, x, rows) -> a pytree of sums over a chunk x of one client's training rows (rows [B]: the
+  real ones); where set, the engine adds them up over every client's training rows before scoring (the server
+  querying each client: HeteroFL's static BatchNorm) and prepare then finds the totals in broadcast['statistics']
+  (absent while the statistics themselves are gathered)."""
   names: tuple[str, ...]
   prepare: Callable[[ClientState, Broadcast], Any]
   logits: Callable[..., tuple[jnp.ndarray, ...]]
   batch_rows: bool = False
+  statistics: Optional[Callable[[Any, jnp.ndarray, jnp.ndarray], Any]] = None
 
 
 class Uploads(NamedTuple):

@@ -30,7 +30,7 @@ TINY = dict(methods=dict(fedtgp=FedTGPConfig(server_epochs=2),
                                             warmup_epochs=1, width=4, latent=3),
                          fedmd=FedMDConfig(transfer_public_epochs=1, transfer_private_epochs=1, digest_batch_size=8),
                          feddf=FedDFConfig(server_steps=4, server_batch_size=8),
-                         fedgkt=FedGKTConfig(server_epochs=2, server_blocks=1, optimizer='sgd', learning_rate=3e-5)),
+                         fedgkt=FedGKTConfig(server_epochs=1, server_blocks=1, optimizer='sgd', learning_rate=1e-5)),
             feature_dim=16, num_clients=6,
             batch_size=8, local_learning_rate=0.05, rounds=2)
 

@@ -273,7 +273,7 @@ def test_heterofl_scores_do_not_depend_on_how_the_test_rows_are_padded(tiny_data
   from fedjax_het.algorithms import HeteroFLConfig, heterofl
   from fedjax_het.data.federated import ClientArrays
   from fedjax_het.engine.client import score_client
-  fed = Federation(heterofl(HeteroFLConfig(), 4, 0.05), tiny_data,
+  fed = Federation(heterofl(HeteroFLConfig(static_bn=False), 4, 0.05), tiny_data,
                    ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.05, 8))
   state = fed.init()
   client = jax.tree.map(lambda a: a[0], state.groups[1])
@@ -284,6 +284,54 @@ def test_heterofl_scores_do_not_depend_on_how_the_test_rows_are_padded(tiny_data
       jnp.pad(x, [(0, pad)] + [(0, 0)] * 3), jnp.pad(y, (0, pad)), jnp.asarray(37)), chunk)[0])
   # one pass over the rows each time: the batch's statistics are those of the same 37 real rows
   assert score(0, 256) == score(20, 256) == score(191, 256)
+
+
+def test_batch_statistics_by_hand():
+  import flax.linen as nn
+  from fedjax_het.models.norm import TorchBatchNorm, batch_statistics
+
+  class OneNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+      return TorchBatchNorm(use_running_average=not train)(x)
+  x = jnp.array([[1.0, 10.0], [3.0, 20.0], [100.0, -5.0]])
+  variables = OneNorm().init(jax.random.PRNGKey(0), x)
+  stats = batch_statistics(OneNorm(), variables, x, jnp.array([True, True, False]))['BatchNorm_0']
+  np.testing.assert_allclose(stats['mean'], [2.0, 15.0], rtol=1e-6)  # the real rows only
+  np.testing.assert_allclose(stats['var'], [1.0, 25.0], rtol=1e-5)   # biased: ((1-2)^2 + (3-2)^2) / 2
+
+
+@pytest.mark.parametrize('strategy', ['sequential', 'vmap'])
+def test_heterofl_static_batchnorm_reads_every_clients_training_rows(tiny_data, strategy):
+  """sBN: the first BatchNorm's mean is the mean, over every real training row of every client and its positions,
+  of the global model's first convolution (a mean of chunk means weighted by their rows is the global mean)."""
+  from fedjax_het.algorithms import HeteroFLConfig, heterofl
+  from fedjax_het.engine import ExecutionConfig
+  fed = Federation(heterofl(HeteroFLConfig(), 4, 0.05), tiny_data,
+                   ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.05, 8),
+                   ExecutionConfig(strategy=strategy, eval_batch_size=16))
+  state = fed.init()
+  totals = fed.evaluation_statistics(state, 0)
+  first = jax.tree.map(lambda a: a / totals['rows'], totals['weighted'])
+  first = first['extractor']['BatchNorm_0']  # HeteroFLConv's first BatchNorm, after its first convolution
+  kernel = state.server['model']['extractor']['Conv_0']
+  rows = np.concatenate([np.asarray(g.train.x[i, :g.train_sizes[i]]) for g in fed.groups for i in range(g.size)])
+  assert float(totals['rows']) == len(rows) == sum(int(g.train_sizes.sum()) for g in fed.groups)
+  conv = jax.lax.conv_general_dilated(jnp.asarray(rows), kernel['kernel'], (1, 1), 'SAME',
+                                      dimension_numbers=('NHWC', 'HWIO', 'NHWC')) + kernel['bias']
+  np.testing.assert_allclose(first['mean'], conv.mean(axis=(0, 1, 2)), rtol=2e-4, atol=1e-6)
+  metrics = fed.evaluate(state)
+  assert 0.0 <= metrics['accuracy'] <= 1.0
+
+
+def test_heterofl_static_batchnorm_is_refused_over_flower(tiny_data):
+  pytest.importorskip('flwr')
+  from fedjax_het.algorithms import HeteroFLConfig, heterofl
+  from fedjax_het.flower.rounds import FlowerRounds
+  fed = Federation(heterofl(HeteroFLConfig(), 4, 0.05), tiny_data,
+                   ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.05, 8))
+  with pytest.raises(ConfigError, match='--noheterofl_static_bn'):
+    FlowerRounds(fed, None, '{}', 1, 1)
 
 
 def test_heterofl_refuses_an_rm_that_pools_every_width_to_d(tiny_data):

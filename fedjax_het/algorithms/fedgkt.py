@@ -13,7 +13,8 @@ the labels.
 
 The server holds a large model, `models.resnet.StemlessResNet` (--gkt_server_blocks bottlenecks per stage: 6 is the
 code's ResNet-56 server, 12 ResNet-110), trained on the uploaded maps for --gkt_server_epochs epochs each round:
-clients in order, each client's rows in order in batches of --batch_size, with CE(z_s, y) (the code's default,
+clients in order, each client's rows in batches of --batch_size in one random order for the round (the code
+replays the batches of the client's shuffled extraction pass in the same order every epoch), with CE(z_s, y) (the code's default,
 whether_distill_on_the_server=0), or with --gkt_server_distill T^2 KL(softmax(z_c / T) || softmax(z_s / T)) +
 alpha * CE (the code's weighting when it distils). Its logits of each row in the last epoch (training mode, before
 that batch's step, as the code takes them) go back to that client alone (`core.PER_CLIENT`). Optimizers
@@ -52,6 +53,7 @@ from fedjax_het.core import (PER_CLIENT, Algorithm, ClientProgram, Evaluation, F
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.norm import batch_rows
 from fedjax_het.models.resnet import StemlessResNet
+from fedjax_het.rows import shuffled_real_rows
 
 OPTIMIZERS = ('adam', 'sgd')
 
@@ -202,8 +204,9 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
       value = (client_kd_loss(z_s, z_c, T, valid) + cfg.alpha * ce) if cfg.server_distill else ce
       return value, (z_s, state)
 
-    def group_pass(carry, u):
-      """One pass over a group's uploaded rows: its slots in order, each slot's rows in order in batches."""
+    def group_pass(carry, u, order):
+      """One pass over a group's uploaded rows: its slots in order, each slot's rows in `order` [S, n] (a random
+      order of its real rows, then padding) in batches."""
       rows = u.values['rows'] & u.mask[:, None]
       slots, n = rows.shape
       steps = math.ceil(n / batch_size)
@@ -212,7 +215,7 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
         params, state, opts, out, total, count = carry
         s, b = t // steps, t % steps
         r = b * batch_size + jnp.arange(batch_size)
-        rc = jnp.minimum(r, n - 1)
+        rc = order[s, jnp.minimum(r, n - 1)]
         valid = (r < n) & rows[s, rc]
         # The batch's padding repeats its first real row: a padding row normalised by statistics that are not its
         # own grows through the server's dozens of BatchNorms until it overflows, and 0 * inf in the masked loss
@@ -229,13 +232,20 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
         # A batch without real rows is no step (momentum and weight decay would still move the parameters).
         any_row = valid.any()
         params, state, opts = jax.tree.map(lambda a, b: jnp.where(any_row, a, b), new, (params, state, opts))
-        out = out.at[s, r].set(jnp.where(valid[:, None], z_s, out[s, rc]), mode='drop')
+        out = out.at[s, rc].set(jnp.where(valid[:, None], z_s, out[s, rc]))
         total = total + jnp.where(any_row, value * valid.sum(), 0.0)
         return (params, state, opts, out, total, count + valid.sum()), None
       carry, _ = jax.lax.scan(step, carry, jnp.arange(slots * steps))
       return carry
 
     def server_update(server, uploads, key):
+      # Each client's rows in one random order for the round (the code's server replays the batches of the
+      # client's shuffled extraction pass, in the same order every epoch; a client's stored rows may be sorted by
+      # class, and one-class batches would teach the server nothing).
+      orders = [jax.vmap(lambda k, valid: shuffled_real_rows(k, valid))(
+          jax.random.split(jax.random.fold_in(key, gi), u.mask.shape[0]), u.values['rows'] & u.mask[:, None])
+          for gi, u in enumerate(uploads)]
+
       def epoch(carry, _):
         trunk, adapters, state, trunk_opt, adapter_opts, outs, total, count = carry
         adapters, adapter_opts, outs = list(adapters), list(adapter_opts), list(outs)
@@ -243,7 +253,7 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
           params = {'trunk': trunk, 'adapter': adapters[gi]}
           opts = {'trunk': trunk_opt, 'adapter': adapter_opts[gi]}
           (params, state, opts, outs[gi], total, count) = group_pass((params, state, opts, outs[gi], total, count),
-                                                                     u)
+                                                                     u, orders[gi])
           trunk, adapters[gi], trunk_opt, adapter_opts[gi] = (params['trunk'], params['adapter'], opts['trunk'],
                                                               opts['adapter'])
         return (trunk, tuple(adapters), state, trunk_opt, tuple(adapter_opts), tuple(outs), total, count), None

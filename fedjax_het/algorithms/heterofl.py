@@ -15,9 +15,12 @@ Training: CE with the logits of classes the client does not hold set to 0 (Heter
 running statistics for training; every client is scored with the global model (Felo: "evaluated on the server
 side").
 
-Choices: HeteroFL computes the global model's BatchNorm statistics for testing in a pass over all training data
-(`stats`, sBN); here the global model normalises each test batch by the statistics of its real rows (PyTorch's
-BatchNorm without running statistics, --eval_batch_size rows per batch), so a score depends on the batch size.
+Static BatchNorm (sBN, --heterofl_static_bn, the default): before each evaluation the global model runs in train
+mode over every client's training rows (`Evaluation.statistics`: the paper's server querying its clients), and its
+BatchNorm layers are scored with the mean of the batch statistics, each batch of --eval_batch_size rows weighted by
+its rows (HeteroFL's `stats` pass averages its train loader's batches equally, its variances unbiased: the
+library's BatchNorm keeps biased ones); off, the global model normalises each test batch by the statistics of its
+real rows, so a score depends on the batch size. Not over Flower: its nodes are not queried for statistics.
 Under DP the classes a client holds (its label mask) are sent in the clear. Its Scaler (1 / rate
 on every conv output during training) is left out: a BatchNorm follows every scaled convolution in both model
 families and removes the factor. Felo's 'dynamic' split (each client draws its rate every round) is not
@@ -41,6 +44,7 @@ from fedjax_het.core import (Algorithm, ClientState, Evaluation, GroupSpec, Uplo
                              leaf_scalars, one_phase)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
+from fedjax_het.models.norm import batch_statistics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,9 @@ class HeteroFLConfig:
   weight_decay: float = hyperparameter(5e-4, 'HeteroFL: SGD weight decay.', flag='heterofl_weight_decay')
   mask: bool = hyperparameter(True, 'HeteroFL: set the logits of classes a client does not hold to 0 in training.',
                               flag='heterofl_mask')
+  static_bn: bool = hyperparameter(True, 'HeteroFL: score the global model with BatchNorm statistics from a pass over '
+                                         'every client\'s training rows (its sBN); off: each test batch\'s own.',
+                                   flag='heterofl_static_bn')
 
   def __post_init__(self):
     if not 0 <= self.momentum < 1 or self.weight_decay < 0:
@@ -153,16 +160,36 @@ def heterofl(cfg: HeteroFLConfig, num_classes: int, local_learning_rate: float) 
     return {**server, 'model': combine(server['model'], uploads)}, {}
 
   def evaluation(group: GroupSpec) -> Evaluation:
-    """Every client scored with the global model."""
-    model = group.group_models[widest(group)]
+    """Every client scored with the global model: under sBN with the BatchNorm statistics of a train-mode pass over
+    every client's training rows (each chunk's batch statistics, weighted by its rows), else each test batch's."""
+    top = widest(group)
+    model = group.group_models[top]
+    if not (cfg.static_bn and 'batch_stats' in variables(group, model)):
+      def prepare(client: ClientState, broadcast):
+        return broadcast['global'], broadcast['global_state']
 
-    def prepare(client: ClientState, broadcast):
-      return broadcast['global'], broadcast['global_state']
+      def batch_logits(evaluated, x, rows):
+        params, state = evaluated
+        return (forward(model, params, state, x, True, rows)[0],)  # BatchNorm on the batch's real test rows
+      return Evaluation(('global_model',), prepare, batch_logits, batch_rows=True)
 
-    def logits(evaluated, x, rows):
+    def prepare_static(client: ClientState, broadcast):
+      if 'statistics' not in broadcast:  # while the statistics are gathered
+        return broadcast['global'], broadcast['global_state']
+      sums = broadcast['statistics']
+      stats = jax.tree.map(lambda a: a / jnp.maximum(sums['rows'], 1.0), sums['weighted'])
+      return broadcast['global'], {**broadcast['global_state'], 'batch_stats': stats}
+
+    def statistics(evaluated, x, rows):
       params, state = evaluated
-      return (forward(model, params, state, x, True, rows)[0],)  # BatchNorm on the batch's real test rows
-    return Evaluation(('global_model',), prepare, logits, batch_rows=True)
+      stats = batch_statistics(model, {'params': params, **state}, x, rows)
+      k = rows.sum().astype(jnp.float32)
+      return {'weighted': jax.tree.map(lambda a: jnp.where(k > 0, a * k, 0.0), stats), 'rows': k}
+
+    def logits(evaluated, x):
+      params, state = evaluated
+      return (forward(model, params, state, x, False)[0],)
+    return Evaluation(('global_model',), prepare_static, logits, statistics=statistics)
 
   return one_phase('heterofl', init_server, client, server_update, evaluation, broadcast=broadcast,
                    init_client=init_client, partial_batches=True, shares_representations=False,

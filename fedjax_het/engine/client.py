@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from fedjax_het.core import ClientProgram, ClientState, Evaluation, with_model, without_model
 from fedjax_het.data.federated import ClientArrays
 from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, masked, plan_stages,
-                                    represent_into, stage_key, take_step)
+                                    represent_into, stage_key, statistics_into, take_step)
 from fedjax_het.models.classifier import HeteroClassifier
 
 
@@ -70,3 +70,16 @@ def score_client(evaluation: Evaluation, client: ClientState, broadcast: Any, te
   counts = jnp.zeros(len(evaluation.names), jnp.int32)
   return jax.lax.fori_loop(0, -(-n_max // chunk), lambda c, counts: count_into(
       evaluation, counts, evaluated, test.x, test.y, c * chunk, chunk, test.n), counts)
+
+
+def client_statistics(evaluation: Evaluation, client: ClientState, broadcast: Any, train: ClientArrays, chunk: int
+                      ) -> Any:
+  """The evaluation's statistics (`Evaluation.statistics`) summed over one client's training rows, in passes of at
+  most `chunk` rows. Pure."""
+  evaluated = evaluation.prepare(client, broadcast)
+  n_max = train.x.shape[0]
+  chunk = even_chunk(n_max, chunk)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+      evaluation.statistics, evaluated, train.x[:chunk], jnp.ones(chunk, bool)))
+  return jax.lax.fori_loop(0, -(-n_max // chunk), lambda c, sums: statistics_into(
+      evaluation, sums, evaluated, train.x, c * chunk, chunk, train.n), zeros)

@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_het.core import PER_CLIENT, ClientProgram, Evaluation, for_client, with_model, without_model
-from fedjax_het.engine.client import run_client, score_client
+from fedjax_het.engine.client import client_statistics, run_client, score_client
 from fedjax_het.engine.groups import EvalSet, Group
 from fedjax_het.engine.sharding import to_host
 from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, plan_stages, represent_into,
-                                    stage_key, take_step)
+                                    stage_key, statistics_into, take_step)
 
 STRATEGIES = ('vmap', 'sequential')
 
@@ -72,6 +72,11 @@ class Executor:
   def correct(self, g: Group, evaluation: Evaluation, phase: int, stacked, broadcast, test: EvalSet, which: str
               ) -> np.ndarray:
     """Correct predictions [group size, len(evaluation.names)] of every client of the group on its test rows."""
+    raise NotImplementedError
+
+  def statistics(self, g: Group, evaluation: Evaluation, phase: int, stacked, broadcast) -> Any:
+    """The evaluation's statistics (`Evaluation.statistics`) summed over the training rows of every client of the
+    group."""
     raise NotImplementedError
 
 
@@ -128,6 +133,15 @@ class VmapExecutor(Executor):
     fn = self.compiled(f'vmap_eval_{which}', g.spec.index, phase, make=lambda: jax.jit(
         self._make_eval(evaluation, test.shared)))
     return to_host(fn(stacked, test.arrays, broadcast))[:g.size]
+
+  def statistics(self, g, evaluation, phase, stacked, broadcast):
+    def gather(stacked, train, broadcast):
+      size = jax.tree.leaves(stacked)[0].shape[0]
+      per = vmap_broadcast(lambda c, t, b: client_statistics(evaluation, c, b, t, self.eval_batch_size), broadcast,
+                           jnp.arange(size))(stacked, train)
+      return jax.tree.map(lambda a: a[:g.size].sum(0), per)  # the clients past the group's size are padding
+    return self.compiled('vmap_statistics', g.spec.index, phase, make=lambda: jax.jit(gather))(
+        stacked, g.train, broadcast)
 
   def _make_eval(self, evaluation: Evaluation, shared: bool):
     def evaluate(stacked, test, broadcast):
@@ -271,6 +285,23 @@ class SequentialExecutor(Executor):
     out = [self.correct_one(g, evaluation, phase, take_one(stacked, i), for_client(broadcast, i), test, which, i)
            for i in range(g.size)]
     return np.stack(out) if out else np.zeros((0, len(evaluation.names)))
+
+  def statistics(self, g, evaluation, phase, stacked, broadcast):
+    take_one = self.stack_functions()['take']
+    chunk = even_chunk(g.train.x.shape[1], self.eval_batch_size)
+    into = lambda sums, evaluated, x_all, i, start, n: statistics_into(evaluation, sums, evaluated, x_all[i], start,
+                                                                       chunk, n)
+    fns = self.compiled('sequential_statistics', g.spec.index, phase, make=lambda: {
+        'prepare': jax.jit(evaluation.prepare), 'into': jax.jit(into)})
+    total = None
+    for i in range(g.size):
+      evaluated = fns['prepare'](take_one(stacked, i), for_client(broadcast, i))
+      if total is None:
+        total = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+            evaluation.statistics, evaluated, g.train.x[0, :chunk], jnp.ones(chunk, bool)))
+      for start in range(0, max(int(g.train_sizes[i]), 1), chunk):
+        total = fns['into'](total, evaluated, g.train.x, i, start, g.train.n[i])
+    return total
 
   def correct_one(self, g: Group, evaluation: Evaluation, phase: int, client, broadcast, test: EvalSet, which: str,
                   i: int) -> np.ndarray:

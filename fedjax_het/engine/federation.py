@@ -321,9 +321,21 @@ class Federation:
     protocol with train_fraction < 1) the other is logged with prefix 'local_test_' or 'global_test_'.
     """
     r = max(int(state.round) - 1, 0)
-    local = self._evaluate_set(state, r, 'local') if self.has_local_test else None
-    glob = self._evaluate_set(state, r, 'global') if self.global_test is not None else None
+    statistics = self.evaluation_statistics(state, r)
+    local = self._evaluate_set(state, r, 'local', statistics) if self.has_local_test else None
+    glob = self._evaluate_set(state, r, 'global', statistics) if self.global_test is not None else None
     return self.accuracy(local, glob)
+
+  def evaluation_statistics(self, state: FederationState, round_index: int) -> Any:
+    """The evaluations' statistics (`Evaluation.statistics`) summed over every client's training rows, or None
+    where no group's evaluation has any."""
+    if all(e.statistics is None for e in self.evaluations):
+      return None
+    p = self.phase_index(round_index)
+    parts = [self.executor.statistics(g, self.evaluations[gi], p, state.groups[gi],
+                                      self.broadcast(state.server, gi, round_index))
+             for gi, g in enumerate(self.groups) if self.evaluations[gi].statistics is not None]
+    return jax.tree.map(lambda *a: sum(a), *parts)
 
   @property
   def has_local_test(self) -> bool:
@@ -341,7 +353,8 @@ class Federation:
       out.update(accuracy_metrics(names, *secondary, prefix=prefix, per_client=False))
     return out
 
-  def _evaluate_set(self, state: FederationState, round_index: int, which: str) -> tuple[np.ndarray, np.ndarray]:
+  def _evaluate_set(self, state: FederationState, round_index: int, which: str, statistics: Any = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
     names = self.evaluations[0].names
     correct, counts = np.zeros((self.num_clients, len(names))), np.zeros(self.num_clients)
     p = self.phase_index(round_index)
@@ -352,6 +365,8 @@ class Federation:
                           f'scores {evaluation.names}, the first {names}.')
       es = g.test if which == 'local' else self.global_test
       broadcast = self.broadcast(state.server, gi, round_index)
+      if statistics is not None:
+        broadcast = {**broadcast, 'statistics': statistics}
       correct[g.clients] = self.executor.correct(g, evaluation, p, state.groups[gi], broadcast, es, which)
       counts[g.clients] = [es.sizes[es.index(i)] for i in range(g.size)]
     return correct, counts

@@ -165,6 +165,16 @@ def represent_into(model, buf: jnp.ndarray, params: Any, model_state: Any, x: jn
   return jax.lax.dynamic_update_slice_in_dim(buf, reps.astype(buf.dtype), start, 0)
 
 
+def statistics_into(evaluation: Evaluation, sums: Any, evaluated: Any, x: jnp.ndarray, start, chunk: int, n) -> Any:
+  """sums plus the evaluation's statistics of training rows [start, start + chunk) of x among the first n (a
+  clamped last chunk counts only its new rows, as `count_into`)."""
+  first = jnp.minimum(start, x.shape[0] - chunk)
+  row = first + jnp.arange(chunk)
+  valid = (row >= start) & (row < n)
+  return jax.tree.map(jnp.add, sums, evaluation.statistics(evaluated, jax.lax.dynamic_slice_in_dim(x, first, chunk),
+                                                           valid))
+
+
 def count_into(evaluation: Evaluation, counts: jnp.ndarray, evaluated: Any, x: jnp.ndarray, y: jnp.ndarray, start,
                chunk: int, n) -> jnp.ndarray:
   """counts [len(names)] plus the correct predictions of each of the evaluation's predictions on rows [start,

@@ -13,10 +13,14 @@ import contextlib
 import threading
 from typing import Iterator, Optional
 
+from typing import Any
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 _context = threading.local()
+TORCH_MOMENTUM = 0.9  # torch's momentum 0.1 as flax counts it: the weight of the old running statistics
 
 
 @contextlib.contextmanager
@@ -34,7 +38,7 @@ class BatchNorm(nn.BatchNorm):
   """torch.nn.BatchNorm2d's defaults: momentum 0.1 (flax's momentum is the complement, 0.9), eps 1e-5 (googlenet
   overrides 1e-3); statistics over the rows of `batch_rows` when one is active. (Named BatchNorm so that its
   variables keep flax's names, e.g. 'BatchNorm_0'.)"""
-  momentum: float = 0.9
+  momentum: float = TORCH_MOMENTUM
   epsilon: float = 1e-5
 
   @nn.compact
@@ -46,3 +50,13 @@ class BatchNorm(nn.BatchNorm):
 
 
 TorchBatchNorm = BatchNorm
+
+
+def batch_statistics(model: nn.Module, variables: dict, x: jnp.ndarray, mask: Optional[jnp.ndarray] = None) -> Any:
+  """The 'batch_stats' collection holding the batch mean and (biased) variance each BatchNorm layer of `model`
+  normalises with in a train-mode pass over the rows of x where mask [B] is True: the running statistics one
+  update from zero, divided by the update's weight (1 - momentum)."""
+  zero = {**variables, 'batch_stats': jax.tree.map(jnp.zeros_like, variables['batch_stats'])}
+  with batch_rows(mask):
+    _, updated = model.apply(zero, x, train=True, mutable=['batch_stats'])
+  return jax.tree.map(lambda a: a / (1.0 - TORCH_MOMENTUM), updated['batch_stats'])
