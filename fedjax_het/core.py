@@ -140,8 +140,8 @@ class Evaluation(NamedTuple):
   logits(evaluated, x, rows), rows [B] marking the batch's real test rows (a model normalised by each test batch's
   own statistics, HeteroFL's, must not count padding). Evaluation never trains.
 
-  statistics(evaluated, x, rows) -> a pytree of sums over a chunk x of one client's training rows (rows [B]: the
-  real ones); where set, the engine adds them up over every client's training rows before scoring (the server
+  statistics(evaluated, x, rows) -> a pytree of sums over a batch x of one client's training rows (rows [B]: the
+  real ones; batches of the run's batch size from the client's first row); where set, the engine adds them up over every client's training rows before scoring (the server
   querying each client: HeteroFL's static BatchNorm) and prepare then finds the totals in broadcast['statistics']
   (absent while the statistics themselves are gathered)."""
   names: tuple[str, ...]

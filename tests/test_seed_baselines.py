@@ -322,6 +322,19 @@ def test_heterofl_static_batchnorm_reads_every_clients_training_rows(tiny_data, 
   np.testing.assert_allclose(first['mean'], conv.mean(axis=(0, 1, 2)), rtol=2e-4, atol=1e-6)
   metrics = fed.evaluate(state)
   assert 0.0 <= metrics['accuracy'] <= 1.0
+  # A client's statistics do not depend on how far its group pads the rows (batches from its first row).
+  from fedjax_het.data.federated import ClientArrays
+  from fedjax_het.engine.client import client_statistics
+  g = fed.groups[0]
+  n = int(g.train_sizes[0])
+  rows = lambda pad: ClientArrays(jnp.pad(g.train.x[0, :n], [(0, pad)] + [(0, 0)] * 3), jnp.zeros(n + pad, jnp.int32),
+                                  jnp.asarray(n))
+  client = jax.tree.map(lambda a: a[0], state.groups[0])
+  gather = lambda pad: client_statistics(fed.evaluations[0], client, fed.broadcast(state.server, 0, 0), rows(pad), 64)
+  tree_allclose(gather(0), gather(13), rtol=1e-6, atol=1e-6)
+  with pytest.raises(ConfigError, match='--noheterofl_static_bn'):  # scored without gathering: refused
+    fed.executor.correct(g, fed.evaluations[0], 0, state.groups[0], fed.broadcast(state.server, 0, 0),
+                         fed.global_test if fed.global_test is not None else g.test, 'global')
 
 
 def test_heterofl_static_batchnorm_is_refused_over_flower(tiny_data):
@@ -360,7 +373,7 @@ def test_noised_batchnorm_variances_are_clipped_at_zero():
   np.testing.assert_array_equal(out['batch_stats']['bn']['mean'], [-1.0])
 
 
-@pytest.mark.parametrize('name', ['feddf', 'avgkd', 'fedala', 'heterofl', 'fedgkt'])
+@pytest.mark.parametrize('name', ['feddf', 'avgkd', 'fedala', 'heterofl', 'fedgkt', 'pfedafm'])
 def test_resumed_after_round_one_ends_where_the_golden_run_ends(name, tmp_path):
   """Round 1 of the golden run, a checkpoint, a fresh federation restored from it and round 2: the golden run's
   final state and metrics exactly (AvgKD crosses its phase boundary there)."""

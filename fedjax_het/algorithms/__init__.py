@@ -23,6 +23,7 @@ from fedjax_het.algorithms.fedvtc import FedVTCConfig, fedvtc
 from fedjax_het.algorithms.fml import FMLConfig, fml
 from fedjax_het.algorithms.fpl import FPLConfig, fpl
 from fedjax_het.algorithms.lg_fedavg import lg_fedavg
+from fedjax_het.algorithms.pfedafm import PFedAFMConfig, pfedafm
 from fedjax_het.algorithms.local import local
 from fedjax_het.algorithms.velo import VeloConfig, velo
 from fedjax_het.core import Algorithm, ClientProgram, Evaluation, Phase

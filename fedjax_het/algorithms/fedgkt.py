@@ -110,22 +110,20 @@ def extract(model, params: Any, model_state: Any, x: jnp.ndarray) -> tuple[jnp.n
 
 
 class ServerModel:
-  """FedGKT's server model over a federation's groups: per group an optional Dense to the common width
-  (heterogeneous extractors), then the stemless ResNet. Parameters {'trunk', 'adapters': one per group, {} where
-  none}; `apply_server` runs it on one group's maps."""
+  """FedGKT's server model over a federation's groups: a Dense to the widest group's channel count for each group
+  narrower than it (heterogeneous extractors), then the stemless ResNet. Parameters {'trunk', 'adapters': one per
+  group, {} where none}; `apply_server` runs it on one group's maps."""
 
   def __init__(self, spec: FederationSpec, num_classes: int, blocks: int):
     self.map_shapes = [map_shape(g) for g in spec.groups]
-    channels = [s[-1] for s in self.map_shapes]
-    self.width = max(channels)
-    self.adapt = len(set(channels)) > 1
+    self.width = max(s[-1] for s in self.map_shapes)
     self.trunk = StemlessResNet(num_classes, blocks)
 
   def init(self, key: jax.Array) -> tuple[dict, dict]:
     """(params, non-trainable state) of a fresh server model."""
     k_trunk, k_adapt = jax.random.split(key)
     adapters = tuple(nn.Dense(self.width).init(jax.random.fold_in(k_adapt, gi), jnp.zeros((1, s[-1])))['params']
-                     if self.adapt else {} for gi, s in enumerate(self.map_shapes))
+                     if s[-1] != self.width else {} for gi, s in enumerate(self.map_shapes))
     sample = jnp.zeros((2,) + tuple(self.map_shapes[0][:-1]) + (self.width,))
     variables = self.trunk.init(k_trunk, sample, train=False)
     return {'trunk': variables['params'], 'adapters': adapters}, {k: v for k, v in variables.items() if k != 'params'}
@@ -232,7 +230,7 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
         # A batch without real rows is no step (momentum and weight decay would still move the parameters).
         any_row = valid.any()
         params, state, opts = jax.tree.map(lambda a, b: jnp.where(any_row, a, b), new, (params, state, opts))
-        out = out.at[s, rc].set(jnp.where(valid[:, None], z_s, out[s, rc]))
+        out = out.at[s, jnp.where(valid, rc, n)].set(z_s, mode='drop')  # real rows only: a clipped index repeats
         total = total + jnp.where(any_row, value * valid.sum(), 0.0)
         return (params, state, opts, out, total, count + valid.sum()), None
       carry, _ = jax.lax.scan(step, carry, jnp.arange(slots * steps))

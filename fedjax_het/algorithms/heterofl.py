@@ -17,9 +17,9 @@ side").
 
 Static BatchNorm (sBN, --heterofl_static_bn, the default): before each evaluation the global model runs in train
 mode over every client's training rows (`Evaluation.statistics`: the paper's server querying its clients), and its
-BatchNorm layers are scored with the mean of the batch statistics, each batch of --eval_batch_size rows weighted by
-its rows (HeteroFL's `stats` pass averages its train loader's batches equally, its variances unbiased: the
-library's BatchNorm keeps biased ones); off, the global model normalises each test batch by the statistics of its
+BatchNorm layers are scored with the mean of the batch statistics of its batches of --batch_size rows, each
+weighted by its rows (HeteroFL's `stats` pass averages its train loader's batches equally, its variances unbiased:
+the library's BatchNorm keeps biased ones; the pass is not counted in the communication); off, the global model normalises each test batch by the statistics of its
 real rows, so a score depends on the batch size. Not over Flower: its nodes are not queried for statistics.
 Under DP the classes a client holds (its label mask) are sent in the clear. Its Scaler (1 / rate
 on every conv output during training) is left out: a BatchNorm follows every scaled convolution in both model
@@ -174,20 +174,24 @@ def heterofl(cfg: HeteroFLConfig, num_classes: int, local_learning_rate: float) 
       return Evaluation(('global_model',), prepare, batch_logits, batch_rows=True)
 
     def prepare_static(client: ClientState, broadcast):
-      if 'statistics' not in broadcast:  # while the statistics are gathered
-        return broadcast['global'], broadcast['global_state']
+      if 'statistics' not in broadcast:  # while the statistics are gathered: nothing to score with yet
+        return broadcast['global'], broadcast['global_state'], None  # (a static marker: None, not gathered)
       sums = broadcast['statistics']
       stats = jax.tree.map(lambda a: a / jnp.maximum(sums['rows'], 1.0), sums['weighted'])
-      return broadcast['global'], {**broadcast['global_state'], 'batch_stats': stats}
+      return broadcast['global'], {**broadcast['global_state'], 'batch_stats': stats}, ()
 
     def statistics(evaluated, x, rows):
-      params, state = evaluated
+      params, state, _ = evaluated
       stats = batch_statistics(model, {'params': params, **state}, x, rows)
       k = rows.sum().astype(jnp.float32)
       return {'weighted': jax.tree.map(lambda a: jnp.where(k > 0, a * k, 0.0), stats), 'rows': k}
 
     def logits(evaluated, x):
-      params, state = evaluated
+      params, state, gathered = evaluated
+      if gathered is None:
+        raise ConfigError('HeteroFL\'s static BatchNorm scores the global model with statistics gathered over the '
+                          'clients\' training rows, and this evaluation had none (Federation.evaluate gathers '
+                          'them). Fix: score through Federation.evaluate, or --noheterofl_static_bn.')
       return (forward(model, params, state, x, False)[0],)
     return Evaluation(('global_model',), prepare_static, logits, statistics=statistics)
 

@@ -74,11 +74,11 @@ def score_client(evaluation: Evaluation, client: ClientState, broadcast: Any, te
 
 def client_statistics(evaluation: Evaluation, client: ClientState, broadcast: Any, train: ClientArrays, chunk: int
                       ) -> Any:
-  """The evaluation's statistics (`Evaluation.statistics`) summed over one client's training rows, in passes of at
-  most `chunk` rows. Pure."""
+  """The evaluation's statistics (`Evaluation.statistics`) summed over one client's training rows, in batches of
+  `chunk` rows from its first (the last one shorter), whatever the group's padding. Pure."""
   evaluated = evaluation.prepare(client, broadcast)
   n_max = train.x.shape[0]
-  chunk = even_chunk(n_max, chunk)
+  chunk = min(chunk, n_max)
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
       evaluation.statistics, evaluated, train.x[:chunk], jnp.ones(chunk, bool)))
   return jax.lax.fori_loop(0, -(-n_max // chunk), lambda c, sums: statistics_into(

@@ -76,7 +76,7 @@ class Executor:
 
   def statistics(self, g: Group, evaluation: Evaluation, phase: int, stacked, broadcast) -> Any:
     """The evaluation's statistics (`Evaluation.statistics`) summed over the training rows of every client of the
-    group."""
+    group, in batches of the run's batch size (a train loader's, as HeteroFL's statistics pass)."""
     raise NotImplementedError
 
 
@@ -137,8 +137,8 @@ class VmapExecutor(Executor):
   def statistics(self, g, evaluation, phase, stacked, broadcast):
     def gather(stacked, train, broadcast):
       size = jax.tree.leaves(stacked)[0].shape[0]
-      per = vmap_broadcast(lambda c, t, b: client_statistics(evaluation, c, b, t, self.eval_batch_size), broadcast,
-                           jnp.arange(size))(stacked, train)
+      per = vmap_broadcast(lambda c, t, b: client_statistics(evaluation, c, b, t, g.spec.training.batch_size),
+                           broadcast, jnp.arange(size))(stacked, train)
       return jax.tree.map(lambda a: a[:g.size].sum(0), per)  # the clients past the group's size are padding
     return self.compiled('vmap_statistics', g.spec.index, phase, make=lambda: jax.jit(gather))(
         stacked, g.train, broadcast)
@@ -288,7 +288,7 @@ class SequentialExecutor(Executor):
 
   def statistics(self, g, evaluation, phase, stacked, broadcast):
     take_one = self.stack_functions()['take']
-    chunk = even_chunk(g.train.x.shape[1], self.eval_batch_size)
+    chunk = min(g.spec.training.batch_size, g.train.x.shape[1])
     into = lambda sums, evaluated, x_all, i, start, n: statistics_into(evaluation, sums, evaluated, x_all[i], start,
                                                                        chunk, n)
     fns = self.compiled('sequential_statistics', g.spec.index, phase, make=lambda: {

@@ -50,9 +50,10 @@ class FlowerRounds:
 
   def __init__(self, fed: Federation, grid, cfg_json: str, round_timeout: float, connect_timeout: float):
     if any(e.statistics is not None for e in fed.evaluations):
+      instead = ' --noheterofl_static_bn (each test batch\'s statistics), or' if fed.algorithm.name == 'heterofl' else ''
       raise ConfigError(f'{fed.algorithm.name}: its evaluation gathers statistics over every client\'s training '
-                        f'rows (HeteroFL\'s static BatchNorm), which the nodes are not asked for over Flower. Fix: '
-                        f'--noheterofl_static_bn (each test batch\'s statistics), or run the simulation.')
+                        f'rows (HeteroFL\'s static BatchNorm), which the nodes are not asked for over Flower. Fix:'
+                        f'{instead} run the simulation.')
     self.fed, self.grid, self.cfg_json = fed, grid, cfg_json
     self.round_timeout, self.connect_timeout = round_timeout, connect_timeout
     self.nodes: Optional[dict[int, int]] = None  # client id -> node id, asked as the first round starts

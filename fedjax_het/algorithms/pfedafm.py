@@ -1,0 +1,159 @@
+"""pFedAFM (Yi, Yu, Wang, Liu and Li, ICDE 2025, "pFedAFM: adaptive feature mixture for batch-level
+personalization in heterogeneous federated learning"), a baseline of FedVTC's Table 1 (fedvtc_iclr.txt Sec. 4),
+as its authors' code runs it (LipingYi/pFedAFM, `pFedAFM_mh.py`).
+
+Every client holds its own model (extractor F_k with RM to d, head h_k), a copy of a small homogeneous global
+extractor G (`--global_model` with RM to the same d) and a mixing vector alpha_k in [0, 1]^d kept across rounds
+(ones at the start). Its prediction mixes the two representations entry by entry:
+  o = alpha_k * F_k(x) + (1 - alpha_k) * G(x),   logits = h_k(o).
+A round, after receiving G:
+  1. --local_epochs epochs with G frozen: F_k, h_k and alpha_k on CE(h_k(o), y); F_k and h_k by SGD (--local_learning
+     _rate, momentum --pfedafm_momentum, weight decay --pfedafm_weight_decay, gradients clipped to norm 50, a fresh
+     optimizer every round), alpha_k by SGD at --pfedafm_alpha_learning_rate with the same momentum and decay,
+     clamped to [0, 1] before and after each step;
+  2. --local_epochs epochs with F_k and h_k frozen: G on CE(h_k(G(x)), y) (alpha 0), SGD with the same momentum,
+     clipped to 50.
+It uploads G; the server averages the participants' copies weighted by their training rows. Scored: 'mixed', the
+client's mixture with the global G it receives (the reported accuracy); 'global_extractor', h_k(G(x)).
+
+Choices: the code keeps one optimizer object for every client's alpha (and one for G) across clients and rounds,
+so their momentum carries from one client to the next; here each client keeps its alpha's momentum across rounds
+and G's optimizer is fresh every round. G runs in eval mode while frozen (its BatchNorm statistics unchanged). The
+code scores the mixture with the G received at the start of the round, before step 2; the engine scores after the
+round, with the G the server has just averaged. The server weights G by training rows (the code counts a client's
+train, validation and test rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_het.algorithms.base import Algorithm, ClientState, Evaluation, concat_groups, one_phase
+from fedjax_het.algorithms.common import cross_entropy, head_apply, participant_average
+from fedjax_het.algorithms.global_model import (GLOBAL_MODEL_PRIVACY, check_global_model, init_global_model,
+                                                initial_global_model, receive_global_model, upload_global_model)
+from fedjax_het.core import ClientProgram, GroupSpec, Stage, hyperparameter
+from fedjax_het.errors import ConfigError, setting
+from fedjax_het.models.forward import forward
+
+CLIP_NORM = 50.0  # the code clips every model's gradients to this norm
+
+
+@dataclasses.dataclass(frozen=True)
+class PFedAFMConfig:
+  """pFedAFM's mixing and optimisers (its code's defaults)."""
+  global_model: str = hyperparameter('cnn4', 'Architecture of the small global model every client trains beside '
+                                     'its own.')
+  alpha_learning_rate: float = hyperparameter(0.01, 'pFedAFM: SGD rate of each client\'s mixing weights alpha.',
+                                              flag='pfedafm_alpha_learning_rate')
+  momentum: float = hyperparameter(0.9, 'pFedAFM: SGD momentum of every optimiser.', flag='pfedafm_momentum')
+  weight_decay: float = hyperparameter(1e-3, 'pFedAFM: weight decay of the local model and alpha.',
+                                       flag='pfedafm_weight_decay')
+
+  def __post_init__(self):
+    if self.alpha_learning_rate <= 0 or not 0 <= self.momentum < 1 or self.weight_decay < 0:
+      raise ConfigError(f'{setting(self, "alpha_learning_rate")} must be > 0, {setting(self, "momentum")} in [0, 1) '
+                        f'and {setting(self, "weight_decay")} >= 0.')
+
+
+def mix(alpha: jnp.ndarray, own: jnp.ndarray, shared: jnp.ndarray) -> jnp.ndarray:
+  """o = alpha * own + (1 - alpha) * shared, entry by entry (pFedAFM's feature mixture)."""
+  return alpha * own + (1.0 - alpha) * shared
+
+
+def sgd(learning_rate: float, momentum: float, weight_decay: float = 0.0) -> optax.GradientTransformation:
+  """torch's SGD(momentum, weight_decay) after clip_grad_norm_(50), as the code steps each model."""
+  return optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.add_decayed_weights(weight_decay),
+                     optax.sgd(learning_rate, momentum=momentum or None))
+
+
+def pfedafm(cfg: PFedAFMConfig, local_learning_rate: float) -> Algorithm:
+  """pFedAFM as an `Algorithm` (clients carry G and alpha in their per-client state)."""
+  check_global_model(cfg)
+  own_opt = sgd(local_learning_rate, cfg.momentum, cfg.weight_decay)
+  alpha_opt = optax.chain(optax.add_decayed_weights(cfg.weight_decay),
+                          optax.sgd(cfg.alpha_learning_rate, momentum=cfg.momentum or None))
+  shared_opt = sgd(local_learning_rate, cfg.momentum)
+  clamp = lambda a: jnp.clip(a, 0.0, 1.0)
+
+  def init_client(group: GroupSpec, key):
+    extra = init_global_model(group, group.build_model(cfg.global_model, group.feature_dim), key)
+    alpha = jnp.ones(group.feature_dim)
+    return {**extra, 'alpha': alpha, 'alpha_optimizer': alpha_opt.init(alpha)}
+
+  def client(group: GroupSpec) -> ClientProgram:
+    shared_model = group.build_model(cfg.global_model, group.feature_dim)
+
+    def mixture_step(carry, batch, broadcast, key):
+      """Step 1: F_k, h_k and alpha on CE(h_k(o), y), G frozen."""
+      client, own_state, shared_state = carry
+      extra = client.extra
+      _, shared, _ = forward(shared_model, extra['params']['companion'], extra['state']['companion'], batch.x, False)
+
+      def loss(values):
+        params, alpha = values
+        _, own, model_state = forward(group.model, params, client.model_state, batch.x, True, batch.mask)
+        logits = head_apply(params['head'], mix(alpha, own, shared))
+        return cross_entropy(logits, batch.y, batch.mask), model_state
+      alpha = clamp(extra['alpha'])
+      (value, model_state), (g_params, g_alpha) = jax.value_and_grad(loss, has_aux=True)((client.params, alpha))
+      updates, own_state = own_opt.update(g_params, own_state, client.params)
+      a_updates, alpha_state = alpha_opt.update(g_alpha, extra['alpha_optimizer'], alpha)
+      client = client._replace(params=optax.apply_updates(client.params, updates), model_state=model_state,
+                               extra={**extra, 'alpha': clamp(optax.apply_updates(alpha, a_updates)),
+                                      'alpha_optimizer': alpha_state})
+      return (client, own_state, shared_state), value
+
+    def shared_step(carry, batch, broadcast, key):
+      """Step 2: G on CE(h_k(G(x)), y), F_k and h_k frozen."""
+      client, own_state, shared_state = carry
+      extra = client.extra
+
+      def loss(params):
+        _, shared, state = forward(shared_model, params, extra['state']['companion'], batch.x, True, batch.mask)
+        return cross_entropy(head_apply(client.params['head'], shared), batch.y, batch.mask), state
+      params = extra['params']['companion']
+      (value, state), grads = jax.value_and_grad(loss, has_aux=True)(params)
+      updates, shared_state = shared_opt.update(grads, shared_state, params)
+      extra = {**extra, 'params': {**extra['params'], 'companion': optax.apply_updates(params, updates)},
+               'state': {**extra['state'], 'companion': state}}
+      return (client._replace(extra=extra), own_state, shared_state), value
+
+    def init(client, broadcast, key):
+      client = receive_global_model(client, broadcast)
+      return client, own_opt.init(client.params), shared_opt.init(client.extra['params']['companion'])
+
+    def final(carry, rows, broadcast, key):
+      return carry[0], upload_global_model(carry[0], rows, broadcast, key)
+
+    epochs = group.training.epochs
+    return ClientProgram(init, (Stage(mixture_step, epochs), Stage(shared_step, epochs)), final, group.training)
+
+  def server_update(server, uploads, key):
+    """G averaged over the participants, weighted by their training rows."""
+    u = concat_groups(uploads)
+    weights = u.num_train * u.mask.astype(jnp.float32)
+    return {**server, 'global_model': participant_average(u.values['global_model'], weights,
+                                                           server['global_model'])}, {}
+
+  def evaluation(group: GroupSpec) -> Evaluation:
+    """'mixed': h_k(alpha o F_k + (1 - alpha) o G) with the broadcast G; 'global_extractor': h_k(G(x))."""
+    shared_model = group.build_model(cfg.global_model, group.feature_dim)
+
+    def prepare(client: ClientState, broadcast):
+      return receive_global_model(client, broadcast)
+
+    def logits(client, x):
+      _, own, _ = forward(group.model, client.params, client.model_state, x, False)
+      _, shared, _ = forward(shared_model, client.extra['params']['companion'], client.extra['state']['companion'],
+                             x, False)
+      head = client.params['head']
+      return head_apply(head, mix(clamp(client.extra['alpha']), own, shared)), head_apply(head, shared)
+    return Evaluation(('mixed', 'global_extractor'), prepare, logits)
+
+  return one_phase('pfedafm', initial_global_model, client, server_update, evaluation, init_client=init_client,
+                   partial_batches=True, upload_privacy=GLOBAL_MODEL_PRIVACY)
