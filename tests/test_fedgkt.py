@@ -41,9 +41,10 @@ def test_each_client_reads_only_its_own_slice_of_a_per_client_broadcast():
   np.testing.assert_allclose(read(jnp.zeros(3)), [10.0, 8.0, 10.0])
 
 
-def _federation(**methods):
+def _federation(join_ratio=0.5, **methods):
   cfg = ExperimentConfig(algorithm='fedgkt', dataset='synthetic:8,8,1', data_fraction=0.1, num_clients=4,
-                         models=('mlp',), feature_dim=16, rounds=3, batch_size=8, join_ratio=0.5, partition='iid',
+                         models=('mlp',), feature_dim=16, rounds=3, batch_size=8, join_ratio=join_ratio,
+                         partition='iid',
                          methods={'fedgkt': FedGKTConfig(**{'server_epochs': 1, 'server_blocks': 1, **methods})})
   return build_federation(cfg)
 
@@ -81,14 +82,14 @@ def test_the_distillation_term_waits_for_the_servers_logits():
   # Round 1 trains on CE alone whatever alpha is; from the round a client has logits, alpha changes its loss.
   losses = {}
   for alpha in (0.0, 50.0):
-    fed = _federation(alpha=alpha)
+    fed = _federation(join_ratio=1.0, alpha=alpha)
     state = fed.init()
     losses[alpha] = []
-    for _ in range(3):
+    for _ in range(2):
       state, m = fed.round(state)
       losses[alpha].append(m['train_loss'])
   assert losses[0.0][0] == losses[50.0][0]
-  assert losses[50.0][2] > losses[0.0][2] + 1e-3
+  assert losses[50.0][1] > losses[0.0][1] + 1e-3
 
 
 def test_the_server_model_adapts_groups_whose_features_differ_in_width():
@@ -120,9 +121,9 @@ def test_fedgkt_is_refused_under_dp_and_bad_settings_name_their_flags():
 
 def test_a_last_batch_of_one_row_keeps_the_deep_server_finite():
   # 9 rows in batches of 8: the second batch has one real row and seven of padding. Padding normalised by that
-  # row's statistics overflowed through ResNet-56's BatchNorms (0 * inf = NaN in the masked loss); it must not.
+  # row's statistics overflowed through the server's BatchNorms (0 * inf = NaN in the masked loss); it must not.
   from fedjax_het.core import Uploads, server_step
-  fed = _federation(server_blocks=6, server_distill=True, temperature=1.0)
+  fed = _federation(server_blocks=3, server_distill=True, temperature=1.0)
   state = fed.init()
   n_max = fed.groups[0].train.x.shape[1]
   rows = jnp.zeros((2, n_max), bool).at[0, :9].set(True)
