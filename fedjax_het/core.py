@@ -141,9 +141,9 @@ class Evaluation(NamedTuple):
   own statistics, HeteroFL's, must not count padding). Evaluation never trains.
 
   statistics(evaluated, x, rows) -> a pytree of sums over a batch x of one client's training rows (rows [B]: the
-  real ones; batches of the run's batch size from the client's first row); where set, the engine adds them up over every client's training rows before scoring (the server
-  querying each client: HeteroFL's static BatchNorm) and prepare then finds the totals in broadcast['statistics']
-  (absent while the statistics themselves are gathered)."""
+  real ones; batches of the run's batch size from the client's first row); where set, the engine adds them up over
+  every client's training rows before scoring (the server querying each client: HeteroFL's static BatchNorm) and
+  prepare then finds the totals in broadcast['statistics'] (absent while the statistics themselves are gathered)."""
   names: tuple[str, ...]
   prepare: Callable[[ClientState, Broadcast], Any]
   logits: Callable[..., tuple[jnp.ndarray, ...]]
@@ -251,11 +251,11 @@ class Phase:
   """A stretch of rounds with one client program and server step.
 
   client(group) -> the `ClientProgram` of that group's clients; server_update(server, uploads, key) -> (server,
-  metrics), uploads a tuple of `Uploads`, one per group; broadcast(server, group) -> what that group's
-  participants receive (a dict may carry a PER_CLIENT part, one slice per client of the group: `for_client`).
-  rounds: how many (None: the rest of the run); join_ratio: participation (None: the run's); evaluate: whether the run's evaluation schedule applies in this phase. server_of_spec: server_update is
-  (spec: FederationSpec) -> the server step, for a server that runs the groups' classifiers (FedDF distils into
-  them); `server_step` gives the step either way.
+  metrics), uploads a tuple of `Uploads`, one per group; broadcast(server, group) -> what that group's participants
+  receive (a dict may carry a PER_CLIENT part, one slice per client of the group: `for_client`). rounds: how many
+  (None: the rest of the run); join_ratio: participation (None: the run's); evaluate: whether the run's evaluation
+  schedule applies in this phase. server_of_spec: server_update is (spec: FederationSpec) -> the server step, for a
+  server that runs the groups' classifiers (FedDF distils into them); `server_step` gives the step either way.
   """
   name: str
   client: Callable[[GroupSpec], ClientProgram]

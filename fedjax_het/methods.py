@@ -23,8 +23,8 @@ from fedjax_het.algorithms import (AvgKDConfig, CCVRConfig, FDConfig, FedALAConf
                                    FedProtoConfig, FedProxConfig, FedREConfig, FedTGPConfig, FedVTCConfig, FeloConfig,
                                    FMLConfig, FPLConfig, GeFLConfig, GeFLFConfig, HeteroFLConfig, PFedAFMConfig,
                                    VeloConfig, avgkd, ccvr, fd, fedala, fedavg_grouped, feddf, fedgen, fedgh, fedgkt,
-                                   fedhe, fedkd, fedmd, fedmrl, fedprox, fedproto, fedre, fedtgp, fedvtc, felo, fml, fpl,
-                                   gefl, gefl_f, heterofl, lg_fedavg, lg_fedavg_first_block, local, pfedafm, velo)
+                                   fedhe, fedkd, fedmd, fedmrl, fedprox, fedproto, fedre, fedtgp, fedvtc, felo, fml,
+                                   fpl, gefl, gefl_f, heterofl, lg_fedavg, lg_fedavg_first_block, local, pfedafm, velo)
 from fedjax_het.core import Algorithm
 from fedjax_het.data.federated import PublicData
 from fedjax_het.errors import ConfigError

@@ -164,7 +164,8 @@ def test_every_flag_file_parses_into_a_config(flagfile):
   cli.define_flags(flag_values=fv)
   fv(['prog', f'--flagfile={os.path.join(ROOT, "experiments", "flags", flagfile)}', '--workdir=/tmp/x'])
   cfg = cli.config_from_flags(fv)
-  felo = flagfile.startswith(('felo_table', 'fedmd_felo', 'heterofl_felo', 'fedgkt_felo'))  # Felo's settings and its baselines'
+  # Felo's settings and its baselines'
+  felo = flagfile.startswith(('felo_table', 'fedmd_felo', 'heterofl_felo', 'fedgkt_felo'))
   twenty = flagfile.startswith('fedvtc_mnist5k') or (felo and 'cifar10' in flagfile)
   assert cfg.rounds > 0 and cfg.num_clients == (100 if flagfile.startswith('fedvtc_table1') else 20 if twenty else 10)
   if felo:  # one library round per code iteration: 100 paper-rounds of K x 0.2 (x 1.0); FedMD's transfer round

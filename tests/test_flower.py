@@ -142,7 +142,8 @@ def test_each_train_message_carries_only_its_clients_slice_of_a_per_client_broad
   broadcasts = [fed.sent(state.server, gi, 0) for gi in range(len(fed.groups))]
   for gi, b in enumerate(broadcasts):  # client i of each group: logits all equal to 10 * group + i
     n = b[PER_CLIENT]['logits'].shape[0]
-    b[PER_CLIENT]['logits'] = jnp.broadcast_to((10.0 * gi + jnp.arange(n))[:, None, None], b[PER_CLIENT]['logits'].shape)
+    b[PER_CLIENT]['logits'] = jnp.broadcast_to((10.0 * gi + jnp.arange(n))[:, None, None],
+                                               b[PER_CLIENT]['logits'].shape)
   for m in rounds._messages(range(4), broadcasts, 0, 'train'):
     k = m.metadata.dst_node_id - 100
     gi = int(fed.group_of[k])

@@ -13,10 +13,10 @@ the labels.
 
 The server holds a large model, `models.resnet.StemlessResNet` (--gkt_server_blocks bottlenecks per stage: 6 is the
 code's ResNet-56 server, 12 ResNet-110), trained on the uploaded maps for --gkt_server_epochs epochs each round:
-clients in order, each client's rows in batches of --batch_size in one random order for the round (the code
-replays the batches of the client's shuffled extraction pass in the same order every epoch), with CE(z_s, y) (the code's default,
-whether_distill_on_the_server=0), or with --gkt_server_distill T^2 KL(softmax(z_c / T) || softmax(z_s / T)) +
-alpha * CE (the code's weighting when it distils). Its logits of each row in the last epoch (training mode, before
+clients in order, each client's rows in batches of --batch_size in one random order for the round (the code replays
+the batches of the client's shuffled extraction pass in the same order every epoch), with CE(z_s, y) (the code's
+default, whether_distill_on_the_server=0), or with --gkt_server_distill T^2 KL(softmax(z_c / T) || softmax(z_s / T))
++ alpha * CE (the code's weighting when it distils). Its logits of each row in the last epoch (training mode, before
 that batch's step, as the code takes them) go back to that client alone (`core.PER_CLIENT`). Optimizers
 (--gkt_optimizer, one kept by each client and one by the server, both at --gkt_learning_rate, the code's one
 --lr; --local_learning_rate is not read): 'adam', the code's Adam (amsgrad, L2 1e-4), which its README run uses

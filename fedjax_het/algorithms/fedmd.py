@@ -126,7 +126,8 @@ def fedmd(cfg: FedMDConfig, num_classes: int, batch_size: int, public: PublicDat
                                  training=whole_epochs)))
 
   def collaborate(group):
-    return program(group, (Stage(kept_optimizer_step(adam, digest(group)), cfg.digest_epochs, training=public_schedule(group)),
+    return program(group, (Stage(kept_optimizer_step(adam, digest(group)), cfg.digest_epochs,
+                                 training=public_schedule(group)),
                            Stage(kept_optimizer_step(adam, private_ce(group)), group.training.epochs)))
 
   def init_server(key, spec, initial):

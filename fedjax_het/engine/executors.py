@@ -219,9 +219,10 @@ class SequentialExecutor(Executor):
 
   def run_one(self, g: Group, program: ClientProgram, phase: int, i: int, client, broadcast, key: jax.Array
               ) -> tuple[Any, Any, float]:
-    """Client i of group g (its state `client`, unstacked, and `broadcast` as it reads it: `for_client`) in a round
-    of `phase` from the host: prepare (where the program has it), init, the valid slots of each stage's plan, representations, final. Returns (client, upload,
-    mean loss of its steps); the round's `key` is folded with the client's id, as every executor does."""
+    """Client i of group g (its state `client`, unstacked, and `broadcast` as it reads it: `for_client`) in a round of
+    `phase` from the host: prepare (where the program has it), init, the valid slots of each stage's plan,
+    representations, final. Returns (client, upload, mean loss of its steps); the round's `key` is folded with the
+    client's id, as every executor does."""
     fns = self.functions(g, program, phase)
     n = int(g.train_sizes[i])
     keys = client_keys(jax.random.fold_in(key, int(g.clients[i])))

@@ -50,7 +50,8 @@ class FlowerRounds:
 
   def __init__(self, fed: Federation, grid, cfg_json: str, round_timeout: float, connect_timeout: float):
     if any(e.statistics is not None for e in fed.evaluations):
-      instead = ' --noheterofl_static_bn (each test batch\'s statistics), or' if fed.algorithm.name == 'heterofl' else ''
+      heterofl = fed.algorithm.name == 'heterofl'
+      instead = ' --noheterofl_static_bn (each test batch\'s statistics), or' if heterofl else ''
       raise ConfigError(f'{fed.algorithm.name}: its evaluation gathers statistics over every client\'s training '
                         f'rows (HeteroFL\'s static BatchNorm), which the nodes are not asked for over Flower. Fix:'
                         f'{instead} run the simulation.')
