@@ -7,10 +7,10 @@ extractor G (`--global_model` with RM to the same d) and a mixing vector alpha_k
 (ones at the start). Its prediction mixes the two representations entry by entry:
   o = alpha_k * F_k(x) + (1 - alpha_k) * G(x),   logits = h_k(o).
 A round, after receiving G:
-  1. --local_epochs epochs with G frozen: F_k, h_k and alpha_k on CE(h_k(o), y); F_k and h_k by SGD (--local_learning
-     _rate, momentum --pfedafm_momentum, weight decay --pfedafm_weight_decay, gradients clipped to norm 50, a fresh
-     optimizer every round), alpha_k by SGD at --pfedafm_alpha_learning_rate with the same momentum and decay,
-     clamped to [0, 1] before and after each step;
+  1. --local_epochs epochs with G frozen: F_k, h_k and alpha_k on CE(h_k(o), y); F_k and h_k by SGD
+     (--local_learning_rate, momentum --pfedafm_momentum, weight decay --pfedafm_weight_decay, gradients clipped
+     to norm 50, a fresh optimizer every round), alpha_k by SGD at --pfedafm_alpha_learning_rate with the same
+     momentum and decay, clamped to [0, 1] before and after each step;
   2. --local_epochs epochs with F_k and h_k frozen: G on CE(h_k(G(x)), y) (alpha 0), SGD with the same momentum,
      clipped to 50.
 It uploads G; the server averages the participants' copies weighted by their training rows. Scored: 'mixed', the
