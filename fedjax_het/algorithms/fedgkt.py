@@ -194,7 +194,7 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
                          final, group.training)
 
   def server_for(spec: FederationSpec):
-    trunk_net = ServerModel(spec, num_classes, cfg.server_blocks).trunk
+    trunk_net = StemlessResNet(num_classes, cfg.server_blocks)
 
     def objective(params, state, h, z_c, y, valid):
       z_s, state = apply_server(trunk_net, params, state, h, True, valid)

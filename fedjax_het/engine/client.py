@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from fedjax_het.core import ClientProgram, ClientState, Evaluation, with_model, without_model
 from fedjax_het.data.federated import ClientArrays
 from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, masked, plan_stages,
-                                    represent_into, stage_key, statistics_into, take_step)
+                                    represent_into, stage_key, statistics_into, take_step, zero_statistics)
 from fedjax_het.models.classifier import HeteroClassifier
 
 
@@ -79,7 +79,6 @@ def client_statistics(evaluation: Evaluation, client: ClientState, broadcast: An
   evaluated = evaluation.prepare(client, broadcast)
   n_max = train.x.shape[0]
   chunk = min(chunk, n_max)
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-      evaluation.statistics, evaluated, train.x[:chunk], jnp.ones(chunk, bool)))
   return jax.lax.fori_loop(0, -(-n_max // chunk), lambda c, sums: statistics_into(
-      evaluation, sums, evaluated, train.x, c * chunk, chunk, train.n), zeros)
+      evaluation, sums, evaluated, train.x, c * chunk, chunk, train.n), zero_statistics(evaluation, evaluated,
+                                                                                        train.x, chunk))

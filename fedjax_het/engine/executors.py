@@ -25,7 +25,7 @@ from fedjax_het.engine.client import client_statistics, run_client, score_client
 from fedjax_het.engine.groups import EvalSet, Group
 from fedjax_het.engine.sharding import to_host
 from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, plan_stages, represent_into,
-                                    stage_key, statistics_into, take_step)
+                                    stage_key, statistics_into, take_step, zero_statistics)
 
 STRATEGIES = ('vmap', 'sequential')
 
@@ -298,8 +298,7 @@ class SequentialExecutor(Executor):
     for i in range(g.size):
       evaluated = fns['prepare'](take_one(stacked, i), for_client(broadcast, i))
       if total is None:
-        total = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-            evaluation.statistics, evaluated, g.train.x[0, :chunk], jnp.ones(chunk, bool)))
+        total = zero_statistics(evaluation, evaluated, g.train.x[0], chunk)
       for start in range(0, max(int(g.train_sizes[i]), 1), chunk):
         total = fns['into'](total, evaluated, g.train.x, i, start, g.train.n[i])
     return total

@@ -165,6 +165,13 @@ def represent_into(model, buf: jnp.ndarray, params: Any, model_state: Any, x: jn
   return jax.lax.dynamic_update_slice_in_dim(buf, reps.astype(buf.dtype), start, 0)
 
 
+def zero_statistics(evaluation: Evaluation, evaluated: Any, x: jnp.ndarray, chunk: int) -> Any:
+  """Zeros shaped like the evaluation's statistics of a batch of `chunk` rows of x (what `statistics_into` adds
+  to)."""
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+      evaluation.statistics, evaluated, x[:chunk], jnp.ones(chunk, bool)))
+
+
 def statistics_into(evaluation: Evaluation, sums: Any, evaluated: Any, x: jnp.ndarray, start, chunk: int, n) -> Any:
   """sums plus the evaluation's statistics of training rows [start, start + chunk) of x among the first n (a
   clamped last chunk counts only its new rows, as `count_into`)."""
