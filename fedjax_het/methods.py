@@ -20,11 +20,12 @@ import numpy as np
 
 from fedjax_het.algorithms import (AvgKDConfig, CCVRConfig, FDConfig, FedALAConfig, FedDFConfig, FedGenConfig,
                                    FedGHConfig, FedGKTConfig, FedHeConfig, FedKDConfig, FedMDConfig, FedMRLConfig,
-                                   FedProtoConfig, FedProxConfig, FedREConfig, FedTGPConfig, FedVTCConfig, FeloConfig,
-                                   FMLConfig, FPLConfig, GeFLConfig, GeFLFConfig, HeteroFLConfig, PFedAFMConfig,
-                                   VeloConfig, avgkd, ccvr, fd, fedala, fedavg_grouped, feddf, fedgen, fedgh, fedgkt,
-                                   fedhe, fedkd, fedmd, fedmrl, fedprox, fedproto, fedre, fedtgp, fedvtc, felo, fml,
-                                   fpl, gefl, gefl_f, heterofl, lg_fedavg, lg_fedavg_first_block, local, pfedafm, velo)
+                                   FedProtoConfig, FedProxConfig, FedREConfig, FedTGPConfig, FedTypeConfig,
+                                   FedVTCConfig, FeloConfig, FMLConfig, FPLConfig, GeFLConfig, GeFLFConfig,
+                                   HeteroFLConfig, PFedAFMConfig, VeloConfig, avgkd, ccvr, fd, fedala, fedavg_grouped,
+                                   feddf, fedgen, fedgh, fedgkt, fedhe, fedkd, fedmd, fedmrl, fedprox, fedproto, fedre,
+                                   fedtgp, fedtype, fedvtc, felo, fml, fpl, gefl, gefl_f, heterofl, lg_fedavg,
+                                   lg_fedavg_first_block, local, pfedafm, velo)
 from fedjax_het.core import Algorithm
 from fedjax_het.data.federated import PublicData
 from fedjax_het.errors import ConfigError
@@ -122,6 +123,8 @@ METHODS: dict[str, Method] = {
     'ccvr': Method(CCVRConfig, ccvr, 'CCVR: heads calibrated on virtual representations'),
     'pfedafm': Method(PFedAFMConfig, pfedafm, 'pFedAFM: the client\'s features mixed entry by entry with a shared '
                                               'small extractor\'s by learned weights'),
+    'fedtype': Method(FedTypeConfig, fedtype, 'FedType: a shared proxy model distilled from each private model, '
+                                              'which learns back through conformal prediction sets'),
     'fedvtc': Method(FedVTCConfig, fedvtc,
                      'FedVTC: prototypes and SDs, a VTC decoder per client, fine-tuning on its samples'),
     'fedprox': Method(FedProxConfig, fedprox, 'FedProx within each architecture group'),

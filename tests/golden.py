@@ -5,8 +5,8 @@ import jax
 import numpy as np
 
 from fedjax_het.algorithms import (CCVRConfig, FedDFConfig, FedGenConfig, FedGKTConfig, FedKDConfig, FedMDConfig,
-                                   FedMRLConfig, FedTGPConfig, FedVTCConfig, GeFLConfig, GeFLFConfig, PFedAFMConfig,
-                                   VeloConfig)
+                                   FedMRLConfig, FedTGPConfig, FedTypeConfig, FedVTCConfig, GeFLConfig, GeFLFConfig,
+                                   PFedAFMConfig, VeloConfig)
 from fedjax_het.algorithms.fml import FMLConfig
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.data import make_federated_data, make_synthetic
@@ -15,7 +15,7 @@ from fedjax_het.experiment import make_algorithm
 
 METHODS = ['fedre', 'local', 'fedavg', 'lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen', 'fml', 'fedkd',
            'fedmrl', 'fpl', 'ccvr', 'fedprox', 'fedhe', 'felo', 'velo', 'fedvtc', 'gefl', 'gefl_f', 'lg_fedavg_fb',
-           'fedmd', 'feddf', 'avgkd', 'fedala', 'heterofl', 'fedgkt', 'pfedafm']
+           'fedmd', 'feddf', 'avgkd', 'fedala', 'heterofl', 'fedgkt', 'pfedafm', 'fedtype']
 TINY = dict(methods=dict(fedtgp=FedTGPConfig(server_epochs=2),
                          fedgen=FedGenConfig(server_epochs=2, generator_learning_rate=0.005),
                          fml=FMLConfig(global_model='small_cnn_narrow'),
@@ -32,6 +32,7 @@ TINY = dict(methods=dict(fedtgp=FedTGPConfig(server_epochs=2),
                          fedmd=FedMDConfig(transfer_public_epochs=1, transfer_private_epochs=1, digest_batch_size=8),
                          feddf=FedDFConfig(server_steps=4, server_batch_size=8),
                          pfedafm=PFedAFMConfig(global_model='small_cnn_narrow'),
+                         fedtype=FedTypeConfig(global_model='small_cnn_narrow'),
                          fedgkt=FedGKTConfig(server_epochs=1, server_blocks=1, optimizer='sgd', learning_rate=1e-5)),
             feature_dim=16, num_clients=6,
             batch_size=8, local_learning_rate=0.05, rounds=2)

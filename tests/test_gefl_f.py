@@ -1,6 +1,7 @@
 """GeFL-F (gefl.txt Alg. 3): the extractor / header split of GeFL's CNNs, and a three-phase run in which F is
 averaged over all groups in warm-up and then frozen, the generator learns F's maps, and target rounds move only
-the headers, averaged within their group."""
+the headers, averaged within their group (and, in update mode, keep training the generator). The golden run
+(tests/golden.py) covers freeze mode."""
 
 import dataclasses
 
@@ -23,8 +24,8 @@ CFG = ExperimentConfig(algorithm='gefl_f', dataset='synthetic:32,32,1', data_fra
                        partition='iid', models=('gefl_fmnist_cnn1', 'gefl_fmnist_cnn2'), feature_dim=16, rm='fc',
                        rounds=1, batch_size=64, local_learning_rate=0.05, eval_protocol='global', data_order='shuffle',
                        conv='xla', checkpoint_every=0,
-                       methods={'gefl_f': GeFLFConfig(generator='cvae', fe_rounds=1, ka_rounds=1, generator_epochs=1,
-                                                      warmup_epochs=1, width=4, latent=3)})
+                       methods={'gefl_f': GeFLFConfig(generator='cvae', fe_rounds=1, ka_rounds=2, generator_epochs=1,
+                                                      warmup_epochs=1, width=4, latent=3, mode='update')})
 
 
 def test_split_and_join_of_a_gefl_cnn_and_the_header_from_feature_maps():
@@ -58,7 +59,8 @@ def test_warmup_shares_f_over_all_groups_then_only_headers_and_the_generator_mov
   # After warm-up, the server's F is the mean of all four clients' F, whatever their architecture.
   stacked = jax.tree.map(lambda *a: jnp.concatenate(a), *[fe(rec.states[0], gi) for gi in range(2)])
   tree_allclose(server_fe, jax.tree.map(lambda a: a.mean(0), stacked), rtol=1e-5, atol=1e-6)
-  # Knowledge rounds leave every classifier as it was; they train and average the generator.
+  # Knowledge rounds (T_KA / 2 = 1 in update mode) leave every classifier as it was; they train and average the
+  # generator.
   tree_allclose(rec.states[1].groups[0].params, rec.states[0].groups[0].params, rtol=0, atol=0)
   assert int(rec.states[1].server['generator_round']) == 1
   # Target rounds: every client's F is the shared one, unchanged; headers are averaged within each group only.
@@ -74,14 +76,47 @@ def test_warmup_shares_f_over_all_groups_then_only_headers_and_the_generator_mov
   assert rec.history[2]['upload_header_scalars'] > 0 and 'upload_extractor_scalars' not in rec.history[2]
   assert rec.history[0]['upload_extractor_scalars'] == 4 * 42  # conv 3x3x1x3 + 3, BatchNorm 3 + 3 and 6 stats
   assert all(np.isfinite(m['train_loss']) for m in rec.history)
+  # Update mode: the target round trains the generator T_g epochs after the headers' T_s + T_r, on F's maps, and
+  # the server averages it over all four clients of both groups.
+  generator = lambda state: state.server['generator']
+  assert int(rec.states[2].server['generator_round']) == 2
+  stacked = jax.tree.map(lambda *a: jnp.concatenate(a), *[g.extra['generator'] for g in rec.states[2].groups])
+  tree_allclose(generator(rec.states[2]), jax.tree.map(lambda a: a.mean(0), stacked), rtol=1e-5, atol=1e-6)
+  assert not np.allclose(jax.tree.leaves(generator(rec.states[2]))[0], jax.tree.leaves(generator(rec.states[1]))[0])
+  size = sum(a.size for a in jax.tree.leaves(generator(rec.states[2])))
+  assert rec.history[2]['upload_generator_scalars'] == rec.history[2]['broadcast_generator_scalars'] == 4 * size
+  steps = fed.train_sizes // 64
+  assert rec.history[2]['local_steps'] == np.maximum(1, steps).sum() + 2 * steps.sum()  # T_s + T_r + T_g
 
 
-def test_gefl_f_refuses_what_is_not_built_with_the_fix_named():
-  from fedjax_het.algorithms import gefl_f
-  with pytest.raises(ConfigError, match=r"Fix: GeFLFConfig\.mode='freeze'"):
-    gefl_f(GeFLFConfig(mode='update'), 10, 2)
+def test_gefl_f_refuses_models_without_its_3_channel_extractor_with_the_fix_named():
   with pytest.raises(ConfigError, match='--models=gefl-mnist-10'):  # the command line's names
     build_federation(ExperimentConfig(**{**CFG.__dict__, 'models': ('mlp',)}))
+  cifar = dict(CFG.__dict__, dataset='synthetic:32,32,3')
+  with pytest.raises(ConfigError, match='gefl-cifar10f-10'):  # Table XXIII's CNNs: F would emit 10 channels
+    build_federation(ExperimentConfig(**{**cifar, 'models': ('gefl_cifar10_cnn1',)}))
+
+
+def test_cifar10_cnns_as_the_code_builds_them_give_f_3x16x16_maps_and_table_xxiii_widths():
+  """gefl-cifar10f-10: Table XXIII's CNNs without its conv(10) row (GeFL's code); F emits 3x16x16 maps, the
+  flattened features keep the table's fc widths, and the feature generators take Table XV's CIFAR-10 sizes."""
+  from fedjax_het.algorithms.gefl_f import feature_generator
+  from fedjax_het.models.registry import MODEL_FAMILIES
+  assert len(MODEL_FAMILIES['gefl-cifar10f-10']) == 10
+  x = jnp.zeros((2, 32, 32, 3))
+  for k, fc in ((1, 1024), (4, 320), (10, 80)):
+    table, code = (build_model(f'gefl_{d}_cnn{k}', 10, 16, 'fc').extractor for d in ('cifar10', 'cifar10f'))
+    params = jax.eval_shape(lambda: code.init(jax.random.PRNGKey(0), x))['params']
+    assert 'fe_conv2' not in params and 'fe_conv2' in jax.eval_shape(lambda: table.init(jax.random.PRNGKey(0), x))[
+        'params']
+    assert jax.eval_shape(lambda: code.init_with_output(jax.random.PRNGKey(0), x)[0]).shape == (2, fc)
+  latent = {}
+  for d in ('cifar10f', 'mnist'):
+    cfg = dataclasses.replace(CFG, dataset=f'synthetic:32,32,{3 if d == "cifar10f" else 1}', num_clients=1,
+                              models=(f'gefl_{d}_cnn1',), methods={'gefl_f': GeFLFConfig(generator='cvae')})
+    gen = feature_generator(cfg.method_config, 10, build_federation(cfg).spec.groups[0])
+    latent[d] = jax.eval_shape(gen.init, jax.random.PRNGKey(0))['params']['encoder']['mu']['kernel'].shape[-1]
+  assert latent == {'cifar10f': 50, 'mnist': 16}  # Table XV: CVAE-F's l
 
 
 @pytest.mark.parametrize('boundary', [1, 2])  # after warm-up; after knowledge aggregation

@@ -373,7 +373,7 @@ def test_noised_batchnorm_variances_are_clipped_at_zero():
   np.testing.assert_array_equal(out['batch_stats']['bn']['mean'], [-1.0])
 
 
-@pytest.mark.parametrize('name', ['feddf', 'avgkd', 'fedala', 'heterofl', 'fedgkt', 'pfedafm'])
+@pytest.mark.parametrize('name', ['feddf', 'avgkd', 'fedala', 'heterofl', 'fedgkt', 'pfedafm', 'fedtype'])
 def test_resumed_after_round_one_ends_where_the_golden_run_ends(name, tmp_path):
   """Round 1 of the golden run, a checkpoint, a fresh federation restored from it and round 2: the golden run's
   final state and metrics exactly (AvgKD crosses its phase boundary there)."""

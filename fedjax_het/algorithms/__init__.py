@@ -19,6 +19,7 @@ from fedjax_het.algorithms.fedmrl import FedMRLConfig, fedmrl
 from fedjax_het.algorithms.fedproto import FedProtoConfig, fedproto
 from fedjax_het.algorithms.fedre import FedREConfig, entangle, entanglement_weights, fedre, train_head
 from fedjax_het.algorithms.fedtgp import FedTGPConfig, fedtgp
+from fedjax_het.algorithms.fedtype import FedTypeConfig, fedtype
 from fedjax_het.algorithms.fedvtc import FedVTCConfig, fedvtc
 from fedjax_het.algorithms.fml import FMLConfig, fml
 from fedjax_het.algorithms.fpl import FPLConfig, fpl

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -80,9 +80,11 @@ class GeFLConfig:
                                            '(false: the code\'s unconverted [0, 1] of CVAE and DDPM).',
                                      flag='gefl_match_range')
   width: int = hyperparameter(0, 'GeFL: generator width (DCGAN d_g = d_d, CVAE w, U-Net n_feat); 0: the paper\'s '
-                                 '(DCGAN 128 on 1 channel, 256 / 64 on 3; CVAE 64; U-Net 128).',
+                                 '(DCGAN 128; CIFAR-10\'s 256 / 64 on 3-channel data, so SVHN wants 128; CVAE 64; '
+                                 'U-Net 128).',
                               flag='gefl_width')
-  latent: int = hyperparameter(0, 'GeFL: CVAE latent size l; 0: the paper\'s (16; 50 on 3 channels).',
+  latent: int = hyperparameter(0, 'GeFL: CVAE latent size l; 0: the paper\'s (16; CIFAR-10\'s 50 on 3-channel data, '
+                                       'so SVHN wants 16).',
                                flag='gefl_latent')
   diffusion_steps: int = hyperparameter(100, 'GeFL: DDPM steps T (100 MNIST/FMNIST/SVHN, 400 CIFAR-10).',
                                         flag='gefl_diffusion_steps')
@@ -114,20 +116,23 @@ class GeFLConfig:
     return self.ka_rounds // 2 if self.mode == 'update' else self.ka_rounds
 
 
-def build_generator(cfg: GeFLConfig, num_classes: int, input_shape, conv: str = 'xla', features: bool = False
-                    ) -> ConditionalGenerator:
+def build_generator(cfg: GeFLConfig, num_classes: int, input_shape, conv: str = 'xla', features: bool = False,
+                    cifar10_sizes: Optional[bool] = None) -> ConditionalGenerator:
   """The configured generator for images of `input_shape` (H, W, c), or with `features` for GeFL-F's 16x16 feature
-  maps (DCGAN-F, CVAE-F, DDPM-F); a ConfigError names the fix for other shapes."""
+  maps (DCGAN-F, CVAE-F, DDPM-F); a ConfigError names the fix for other shapes. Unset widths take Table XV's sizes:
+  CIFAR-10's (DCGAN d_g = 256, d_d = 64; CVAE l = 50) where `cifar10_sizes` (default: 3-channel images), else
+  MNIST's (128, 128; l = 16)."""
   h, w, c = input_shape
+  cifar10 = (c == 3 and not features) if cifar10_sizes is None else cifar10_sizes
   size = 16 if features else 32
   if (h, w) != (size, size):
     raise ConfigError(f'GeFL\'s generators emit 32x32 images (GeFL-F\'s 16x16 feature maps); the data are {h}x{w}. '
                       f'Fix: Dataset.resized(32) (GeFL resizes MNIST 28 -> 32).')
   if cfg.generator == 'dcgan':
-    g_width, d_width = (cfg.width, cfg.width) if cfg.width else ((128, 128) if c == 1 or features else (256, 64))
+    g_width, d_width = (cfg.width, cfg.width) if cfg.width else ((256, 64) if cifar10 else (128, 128))
     return dcgan(num_classes, c, g_width, d_width, conv=conv, size=size)
   if cfg.generator == 'cvae':
-    latent = cfg.latent or (16 if c == 1 or features else 50)
+    latent = cfg.latent or (50 if cifar10 else 16)
     return cvae(num_classes, c, cfg.width or 64, latent, conv=conv, size=size)
   return ddpm(num_classes, c, h, cfg.width or 128, cfg.diffusion_steps, cfg.guidance, conv=conv)
 

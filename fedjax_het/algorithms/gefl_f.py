@@ -12,12 +12,18 @@ Phase 'knowledge' (T_KA rounds, not evaluated): F frozen in eval mode; each part
 Phase 'target' (T_TN = --rounds rounds): headers only: T_s epochs on generated feature maps (uniform labels), then
   T_r = --local_epochs epochs on F(x) of real rows (F in eval mode, frozen); headers averaged within groups; F never
   changes again.
+  "Update" mode (--gefl_mode=update; GeFL's Sec. V-B mode, which the paper runs for GeFL only): T_KA / 2 knowledge
+  rounds, then after its header training each participant also trains the feature generator T_g epochs on F's maps
+  of its real rows (its own optimizer state) and the server averages it over all participants, so target round t
+  samples from the generator after T_KA / 2 + t - 1 rounds. "Freeze" (default, the paper's GeFL-F) keeps the
+  generator as the last knowledge round left it.
 Evaluation: F + the group's header on the test set; `best_accuracy_per_architecture_mean` covers the warm-up
 evaluations too (the code's best-over-rounds does).
 
-Not built: update mode (the paper runs GeFL-F frozen), GeFL-F on CIFAR-10 (the library's CIFAR-10 CNNs follow Table
-XXIII's extra conv(10) row, so F would emit 10x16x16 maps where the code's generators emit 3x16x16), and samples.png
-(the generator draws feature maps, not images). The MND ratio's synthetic images are generated maps inverted
+CIFAR-10 (Fig. 4): GeFL-F runs on `gefl-cifar10f-10`, the CIFAR-10 CNNs as GeFL's code builds them, whose common
+block is conv(3 -> 3) BN ReLU maxpool (3x16x16 maps, the shape the code's -F generators emit); `gefl-cifar10-10`
+follows Table XXIII's extra conv(10) row, which would make F emit 10x16x16 maps (SPEC_GENERATIVE.md sec. 3).
+Not built: samples.png (the generator draws feature maps, not images). The MND ratio's synthetic images are generated maps inverted
 through the frozen F (`reconstructed_samples`, experiments/mnd.py).
 
 GeFL's LG-FedAvg baseline (`lg_fedavg_first_block`) is this module's warm-up phase for the whole run.
@@ -33,9 +39,9 @@ import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
 from fedjax_het.algorithms.common import cross_entropy, descend, participant_average
-from fedjax_het.algorithms.gefl import (GeFLConfig, build_generator, ddpm_lr_scale, generator_broadcast,
-                                        generator_step, init_generator_extra, knowledge_server, receive_generator,
-                                        upload_generator)
+from fedjax_het.algorithms.gefl import (GeFLConfig, average_generators, build_generator, ddpm_lr_scale,
+                                        generator_broadcast, generator_step, init_generator_extra, knowledge_server,
+                                        receive_generator, upload_generator)
 from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, Stage, hyperparameter,
                              leaf_scalars)
 from fedjax_het.errors import ConfigError, setting
@@ -61,9 +67,10 @@ def extractor_of(group: GroupSpec, stage: str):
   """The group's GeFL CNN at `stage` ('features': F; 'header': the classifier from F's maps), or a ConfigError."""
   extractor = group.model.extractor
   if not isinstance(extractor, GeFLCNN) or extractor.dataset == 'cifar10':
-    raise ConfigError(f'GeFL-F splits GeFL\'s MNIST/FMNIST CNNs into a shared extractor and a header; '
-                      f'{group.arch!r} is not one. Fix: ModelConfig.names=gefl-mnist-10 or gefl-fmnist-10 (CIFAR-10 is '
-                      f'not built, see fedjax_het/algorithms/gefl_f.py).')
+    raise ConfigError(f'GeFL-F splits GeFL\'s CNNs into a shared 3-channel extractor and a header; {group.arch!r} is '
+                      f'not one (Table XXIII\'s CIFAR-10 CNNs add a conv(10) to the common block). Fix: '
+                      f'ModelConfig.names=gefl-mnist-10, gefl-fmnist-10 or gefl-cifar10f-10 (CIFAR-10 as GeFL\'s code '
+                      f'builds it).')
   return extractor.clone(stage=stage, parent=None)
 
 
@@ -87,8 +94,10 @@ def feature_map_shape(group: GroupSpec) -> tuple[int, ...]:
 
 
 def feature_generator(cfg: GeFLFConfig, num_classes: int, group: GroupSpec):
-  """The configured generator of F's feature maps (DCGAN-F, CVAE-F, DDPM-F)."""
-  return build_generator(cfg, num_classes, feature_map_shape(group), group.conv, features=True)
+  """The configured generator of F's feature maps (DCGAN-F, CVAE-F, DDPM-F), at CIFAR-10's sizes for CIFAR-10's
+  CNNs (Table XV)."""
+  return build_generator(cfg, num_classes, feature_map_shape(group), group.conv, features=True,
+                         cifar10_sizes=extractor_of(group, 'features').dataset == 'cifar10f')
 
 
 def reconstructed_samples(cfg: GeFLFConfig, num_classes: int, group: GroupSpec, server: dict, key: jax.Array, n: int,
@@ -224,7 +233,9 @@ def knowledge_broadcast(server: dict, group) -> dict:
 # ---------------------------------------------------------------- phase 'target'
 def target_client(cfg: GeFLFConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
   """F and the group's header; the header trained T_s epochs on generated maps, then T_r epochs on F's maps of
-  real batches, F untouched. Uploads the header."""
+  real batches, F untouched; in update mode the generator then trains T_g epochs on F's maps. Uploads the header
+  (and the generator)."""
+  update = cfg.mode == 'update'
   gen, header, optimizer = feature_generator(cfg, num_classes, group), header_model(group), group.training.optimizer()
   module = features_module(group)
 
@@ -251,17 +262,26 @@ def target_client(cfg: GeFLFConfig, num_classes: int, group: GroupSpec) -> Clien
   def real_step(client, batch: Batch, broadcast, key):
     return sgd_on_header(client, extractor_features(module, broadcast['fe'], batch.x), batch.y, batch.mask)
 
+  def init(client, broadcast, key):
+    client = receive_model(client, broadcast)
+    return receive_generator(client, broadcast) if update else client
+
   def final(client, rows, broadcast, key):
-    return client, {'header': split_client(client.params, client.model_state)[1]}
+    upload = {'header': split_client(client.params, client.model_state)[1]}
+    return client, ({**upload, 'generator': client.extra['generator']} if update else upload)
 
-  return ClientProgram(lambda client, broadcast, key: receive_model(client, broadcast),
-                       (Stage(synthetic_step, cfg.synthetic_epochs, generated=True),
-                        Stage(real_step, group.training.epochs)), final, group.training)
+  stages = (Stage(synthetic_step, cfg.synthetic_epochs, generated=True), Stage(real_step, group.training.epochs))
+  if update:
+    learn_maps = lambda x, broadcast: extractor_features(module, broadcast['fe'], x)
+    stages += (Stage(generator_step(gen, ddpm_lr_scale(cfg), learn_maps), cfg.generator_epochs),)
+  return ClientProgram(init, stages, final, group.training)
 
 
-def target_server(server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
-  """Each group's header <- the mean of its participants' (`average_headers`)."""
-  return {**server, 'headers': average_headers(server, uploads)}, {}
+def target_server(cfg: GeFLFConfig, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+  """Each group's header <- the mean of its participants' (`average_headers`); in update mode the generator
+  <- the mean over all participants of all groups."""
+  server = {**server, 'headers': average_headers(server, uploads)}
+  return (average_generators(server, uploads) if cfg.mode == 'update' else server), {}
 
 
 def target_broadcast(server: dict, group) -> dict:
@@ -274,33 +294,31 @@ def evaluation(group: GroupSpec):
   return head_evaluation(group.model, {'group_model': own_head}, receive=receive_model)
 
 
-def sent_scalars(tree: dict) -> dict:
-  """What crosses: F and the headers in warm-up rounds, the generator in knowledge rounds, the headers in target
-  rounds. Later broadcasts carry F (and the generator) only for the engine: clients already hold them, except
-  F's last average, which reaches them once at the start of knowledge aggregation (42 scalars at MNIST size with
-  its BatchNorm statistics; not counted)."""
+def sent_scalars(cfg: GeFLFConfig, tree: dict) -> dict:
+  """What crosses: F and the headers in warm-up rounds, the generator in knowledge rounds, the headers (and in
+  update mode the generator) in target rounds. Later broadcasts carry F (and in freeze mode the generator) only for
+  the engine: clients already hold them, except F's last average, which reaches them once at the start of
+  knowledge aggregation (42 scalars at MNIST size with its BatchNorm statistics; not counted)."""
   count = lambda t: sum(leaf_scalars(t).values())
   out = {'header': count(tree['header'])} if 'header' in tree else {}
   if 'fe' in tree and 'generator' not in tree:
     out['extractor'] = count(tree['fe'])
-  if 'generator' in tree and 'header' not in tree:
+  if 'generator' in tree and ('header' not in tree or cfg.mode == 'update'):
     out['generator'] = count(tree['generator'])
   return out
 
 
 def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int) -> Algorithm:
   """GeFL-F as an `Algorithm` of three phases: 'warmup' (T_FE), 'knowledge' (T_KA) and 'target' (`rounds`)."""
-  if cfg.mode != 'freeze':  # refused here, not in the config: --gefl_mode is GeFL's flag too
-    raise ConfigError('GeFL-F runs its generator frozen after knowledge aggregation; GeFLFConfig.mode=\'update\' '
-                      'is not built for it. Fix: GeFLFConfig.mode=\'freeze\'.')
   phases = (Phase('warmup', functools.partial(warmup_client, cfg), shared_block_update, model_broadcast,
                   rounds=cfg.fe_rounds),
             Phase('knowledge', functools.partial(knowledge_client, cfg, num_classes), knowledge_server,
                   knowledge_broadcast, rounds=cfg.knowledge_rounds, evaluate=False),
-            Phase('target', functools.partial(target_client, cfg, num_classes), target_server, target_broadcast,
-                  rounds=rounds))
+            Phase('target', functools.partial(target_client, cfg, num_classes),
+                  functools.partial(target_server, cfg), target_broadcast, rounds=rounds))
   return Algorithm('gefl_f', init_server, phases, evaluation,
                    init_client=functools.partial(init_generator_extra,
                                                  functools.partial(feature_generator, cfg, num_classes)),
-                   upload_scalars=sent_scalars, broadcast_scalars=sent_scalars, partial_batches=True,
+                   upload_scalars=functools.partial(sent_scalars, cfg),
+                   broadcast_scalars=functools.partial(sent_scalars, cfg), partial_batches=True,
                    shares_representations=False)

@@ -1,7 +1,8 @@
 """The ten heterogeneous CNNs of GeFL (gefl.txt Tables XXI-XXIII), as extractors.
 
 Every CNN starts with GeFL-F's common block (conv 3x3 to 3 channels, BN, ReLU, and for CIFAR-10 a conv to 10
-channels with BN) and continues with 1-4 further 3x3 conv -> [BN] -> ReLU -> maxpool 2x2 blocks whose widths differ
+channels with BN; 'cifar10f' is CIFAR-10 as GeFL's code builds it, without that conv(10), the CNNs GeFL-F's feature
+generators fit) and continues with 1-4 further 3x3 conv -> [BN] -> ReLU -> maxpool 2x2 blocks whose widths differ
 per CNN. The tables list the deeper blocks right-aligned: CNN-1 stops after the second block, CNN-2..4 after the
 third, CNN-5..7 after the fourth, CNN-8..10 after the fifth. With 32x32 inputs the flattened features have the
 widths of the tables' final fc layers (1024, 512, 640, 320, 256, 320, 160, 128, 100, 80), which is how the
@@ -22,6 +23,7 @@ from fedjax_het.models.pooling import max_pool
 # Output channels per CNN-k (k = 1..10) of each block after the common one; None: the CNN has no such block.
 SECOND_BLOCK = {'mnist': (16, 16, 20, 10, 16, 20, 10, 16, 20, 10), 'fmnist': (16, 16, 20, 10, 16, 20, 10, 16, 20, 10),
                 'cifar10': (16, 16, 20, 10, 10, 20, 10, 16, 20, 10)}
+SECOND_BLOCK['cifar10f'] = SECOND_BLOCK['cifar10']
 THIRD_BLOCK = (None, 32, 40, 20, 32, 40, 20, 32, 40, 20)
 FOURTH_BLOCK = (None,) * 4 + (64, 80, 40, 64, 80, 40)
 FIFTH_BLOCK = (None,) * 7 + (128, 100, 80)
@@ -30,7 +32,7 @@ GEFL_DATASETS = tuple(SECOND_BLOCK)  # 'fmnist' covers Table XXII (FMNIST and SV
 
 def gefl_widths(dataset: str, k: int) -> tuple[int, ...]:
   """The widths of CNN-k's blocks after the common one, for Table XXI ('mnist'), XXII ('fmnist', also SVHN) or
-  XXIII ('cifar10')."""
+  XXIII ('cifar10' and 'cifar10f')."""
   rows = (SECOND_BLOCK[dataset], THIRD_BLOCK, FOURTH_BLOCK, FIFTH_BLOCK)
   return tuple(row[k - 1] for row in rows if row[k - 1] is not None)
 
