@@ -32,7 +32,7 @@ TINY = dict(methods=dict(fedtgp=FedTGPConfig(server_epochs=2),
                          fedmd=FedMDConfig(transfer_public_epochs=1, transfer_private_epochs=1, digest_batch_size=8),
                          feddf=FedDFConfig(server_steps=4, server_batch_size=8),
                          pfedafm=PFedAFMConfig(global_model='small_cnn_narrow'),
-                         fedtype=FedTypeConfig(global_model='small_cnn_narrow'),
+                         fedtype=FedTypeConfig(global_model='mlp'),
                          fedgkt=FedGKTConfig(server_epochs=1, server_blocks=1, optimizer='sgd', learning_rate=1e-5)),
             feature_dim=16, num_clients=6,
             batch_size=8, local_learning_rate=0.05, rounds=2)
