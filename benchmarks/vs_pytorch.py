@@ -52,14 +52,15 @@ def centralized_limit(x: np.ndarray, steps: int, rep_rows: int, batch_size: int,
   step, carry0 = sgd_step_fn(model, model.init(jax.random.PRNGKey(0), jnp.zeros((1,) + x.shape[1:]))['params'], lr)
   step = jax.jit(step)
   represent = jax.jit(lambda p, xb: forward(model, p, {}, xb, False)[1])
-  xs = jax.device_put(x[:batch_size * 8].reshape((8, batch_size) + x.shape[1:]))
-  ys = jnp.zeros((8, batch_size), jnp.int32)
+  batches = max(1, min(8, x.shape[0] // batch_size))  # distinct batches cycled through (8, or what one client has)
+  xs = jax.device_put(x[:batch_size * batches].reshape((batches, batch_size) + x.shape[1:]))
+  ys = jnp.zeros((batches, batch_size), jnp.int32)
   xr = jax.device_put(x[:chunk])
 
   def run():
     carry = carry0
     for s in range(steps):
-      carry, _ = step(carry, xs[s % 8], ys[s % 8])
+      carry, _ = step(carry, xs[s % batches], ys[s % batches])
     reps = [represent(carry[0].params, xr) for _ in range(-(-rep_rows // chunk))]
     jax.block_until_ready((carry, reps))
   run()  # compile
