@@ -3,19 +3,23 @@
   python benchmarks/gpu_plan.py                       # every setting below
   python benchmarks/gpu_plan.py --settings=quickstart --out=/tmp/plan
 
-For each setting a Federation is built under the vmap executor with XLA's convolutions (the GPU defaults) on
-synthetic data of the setting's shapes and sizes (IID equal splits; the models exist only as shapes, never
-allocated). Per architecture group, the function of one local step vmapped over the group's K clients and over one
-client is lowered and analysed (`Lowered.cost_analysis()`: XLA's HLO cost analysis, FLOPs and bytes accessed),
-and the one-client step compiled for this machine's backend (`Compiled.memory_analysis()`: its temporaries). XLA
-counts a loop's body once, so a round is assembled from loop-free pieces: steps per round (the engine's plan of
-each stage) x the step, plus, for methods that upload representations, the eval-mode passes over the training
-rows (one pass analysed, times the passes). The server step and the clients' prepare/final are not counted (FedRE's
-server trains one linear head). GeFL's DDPM row is the sampling of one synthetic epoch: T reverse steps of the
-U-Net (analysed with T = 1) per batch of generated images, at the paper's CIFAR-10 size.
+For each setting a Federation is built under the vmap executor with XLA's convolutions and 256-row eval-mode
+passes (the GPU defaults) on synthetic data of the setting's shapes and sizes (IID equal splits; the models exist
+only as shapes, never allocated). Per architecture group, the function of one local step vmapped over the group's K
+clients and over one client is lowered and analysed (`Lowered.cost_analysis()`: XLA's HLO cost analysis, FLOPs and
+the bytes its unfused operations access), and the one-client step compiled for this machine's backend
+(`Compiled.memory_analysis()`: its temporaries). XLA counts a loop's body once, so a round is assembled from
+loop-free pieces: steps per round (the engine's plan of each stage) x the step, plus, for methods that upload
+representations, the eval-mode passes over the training rows (one pass analysed, times the passes). The server step
+and the clients' prepare/final are not counted (FedRE's server trains one linear head). GeFL's DDPM row is the
+sampling of one synthetic epoch: T reverse steps of the U-Net (analysed with T = 1) per batch of generated images,
+at the paper's CIFAR-10 size.
 
 Bounds, per round (all clients of the group):
-  roofline = max(FLOPs / peak, bytes / bandwidth)  (the same for a vmapped round and a loop: the same work);
+  roofline = max(FLOPs / peak, bytes / bandwidth), bytes = what a step must move at least: its arguments (the
+    client's parameters, optimizer state, batch) read and its results written once (the unfused HLO's bytes, which
+    count every operation's operands and result, are reported beside it as an upper estimate); the same for a
+    vmapped round and a loop: the same work;
   launches: a loop launches every kernel of a step once per client and step, a vmapped round once per step;
     kernels per step >= its convolutions and dot products (each at least one cuDNN/cuBLAS call), counted in the
     lowered step; each launch costs at least --launch_seconds;
@@ -49,7 +53,8 @@ from fedjax_het.algorithms.gefl import build_generator
 from fedjax_het.core import Batch
 from fedjax_het.data import make_federated_data, make_synthetic
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
-from fedjax_het.engine.plan import plan_stages, represent_into
+from fedjax_het.engine.plan import plan_stages
+from fedjax_het.models.forward import forward
 
 flags.DEFINE_list('settings', ['quickstart', 'fedre_table1', 'fedre_table1_20', 'fedavg_resnet18', 'gefl_ddpm'],
                   'Settings to analyse (see SETTINGS).')
@@ -104,13 +109,18 @@ def shapes(tree):
 
 
 def analyse(fn: Callable, *args, compile_memory: bool = False) -> dict:
-  """XLA's cost analysis of fn lowered at args (FLOPs, bytes accessed), its convolutions and dot products, and
-  with compile_memory its compiled temporaries on this backend."""
+  """XLA's cost analysis of fn lowered at args: FLOPs and the bytes its unfused HLO accesses (every operation
+  reading its operands from memory and writing its result: more than fused kernels move); 'bytes', what any
+  implementation moves at least: its arguments read and its results written once; its convolutions and dot
+  products; with compile_memory its compiled temporaries on this backend."""
   lowered = jax.jit(fn).lower(*args)
   cost = lowered.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   text = lowered.as_text()
-  out = {'flops': float(cost.get('flops', 0.0)), 'bytes': float(cost.get('bytes accessed', 0.0)),
+  moved = sum(tree_bytes(a) for a in args)
+  out_shapes = jax.eval_shape(fn, *args)
+  out = {'flops': float(cost.get('flops', 0.0)), 'bytes': float(moved + tree_bytes(out_shapes)),
+         'unfused_bytes': float(cost.get('bytes accessed', 0.0)),
          'kernels': text.count('stablehlo.convolution') + text.count('stablehlo.dot_general'),
          'loops': text.count('stablehlo.while')}
   if compile_memory:
@@ -129,10 +139,12 @@ def bounds(k: int, steps: int, one: dict, all_k: dict) -> dict:
 
 def group_rows(setting: Setting) -> list[dict]:
   """One row per architecture group of a training setting."""
-  ds = make_synthetic(num_samples=setting.rows, image_shape=setting.image, num_classes=setting.num_classes, seed=0)
+  ds = make_synthetic(num_samples=round(setting.rows * 0.8), image_shape=setting.image,  # 20 % more as its test
+                      num_classes=setting.num_classes, seed=0)                           # split: `rows` pooled
   data = make_federated_data(ds, setting.num_clients, 'iid', seed=0, train_fraction=setting.train_fraction)
   fed = Federation(setting.algorithm(), data, ModelConfig(setting.models, setting.feature_dim, setting.rm),
-                   LocalTraining(0.01, setting.batch_size, setting.epochs), ExecutionConfig(strategy='vmap', conv='xla'))
+                   LocalTraining(0.01, setting.batch_size, setting.epochs),
+                   ExecutionConfig(strategy='vmap', conv='xla', eval_batch_size=256))
   server = fed.server_shapes()
   key = jax.random.PRNGKey(0)
   rows = []
@@ -147,7 +159,7 @@ def group_rows(setting: Setting) -> list[dict]:
     carry = jax.eval_shape(program.init, one_client, broadcast, key)
     x, y = g.train.x, g.train.y
     steps, flops, nbytes, one_flops, one_bytes, kernels, temp = 0, 0.0, 0.0, 0.0, 0.0, 0, 0
-    loops = 0
+    loops, unfused = 0, 0.0
     for plan in plan_stages(program, n_max):
       if not plan.length:
         continue
@@ -162,27 +174,28 @@ def group_rows(setting: Setting) -> list[dict]:
                         stacked_carry, stacked_batch, broadcast, key)
       steps += plan.length
       flops, nbytes = flops + plan.length * vmapped['flops'], nbytes + plan.length * vmapped['bytes']
+      unfused += plan.length * vmapped['unfused_bytes']
       one_flops, one_bytes = one_flops + plan.length * single['flops'], one_bytes + plan.length * single['bytes']
       kernels, temp, loops = max(kernels, single['kernels']), max(temp, single['temp_bytes']), loops + single['loops']
     if program.trained is not None:  # the eval-mode representation passes over every training row
       chunk = min(n_max, fed.executor.eval_batch_size)
       passes = -(-n_max // chunk)
-      rep = analyse(lambda p, s, xs: represent_into(g.model, jnp.zeros((n_max, g.spec.feature_dim)), p, s, xs, 0,
-                                                    chunk), one_client.params, one_client.model_state,
-                    jax.ShapeDtypeStruct((n_max,) + x.shape[2:], x.dtype))
+      rep = analyse(lambda p, s, xs: forward(g.model, p, s, xs, False)[1], one_client.params,
+                    one_client.model_state, jax.ShapeDtypeStruct((chunk,) + x.shape[2:], x.dtype))
       flops, nbytes = flops + k * passes * rep['flops'], nbytes + k * passes * rep['bytes']
+      unfused += k * passes * rep['unfused_bytes']
       one_flops, one_bytes = one_flops + passes * rep['flops'], one_bytes + passes * rep['bytes']
     per_step_one = {'flops': one_flops / steps, 'bytes': one_bytes / steps, 'kernels': kernels}
     per_step_k = {'flops': flops / steps, 'bytes': nbytes / steps, 'kernels': kernels}
     client_bytes = (tree_bytes(one_client) + tree_bytes(carry) - tree_bytes(one_client.params)
                     - tree_bytes(one_client.model_state) + n_max * (math.prod(x.shape[2:]) * 4 + 4) + temp)
     rows.append({'group': g.arch, 'clients': k, 'train_rows_per_client': n_max, 'steps_per_client': steps,
-                 'gflop_per_round': flops / 1e9, 'gb_accessed_per_round': nbytes / 1e9,
-                 'kernels_per_step': kernels, 'loops_inside_step': loops,
+                 'gflop_per_round': flops / 1e9, 'gb_moved_per_round': nbytes / 1e9,
+                 'gb_unfused_hlo_per_round': unfused / 1e9, 'kernels_per_step': kernels, 'loops_inside_step': loops,
                  **bounds(k, steps, per_step_one, per_step_k),
                  'bytes_per_client': client_bytes, 'clients_fit': int(FLAGS.memory_gb * 1e9 // client_bytes),
                  'analysis_seconds': time.perf_counter() - t0})
-    print(f'  {g.arch}: {rows[-1]["gflop_per_round"]:.1f} GFLOP, {rows[-1]["gb_accessed_per_round"]:.2f} GB, '
+    print(f'  {g.arch}: {rows[-1]["gflop_per_round"]:.1f} GFLOP, {rows[-1]["gb_moved_per_round"]:.2f} GB, '
           f'{kernels} kernels/step', flush=True)
   return rows
 
@@ -199,9 +212,11 @@ def ddpm_rows() -> list[dict]:
   one = {'flops': step['flops'], 'bytes': step['bytes'], 'kernels': step['kernels']}
   k = 10
   return [{'group': 'ddpm_unet_n128', 'clients': k, 'train_rows_per_client': spec['rows'], 'steps_per_client': steps,
-           'gflop_per_round': k * steps * step['flops'] / 1e9, 'gb_accessed_per_round': k * steps * step['bytes'] / 1e9,
+           'gflop_per_round': k * steps * step['flops'] / 1e9, 'gb_moved_per_round': k * steps * step['bytes'] / 1e9,
+           'gb_unfused_hlo_per_round': k * steps * step['unfused_bytes'] / 1e9,
            'kernels_per_step': step['kernels'], 'loops_inside_step': step['loops'],
-           **bounds(k, steps, one, {'flops': k * step['flops'], 'bytes': k * step['bytes'], 'kernels': step['kernels']}),
+           **bounds(k, steps, one, {'flops': k * step['flops'], 'bytes': k * step['bytes'],
+                                    'kernels': step['kernels']}),
            'bytes_per_client': tree_bytes(variables) + step['temp_bytes'],
            'clients_fit': int(FLAGS.memory_gb * 1e9 // (tree_bytes(variables) + step['temp_bytes'])),
            'analysis_seconds': 0.0}]
@@ -222,7 +237,7 @@ def main(argv):
   print(header)
   for r in rows:
     print(f'{r["setting"]:>16} {r["group"]:>14} {r["clients"]:>3} {r["steps_per_client"]:>6} '
-          f'{r["gflop_per_round"]:>10.1f} {r["gb_accessed_per_round"]:>9.2f} {r["roofline_seconds"]:>10.4f} '
+          f'{r["gflop_per_round"]:>10.1f} {r["gb_moved_per_round"]:>9.2f} {r["roofline_seconds"]:>10.4f} '
           f'{r["loop_bound_seconds"]:>8.4f} {r["vmap_bound_seconds"]:>8.4f} {r["clients_fit"]:>8}')
   write_results(FLAGS.out, f'gpu_plan_{jax.default_backend()}',
                 {'target': 'H100 SXM5', 'peak_flops': FLAGS.peak_flops, 'bandwidth': FLAGS.bandwidth,
