@@ -45,3 +45,30 @@ def test_max_pool_2d_values_and_pytorchs_tie_rule_for_the_gradient():
                                                    [0.0, 0.0, 0.0, 0.0],
                                                    [3.0, 0.0, 4.0, 0.0],
                                                    [0.0, 0.0, 0.0, 0.0]])
+
+
+def test_max_pool_gradient_equals_the_select_chains_on_ties_for_any_window():
+  """The pool's gradient, written from each window's winning position, is the gradient of the plain running
+  maximum through selects (which routes every window's cotangent to its first maximum), for non-square windows,
+  many ties and under vmap."""
+  import jax
+  from fedjax_het.models.pooling import max_pool
+
+  def select_chain(x, kh, kw):  # the running maximum, differentiated through jnp.where
+    b, h, w, c = x.shape
+    windows = x.reshape(b, h // kh, kh, w // kw, kw, c)
+    out = windows[:, :, 0, :, 0]
+    for k in range(1, kh * kw):
+      later = windows[:, :, k // kw, :, k % kw]
+      out = jnp.where(later > out, later, out)
+    return out
+
+  x = jax.random.randint(jax.random.PRNGKey(0), (3, 6, 6, 2), 0, 3).astype(jnp.float32)  # values 0-2: ties
+  cot = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 3, 2))
+  for kh, kw in ((2, 3), (3, 2), (2, 2)):
+    c = cot[:, :6 // kh, :6 // kw]
+    got = jax.grad(lambda v: jnp.sum(max_pool(v, (kh, kw)) * c))(x)
+    want = jax.grad(lambda v: jnp.sum(select_chain(v, kh, kw) * c))(x)
+    np.testing.assert_array_equal(got, want)
+  per_example = jax.vmap(jax.grad(lambda v: jnp.sum(max_pool(v[None], (2, 2)))))(x)
+  np.testing.assert_array_equal(per_example, jax.grad(lambda v: jnp.sum(max_pool(v, (2, 2))))(x))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -64,11 +67,40 @@ def max_pool(x: jnp.ndarray, window: tuple[int, int], strides: tuple[int, int] |
 
 def window_max(windows: jnp.ndarray) -> jnp.ndarray:
   """[b, H, kh, W, kw, c] -> [b, H, W, c]: the maximum of each window as a running maximum that a later element
-  replaces only when larger, so the gradient (through selects) goes to the window's first maximal element
-  (row-major) and no value is compared twice."""
+  replaces only when larger, so the gradient goes to the window's first maximal element (row-major) and no value is
+  compared twice. The gradient is written in one pass from each output's winning position (`_window_max_vjp`),
+  where differentiating the selects would sum kh * kw padded copies of the strided slices."""
+  return _window_max_vjp(windows.shape[2], windows.shape[4])(windows)
+
+
+def _running_max(windows: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """(the windows' maxima, the row-major position in its window of each maximum's first occurrence, int8)."""
   kh, kw = windows.shape[2], windows.shape[4]
   out = windows[:, :, 0, :, 0]
+  winner = jnp.zeros(out.shape, jnp.int8)
   for k in range(1, kh * kw):
     later = windows[:, :, k // kw, :, k % kw]
-    out = jnp.where(later > out, later, out)
-  return out
+    larger = later > out
+    out = jnp.where(larger, later, out)
+    winner = jnp.where(larger, jnp.int8(k), winner)
+  return out, winner
+
+
+@functools.lru_cache(maxsize=None)
+def _window_max_vjp(kh: int, kw: int):
+  """`window_max` for kh x kw windows with its gradient: each output's cotangent placed at its winner."""
+  @jax.custom_vjp
+  def pool(windows):
+    return _running_max(windows)[0]
+
+  def forward(windows):
+    out, winner = _running_max(windows)
+    return out, winner
+
+  def backward(winner, g):
+    position = jnp.arange(kh * kw, dtype=jnp.int8).reshape(1, 1, kh, 1, kw, 1)
+    spread = lambda a: a[:, :, None, :, None, :]  # [b, H, 1, W, 1, c]
+    return (jnp.where(spread(winner) == position, spread(g), jnp.zeros((), g.dtype)),)  # [b, H, kh, W, kw, c]
+
+  pool.defvjp(forward, backward)
+  return pool
