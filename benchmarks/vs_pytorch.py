@@ -37,6 +37,7 @@ flags.DEFINE_integer('samples_per_client', 384, 'Pool rows per client (75% train
 flags.DEFINE_integer('batch_size', 32, 'Local batch size.')
 flags.DEFINE_integer('rounds', 3, 'Timed rounds per side (after one warm-up round).')
 flags.DEFINE_string('strategy', None, 'fedjax_het strategy (default: the backend default).')
+flags.DEFINE_integer('eval_batch_size', None, 'fedjax_het rows per eval-mode pass (default: the backend default).')
 flags.DEFINE_integer('torch_eval_batch_size', 144, 'Rows per PyTorch representation pass (144: its fastest in '
                      '`cpu_kernels.py --parts=represent` on the 2-core CPU).')
 flags.DEFINE_bool('disk_io', True, 'Also time the PyTorch loop with HtFLlib\'s per-round model save/load.')
@@ -77,7 +78,8 @@ def main(_):
         f'{"vs +disk":>8} | {"limit s":>7} | {"overhead":>8}', flush=True)
   for k in [int(v) for v in FLAGS.num_clients]:
     fed = Federation(fedre(FedREConfig(), 10), cifar_like(k, FLAGS.samples_per_client), ['cnn4'],
-                     LocalTraining(lr, FLAGS.batch_size, 1), ExecutionConfig(strategy=FLAGS.strategy))
+                     LocalTraining(lr, FLAGS.batch_size, 1),
+                     ExecutionConfig(strategy=FLAGS.strategy, eval_batch_size=FLAGS.eval_batch_size))
     g = fed.groups[0]
     tensors = client_tensors(g.train.x, g.train.y, g.train_sizes, torch_device)
     make_torch = lambda disk_io: TorchFedRE(tensors, 10, lr, FLAGS.batch_size, device=torch_device, disk_io=disk_io,

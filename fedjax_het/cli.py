@@ -108,7 +108,7 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
                 'process with the same flags; python -m fedjax_het.launch starts them on one machine).')
   f.DEFINE_integer('eval_every', _D.eval_every, 'Evaluate every N rounds (and after the last).')
   f.DEFINE_integer('eval_batch_size', _D.eval_batch_size, 'Rows per forward pass in evaluation/representations '
-                   '(0: 64 on CPU, 256 on GPU/TPU).')
+                   '(0: 32 on CPU, 256 on GPU/TPU).')
   f.DEFINE_integer('checkpoint_every', _D.checkpoint_every, 'Checkpoint every N rounds (0: never).')
   f.DEFINE_string('compilation_cache', DEFAULT_DIRECTORY, 'Folder of XLA\'s persistent compilation cache: '
                   'programs compiled once (by another architecture, seed or run) are read back, not compiled again; '

@@ -26,7 +26,7 @@ class ExecutionConfig:
   chunk_size: vmap this many clients per call (0: a whole group); a multiple of the mesh's devices.
   scan_unroll: local steps per loop iteration of the vmap executor's lax.scan.
   client_threads: clients the sequential executor runs at once, one host thread each; None: 2, at most the cores.
-  eval_batch_size: rows per eval-mode pass (representations, evaluation); None: 64 on CPU, where larger passes
+  eval_batch_size: rows per eval-mode pass (representations, evaluation); None: 32 on CPU, where larger passes
     spill the im2col patches out of cache (benchmarks/cpu_kernels.py --parts=represent), 256 on GPU/TPU.
   """
   strategy: Optional[str] = None
@@ -83,7 +83,7 @@ class ExecutionConfig:
     threads = self.client_threads or max(1, min(2, os.cpu_count() or 1))
     mesh = self.client_mesh if self.num_devices > 1 else None
     return dataclasses.replace(self, strategy=strategy, conv=conv, client_mesh=mesh, client_threads=threads,
-                               eval_batch_size=self.eval_batch_size or (64 if cpu else 256))
+                               eval_batch_size=self.eval_batch_size or (32 if cpu else 256))
 
   def executor(self) -> Executor:
     """The executor of a resolved configuration."""
