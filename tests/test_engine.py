@@ -219,7 +219,7 @@ def test_bad_engine_arguments(tiny_data):
     make_fed(tiny_data, 'vmap', models=('resnet9000',))
   with pytest.raises(ConfigError, match='ExecutionConfig.eval_batch_size=-1'):
     make_fed(tiny_data, 'vmap', eval_batch_size=-1)
-  assert make_fed(tiny_data, 'sequential', eval_batch_size=None).executor.eval_batch_size == 64  # the CPU default
+  assert make_fed(tiny_data, 'sequential', eval_batch_size=None).executor.eval_batch_size == 32  # the CPU default
 
 
 def test_global_protocol_scores_every_client_on_the_shared_test_set_and_its_local_split():

@@ -50,8 +50,8 @@ import optax
 from fedjax_het.algorithms.base import Algorithm, ClientState, Evaluation, one_phase
 from fedjax_het.algorithms.common import batch_mean, cross_entropy, distillation_loss
 from fedjax_het.algorithms.global_model import (GLOBAL_MODEL_PRIVACY, average_global_models, check_global_model,
-                                                init_global_model, initial_global_model, receive_global_model,
-                                                upload_global_model)
+                                                global_model_step, init_global_model, initial_global_model,
+                                                receive_global_model, upload_carried_global_model)
 from fedjax_het.core import ClientProgram, GroupSpec, Stage, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
@@ -210,29 +210,22 @@ def fedtype(cfg: FedTypeConfig, num_classes: int) -> Algorithm:
     def proxy_step(carry, batch, broadcast, key):
       """Step 2: p on CE + KL(w_k || p) / C, w_k frozen."""
       client, private_opt, proxy_opt = carry
-      extra = client.extra
       teacher = private_logits(client, batch.x)
 
       def loss(params):
-        logits, _, state = forward(proxy_model, params, extra['state']['companion'], batch.x, True, batch.mask)
+        logits, _, state = forward(proxy_model, params, client.extra['state']['companion'], batch.x, True,
+                                   batch.mask)
         kd = distillation_loss(logits, teacher, cfg.temperature, batch.mask) / num_classes  # KLDivLoss's mean
         return cross_entropy(logits, batch.y, batch.mask) + kd, state
-      params = extra['params']['companion']
-      (value, state), grads = jax.value_and_grad(loss, has_aux=True)(params)
-      updates, proxy_opt = optimizer.update(grads, proxy_opt, params)
-      extra = {**extra, 'params': {**extra['params'], 'companion': optax.apply_updates(params, updates)},
-               'state': {**extra['state'], 'companion': state}}
-      return (client._replace(extra=extra), private_opt, proxy_opt), value
+      client, proxy_opt, value = global_model_step(client, loss, optimizer, proxy_opt)
+      return (client, private_opt, proxy_opt), value
 
     def init(client, broadcast, key):
       client = receive_global_model(client, broadcast)
       return client, optimizer.init(client.params), optimizer.init(client.extra['params']['companion'])
 
-    def final(carry, rows, broadcast, key):
-      return carry[0], upload_global_model(carry[0], rows, broadcast, key)
-
     stages = (Stage(private_step, 1), Stage(proxy_step, 1)) * group.training.epochs  # alternating per epoch
-    return ClientProgram(init, stages, final, group.training, prepare=calibrate)
+    return ClientProgram(init, stages, upload_carried_global_model, group.training, prepare=calibrate)
 
   def evaluation(group: GroupSpec) -> Evaluation:
     """'private': w_k; 'proxy': the client's copy of p with the broadcast parameters."""

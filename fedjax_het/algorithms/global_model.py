@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from fedjax_het.algorithms.base import ClientState, GroupSpec, concat_groups
 from fedjax_het.algorithms.common import participant_average
@@ -58,6 +59,26 @@ def receive_global_model(client: ClientState, broadcast: Any) -> ClientState:
 def upload_global_model(client: ClientState, rows, broadcast, key) -> dict:
   """The client's trained copy of the global model."""
   return {'global_model': client.extra['params']['companion']}
+
+
+def upload_carried_global_model(carry: tuple, rows, broadcast, key) -> tuple[ClientState, dict]:
+  """`ClientProgram.final` of a program whose carry is (client, optimizer states...): the client and its trained
+  copy of the global model."""
+  return carry[0], upload_global_model(carry[0], rows, broadcast, key)
+
+
+def global_model_step(client: ClientState, loss, optimizer: optax.GradientTransformation, opt_state: Any
+                      ) -> tuple[ClientState, Any, jnp.ndarray]:
+  """One `optimizer` step of the client's copy of the global model on loss(params) -> (value, its BatchNorm
+  statistics after a training-mode pass): (the client with the stepped copy and statistics, the optimizer state,
+  the loss value)."""
+  extra = client.extra
+  params = extra['params']['companion']
+  (value, state), grads = jax.value_and_grad(loss, has_aux=True)(params)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  extra = {**extra, 'params': {**extra['params'], 'companion': optax.apply_updates(params, updates)},
+           'state': {**extra['state'], 'companion': state}}
+  return client._replace(extra=extra), opt_state, value
 
 
 # DP's view of a global-model upload: the delta from the broadcast global model is clipped; the server averages

@@ -34,8 +34,9 @@ import optax
 
 from fedjax_het.algorithms.base import Algorithm, ClientState, Evaluation, concat_groups, one_phase
 from fedjax_het.algorithms.common import cross_entropy, head_apply, participant_average
-from fedjax_het.algorithms.global_model import (GLOBAL_MODEL_PRIVACY, check_global_model, init_global_model,
-                                                initial_global_model, receive_global_model, upload_global_model)
+from fedjax_het.algorithms.global_model import (GLOBAL_MODEL_PRIVACY, check_global_model, global_model_step,
+                                                init_global_model, initial_global_model, receive_global_model,
+                                                upload_carried_global_model)
 from fedjax_het.core import ClientProgram, GroupSpec, Stage, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
@@ -111,27 +112,21 @@ def pfedafm(cfg: PFedAFMConfig, local_learning_rate: float) -> Algorithm:
     def shared_step(carry, batch, broadcast, key):
       """Step 2: G on CE(h_k(G(x)), y), F_k and h_k frozen."""
       client, own_state, shared_state = carry
-      extra = client.extra
 
       def loss(params):
-        _, shared, state = forward(shared_model, params, extra['state']['companion'], batch.x, True, batch.mask)
+        _, shared, state = forward(shared_model, params, client.extra['state']['companion'], batch.x, True,
+                                   batch.mask)
         return cross_entropy(head_apply(client.params['head'], shared), batch.y, batch.mask), state
-      params = extra['params']['companion']
-      (value, state), grads = jax.value_and_grad(loss, has_aux=True)(params)
-      updates, shared_state = shared_opt.update(grads, shared_state, params)
-      extra = {**extra, 'params': {**extra['params'], 'companion': optax.apply_updates(params, updates)},
-               'state': {**extra['state'], 'companion': state}}
-      return (client._replace(extra=extra), own_state, shared_state), value
+      client, shared_state, value = global_model_step(client, loss, shared_opt, shared_state)
+      return (client, own_state, shared_state), value
 
     def init(client, broadcast, key):
       client = receive_global_model(client, broadcast)
       return client, own_opt.init(client.params), shared_opt.init(client.extra['params']['companion'])
 
-    def final(carry, rows, broadcast, key):
-      return carry[0], upload_global_model(carry[0], rows, broadcast, key)
-
     epochs = group.training.epochs
-    return ClientProgram(init, (Stage(mixture_step, epochs), Stage(shared_step, epochs)), final, group.training)
+    return ClientProgram(init, (Stage(mixture_step, epochs), Stage(shared_step, epochs)), upload_carried_global_model,
+                         group.training)
 
   def server_update(server, uploads, key):
     """G averaged over the participants, weighted by their training rows."""
