@@ -59,10 +59,29 @@ def best_seconds(fn: Callable[[], Any], repeats: int = 3) -> float:
   return best
 
 
+def cpu_model() -> str:
+  """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` knows."""
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
 def machine() -> dict:
-  """What the figures were measured on."""
+  """What the figures were measured on: backend, device, CPU model and count, and the library versions."""
+  import importlib.metadata as metadata
+  versions = {}
+  for package in ('jax', 'jaxlib', 'flax', 'optax', 'numpy', 'torch'):
+    try:
+      versions[package] = metadata.version(package)
+    except metadata.PackageNotFoundError:
+      pass
   return {'backend': jax.default_backend(), 'device': str(jax.devices()[0]), 'cpu_count': os.cpu_count(),
-          'machine': platform.processor() or platform.machine(), 'jax': jax.__version__}
+          'machine': platform.machine(), 'cpu_model': cpu_model(), 'jax': jax.__version__, 'versions': versions}
 
 
 def write_results(out: str, name: str, settings: dict, rows: list[dict]) -> None:
