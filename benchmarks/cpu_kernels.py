@@ -169,7 +169,7 @@ def part_vmap(rows):
 
 
 def part_represent(rows):
-  rows_total, chunks = 288, (32, 64, 144, 288)
+  rows_total, chunks = 288, (16, 32, 48, 64, 144, 288)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(rows_total, 32, 32, 3)).astype(np.float32))
   for conv in ('auto', 'xla', 'im2col'):
     model = build_model('cnn4', 10, 512, conv=conv)
