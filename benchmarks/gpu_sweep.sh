@@ -3,37 +3,45 @@
 # round cost over clients 10..1000 and architecture groups 1..10 with compile counts and peak device memory, and
 # the XLA-analysed plan of docs/performance.md; all merged into OUT/gpu_sweep_<backend>.json.
 #
-#   bash benchmarks/gpu_sweep.sh [OUT] [PART ...]     PART: vs_pytorch, scaling, plan (default: all three)
+#   bash benchmarks/gpu_sweep.sh [OUT] [PART ...]
+#     PART: vs_pytorch, scaling_g1, scaling_g2, scaling_g5, scaling_g10 (FedRE and grouped FedAvg over 10, 50, 200
+#     and 1,000 clients with that many architecture groups), plan; default: all of them, in that order
 #   TINY=1 bash benchmarks/gpu_sweep.sh OUT           the smallest sizes, for the CPU tests (tests/test_gpu_sweep.py)
 #
-# Each part is one process and writes its own results under OUT before the merge, so the parts can also be run as
-# separate commands on a machine that limits a command's time (each full part takes minutes on one H100-class GPU;
-# not measured yet).
+# Each part is one process writing its own results under OUT (a scaling part under OUT/scaling_gN/) before the
+# merge, which reads every part found there, so parts can run as separate commands where a command's time is
+# limited (no part has been timed on a GPU yet). The PyTorch loop's per-round disk I/O is left out on an
+# accelerator (HtFLlib's save/load per client is a CPU-side cost; `vs_pytorch.py --disk_io` measures it).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="$(mkdir -p "${1:-$here/results/gpu_sweep}" && cd "${1:-$here/results/gpu_sweep}" && pwd)"
 shift || true
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(vs_pytorch scaling plan)
+if [ ${#parts[@]} -eq 0 ]; then
+  parts=(vs_pytorch scaling_g1 scaling_g2 scaling_g5 scaling_g10 plan)
+  [ "${TINY:-0}" = 1 ] && parts=(vs_pytorch scaling_g2 plan)  # the tiny family has two architectures
+fi
 cd "$here"
 
 if [ "${TINY:-0}" = 1 ]; then
   vs=(--num_clients=2 --samples_per_client=48 --batch_size=8 --rounds=1 --nodisk_io)
-  scaling=(--algorithms=fedre --num_clients=4 --groups=2 --models=mlp --group_family=mlp,small_cnn_narrow
+  scaling=(--algorithms=fedre --num_clients=4 --models=mlp --group_family=mlp,small_cnn_narrow
            --samples_per_client=48 --batch_sizes=8 --rounds=1)
   plan=(--settings=quickstart)
 else
-  vs=(--num_clients=10,20,50,100,200,500,1000 --rounds=3)
-  scaling=(--algorithms=fedre,fedavg --num_clients=10,50,200,1000 --groups=1,2,5,10 --models=cnn4 --rounds=2)
+  vs=(--num_clients=10,20,50,100,200,500,1000 --rounds=3 --nodisk_io)
+  scaling=(--algorithms=fedre,fedavg --num_clients=10,50,200,1000 --models=cnn4 --rounds=2)
   plan=()
 fi
 
 for part in "${parts[@]}"; do
   case "$part" in
     vs_pytorch) python vs_pytorch.py "${vs[@]}" --out="$out" ;;
-    scaling) python scaling.py "${scaling[@]}" --out="$out" ;;
+    scaling_g1|scaling_g2|scaling_g5|scaling_g10)
+      python scaling.py "${scaling[@]}" --groups="${part#scaling_g}" --out="$out/$part" ;;
     plan) python gpu_plan.py "${plan[@]}" --out="$out" ;;
-    *) echo "gpu_sweep.sh: unknown part '$part'; choose vs_pytorch, scaling or plan." >&2; exit 2 ;;
+    *) echo "gpu_sweep.sh: unknown part '$part'; choose vs_pytorch, scaling_g1, scaling_g2, scaling_g5," \
+            "scaling_g10 or plan." >&2; exit 2 ;;
   esac
 done
 
@@ -41,9 +49,9 @@ python - "$out" <<'EOF'
 import glob, json, os, sys
 out = sys.argv[1]
 parts = {}
-for path in sorted(glob.glob(os.path.join(out, '*.json'))):
-  name = os.path.basename(path)[:-len('.json')]
-  if not name.startswith('gpu_sweep'):
+for path in sorted(glob.glob(os.path.join(out, '*.json')) + glob.glob(os.path.join(out, '*', '*.json'))):
+  name = os.path.relpath(path, out)[:-len('.json')].replace(os.sep, '/')
+  if not os.path.basename(name).startswith('gpu_sweep'):
     with open(path) as f:
       parts[name] = json.load(f)
 backend = next(iter(parts.values()))['backend'] if parts else 'none'

@@ -1,6 +1,6 @@
 """benchmarks/gpu_sweep.sh and benchmarks/gpu_plan.py on the CPU at their tiny sizes, so that the accelerator sweep
 cannot rot before a GPU is lent: the plan's analysis of a matmul by hand, the plan part writing one merged results
-file in the default suite, and all three parts (vs_pytorch, scaling, plan) in the slow set."""
+file in the default suite, and the tiny sweep's parts (vs_pytorch, scaling with two groups, plan) in the slow set."""
 
 import json
 import os
@@ -53,10 +53,10 @@ def test_the_plan_part_writes_the_merged_results_file(tmp_path):
 @pytest.mark.slow
 def test_the_whole_tiny_sweep_runs_every_part(tmp_path):
   merged = _sweep(tmp_path)
-  assert sorted(merged['parts']) == ['gpu_plan_cpu', 'scaling_cpu', 'vs_pytorch_cpu']
+  assert sorted(merged['parts']) == ['gpu_plan_cpu', 'scaling_g2/scaling_cpu', 'vs_pytorch_cpu']
   vs = merged['parts']['vs_pytorch_cpu']['rows']
   assert [r['num_clients'] for r in vs] == [2] and vs[0]['speedup_vs_torch'] > 0
-  scaling = merged['parts']['scaling_cpu']['rows']
+  scaling = merged['parts']['scaling_g2/scaling_cpu']['rows']
   assert [(r['num_clients'], r['groups']) for r in scaling] == [(4, 2)] and scaling[0]['peak_memory_mib'] > 0
   assert scaling[0]['compilations_first_round'] > 0
   _check_plan(merged['parts']['gpu_plan_cpu']['rows'])
