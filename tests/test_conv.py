@@ -58,3 +58,21 @@ def test_models_are_the_same_function_under_vmap_with_either_conv(name):
 def test_unknown_conv_names_the_argument():
   with pytest.raises(ConfigError, match="^ExecutionConfig.conv='winograd' is unknown"):
     conv_factory('winograd')
+
+
+def test_representation_passes_of_an_auto_run_take_im2col_up_to_32_channels_with_the_same_values():
+  """An 'auto' run computes its eval-mode representation passes with im2col for cnn4's 32 -> 64 convolution too
+  (no native convolution left), the same parameters and values; other runs use their own classifier."""
+  import types
+  from fedjax_het.engine.groups import ClassifierMaker, representation_model
+  maker = ClassifierMaker(10, 'ap', 'auto', 'torch', 0)
+  spec = types.SimpleNamespace(conv='auto', maker=maker, arch='cnn4', feature_dim=16,
+                               model=build_model('cnn4', 10, 16, 'ap', 'auto'))
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 32, 32, 3))
+  params = spec.model.init(jax.random.PRNGKey(1), x)['params']
+  reps = lambda model: jax.jit(lambda p, v: forward(model, p, {}, v, False)[1])
+  native = lambda model: reps(model).lower(params, x).as_text().count('stablehlo.convolution')
+  passes = representation_model(spec)
+  assert native(spec.model) == 1 and native(passes) == 0  # 'auto' keeps XLA's 32 -> 64 convolution in training
+  np.testing.assert_allclose(reps(passes)(params, x), reps(spec.model)(params, x), rtol=1e-5, atol=1e-5)
+  assert representation_model(types.SimpleNamespace(**{**vars(spec), 'conv': 'xla'})) is spec.model

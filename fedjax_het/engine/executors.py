@@ -22,7 +22,7 @@ import numpy as np
 
 from fedjax_het.core import PER_CLIENT, ClientProgram, Evaluation, for_client, with_model, without_model
 from fedjax_het.engine.client import client_statistics, run_client, score_client
-from fedjax_het.engine.groups import EvalSet, Group
+from fedjax_het.engine.groups import EvalSet, Group, representation_model
 from fedjax_het.engine.sharding import to_host
 from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, plan_stages, represent_into,
                                     stage_key, statistics_into, take_step, zero_statistics)
@@ -256,7 +256,7 @@ class SequentialExecutor(Executor):
     return buf
 
   def _make_fns(self, g: Group, program: ClientProgram) -> dict:
-    model = g.model
+    model = representation_model(g.spec)
     chunk = even_chunk(g.train.x.shape[1], self.eval_batch_size)
 
     def stage_fns(plan):

@@ -15,6 +15,7 @@ from fedjax_het.data.federated import ClientArrays, FederatedData
 from fedjax_het.engine.sharding import place_clients, to_host
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
+from fedjax_het.models.conv import EVAL_PASS_CONV
 from fedjax_het.models.init import INITS, architecture_key, init_variables
 from fedjax_het.models.registry import assign_models, build_model
 
@@ -68,6 +69,15 @@ class ClassifierMaker:
 
   def shared_key(self, name: str) -> jax.Array:
     return architecture_key(jax.random.PRNGKey(self.seed), name)
+
+
+def representation_model(spec: GroupSpec):
+  """The group's classifier for eval-mode representation passes: its own, except that an 'auto' run computes them
+  with `models.conv.EVAL_PASS_CONV`'s formulation (the same parameters and values up to rounding)."""
+  eval_conv = EVAL_PASS_CONV.get(spec.conv)
+  if eval_conv is None or not isinstance(spec.maker, ClassifierMaker):
+    return spec.model
+  return dataclasses.replace(spec.maker, conv=eval_conv).build(spec.arch, spec.feature_dim)
 
 
 @dataclasses.dataclass

@@ -63,19 +63,28 @@ def im2col_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=
                          precision=precision, preferred_element_type=preferred_element_type)
 
 
-def auto_conv_general_dilated(lhs, rhs, *args, **kwargs) -> jax.Array:
-  """im2col for convolutions with few input channels (XLA:CPU's native convolution is ~10x slower than a matmul
-  for e.g. 3 -> 32 channels, see docs/performance.md), XLA's convolution otherwise."""
-  if rhs.ndim >= 3 and rhs.shape[-2] <= IM2COL_MAX_CHANNELS:
+def auto_conv_general_dilated(lhs, rhs, *args, max_channels: int = IM2COL_MAX_CHANNELS, **kwargs) -> jax.Array:
+  """im2col for convolutions with at most `max_channels` input channels (XLA:CPU's native convolution is ~10x
+  slower than a matmul for e.g. 3 -> 32 channels, see docs/performance.md), XLA's convolution otherwise."""
+  if rhs.ndim >= 3 and rhs.shape[-2] <= max_channels:
     return im2col_conv_general_dilated(lhs, rhs, *args, **kwargs)
   return lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
 
 
 ConvFactory = Callable[..., nn.Module]
-CONV_IMPLS: dict[str, ConvFactory] = {
+CONV_IMPLS: dict[str, ConvFactory] = {  # the formulations a run chooses from (--conv)
     'xla': nn.Conv,
     'im2col': functools.partial(nn.Conv, conv_general_dilated=im2col_conv_general_dilated),
     'auto': functools.partial(nn.Conv, conv_general_dilated=auto_conv_general_dilated),
+}
+# Eval-mode representation passes of an 'auto' run: im2col up to 32 input channels. Without a backward pass and
+# in 32-row passes its patches stay small, and it is faster there (288 cnn4 rows: 42.7 ms against 53.0 with
+# 'auto'), where in training steps on two client threads it is slower (docs/performance.md).
+EVAL_PASS_CONV = {'auto': 'auto_eval_pass'}
+_FORMULATIONS: dict[str, ConvFactory] = {
+    **CONV_IMPLS,
+    'auto_eval_pass': functools.partial(nn.Conv, conv_general_dilated=functools.partial(auto_conv_general_dilated,
+                                                                                        max_channels=32)),
 }
 
 
@@ -101,6 +110,6 @@ def conv_transpose(impl: str, x: jnp.ndarray, features: int, kernel: int, stride
 
 def conv_factory(impl: str) -> ConvFactory:
   """The `nn.Conv`-compatible constructor of convolution formulation `impl` ('xla' or 'patches')."""
-  if impl not in CONV_IMPLS:
+  if impl not in _FORMULATIONS:
     raise ConfigError(f'ExecutionConfig.conv={impl!r} is unknown; choose one of {", ".join(CONV_IMPLS)}.')
-  return CONV_IMPLS[impl]
+  return _FORMULATIONS[impl]
