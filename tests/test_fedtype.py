@@ -112,7 +112,11 @@ def test_calibration_then_alternating_passes_each_train_one_model():
   # model's sets of all classes (Qhat 10: consensus 1), its step differs from CE alone.
   tight = carry[0]._replace(extra={**carry[0].extra, 'thresholds': jnp.array([0.0, 10.0])})
   step = lambda fed: fed.programs[0][0].stages[0].step((tight,) + carry[1:], batch, broadcast, jax.random.PRNGKey(1))
-  assert changed(private(step(fed)[0]), private(step(_federation(backward='none'))[0]))
+  from fedjax_het.algorithms import fedtype
+  without = fedtype(FedTypeConfig(global_model='mlp', learning_rate=0.01, backward='none'), 10)
+  ce_step = without.phases[0].client(fed.spec.groups[0]).stages[0].step  # the same group, CE alone
+  assert changed(private(step(fed)[0]), private(ce_step((tight,) + carry[1:], batch, broadcast,
+                                                        jax.random.PRNGKey(1))[0]))
 
 
 def test_bad_settings_name_their_fields():
