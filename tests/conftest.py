@@ -48,10 +48,11 @@ import pytest
 from fedjax_het.data import make_federated_data, make_synthetic
 
 
-# The longest test files, started first: pytest-xdist hands each worker whole files in collection order, so a long
-# file collected last would keep one worker busy after the other has finished.
+# The longest test files, started first (longest-processing-time order): pytest-xdist hands each worker whole files
+# in collection order, so a long file collected last would keep one worker busy after the other has finished.
 LONGEST_FIRST = ('test_golden.py', 'test_gefl_f.py', 'test_multiprocess.py', 'test_sharding.py', 'test_gefl.py',
-                 'test_reliability.py')
+                 'test_reliability.py', 'test_seed_baselines.py', 'test_engine.py', 'test_experiment.py',
+                 'test_fedvtc.py', 'test_fedgkt.py', 'test_dp.py', 'test_flower.py', 'test_felo.py')
 
 
 def pytest_collection_modifyitems(config, items):
