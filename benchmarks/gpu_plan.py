@@ -104,10 +104,6 @@ def tree_bytes(tree) -> int:
   return int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
 
 
-def shapes(tree):
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-
-
 def analyse(fn: Callable, *args, compile_memory: bool = False) -> dict:
   """XLA's cost analysis of fn lowered at args: FLOPs and the bytes its unfused HLO accesses (every operation
   reading its operands from memory and writing its result: more than fused kernels move); 'bytes', what any
