@@ -18,11 +18,13 @@ from fedjax_het.data import FederatedData, make_federated_data, make_synthetic
 from fedjax_het.engine import LocalTraining
 
 
-def cifar_like(num_clients: int, samples_per_client: int, seed: int = 0) -> FederatedData:
-  """Synthetic CIFAR-shaped data (32x32x3, 10 classes), IID over clients, 75% of each client's rows train."""
+def cifar_like(num_clients: int, samples_per_client: int, seed: int = 0, partition: str = 'iid',
+               alpha: float = 0.1) -> FederatedData:
+  """Synthetic CIFAR-shaped data (32x32x3, 10 classes) over clients by `partition` (IID: equal clients;
+  'dirichlet': HtFLlib's practical split at `alpha`, uneven clients), 75% of each client's rows train."""
   ds = make_synthetic(num_samples=num_clients * samples_per_client, image_shape=(32, 32, 3), num_classes=10,
                       seed=seed)
-  return make_federated_data(ds, num_clients, 'iid', seed=seed)
+  return make_federated_data(ds, num_clients, partition, seed=seed, alpha=alpha)
 
 
 def sgd_step_fn(model, params: Any, learning_rate: float = 0.01) -> tuple[Callable, tuple]:

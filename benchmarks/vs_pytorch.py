@@ -2,8 +2,8 @@
 
   python benchmarks/vs_pytorch.py --num_clients=10,20,50,100,200 --rounds=3
 
-Per client count K: synthetic CIFAR-shaped data (32x32x3, 10 classes, IID, `--samples_per_client` pool rows of
-which 75% train), the 4-layer CNN, batch 32, 1 local epoch, FedRE (RAP) with its server step. Both sides run the
+Per client count K: synthetic CIFAR-shaped data (32x32x3, 10 classes, `--samples_per_client` pool rows per client
+of which 75% train; IID, or with `--partition=dirichlet` HtFLlib's practical split into uneven clients), the 4-layer CNN, batch 32, 1 local epoch, FedRE (RAP) with its server step. Both sides run the
 same local SGD steps and samples (checked every round, tests/test_torch_reference.py checks the losses), after one
 warm-up round each. Then `--rounds` rounds alternate: PyTorch (models in memory), PyTorch (per-round model
 save/load to disk, as HtFLlib), fedjax_het; each timed to completion.
@@ -34,6 +34,9 @@ from fedjax_het.models import build_model
 
 flags.DEFINE_list('num_clients', ['10', '20'], 'Client counts to sweep.')
 flags.DEFINE_integer('samples_per_client', 384, 'Pool rows per client (75% train: 288 rows = 9 steps of 32).')
+flags.DEFINE_enum('partition', 'iid', ['iid', 'dirichlet'], 'How the rows are split: iid (equal clients) or '
+                  'dirichlet (HtFLlib\'s practical split at --alpha: uneven clients).')
+flags.DEFINE_float('alpha', 0.1, 'Dirichlet concentration for --partition=dirichlet.')
 flags.DEFINE_integer('batch_size', 32, 'Local batch size.')
 flags.DEFINE_integer('rounds', 3, 'Timed rounds per side (after one warm-up round).')
 flags.DEFINE_string('strategy', None, 'fedjax_het strategy (default: the backend default).')
@@ -77,8 +80,8 @@ def main(_):
   print(f'{"clients":>7} | {"torch s/round":>13} | {"torch+disk":>10} | {"fedjax_het":>10} | {"speed-up":>8} | '
         f'{"vs +disk":>8} | {"limit s":>7} | {"overhead":>8}', flush=True)
   for k in [int(v) for v in FLAGS.num_clients]:
-    fed = Federation(fedre(FedREConfig(), 10), cifar_like(k, FLAGS.samples_per_client), ['cnn4'],
-                     LocalTraining(lr, FLAGS.batch_size, 1),
+    data = cifar_like(k, FLAGS.samples_per_client, partition=FLAGS.partition, alpha=FLAGS.alpha)
+    fed = Federation(fedre(FedREConfig(), 10), data, ['cnn4'], LocalTraining(lr, FLAGS.batch_size, 1),
                      ExecutionConfig(strategy=FLAGS.strategy, eval_batch_size=FLAGS.eval_batch_size))
     g = fed.groups[0]
     tensors = client_tensors(g.train.x, g.train.y, g.train_sizes, torch_device)
@@ -128,7 +131,8 @@ def main(_):
                 {'torch_device': torch_device, 'torch': torch.__version__, 'strategy': fed.strategy,
                  'conv': fed.conv, 'client_threads': getattr(fed.executor, 'threads', None), 'batch_size': FLAGS.batch_size,
                  'eval_batch_size': fed.executor.eval_batch_size, 'torch_eval_batch_size': FLAGS.torch_eval_batch_size,
-                 'samples_per_client': FLAGS.samples_per_client, 'rounds': FLAGS.rounds}, rows)
+                 'samples_per_client': FLAGS.samples_per_client, 'partition': FLAGS.partition,
+                 'alpha': FLAGS.alpha if FLAGS.partition == 'dirichlet' else None, 'rounds': FLAGS.rounds}, rows)
 
 
 if __name__ == '__main__':

@@ -183,19 +183,36 @@ class SequentialExecutor(Executor):
 
   def run(self, g, program, phase, stacked, slot_idx, broadcast, key):
     stack = self.stack_functions()
+    self.functions(g, program, phase)  # made once here, not by two client threads at once
     real = [int(i) for i in slot_idx if i < g.size]
-    uploads, losses = [], []
-    # Waves of `threads` clients run concurrently (one host thread each: XLA:CPU then uses every core); each
-    # client's round is independent of the others, so the numbers do not depend on the thread count.
-    for w in range(0, len(real), self.threads):
-      wave = real[w:w + self.threads]
-      taken = [stack['take'](stacked, i) for i in wave]
-      run = lambda a: self.run_one(g, program, phase, a[0], a[1], for_client(broadcast, a[0]), key)
-      done = list(self._threads().map(run, zip(wave, taken))) if len(wave) > 1 else [run((wave[0], taken[0]))]
-      for i, (client, upload, loss) in zip(wave, done):
+    run = lambda i, client: self.run_one(g, program, phase, i, client, for_client(broadcast, i), key)
+    done = {}
+    if self.threads == 1 or len(real) == 1:
+      for i in real:
+        client, *done[i] = run(i, stack['take'](stacked, i))
         stacked = stack['put'](stacked, i, client)
-        uploads.append(upload)
-        losses.append(loss)
+    else:
+      # `threads` clients run at once, one host thread each (XLA:CPU then uses every core); a thread takes the next
+      # client as soon as its own is done, the clients with the most rows first, so that uneven clients leave no
+      # thread waiting. Each client's round is independent of the others: the numbers do not depend on the
+      # thread count or the order.
+      order = iter(sorted(real, key=lambda i: -int(g.train_sizes[i])))
+      pending = {}
+
+      def submit():
+        i = next(order, None)
+        if i is not None:
+          pending[self._threads().submit(run, i, stack['take'](stacked, i))] = i
+      for _ in range(self.threads):
+        submit()
+      while pending:
+        finished, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in finished:
+          i = pending.pop(future)
+          client, *done[i] = future.result()
+          stacked = stack['put'](stacked, i, client)
+          submit()
+    uploads, losses = [done[i][0] for i in real], [done[i][1] for i in real]
     # Uploads are laid out in the same fixed slots as the vmap executor, empty slots zero.
     zeros = self.empty_upload(g, program, phase, stacked, for_client(broadcast, 0))
     padded = uploads + [zeros] * (len(slot_idx) - len(uploads))
