@@ -1,22 +1,32 @@
 """Where a local SGD step of the 4-layer CNN spends its time, and what the CPU defaults are based on.
 
-  python benchmarks/cpu_kernels.py --parts=step,layers,pool,threads,vmap,represent,federation_step
+  python benchmarks/cpu_kernels.py --parts=step,layers,pool,threads,vmap,represent,federation_step,profile
 
 Batch 32, 32x32x3 inputs, milliseconds, best of 3 after a warm-up. Parts:
   step:            one jitted SGD step per convolution formulation (xla, im2col, auto), and PyTorch's.
   layers:          forward / kernel-gradient / input-gradient of each convolution of the CNN, XLA vs im2col.
   pool:            gradient of 2x2 max pooling: the first-maximum pool of models/pooling.py vs a reshape and
                    reduce-max vs flax's reduce_window.
-  threads:         steps of two independent clients driven from one host thread vs two (ms per client-step).
+  threads:         steps of two independent clients driven from one host thread vs two (ms per client-step),
+                   with `auto` and with im2col.
   vmap:            one step of 10 clients vmapped (per client-step) per formulation, vs a host loop.
   represent:       eval-mode representations of 288 rows in passes of 32..288 rows (the eval batch size), per
                    formulation, and PyTorch's.
   federation_step: the Federation's own jitted step (sequential strategy) vs the standalone step, same model,
                    conv and batch shape.
+  profile:         per-op profile of the `auto` step as a round runs it (two client threads on the cores, JAX's
+                   profiler; each XLA op labelled with the layer and primitive it computes, 'backward' where it
+                   belongs to the gradient) and of PyTorch's step (torch.profiler, self CPU time per op).
 Prints the figures and writes benchmarks/results/cpu_kernels_<backend>.json/.csv.
 """
 
+import collections
+import glob
+import gzip
+import json
 import os
+import re
+import tempfile
 import threading
 import time
 
@@ -27,7 +37,7 @@ import numpy as np
 from absl import app, flags
 from jax import lax
 
-from harness import best_seconds, cifar_like, sgd_step_fn, write_results
+from harness import best_seconds, cifar_like, sgd_step_fn, write_results, xla_op_label
 
 from fedjax_het.algorithms import FedREConfig, fedre
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
@@ -36,7 +46,8 @@ from fedjax_het.models import build_model
 from fedjax_het.models.conv import im2col_conv_general_dilated
 from fedjax_het.models.pooling import max_pool
 
-flags.DEFINE_list('parts', ['step', 'layers', 'pool', 'threads', 'vmap', 'represent', 'federation_step'],
+flags.DEFINE_list('parts', ['step', 'layers', 'pool', 'threads', 'vmap', 'represent', 'federation_step',
+                                   'profile'],
                   'What to measure.')
 flags.DEFINE_integer('batch_size', 32, 'Batch size.')
 flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
@@ -119,31 +130,32 @@ def part_pool(rows):
 
 def part_threads(rows):
   x, y = batch()
-  _, step, carry = step_setup('auto')
-  carries = [carry, step_setup('auto', seed=1)[2]]
   steps = 10
+  for conv in ('auto', 'im2col'):
+    _, step, carry = step_setup(conv)
+    carries = [carry, step_setup(conv, seed=1)[2]]
 
-  def chain(i):
-    c = carries[i]
-    for _ in range(steps):
-      c, _ = step(c, x, y)
-    jax.block_until_ready(c)
+    def chain(i):
+      c = carries[i]
+      for _ in range(steps):
+        c, _ = step(c, x, y)
+      jax.block_until_ready(c)
 
-  def two_threads():
-    threads = [threading.Thread(target=chain, args=(i,)) for i in range(2)]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join()
-  chain(0)
-  for name, fn, work in [('one thread, one client', lambda: chain(0), steps),
-                         ('one thread, two clients in turn', lambda: (chain(0), chain(1)), 2 * steps),
-                         ('two threads, one client each', two_threads, 2 * steps)]:
-    ms = best_seconds(fn) / work * 1e3
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    fn()
-    rows.append({'part': 'threads', 'case': name, 'ms': ms,
-                 'cpu_over_wall': (time.process_time() - cpu0) / (time.perf_counter() - t0)})
+    def two_threads():
+      threads = [threading.Thread(target=chain, args=(i,)) for i in range(2)]
+      for t in threads:
+        t.start()
+      for t in threads:
+        t.join()
+    chain(0)
+    for name, fn, work in [('one thread, one client', lambda: chain(0), steps),
+                           ('one thread, two clients in turn', lambda: (chain(0), chain(1)), 2 * steps),
+                           ('two threads, one client each', two_threads, 2 * steps)]:
+      ms = best_seconds(fn) / work * 1e3
+      cpu0, t0 = time.process_time(), time.perf_counter()
+      fn()
+      rows.append({'part': 'threads', 'case': f'{conv}: {name}', 'ms': ms,
+                   'cpu_over_wall': (time.process_time() - cpu0) / (time.perf_counter() - t0)})
 
 
 def part_vmap(rows):
@@ -224,12 +236,81 @@ def part_federation_step(rows):
                'ms': ms_per_step(step, carry, xb, yb, steps=steps)})
 
 
+def part_profile(rows, steps=20):
+  _, step, carry0 = step_setup('auto')
+  carries = [carry0, step_setup('auto', seed=1)[2]]
+  x, y = batch()
+  hlo_text = step.lower(carry0, x, y).compile().as_text()
+
+  def chain(i, n):
+    c = carries[i]
+    for _ in range(n):
+      c, _ = step(c, x, y)
+    jax.block_until_ready(c)
+  chain(0, 3)
+  chain(1, 3)
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    threads = [threading.Thread(target=chain, args=(i, steps)) for i in range(2)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    jax.profiler.stop_trace()
+    events = json.load(gzip.open(glob.glob(f'{trace_dir}/**/*.trace.json.gz', recursive=True)[0]))['traceEvents']
+  per_op, wall = collections.defaultdict(float), 0.0
+  for e in events:
+    if e.get('ph') != 'X' or e['name'].startswith('$'):
+      continue
+    if e['name'] == 'ThunkExecutor::Execute (wait for completion)':
+      wall += e['dur']
+    elif re.fullmatch(r'[a-z_]+(\.\d+)?', e['name']):  # XLA's instruction names
+      slices = e['name'].startswith('wrapped_slice')
+      per_op['Conv_0 im2col patch slices, forward' if slices else xla_op_label(e['name'], hlo_text)] += e['dur']
+  client_steps = 2 * steps
+  rows.append({'part': 'profile', 'case': 'jax: a client thread\'s step (two threads share the cores)',
+               'ms': wall / client_steps / 1e3})
+  for label, us in sorted(per_op.items(), key=lambda kv: -kv[1])[:12]:
+    rows.append({'part': 'profile', 'case': f'jax: {label}', 'ms': us / client_steps / 1e3})
+  # XLA's own (Eigen) convolution, the second convolution's input gradient, is traced only as its launch; its run
+  # and the waits for a free core fall between the traced ops.
+  rows.append({'part': 'profile', 'case': 'jax: between traced ops (Eigen convolution, waits for a core)',
+               'ms': (wall - sum(per_op.values())) / client_steps / 1e3})
+  try:
+    import torch
+    import torch.nn.functional as F
+    from torch_reference import TorchCNN4
+  except ImportError:
+    print('profile: torch not installed, PyTorch step not profiled (pip install -e ".[torch]")')
+    return
+  model = TorchCNN4()
+  opt = torch.optim.SGD(model.parameters(), lr=0.01)
+  tx = torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy())
+  ty = torch.from_numpy(np.asarray(y).astype(np.int64))
+
+  def torch_step():
+    opt.zero_grad()
+    F.cross_entropy(model(tx), ty).backward()
+    opt.step()
+  for _ in range(3):
+    torch_step()
+  with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    for _ in range(steps):
+      torch_step()
+  averages = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)
+  rows.append({'part': 'profile', 'case': f'torch: the step ({torch.get_num_threads()} threads)',
+               'ms': sum(a.self_cpu_time_total for a in averages) / steps / 1e3})
+  for a in averages[:8]:
+    rows.append({'part': 'profile', 'case': f'torch: {a.key}', 'ms': a.self_cpu_time_total / steps / 1e3})
+
+
 def main(_):
   global B
   B = FLAGS.batch_size
   rows = []
   parts = {'step': part_step, 'layers': part_layers, 'pool': part_pool, 'threads': part_threads,
-           'vmap': part_vmap, 'represent': part_represent, 'federation_step': part_federation_step}
+           'vmap': part_vmap, 'represent': part_represent, 'federation_step': part_federation_step,
+           'profile': part_profile}
   for name in FLAGS.parts:
     start = len(rows)
     parts[name](rows)

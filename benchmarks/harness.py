@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import platform
+import re
 import time
 from typing import Any, Callable
 
@@ -20,8 +21,8 @@ from fedjax_het.engine import LocalTraining
 
 def cifar_like(num_clients: int, samples_per_client: int, seed: int = 0, partition: str = 'iid',
                alpha: float = 0.1) -> FederatedData:
-  """Synthetic CIFAR-shaped data (32x32x3, 10 classes) over clients by `partition` (IID: equal clients;
-  'dirichlet': HtFLlib's practical split at `alpha`, uneven clients), 75% of each client's rows train."""
+  """Synthetic CIFAR-shaped data (32x32x3, 10 classes) over clients by `partition` ('iid': every client every
+  class; 'dirichlet': HtFLlib's practical split at `alpha`, a few classes per client and uneven sizes), 75% of each client's rows train."""
   ds = make_synthetic(num_samples=num_clients * samples_per_client, image_shape=(32, 32, 3), num_classes=10,
                       seed=seed)
   return make_federated_data(ds, num_clients, partition, seed=seed, alpha=alpha)
@@ -84,6 +85,18 @@ def machine() -> dict:
       pass
   return {'backend': jax.default_backend(), 'device': str(jax.devices()[0]), 'cpu_count': os.cpu_count(),
           'machine': platform.machine(), 'cpu_model': cpu_model(), 'jax': jax.__version__, 'versions': versions}
+
+
+def xla_op_label(name: str, hlo_text: str) -> str:
+  """A compiled XLA op `name` of the step as '<layer> <primitive>, forward|backward|update [name]', from its
+  op_name metadata (backward: it belongs to the gradient; update: the SGD step)."""
+  match = re.search(r'%' + re.escape(name) + r' = [^\n]*op_name="([^"]*)"', hlo_text)
+  if match is None:
+    return name
+  path = match.group(1)
+  layer = next((seg for seg in reversed(path.split('/')) if re.fullmatch(r'(Conv|Dense)_\d+|head|extractor', seg)), '')
+  phase = 'backward' if 'transpose(' in path else 'forward' if 'jvp(' in path else 'update'
+  return f'{layer} {path.rsplit("/", 1)[-1]}, {phase} [{name}]'.strip()
 
 
 def write_results(out: str, name: str, settings: dict, rows: list[dict]) -> None:

@@ -3,7 +3,9 @@
   python benchmarks/vs_pytorch.py --num_clients=10,20,50,100,200 --rounds=3
 
 Per client count K: synthetic CIFAR-shaped data (32x32x3, 10 classes, `--samples_per_client` pool rows per client
-of which 75% train; IID, or with `--partition=dirichlet` HtFLlib's practical split into uneven clients), the 4-layer CNN, batch 32, 1 local epoch, FedRE (RAP) with its server step. Both sides run the
+of which 75% train; IID (every client every class, sizes within about 1.6x), or with `--partition=dirichlet`
+HtFLlib's practical split: a few classes per client, sizes 30x apart), the 4-layer CNN, batch 32, 1 local epoch,
+FedRE (RAP) with its server step. Both sides run the
 same local SGD steps and samples (checked every round, tests/test_torch_reference.py checks the losses), after one
 warm-up round each. Then `--rounds` rounds alternate: PyTorch (models in memory), PyTorch (per-round model
 save/load to disk, as HtFLlib), fedjax_het; each timed to completion.
@@ -34,8 +36,8 @@ from fedjax_het.models import build_model
 
 flags.DEFINE_list('num_clients', ['10', '20'], 'Client counts to sweep.')
 flags.DEFINE_integer('samples_per_client', 384, 'Pool rows per client (75% train: 288 rows = 9 steps of 32).')
-flags.DEFINE_enum('partition', 'iid', ['iid', 'dirichlet'], 'How the rows are split: iid (equal clients) or '
-                  'dirichlet (HtFLlib\'s practical split at --alpha: uneven clients).')
+flags.DEFINE_enum('partition', 'iid', ['iid', 'dirichlet'], 'How the rows are split: iid (every client every class) or '
+                  'dirichlet (HtFLlib\'s practical split at --alpha: few classes, uneven sizes).')
 flags.DEFINE_float('alpha', 0.1, 'Dirichlet concentration for --partition=dirichlet.')
 flags.DEFINE_integer('batch_size', 32, 'Local batch size.')
 flags.DEFINE_integer('rounds', 3, 'Timed rounds per side (after one warm-up round).')
