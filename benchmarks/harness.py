@@ -22,7 +22,8 @@ from fedjax_het.engine import LocalTraining
 def cifar_like(num_clients: int, samples_per_client: int, seed: int = 0, partition: str = 'iid',
                alpha: float = 0.1) -> FederatedData:
   """Synthetic CIFAR-shaped data (32x32x3, 10 classes) over clients by `partition` ('iid': every client every
-  class; 'dirichlet': HtFLlib's practical split at `alpha`, a few classes per client and uneven sizes), 75% of each client's rows train."""
+  class; 'dirichlet': HtFLlib's practical split at `alpha`, a few classes per client and uneven sizes), 75% of
+  each client's rows train."""
   ds = make_synthetic(num_samples=num_clients * samples_per_client, image_shape=(32, 32, 3), num_classes=10,
                       seed=seed)
   return make_federated_data(ds, num_clients, partition, seed=seed, alpha=alpha)

@@ -120,7 +120,8 @@ def main(_):
            'speedup_vs_torch_disk': mean['torch_disk'] / mean['fedjax_het'] if 'torch_disk' in mean else None,
            'fedjax_first_round_seconds': first, 'fedjax_compile_seconds': sum(first_compiles),
            'fedjax_compilations_first_round': len(first_compiles),
-           'fedjax_compilations_later': len(compiles.durations) - len(first_compiles), 'limit_seconds': limit, 'overhead_vs_limit': mean['fedjax_het'] / limit,
+           'fedjax_compilations_later': len(compiles.durations) - len(first_compiles), 'limit_seconds': limit,
+           'overhead_vs_limit': mean['fedjax_het'] / limit,
            'fedjax_client_steps_per_second': m['local_steps'] / mean['fedjax_het'],
            'torch_client_steps_per_second': m['local_steps'] / mean['torch']}
     rows.append(row)
@@ -131,7 +132,8 @@ def main(_):
           flush=True)
   write_results(FLAGS.out, f'vs_pytorch_{jax.default_backend()}',
                 {'torch_device': torch_device, 'torch': torch.__version__, 'strategy': fed.strategy,
-                 'conv': fed.conv, 'client_threads': getattr(fed.executor, 'threads', None), 'batch_size': FLAGS.batch_size,
+                 'conv': fed.conv, 'client_threads': getattr(fed.executor, 'threads', None),
+                 'batch_size': FLAGS.batch_size,
                  'eval_batch_size': fed.executor.eval_batch_size, 'torch_eval_batch_size': FLAGS.torch_eval_batch_size,
                  'samples_per_client': FLAGS.samples_per_client, 'partition': FLAGS.partition,
                  'alpha': FLAGS.alpha if FLAGS.partition == 'dirichlet' else None, 'rounds': FLAGS.rounds}, rows)
