@@ -77,28 +77,40 @@ def ms_per_step(step, carry, x, y, steps=10):
   return best_seconds(run) / steps * 1e3
 
 
-def part_step(rows):
-  x, y = batch()
-  for conv in ('xla', 'im2col', 'auto'):
-    _, step, carry = step_setup(conv)
-    rows.append({'part': 'step', 'case': f'jax {conv}', 'ms': ms_per_step(step, carry, x, y)})
+def torch_sgd_step(x, y, part: str):
+  """One SGD step of PyTorch's 4-layer CNN on the batch (x, y) as a function, or None (said) without torch."""
   try:
     import torch
     import torch.nn.functional as F
     from torch_reference import TorchCNN4
   except ImportError:
-    print('step: torch not installed, PyTorch step not measured (pip install -e ".[torch]")')
-    return
+    print(f'{part}: torch not installed, PyTorch not measured (pip install -e ".[torch]")')
+    return None
   model = TorchCNN4()
   opt = torch.optim.SGD(model.parameters(), lr=0.01)
   tx = torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy())
   ty = torch.from_numpy(np.asarray(y).astype(np.int64))
 
+  def step():
+    opt.zero_grad()
+    F.cross_entropy(model(tx), ty).backward()
+    opt.step()
+  return step
+
+
+def part_step(rows):
+  x, y = batch()
+  for conv in ('xla', 'im2col', 'auto'):
+    _, step, carry = step_setup(conv)
+    rows.append({'part': 'step', 'case': f'jax {conv}', 'ms': ms_per_step(step, carry, x, y)})
+  torch_step = torch_sgd_step(x, y, 'step')
+  if torch_step is None:
+    return
+  import torch
+
   def torch_steps():
     for _ in range(10):
-      opt.zero_grad()
-      F.cross_entropy(model(tx), ty).backward()
-      opt.step()
+      torch_step()
   rows.append({'part': 'step', 'case': f'torch {torch.__version__} ({torch.get_num_threads()} threads)',
                'ms': best_seconds(torch_steps) / 10 * 1e3})
 
@@ -276,22 +288,10 @@ def part_profile(rows, steps=20):
   # and the waits for a free core fall between the traced ops.
   rows.append({'part': 'profile', 'case': 'jax: between traced ops (Eigen convolution, waits for a core)',
                'ms': (wall - sum(per_op.values())) / client_steps / 1e3})
-  try:
-    import torch
-    import torch.nn.functional as F
-    from torch_reference import TorchCNN4
-  except ImportError:
-    print('profile: torch not installed, PyTorch step not profiled (pip install -e ".[torch]")')
+  torch_step = torch_sgd_step(x, y, 'profile')
+  if torch_step is None:
     return
-  model = TorchCNN4()
-  opt = torch.optim.SGD(model.parameters(), lr=0.01)
-  tx = torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy())
-  ty = torch.from_numpy(np.asarray(y).astype(np.int64))
-
-  def torch_step():
-    opt.zero_grad()
-    F.cross_entropy(model(tx), ty).backward()
-    opt.step()
+  import torch
   for _ in range(3):
     torch_step()
   with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
