@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import json
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -275,6 +276,8 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     if _stopping(stop):
       raise Interrupted(stop.requested or 'SIGTERM', resume, 0)
     fed, run, budget = _build(cfg)
+    if progress and distributed.is_writer():  # the defaults are the backend's where a flag leaves them unset
+      sys.stderr.write(f'{cfg.algorithm}: running on {fed.execution.describe()}\n')
     if federation is not None:
       fed = federation(fed)
     if _stopping(stop):

@@ -159,6 +159,16 @@ def test_same_seed_same_numbers_whatever_the_client_threads(tiny_data):
   assert strip(h1) != strip(h3)
 
 
+def test_the_backend_defaults_are_decided_once_and_described():
+  cpu = ExecutionConfig().resolve('cpu')
+  assert (cpu.strategy, cpu.conv, cpu.eval_batch_size) == ('sequential', 'auto', 32)
+  assert cpu.describe('cpu').endswith(': strategy=sequential, conv=auto, eval_batch_size=32, '
+                                      f'client_threads={cpu.client_threads}')
+  gpu = ExecutionConfig(chunk_size=4).resolve('gpu')
+  assert gpu.describe('gpu').endswith(': strategy=vmap, conv=xla, eval_batch_size=256, chunk_size=4, devices=1')
+  assert ExecutionConfig(strategy='vmap', client_threads=3).resolve('cpu').conv == 'im2col'
+
+
 def test_training_improves_accuracy(tiny_data):
   # PyTorch's default initialisation starts small (variance 1/(3 fan_in)): a larger rate learns in 4 rounds.
   _, history = run(make_fed(tiny_data, 'sequential', training=LocalTraining(0.2, 8, 2)), 4)

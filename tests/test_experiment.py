@@ -43,8 +43,10 @@ def test_tensorboard_without_its_package_is_one_clear_error(tmp_path, monkeypatc
   assert not os.path.exists(tmp_path / 'run')  # refused before anything is written
 
 
-def test_outputs_are_written(tmp_path):
-  summary = train_and_evaluate(CFG, str(tmp_path), progress=False, tensorboard=True)
+def test_outputs_are_written(tmp_path, capsys):
+  summary = train_and_evaluate(CFG, str(tmp_path), progress=True, tensorboard=True)
+  # the start says what the run executes with (the backend's defaults where no flag is set)
+  assert f'{CFG.algorithm}: running on cpu (' in capsys.readouterr().err
   for name in ('metrics.jsonl', 'summary.json', 'accuracy.png', 'config.json', 'partition.json', 'partition.png'):
     assert os.path.exists(tmp_path / name), name
   rows = metric_rows(tmp_path)

@@ -85,6 +85,18 @@ class ExecutionConfig:
     return dataclasses.replace(self, strategy=strategy, conv=conv, client_mesh=mesh, client_threads=threads,
                                eval_batch_size=self.eval_batch_size or (32 if cpu else 256))
 
+  def describe(self, backend: Optional[str] = None) -> str:
+    """One line naming the backend and what this resolved configuration runs with (printed at a run's start)."""
+    backend = backend or jax.default_backend()
+    count, unit = (os.cpu_count(), 'core') if backend == 'cpu' else (jax.device_count(), 'device')
+    where = f'{backend} ({count} {unit}{"s" if count != 1 else ""})'
+    how = f'strategy={self.strategy}, conv={self.conv}, eval_batch_size={self.eval_batch_size}'
+    if self.strategy == 'sequential':
+      how += f', client_threads={self.client_threads}'
+    else:
+      how += f', chunk_size={self.chunk_size or "whole group"}, devices={self.num_devices}'
+    return f'{where}: {how}'
+
   def executor(self) -> Executor:
     """The executor of a resolved configuration."""
     if self.strategy == 'vmap':
