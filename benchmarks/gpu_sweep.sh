@@ -5,7 +5,10 @@
 #
 #   bash benchmarks/gpu_sweep.sh [OUT] [PART ...]
 #     PART: vs_pytorch, scaling_g1, scaling_g2, scaling_g5, scaling_g10 (FedRE and grouped FedAvg over 10, 50, 200
-#     and 1,000 clients with that many architecture groups), plan; default: all of them, in that order
+#     and 1,000 clients with that many architecture groups), plan; default: all of them, in that order; merge: only
+#     merge the parts already under OUT (e.g. copied there from separate machines or commands)
+#   PYTHON=...: the interpreter (default python3); the repository is put on PYTHONPATH, so nothing needs installing
+#   where JAX, Flax, Optax and PyTorch are (a lent GPU machine's image).
 #   TINY=1 bash benchmarks/gpu_sweep.sh OUT           the smallest sizes, for the CPU tests (tests/test_gpu_sweep.py)
 #
 # Each part is one process writing its own results under OUT (a scaling part under OUT/scaling_gN/) before the
@@ -22,6 +25,8 @@ if [ ${#parts[@]} -eq 0 ]; then
   [ "${TINY:-0}" = 1 ] && parts=(vs_pytorch scaling_g2 plan)  # the tiny family has two architectures
 fi
 cd "$here"
+py="${PYTHON:-python3}"
+export PYTHONPATH="$(dirname "$here")${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "${TINY:-0}" = 1 ]; then
   vs=(--num_clients=2 --samples_per_client=48 --batch_size=8 --rounds=1 --nodisk_io)
@@ -36,16 +41,17 @@ fi
 
 for part in "${parts[@]}"; do
   case "$part" in
-    vs_pytorch) python vs_pytorch.py "${vs[@]}" --out="$out" ;;
+    vs_pytorch) "$py" vs_pytorch.py "${vs[@]}" --out="$out" ;;
     scaling_g1|scaling_g2|scaling_g5|scaling_g10)
-      python scaling.py "${scaling[@]}" --groups="${part#scaling_g}" --out="$out/$part" ;;
-    plan) python gpu_plan.py "${plan[@]}" --out="$out" ;;
+      "$py" scaling.py "${scaling[@]}" --groups="${part#scaling_g}" --out="$out/$part" ;;
+    plan) "$py" gpu_plan.py "${plan[@]}" --out="$out" ;;
+    merge) ;;
     *) echo "gpu_sweep.sh: unknown part '$part'; choose vs_pytorch, scaling_g1, scaling_g2, scaling_g5," \
-            "scaling_g10 or plan." >&2; exit 2 ;;
+            "scaling_g10, plan or merge." >&2; exit 2 ;;
   esac
 done
 
-python - "$out" <<'EOF'
+"$py" - "$out" <<'EOF'
 import glob, json, os, sys
 out = sys.argv[1]
 parts = {}

@@ -78,6 +78,9 @@ def centralized_limit(x: np.ndarray, steps: int, rep_rows: int, batch_size: int,
 def main(_):
   lr = 0.01
   torch_device = 'cuda' if torch.cuda.is_available() and jax.default_backend() == 'gpu' else 'cpu'
+  if torch_device == 'cuda':  # the same arithmetic on both sides: XLA computes float32 matmuls and convolutions
+    torch.backends.cuda.matmul.allow_tf32 = True  # in TF32 on NVIDIA GPUs by default, PyTorch only its convolutions
+    torch.backends.cudnn.allow_tf32 = True
   rows = []
   print(f'{"clients":>7} | {"torch s/round":>13} | {"torch+disk":>10} | {"fedjax_het":>10} | {"speed-up":>8} | '
         f'{"vs +disk":>8} | {"limit s":>7} | {"overhead":>8}', flush=True)
@@ -131,7 +134,8 @@ def main(_):
           f'{row["speedup_vs_torch"]:7.2f}x | {vs_disk} | {limit:7.3f} | {row["overhead_vs_limit"]:7.2f}x',
           flush=True)
   write_results(FLAGS.out, f'vs_pytorch_{jax.default_backend()}',
-                {'torch_device': torch_device, 'torch': torch.__version__, 'strategy': fed.strategy,
+                {'torch_device': torch_device, 'torch': torch.__version__,
+                 'torch_tf32': torch_device == 'cuda', 'strategy': fed.strategy,
                  'conv': fed.conv, 'client_threads': getattr(fed.executor, 'threads', None),
                  'batch_size': FLAGS.batch_size,
                  'eval_batch_size': fed.executor.eval_batch_size, 'torch_eval_batch_size': FLAGS.torch_eval_batch_size,

@@ -1,6 +1,7 @@
 """benchmarks/gpu_sweep.sh and benchmarks/gpu_plan.py on the CPU at their tiny sizes, so that the accelerator sweep
 cannot rot before a GPU is lent: the plan's analysis of a matmul by hand, the plan part writing one merged results
-file in the default suite, and the tiny sweep's parts (vs_pytorch, scaling with two groups, plan) in the slow set."""
+file and the merge of parts run elsewhere in the default suite, and the tiny sweep's parts (vs_pytorch, scaling
+with two groups, plan) in the slow set."""
 
 import json
 import os
@@ -48,6 +49,18 @@ def test_the_plan_part_writes_the_merged_results_file(tmp_path):
   plan = merged['parts']['gpu_plan_cpu']
   assert plan['target'] == 'H100 SXM5' and plan['bandwidth'] == 3.35e12
   _check_plan(plan['rows'])
+
+
+def test_merge_gathers_parts_run_elsewhere_and_an_unknown_part_is_named(tmp_path):
+  (tmp_path / 'scaling_g5').mkdir()  # parts copied from separate commands or machines
+  for name, backend in [('vs_pytorch_cpu.json', 'cpu'), ('scaling_g5/scaling_cpu.json', 'cpu')]:
+    (tmp_path / name).write_text(json.dumps({'backend': backend, 'rows': [{'num_clients': 10}]}))
+  merged = _sweep(tmp_path, 'merge')
+  assert sorted(merged['parts']) == ['scaling_g5/scaling_cpu', 'vs_pytorch_cpu']
+  assert merged['parts']['vs_pytorch_cpu']['rows'] == [{'num_clients': 10}]
+  done = subprocess.run(['bash', os.path.join(ROOT, 'benchmarks', 'gpu_sweep.sh'), str(tmp_path), 'scaling_g3'],
+                        capture_output=True, text=True, timeout=60)
+  assert done.returncode == 2 and "unknown part 'scaling_g3'" in done.stderr
 
 
 @pytest.mark.slow
