@@ -1,6 +1,7 @@
 """GeFL (SPEC_GENERATIVE.md sec. 3): the servers' means (the generator over all groups, each target model within
 its group), per-client optimizer states across rounds, the round structure of both modes, Table X's
-communication, vmap == sequential and resume across the knowledge -> target boundary, on a tiny DCGAN."""
+communication and resume across the knowledge -> target boundary, on a tiny DCGAN (vmap == sequential: the
+golden run's vmap case in tests/test_golden.py, in the slow set)."""
 
 import dataclasses
 import math

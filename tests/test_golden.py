@@ -42,8 +42,13 @@ def test_metrics_and_parameters_equal_the_golden_run(tiny_data, name):
 
 
 # local and lg_fedavg run fedavg's client program (CE by sgd_program) with another server and receive: fedavg's
-# vmap run covers their client path.
-@pytest.mark.parametrize('name', [m for m in METHODS if m not in ('local', 'lg_fedavg')])
+# vmap run covers their client path. GeFL's and GeFL-F's vmap runs (86 s of compilation together, the suite's two
+# longest tests) are in the slow set; benchmarks/vmap_equals_sequential.py also checks them at XLA's default level.
+SLOW_VMAP = ('gefl', 'gefl_f')
+
+
+@pytest.mark.parametrize('name', [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_VMAP else m
+                                  for m in METHODS if m not in ('local', 'lg_fedavg')])
 def test_vmap_executor_gives_the_golden_numbers(tiny_data, name):
   """vmap == sequential for every method: the vmap executor's run against the (sequential) pinned numbers, at
   the tolerance of float32 reductions in another order."""
