@@ -46,8 +46,7 @@ from fedjax_het.models import build_model
 from fedjax_het.models.conv import im2col_conv_general_dilated
 from fedjax_het.models.pooling import max_pool
 
-flags.DEFINE_list('parts', ['step', 'layers', 'pool', 'threads', 'vmap', 'represent', 'federation_step',
-                                   'profile'],
+flags.DEFINE_list('parts', ['step', 'layers', 'pool', 'threads', 'vmap', 'represent', 'federation_step', 'profile'],
                   'What to measure.')
 flags.DEFINE_integer('batch_size', 32, 'Batch size.')
 flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
@@ -140,29 +139,38 @@ def part_pool(rows):
     rows.append({'part': 'pool', 'case': f'max pool 2x2 gradient, {name}', 'ms': best_seconds(lambda: g(x)) * 1e3})
 
 
+def two_clients(conv, x, y):
+  """(the jitted `conv` step, the two clients' initial carries (seeds 0 and 1), chain(i, n)): chain runs n steps of
+  client i on the batch (x, y) to completion."""
+  _, step, carry = step_setup(conv)
+  carries = [carry, step_setup(conv, seed=1)[2]]
+
+  def chain(i, n):
+    c = carries[i]
+    for _ in range(n):
+      c, _ = step(c, x, y)
+    jax.block_until_ready(c)
+  return step, carries, chain
+
+
+def in_two_threads(chain, n):
+  """chain(0, n) and chain(1, n) at once, one host thread each."""
+  threads = [threading.Thread(target=chain, args=(i, n)) for i in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+
+
 def part_threads(rows):
   x, y = batch()
   steps = 10
   for conv in ('auto', 'im2col'):
-    _, step, carry = step_setup(conv)
-    carries = [carry, step_setup(conv, seed=1)[2]]
-
-    def chain(i):
-      c = carries[i]
-      for _ in range(steps):
-        c, _ = step(c, x, y)
-      jax.block_until_ready(c)
-
-    def two_threads():
-      threads = [threading.Thread(target=chain, args=(i,)) for i in range(2)]
-      for t in threads:
-        t.start()
-      for t in threads:
-        t.join()
-    chain(0)
-    for name, fn, work in [('one thread, one client', lambda: chain(0), steps),
-                           ('one thread, two clients in turn', lambda: (chain(0), chain(1)), 2 * steps),
-                           ('two threads, one client each', two_threads, 2 * steps)]:
+    _, _, chain = two_clients(conv, x, y)
+    chain(0, steps)
+    for name, fn, work in [('one thread, one client', lambda: chain(0, steps), steps),
+                           ('one thread, two clients in turn', lambda: (chain(0, steps), chain(1, steps)), 2 * steps),
+                           ('two threads, one client each', lambda: in_two_threads(chain, steps), 2 * steps)]:
       ms = best_seconds(fn) / work * 1e3
       cpu0, t0 = time.process_time(), time.perf_counter()
       fn()
@@ -249,25 +257,14 @@ def part_federation_step(rows):
 
 
 def part_profile(rows, steps=20):
-  _, step, carry0 = step_setup('auto')
-  carries = [carry0, step_setup('auto', seed=1)[2]]
   x, y = batch()
-  hlo_text = step.lower(carry0, x, y).compile().as_text()
-
-  def chain(i, n):
-    c = carries[i]
-    for _ in range(n):
-      c, _ = step(c, x, y)
-    jax.block_until_ready(c)
+  step, carries, chain = two_clients('auto', x, y)
+  hlo_text = step.lower(carries[0], x, y).compile().as_text()
   chain(0, 3)
   chain(1, 3)
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-    threads = [threading.Thread(target=chain, args=(i, steps)) for i in range(2)]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join()
+    in_two_threads(chain, steps)
     jax.profiler.stop_trace()
     events = json.load(gzip.open(glob.glob(f'{trace_dir}/**/*.trace.json.gz', recursive=True)[0]))['traceEvents']
   per_op, wall = collections.defaultdict(float), 0.0

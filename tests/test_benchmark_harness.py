@@ -8,12 +8,18 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks'))
 from harness import cifar_like, xla_op_label  # noqa: E402
 
-HLO = '''ENTRY %main.27 (p: f32[3]) -> f32[3] {
-  %ynn_fusion.8 = f32[32,10,10,64]{3,2,1,0} fusion(%a, %b), kind=kCustom, calls=%fused_computation.8, metadata={op_name="jit(<lambda>)/jvp(HeteroClassifier)/HeteroClassifier.represent/extractor/Conv_1/conv_general_dilated" stack_frame_id=57}
-  %ynn_fusion.1 = f32[32,5,5,64]{3,2,1,0} fusion(%c, %d), kind=kCustom, calls=%fused_computation.1, metadata={op_name="jit(<lambda>)/transpose(jvp(HeteroClassifier))/HeteroClassifier.represent/extractor/Conv_1/conv_general_dilated" stack_frame_id=57}
-  %multiply_add_fusion.2 = f32[1600,512]{1,0} fusion(%e, %f), kind=kLoop, calls=%fused_computation.13, metadata={op_name="jit(<lambda>)/add" stack_frame_id=67}
-  %transpose_copy_fusion.1 = f32[32,14,14,32]{3,2,1,0} fusion(%g), kind=kLoop, calls=%fused_computation.17
-}'''
+HLO = '\n'.join([
+    'ENTRY %main.27 (p: f32[3]) -> f32[3] {',
+    '  %ynn_fusion.8 = f32[32,10,10,64]{3,2,1,0} fusion(%a, %b), kind=kCustom, calls=%fused_computation.8, '
+    'metadata={op_name="jit(<lambda>)/jvp(HeteroClassifier)/HeteroClassifier.represent/extractor/Conv_1/'
+    'conv_general_dilated" stack_frame_id=57}',
+    '  %ynn_fusion.1 = f32[32,5,5,64]{3,2,1,0} fusion(%c, %d), kind=kCustom, calls=%fused_computation.1, '
+    'metadata={op_name="jit(<lambda>)/transpose(jvp(HeteroClassifier))/HeteroClassifier.represent/extractor/Conv_1/'
+    'conv_general_dilated" stack_frame_id=57}',
+    '  %multiply_add_fusion.2 = f32[1600,512]{1,0} fusion(%e, %f), kind=kLoop, calls=%fused_computation.13, '
+    'metadata={op_name="jit(<lambda>)/add" stack_frame_id=67}',
+    '  %transpose_copy_fusion.1 = f32[32,14,14,32]{3,2,1,0} fusion(%g), kind=kLoop, calls=%fused_computation.17',
+    '}'])
 
 
 def test_xla_op_labels_name_the_layer_primitive_and_pass():

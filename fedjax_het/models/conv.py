@@ -109,7 +109,8 @@ def conv_transpose(impl: str, x: jnp.ndarray, features: int, kernel: int, stride
 
 
 def conv_factory(impl: str) -> ConvFactory:
-  """The `nn.Conv`-compatible constructor of convolution formulation `impl` ('xla' or 'patches')."""
+  """The `nn.Conv`-compatible constructor of convolution formulation `impl`: one of `CONV_IMPLS`, or an eval-pass
+  formulation named in `EVAL_PASS_CONV`."""
   if impl not in _FORMULATIONS:
     raise ConfigError(f'ExecutionConfig.conv={impl!r} is unknown; choose one of {", ".join(CONV_IMPLS)}.')
   return _FORMULATIONS[impl]
