@@ -31,7 +31,7 @@ that fit = floor(--memory_gb / that).
 
 H100 figures (NVIDIA's H100 SXM5 datasheet): TF32 tensor-core peak 494.7 TFLOP/s dense (XLA computes float32
 convolutions and matmuls in TF32 on Hopper by default), HBM3 bandwidth 3.35 TB/s, 80 GB. Prints a table and writes
-benchmarks/results/gpu_plan_<backend>.json and .csv.
+benchmarks/results/gpu_plan_<backend>.json and .csv (rewritten after every setting).
 """
 
 from __future__ import annotations
@@ -221,13 +221,17 @@ def ddpm_rows() -> list[dict]:
 def main(argv):
   del argv
   rows = []
+  settings = {'target': 'H100 SXM5', 'peak_flops': FLAGS.peak_flops, 'bandwidth': FLAGS.bandwidth,
+              'memory_gb': FLAGS.memory_gb, 'launch_seconds': FLAGS.launch_seconds}
   for name in FLAGS.settings:
     if name not in SETTINGS and name != 'gefl_ddpm':
       raise app.UsageError(f'--settings: unknown {name!r}; choose from {", ".join(list(SETTINGS) + ["gefl_ddpm"])}.')
+  for name in FLAGS.settings:
     description = GEFL_DDPM['description'] if name == 'gefl_ddpm' else SETTINGS[name].description
     print(f'{name}: {description}', flush=True)
     for row in (ddpm_rows() if name == 'gefl_ddpm' else group_rows(SETTINGS[name])):
       rows.append({'setting': name, **row})
+    write_results(FLAGS.out, f'gpu_plan_{jax.default_backend()}', settings, rows, complete=False)
   header = (f'{"setting":>16} {"group":>14} {"K":>3} {"steps":>6} {"GFLOP":>10} {"GB":>9} {"roofline s":>10} '
             f'{"loop s":>8} {"vmap s":>8} {"fit 80GB":>8}')
   print(header)
@@ -235,9 +239,7 @@ def main(argv):
     print(f'{r["setting"]:>16} {r["group"]:>14} {r["clients"]:>3} {r["steps_per_client"]:>6} '
           f'{r["gflop_per_round"]:>10.1f} {r["gb_moved_per_round"]:>9.2f} {r["roofline_seconds"]:>10.4f} '
           f'{r["loop_bound_seconds"]:>8.4f} {r["vmap_bound_seconds"]:>8.4f} {r["clients_fit"]:>8}')
-  write_results(FLAGS.out, f'gpu_plan_{jax.default_backend()}',
-                {'target': 'H100 SXM5', 'peak_flops': FLAGS.peak_flops, 'bandwidth': FLAGS.bandwidth,
-                 'memory_gb': FLAGS.memory_gb, 'launch_seconds': FLAGS.launch_seconds}, rows)
+  write_results(FLAGS.out, f'gpu_plan_{jax.default_backend()}', settings, rows)
 
 
 if __name__ == '__main__':

@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # The accelerator sweep in one command: fedjax_het against the PyTorch loop (on the GPU's torch when there is one),
 # round cost over clients 10..1000 and architecture groups 1..10 with compile counts and peak device memory, and
-# the XLA-analysed plan of docs/performance.md; all merged into OUT/gpu_sweep_<backend>.json.
+# the XLA-analysed plan of docs/performance.md; all merged into OUT/gpu_sweep_<backend>.json, with the tables in
+# OUT/gpu_sweep_<backend>.md and a figure in OUT/gpu_sweep_<backend>.png.
 #
 #   bash benchmarks/gpu_sweep.sh [OUT] [PART ...]
 #     PART: vs_pytorch, scaling_g1, scaling_g2, scaling_g5, scaling_g10 (FedRE and grouped FedAvg over 10, 50, 200
 #     and 1,000 clients with that many architecture groups), plan; default: all of them, in that order; merge: only
 #     merge the parts already under OUT (e.g. copied there from separate machines or commands)
+#   SWEEP_SECONDS=...: the command's time limit; each part gets an equal share of what is left when it starts, is
+#   stopped at its share and keeps the rows it finished (each part rewrites its results after every row)
 #   PYTHON=...: the interpreter (default python3); the repository is put on PYTHONPATH, so nothing needs installing
 #   where JAX, Flax, Optax and PyTorch are (a lent GPU machine's image).
 #   TINY=1 bash benchmarks/gpu_sweep.sh OUT           the smallest sizes, for the CPU tests (tests/test_gpu_sweep.py)
 #
 # Each part is one process writing its own results under OUT (a scaling part under OUT/scaling_gN/) before the
-# merge, which reads every part found there, so parts can run as separate commands where a command's time is
-# limited (no part has been timed on a GPU yet). The PyTorch loop's per-round disk I/O is left out on an
-# accelerator (HtFLlib's save/load per client is a CPU-side cost; `vs_pytorch.py --disk_io` measures it).
+# report (benchmarks/sweep_report.py: OUT/gpu_sweep_<backend>.json, .md and .png), which reads every part found
+# there, so parts can run as separate commands where a command's time is limited (no part has been timed on a GPU
+# yet). A part that fails is reported and the others go on; the exit status is then 1. The PyTorch loop's
+# per-round disk I/O is left out on an accelerator (HtFLlib's save/load per client is a CPU-side cost;
+# `vs_pytorch.py --disk_io` measures it).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="$(mkdir -p "${1:-$here/results/gpu_sweep}" && cd "${1:-$here/results/gpu_sweep}" && pwd)"
@@ -41,28 +46,49 @@ fi
 
 for part in "${parts[@]}"; do
   case "$part" in
-    vs_pytorch) "$py" vs_pytorch.py "${vs[@]}" --out="$out" ;;
-    scaling_g1|scaling_g2|scaling_g5|scaling_g10)
-      "$py" scaling.py "${scaling[@]}" --groups="${part#scaling_g}" --out="$out/$part" ;;
-    plan) "$py" gpu_plan.py "${plan[@]}" --out="$out" ;;
-    merge) ;;
+    vs_pytorch|scaling_g1|scaling_g2|scaling_g5|scaling_g10|plan|merge) ;;
     *) echo "gpu_sweep.sh: unknown part '$part'; choose vs_pytorch, scaling_g1, scaling_g2, scaling_g5," \
             "scaling_g10, plan or merge." >&2; exit 2 ;;
   esac
 done
 
-"$py" - "$out" <<'EOF'
-import glob, json, os, sys
-out = sys.argv[1]
-parts = {}
-for path in sorted(glob.glob(os.path.join(out, '*.json')) + glob.glob(os.path.join(out, '*', '*.json'))):
-  name = os.path.relpath(path, out)[:-len('.json')].replace(os.sep, '/')
-  if not os.path.basename(name).startswith('gpu_sweep'):
-    with open(path) as f:
-      parts[name] = json.load(f)
-backend = next(iter(parts.values()))['backend'] if parts else 'none'
-merged = os.path.join(out, f'gpu_sweep_{backend}.json')
-with open(merged, 'w') as f:
-  json.dump({'tiny': os.environ.get('TINY', '0') == '1', 'parts': parts}, f, indent=2)
-print('wrote', merged, '(' + ', '.join(parts) + ')')
-EOF
+# SWEEP_SECONDS: this command's time; each part gets an equal share of what is left (less 15 s for the report),
+# so a part that ends early leaves more to the next, and one stopped at its share keeps its finished rows.
+budget="${SWEEP_SECONDS:-0}"
+start=$SECONDS
+left_parts=0
+for part in "${parts[@]}"; do [ "$part" = merge ] || left_parts=$((left_parts + 1)); done
+failed=()
+for part in "${parts[@]}"; do
+  [ "$part" = merge ] && continue
+  cap=()
+  share=0
+  if [ "$budget" -gt 0 ]; then
+    share=$(( (budget - (SECONDS - start) - 15) / left_parts ))
+    if [ "$share" -lt 5 ]; then
+      echo "gpu_sweep.sh: part $part not started: its share of SWEEP_SECONDS=$budget would be $share s" >&2
+      failed+=("$part (not started)"); left_parts=$((left_parts - 1)); continue
+    fi
+    cap=(timeout -k 10 "$share")
+  fi
+  rc=0
+  case "$part" in
+    vs_pytorch) "${cap[@]}" "$py" vs_pytorch.py "${vs[@]}" --out="$out" || rc=$? ;;
+    scaling_g*) "${cap[@]}" "$py" scaling.py "${scaling[@]}" --groups="${part#scaling_g}" --out="$out/$part" || rc=$? ;;
+    plan) "${cap[@]}" "$py" gpu_plan.py "${plan[@]}" --out="$out" || rc=$? ;;
+  esac
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    echo "gpu_sweep.sh: part $part stopped at its share of SWEEP_SECONDS ($share s); the rows it finished are kept" >&2
+  elif [ "$rc" != 0 ]; then
+    echo "gpu_sweep.sh: part $part failed (exit $rc); the other parts go on" >&2
+    failed+=("$part (exit $rc)")
+  fi
+  left_parts=$((left_parts - 1))
+done
+
+find "$out" -maxdepth 2 -name '*.tmp' -delete  # a stopped part's unfinished write
+"$py" sweep_report.py "$out"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "gpu_sweep.sh: these parts did not finish: ${failed[*]}" >&2
+  exit 1
+fi

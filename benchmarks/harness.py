@@ -7,6 +7,8 @@ import json
 import os
 import platform
 import re
+import shlex
+import sys
 import time
 from typing import Any, Callable
 
@@ -84,8 +86,16 @@ def machine() -> dict:
       versions[package] = metadata.version(package)
     except metadata.PackageNotFoundError:
       pass
-  return {'backend': jax.default_backend(), 'device': str(jax.devices()[0]), 'cpu_count': os.cpu_count(),
-          'machine': platform.machine(), 'cpu_model': cpu_model(), 'jax': jax.__version__, 'versions': versions}
+  device = jax.devices()[0]
+  return {'backend': jax.default_backend(), 'device': str(device), 'device_kind': device.device_kind,
+          'cpu_count': os.cpu_count(), 'machine': platform.machine(), 'cpu_model': cpu_model(),
+          'jax': jax.__version__, 'versions': versions}
+
+
+def command_line() -> str:
+  """The command that is running, as typed from the repository's root: 'python benchmarks/<script> <flags>'."""
+  script = os.path.relpath(os.path.abspath(sys.argv[0]), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  return ' '.join(['python', script] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
 def xla_op_label(name: str, hlo_text: str) -> str:
@@ -100,15 +110,26 @@ def xla_op_label(name: str, hlo_text: str) -> str:
   return f'{layer} {path.rsplit("/", 1)[-1]}, {phase} [{name}]'.strip()
 
 
-def write_results(out: str, name: str, settings: dict, rows: list[dict]) -> None:
-  """Writes out/name.json (machine, settings, rows) and out/name.csv (rows), and says where."""
+def write_results(out: str, name: str, settings: dict, rows: list[dict], complete: bool = True) -> None:
+  """Writes out/name.json (machine, command, settings, rows) and out/name.csv (rows), each replaced whole, and
+  says where. A benchmark calls it after every row with complete=False, then once with complete=True, so that a
+  run stopped at a time limit keeps the rows it finished (its file says 'complete': false)."""
   os.makedirs(out, exist_ok=True)
   base = os.path.join(out, name)
-  with open(base + '.json', 'w') as f:
-    json.dump({**machine(), **settings, 'rows': rows}, f, indent=2)
+  _replace(base + '.json', lambda f: json.dump({**machine(), 'command': command_line(), **settings,
+                                                'complete': complete, 'rows': rows}, f, indent=2))
   fields = list(dict.fromkeys(key for row in rows for key in row))
-  with open(base + '.csv', 'w', newline='') as f:
+
+  def write_csv(f):
     writer = csv.DictWriter(f, fieldnames=fields)
     writer.writeheader()
     writer.writerows(rows)
-  print('wrote', base + '.json', base + '.csv')
+  _replace(base + '.csv', write_csv)
+  if complete:
+    print('wrote', base + '.json', base + '.csv')
+
+
+def _replace(path: str, write: Callable[[Any], None]) -> None:
+  with open(path + '.tmp', 'w', newline='') as f:
+    write(f)
+  os.replace(path + '.tmp', path)

@@ -10,7 +10,9 @@ architectures). Reported per row: first round incl. compile (s); compile seconds
 round, summed over the client threads that compile concurrently); compilations (first round and later rounds);
 warm seconds per round; client-steps per second; and peak memory: the device's peak_bytes_in_use where the
 backend reports it (GPU/TPU), else the process's peak resident set (CPU). A configuration that runs out of
-memory is recorded as such and the sweep goes on. Writes benchmarks/results/scaling_<backend>.json and .csv.
+memory is recorded as such and the sweep goes on without its larger client counts. Client counts are the outer
+loop and the results files are rewritten after every row, so a sweep stopped at a time limit keeps every
+configuration's smaller sizes. Writes benchmarks/results/scaling_<backend>.json and .csv.
 """
 
 import resource
@@ -29,7 +31,8 @@ flags.DEFINE_list('algorithms', ['fedre', 'fedavg'], 'fedre and/or fedavg (group
 flags.DEFINE_list('num_clients', ['10', '20'], 'Client counts.')
 flags.DEFINE_list('groups', ['1'], 'Architecture-group counts.')
 flags.DEFINE_list('models', ['cnn4'], 'First architecture of the family (one row set per model).')
-flags.DEFINE_list('group_family', ['resnet10', 'small_cnn', 'resnet18', 'small_cnn_narrow', 'resnet34', 'mlp'],
+flags.DEFINE_list('group_family', ['resnet10', 'small_cnn', 'resnet18', 'small_cnn_narrow', 'resnet34', 'mlp',
+                                    'resnet8', 'resnet6', 'resnet4'],
                   'Architectures added, in order, when --groups > 1.')
 flags.DEFINE_list('batch_sizes', ['32'], 'Local batch sizes.')
 flags.DEFINE_integer('samples_per_client', 384, 'Pool rows per client (75% train).')
@@ -71,15 +74,27 @@ def measure(algorithm: str, k: int, groups: int, model: str, batch: int) -> dict
 
 
 def main(_):
-  rows = []
+  groups_swept = [int(v) for v in FLAGS.groups]
+  for model in FLAGS.models:
+    architectures = len(dict.fromkeys([model] + FLAGS.group_family))
+    if max(groups_swept) > architectures:
+      raise app.UsageError(f'--groups={max(groups_swept)} needs as many distinct architectures, but --models '
+                           f'{model} with --group_family gives {architectures}. Fix: add architectures to '
+                           '--group_family or sweep fewer --groups.')
+  settings = {'rounds': FLAGS.rounds, 'samples_per_client': FLAGS.samples_per_client}
+  name = f'scaling_{jax.default_backend()}'
+  rows, out_of_memory = [], set()
   header = (f'{"alg":>6} {"K":>4} {"G":>2} {"model":>8} {"B":>3} | {"first s":>7} {"compile s":>9} {"#comp":>5} '
             f'{"#later":>6} | {"s/round":>8} {"steps/s":>8} {"peak MiB":>9}')
   print(header, flush=True)
-  for algorithm in FLAGS.algorithms:
-    for model in FLAGS.models:
-      for groups in [int(v) for v in FLAGS.groups]:
-        for batch in [int(v) for v in FLAGS.batch_sizes]:
-          for k in [int(v) for v in FLAGS.num_clients]:
+  # Client counts outermost, so that a sweep stopped at a time limit has every configuration's smaller sizes.
+  for k in [int(v) for v in FLAGS.num_clients]:
+    for algorithm in FLAGS.algorithms:
+      for model in FLAGS.models:
+        for groups in groups_swept:
+          for batch in [int(v) for v in FLAGS.batch_sizes]:
+            if (algorithm, model, groups, batch) in out_of_memory:
+              continue  # more clients will not fit either
             row = {'algorithm': algorithm, 'num_clients': k, 'groups': groups, 'model': model, 'batch_size': batch}
             try:
               row.update(measure(algorithm, k, groups, model, batch))
@@ -87,17 +102,16 @@ def main(_):
               if 'RESOURCE_EXHAUSTED' not in str(e) and 'Out of memory' not in str(e):
                 raise
               row['out_of_memory'] = True
+              out_of_memory.add((algorithm, model, groups, batch))
               print(f'{algorithm:>6} {k:4d} {groups:2d} {model:>8} {batch:3d} | out of memory', flush=True)
-              rows.append(row)
-              break  # more clients will not fit either
+            else:
+              print(f'{algorithm:>6} {k:4d} {groups:2d} {model:>8} {batch:3d} | {row["first_round_seconds"]:7.2f} '
+                    f'{row["compile_seconds"]:9.2f} {row["compilations_first_round"]:5d} '
+                    f'{row["compilations_later_rounds"]:6d} | {row["seconds_per_round"]:8.3f} '
+                    f'{row["client_steps_per_second"]:8.1f} {row["peak_memory_mib"]:9.0f}', flush=True)
             rows.append(row)
-            print(f'{algorithm:>6} {k:4d} {groups:2d} {model:>8} {batch:3d} | {row["first_round_seconds"]:7.2f} '
-                  f'{row["compile_seconds"]:9.2f} {row["compilations_first_round"]:5d} '
-                  f'{row["compilations_later_rounds"]:6d} | {row["seconds_per_round"]:8.3f} '
-                  f'{row["client_steps_per_second"]:8.1f} {row["peak_memory_mib"]:9.0f}', flush=True)
-  write_results(FLAGS.out, f'scaling_{jax.default_backend()}', {'rounds': FLAGS.rounds,
-                                                                 'samples_per_client': FLAGS.samples_per_client},
-                rows)
+            write_results(FLAGS.out, name, settings, rows, complete=False)
+  write_results(FLAGS.out, name, settings, rows)
 
 
 if __name__ == '__main__':

@@ -14,7 +14,8 @@ save/load to disk, as HtFLlib), fedjax_het; each timed to completion.
 centralized model trained by one jitted step function: no federated bookkeeping. fedjax_het / limit is the
 federated overhead.
 
-Prints a table, writes benchmarks/results/vs_pytorch_<backend>.json and .csv.
+Prints a table, writes benchmarks/results/vs_pytorch_<backend>.json and .csv, rewritten after every client count
+(a run stopped at a time limit keeps the counts it finished).
 """
 
 import time
@@ -133,15 +134,14 @@ def main(_):
     print(f'{k:7d} | {row["torch_seconds_per_round"]:13.3f} | {disk} | {row["fedjax_seconds_per_round"]:10.3f} | '
           f'{row["speedup_vs_torch"]:7.2f}x | {vs_disk} | {limit:7.3f} | {row["overhead_vs_limit"]:7.2f}x',
           flush=True)
-  write_results(FLAGS.out, f'vs_pytorch_{jax.default_backend()}',
-                {'torch_device': torch_device, 'torch': torch.__version__,
-                 'torch_tf32': torch_device == 'cuda', 'strategy': fed.strategy,
-                 'conv': fed.conv, 'client_threads': getattr(fed.executor, 'threads', None),
-                 'batch_size': FLAGS.batch_size,
-                 'eval_batch_size': fed.executor.eval_batch_size, 'torch_eval_batch_size': FLAGS.torch_eval_batch_size,
-                 'samples_per_client': FLAGS.samples_per_client, 'partition': FLAGS.partition,
-                 'alpha': FLAGS.alpha if FLAGS.partition == 'dirichlet' else None, 'rounds': FLAGS.rounds}, rows)
-
+    settings = {'torch_device': torch_device, 'torch': torch.__version__, 'torch_tf32': torch_device == 'cuda',
+                'strategy': fed.strategy, 'conv': fed.conv, 'client_threads': getattr(fed.executor, 'threads', None),
+                'batch_size': FLAGS.batch_size, 'eval_batch_size': fed.executor.eval_batch_size,
+                'torch_eval_batch_size': FLAGS.torch_eval_batch_size, 'samples_per_client': FLAGS.samples_per_client,
+                'partition': FLAGS.partition, 'alpha': FLAGS.alpha if FLAGS.partition == 'dirichlet' else None,
+                'rounds': FLAGS.rounds}
+    write_results(FLAGS.out, f'vs_pytorch_{jax.default_backend()}', settings, rows,
+                  complete=len(rows) == len(FLAGS.num_clients))
 
 if __name__ == '__main__':
   app.run(main)

@@ -1,7 +1,8 @@
 """benchmarks/gpu_sweep.sh and benchmarks/gpu_plan.py on the CPU at their tiny sizes, so that the accelerator sweep
 cannot rot before a GPU is lent: the plan's analysis of a matmul by hand, the plan part writing one merged results
-file and the merge of parts run elsewhere in the default suite, and the tiny sweep's parts (vs_pytorch, scaling
-with two groups, plan) in the slow set."""
+file, the report of parts run elsewhere, a part stopped at its share of the command's time keeping its rows, and
+scaling's row order and per-row results in the default suite; the tiny sweep's parts (vs_pytorch, scaling with two
+groups, plan) in the slow set."""
 
 import json
 import os
@@ -51,16 +52,100 @@ def test_the_plan_part_writes_the_merged_results_file(tmp_path):
   _check_plan(plan['rows'])
 
 
-def test_merge_gathers_parts_run_elsewhere_and_an_unknown_part_is_named(tmp_path):
+VS_ROW = {'num_clients': 10, 'local_steps': 111, 'torch_seconds_per_round': 1.877, 'fedjax_seconds_per_round': 1.809,
+          'speedup_vs_torch': 1.0375, 'fedjax_first_round_seconds': 4.88, 'fedjax_compilations_first_round': 29,
+          'fedjax_compilations_later': 0, 'fedjax_client_steps_per_second': 61.4, 'torch_client_steps_per_second': 59.1}
+SCALING_ROWS = [{'algorithm': 'fedre', 'num_clients': 10, 'groups': 5, 'first_round_seconds': 4.32,
+                 'compile_seconds': 5.42, 'compilations_first_round': 66, 'compilations_later_rounds': 0,
+                 'seconds_per_round': 1.7, 'client_steps_per_second': 65.3, 'peak_memory_mib': 732.5,
+                 'memory_kind': 'device_peak'},
+                {'algorithm': 'fedre', 'num_clients': 1000, 'groups': 5, 'out_of_memory': True}]
+
+
+def test_merge_reports_parts_run_elsewhere_and_an_unknown_part_is_named(tmp_path):
   (tmp_path / 'scaling_g5').mkdir()  # parts copied from separate commands or machines
-  for name, backend in [('vs_pytorch_cpu.json', 'cpu'), ('scaling_g5/scaling_cpu.json', 'cpu')]:
-    (tmp_path / name).write_text(json.dumps({'backend': backend, 'rows': [{'num_clients': 10}]}))
+  (tmp_path / 'vs_pytorch_cpu.json').write_text(json.dumps(
+      {'backend': 'cpu', 'command': 'python benchmarks/vs_pytorch.py --num_clients=10', 'rows': [VS_ROW]}))
+  (tmp_path / 'scaling_g5' / 'scaling_cpu.json').write_text(json.dumps(
+      {'backend': 'cpu', 'complete': False, 'rows': SCALING_ROWS}))
   merged = _sweep(tmp_path, 'merge')
   assert sorted(merged['parts']) == ['scaling_g5/scaling_cpu', 'vs_pytorch_cpu']
-  assert merged['parts']['vs_pytorch_cpu']['rows'] == [{'num_clients': 10}]
+  assert merged['parts']['vs_pytorch_cpu']['rows'] == [VS_ROW]
+  report = (tmp_path / 'gpu_sweep_cpu.md').read_text()
+  assert '`python benchmarks/vs_pytorch.py --num_clients=10`' in report
+  assert '| 10 | 111 | 1.877 | 1.809 | 1.04x | 4.9 | 29 / 0 | 61 / 59 |' in report
+  assert '## scaling_g5/scaling_cpu (stopped at its time limit after 2 rows)' in report
+  assert '| fedre | 10 | 5 | 4.32 | 5.42 | 66 / 0 | 1.700 | 65.3 | 732 |' in report
+  assert '| fedre | 1000 | 5 | out of memory |' in report
+  assert (tmp_path / 'gpu_sweep_cpu.png').read_bytes()[:4] == b'\x89PNG'
   done = subprocess.run(['bash', os.path.join(ROOT, 'benchmarks', 'gpu_sweep.sh'), str(tmp_path), 'scaling_g3'],
                         capture_output=True, text=True, timeout=60)
   assert done.returncode == 2 and "unknown part 'scaling_g3'" in done.stderr
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Runs the report for real; a benchmark part writes one finished row, as after its first row, and then hangs.
+[ "$1" = sweep_report.py ] && exec "$REAL_PYTHON" "$@"
+for a in "$@"; do case "$a" in --out=*) out="${a#--out=}" ;; esac; done
+mkdir -p "$out"
+echo '{"backend": "cpu", "complete": false, "rows": [{"num_clients": 10, "torch_seconds_per_round": 2.0,
+       "fedjax_seconds_per_round": 1.0}]}' > "$out/${1%.py}_cpu.json"
+exec sleep 60
+"""
+
+
+def test_a_part_is_stopped_at_its_share_of_the_time_keeping_its_rows_and_one_without_time_does_not_start(tmp_path):
+  fake = tmp_path / 'python'
+  fake.write_text(FAKE_PYTHON)
+  fake.chmod(0o755)
+  # 20 s, less 15 for the report: the first of two parts would get 5 / 2 = 2 s, under the 5 s a part needs, so it
+  # does not start; the second gets the 5 s and is stopped there.
+  env = {**os.environ, 'PYTHON': str(fake), 'REAL_PYTHON': sys.executable, 'SWEEP_SECONDS': '20'}
+  done = subprocess.run(['bash', os.path.join(ROOT, 'benchmarks', 'gpu_sweep.sh'), str(tmp_path), 'plan',
+                         'vs_pytorch'], env=env, capture_output=True, text=True, timeout=60)
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert 'part plan not started: its share of SWEEP_SECONDS=20 would be 2 s' in done.stderr
+  assert 'part vs_pytorch stopped at its share of SWEEP_SECONDS (5 s)' in done.stderr
+  assert 'these parts did not finish: plan (not started)' in done.stderr
+  report = (tmp_path / 'gpu_sweep_cpu.md').read_text()
+  assert list(json.loads((tmp_path / 'gpu_sweep_cpu.json').read_text())['parts']) == ['vs_pytorch_cpu']
+  assert '## vs_pytorch_cpu (stopped at its time limit after 1 rows)' in report
+
+
+STOPPED_SCALING = """
+import os, sys
+sys.path.insert(0, 'benchmarks')
+from absl import app
+import scaling
+scaling.FLAGS(['scaling', '--algorithms=fedre,fedavg', '--num_clients=4,8', '--models=mlp',
+               '--group_family=small_cnn', '--groups=3', '--out=' + sys.argv[1]])
+try:
+  scaling.main(None)
+except app.UsageError as e:
+  print('usage:', e)
+scaling.FLAGS.groups = ['1']
+done = []
+def measure(algorithm, k, groups, model, batch):
+  if len(done) == 3:
+    os._exit(3)  # the process is killed during its fourth row
+  done.append(k)
+  return dict(first_round_seconds=1.0, compile_seconds=1.0, compilations_first_round=1, compilations_later_rounds=0,
+              seconds_per_round=0.5 * k, client_steps_per_second=1.0, peak_memory_mib=1.0)
+scaling.measure = measure
+scaling.main(None)
+"""
+
+
+def test_scaling_keeps_each_finished_row_smaller_client_counts_first_and_names_too_few_architectures(tmp_path):
+  done = subprocess.run([sys.executable, '-c', STOPPED_SCALING, str(tmp_path)], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 3, done.stderr[-3000:]
+  assert ('usage: --groups=3 needs as many distinct architectures, but --models mlp with --group_family gives 2. '
+          'Fix: add architectures to --group_family or sweep fewer --groups.') in done.stdout
+  results = json.loads((tmp_path / 'scaling_cpu.json').read_text())
+  assert results['complete'] is False
+  assert [(r['algorithm'], r['num_clients'], r['seconds_per_round']) for r in results['rows']] == [
+      ('fedre', 4, 2.0), ('fedavg', 4, 2.0), ('fedre', 8, 4.0)]
 
 
 @pytest.mark.slow

@@ -1,0 +1,181 @@
+"""The accelerator sweep's report: its parts merged into one results file, their tables, and a figure.
+
+  python benchmarks/sweep_report.py OUT
+
+Reads every part under OUT as benchmarks/gpu_sweep.sh leaves them (OUT/*.json and OUT/*/*.json: vs_pytorch_<backend>,
+scaling_gN/scaling_<backend>, gpu_plan_<backend>; also parts copied there from separate commands or machines) and
+writes OUT/gpu_sweep_<backend>.json (every part), OUT/gpu_sweep_<backend>.md (per part: its command, the machine,
+and its table in the columns of docs/performance.md) and, where a part measured rounds, OUT/gpu_sweep_<backend>.png:
+seconds per round against clients for fedjax_het and the PyTorch loop, the same for each algorithm and number of
+architecture groups, and peak memory. A part stopped at its time limit is reported with the rows it finished.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+# (header, row key, format) per column; a missing value prints as '-'.
+VS_PYTORCH = [('clients', 'num_clients', '{}'), ('SGD steps / round', 'local_steps', '{}'),
+              ('PyTorch s/round', 'torch_seconds_per_round', '{:.3f}'),
+              ('fedjax_het s/round', 'fedjax_seconds_per_round', '{:.3f}'), ('speed-up', 'speedup_vs_torch', '{:.2f}x'),
+              ('first round s', 'fedjax_first_round_seconds', '{:.1f}'),
+              ('compilations first / later', ('fedjax_compilations_first_round', 'fedjax_compilations_later'),
+               '{} / {}'),
+              ('client-steps/s fedjax_het / PyTorch',
+               ('fedjax_client_steps_per_second', 'torch_client_steps_per_second'), '{:.0f} / {:.0f}')]
+SCALING = [('method', 'algorithm', '{}'), ('clients', 'num_clients', '{}'), ('groups', 'groups', '{}'),
+           ('first round (s)', 'first_round_seconds', '{:.2f}'), ('compile (s)', 'compile_seconds', '{:.2f}'),
+           ('compilations first / later', ('compilations_first_round', 'compilations_later_rounds'), '{} / {}'),
+           ('s / round', 'seconds_per_round', '{:.3f}'), ('client-steps / s', 'client_steps_per_second', '{:.1f}'),
+           ('peak memory (MiB)', 'peak_memory_mib', '{:.0f}')]
+PLAN = [('setting', 'setting', '{}'), ('group', 'group', '{}'), ('clients', 'clients', '{}'),
+        ('steps / client', 'steps_per_client', '{}'), ('GFLOP / round', 'gflop_per_round', '{:.2f}'),
+        ('GB moved / round', 'gb_moved_per_round', '{:.2f}'), ('roofline (s)', 'roofline_seconds', '{:.4f}'),
+        ('loop bound (s)', 'loop_bound_seconds', '{:.4f}'), ('vmap bound (s)', 'vmap_bound_seconds', '{:.4f}'),
+        ('fit', 'clients_fit', '{:,}')]
+
+
+def read_parts(out: str) -> dict[str, dict]:
+  """{part name: its results} for every results file under `out` and one folder down, the report's own excepted;
+  the name is the file's path below `out` without '.json' (e.g. 'scaling_g5/scaling_gpu')."""
+  parts = {}
+  for path in sorted(glob.glob(os.path.join(out, '*.json')) + glob.glob(os.path.join(out, '*', '*.json'))):
+    name = os.path.relpath(path, out)[:-len('.json')].replace(os.sep, '/')
+    if not os.path.basename(name).startswith('gpu_sweep'):
+      with open(path) as f:
+        parts[name] = json.load(f)
+  return parts
+
+
+def kind(part: dict) -> str | None:
+  """'vs_pytorch', 'scaling' or 'plan' by what its rows hold; None for anything else."""
+  keys = set().union(*(row.keys() for row in part.get('rows', [])))
+  if 'torch_seconds_per_round' in keys:
+    return 'vs_pytorch'
+  if 'groups' in keys and ('seconds_per_round' in keys or 'out_of_memory' in keys):
+    return 'scaling'
+  if 'roofline_seconds' in keys:
+    return 'plan'
+  return None
+
+
+def cell(row: dict, key, fmt: str) -> str:
+  """One table cell: row[key] (or the tuple of keys) in `fmt`; '-' where a value is missing."""
+  values = [row.get(k) for k in (key if isinstance(key, tuple) else (key,))]
+  return '-' if any(v is None for v in values) else fmt.format(*values)
+
+
+def table(rows: list[dict], columns: list[tuple]) -> str:
+  """A Markdown table of `rows` in `columns`; a row that ran out of memory says so after its first cells."""
+  lines = ['| ' + ' | '.join(c[0] for c in columns) + ' |', '|' + '---|' * len(columns)]
+  for row in rows:
+    cells = [cell(row, key, fmt) for _, key, fmt in columns]
+    if row.get('out_of_memory'):
+      cells = cells[:3] + ['out of memory'] + [''] * (len(columns) - 4)
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
+def describe(name: str, part: dict) -> str:
+  """A part's heading, status, command and machine, as Markdown."""
+  status = ('' if part.get('complete', True) else
+            f' (stopped at its time limit after {len(part.get("rows", []))} rows)')
+  where = [f'{part.get("device_kind", part.get("device", "?"))} ({part.get("backend", "?")})']
+  if 'cpu_count' in part:
+    where.append(f'{part["cpu_count"]} CPU cores' + (f' ({part["cpu_model"]})' if 'cpu_model' in part else ''))
+  versions = part.get('versions') or ({'jax': part['jax']} if 'jax' in part else {})
+  where.append(', '.join(f'{k} {v}' for k, v in versions.items()))
+  return '\n'.join([f'## {name}{status}', '', f'`{part.get("command", "(command not recorded)")}`', '',
+                    '; '.join(w for w in where if w) + '.'])
+
+
+def markdown(parts: dict[str, dict]) -> str:
+  """The report: one section per part, with its table."""
+  columns = {'vs_pytorch': VS_PYTORCH, 'scaling': SCALING, 'plan': PLAN}
+  sections = []
+  for name, part in parts.items():
+    k = kind(part)
+    body = table(part['rows'], columns[k]) if k else 'No rows this report knows how to tabulate.'
+    sections.append(describe(name, part) + '\n\n' + body)
+  backend = next(iter(parts.values())).get('backend', '?') if parts else 'none'
+  return f'# Accelerator sweep ({backend})\n\n' + '\n\n'.join(sections) + '\n'
+
+
+def figure(parts: dict[str, dict], path: str) -> bool:
+  """Seconds per round and peak memory against clients (log-log), as a PNG at `path`; False where no part
+  measured rounds."""
+  vs = {n: p for n, p in parts.items() if kind(p) == 'vs_pytorch'}
+  scaling = {n: p for n, p in parts.items() if kind(p) == 'scaling'}
+  if not vs and not scaling:
+    return False
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  import matplotlib.ticker
+  panels = (['vs'] if vs else []) + (['scaling', 'memory'] if scaling else [])
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+  axes = dict(zip(panels, axes[0]))
+  for name, part in vs.items():
+    rows = part['rows']
+    clients = [r['num_clients'] for r in rows]
+    axes['vs'].plot(clients, [r['fedjax_seconds_per_round'] for r in rows], 'o-', label=f'fedjax_het ({name})')
+    axes['vs'].plot(clients, [r['torch_seconds_per_round'] for r in rows], 's--',
+                    label=f'PyTorch loop, {part.get("torch_device", "?")} ({name})')
+  for name, part in scaling.items():
+    series = {}
+    for r in part['rows']:
+      if not r.get('out_of_memory'):
+        series.setdefault((r['algorithm'], r['groups'], r.get('model', '')), []).append(r)
+    for (algorithm, groups, model), rows in sorted(series.items()):
+      label = f'{algorithm}, {groups} group{"s" if groups > 1 else ""}' + (f', {model}' if model else '')
+      clients = [r['num_clients'] for r in rows]
+      axes['scaling'].plot(clients, [r['seconds_per_round'] for r in rows], 'o-', label=label)
+      axes['memory'].plot(clients, [r['peak_memory_mib'] for r in rows], 'o-', label=label)
+  memory_kinds = {r.get('memory_kind') for p in scaling.values() for r in p['rows']} - {None}
+  memory = {'device_peak': 'device peak', 'host_peak_rss': 'process peak RSS'}
+  titles = {'vs': ('seconds per round', 'FedRE round: fedjax_het and the PyTorch loop'),
+            'scaling': ('seconds per round', 'Round cost over clients and groups'),
+            'memory': (f'MiB ({", ".join(sorted(memory.get(k, k) for k in memory_kinds))})', 'Peak memory')}
+  plain = matplotlib.ticker.FormatStrFormatter('%g')
+  for panel, ax in axes.items():
+    ax.set_xscale('log')
+    ax.set_yscale('log')
+    ax.set_xticks(sorted({x for line in ax.get_lines() for x in line.get_xdata()}))
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.tick_params(axis='y', which='minor', labelsize=7)
+    ax.set_xlabel('clients')
+    ax.set_ylabel(titles[panel][0])
+    ax.set_title(titles[panel][1], fontsize=10)
+    ax.grid(alpha=0.3, which='both')
+    ax.legend(fontsize=7)
+  first = next(iter({**vs, **scaling}.values()))
+  fig.suptitle(f'{first.get("device_kind", first.get("device", "?"))}, jax {first.get("jax", "?")}', fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def main(out: str) -> None:
+  parts = read_parts(out)
+  backend = next(iter(parts.values())).get('backend', 'none') if parts else 'none'
+  base = os.path.join(out, f'gpu_sweep_{backend}')
+  with open(base + '.json', 'w') as f:
+    json.dump({'tiny': os.environ.get('TINY', '0') == '1', 'parts': parts}, f, indent=2)
+  with open(base + '.md', 'w') as f:
+    f.write(markdown(parts))
+  drawn = figure(parts, base + '.png')
+  print('wrote', base + '.json', base + '.md', *([base + '.png'] if drawn else []),
+        '(' + ', '.join(f'{n}' + ('' if p.get('complete', True) else ' [stopped]') for n, p in parts.items()) + ')')
+
+
+if __name__ == '__main__':
+  if len(sys.argv) != 2:
+    sys.exit('usage: python benchmarks/sweep_report.py OUT (the folder gpu_sweep.sh wrote its parts to)')
+  main(sys.argv[1])
