@@ -55,6 +55,9 @@ done
 # SWEEP_SECONDS: this command's time; each part gets an equal share of what is left (less 15 s for the report),
 # so a part that ends early leaves more to the next, and one stopped at its share keeps its finished rows.
 budget="${SWEEP_SECONDS:-0}"
+if ! [[ "$budget" =~ ^[0-9]+$ ]]; then
+  echo "gpu_sweep.sh: SWEEP_SECONDS='$budget' is not a whole number of seconds; e.g. SWEEP_SECONDS=560." >&2; exit 2
+fi
 start=$SECONDS
 left_parts=0
 for part in "${parts[@]}"; do [ "$part" = merge ] || left_parts=$((left_parts + 1)); done

@@ -111,7 +111,11 @@ def figure(parts: dict[str, dict], path: str) -> bool:
   scaling = {n: p for n, p in parts.items() if kind(p) == 'scaling'}
   if not vs and not scaling:
     return False
-  import matplotlib
+  try:
+    import matplotlib
+  except ImportError:
+    print('sweep_report.py: no figure, matplotlib is not installed (pip install matplotlib)')
+    return False
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   import matplotlib.ticker

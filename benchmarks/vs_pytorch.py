@@ -143,5 +143,6 @@ def main(_):
     write_results(FLAGS.out, f'vs_pytorch_{jax.default_backend()}', settings, rows,
                   complete=len(rows) == len(FLAGS.num_clients))
 
+
 if __name__ == '__main__':
   app.run(main)

@@ -81,6 +81,9 @@ def test_merge_reports_parts_run_elsewhere_and_an_unknown_part_is_named(tmp_path
   done = subprocess.run(['bash', os.path.join(ROOT, 'benchmarks', 'gpu_sweep.sh'), str(tmp_path), 'scaling_g3'],
                         capture_output=True, text=True, timeout=60)
   assert done.returncode == 2 and "unknown part 'scaling_g3'" in done.stderr
+  done = subprocess.run(['bash', os.path.join(ROOT, 'benchmarks', 'gpu_sweep.sh'), str(tmp_path), 'plan'],
+                        env={**os.environ, 'SWEEP_SECONDS': '9m'}, capture_output=True, text=True, timeout=60)
+  assert done.returncode == 2 and "SWEEP_SECONDS='9m' is not a whole number of seconds" in done.stderr
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
