@@ -14,10 +14,11 @@
 #   where JAX, Flax, Optax and PyTorch are (a lent GPU machine's image).
 #   TINY=1 bash benchmarks/gpu_sweep.sh OUT           the smallest sizes, for the CPU tests (tests/test_gpu_sweep.py)
 #
-# Each part is one process writing its own results under OUT (a scaling part under OUT/scaling_gN/) before the
-# report (benchmarks/sweep_report.py: OUT/gpu_sweep_<backend>.json, .md and .png), which reads every part found
-# there, so parts can run as separate commands where a command's time is limited (no part has been timed on a GPU
-# yet). A part that fails is reported and the others go on; the exit status is then 1. The PyTorch loop's
+# Each part is a process writing its own results under OUT (a scaling part one process per algorithm, under
+# OUT/scaling_gN_<algorithm>/) before the report (benchmarks/sweep_report.py: OUT/gpu_sweep_<backend>.json, .md
+# and .png), which reads every part found there, so parts can run as separate commands where a command's time is
+# limited (no part has been timed on a GPU yet). A part that fails is reported and the others go on; the exit
+# status is then 1. The PyTorch loop's
 # per-round disk I/O is left out on an accelerator (HtFLlib's save/load per client is a CPU-side cost;
 # `vs_pytorch.py --disk_io` measures it).
 set -euo pipefail
@@ -35,12 +36,14 @@ export PYTHONPATH="$(dirname "$here")${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "${TINY:-0}" = 1 ]; then
   vs=(--num_clients=2 --samples_per_client=48 --batch_size=8 --rounds=1 --nodisk_io)
-  scaling=(--algorithms=fedre --num_clients=4 --models=mlp --group_family=mlp,small_cnn_narrow
-           --samples_per_client=48 --batch_sizes=8 --rounds=1)
+  algorithms=(fedre)
+  scaling=(--num_clients=4 --models=mlp --group_family=mlp,small_cnn_narrow --samples_per_client=48 --batch_sizes=8
+           --rounds=1)
   plan=(--settings=quickstart)
 else
   vs=(--num_clients=10,20,50,100,200,500,1000 --rounds=3 --nodisk_io)
-  scaling=(--algorithms=fedre,fedavg --num_clients=10,50,200,1000 --models=cnn4 --rounds=2)
+  algorithms=(fedre fedavg)
+  scaling=(--num_clients=10,50,200,1000 --models=cnn4 --rounds=2)
   plan=()
 fi
 
@@ -58,12 +61,20 @@ budget="${SWEEP_SECONDS:-0}"
 if ! [[ "$budget" =~ ^[0-9]+$ ]]; then
   echo "gpu_sweep.sh: SWEEP_SECONDS='$budget' is not a whole number of seconds; e.g. SWEEP_SECONDS=560." >&2; exit 2
 fi
-start=$SECONDS
-left_parts=0
-for part in "${parts[@]}"; do [ "$part" = merge ] || left_parts=$((left_parts + 1)); done
-failed=()
+# A scaling part runs each algorithm in its own process (OUT/scaling_gN_<algorithm>/): a process's peak memory only
+# grows, so its rows, smaller client counts first, then each report the peak of their own round.
+units=()
 for part in "${parts[@]}"; do
-  [ "$part" = merge ] && continue
+  case "$part" in
+    merge) ;;
+    scaling_g*) for algorithm in "${algorithms[@]}"; do units+=("${part}_$algorithm"); done ;;
+    *) units+=("$part") ;;
+  esac
+done
+start=$SECONDS
+left_parts=${#units[@]}
+failed=()
+for part in ${units[@]+"${units[@]}"}; do
   cap=()
   share=0
   if [ "$budget" -gt 0 ]; then
@@ -77,7 +88,10 @@ for part in "${parts[@]}"; do
   rc=0
   case "$part" in
     vs_pytorch) "${cap[@]}" "$py" vs_pytorch.py "${vs[@]}" --out="$out" || rc=$? ;;
-    scaling_g*) "${cap[@]}" "$py" scaling.py "${scaling[@]}" --groups="${part#scaling_g}" --out="$out/$part" || rc=$? ;;
+    scaling_g*)
+      groups="${part#scaling_g}"
+      "${cap[@]}" "$py" scaling.py "${scaling[@]}" --algorithms="${part##*_}" --groups="${groups%%_*}" \
+        --out="$out/$part" || rc=$? ;;
     plan) "${cap[@]}" "$py" gpu_plan.py "${plan[@]}" --out="$out" || rc=$? ;;
   esac
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then

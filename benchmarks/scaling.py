@@ -9,7 +9,9 @@ client k gets architecture k % G of the family `--models` followed by --group_fa
 architectures). Reported per row: first round incl. compile (s); compile seconds (initialisation and first
 round, summed over the client threads that compile concurrently); compilations (first round and later rounds);
 warm seconds per round; client-steps per second; and peak memory: the device's peak_bytes_in_use where the
-backend reports it (GPU/TPU), else the process's peak resident set (CPU). A configuration that runs out of
+backend reports it (GPU/TPU), else the process's peak resident set (CPU); both only grow within a process, so a
+row's peak is its own where the rows before it needed less (one algorithm per process, as benchmarks/gpu_sweep.sh
+runs it, client counts ascending). A configuration that runs out of
 memory is recorded as such and the sweep goes on without its larger client counts. Client counts are the outer
 loop and the results files are rewritten after every row, so a sweep stopped at a time limit keeps every
 configuration's smaller sizes. Writes benchmarks/results/scaling_<backend>.json and .csv.

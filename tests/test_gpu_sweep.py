@@ -1,8 +1,8 @@
 """benchmarks/gpu_sweep.sh and benchmarks/gpu_plan.py on the CPU at their tiny sizes, so that the accelerator sweep
 cannot rot before a GPU is lent: the plan's analysis of a matmul by hand, the plan part writing one merged results
-file, the report of parts run elsewhere, a part stopped at its share of the command's time keeping its rows, and
-scaling's row order and per-row results in the default suite; the tiny sweep's parts (vs_pytorch, scaling with two
-groups, plan) in the slow set."""
+file, the report of parts run elsewhere, a scaling part's one process per method, a part stopped at its share of
+the command's time keeping its rows, and scaling's row order and per-row results in the default suite; the tiny
+sweep's parts (vs_pytorch, scaling with two groups, plan) in the slow set."""
 
 import json
 import os
@@ -63,18 +63,18 @@ SCALING_ROWS = [{'algorithm': 'fedre', 'num_clients': 10, 'groups': 5, 'first_ro
 
 
 def test_merge_reports_parts_run_elsewhere_and_an_unknown_part_is_named(tmp_path):
-  (tmp_path / 'scaling_g5').mkdir()  # parts copied from separate commands or machines
+  (tmp_path / 'scaling_g5_fedre').mkdir()  # parts copied from separate commands or machines
   (tmp_path / 'vs_pytorch_cpu.json').write_text(json.dumps(
       {'backend': 'cpu', 'command': 'python benchmarks/vs_pytorch.py --num_clients=10', 'rows': [VS_ROW]}))
-  (tmp_path / 'scaling_g5' / 'scaling_cpu.json').write_text(json.dumps(
+  (tmp_path / 'scaling_g5_fedre' / 'scaling_cpu.json').write_text(json.dumps(
       {'backend': 'cpu', 'complete': False, 'rows': SCALING_ROWS}))
   merged = _sweep(tmp_path, 'merge')
-  assert sorted(merged['parts']) == ['scaling_g5/scaling_cpu', 'vs_pytorch_cpu']
+  assert sorted(merged['parts']) == ['scaling_g5_fedre/scaling_cpu', 'vs_pytorch_cpu']
   assert merged['parts']['vs_pytorch_cpu']['rows'] == [VS_ROW]
   report = (tmp_path / 'gpu_sweep_cpu.md').read_text()
   assert '`python benchmarks/vs_pytorch.py --num_clients=10`' in report
   assert '| 10 | 111 | 1.877 | 1.809 | 1.04x | 4.9 | 29 / 0 | 61 / 59 |' in report
-  assert '## scaling_g5/scaling_cpu (stopped at its time limit after 2 rows)' in report
+  assert '## scaling_g5_fedre/scaling_cpu (stopped at its time limit after 2 rows)' in report
   assert '| fedre | 10 | 5 | 4.32 | 5.42 | 66 / 0 | 1.700 | 65.3 | 732 |' in report
   assert '| fedre | 1000 | 5 | out of memory |' in report
   assert (tmp_path / 'gpu_sweep_cpu.png').read_bytes()[:4] == b'\x89PNG'
@@ -87,14 +87,32 @@ def test_merge_reports_parts_run_elsewhere_and_an_unknown_part_is_named(tmp_path
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# Runs the report for real; a benchmark part writes one finished row, as after its first row, and then hangs.
+# Runs the report for real; a benchmark part writes one finished row holding its arguments, as after its first
+# row, and then hangs if it is $HANG.
 [ "$1" = sweep_report.py ] && exec "$REAL_PYTHON" "$@"
 for a in "$@"; do case "$a" in --out=*) out="${a#--out=}" ;; esac; done
 mkdir -p "$out"
 echo '{"backend": "cpu", "complete": false, "rows": [{"num_clients": 10, "torch_seconds_per_round": 2.0,
-       "fedjax_seconds_per_round": 1.0}]}' > "$out/${1%.py}_cpu.json"
-exec sleep 60
+       "fedjax_seconds_per_round": 1.0, "args": "'"$*"'"}]}' > "$out/${1%.py}_cpu.json"
+[ "$1" = "${HANG:-}" ] && exec sleep 60
+exit 0
 """
+
+
+def test_a_scaling_part_runs_each_algorithm_in_its_own_process(tmp_path):
+  fake = tmp_path / 'python'
+  fake.write_text(FAKE_PYTHON)
+  fake.chmod(0o755)
+  env = {**os.environ, 'PYTHON': str(fake), 'REAL_PYTHON': sys.executable}
+  done = subprocess.run(['bash', os.path.join(ROOT, 'benchmarks', 'gpu_sweep.sh'), str(tmp_path), 'scaling_g10'],
+                        env=env, capture_output=True, text=True, timeout=60)
+  assert done.returncode == 0, done.stderr[-3000:]
+  parts = json.loads((tmp_path / 'gpu_sweep_cpu.json').read_text())['parts']
+  assert sorted(parts) == ['scaling_g10_fedavg/scaling_cpu', 'scaling_g10_fedre/scaling_cpu']
+  for algorithm in ('fedre', 'fedavg'):
+    args = parts[f'scaling_g10_{algorithm}/scaling_cpu']['rows'][0]['args'].split()
+    assert args[0] == 'scaling.py' and f'--algorithms={algorithm}' in args and '--groups=10' in args
+    assert f'--out={tmp_path}/scaling_g10_{algorithm}' in args
 
 
 def test_a_part_is_stopped_at_its_share_of_the_time_keeping_its_rows_and_one_without_time_does_not_start(tmp_path):
@@ -103,7 +121,8 @@ def test_a_part_is_stopped_at_its_share_of_the_time_keeping_its_rows_and_one_wit
   fake.chmod(0o755)
   # 20 s, less 15 for the report: the first of two parts would get 5 / 2 = 2 s, under the 5 s a part needs, so it
   # does not start; the second gets the 5 s and is stopped there.
-  env = {**os.environ, 'PYTHON': str(fake), 'REAL_PYTHON': sys.executable, 'SWEEP_SECONDS': '20'}
+  env = {**os.environ, 'PYTHON': str(fake), 'REAL_PYTHON': sys.executable, 'SWEEP_SECONDS': '20',
+         'HANG': 'vs_pytorch.py'}
   done = subprocess.run(['bash', os.path.join(ROOT, 'benchmarks', 'gpu_sweep.sh'), str(tmp_path), 'plan',
                          'vs_pytorch'], env=env, capture_output=True, text=True, timeout=60)
   assert done.returncode == 1, done.stderr[-3000:]
@@ -154,10 +173,10 @@ def test_scaling_keeps_each_finished_row_smaller_client_counts_first_and_names_t
 @pytest.mark.slow
 def test_the_whole_tiny_sweep_runs_every_part(tmp_path):
   merged = _sweep(tmp_path)
-  assert sorted(merged['parts']) == ['gpu_plan_cpu', 'scaling_g2/scaling_cpu', 'vs_pytorch_cpu']
+  assert sorted(merged['parts']) == ['gpu_plan_cpu', 'scaling_g2_fedre/scaling_cpu', 'vs_pytorch_cpu']
   vs = merged['parts']['vs_pytorch_cpu']['rows']
   assert [r['num_clients'] for r in vs] == [2] and vs[0]['speedup_vs_torch'] > 0
-  scaling = merged['parts']['scaling_g2/scaling_cpu']['rows']
+  scaling = merged['parts']['scaling_g2_fedre/scaling_cpu']['rows']
   assert [(r['num_clients'], r['groups']) for r in scaling] == [(4, 2)] and scaling[0]['peak_memory_mib'] > 0
   assert scaling[0]['compilations_first_round'] > 0
   _check_plan(merged['parts']['gpu_plan_cpu']['rows'])
