@@ -5,9 +5,11 @@
 # OUT/gpu_sweep_<backend>.md and a figure in OUT/gpu_sweep_<backend>.png.
 #
 #   bash benchmarks/gpu_sweep.sh [OUT] [PART ...]
-#     PART: vs_pytorch, scaling_g1, scaling_g2, scaling_g5, scaling_g10 (FedRE and grouped FedAvg over 10, 50, 200
-#     and 1,000 clients with that many architecture groups), plan; default: all of them, in that order; merge: only
-#     merge the parts already under OUT (e.g. copied there from separate machines or commands)
+#     PART: host_cpu (the same comparison on the machine's own CPU, 20 and 50 clients, fedjax_het's client threads
+#     2, 4, 8 and 16 up to the cores, one process each under OUT/host_cpu_tN/), vs_pytorch, scaling_g1, scaling_g2,
+#     scaling_g5, scaling_g10 (FedRE and grouped FedAvg over 10, 50, 200 and 1,000 clients with that many
+#     architecture groups), plan; default: all of them, in that order; merge: only merge the parts already under
+#     OUT (e.g. copied there from separate machines or commands)
 #   SWEEP_SECONDS=...: the command's time limit; each part gets an equal share of what is left when it starts, is
 #   stopped at its share and keeps the rows it finished (each part rewrites its results after every row)
 #   PYTHON=...: the interpreter (default python3); the repository is put on PYTHONPATH, so nothing needs installing
@@ -27,8 +29,8 @@ out="$(mkdir -p "${1:-$here/results/gpu_sweep}" && cd "${1:-$here/results/gpu_sw
 shift || true
 parts=("$@")
 if [ ${#parts[@]} -eq 0 ]; then
-  parts=(vs_pytorch scaling_g1 scaling_g2 scaling_g5 scaling_g10 plan)
-  [ "${TINY:-0}" = 1 ] && parts=(vs_pytorch scaling_g2 plan)  # the tiny family has two architectures
+  parts=(host_cpu vs_pytorch scaling_g1 scaling_g2 scaling_g5 scaling_g10 plan)
+  [ "${TINY:-0}" = 1 ] && parts=(host_cpu vs_pytorch scaling_g2 plan)  # the tiny family has two architectures
 fi
 cd "$here"
 py="${PYTHON:-python3}"
@@ -36,12 +38,16 @@ export PYTHONPATH="$(dirname "$here")${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "${TINY:-0}" = 1 ]; then
   vs=(--num_clients=2 --samples_per_client=48 --batch_size=8 --rounds=1 --nodisk_io)
+  host=(--num_clients=2 --samples_per_client=48 --batch_size=8 --rounds=1 --nodisk_io)
+  host_threads=(1 2)
   algorithms=(fedre)
   scaling=(--num_clients=4 --models=mlp --group_family=mlp,small_cnn_narrow --samples_per_client=48 --batch_sizes=8
            --rounds=1)
   plan=(--settings=quickstart)
 else
   vs=(--num_clients=10,20,50,100,200,500,1000 --rounds=3 --nodisk_io)
+  host=(--num_clients=20,50 --rounds=3 --nodisk_io)
+  host_threads=(2 4 8 16)
   algorithms=(fedre fedavg)
   scaling=(--num_clients=10,50,200,1000 --models=cnn4 --rounds=2)
   plan=()
@@ -49,8 +55,8 @@ fi
 
 for part in "${parts[@]}"; do
   case "$part" in
-    vs_pytorch|scaling_g1|scaling_g2|scaling_g5|scaling_g10|plan|merge) ;;
-    *) echo "gpu_sweep.sh: unknown part '$part'; choose vs_pytorch, scaling_g1, scaling_g2, scaling_g5," \
+    vs_pytorch|host_cpu|scaling_g1|scaling_g2|scaling_g5|scaling_g10|plan|merge) ;;
+    *) echo "gpu_sweep.sh: unknown part '$part'; choose vs_pytorch, host_cpu, scaling_g1, scaling_g2, scaling_g5," \
             "scaling_g10, plan or merge." >&2; exit 2 ;;
   esac
 done
@@ -68,6 +74,10 @@ for part in "${parts[@]}"; do
   case "$part" in
     merge) ;;
     scaling_g*) for algorithm in "${algorithms[@]}"; do units+=("${part}_$algorithm"); done ;;
+    host_cpu)
+      for threads in "${host_threads[@]}"; do
+        [ "$threads" -le "$(nproc)" ] && units+=("host_cpu_t$threads")
+      done ;;
     *) units+=("$part") ;;
   esac
 done
@@ -92,6 +102,9 @@ for part in ${units[@]+"${units[@]}"}; do
       groups="${part#scaling_g}"
       "${cap[@]}" "$py" scaling.py "${scaling[@]}" --algorithms="${part##*_}" --groups="${groups%%_*}" \
         --out="$out/$part" || rc=$? ;;
+    host_cpu_t*)
+      JAX_PLATFORMS=cpu "${cap[@]}" "$py" vs_pytorch.py "${host[@]}" --strategy=sequential \
+        --client_threads="${part#host_cpu_t}" --out="$out/$part" || rc=$? ;;
     plan) "${cap[@]}" "$py" gpu_plan.py "${plan[@]}" --out="$out" || rc=$? ;;
   esac
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then

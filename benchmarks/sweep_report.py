@@ -5,9 +5,11 @@
 Reads every part under OUT as benchmarks/gpu_sweep.sh leaves them (OUT/*.json and OUT/*/*.json: vs_pytorch_<backend>,
 scaling_gN/scaling_<backend>, gpu_plan_<backend>; also parts copied there from separate commands or machines) and
 writes OUT/gpu_sweep_<backend>.json (every part), OUT/gpu_sweep_<backend>.md (per part: its command, the machine,
-and its table in the columns of docs/performance.md) and, where a part measured rounds, OUT/gpu_sweep_<backend>.png:
-seconds per round against clients for fedjax_het and the PyTorch loop, the same for each algorithm and number of
-architecture groups, and peak memory. A part stopped at its time limit is reported with the rows it finished.
+its settings and its table in the columns of docs/performance.md) and, where a part measured rounds,
+OUT/gpu_sweep_<backend>.png: seconds per round against clients for fedjax_het and the PyTorch loop, the same on
+the host CPU against fedjax_het's client threads (the host_cpu_tN parts), seconds per round against clients for
+each algorithm and number of architecture groups, and peak memory. A part stopped at its time limit is reported
+with the rows it finished.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ PLAN = [('setting', 'setting', '{}'), ('group', 'group', '{}'), ('clients', 'cli
         ('fit', 'clients_fit', '{:,}')]
 
 
+# A results file's keys that are not the run's settings (harness.machine(), the command, the rows).
+NOT_SETTINGS = {'backend', 'device', 'device_kind', 'cpu_count', 'machine', 'cpu_model', 'jax', 'versions',
+                'command', 'complete', 'rows'}
+
+
 def read_parts(out: str) -> dict[str, dict]:
   """{part name: its results} for every results file under `out` and one folder down, the report's own excepted;
   the name is the file's path below `out` without '.json' (e.g. 'scaling_g5/scaling_gpu')."""
@@ -48,6 +55,13 @@ def read_parts(out: str) -> dict[str, dict]:
       with open(path) as f:
         parts[name] = json.load(f)
   return parts
+
+
+def sweep_backend(parts: dict[str, dict]) -> str:
+  """The sweep's accelerator backend ('gpu', 'tpu'), 'cpu' where every part ran on a CPU (the host_cpu parts do
+  on any machine), 'none' without parts."""
+  backends = sorted({part.get('backend', 'cpu') for part in parts.values()})
+  return next((b for b in backends if b != 'cpu'), backends[0] if backends else 'none')
 
 
 def kind(part: dict) -> str | None:
@@ -88,8 +102,10 @@ def describe(name: str, part: dict) -> str:
     where.append(f'{part["cpu_count"]} CPU cores' + (f' ({part["cpu_model"]})' if 'cpu_model' in part else ''))
   versions = part.get('versions') or ({'jax': part['jax']} if 'jax' in part else {})
   where.append(', '.join(f'{k} {v}' for k, v in versions.items()))
+  settings = ', '.join(f'{k} {v}' for k, v in part.items() if k not in NOT_SETTINGS and v is not None
+                       and not isinstance(v, (dict, list)))
   return '\n'.join([f'## {name}{status}', '', f'`{part.get("command", "(command not recorded)")}`', '',
-                    '; '.join(w for w in where if w) + '.'])
+                    '; '.join(w for w in where if w) + '.'] + (['', f'Settings: {settings}.'] if settings else []))
 
 
 def markdown(parts: dict[str, dict]) -> str:
@@ -100,16 +116,16 @@ def markdown(parts: dict[str, dict]) -> str:
     k = kind(part)
     body = table(part['rows'], columns[k]) if k else 'No rows this report knows how to tabulate.'
     sections.append(describe(name, part) + '\n\n' + body)
-  backend = next(iter(parts.values())).get('backend', '?') if parts else 'none'
-  return f'# Accelerator sweep ({backend})\n\n' + '\n\n'.join(sections) + '\n'
+  return f'# Accelerator sweep ({sweep_backend(parts)})\n\n' + '\n\n'.join(sections) + '\n'
 
 
 def figure(parts: dict[str, dict], path: str) -> bool:
   """Seconds per round and peak memory against clients (log-log), as a PNG at `path`; False where no part
   measured rounds."""
-  vs = {n: p for n, p in parts.items() if kind(p) == 'vs_pytorch'}
+  host = {n: p for n, p in parts.items() if kind(p) == 'vs_pytorch' and n.startswith('host_cpu_t')}
+  vs = {n: p for n, p in parts.items() if kind(p) == 'vs_pytorch' and n not in host}
   scaling = {n: p for n, p in parts.items() if kind(p) == 'scaling'}
-  if not vs and not scaling:
+  if not vs and not scaling and not host:
     return False
   try:
     import matplotlib
@@ -119,7 +135,7 @@ def figure(parts: dict[str, dict], path: str) -> bool:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   import matplotlib.ticker
-  panels = (['vs'] if vs else []) + (['scaling', 'memory'] if scaling else [])
+  panels = (['vs'] if vs else []) + (['host'] if host else []) + (['scaling', 'memory'] if scaling else [])
   fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
   axes = dict(zip(panels, axes[0]))
   for name, part in vs.items():
@@ -128,6 +144,19 @@ def figure(parts: dict[str, dict], path: str) -> bool:
     axes['vs'].plot(clients, [r['fedjax_seconds_per_round'] for r in rows], 'o-', label=f'fedjax_het ({name})')
     axes['vs'].plot(clients, [r['torch_seconds_per_round'] for r in rows], 's--',
                     label=f'PyTorch loop, {part.get("torch_device", "?")} ({name})')
+  by_clients = {}  # host CPU: per client count, (client threads, fedjax_het s, PyTorch s) over the parts
+  for name, part in host.items():
+    threads = part.get('client_threads') or int(name.split('/')[0][len('host_cpu_t'):])
+    for r in part['rows']:
+      by_clients.setdefault(r['num_clients'], []).append(
+          (threads, r['fedjax_seconds_per_round'], r['torch_seconds_per_round']))
+  for k, points in sorted(by_clients.items()):
+    points = sorted(points)
+    threads = [p[0] for p in points]
+    line, = axes['host'].plot(threads, [p[1] for p in points], 'o-', label=f'fedjax_het, {k} clients')
+    axes['host'].plot(threads, [p[2] for p in points], 's--', color=line.get_color(),
+                      label=f'PyTorch loop ({next(iter(host.values())).get("torch_threads", "?")} threads), '
+                            f'{k} clients')
   for name, part in scaling.items():
     series = {}
     for r in part['rows']:
@@ -141,10 +170,14 @@ def figure(parts: dict[str, dict], path: str) -> bool:
   memory_kinds = {r.get('memory_kind') for p in scaling.values() for r in p['rows']} - {None}
   memory = {'device_peak': 'device peak', 'host_peak_rss': 'process peak RSS'}
   titles = {'vs': ('seconds per round', 'FedRE round: fedjax_het and the PyTorch loop'),
+            'host': ('seconds per round', 'The same on the host CPU'),
             'scaling': ('seconds per round', 'Round cost over clients and groups'),
             'memory': (f'MiB ({", ".join(sorted(memory.get(k, k) for k in memory_kinds))})', 'Peak memory')}
   plain = matplotlib.ticker.FormatStrFormatter('%g')
   for panel, ax in axes.items():
+    if not ax.get_lines():  # every row of its parts out of memory
+      ax.set_title(titles[panel][1] + ': no rows', fontsize=10)
+      continue
     ax.set_xscale('log')
     ax.set_yscale('log')
     ax.set_xticks(sorted({x for line in ax.get_lines() for x in line.get_xdata()}))
@@ -153,12 +186,12 @@ def figure(parts: dict[str, dict], path: str) -> bool:
     ax.yaxis.set_major_formatter(plain)
     ax.yaxis.set_minor_formatter(plain)
     ax.tick_params(axis='y', which='minor', labelsize=7)
-    ax.set_xlabel('clients')
+    ax.set_xlabel("fedjax_het's client threads" if panel == 'host' else 'clients')
     ax.set_ylabel(titles[panel][0])
     ax.set_title(titles[panel][1], fontsize=10)
     ax.grid(alpha=0.3, which='both')
     ax.legend(fontsize=7)
-  first = next(iter({**vs, **scaling}.values()))
+  first = next(iter({**vs, **scaling, **host}.values()))
   fig.suptitle(f'{first.get("device_kind", first.get("device", "?"))}, jax {first.get("jax", "?")}', fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -168,8 +201,7 @@ def figure(parts: dict[str, dict], path: str) -> bool:
 
 def main(out: str) -> None:
   parts = read_parts(out)
-  backend = next(iter(parts.values())).get('backend', 'none') if parts else 'none'
-  base = os.path.join(out, f'gpu_sweep_{backend}')
+  base = os.path.join(out, f'gpu_sweep_{sweep_backend(parts)}')
   with open(base + '.json', 'w') as f:
     json.dump({'tiny': os.environ.get('TINY', '0') == '1', 'parts': parts}, f, indent=2)
   with open(base + '.md', 'w') as f:

@@ -44,6 +44,8 @@ flags.DEFINE_integer('batch_size', 32, 'Local batch size.')
 flags.DEFINE_integer('rounds', 3, 'Timed rounds per side (after one warm-up round).')
 flags.DEFINE_string('strategy', None, 'fedjax_het strategy (default: the backend default).')
 flags.DEFINE_integer('eval_batch_size', None, 'fedjax_het rows per eval-mode pass (default: the backend default).')
+flags.DEFINE_integer('client_threads', None, 'fedjax_het clients at once under the sequential strategy (default: the '
+                     'library default).')
 flags.DEFINE_integer('torch_eval_batch_size', 144, 'Rows per PyTorch representation pass (144: its fastest in '
                      '`cpu_kernels.py --parts=represent` on the 2-core CPU).')
 flags.DEFINE_bool('disk_io', True, 'Also time the PyTorch loop with HtFLlib\'s per-round model save/load.')
@@ -88,7 +90,8 @@ def main(_):
   for k in [int(v) for v in FLAGS.num_clients]:
     data = cifar_like(k, FLAGS.samples_per_client, partition=FLAGS.partition, alpha=FLAGS.alpha)
     fed = Federation(fedre(FedREConfig(), 10), data, ['cnn4'], LocalTraining(lr, FLAGS.batch_size, 1),
-                     ExecutionConfig(strategy=FLAGS.strategy, eval_batch_size=FLAGS.eval_batch_size))
+                     ExecutionConfig(strategy=FLAGS.strategy, eval_batch_size=FLAGS.eval_batch_size,
+                                     client_threads=FLAGS.client_threads))
     g = fed.groups[0]
     tensors = client_tensors(g.train.x, g.train.y, g.train_sizes, torch_device)
     make_torch = lambda disk_io: TorchFedRE(tensors, 10, lr, FLAGS.batch_size, device=torch_device, disk_io=disk_io,
@@ -135,6 +138,7 @@ def main(_):
           f'{row["speedup_vs_torch"]:7.2f}x | {vs_disk} | {limit:7.3f} | {row["overhead_vs_limit"]:7.2f}x',
           flush=True)
     settings = {'torch_device': torch_device, 'torch': torch.__version__, 'torch_tf32': torch_device == 'cuda',
+                'torch_threads': torch.get_num_threads(),
                 'strategy': fed.strategy, 'conv': fed.conv, 'client_threads': getattr(fed.executor, 'threads', None),
                 'batch_size': FLAGS.batch_size, 'eval_batch_size': fed.executor.eval_batch_size,
                 'torch_eval_batch_size': FLAGS.torch_eval_batch_size, 'samples_per_client': FLAGS.samples_per_client,

@@ -1,8 +1,9 @@
 """benchmarks/gpu_sweep.sh and benchmarks/gpu_plan.py on the CPU at their tiny sizes, so that the accelerator sweep
 cannot rot before a GPU is lent: the plan's analysis of a matmul by hand, the plan part writing one merged results
-file, the report of parts run elsewhere, a scaling part's one process per method, a part stopped at its share of
-the command's time keeping its rows, and scaling's row order and per-row results in the default suite; the tiny
-sweep's parts (vs_pytorch, scaling with two groups, plan) in the slow set."""
+file, the report of parts run elsewhere, a scaling part's one process per method and host_cpu's one per thread
+count, a part stopped at its share of the command's time keeping its rows, and scaling's row order and per-row
+results in the default suite; the tiny sweep's parts (host_cpu, vs_pytorch, scaling with two groups, plan) in the
+slow set."""
 
 import json
 import os
@@ -86,6 +87,15 @@ def test_merge_reports_parts_run_elsewhere_and_an_unknown_part_is_named(tmp_path
   assert done.returncode == 2 and "SWEEP_SECONDS='9m' is not a whole number of seconds" in done.stderr
 
 
+def test_the_report_is_named_after_the_accelerator_though_host_cpu_parts_ran_on_its_cpu():
+  sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+  import sweep_report
+  host, gpu = {'backend': 'cpu'}, {'backend': 'gpu'}
+  assert sweep_report.sweep_backend({'host_cpu_t2/vs_pytorch_cpu': host, 'vs_pytorch_gpu': gpu}) == 'gpu'
+  assert sweep_report.sweep_backend({'host_cpu_t2/vs_pytorch_cpu': host}) == 'cpu'
+  assert sweep_report.sweep_backend({}) == 'none'
+
+
 FAKE_PYTHON = """#!/usr/bin/env bash
 # Runs the report for real; a benchmark part writes one finished row holding its arguments, as after its first
 # row, and then hangs if it is $HANG.
@@ -93,26 +103,34 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 for a in "$@"; do case "$a" in --out=*) out="${a#--out=}" ;; esac; done
 mkdir -p "$out"
 echo '{"backend": "cpu", "complete": false, "rows": [{"num_clients": 10, "torch_seconds_per_round": 2.0,
-       "fedjax_seconds_per_round": 1.0, "args": "'"$*"'"}]}' > "$out/${1%.py}_cpu.json"
+       "fedjax_seconds_per_round": 1.0, "args": "'"$*"'", "jax_platforms": "'"${JAX_PLATFORMS:-}"'"}]}' \\
+  > "$out/${1%.py}_cpu.json"
 [ "$1" = "${HANG:-}" ] && exec sleep 60
 exit 0
 """
 
 
-def test_a_scaling_part_runs_each_algorithm_in_its_own_process(tmp_path):
+def test_scaling_runs_each_method_and_host_cpu_each_thread_count_up_to_the_cores_in_its_own_process(tmp_path):
   fake = tmp_path / 'python'
   fake.write_text(FAKE_PYTHON)
   fake.chmod(0o755)
-  env = {**os.environ, 'PYTHON': str(fake), 'REAL_PYTHON': sys.executable}
-  done = subprocess.run(['bash', os.path.join(ROOT, 'benchmarks', 'gpu_sweep.sh'), str(tmp_path), 'scaling_g10'],
-                        env=env, capture_output=True, text=True, timeout=60)
+  env = {**os.environ, 'PYTHON': str(fake), 'REAL_PYTHON': sys.executable, 'JAX_PLATFORMS': ''}
+  done = subprocess.run(['bash', os.path.join(ROOT, 'benchmarks', 'gpu_sweep.sh'), str(tmp_path), 'scaling_g10',
+                         'host_cpu'], env=env, capture_output=True, text=True, timeout=60)
   assert done.returncode == 0, done.stderr[-3000:]
   parts = json.loads((tmp_path / 'gpu_sweep_cpu.json').read_text())['parts']
-  assert sorted(parts) == ['scaling_g10_fedavg/scaling_cpu', 'scaling_g10_fedre/scaling_cpu']
+  threads = [t for t in (2, 4, 8, 16) if t <= os.cpu_count()]
+  assert sorted(parts) == sorted([f'host_cpu_t{t}/vs_pytorch_cpu' for t in threads] +
+                                 ['scaling_g10_fedavg/scaling_cpu', 'scaling_g10_fedre/scaling_cpu'])
   for algorithm in ('fedre', 'fedavg'):
     args = parts[f'scaling_g10_{algorithm}/scaling_cpu']['rows'][0]['args'].split()
     assert args[0] == 'scaling.py' and f'--algorithms={algorithm}' in args and '--groups=10' in args
     assert f'--out={tmp_path}/scaling_g10_{algorithm}' in args
+  for t in threads:
+    row = parts[f'host_cpu_t{t}/vs_pytorch_cpu']['rows'][0]
+    assert row['jax_platforms'] == 'cpu'  # the host's CPU, also where an accelerator is
+    args = row['args'].split()
+    assert args[0] == 'vs_pytorch.py' and f'--client_threads={t}' in args and '--strategy=sequential' in args
 
 
 def test_a_part_is_stopped_at_its_share_of_the_time_keeping_its_rows_and_one_without_time_does_not_start(tmp_path):
@@ -173,7 +191,8 @@ def test_scaling_keeps_each_finished_row_smaller_client_counts_first_and_names_t
 @pytest.mark.slow
 def test_the_whole_tiny_sweep_runs_every_part(tmp_path):
   merged = _sweep(tmp_path)
-  assert sorted(merged['parts']) == ['gpu_plan_cpu', 'scaling_g2_fedre/scaling_cpu', 'vs_pytorch_cpu']
+  assert sorted(merged['parts']) == ['gpu_plan_cpu', 'host_cpu_t1/vs_pytorch_cpu', 'host_cpu_t2/vs_pytorch_cpu',
+                                     'scaling_g2_fedre/scaling_cpu', 'vs_pytorch_cpu']
   vs = merged['parts']['vs_pytorch_cpu']['rows']
   assert [r['num_clients'] for r in vs] == [2] and vs[0]['speedup_vs_torch'] > 0
   scaling = merged['parts']['scaling_g2_fedre/scaling_cpu']['rows']
