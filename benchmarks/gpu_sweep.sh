@@ -67,23 +67,39 @@ budget="${SWEEP_SECONDS:-0}"
 if ! [[ "$budget" =~ ^[0-9]+$ ]]; then
   echo "gpu_sweep.sh: SWEEP_SECONDS='$budget' is not a whole number of seconds; e.g. SWEEP_SECONDS=560." >&2; exit 2
 fi
+budget=$((10#$budget))
+failed=()
 # A scaling part runs each algorithm in its own process (OUT/scaling_gN_<algorithm>/): a process's peak memory only
 # grows, so its rows, smaller client counts first, then each report the peak of their own round.
+cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"  # the cores this process may use, not OpenMP's limit
 units=()
 for part in "${parts[@]}"; do
   case "$part" in
     merge) ;;
     scaling_g*) for algorithm in "${algorithms[@]}"; do units+=("${part}_$algorithm"); done ;;
     host_cpu)
+      before=${#units[@]}
       for threads in "${host_threads[@]}"; do
-        [ "$threads" -le "$(nproc)" ] && units+=("host_cpu_t$threads")
-      done ;;
+        [ "$threads" -le "$cores" ] && units+=("host_cpu_t$threads")
+      done
+      if [ ${#units[@]} = "$before" ]; then
+        echo "gpu_sweep.sh: part host_cpu not started: none of ${host_threads[*]} client threads fits $cores cores" >&2
+        failed+=("host_cpu (not started)")
+      fi ;;
     *) units+=("$part") ;;
   esac
 done
+
+results_of() {  # the pattern of the results files a unit writes
+  case "$1" in
+    vs_pytorch) echo "$out/vs_pytorch_*.json" ;;
+    plan) echo "$out/gpu_plan_*.json" ;;
+    *) echo "$out/$1/*.json" ;;
+  esac
+}
+
 start=$SECONDS
 left_parts=${#units[@]}
-failed=()
 for part in ${units[@]+"${units[@]}"}; do
   cap=()
   share=0
@@ -97,18 +113,24 @@ for part in ${units[@]+"${units[@]}"}; do
   fi
   rc=0
   case "$part" in
-    vs_pytorch) "${cap[@]}" "$py" vs_pytorch.py "${vs[@]}" --out="$out" || rc=$? ;;
+    vs_pytorch) ${cap[@]+"${cap[@]}"} "$py" vs_pytorch.py "${vs[@]}" --out="$out" || rc=$? ;;
     scaling_g*)
       groups="${part#scaling_g}"
-      "${cap[@]}" "$py" scaling.py "${scaling[@]}" --algorithms="${part##*_}" --groups="${groups%%_*}" \
+      ${cap[@]+"${cap[@]}"} "$py" scaling.py "${scaling[@]}" --algorithms="${part##*_}" --groups="${groups%%_*}" \
         --out="$out/$part" || rc=$? ;;
     host_cpu_t*)
-      JAX_PLATFORMS=cpu "${cap[@]}" "$py" vs_pytorch.py "${host[@]}" --strategy=sequential \
+      JAX_PLATFORMS=cpu ${cap[@]+"${cap[@]}"} "$py" vs_pytorch.py "${host[@]}" --strategy=sequential \
         --client_threads="${part#host_cpu_t}" --out="$out/$part" || rc=$? ;;
-    plan) "${cap[@]}" "$py" gpu_plan.py "${plan[@]}" --out="$out" || rc=$? ;;
+    plan) ${cap[@]+"${cap[@]}"} "$py" gpu_plan.py ${plan[@]+"${plan[@]}"} --out="$out" || rc=$? ;;
   esac
-  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
-    echo "gpu_sweep.sh: part $part stopped at its share of SWEEP_SECONDS ($share s); the rows it finished are kept" >&2
+  if [ ${#cap[@]} -gt 0 ] && { [ "$rc" = 124 ] || [ "$rc" = 137 ]; }; then
+    if compgen -G "$(results_of "$part")" > /dev/null; then
+      echo "gpu_sweep.sh: part $part stopped at its share of SWEEP_SECONDS ($share s); the rows it finished are" \
+           "kept" >&2
+    else
+      echo "gpu_sweep.sh: part $part stopped at its share of SWEEP_SECONDS ($share s) before its first row" >&2
+      failed+=("$part (stopped before its first row)")
+    fi
   elif [ "$rc" != 0 ]; then
     echo "gpu_sweep.sh: part $part failed (exit $rc); the other parts go on" >&2
     failed+=("$part (exit $rc)")
@@ -117,8 +139,10 @@ for part in ${units[@]+"${units[@]}"}; do
 done
 
 find "$out" -maxdepth 2 -name '*.tmp' -delete  # a stopped part's unfinished write
-"$py" sweep_report.py "$out"
+report=0
+"$py" sweep_report.py "$out" || report=$?
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu_sweep.sh: these parts did not finish: ${failed[*]}" >&2
   exit 1
 fi
+exit "$report"

@@ -93,9 +93,12 @@ def machine() -> dict:
 
 
 def command_line() -> str:
-  """The command that is running, as typed from the repository's root: 'python benchmarks/<script> <flags>'."""
+  """The command that is running, as typed from the repository's root: '[JAX_PLATFORMS=...] python
+  benchmarks/<script> <flags>' (JAX_PLATFORMS where it is set: it decides the backend, and PyTorch's device with
+  it)."""
   script = os.path.relpath(os.path.abspath(sys.argv[0]), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  return ' '.join(['python', script] + [shlex.quote(a) for a in sys.argv[1:]])
+  platforms = [f'JAX_PLATFORMS={shlex.quote(os.environ["JAX_PLATFORMS"])}'] if os.environ.get('JAX_PLATFORMS') else []
+  return ' '.join(platforms + ['python', script] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
 def xla_op_label(name: str, hlo_text: str) -> str:

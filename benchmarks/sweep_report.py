@@ -3,13 +3,14 @@
   python benchmarks/sweep_report.py OUT
 
 Reads every part under OUT as benchmarks/gpu_sweep.sh leaves them (OUT/*.json and OUT/*/*.json: vs_pytorch_<backend>,
-scaling_gN/scaling_<backend>, gpu_plan_<backend>; also parts copied there from separate commands or machines) and
-writes OUT/gpu_sweep_<backend>.json (every part), OUT/gpu_sweep_<backend>.md (per part: its command, the machine,
-its settings and its table in the columns of docs/performance.md) and, where a part measured rounds,
-OUT/gpu_sweep_<backend>.png: seconds per round against clients for fedjax_het and the PyTorch loop, the same on
-the host CPU against fedjax_het's client threads (the host_cpu_tN parts), seconds per round against clients for
-each algorithm and number of architecture groups, and peak memory. A part stopped at its time limit is reported
-with the rows it finished.
+host_cpu_tN/vs_pytorch_cpu, scaling_gN_<method>/scaling_<backend>, gpu_plan_<backend>; also parts copied there from
+separate commands or machines) and writes OUT/gpu_sweep_<backend>.json (every part; <backend> is the accelerator's
+where any part ran on one), OUT/gpu_sweep_<backend>.md (per part: its command, the machine, its settings and its
+table in the columns of docs/performance.md) and, where a part measured rounds, OUT/gpu_sweep_<backend>.png:
+seconds per round against clients for fedjax_het and the PyTorch loop, the same on the host CPU against
+fedjax_het's client threads (the host_cpu_tN parts), seconds per round against clients for each algorithm and
+number of architecture groups, and peak memory. A part stopped at its time limit is reported with the rows it
+finished.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ NOT_SETTINGS = {'backend', 'device', 'device_kind', 'cpu_count', 'machine', 'cpu
 
 def read_parts(out: str) -> dict[str, dict]:
   """{part name: its results} for every results file under `out` and one folder down, the report's own excepted;
-  the name is the file's path below `out` without '.json' (e.g. 'scaling_g5/scaling_gpu')."""
+  the name is the file's path below `out` without '.json' (e.g. 'scaling_g5_fedre/scaling_gpu')."""
   parts = {}
   for path in sorted(glob.glob(os.path.join(out, '*.json')) + glob.glob(os.path.join(out, '*', '*.json'))):
     name = os.path.relpath(path, out)[:-len('.json')].replace(os.sep, '/')

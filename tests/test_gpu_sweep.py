@@ -1,12 +1,14 @@
 """benchmarks/gpu_sweep.sh and benchmarks/gpu_plan.py on the CPU at their tiny sizes, so that the accelerator sweep
 cannot rot before a GPU is lent: the plan's analysis of a matmul by hand, the plan part writing one merged results
 file, the report of parts run elsewhere, a scaling part's one process per method and host_cpu's one per thread
-count, a part stopped at its share of the command's time keeping its rows, and scaling's row order and per-row
-results in the default suite; the tiny sweep's parts (host_cpu, vs_pytorch, scaling with two groups, plan) in the
+count, a part stopped at its share of the command's time keeping its rows (one stopped before its first row, or
+killed without a time limit, named as not finished), and scaling's row order and per-row results in the default
+suite; the tiny sweep's parts (host_cpu, vs_pytorch, scaling with two groups, plan) in the
 slow set."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -98,28 +100,37 @@ def test_the_report_is_named_after_the_accelerator_though_host_cpu_parts_ran_on_
 
 FAKE_PYTHON = """#!/usr/bin/env bash
 # Runs the report for real; a benchmark part writes one finished row holding its arguments, as after its first
-# row, and then hangs if it is $HANG.
+# row (unless it is $NOROW), then hangs if it is $HANG, or exits with $EXIT.
 [ "$1" = sweep_report.py ] && exec "$REAL_PYTHON" "$@"
 for a in "$@"; do case "$a" in --out=*) out="${a#--out=}" ;; esac; done
 mkdir -p "$out"
-echo '{"backend": "cpu", "complete": false, "rows": [{"num_clients": 10, "torch_seconds_per_round": 2.0,
-       "fedjax_seconds_per_round": 1.0, "args": "'"$*"'", "jax_platforms": "'"${JAX_PLATFORMS:-}"'"}]}' \\
-  > "$out/${1%.py}_cpu.json"
+[ "$1" = "${NOROW:-}" ] || echo '{"backend": "cpu", "complete": false, "rows": [{"num_clients": 10,
+  "torch_seconds_per_round": 2.0, "fedjax_seconds_per_round": 1.0, "args": "'"$*"'",
+  "jax_platforms": "'"${JAX_PLATFORMS:-}"'"}]}' > "$out/${1%.py}_cpu.json"
 [ "$1" = "${HANG:-}" ] && exec sleep 60
-exit 0
+exit "${EXIT:-0}"
 """
 
 
-def test_scaling_runs_each_method_and_host_cpu_each_thread_count_up_to_the_cores_in_its_own_process(tmp_path):
+def _fake_python(tmp_path, **env):
   fake = tmp_path / 'python'
   fake.write_text(FAKE_PYTHON)
   fake.chmod(0o755)
-  env = {**os.environ, 'PYTHON': str(fake), 'REAL_PYTHON': sys.executable, 'JAX_PLATFORMS': ''}
-  done = subprocess.run(['bash', os.path.join(ROOT, 'benchmarks', 'gpu_sweep.sh'), str(tmp_path), 'scaling_g10',
-                         'host_cpu'], env=env, capture_output=True, text=True, timeout=60)
+  return {**os.environ, 'PYTHON': str(fake), 'REAL_PYTHON': sys.executable, **env}
+
+
+def _sweep_with(env, out, *parts):
+  return subprocess.run(['bash', os.path.join(ROOT, 'benchmarks', 'gpu_sweep.sh'), str(out), *parts], env=env,
+                        capture_output=True, text=True, timeout=60)
+
+
+def test_scaling_runs_each_method_and_host_cpu_each_thread_count_up_to_the_cores_in_its_own_process(tmp_path):
+  # OpenMP's thread limit is not the machine's cores
+  done = _sweep_with(_fake_python(tmp_path, JAX_PLATFORMS='', OMP_NUM_THREADS='1'), tmp_path, 'scaling_g10',
+                     'host_cpu')
   assert done.returncode == 0, done.stderr[-3000:]
   parts = json.loads((tmp_path / 'gpu_sweep_cpu.json').read_text())['parts']
-  threads = [t for t in (2, 4, 8, 16) if t <= os.cpu_count()]
+  threads = [t for t in (2, 4, 8, 16) if t <= len(os.sched_getaffinity(0))]
   assert sorted(parts) == sorted([f'host_cpu_t{t}/vs_pytorch_cpu' for t in threads] +
                                  ['scaling_g10_fedavg/scaling_cpu', 'scaling_g10_fedre/scaling_cpu'])
   for algorithm in ('fedre', 'fedavg'):
@@ -134,22 +145,27 @@ def test_scaling_runs_each_method_and_host_cpu_each_thread_count_up_to_the_cores
 
 
 def test_a_part_is_stopped_at_its_share_of_the_time_keeping_its_rows_and_one_without_time_does_not_start(tmp_path):
-  fake = tmp_path / 'python'
-  fake.write_text(FAKE_PYTHON)
-  fake.chmod(0o755)
-  # 20 s, less 15 for the report: the first of two parts would get 5 / 2 = 2 s, under the 5 s a part needs, so it
-  # does not start; the second gets the 5 s and is stopped there.
-  env = {**os.environ, 'PYTHON': str(fake), 'REAL_PYTHON': sys.executable, 'SWEEP_SECONDS': '20',
-         'HANG': 'vs_pytorch.py'}
-  done = subprocess.run(['bash', os.path.join(ROOT, 'benchmarks', 'gpu_sweep.sh'), str(tmp_path), 'plan',
-                         'vs_pytorch'], env=env, capture_output=True, text=True, timeout=60)
+  # 22 s, less 15 for the report: the first of two parts would get 7 / 2 = 3 s, under the 5 s a part needs, so it
+  # does not start; the second gets the 7 s (6 where a second passed) and is stopped there.
+  done = _sweep_with(_fake_python(tmp_path, SWEEP_SECONDS='22', HANG='vs_pytorch.py'), tmp_path, 'plan', 'vs_pytorch')
   assert done.returncode == 1, done.stderr[-3000:]
-  assert 'part plan not started: its share of SWEEP_SECONDS=20 would be 2 s' in done.stderr
-  assert 'part vs_pytorch stopped at its share of SWEEP_SECONDS (5 s)' in done.stderr
+  assert 'part plan not started: its share of SWEEP_SECONDS=22 would be 3 s' in done.stderr
+  assert re.search(r'part vs_pytorch stopped at its share of SWEEP_SECONDS \([67] s\); the rows it finished are kept',
+                   done.stderr)
   assert 'these parts did not finish: plan (not started)' in done.stderr
   report = (tmp_path / 'gpu_sweep_cpu.md').read_text()
   assert list(json.loads((tmp_path / 'gpu_sweep_cpu.json').read_text())['parts']) == ['vs_pytorch_cpu']
   assert '## vs_pytorch_cpu (stopped at its time limit after 1 rows)' in report
+
+
+def test_a_part_stopped_before_its_first_row_or_killed_without_a_time_limit_is_named_as_not_finished(tmp_path):
+  done = _sweep_with(_fake_python(tmp_path, SWEEP_SECONDS='21', HANG='vs_pytorch.py', NOROW='vs_pytorch.py'),
+                     tmp_path / 'a', 'vs_pytorch')
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert 'these parts did not finish: vs_pytorch (stopped before its first row)' in done.stderr
+  # Exit 137 (the kernel's OOM killer) without SWEEP_SECONDS is a failure, not a time limit.
+  done = _sweep_with(_fake_python(tmp_path, EXIT='137'), tmp_path / 'b', 'plan')
+  assert done.returncode == 1 and 'these parts did not finish: plan (exit 137)' in done.stderr
 
 
 STOPPED_SCALING = """
