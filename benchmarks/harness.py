@@ -19,6 +19,7 @@ from fedjax_het.algorithms.common import cross_entropy_loss
 from fedjax_het.core import Batch, ClientState
 from fedjax_het.data import FederatedData, make_federated_data, make_synthetic
 from fedjax_het.engine import LocalTraining
+from fedjax_het.workdir import write_atomically
 
 
 def cifar_like(num_clients: int, samples_per_client: int, seed: int = 0, partition: str = 'iid',
@@ -119,20 +120,14 @@ def write_results(out: str, name: str, settings: dict, rows: list[dict], complet
   run stopped at a time limit keeps the rows it finished (its file says 'complete': false)."""
   os.makedirs(out, exist_ok=True)
   base = os.path.join(out, name)
-  _replace(base + '.json', lambda f: json.dump({**machine(), 'command': command_line(), **settings,
-                                                'complete': complete, 'rows': rows}, f, indent=2))
+  write_atomically(base + '.json', lambda f: json.dump({**machine(), 'command': command_line(), **settings,
+                                                        'complete': complete, 'rows': rows}, f, indent=2))
   fields = list(dict.fromkeys(key for row in rows for key in row))
 
   def write_csv(f):
     writer = csv.DictWriter(f, fieldnames=fields)
     writer.writeheader()
     writer.writerows(rows)
-  _replace(base + '.csv', write_csv)
+  write_atomically(base + '.csv', write_csv)
   if complete:
     print('wrote', base + '.json', base + '.csv')
-
-
-def _replace(path: str, write: Callable[[Any], None]) -> None:
-  with open(path + '.tmp', 'w', newline='') as f:
-    write(f)
-  os.replace(path + '.tmp', path)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import IO, Any, Callable, Optional
 
 from absl import logging
 
@@ -27,6 +27,14 @@ try:
   import fcntl
 except ImportError:  # not POSIX: no lock, everything else works
   fcntl = None
+
+
+def write_atomically(path: str, write: Callable[[IO], None], binary: bool = False) -> None:
+  """Calls write(f) on a temporary file beside `path`, then renames it to `path`: a crash leaves the old file or
+  the new one, never half of one."""
+  with open(path + '.tmp', 'wb' if binary else 'w', newline=None if binary else '') as f:
+    write(f)
+  os.replace(path + '.tmp', path)
 
 
 class Workdir:
@@ -112,10 +120,7 @@ class Workdir:
     """Writes `name` atomically (temporary file, then rename)."""
     if not self.writes:
       return
-    path = self.file(name)
-    with open(path + '.tmp', 'w') as f:
-      json.dump(obj, f, indent=2)
-    os.replace(path + '.tmp', path)
+    write_atomically(self.file(name), lambda f: json.dump(obj, f, indent=2))
 
   def read_json(self, name: str) -> Optional[Any]:
     """The parsed file, or None when it is missing or unreadable (a note is logged for the latter)."""
@@ -153,10 +158,7 @@ class Workdir:
     """Replaces metrics.jsonl by `rows` atomically."""
     if not self.writes:
       return
-    path = self.file('metrics.jsonl')
-    with open(path + '.tmp', 'w') as f:
-      f.writelines(json.dumps(r) + '\n' for r in rows)
-    os.replace(path + '.tmp', path)
+    write_atomically(self.file('metrics.jsonl'), lambda f: f.writelines(json.dumps(r) + '\n' for r in rows))
 
   def append_metrics(self, row: dict) -> None:
     """Appends one round's row to metrics.jsonl and flushes it to the OS."""

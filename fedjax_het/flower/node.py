@@ -25,6 +25,7 @@ from fedjax_het.core import for_client
 from fedjax_het.engine.federation import Federation
 from fedjax_het.engine.groups import host_copy
 from fedjax_het.errors import ConfigError
+from fedjax_het.workdir import write_atomically
 
 _STATE_FILE = re.compile(r'after_round_(\d+)\.npz$')
 
@@ -63,10 +64,8 @@ class NodeStates:
   def save(self, after_round: int, state: Any) -> None:
     """Writes the state after round `after_round` atomically."""
     os.makedirs(self.directory, exist_ok=True)
-    path = self._path(after_round)
-    with open(path + '.tmp', 'wb') as f:
-      np.savez(f, **{f'{i:05d}': np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(state))})
-    os.replace(path + '.tmp', path)
+    write_atomically(self._path(after_round), lambda f: np.savez(
+        f, **{f'{i:05d}': np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(state))}), binary=True)
 
   def forget_after(self, round_index: int) -> None:
     """Removes the states saved after rounds later than `round_index` (a run that starts over from there)."""
