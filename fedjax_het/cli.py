@@ -97,13 +97,15 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_enum('strategy', None, list(STRATEGIES), 'How a group executes (default: sequential on CPU, vmap else).')
   f.DEFINE_integer('chunk_size', _D.chunk_size, 'vmap strategy: clients per vmapped chunk (0: whole group).')
   f.DEFINE_enum('conv', None, list(CONV_IMPLS), 'Convolution formulation: xla (native), im2col (strided slices '
-                '+ matmul; batches well under vmap), auto (im2col for <= 8 input channels, else xla). Default: per '
-                'backend and strategy (docs/performance.md).')
+                '+ matmul; batches well under vmap), auto (im2col for <= 8 input channels, else xla), onednn (oneDNN\'s '
+                'kernels, CPU; pip install -e \'.[onednn]\'). Default: per backend and strategy (docs/performance.md).')
   f.DEFINE_integer('scan_unroll', _D.scan_unroll, 'vmap strategy: local SGD steps per lax.scan iteration.')
   f.DEFINE_integer('num_devices', _D.num_devices, 'vmap strategy: shard each group\'s clients over this many '
                    'devices (0: all devices; 1: no sharding).')
   f.DEFINE_integer('client_threads', None, 'sequential strategy: clients updated at once, one host thread each '
                    '(default: 2, at most the core count).')
+  f.DEFINE_integer('onednn_threads', None, 'conv=onednn: OpenMP threads of each convolution (default: half the '
+                   'cores, at least 1). Its numbers depend on it, not on --client_threads.')
   f.DEFINE_bool('distributed', False, 'Join the run\'s other processes first (jax.distributed.initialize; every '
                 'process with the same flags; python -m fedjax_het.launch starts them on one machine).')
   f.DEFINE_integer('eval_every', _D.eval_every, 'Evaluate every N rounds (and after the last).')

@@ -86,6 +86,7 @@ class ExperimentConfig:
   scan_unroll: int = 1
   num_devices: int = 0
   client_threads: Optional[int] = None
+  onednn_threads: Optional[int] = None
   eval_every: int = 1
   eval_batch_size: int = 0  # 0: the backend default (engine.default_eval_batch_size)
   checkpoint_every: int = 10
@@ -182,13 +183,14 @@ class ExperimentConfig:
     with flags_named():
       if jax.process_count() > 1:  # every process computes its share of each group: the mesh spans them all
         return ExecutionConfig(self._distributed_strategy(), self.conv or None, client_mesh(0), self.chunk_size,
-                               self.scan_unroll, self.client_threads, self.eval_batch_size or None)
+                               self.scan_unroll, self.client_threads, self.eval_batch_size or None,
+                               self.onednn_threads)
       strategy = ExecutionConfig(self.strategy or None).resolve().strategy
       every_device_under_vmap = self.num_devices == 0 and strategy == 'vmap'
       # a count other than 0 and 1 always goes to client_mesh, which refuses one it cannot give
       mesh = client_mesh(self.num_devices) if self.num_devices not in (0, 1) or every_device_under_vmap else None
       return ExecutionConfig(self.strategy or None, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
-                             self.client_threads, self.eval_batch_size or None)
+                             self.client_threads, self.eval_batch_size or None, self.onednn_threads)
 
   def _distributed_strategy(self) -> str:
     """'vmap', the strategy of a run over several processes; a ConfigError for settings that cannot be one."""

@@ -12,7 +12,7 @@ from fedjax_het.models.conv import CONV_IMPLS, conv_factory
 from fedjax_het.models.pooling import max_pool
 
 
-@pytest.mark.parametrize('impl', ['im2col', 'auto'])
+@pytest.mark.parametrize('impl', ['im2col', 'auto', 'onednn'])
 @pytest.mark.parametrize('kw', [dict(features=5, kernel_size=(3, 3)),
                                 dict(features=4, kernel_size=(5, 5), padding='VALID'),
                                 dict(features=4, kernel_size=(7, 7), strides=2, padding=3, use_bias=False),

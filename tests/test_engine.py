@@ -1,3 +1,5 @@
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from fedjax_het.data.federated import ClientArrays
 from fedjax_het.engine import (ExecutionConfig, Federation, LocalTraining, ModelConfig, batch_schedule,
                                run_client)
 from fedjax_het.errors import ConfigError
+from fedjax_het.models import onednn
 
 TRAINING = LocalTraining(learning_rate=0.05, batch_size=8, epochs=2)
 
@@ -159,14 +162,25 @@ def test_same_seed_same_numbers_whatever_the_client_threads(tiny_data):
   assert strip(h1) != strip(h3)
 
 
-def test_the_backend_defaults_are_decided_once_and_described():
-  cpu = ExecutionConfig().resolve('cpu')
-  assert (cpu.strategy, cpu.conv, cpu.eval_batch_size) == ('sequential', 'auto', 32)
-  assert cpu.describe('cpu').endswith(': strategy=sequential, conv=auto, eval_batch_size=32, '
-                                      f'client_threads={cpu.client_threads}')
+def test_the_backend_defaults_are_decided_once_and_described(monkeypatch):
+  cpu = ExecutionConfig(client_threads=2).resolve('cpu')  # oneDNN is installed with the test extra
+  assert (cpu.strategy, cpu.conv, cpu.eval_batch_size) == ('sequential', 'onednn', 32)
+  threads = max(1, os.cpu_count() // 2)
+  assert cpu.onednn_threads == threads and ExecutionConfig(client_threads=1).resolve('cpu').onednn_threads == threads
+  assert cpu.describe('cpu').endswith(f': strategy=sequential, conv=onednn (oneDNN {onednn.version()}, {threads} '
+                                      f'thread{"s" if threads > 1 else ""} each), eval_batch_size=32, client_threads=2')
   gpu = ExecutionConfig(chunk_size=4).resolve('gpu')
   assert gpu.describe('gpu').endswith(': strategy=vmap, conv=xla, eval_batch_size=256, chunk_size=4, devices=1')
   assert ExecutionConfig(strategy='vmap', client_threads=3).resolve('cpu').conv == 'im2col'
+  with pytest.raises(ConfigError, match="^ExecutionConfig.conv='onednn' runs on the CPU only.*Fix: conv='xla'"):
+    ExecutionConfig(conv='onednn').resolve('gpu')
+  # Without oneDNN: 'auto', and the run's first line says what would be faster; asking for it says why not.
+  monkeypatch.setattr(onednn, 'unavailable_reason', lambda: 'oneDNN 3.x was not found. Fix: pip install it.')
+  cpu = ExecutionConfig(client_threads=2).resolve('cpu')
+  assert cpu.conv == 'auto'
+  assert f"conv=auto (oneDNN's convolutions would be faster: {onednn.INSTALL})" in cpu.describe('cpu')
+  with pytest.raises(ConfigError, match="^ExecutionConfig.conv='onednn': oneDNN 3.x was not found. Fix: pip"):
+    ExecutionConfig(conv='onednn').resolve('cpu')
 
 
 def test_training_improves_accuracy(tiny_data):

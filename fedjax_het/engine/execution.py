@@ -12,6 +12,7 @@ import jax
 from fedjax_het.engine.executors import STRATEGIES, Executor, SequentialExecutor, VmapExecutor
 from fedjax_het.engine.sharding import CLIENTS_AXIS
 from fedjax_het.errors import ConfigError
+from fedjax_het.models import onednn
 from fedjax_het.models.conv import CONV_IMPLS
 
 
@@ -19,8 +20,9 @@ from fedjax_het.models.conv import CONV_IMPLS
 class ExecutionConfig:
   """strategy: 'vmap' (`VmapExecutor`) or 'sequential' (`SequentialExecutor`); None: sequential on CPU (measured
     faster there, docs/performance.md), vmap on GPU/TPU.
-  conv: 'xla', 'im2col' or 'auto' (models/conv.py); None: im2col under vmap on CPU (grouped convolutions are slow
-    there), auto for sequential on CPU, xla on GPU/TPU.
+  conv: 'xla', 'im2col', 'auto' (models/conv.py) or 'onednn' (models/onednn.py, CPU only); None: im2col under vmap
+    on CPU (grouped convolutions are slow there), onednn for sequential on CPU where oneDNN is installed (else
+    auto), xla on GPU/TPU.
   client_mesh: a one-axis ('clients') mesh of D > 1 devices over which the vmap executor lays each group's clients
     (`engine.client_mesh`); None: one device.
   chunk_size: vmap this many clients per call (0: a whole group); a multiple of the mesh's devices.
@@ -28,6 +30,9 @@ class ExecutionConfig:
   client_threads: clients the sequential executor runs at once, one host thread each; None: 2, at most the cores.
   eval_batch_size: rows per eval-mode pass (representations, evaluation); None: 32 on CPU, where larger passes
     spill the im2col patches out of cache (benchmarks/cpu_kernels.py --parts=represent), 256 on GPU/TPU.
+  onednn_threads: OpenMP threads of each oneDNN convolution (conv='onednn'); None: half the cores, at least 1, so
+    that the default two client threads fill the cores. Its numbers depend on it (oneDNN splits some kernel-gradient
+    sums among its threads), not on client_threads.
   """
   strategy: Optional[str] = None
   conv: Optional[str] = None
@@ -36,6 +41,7 @@ class ExecutionConfig:
   scan_unroll: int = 1
   client_threads: Optional[int] = None
   eval_batch_size: Optional[int] = None
+  onednn_threads: Optional[int] = None
 
   def __post_init__(self):
     if self.strategy is not None and self.strategy not in STRATEGIES:
@@ -55,6 +61,8 @@ class ExecutionConfig:
                         f'iteration).')
     if self.client_threads is not None and self.client_threads < 1:
       raise ConfigError(f'ExecutionConfig.client_threads={self.client_threads} must be >= 1.')
+    if self.onednn_threads is not None and self.onednn_threads < 1:
+      raise ConfigError(f'ExecutionConfig.onednn_threads={self.onednn_threads} must be >= 1 (None: half the cores).')
     if self.eval_batch_size is not None and self.eval_batch_size < 1:
       raise ConfigError(f'ExecutionConfig.eval_batch_size={self.eval_batch_size} must be >= 1 (None: the '
                         f'backend default).')
@@ -79,18 +87,31 @@ class ExecutionConfig:
     strategy = self.strategy or ('sequential' if cpu else 'vmap')
     if self.num_devices > 1 and self.strategy is None:
       strategy = 'vmap'
-    conv = self.conv or (('im2col' if strategy == 'vmap' else 'auto') if cpu else 'xla')
+    conv = self.conv or (('im2col' if strategy == 'vmap' else 'onednn' if onednn.unavailable_reason() is None
+                          else 'auto') if cpu else 'xla')
+    if conv == 'onednn':
+      if not cpu:
+        raise ConfigError(f'ExecutionConfig.conv=\'onednn\' runs on the CPU only (backend: '
+                          f'{backend or jax.default_backend()}). Fix: conv=\'xla\' (or leave it unset).')
+      if onednn.unavailable_reason() is not None:
+        raise onednn.OneDNNUnavailable(f'ExecutionConfig.conv=\'onednn\': {onednn.unavailable_reason()}')
     threads = self.client_threads or max(1, min(2, os.cpu_count() or 1))
     mesh = self.client_mesh if self.num_devices > 1 else None
     return dataclasses.replace(self, strategy=strategy, conv=conv, client_mesh=mesh, client_threads=threads,
-                               eval_batch_size=self.eval_batch_size or (32 if cpu else 256))
+                               eval_batch_size=self.eval_batch_size or (32 if cpu else 256),
+                               onednn_threads=self.onednn_threads or max(1, (os.cpu_count() or 1) // 2))
 
   def describe(self, backend: Optional[str] = None) -> str:
     """One line naming the backend and what this resolved configuration runs with (printed at a run's start)."""
     backend = backend or jax.default_backend()
     count, unit = (os.cpu_count(), 'core') if backend == 'cpu' else (jax.device_count(), 'device')
     where = f'{backend} ({count} {unit}{"s" if count != 1 else ""})'
-    how = f'strategy={self.strategy}, conv={self.conv}, eval_batch_size={self.eval_batch_size}'
+    conv = self.conv
+    if conv == 'onednn':
+      conv += f' (oneDNN {onednn.version()}, {self.onednn_threads} thread{"s" if self.onednn_threads > 1 else ""} each)'
+    elif conv == 'auto' and backend == 'cpu' and onednn.unavailable_reason() is not None:
+      conv += f' (oneDNN\'s convolutions would be faster: {onednn.INSTALL})'
+    how = f'strategy={self.strategy}, conv={conv}, eval_batch_size={self.eval_batch_size}'
     if self.strategy == 'sequential':
       how += f', client_threads={self.client_threads}'
     else:
@@ -98,7 +119,9 @@ class ExecutionConfig:
     return f'{where}: {how}'
 
   def executor(self) -> Executor:
-    """The executor of a resolved configuration."""
+    """The executor of a resolved configuration (with oneDNN's threads per convolution set for it)."""
+    if self.conv == 'onednn':
+      onednn.set_threads(self.onednn_threads)
     if self.strategy == 'vmap':
       return VmapExecutor(self.eval_batch_size, self.chunk_size, self.scan_unroll)
     return SequentialExecutor(self.eval_batch_size, self.client_threads)

@@ -1,4 +1,5 @@
-"""Convolution formulations: XLA's native convolution, or im2col (image patches times the kernel as a matrix).
+"""Convolution formulations: XLA's native convolution, im2col (image patches times the kernel as a matrix), or
+oneDNN's convolution as a custom call on the CPU (models/onednn.py).
 
 All compute `lax.conv_general_dilated` with the same parameters (Flax `nn.Conv`'s 'kernel' [kh, kw, C, O] and
 'bias'); they differ in speed. Under `jax.vmap` over clients each client has its own kernel, so XLA's convolution
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fedjax_het.errors import ConfigError
+from fedjax_het.models import onednn
 
 
 IM2COL_MAX_CHANNELS = 8  # 'auto' uses im2col up to this many input channels
@@ -76,6 +78,7 @@ CONV_IMPLS: dict[str, ConvFactory] = {  # the formulations a run chooses from (-
     'xla': nn.Conv,
     'im2col': functools.partial(nn.Conv, conv_general_dilated=im2col_conv_general_dilated),
     'auto': functools.partial(nn.Conv, conv_general_dilated=auto_conv_general_dilated),
+    'onednn': functools.partial(nn.Conv, conv_general_dilated=onednn.conv_general_dilated),
 }
 # Eval-mode representation passes of an 'auto' run: im2col up to 32 input channels. Without a backward pass and
 # in 32-row passes its patches stay small, and it is faster there (288 cnn4 rows: 42.7 ms against 53.0 with

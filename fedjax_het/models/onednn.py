@@ -1,0 +1,210 @@
+"""oneDNN's convolution on the CPU as XLA custom calls: the kernels PyTorch's CPU convolutions run on.
+
+XLA:CPU's convolutions take two to three times as long as oneDNN's on the 4-layer CNN's shapes
+(docs/performance.md). `onednn_conv.cc` wraps oneDNN's forward, input-gradient and kernel-gradient convolutions
+as XLA FFI handlers; on first use this module compiles it with the system's C++ compiler against the oneDNN of
+the `onednn` extra (`pip install -e '.[onednn]'`, Linux x86-64; or any oneDNN 3.x found through $DNNLROOT),
+keeps the shared library in ~/.cache/fedjax_het/onednn (keyed by the source, the compiler, JAX's version and the
+oneDNN found) and registers the handlers with JAX.
+
+`conv_general_dilated` has `lax.conv_general_dilated`'s signature and values (up to float32 rounding) for 2-D
+channels-last float32 convolutions, ungrouped, with any strides, padding and kernel dilation; anything else, and
+any backend but the CPU, goes to `lax.conv_general_dilated`. The three passes are each other's adjoints, so it
+has reverse-mode derivatives of every order (`jax.grad` of `jax.grad`); forward mode (`jax.jvp`) is not
+defined. Under `jax.vmap` each batched call loops over the mapped axis.
+
+oneDNN parallelises each call with OpenMP; `set_threads` fixes its threads per call (the executor sets the cores
+divided by its client threads, so that two client threads on two cores run one single-threaded convolution each).
+For a fixed thread count the results are the same run after run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fedjax_het.errors import ConfigError
+
+SOURCE = os.path.join(os.path.dirname(__file__), 'onednn_conv.cc')
+CACHE = os.path.join('~', '.cache', 'fedjax_het', 'onednn')
+INSTALL = "pip install -e '.[onednn]' (Linux x86-64), or set DNNLROOT to a oneDNN 3.x installation"
+_TARGETS = {'forward': 'fedjax_het_onednn_conv_forward', 'input_gradient': 'fedjax_het_onednn_conv_input_gradient',
+            'kernel_gradient': 'fedjax_het_onednn_conv_kernel_gradient'}
+
+
+class OneDNNUnavailable(ConfigError):
+  """oneDNN's convolutions cannot be used here; the message says why and how to fix it."""
+
+
+def find_onednn(roots: Optional[Sequence[str]] = None) -> tuple[str, str]:
+  """(include folder, libdnnl.so.3) of the first oneDNN 3.x under `roots` (default: $DNNLROOT, this Python's
+  prefix, where the `onednn` extra's wheels put it, /usr/local, /usr). Raises OneDNNUnavailable."""
+  if roots is None:
+    roots = [r for r in (os.environ.get('DNNLROOT'), sys.prefix, sys.base_prefix, '/usr/local', '/usr') if r]
+  for root in dict.fromkeys(roots):
+    header = os.path.join(root, 'include', 'oneapi', 'dnnl', 'dnnl.hpp')
+    libs = [os.path.join(root, d, 'libdnnl.so.3') for d in ('lib', 'lib64', 'lib/x86_64-linux-gnu')]
+    lib = next((p for p in libs if os.path.exists(p)), None)
+    if os.path.exists(header) and lib:
+      return os.path.dirname(os.path.dirname(os.path.dirname(header))), lib
+  raise OneDNNUnavailable(f'oneDNN 3.x was not found (looked for include/oneapi/dnnl/dnnl.hpp and lib/libdnnl.so.3 '
+                          f'under {", ".join(dict.fromkeys(roots))}). Fix: {INSTALL}.')
+
+
+def _compiler() -> str:
+  names = [n for n in (os.environ.get('CXX'), 'c++', 'g++', 'clang++') if n]
+  compiler = next((path for path in map(shutil.which, names) if path), None)
+  if not compiler:
+    raise OneDNNUnavailable('no C++ compiler was found to build the oneDNN convolution handlers (looked for $CXX, '
+                            'c++, g++, clang++). Fix: install one (e.g. apt-get install g++), or use '
+                            '--conv=auto.')
+  return compiler
+
+
+def build(include: str, lib: str, cache: str = CACHE) -> str:
+  """The shared library of onednn_conv.cc compiled against oneDNN (`include`, `lib`), from `cache` when it was
+  built before with the same source, compiler, JAX and oneDNN. Raises OneDNNUnavailable when it fails to build."""
+  compiler = _compiler()
+  with open(SOURCE, 'rb') as f:
+    source = f.read()
+  key = hashlib.sha256(b'\0'.join([source, compiler.encode(), jax.__version__.encode(), include.encode(),
+                                   os.path.realpath(lib).encode()])).hexdigest()[:16]
+  folder = os.path.expanduser(cache)
+  try:
+    os.makedirs(folder, exist_ok=True)
+  except OSError:
+    folder = os.path.join(tempfile.gettempdir(), f'fedjax_het_onednn_{os.getuid()}')
+    os.makedirs(folder, exist_ok=True)
+  target = os.path.join(folder, f'onednn_conv_{key}.so')
+  if os.path.exists(target):
+    return target
+  partial = f'{target}.{os.getpid()}.tmp'
+  command = [compiler, '-O2', '-std=c++17', '-shared', '-fPIC', '-fopenmp', '-w', f'-I{jax.ffi.include_dir()}',
+             f'-I{include}', SOURCE, lib, f'-Wl,-rpath,{os.path.dirname(lib)}', '-o', partial]
+  try:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+  except (OSError, subprocess.TimeoutExpired) as e:
+    raise OneDNNUnavailable(f'building the oneDNN convolution handlers failed ({e}). Fix: use --conv=auto.') from e
+  if done.returncode:
+    lines = done.stderr.splitlines()
+    errors = [line for line in lines if 'error' in line][:8] or lines[-8:]
+    raise OneDNNUnavailable(f'building the oneDNN convolution handlers failed:\n  {" ".join(command)}\n'
+                            + '\n'.join(errors) + f'\nFix: use --conv=auto, or a oneDNN 3.x ({INSTALL}).')
+  os.replace(partial, target)  # whole, even when another process builds the same file at once
+  return target
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> ctypes.CDLL:
+  """The compiled handlers, registered with JAX for the CPU (built on first call). Raises OneDNNUnavailable."""
+  library = ctypes.CDLL(build(*find_onednn()))
+  for target in _TARGETS.values():
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform='cpu')
+  library.fedjax_het_onednn_version.restype = ctypes.c_char_p
+  return library
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable_reason() -> Optional[str]:
+  """None when oneDNN's convolutions can run here, else why not (with its fix); decided once per process."""
+  try:
+    load()
+  except OneDNNUnavailable as e:
+    return str(e)
+  return None
+
+
+def version() -> str:
+  """The loaded oneDNN's version, e.g. '3.2.0'."""
+  return load().fedjax_het_onednn_version().decode()
+
+
+def set_threads(threads: int) -> None:
+  """OpenMP threads of each oneDNN convolution from now on, in every calling thread (0: OpenMP's default)."""
+  load().fedjax_het_onednn_set_threads(int(threads))
+
+
+def _call(pass_: str, shape, a, b, geometry):
+  strides, padding, dilation = geometry
+  return jax.ffi.ffi_call(_TARGETS[pass_], jax.ShapeDtypeStruct(shape, jnp.float32), vmap_method='sequential')(
+      a, b, strides=np.asarray(strides, np.int64), padding=np.asarray([p for pair in padding for p in pair], np.int64),
+      dilation=np.asarray(dilation, np.int64))
+
+
+def _output_shape(x_shape, w_shape, geometry):
+  strides, padding, dilation = geometry
+  spatial = [(x_shape[1 + a] + sum(padding[a]) - (w_shape[a] - 1) * dilation[a] - 1) // strides[a] + 1
+             for a in range(2)]
+  return (x_shape[0], *spatial, w_shape[3])
+
+
+# The three passes are bilinear and each other's adjoints: with y = F(x, w), D(dy, w) its input gradient and
+# K(x, dy) its kernel gradient, <F(x, w), dy> = <x, D(dy, w)> = <w, K(x, dy)>; each one's VJP is the other two.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _forward(x, w, geometry):
+  return _call('forward', _output_shape(x.shape, w.shape, geometry), x, w, geometry)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _input_gradient(dy, w, x_shape, geometry):
+  return _call('input_gradient', x_shape, dy, w, geometry)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _kernel_gradient(x, dy, w_shape, geometry):
+  return _call('kernel_gradient', w_shape, x, dy, geometry)
+
+
+_forward.defvjp(
+    lambda x, w, geometry: (_forward(x, w, geometry), (x, w)),
+    lambda geometry, res, g: (_input_gradient(g, res[1], res[0].shape, geometry),
+                              _kernel_gradient(res[0], g, res[1].shape, geometry)))
+_input_gradient.defvjp(
+    lambda dy, w, x_shape, geometry: (_input_gradient(dy, w, x_shape, geometry), (dy, w)),
+    lambda x_shape, geometry, res, g: (_forward(g, res[1], geometry),
+                                       _kernel_gradient(g, res[0], res[1].shape, geometry)))
+_kernel_gradient.defvjp(
+    lambda x, dy, w_shape, geometry: (_kernel_gradient(x, dy, w_shape, geometry), (x, dy)),
+    lambda w_shape, geometry, res, g: (_input_gradient(res[1], g, res[0].shape, geometry),
+                                       _forward(res[0], g, geometry)))
+
+
+def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                         dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
+                         preferred_element_type=None) -> jax.Array:
+  """`lax.conv_general_dilated` by oneDNN: out[n, y, x, o] = sum_{i, j, c} lhs_pad[n, y*s + i*d, x*s + j*d, c] *
+  rhs[i, j, c, o] for 2-D NHWC/HWIO float32 operands on the CPU; anything else by `lax.conv_general_dilated`.
+  Raises OneDNNUnavailable (with its fix) when oneDNN cannot be loaded."""
+  fallback = functools.partial(lax.conv_general_dilated, lhs, rhs, window_strides, padding, lhs_dilation,
+                               rhs_dilation, dimension_numbers, feature_group_count, batch_group_count, precision,
+                               preferred_element_type)
+  if lhs.ndim != 4 or jax.default_backend() != 'cpu':
+    return fallback()
+  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+  plain = (feature_group_count == 1 and batch_group_count == 1 and dn == lax.ConvDimensionNumbers(
+      (0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2)) and (lhs_dilation is None or tuple(lhs_dilation) == (1, 1))
+      and lhs.dtype == jnp.float32 and rhs.dtype == jnp.float32
+      and preferred_element_type in (None, jnp.float32))
+  if not plain:
+    return fallback()
+  load()
+  dilation = tuple(int(d) for d in (rhs_dilation or (1, 1)))
+  if isinstance(padding, str):
+    effective = [(k - 1) * d + 1 for k, d in zip(rhs.shape[:2], dilation)]
+    padding = lax.padtype_to_pads(lhs.shape[1:3], effective, window_strides, padding)
+  if any(p < 0 for pair in padding for p in pair):  # cropping: oneDNN pads only
+    return fallback()
+  geometry = (tuple(int(s) for s in window_strides), tuple((int(lo), int(hi)) for lo, hi in padding), dilation)
+  return _forward(lhs, rhs, geometry)

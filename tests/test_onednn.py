@@ -1,0 +1,149 @@
+"""oneDNN's convolution as XLA custom calls (fedjax_het/models/onednn.py): hand-computed values and gradients,
+lax's values and derivatives of every order, vmap, empty batches, its threads, and the errors without it."""
+
+import ctypes
+import platform
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from conftest import tree_allclose
+from fedjax_het.engine import ExecutionConfig
+from fedjax_het.errors import ConfigError
+from fedjax_het.models import onednn
+
+DN = ('NHWC', 'HWIO', 'NHWC')
+
+
+def conv(x, w, strides=(1, 1), padding='VALID', dilation=(1, 1)):
+  return onednn.conv_general_dilated(x, w, strides, padding, rhs_dilation=dilation, dimension_numbers=DN)
+
+
+def reference(x, w, strides=(1, 1), padding='VALID', dilation=(1, 1)):
+  return lax.conv_general_dilated(x, w, strides, padding, rhs_dilation=dilation, dimension_numbers=DN)
+
+
+def test_available_where_the_test_extra_installs_it():
+  if sys.platform == 'linux' and platform.machine() == 'x86_64':
+    assert onednn.unavailable_reason() is None
+    assert onednn.version().startswith('3.')
+
+
+def test_values_and_gradients_by_hand():
+  x = jnp.arange(9.0).reshape(1, 3, 3, 1)  # [[0 1 2] [3 4 5] [6 7 8]]
+  w = jnp.ones((2, 2, 1, 1))
+  np.testing.assert_array_equal(jax.jit(conv)(x, w)[0, :, :, 0], [[8, 12], [20, 24]])  # sums of 2x2 windows
+  dx, dw = jax.grad(lambda x, w: jnp.sum(conv(x, w)), (0, 1))(x, w)
+  np.testing.assert_array_equal(dx[0, :, :, 0], [[1, 2, 1], [2, 4, 2], [1, 2, 1]])  # windows covering each pixel
+  np.testing.assert_array_equal(dw[:, :, 0, 0], [[8, 12], [20, 24]])  # each tap's sum over the windows
+  # stride 2 and one pixel of zero padding: windows at (-1, -1), (-1, 1), (1, -1), (1, 1)
+  np.testing.assert_array_equal(conv(x, w, (2, 2), [(1, 1), (1, 1)])[0, :, :, 0], [[0, 1 + 2], [3 + 6, 4 + 5 + 7 + 8]])
+
+
+@pytest.mark.parametrize('strides,padding,dilation', [((1, 1), 'VALID', (1, 1)), ((2, 1), [(1, 2), (0, 1)], (1, 1)),
+                                                      ((1, 2), 'SAME', (2, 1)), ((2, 2), 'SAME', (1, 1))])
+def test_values_and_derivatives_of_two_orders_equal_lax(strides, padding, dilation):
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 9, 11, 3))
+  w = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 3, 5))
+  ours = lambda x, w: conv(x, w, strides, padding, dilation)
+  theirs = lambda x, w: reference(x, w, strides, padding, dilation)
+  np.testing.assert_allclose(jax.jit(ours)(x, w), theirs(x, w), rtol=1e-5, atol=1e-5)
+  loss = lambda c: lambda x, w: jnp.sum(jnp.sin(c(x, w)))
+  tree_allclose(jax.grad(loss(ours), (0, 1))(x, w), jax.grad(loss(theirs), (0, 1))(x, w), rtol=1e-4, atol=1e-4)
+  # grad of grad: the passes' VJPs are each other (an input-gradient penalty's kernel gradient, a Hessian product)
+  penalty = lambda c: lambda w, x: jnp.sum(jax.grad(loss(c), 0)(x, w) ** 2)
+  tree_allclose(jax.grad(penalty(ours), (0, 1))(w, x), jax.grad(penalty(theirs), (0, 1))(w, x), rtol=1e-4, atol=1e-3)
+  kernel_grad = lambda c: lambda x, w: jnp.sum(jax.grad(loss(c), 1)(x, w) ** 2)
+  tree_allclose(jax.grad(kernel_grad(ours), (0, 1))(x, w), jax.grad(kernel_grad(theirs), (0, 1))(x, w), rtol=1e-4,
+                atol=1e-3)
+
+
+def test_vmap_over_clients_equals_each_client_alone():
+  x = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 8, 8, 4))  # 3 clients, each with its own kernel
+  w = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 3, 4, 6))
+  batched = jax.jit(jax.vmap(lambda x, w: jax.grad(lambda w: jnp.sum(conv(x, w, padding='SAME') ** 2))(w)))(x, w)
+  for k in range(3):
+    alone = jax.grad(lambda w: jnp.sum(reference(x[k], w, padding='SAME') ** 2))(w[k])
+    np.testing.assert_allclose(batched[k], alone, rtol=1e-4, atol=1e-3)
+
+
+def test_an_empty_batch_gives_zeros():
+  x, w = jnp.zeros((0, 6, 6, 2)), jnp.ones((3, 3, 2, 4))
+  y, dw = jax.jit(lambda x, w: (conv(x, w), jax.grad(lambda w: jnp.sum(conv(x, w)))(w)))(x, w)
+  assert y.shape == (0, 4, 4, 4)
+  np.testing.assert_array_equal(dw, np.zeros((3, 3, 2, 4)))
+
+
+def test_what_it_does_not_cover_goes_to_lax():
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 7, 7, 4))
+  grouped = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 2, 4))
+  np.testing.assert_allclose(  # grouped, float16, cropping (negative padding)
+      onednn.conv_general_dilated(x, grouped, (1, 1), 'SAME', dimension_numbers=DN, feature_group_count=2),
+      lax.conv_general_dilated(x, grouped, (1, 1), 'SAME', dimension_numbers=DN, feature_group_count=2), rtol=1e-6)
+  w = jax.random.normal(jax.random.PRNGKey(2), (3, 3, 4, 2))
+  half = conv(x.astype(jnp.float16), w.astype(jnp.float16))
+  assert half.dtype == jnp.float16
+  np.testing.assert_allclose(conv(x, w, padding=[(-1, 0), (0, 0)]), reference(x, w, padding=[(-1, 0), (0, 0)]),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_threads_give_the_same_numbers_each_time_and_leave_the_callers_openmp_setting():
+  x = jax.random.normal(jax.random.PRNGKey(0), (32, 16, 16, 3))
+  w = jax.random.normal(jax.random.PRNGKey(1), (5, 5, 3, 8))
+  grads = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(conv(x, w))), (0, 1)))
+  gomp = ctypes.CDLL('libgomp.so.1')  # the OpenMP runtime oneDNN runs on, shared with the process
+  try:
+    for threads in (1, 2):
+      onednn.set_threads(threads)
+      first = grads(x, w)
+      tree_allclose(grads(x, w), first, rtol=0, atol=0)
+      tree_allclose(first, jax.grad(lambda x, w: jnp.sum(jnp.sin(reference(x, w))), (0, 1))(x, w), rtol=1e-4,
+                    atol=1e-3)
+    gomp.omp_set_num_threads(3)
+    onednn.set_threads(1)
+    jax.block_until_ready(grads(x + 1, w))
+    assert gomp.omp_get_max_threads() == 3  # e.g. PyTorch's threads, when it shares the runtime
+  finally:
+    onednn.set_threads(0)
+
+
+def test_without_onednn_the_errors_say_why_and_how_to_fix(tmp_path, monkeypatch):
+  with pytest.raises(ConfigError, match=r"oneDNN 3\.x was not found \(looked for .* under " + str(tmp_path)
+                     + r"\)\. Fix: pip install -e '\.\[onednn\]'"):
+    onednn.find_onednn([str(tmp_path)])
+  (tmp_path / 'include' / 'oneapi' / 'dnnl').mkdir(parents=True)
+  (tmp_path / 'include' / 'oneapi' / 'dnnl' / 'dnnl.hpp').write_text('#error not a oneDNN header\n')
+  (tmp_path / 'lib').mkdir()
+  (tmp_path / 'lib' / 'libdnnl.so.3').write_text('')
+  include, lib = onednn.find_onednn([str(tmp_path)])
+  with pytest.raises(ConfigError, match=r"(?s)building the oneDNN convolution handlers failed:.*not a oneDNN "
+                                        r"header.*Fix: use --conv=auto"):
+    onednn.build(include, lib, cache=str(tmp_path / 'cache'))
+  monkeypatch.setenv('CXX', str(tmp_path / 'no-such-compiler'))
+  monkeypatch.setattr(onednn.shutil, 'which', lambda name: None)
+  with pytest.raises(ConfigError, match=r'no C\+\+ compiler was found.*Fix: install one'):
+    onednn.build(include, lib, cache=str(tmp_path / 'cache'))
+
+
+def test_a_federation_with_onednn_computes_what_xla_computes(tiny_data):
+  from test_engine import make_fed, run
+  s_xla, h_xla = run(make_fed(tiny_data, 'sequential', conv='xla'), 2)
+  s_dnnl, h_dnnl = run(make_fed(tiny_data, 'sequential', conv='onednn'), 2)
+  tree_allclose(s_dnnl, s_xla, rtol=1e-3, atol=1e-4)
+  for a, b in zip(h_dnnl, h_xla):
+    for key in a:
+      if 'seconds' not in key and isinstance(a[key], float):
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-3, atol=1e-4, err_msg=key)
+  # the same numbers whatever the client threads (oneDNN's own threads fixed)
+  s_one, h_one = run(make_fed(tiny_data, 'sequential', conv='onednn',
+                              client_threads=1), 2)
+  tree_allclose(s_one, s_dnnl, rtol=0, atol=0)
+
+
+def test_asking_for_it_elsewhere_than_the_cpu_is_refused():
+  with pytest.raises(ConfigError, match="runs on the CPU only"):
+    ExecutionConfig(conv='onednn').resolve('tpu')
