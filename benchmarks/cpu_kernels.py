@@ -3,21 +3,23 @@
   python benchmarks/cpu_kernels.py --parts=step,layers,pool,threads,vmap,represent,federation_step,profile
 
 Batch 32, 32x32x3 inputs, milliseconds, best of 3 after a warm-up. Parts:
-  step:            one jitted SGD step per convolution formulation (xla, im2col, auto), and PyTorch's.
-  layers:          forward / kernel-gradient / input-gradient of each convolution of the CNN, XLA vs im2col.
+  step:            one jitted SGD step per convolution formulation (xla, im2col, auto, onednn), and PyTorch's.
+  layers:          forward / kernel-gradient / input-gradient of each convolution of the CNN: XLA, im2col, oneDNN.
   pool:            gradient of 2x2 max pooling: the first-maximum pool of models/pooling.py vs a reshape and
                    reduce-max vs flax's reduce_window.
   threads:         steps of two independent clients driven from one host thread vs two (ms per client-step),
-                   with `auto` and with im2col.
+                   per formulation; oneDNN's with the default threads per convolution and with all cores.
   vmap:            one step of 10 clients vmapped (per client-step) per formulation, vs a host loop.
   represent:       eval-mode representations of 288 rows in passes of 32..288 rows (the eval batch size), per
                    formulation, and PyTorch's.
   federation_step: the Federation's own jitted step (sequential strategy) vs the standalone step, same model,
                    conv and batch shape.
-  profile:         per-op profile of the `auto` step as a round runs it (two client threads on the cores, JAX's
+  profile:         per-op profile of the default CPU step as a round runs it (two client threads on the cores, JAX's
                    profiler; each XLA op labelled with the layer and primitive it computes, 'backward' where it
                    belongs to the gradient) and of PyTorch's step (torch.profiler, self CPU time per op).
-Prints the figures and writes benchmarks/results/cpu_kernels_<backend>.json/.csv.
+oneDNN's convolutions run with the library's default threads per call (`ExecutionConfig.onednn_threads`: half
+the cores), and are left out, said so, where the `onednn` extra is not installed. Prints the figures and writes
+benchmarks/results/cpu_kernels_<backend>.json/.csv.
 """
 
 import collections
@@ -43,6 +45,7 @@ from fedjax_het.algorithms import FedREConfig, fedre
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
 from fedjax_het.models.forward import forward
 from fedjax_het.models import build_model
+from fedjax_het.models import onednn
 from fedjax_het.models.conv import im2col_conv_general_dilated
 from fedjax_het.models.pooling import max_pool
 
@@ -52,6 +55,7 @@ flags.DEFINE_integer('batch_size', 32, 'Batch size.')
 flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
 FLAGS = flags.FLAGS
 B = 32
+DEFAULT = None  # the library's CPU defaults (ExecutionConfig), set in main
 
 
 def batch(rng=0, clients=None):
@@ -97,9 +101,17 @@ def torch_sgd_step(x, y, part: str):
   return step
 
 
+def formulations(*names):
+  """`names`, less 'onednn' (said) where oneDNN cannot run here."""
+  if 'onednn' in names and onednn.unavailable_reason() is not None:
+    print(f'onednn not measured: {onednn.unavailable_reason()}')
+    return tuple(n for n in names if n != 'onednn')
+  return names
+
+
 def part_step(rows):
   x, y = batch()
-  for conv in ('xla', 'im2col', 'auto'):
+  for conv in formulations('xla', 'im2col', 'auto', 'onednn'):
     _, step, carry = step_setup(conv)
     rows.append({'part': 'step', 'case': f'jax {conv}', 'ms': ms_per_step(step, carry, x, y)})
   torch_step = torch_sgd_step(x, y, 'step')
@@ -119,7 +131,10 @@ def part_layers(rows):
   for h, c, o in [(32, 3, 32), (14, 32, 64)]:
     x = jnp.asarray(rng.normal(size=(B, h, h, c)).astype(np.float32))
     k = jnp.asarray(rng.normal(size=(5, 5, c, o)).astype(np.float32))
-    for name, fn in [('xla', lax.conv_general_dilated), ('im2col', im2col_conv_general_dilated)]:
+    impls = {'xla': lax.conv_general_dilated, 'im2col': im2col_conv_general_dilated,
+             'onednn': onednn.conv_general_dilated}
+    for name in formulations(*impls):
+      fn = impls[name]
       conv = lambda x, k, fn=fn: fn(x, k, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
       fwd = jax.jit(conv)
       dk = jax.jit(jax.grad(lambda k, x: jnp.sum(conv(x, k) ** 2)))
@@ -165,17 +180,26 @@ def in_two_threads(chain, n):
 def part_threads(rows):
   x, y = batch()
   steps = 10
-  for conv in ('auto', 'im2col'):
+  cases = [(conv, None) for conv in formulations('auto', 'im2col')]
+  if formulations('onednn'):  # oneDNN with the default threads per call, and with every core per call
+    cases += [('onednn', t) for t in dict.fromkeys([DEFAULT.onednn_threads, os.cpu_count() or 1])]
+  for conv, onednn_threads in cases:
+    if onednn_threads:
+      onednn.set_threads(onednn_threads)
     _, _, chain = two_clients(conv, x, y)
     chain(0, steps)
+    label = conv + (f' ({onednn_threads} thread{"s" if onednn_threads > 1 else ""} per convolution)'
+                    if onednn_threads else '')
     for name, fn, work in [('one thread, one client', lambda: chain(0, steps), steps),
                            ('one thread, two clients in turn', lambda: (chain(0, steps), chain(1, steps)), 2 * steps),
                            ('two threads, one client each', lambda: in_two_threads(chain, steps), 2 * steps)]:
       ms = best_seconds(fn) / work * 1e3
       cpu0, t0 = time.process_time(), time.perf_counter()
       fn()
-      rows.append({'part': 'threads', 'case': f'{conv}: {name}', 'ms': ms,
+      rows.append({'part': 'threads', 'case': f'{label}: {name}', 'ms': ms,
                    'cpu_over_wall': (time.process_time() - cpu0) / (time.perf_counter() - t0)})
+  if formulations('onednn'):
+    onednn.set_threads(DEFAULT.onednn_threads)
 
 
 def part_vmap(rows):
@@ -203,7 +227,7 @@ def part_vmap(rows):
 def part_represent(rows):
   rows_total, chunks = 288, (16, 32, 48, 64, 144, 288)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(rows_total, 32, 32, 3)).astype(np.float32))
-  for conv in ('auto', 'xla', 'im2col'):
+  for conv in formulations('auto', 'xla', 'im2col', 'onednn'):
     model = build_model('cnn4', 10, 512, conv=conv)
     params = model.init(jax.random.PRNGKey(0), x[:1])['params']
     represent = jax.jit(lambda p, xb, model=model: forward(model, p, {}, xb, False)[1])
@@ -229,7 +253,7 @@ def part_represent(rows):
 
 def part_federation_step(rows):
   fed = Federation(fedre(FedREConfig(), 10), cifar_like(4, 384), ['cnn4'], LocalTraining(0.01, B, 1),
-                   ExecutionConfig(strategy='sequential', conv='auto', client_threads=1))
+                   ExecutionConfig(strategy='sequential', conv=DEFAULT.conv, client_threads=1))
   state, _ = fed.round(fed.init())
   g = fed.groups[0]
   fns = fed.executor.functions(g, fed.programs[0][0], 0)
@@ -250,7 +274,7 @@ def part_federation_step(rows):
   rows.append({'part': 'federation_step',
                'case': "Federation fns['stages'][0]['step'] (FedRE loss, batch gathered in jit)",
                'ms': best_seconds(federation_steps) / steps * 1e3})
-  _, step, _ = step_setup('auto')
+  _, step, _ = step_setup(DEFAULT.conv)
   xb, yb = g.train.x[0][schedule[0]], g.train.y[0][schedule[0]]
   rows.append({'part': 'federation_step', 'case': 'standalone step, same params and first batch',
                'ms': ms_per_step(step, carry, xb, yb, steps=steps)})
@@ -258,33 +282,33 @@ def part_federation_step(rows):
 
 def part_profile(rows, steps=20):
   x, y = batch()
-  step, carries, chain = two_clients('auto', x, y)
+  step, carries, chain = two_clients(DEFAULT.conv, x, y)
   hlo_text = step.lower(carries[0], x, y).compile().as_text()
   chain(0, 3)
   chain(1, 3)
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    start = time.perf_counter()
     in_two_threads(chain, steps)
+    wall = time.perf_counter() - start
     jax.profiler.stop_trace()
     events = json.load(gzip.open(glob.glob(f'{trace_dir}/**/*.trace.json.gz', recursive=True)[0]))['traceEvents']
-  per_op, wall = collections.defaultdict(float), 0.0
+  per_op = collections.defaultdict(float)
   for e in events:
     if e.get('ph') != 'X' or e['name'].startswith('$'):
       continue
-    if e['name'] == 'ThunkExecutor::Execute (wait for completion)':
-      wall += e['dur']
-    elif re.fullmatch(r'[a-z_]+(\.\d+)?', e['name']):  # XLA's instruction names
+    if re.fullmatch(r'[a-z_-]+(\.\d+)?', e['name']):  # XLA's instruction names (ffi_call.3)
       slices = e['name'].startswith('wrapped_slice')
       per_op['Conv_0 im2col patch slices, forward' if slices else xla_op_label(e['name'], hlo_text)] += e['dur']
   client_steps = 2 * steps
   rows.append({'part': 'profile', 'case': 'jax: a client thread\'s step (two threads share the cores)',
-               'ms': wall / client_steps / 1e3})
+               'ms': wall / steps * 1e3})
   for label, us in sorted(per_op.items(), key=lambda kv: -kv[1])[:12]:
     rows.append({'part': 'profile', 'case': f'jax: {label}', 'ms': us / client_steps / 1e3})
-  # XLA's own (Eigen) convolution, the second convolution's input gradient, is traced only as its launch; its run
-  # and the waits for a free core fall between the traced ops.
-  rows.append({'part': 'profile', 'case': 'jax: between traced ops (Eigen convolution, waits for a core)',
-               'ms': (wall - sum(per_op.values())) / client_steps / 1e3})
+  # What the trace does not show as an op: XLA's own (Eigen) convolutions, traced only as their launch, dispatch,
+  # and the waits for a free core.
+  rows.append({'part': 'profile', 'case': 'jax: between traced ops (untraced work, dispatch, waits for a core)',
+               'ms': wall / steps * 1e3 - sum(per_op.values()) / client_steps / 1e3})
   torch_step = torch_sgd_step(x, y, 'profile')
   if torch_step is None:
     return
@@ -302,8 +326,11 @@ def part_profile(rows, steps=20):
 
 
 def main(_):
-  global B
+  global B, DEFAULT
   B = FLAGS.batch_size
+  DEFAULT = ExecutionConfig().resolve('cpu')
+  if onednn.unavailable_reason() is None:
+    onednn.set_threads(DEFAULT.onednn_threads)
   rows = []
   parts = {'step': part_step, 'layers': part_layers, 'pool': part_pool, 'threads': part_threads,
            'vmap': part_vmap, 'represent': part_represent, 'federation_step': part_federation_step,
@@ -315,7 +342,9 @@ def main(_):
       extra = f'  (CPU time / wall {row["cpu_over_wall"]:.2f})' if 'cpu_over_wall' in row else ''
       print(f'{row["part"]:>15} | {row["case"]:<60} | {row["ms"]:8.2f} ms{extra}', flush=True)
   write_results(FLAGS.out, f'cpu_kernels_{jax.default_backend()}',
-                {'batch_size': B, 'xla_flags': os.environ.get('XLA_FLAGS', '')}, rows)
+                {'batch_size': B, 'xla_flags': os.environ.get('XLA_FLAGS', ''), 'default_conv': DEFAULT.conv,
+                 'onednn': None if onednn.unavailable_reason() else onednn.version(),
+                 'onednn_threads': DEFAULT.onednn_threads}, rows)
 
 
 if __name__ == '__main__':

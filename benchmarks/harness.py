@@ -111,7 +111,9 @@ def xla_op_label(name: str, hlo_text: str) -> str:
   path = match.group(1)
   layer = next((seg for seg in reversed(path.split('/')) if re.fullmatch(r'(Conv|Dense)_\d+|head|extractor', seg)), '')
   phase = 'backward' if 'transpose(' in path else 'forward' if 'jvp(' in path else 'update'
-  return f'{layer} {path.rsplit("/", 1)[-1]}, {phase} [{name}]'.strip()
+  target = re.search(r'%' + re.escape(name) + r' = [^\n]*custom_call_target="([^"]*)"', hlo_text)
+  what = target.group(1) if target else path.rsplit("/", 1)[-1]  # a custom call: the function it calls
+  return f'{layer} {what}, {phase} [{name}]'.strip()
 
 
 def write_results(out: str, name: str, settings: dict, rows: list[dict], complete: bool = True) -> None:

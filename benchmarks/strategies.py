@@ -3,8 +3,9 @@
   python benchmarks/strategies.py --num_clients=10 --samples_per_client=384 --models=cnn4 \
       --variants=sequential/auto/2,sequential/auto/1,sequential/xla/1,vmap/im2col
 
-Synthetic CIFAR-shaped data (32x32x3), IID over clients, FedRE with RAP. A variant is strategy/conv[/threads]
-(threads: the sequential strategy's client threads). For each: compile+first-round seconds, then the mean of
+Synthetic CIFAR-shaped data (32x32x3), IID over clients, FedRE with RAP. A variant is
+strategy/conv[/threads[/eval rows]] (threads: the sequential strategy's client threads; eval rows: rows per
+eval-mode pass; empty or absent: the default). For each: compile+first-round seconds, then the mean of
 --rounds warm rounds (train only, evaluation excluded). Prints a table and writes JSON/CSV.
 """
 
@@ -22,7 +23,8 @@ from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
 flags.DEFINE_integer('num_clients', 10, 'Clients.')
 flags.DEFINE_integer('samples_per_client', 384, 'Pool samples per client (75% train).')
 flags.DEFINE_list('models', ['cnn4'], 'Model family.')
-flags.DEFINE_list('variants', ['sequential/auto/2', 'vmap/im2col'], 'strategy/conv[/client threads] to compare.')
+flags.DEFINE_list('variants', ['sequential/auto/2', 'vmap/im2col'],
+                  'strategy/conv[/client threads[/eval pass rows]] to compare.')
 flags.DEFINE_integer('chunk_size', 0, 'vmap chunk size (0 = whole group).')
 flags.DEFINE_integer('batch_size', 32, 'Local batch size.')
 flags.DEFINE_integer('rounds', 3, 'Warm rounds to time.')
@@ -35,10 +37,11 @@ def main(_):
   data = cifar_like(k, FLAGS.samples_per_client)
   rows = []
   for variant in FLAGS.variants:
-    strategy, conv, *threads = variant.split('/')
+    strategy, conv, *rest = variant.split('/')
+    threads, eval_rows = [int(v) if v else None for v in rest + [''] * (2 - len(rest))]
     fed = Federation(fedre(FedREConfig(), 10), data, FLAGS.models, LocalTraining(0.06, FLAGS.batch_size, 1),
                      ExecutionConfig(strategy=strategy, conv=conv, chunk_size=FLAGS.chunk_size,
-                                     client_threads=int(threads[0]) if threads else None))
+                                     client_threads=threads, eval_batch_size=eval_rows))
     state = fed.init()
     t0 = time.perf_counter()
     state, _ = fed.round(state)
@@ -48,7 +51,7 @@ def main(_):
       state, m = fed.round(state)
       times.append(m['train_seconds'])
     seconds = sum(times) / len(times)
-    rows.append({'variant': variant, 'first_round_seconds': first, 'seconds_per_round': seconds,
+    rows.append({'variant': variant, 'eval_batch_size': fed.executor.eval_batch_size, 'first_round_seconds': first, 'seconds_per_round': seconds,
                  'client_steps_per_second': m['local_steps'] / seconds})
     print(f"{variant:>18}: first round (with compile) {first:7.2f} s | warm round {seconds:7.3f} s"
           f" | {rows[-1]['client_steps_per_second']:8.1f} client-steps/s", flush=True)

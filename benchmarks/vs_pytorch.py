@@ -32,6 +32,7 @@ from torch_reference import TorchFedRE, client_tensors
 
 from fedjax_het.algorithms import FedREConfig, fedre
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
+from fedjax_het.models.conv import CONV_IMPLS
 from fedjax_het.models.forward import forward
 from fedjax_het.models import build_model
 
@@ -43,6 +44,7 @@ flags.DEFINE_float('alpha', 0.1, 'Dirichlet concentration for --partition=dirich
 flags.DEFINE_integer('batch_size', 32, 'Local batch size.')
 flags.DEFINE_integer('rounds', 3, 'Timed rounds per side (after one warm-up round).')
 flags.DEFINE_string('strategy', None, 'fedjax_het strategy (default: the backend default).')
+flags.DEFINE_enum('conv', None, list(CONV_IMPLS), 'fedjax_het convolution formulation (default: the backend default).')
 flags.DEFINE_integer('eval_batch_size', None, 'fedjax_het rows per eval-mode pass (default: the backend default).')
 flags.DEFINE_integer('client_threads', None, 'fedjax_het clients at once under the sequential strategy (default: the '
                      'library default).')
@@ -90,7 +92,7 @@ def main(_):
   for k in [int(v) for v in FLAGS.num_clients]:
     data = cifar_like(k, FLAGS.samples_per_client, partition=FLAGS.partition, alpha=FLAGS.alpha)
     fed = Federation(fedre(FedREConfig(), 10), data, ['cnn4'], LocalTraining(lr, FLAGS.batch_size, 1),
-                     ExecutionConfig(strategy=FLAGS.strategy, eval_batch_size=FLAGS.eval_batch_size,
+                     ExecutionConfig(strategy=FLAGS.strategy, conv=FLAGS.conv, eval_batch_size=FLAGS.eval_batch_size,
                                      client_threads=FLAGS.client_threads))
     g = fed.groups[0]
     tensors = client_tensors(g.train.x, g.train.y, g.train_sizes, torch_device)
@@ -139,7 +141,7 @@ def main(_):
           flush=True)
     settings = {'torch_device': torch_device, 'torch': torch.__version__, 'torch_tf32': torch_device == 'cuda',
                 'torch_threads': torch.get_num_threads(),
-                'strategy': fed.strategy, 'conv': fed.conv, 'client_threads': getattr(fed.executor, 'threads', None),
+                'strategy': fed.strategy, 'conv': fed.conv, 'onednn_threads': fed.execution.onednn_threads, 'client_threads': getattr(fed.executor, 'threads', None),
                 'batch_size': FLAGS.batch_size, 'eval_batch_size': fed.executor.eval_batch_size,
                 'torch_eval_batch_size': FLAGS.torch_eval_batch_size, 'samples_per_client': FLAGS.samples_per_client,
                 'partition': FLAGS.partition, 'alpha': FLAGS.alpha if FLAGS.partition == 'dirichlet' else None,

@@ -105,7 +105,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_integer('client_threads', None, 'sequential strategy: clients updated at once, one host thread each '
                    '(default: 2, at most the core count).')
   f.DEFINE_integer('onednn_threads', None, 'conv=onednn: OpenMP threads of each convolution (default: half the '
-                   'cores, at least 1). Its numbers depend on it, not on --client_threads.')
+                   'cores under the sequential strategy, all under vmap). Its numbers depend on it, not on '
+                   '--client_threads.')
   f.DEFINE_bool('distributed', False, 'Join the run\'s other processes first (jax.distributed.initialize; every '
                 'process with the same flags; python -m fedjax_het.launch starts them on one machine).')
   f.DEFINE_integer('eval_every', _D.eval_every, 'Evaluate every N rounds (and after the last).')

@@ -19,6 +19,9 @@ HLO = '\n'.join([
     '  %multiply_add_fusion.2 = f32[1600,512]{1,0} fusion(%e, %f), kind=kLoop, calls=%fused_computation.13, '
     'metadata={op_name="jit(<lambda>)/add" stack_frame_id=67}',
     '  %transpose_copy_fusion.1 = f32[32,14,14,32]{3,2,1,0} fusion(%g), kind=kLoop, calls=%fused_computation.17',
+    '  %ffi_call.7 = f32[32,14,14,32]{3,2,1,0} custom-call(%h, %i), custom_call_target="fedjax_het_onednn_conv_'
+    'input_gradient", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(<lambda>)/transpose(jvp('
+    'HeteroClassifier))/HeteroClassifier.represent/extractor/Conv_1/ffi_call" stack_frame_id=60}',
     '}'])
 
 
@@ -26,6 +29,8 @@ def test_xla_op_labels_name_the_layer_primitive_and_pass():
   assert xla_op_label('ynn_fusion.8', HLO) == 'Conv_1 conv_general_dilated, forward [ynn_fusion.8]'
   assert xla_op_label('ynn_fusion.1', HLO) == 'Conv_1 conv_general_dilated, backward [ynn_fusion.1]'
   assert xla_op_label('multiply_add_fusion.2', HLO) == 'add, update [multiply_add_fusion.2]'
+  # A custom call: the function it calls.
+  assert xla_op_label('ffi_call.7', HLO) == 'Conv_1 fedjax_het_onednn_conv_input_gradient, backward [ffi_call.7]'
   # No metadata, or not in the text: the op's own name.
   assert xla_op_label('transpose_copy_fusion.1', HLO) == 'transpose_copy_fusion.1'
   assert xla_op_label('ynn_fusion', HLO) == 'ynn_fusion'

@@ -171,7 +171,8 @@ def test_the_backend_defaults_are_decided_once_and_described(monkeypatch):
                                       f'thread{"s" if threads > 1 else ""} each), eval_batch_size=32, client_threads=2')
   gpu = ExecutionConfig(chunk_size=4).resolve('gpu')
   assert gpu.describe('gpu').endswith(': strategy=vmap, conv=xla, eval_batch_size=256, chunk_size=4, devices=1')
-  assert ExecutionConfig(strategy='vmap', client_threads=3).resolve('cpu').conv == 'im2col'
+  vmap = ExecutionConfig(strategy='vmap', client_threads=3).resolve('cpu')  # one host thread: every core per call
+  assert (vmap.conv, vmap.onednn_threads) == ('onednn', os.cpu_count())
   with pytest.raises(ConfigError, match="^ExecutionConfig.conv='onednn' runs on the CPU only.*Fix: conv='xla'"):
     ExecutionConfig(conv='onednn').resolve('gpu')
   # Without oneDNN: 'auto', and the run's first line says what would be faster; asking for it says why not.
@@ -179,6 +180,7 @@ def test_the_backend_defaults_are_decided_once_and_described(monkeypatch):
   cpu = ExecutionConfig(client_threads=2).resolve('cpu')
   assert cpu.conv == 'auto'
   assert f"conv=auto (oneDNN's convolutions would be faster: {onednn.INSTALL})" in cpu.describe('cpu')
+  assert ExecutionConfig(strategy='vmap').resolve('cpu').conv == 'im2col'
   with pytest.raises(ConfigError, match="^ExecutionConfig.conv='onednn': oneDNN 3.x was not found. Fix: pip"):
     ExecutionConfig(conv='onednn').resolve('cpu')
 

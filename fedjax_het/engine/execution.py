@@ -20,9 +20,9 @@ from fedjax_het.models.conv import CONV_IMPLS
 class ExecutionConfig:
   """strategy: 'vmap' (`VmapExecutor`) or 'sequential' (`SequentialExecutor`); None: sequential on CPU (measured
     faster there, docs/performance.md), vmap on GPU/TPU.
-  conv: 'xla', 'im2col', 'auto' (models/conv.py) or 'onednn' (models/onednn.py, CPU only); None: im2col under vmap
-    on CPU (grouped convolutions are slow there), onednn for sequential on CPU where oneDNN is installed (else
-    auto), xla on GPU/TPU.
+  conv: 'xla', 'im2col', 'auto' (models/conv.py) or 'onednn' (models/onednn.py, CPU only); None: on CPU onednn
+    where oneDNN is installed, else im2col under vmap (grouped convolutions are slow there) and auto for
+    sequential; xla on GPU/TPU.
   client_mesh: a one-axis ('clients') mesh of D > 1 devices over which the vmap executor lays each group's clients
     (`engine.client_mesh`); None: one device.
   chunk_size: vmap this many clients per call (0: a whole group); a multiple of the mesh's devices.
@@ -30,9 +30,10 @@ class ExecutionConfig:
   client_threads: clients the sequential executor runs at once, one host thread each; None: 2, at most the cores.
   eval_batch_size: rows per eval-mode pass (representations, evaluation); None: 32 on CPU, where larger passes
     spill the im2col patches out of cache (benchmarks/cpu_kernels.py --parts=represent), 256 on GPU/TPU.
-  onednn_threads: OpenMP threads of each oneDNN convolution (conv='onednn'); None: half the cores, at least 1, so
-    that the default two client threads fill the cores. Its numbers depend on it (oneDNN splits some kernel-gradient
-    sums among its threads), not on client_threads.
+  onednn_threads: OpenMP threads of each oneDNN convolution (conv='onednn'); None: under the sequential strategy
+    half the cores, at least 1, so that the default two client threads fill the cores; under vmap (one host
+    thread) all cores. Its numbers depend on it (oneDNN splits some kernel-gradient sums among its threads), not
+    on client_threads.
   """
   strategy: Optional[str] = None
   conv: Optional[str] = None
@@ -87,8 +88,8 @@ class ExecutionConfig:
     strategy = self.strategy or ('sequential' if cpu else 'vmap')
     if self.num_devices > 1 and self.strategy is None:
       strategy = 'vmap'
-    conv = self.conv or (('im2col' if strategy == 'vmap' else 'onednn' if onednn.unavailable_reason() is None
-                          else 'auto') if cpu else 'xla')
+    fallback = 'im2col' if strategy == 'vmap' else 'auto'
+    conv = self.conv or (('onednn' if onednn.unavailable_reason() is None else fallback) if cpu else 'xla')
     if conv == 'onednn':
       if not cpu:
         raise ConfigError(f'ExecutionConfig.conv=\'onednn\' runs on the CPU only (backend: '
@@ -99,7 +100,8 @@ class ExecutionConfig:
     mesh = self.client_mesh if self.num_devices > 1 else None
     return dataclasses.replace(self, strategy=strategy, conv=conv, client_mesh=mesh, client_threads=threads,
                                eval_batch_size=self.eval_batch_size or (32 if cpu else 256),
-                               onednn_threads=self.onednn_threads or max(1, (os.cpu_count() or 1) // 2))
+                               onednn_threads=self.onednn_threads or max(1, (os.cpu_count() or 1)
+                                                                         // (2 if strategy == 'sequential' else 1)))
 
   def describe(self, backend: Optional[str] = None) -> str:
     """One line naming the backend and what this resolved configuration runs with (printed at a run's start)."""
