@@ -104,9 +104,9 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
                    'devices (0: all devices; 1: no sharding).')
   f.DEFINE_integer('client_threads', None, 'sequential strategy: clients updated at once, one host thread each '
                    '(default: 2, at most the core count).')
-  f.DEFINE_integer('onednn_threads', None, 'conv=onednn: OpenMP threads of each convolution (default: half the '
-                   'cores under the sequential strategy, all under vmap). Its numbers depend on it, not on '
-                   '--client_threads.')
+  f.DEFINE_integer('onednn_threads', None, 'conv=onednn: OpenMP threads of each convolution (default: the cores '
+                   'divided among --client_threads, all cores under vmap). The numbers depend on it: set it to keep '
+                   'them while changing --client_threads.')
   f.DEFINE_bool('distributed', False, 'Join the run\'s other processes first (jax.distributed.initialize; every '
                 'process with the same flags; python -m fedjax_het.launch starts them on one machine).')
   f.DEFINE_integer('eval_every', _D.eval_every, 'Evaluate every N rounds (and after the last).')

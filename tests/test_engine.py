@@ -20,7 +20,7 @@ TRAINING = LocalTraining(learning_rate=0.05, batch_size=8, epochs=2)
 def make_fed(data, strategy, algorithm=None, join_ratio=1.0, seed=0, models=('small_cnn_narrow', 'mlp'),
              conv='xla', eval_batch_size=16, training=TRAINING, **kw):
   algorithm = algorithm or fedre(FedREConfig(), data.num_classes)
-  execution = {k: kw.pop(k) for k in ('chunk_size', 'client_threads', 'scan_unroll') if k in kw}
+  execution = {k: kw.pop(k) for k in ('chunk_size', 'client_threads', 'scan_unroll', 'onednn_threads') if k in kw}
   return Federation(algorithm, data, ModelConfig(list(models), feature_dim=16), training,
                     ExecutionConfig(strategy=strategy, conv=conv, eval_batch_size=eval_batch_size, **execution),
                     join_ratio=join_ratio, seed=seed, **kw)
@@ -165,8 +165,10 @@ def test_same_seed_same_numbers_whatever_the_client_threads(tiny_data):
 def test_the_backend_defaults_are_decided_once_and_described(monkeypatch):
   cpu = ExecutionConfig(client_threads=2).resolve('cpu')  # oneDNN is installed with the test extra
   assert (cpu.strategy, cpu.conv, cpu.eval_batch_size) == ('sequential', 'onednn', 32)
-  threads = max(1, os.cpu_count() // 2)
-  assert cpu.onednn_threads == threads and ExecutionConfig(client_threads=1).resolve('cpu').onednn_threads == threads
+  threads = max(1, os.cpu_count() // 2)  # the cores divided among the client threads
+  assert cpu.onednn_threads == threads
+  assert ExecutionConfig(client_threads=1).resolve('cpu').onednn_threads == os.cpu_count()
+  assert ExecutionConfig(client_threads=1, onednn_threads=3).resolve('cpu').onednn_threads == 3
   assert cpu.describe('cpu').endswith(f': strategy=sequential, conv=onednn (oneDNN {onednn.version()}, {threads} '
                                       f'thread{"s" if threads > 1 else ""} each), eval_batch_size=32, client_threads=2')
   gpu = ExecutionConfig(chunk_size=4).resolve('gpu')

@@ -138,10 +138,10 @@ def test_a_federation_with_onednn_computes_what_xla_computes(tiny_data):
     for key in a:
       if 'seconds' not in key and isinstance(a[key], float):
         np.testing.assert_allclose(a[key], b[key], rtol=1e-3, atol=1e-4, err_msg=key)
-  # the same numbers whatever the client threads (oneDNN's own threads fixed)
-  s_one, h_one = run(make_fed(tiny_data, 'sequential', conv='onednn',
-                              client_threads=1), 2)
-  tree_allclose(s_one, s_dnnl, rtol=0, atol=0)
+  # the same numbers whatever the client threads, oneDNN's own threads fixed (each call has its own scratchpad)
+  s_two, _ = run(make_fed(tiny_data, 'sequential', conv='onednn', client_threads=2, onednn_threads=1), 2)
+  s_one, _ = run(make_fed(tiny_data, 'sequential', conv='onednn', client_threads=1, onednn_threads=1), 2)
+  tree_allclose(s_one, s_two, rtol=0, atol=0)
 
 
 def test_asking_for_it_elsewhere_than_the_cpu_is_refused():

@@ -31,9 +31,9 @@ class ExecutionConfig:
   eval_batch_size: rows per eval-mode pass (representations, evaluation); None: 32 on CPU, where larger passes
     spill the im2col patches out of cache (benchmarks/cpu_kernels.py --parts=represent), 256 on GPU/TPU.
   onednn_threads: OpenMP threads of each oneDNN convolution (conv='onednn'); None: under the sequential strategy
-    half the cores, at least 1, so that the default two client threads fill the cores; under vmap (one host
-    thread) all cores. Its numbers depend on it (oneDNN splits some kernel-gradient sums among its threads), not
-    on client_threads.
+    the cores divided among the client threads (at least 1), so that they fill the cores without oversubscribing
+    them; under vmap (one host thread) all cores. The numbers depend on it (oneDNN splits some kernel-gradient
+    sums among its threads): set it to keep them while changing client_threads.
   """
   strategy: Optional[str] = None
   conv: Optional[str] = None
@@ -101,7 +101,8 @@ class ExecutionConfig:
     return dataclasses.replace(self, strategy=strategy, conv=conv, client_mesh=mesh, client_threads=threads,
                                eval_batch_size=self.eval_batch_size or (32 if cpu else 256),
                                onednn_threads=self.onednn_threads or max(1, (os.cpu_count() or 1)
-                                                                         // (2 if strategy == 'sequential' else 1)))
+                                                                         // (threads if strategy == 'sequential'
+                                                                             else 1)))
 
   def describe(self, backend: Optional[str] = None) -> str:
     """One line naming the backend and what this resolved configuration runs with (printed at a run's start)."""
