@@ -164,13 +164,13 @@ def test_same_seed_same_numbers_whatever_the_client_threads(tiny_data):
 
 def test_the_backend_defaults_are_decided_once_and_described(monkeypatch):
   cpu = ExecutionConfig(client_threads=2).resolve('cpu')  # oneDNN is installed with the test extra
-  assert (cpu.strategy, cpu.conv, cpu.eval_batch_size) == ('sequential', 'onednn', 32)
+  assert (cpu.strategy, cpu.conv, cpu.eval_batch_size) == ('sequential', 'onednn', 64)
   threads = max(1, os.cpu_count() // 2)  # the cores divided among the client threads
   assert cpu.onednn_threads == threads
   assert ExecutionConfig(client_threads=1).resolve('cpu').onednn_threads == os.cpu_count()
   assert ExecutionConfig(client_threads=1, onednn_threads=3).resolve('cpu').onednn_threads == 3
   assert cpu.describe('cpu').endswith(f': strategy=sequential, conv=onednn (oneDNN {onednn.version()}, {threads} '
-                                      f'thread{"s" if threads > 1 else ""} each), eval_batch_size=32, client_threads=2')
+                                      f'thread{"s" if threads > 1 else ""} each), eval_batch_size=64, client_threads=2')
   gpu = ExecutionConfig(chunk_size=4).resolve('gpu')
   assert gpu.describe('gpu').endswith(': strategy=vmap, conv=xla, eval_batch_size=256, chunk_size=4, devices=1')
   vmap = ExecutionConfig(strategy='vmap', client_threads=3).resolve('cpu')  # one host thread: every core per call
@@ -180,7 +180,7 @@ def test_the_backend_defaults_are_decided_once_and_described(monkeypatch):
   # Without oneDNN: 'auto', and the run's first line says what would be faster; asking for it says why not.
   monkeypatch.setattr(onednn, 'unavailable_reason', lambda: 'oneDNN 3.x was not found. Fix: pip install it.')
   cpu = ExecutionConfig(client_threads=2).resolve('cpu')
-  assert cpu.conv == 'auto'
+  assert (cpu.conv, cpu.eval_batch_size) == ('auto', 32)
   assert f"conv=auto (oneDNN's convolutions would be faster: {onednn.INSTALL})" in cpu.describe('cpu')
   assert ExecutionConfig(strategy='vmap').resolve('cpu').conv == 'im2col'
   with pytest.raises(ConfigError, match="^ExecutionConfig.conv='onednn': oneDNN 3.x was not found. Fix: pip"):
@@ -247,7 +247,7 @@ def test_bad_engine_arguments(tiny_data):
     make_fed(tiny_data, 'vmap', models=('resnet9000',))
   with pytest.raises(ConfigError, match='ExecutionConfig.eval_batch_size=-1'):
     make_fed(tiny_data, 'vmap', eval_batch_size=-1)
-  assert make_fed(tiny_data, 'sequential', eval_batch_size=None).executor.eval_batch_size == 32  # the CPU default
+  assert make_fed(tiny_data, 'sequential', eval_batch_size=None).executor.eval_batch_size == 32  # CPU, xla
 
 
 def test_global_protocol_scores_every_client_on_the_shared_test_set_and_its_local_split():

@@ -28,8 +28,9 @@ class ExecutionConfig:
   chunk_size: vmap this many clients per call (0: a whole group); a multiple of the mesh's devices.
   scan_unroll: local steps per loop iteration of the vmap executor's lax.scan.
   client_threads: clients the sequential executor runs at once, one host thread each; None: 2, at most the cores.
-  eval_batch_size: rows per eval-mode pass (representations, evaluation); None: 32 on CPU, where larger passes
-    spill the im2col patches out of cache (benchmarks/cpu_kernels.py --parts=represent), 256 on GPU/TPU.
+  eval_batch_size: rows per eval-mode pass (representations, evaluation); None: on CPU 64 with oneDNN's
+    convolutions and 32 with the others, whose larger passes spill the im2col patches out of cache
+    (benchmarks/cpu_kernels.py --parts=represent); 256 on GPU/TPU.
   onednn_threads: OpenMP threads of each oneDNN convolution (conv='onednn'); None: under the sequential strategy
     the cores divided among the client threads (at least 1), so that they fill the cores without oversubscribing
     them; under vmap (one host thread) all cores. The numbers depend on it (oneDNN splits some kernel-gradient
@@ -99,7 +100,8 @@ class ExecutionConfig:
     threads = self.client_threads or max(1, min(2, os.cpu_count() or 1))
     mesh = self.client_mesh if self.num_devices > 1 else None
     return dataclasses.replace(self, strategy=strategy, conv=conv, client_mesh=mesh, client_threads=threads,
-                               eval_batch_size=self.eval_batch_size or (32 if cpu else 256),
+                               eval_batch_size=self.eval_batch_size or ((64 if conv == 'onednn' else 32) if cpu
+                                                                        else 256),
                                onednn_threads=self.onednn_threads or max(1, (os.cpu_count() or 1)
                                                                          // (threads if strategy == 'sequential'
                                                                              else 1)))
