@@ -13,9 +13,10 @@ any backend but the CPU, goes to `lax.conv_general_dilated`. The three passes ar
 has reverse-mode derivatives of every order (`jax.grad` of `jax.grad`); forward mode (`jax.jvp`) is not
 defined. Under `jax.vmap` each batched call loops over the mapped axis.
 
-oneDNN parallelises each call with OpenMP; `set_threads` fixes its threads per call (the executor sets the cores
-divided by its client threads, so that two client threads on two cores run one single-threaded convolution each).
-For a fixed thread count the results are the same run after run.
+oneDNN parallelises each call with OpenMP; `set_threads` fixes its threads per call for the whole process (a
+`Federation` sets `ExecutionConfig.onednn_threads` when it is built: by default the cores divided among its client
+threads, so that two client threads on two cores run one single-threaded convolution each). For a fixed thread
+count the results are the same run after run, whatever thread calls.
 """
 
 from __future__ import annotations
