@@ -82,7 +82,7 @@ def machine() -> dict:
   """What the figures were measured on: backend, device, CPU model and count, and the library versions."""
   import importlib.metadata as metadata
   versions = {}
-  for package in ('jax', 'jaxlib', 'flax', 'optax', 'numpy', 'torch'):
+  for package in ('jax', 'jaxlib', 'flax', 'optax', 'numpy', 'torch', 'onednn-cpu-gomp'):
     try:
       versions[package] = metadata.version(package)
     except metadata.PackageNotFoundError:

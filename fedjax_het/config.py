@@ -185,12 +185,14 @@ class ExperimentConfig:
         return ExecutionConfig(self._distributed_strategy(), self.conv or None, client_mesh(0), self.chunk_size,
                                self.scan_unroll, self.client_threads, self.eval_batch_size or None,
                                self.onednn_threads)
-      strategy = ExecutionConfig(self.strategy or None).resolve().strategy
+      strategy = ExecutionConfig(self.strategy or None, 'xla').resolve().strategy  # conv: not needed to decide it
       every_device_under_vmap = self.num_devices == 0 and strategy == 'vmap'
       # a count other than 0 and 1 always goes to client_mesh, which refuses one it cannot give
       mesh = client_mesh(self.num_devices) if self.num_devices not in (0, 1) or every_device_under_vmap else None
-      return ExecutionConfig(self.strategy or None, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
-                             self.client_threads, self.eval_batch_size or None, self.onednn_threads)
+      execution = ExecutionConfig(self.strategy or None, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
+                                  self.client_threads, self.eval_batch_size or None, self.onednn_threads)
+      execution.resolve()  # e.g. --conv=onednn where it cannot run: refused now, before any data is read
+      return execution
 
   def _distributed_strategy(self) -> str:
     """'vmap', the strategy of a run over several processes; a ConfigError for settings that cannot be one."""

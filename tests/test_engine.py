@@ -1,4 +1,6 @@
 import os
+import platform
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +164,8 @@ def test_same_seed_same_numbers_whatever_the_client_threads(tiny_data):
   assert strip(h1) != strip(h3)
 
 
+@pytest.mark.skipif(not (sys.platform == 'linux' and platform.machine() == 'x86_64'),
+                    reason="the onednn extra installs on Linux x86-64 only")
 def test_the_backend_defaults_are_decided_once_and_described(monkeypatch):
   cpu = ExecutionConfig(client_threads=2).resolve('cpu')  # oneDNN is installed with the test extra
   assert (cpu.strategy, cpu.conv, cpu.eval_batch_size) == ('sequential', 'onednn', 64)

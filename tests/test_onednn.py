@@ -4,6 +4,7 @@ lax's values and derivatives of every order, vmap, empty batches, its threads, a
 import ctypes
 import platform
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +14,14 @@ from jax import lax
 
 from conftest import tree_allclose
 from fedjax_het.engine import ExecutionConfig
+from fedjax_het.engine.sharding import CLIENTS_AXIS
 from fedjax_het.errors import ConfigError
 from fedjax_het.models import onednn
 
 DN = ('NHWC', 'HWIO', 'NHWC')
+# The onednn extra (part of the test extra) installs on Linux x86-64: there every test here must pass, not skip.
+INSTALLABLE = sys.platform == 'linux' and platform.machine() == 'x86_64'
+needs_onednn = pytest.mark.skipif(not INSTALLABLE, reason="the onednn extra installs on Linux x86-64 only")
 
 
 def conv(x, w, strides=(1, 1), padding='VALID', dilation=(1, 1)):
@@ -28,11 +33,30 @@ def reference(x, w, strides=(1, 1), padding='VALID', dilation=(1, 1)):
 
 
 def test_available_where_the_test_extra_installs_it():
-  if sys.platform == 'linux' and platform.machine() == 'x86_64':
+  if INSTALLABLE:
     assert onednn.unavailable_reason() is None
     assert onednn.version().startswith('3.')
 
 
+@needs_onednn
+def test_the_passes_are_oneDNNs_custom_calls():
+  x, w = jnp.ones((2, 6, 6, 3)), jnp.ones((3, 3, 3, 4))
+  step = jax.jit(jax.grad(lambda x, w: jnp.sum(conv(x, w) ** 2), (0, 1))).lower(x, w).as_text()
+  for target in ('forward', 'input_gradient', 'kernel_gradient'):
+    assert f'fedjax_het_onednn_conv_{target}' in step
+  assert 'convolution' not in step  # no XLA convolution left
+
+
+@needs_onednn
+def test_a_window_larger_than_the_padded_input_gives_an_empty_output():
+  x, w = jnp.ones((2, 3, 3, 2)), jnp.ones((5, 5, 2, 4))
+  assert conv(x, w).shape == reference(x, w).shape == (2, 0, 0, 4)
+  dx, dw = jax.grad(lambda x, w: jnp.sum(conv(x, w)), (0, 1))(x, w)
+  np.testing.assert_array_equal(dx, np.zeros(x.shape))
+  np.testing.assert_array_equal(dw, np.zeros(w.shape))
+
+
+@needs_onednn
 def test_values_and_gradients_by_hand():
   x = jnp.arange(9.0).reshape(1, 3, 3, 1)  # [[0 1 2] [3 4 5] [6 7 8]]
   w = jnp.ones((2, 2, 1, 1))
@@ -44,6 +68,7 @@ def test_values_and_gradients_by_hand():
   np.testing.assert_array_equal(conv(x, w, (2, 2), [(1, 1), (1, 1)])[0, :, :, 0], [[0, 1 + 2], [3 + 6, 4 + 5 + 7 + 8]])
 
 
+@needs_onednn
 @pytest.mark.parametrize('strides,padding,dilation', [((1, 1), 'VALID', (1, 1)), ((2, 1), [(1, 2), (0, 1)], (1, 1)),
                                                       ((1, 2), 'SAME', (2, 1)), ((2, 2), 'SAME', (1, 1))])
 def test_values_and_derivatives_of_two_orders_equal_lax(strides, padding, dilation):
@@ -62,6 +87,7 @@ def test_values_and_derivatives_of_two_orders_equal_lax(strides, padding, dilati
                 atol=1e-3)
 
 
+@needs_onednn
 def test_vmap_over_clients_equals_each_client_alone():
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 8, 8, 4))  # 3 clients, each with its own kernel
   w = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 3, 4, 6))
@@ -71,6 +97,7 @@ def test_vmap_over_clients_equals_each_client_alone():
     np.testing.assert_allclose(batched[k], alone, rtol=1e-4, atol=1e-3)
 
 
+@needs_onednn
 def test_an_empty_batch_gives_zeros():
   x, w = jnp.zeros((0, 6, 6, 2)), jnp.ones((3, 3, 2, 4))
   y, dw = jax.jit(lambda x, w: (conv(x, w), jax.grad(lambda w: jnp.sum(conv(x, w)))(w)))(x, w)
@@ -78,6 +105,7 @@ def test_an_empty_batch_gives_zeros():
   np.testing.assert_array_equal(dw, np.zeros((3, 3, 2, 4)))
 
 
+@needs_onednn
 def test_what_it_does_not_cover_goes_to_lax():
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 7, 7, 4))
   grouped = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 2, 4))
@@ -91,6 +119,7 @@ def test_what_it_does_not_cover_goes_to_lax():
                              rtol=1e-5, atol=1e-5)
 
 
+@needs_onednn
 def test_threads_give_the_same_numbers_each_time_and_leave_the_callers_openmp_setting():
   x = jax.random.normal(jax.random.PRNGKey(0), (32, 16, 16, 3))
   w = jax.random.normal(jax.random.PRNGKey(1), (5, 5, 3, 8))
@@ -129,6 +158,7 @@ def test_without_onednn_the_errors_say_why_and_how_to_fix(tmp_path, monkeypatch)
     onednn.build(include, lib, cache=str(tmp_path / 'cache'))
 
 
+@needs_onednn
 def test_a_federation_with_onednn_computes_what_xla_computes(tiny_data):
   from test_engine import make_fed, run
   s_xla, h_xla = run(make_fed(tiny_data, 'sequential', conv='xla'), 2)
@@ -147,3 +177,20 @@ def test_a_federation_with_onednn_computes_what_xla_computes(tiny_data):
 def test_asking_for_it_elsewhere_than_the_cpu_is_refused():
   with pytest.raises(ConfigError, match="runs on the CPU only"):
     ExecutionConfig(conv='onednn').resolve('tpu')
+
+
+@needs_onednn
+def test_each_federation_runs_with_its_own_threads(tiny_data):
+  """oneDNN's threads are a setting of the process: a federation built after another (here under vmap, every core
+  per convolution) must not change the first's numbers."""
+  from test_engine import make_fed, run
+  alone, _ = run(make_fed(tiny_data, 'sequential', conv='onednn', onednn_threads=1), 2)
+  first = make_fed(tiny_data, 'sequential', conv='onednn', onednn_threads=1)
+  make_fed(tiny_data, 'vmap', conv='onednn', onednn_threads=2)
+  after_another, _ = run(first, 2)
+  tree_allclose(after_another, alone, rtol=0, atol=0)
+
+
+def test_the_default_under_a_client_mesh_is_im2col():
+  mesh = types.SimpleNamespace(axis_names=(CLIENTS_AXIS,), size=4)  # the custom call's loop cannot be split
+  assert ExecutionConfig(strategy='vmap', client_mesh=mesh).resolve('cpu').conv == 'im2col'

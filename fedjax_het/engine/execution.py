@@ -1,5 +1,7 @@
 """How a federation's rounds are executed: strategy, convolution kernels, devices, chunking and threads. None of it
-changes a number (the executors and kernels are tested equal); every default is decided once, by `resolve`."""
+changes a number beyond float32 rounding (the executors and kernels are tested equal to that); the convolution
+formulation and oneDNN's threads decide that rounding, so a run's defaults on CPU depend on whether oneDNN is
+installed and on the core count. Every default is decided once, by `resolve`."""
 
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ class ExecutionConfig:
     if self.client_threads is not None and self.client_threads < 1:
       raise ConfigError(f'ExecutionConfig.client_threads={self.client_threads} must be >= 1.')
     if self.onednn_threads is not None and self.onednn_threads < 1:
-      raise ConfigError(f'ExecutionConfig.onednn_threads={self.onednn_threads} must be >= 1 (None: half the cores).')
+      raise ConfigError(f'ExecutionConfig.onednn_threads={self.onednn_threads} must be >= 1 (None: the cores divided '
+                        f'among the client threads).')
     if self.eval_batch_size is not None and self.eval_batch_size < 1:
       raise ConfigError(f'ExecutionConfig.eval_batch_size={self.eval_batch_size} must be >= 1 (None: the '
                         f'backend default).')
@@ -89,8 +92,11 @@ class ExecutionConfig:
     strategy = self.strategy or ('sequential' if cpu else 'vmap')
     if self.num_devices > 1 and self.strategy is None:
       strategy = 'vmap'
+    # oneDNN's custom call under vmap is a loop over the clients, which XLA cannot split over a client mesh.
     fallback = 'im2col' if strategy == 'vmap' else 'auto'
-    conv = self.conv or (('onednn' if onednn.unavailable_reason() is None else fallback) if cpu else 'xla')
+    wants_onednn = strategy == 'sequential' or self.num_devices == 1
+    conv = self.conv or (('onednn' if wants_onednn and onednn.unavailable_reason() is None else fallback) if cpu
+                         else 'xla')
     if conv == 'onednn':
       if not cpu:
         raise ConfigError(f'ExecutionConfig.conv=\'onednn\' runs on the CPU only (backend: '
@@ -114,8 +120,11 @@ class ExecutionConfig:
     conv = self.conv
     if conv == 'onednn':
       conv += f' (oneDNN {onednn.version()}, {self.onednn_threads} thread{"s" if self.onednn_threads > 1 else ""} each)'
-    elif conv == 'auto' and backend == 'cpu' and onednn.unavailable_reason() is not None:
-      conv += f' (oneDNN\'s convolutions would be faster: {onednn.INSTALL})'
+    elif conv in ('auto', 'im2col') and backend == 'cpu' and onednn.unavailable_reason() is not None:
+      reason = onednn.unavailable_reason()
+      conv += (f' (oneDNN\'s convolutions would be faster: {onednn.INSTALL})' if 'was not found' in reason else
+               ' (oneDNN\'s convolutions would be faster but do not load: see '
+               'fedjax_het.models.onednn.unavailable_reason())')
     how = f'strategy={self.strategy}, conv={conv}, eval_batch_size={self.eval_batch_size}'
     if self.strategy == 'sequential':
       how += f', client_threads={self.client_threads}'
@@ -123,10 +132,16 @@ class ExecutionConfig:
       how += f', chunk_size={self.chunk_size or "whole group"}, devices={self.num_devices}'
     return f'{where}: {how}'
 
-  def executor(self) -> Executor:
-    """The executor of a resolved configuration (with oneDNN's threads per convolution set for it)."""
+  def apply_process_settings(self) -> None:
+    """Sets what this resolved configuration needs of the process (oneDNN's threads per convolution, a setting of
+    the whole process): a `Federation` calls it when it is built and at the start of each round and evaluation,
+    so that federations built in one process each run with their own."""
     if self.conv == 'onednn':
       onednn.set_threads(self.onednn_threads)
+
+  def executor(self) -> Executor:
+    """The executor of a resolved configuration (the process settings applied)."""
+    self.apply_process_settings()
     if self.strategy == 'vmap':
       return VmapExecutor(self.eval_batch_size, self.chunk_size, self.scan_unroll)
     return SequentialExecutor(self.eval_batch_size, self.client_threads)

@@ -58,7 +58,7 @@ class Federation:
 
   models: the clients' classifiers (`ModelConfig`, or just the architecture names); training: the run's local
   schedule, handed to the algorithm's programs through `GroupSpec.training`; execution: how rounds run
-  (`ExecutionConfig`, which changes no number); rounds: the run's length (phases of open length take the rounds
+  (`ExecutionConfig`, which changes no number beyond float32 rounding); rounds: the run's length (phases of open length take the rounds
   left); join_ratio: the share of clients in each round; full_participation_rounds: the run's last rounds in which
   every client joins; seed: the run's seed.
   """
@@ -242,6 +242,7 @@ class Federation:
     local_steps and local_samples, the server's metrics, upload/broadcast scalars and bytes (total and by part)
     and train_seconds.
     """
+    self.execution.apply_process_settings()
     start = time.perf_counter()
     r = int(state.round)
     p = self.phase_index(r)
@@ -320,6 +321,7 @@ class Federation:
     evaluation protocol: local test splits ('pooled') or the global test set ('global'); when both exist (global
     protocol with train_fraction < 1) the other is logged with prefix 'local_test_' or 'global_test_'.
     """
+    self.execution.apply_process_settings()
     r = max(int(state.round) - 1, 0)
     statistics = self.evaluation_statistics(state, r)
     local = self._evaluate_set(state, r, 'local', statistics) if self.has_local_test else None

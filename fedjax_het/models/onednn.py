@@ -1,11 +1,11 @@
 """oneDNN's convolution on the CPU as XLA custom calls: the kernels PyTorch's CPU convolutions run on.
 
-XLA:CPU's convolutions take two to three times as long as oneDNN's on the 4-layer CNN's shapes
-(docs/performance.md). `onednn_conv.cc` wraps oneDNN's forward, input-gradient and kernel-gradient convolutions
+XLA:CPU's convolutions take 1.4 to 8 times as long as oneDNN's on the 4-layer CNN's layers (docs/performance.md). `onednn_conv.cc` wraps oneDNN's forward, input-gradient and kernel-gradient convolutions
 as XLA FFI handlers; on first use this module compiles it with the system's C++ compiler against the oneDNN of
 the `onednn` extra (`pip install -e '.[onednn]'`, Linux x86-64; or any oneDNN 3.x found through $DNNLROOT),
-keeps the shared library in ~/.cache/fedjax_het/onednn (keyed by the source, the compiler, JAX's version and the
-oneDNN found) and registers the handlers with JAX.
+keeps the shared library in ~/.cache/fedjax_het/onednn (keyed by the source, the compiler and its flags, JAX's
+version and the oneDNN files found) and registers the handlers with JAX. oneDNN must be built with OpenMP (the
+extra's is): each call sets its OpenMP threads and puts the caller's setting back.
 
 `conv_general_dilated` has `lax.conv_general_dilated`'s signature and values (up to float32 rounding) for 2-D
 channels-last float32 convolutions, ungrouped, with any strides, padding and kernel dilation; anything else, and
@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Optional, Sequence
 
 import jax
@@ -76,44 +77,54 @@ def _compiler() -> str:
 
 def build(include: str, lib: str, cache: str = CACHE) -> str:
   """The shared library of onednn_conv.cc compiled against oneDNN (`include`, `lib`), from `cache` when it was
-  built before with the same source, compiler, JAX and oneDNN. Raises OneDNNUnavailable when it fails to build."""
+  built before from the same source, compiler, flags, JAX and oneDNN files. Raises OneDNNUnavailable when it
+  fails to build."""
   compiler = _compiler()
+  flags = ['-O2', '-std=c++17', '-shared', '-fPIC', '-w', f'-I{jax.ffi.include_dir()}', f'-I{include}']
   with open(SOURCE, 'rb') as f:
     source = f.read()
-  key = hashlib.sha256(b'\0'.join([source, compiler.encode(), jax.__version__.encode(), include.encode(),
-                                   os.path.realpath(lib).encode()])).hexdigest()[:16]
+  found = [os.path.join(include, 'oneapi', 'dnnl', 'dnnl.hpp'), lib]
+  stamps = [f'{os.path.realpath(p)}:{os.stat(p).st_size}:{os.stat(p).st_mtime_ns}' for p in found]
+  key = hashlib.sha256(b'\0'.join([source, compiler.encode(), ' '.join(flags).encode(), jax.__version__.encode(),
+                                   *[stamp.encode() for stamp in stamps]])).hexdigest()[:16]
   folder = os.path.expanduser(cache)
   try:
     os.makedirs(folder, exist_ok=True)
-  except OSError:
-    folder = os.path.join(tempfile.gettempdir(), f'fedjax_het_onednn_{os.getuid()}')
-    os.makedirs(folder, exist_ok=True)
+  except OSError:  # an unwritable cache: a private folder of this process
+    folder = tempfile.mkdtemp(prefix='fedjax_het_onednn_')
   target = os.path.join(folder, f'onednn_conv_{key}.so')
   if os.path.exists(target):
     return target
-  partial = f'{target}.{os.getpid()}.tmp'
-  command = [compiler, '-O2', '-std=c++17', '-shared', '-fPIC', '-fopenmp', '-w', f'-I{jax.ffi.include_dir()}',
-             f'-I{include}', SOURCE, lib, f'-Wl,-rpath,{os.path.dirname(lib)}', '-o', partial]
+  partial = f'{target}.{os.getpid()}.{threading.get_ident()}.tmp'
+  command = [compiler, *flags, SOURCE, lib, f'-Wl,-rpath,{os.path.dirname(lib)}', '-o', partial]
   try:
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+      lines = done.stderr.splitlines()
+      errors = [line for line in lines if 'error' in line][:8] or lines[-8:]
+      raise OneDNNUnavailable(f'building the oneDNN convolution handlers failed:\n  {" ".join(command)}\n'
+                              + '\n'.join(errors) + f'\nFix: use --conv=auto, or a oneDNN 3.x ({INSTALL}).')
+    os.replace(partial, target)  # whole, even when another process builds the same file at once
   except (OSError, subprocess.TimeoutExpired) as e:
     raise OneDNNUnavailable(f'building the oneDNN convolution handlers failed ({e}). Fix: use --conv=auto.') from e
-  if done.returncode:
-    lines = done.stderr.splitlines()
-    errors = [line for line in lines if 'error' in line][:8] or lines[-8:]
-    raise OneDNNUnavailable(f'building the oneDNN convolution handlers failed:\n  {" ".join(command)}\n'
-                            + '\n'.join(errors) + f'\nFix: use --conv=auto, or a oneDNN 3.x ({INSTALL}).')
-  os.replace(partial, target)  # whole, even when another process builds the same file at once
+  finally:
+    if os.path.exists(partial):
+      os.remove(partial)
   return target
 
 
 @functools.lru_cache(maxsize=None)
 def load() -> ctypes.CDLL:
   """The compiled handlers, registered with JAX for the CPU (built on first call). Raises OneDNNUnavailable."""
-  library = ctypes.CDLL(build(*find_onednn()))
-  for target in _TARGETS.values():
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform='cpu')
-  library.fedjax_het_onednn_version.restype = ctypes.c_char_p
+  path = build(*find_onednn())
+  try:
+    library = ctypes.CDLL(path)
+    for target in _TARGETS.values():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform='cpu')
+    library.fedjax_het_onednn_version.restype = ctypes.c_char_p
+  except (OSError, AttributeError, ValueError, RuntimeError) as e:  # e.g. a oneDNN built without OpenMP
+    raise OneDNNUnavailable(f'loading the oneDNN convolution handlers ({path}) failed: {e}. Fix: use --conv=auto, '
+                            f'or a oneDNN 3.x built with OpenMP ({INSTALL}).') from e
   return library
 
 
@@ -146,8 +157,8 @@ def _call(pass_: str, shape, a, b, geometry):
 
 def _output_shape(x_shape, w_shape, geometry):
   strides, padding, dilation = geometry
-  spatial = [(x_shape[1 + a] + sum(padding[a]) - (w_shape[a] - 1) * dilation[a] - 1) // strides[a] + 1
-             for a in range(2)]
+  spatial = [max(0, (x_shape[1 + a] + sum(padding[a]) - (w_shape[a] - 1) * dilation[a] - 1) // strides[a] + 1)
+             for a in range(2)]  # empty where the window is larger than the padded input, as lax's
   return (x_shape[0], *spatial, w_shape[3])
 
 

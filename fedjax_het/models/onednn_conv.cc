@@ -8,12 +8,11 @@
 // concurrently when each execution has its own scratchpad). fedjax_het compiles this file on first use
 // (fedjax_het/models/onednn.py).
 
-#include <omp.h>
-
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -23,6 +22,13 @@
 
 #include "oneapi/dnnl/dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
+
+// The OpenMP runtime oneDNN was built with (GNU's, for the `onednn` extra's wheels); resolved through libdnnl's
+// own dependency when this library is loaded, so that the setting reaches the runtime oneDNN uses.
+extern "C" {
+int omp_get_max_threads(void);
+void omp_set_num_threads(int);
+}
 
 namespace ffi = xla::ffi;
 using dims = dnnl::memory::dims;
@@ -43,8 +49,8 @@ struct Geometry {
 
 // One pass of one geometry: its primitive and the reorder of the kernel between HWIO and the primitive's blocked
 // layout (absent when they agree). Every primitive takes its scratchpad from the caller: oneDNN's own scratchpad
-// is shared by all primitives of the process unless it was built for concurrent execution, and two client
-// threads run convolutions at once.
+// belongs to the thread that created the primitive (unless oneDNN was built for concurrent execution), and these
+// primitives, created once, run on every client thread at once.
 struct Plan {
   dnnl::primitive primitive;
   dnnl::memory::desc kernel;  // the primitive's kernel (or kernel gradient) layout
@@ -62,6 +68,7 @@ Plan MakePlan(Pass pass, const Geometry& g) {
   auto& eng = Engine();
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  attr.set_fpmath_mode(dnnl::fpmath_mode::strict);  // float32 arithmetic whatever ONEDNN_DEFAULT_FPMATH_MODE says
   auto x = dnnl::memory::desc(g.x, f32::f32, tag::nhwc);
   auto y = dnnl::memory::desc(g.y, f32::f32, tag::nhwc);
   auto any = dnnl::memory::desc(g.w, f32::f32, tag::any);
@@ -133,7 +140,8 @@ ffi::Error Run(Pass pass, const Geometry& g, float* a, float* b, float* out) {
   // This calling thread's OpenMP teams, for this call only: the thread's setting is shared with every other
   // library on the same OpenMP runtime (PyTorch's CPU build among them), so it is put back on return.
   const int before = omp_get_max_threads();
-  const int threads = threads_per_call.load() > 0 ? threads_per_call.load() : before;
+  const int requested = threads_per_call.load();
+  const int threads = requested > 0 ? requested : before;
   omp_set_num_threads(threads);
   ffi::Error status = ffi::Error::Success();
   try {
@@ -172,6 +180,10 @@ ffi::Error Run(Pass pass, const Geometry& g, float* a, float* b, float* out) {
     stream.wait();
   } catch (const dnnl::error& e) {
     status = ffi::Error(ffi::ErrorCode::kInternal, std::string("oneDNN convolution failed: ") + e.what());
+  } catch (const std::exception& e) {  // e.g. std::bad_alloc of a scratchpad: an error, not a terminated process
+    status = ffi::Error(ffi::ErrorCode::kInternal, std::string("oneDNN convolution failed: ") + e.what());
+  } catch (...) {
+    status = ffi::Error(ffi::ErrorCode::kInternal, "oneDNN convolution failed");
   }
   omp_set_num_threads(before);
   return status;
