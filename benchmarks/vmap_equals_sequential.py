@@ -1,5 +1,5 @@
 """Every registered method run twice on a tiny federation, by the vmap executor with im2col convolutions (the CPU
-default under vmap) and by the sequential executor: per metric and per state leaf max |vmap - sequential| / max |sequential|,
+default under vmap without oneDNN) and by the sequential executor: per metric and per state leaf max |vmap - sequential| / max |sequential|,
 the largest of them over the per-round metrics and over the final client and server states, and whether every
 state stays finite.
 

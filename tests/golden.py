@@ -80,7 +80,7 @@ def make_golden_federation(name: str, strategy: str = 'sequential', data=None) -
   training = LocalTraining(0.05, 8, 1, drop_last=settings.get('drop_last', True))
   models = ModelConfig(settings.get('models', ('small_cnn_narrow', 'mlp')), settings.get('feature_dim', 16),
                        settings.get('rm', 'ap'))
-  # The vmap runs take im2col convolutions, the CPU default under vmap (`ExecutionConfig.resolve`), so they also
+  # The vmap runs take im2col convolutions, the CPU default under vmap without oneDNN, so they also
   # guard XLA:CPU's batched max-pool gradient at the suite's level 0 (docs/xla_cpu_miscompile.md).
   conv = 'xla' if strategy == 'sequential' else 'im2col'
   return Federation(make_algorithm(cfg, data), data, models, training,
