@@ -158,20 +158,26 @@ def test_without_onednn_the_errors_say_why_and_how_to_fix(tmp_path, monkeypatch)
     onednn.build(include, lib, cache=str(tmp_path / 'cache'))
 
 
+@pytest.fixture(scope='module')
+def onednn_run(tiny_data):
+  """Two rounds of the tiny federation with oneDNN's convolutions, two client threads, one oneDNN thread each."""
+  from test_engine import make_fed, run
+  return run(make_fed(tiny_data, 'sequential', conv='onednn', client_threads=2, onednn_threads=1), 2)
+
+
 @needs_onednn
-def test_a_federation_with_onednn_computes_what_xla_computes(tiny_data):
+def test_a_federation_with_onednn_computes_what_xla_computes(tiny_data, onednn_run):
   from test_engine import make_fed, run
   s_xla, h_xla = run(make_fed(tiny_data, 'sequential', conv='xla'), 2)
-  s_dnnl, h_dnnl = run(make_fed(tiny_data, 'sequential', conv='onednn'), 2)
+  s_dnnl, h_dnnl = onednn_run
   tree_allclose(s_dnnl, s_xla, rtol=1e-3, atol=1e-4)
   for a, b in zip(h_dnnl, h_xla):
     for key in a:
       if 'seconds' not in key and isinstance(a[key], float):
         np.testing.assert_allclose(a[key], b[key], rtol=1e-3, atol=1e-4, err_msg=key)
   # the same numbers whatever the client threads, oneDNN's own threads fixed (each call has its own scratchpad)
-  s_two, _ = run(make_fed(tiny_data, 'sequential', conv='onednn', client_threads=2, onednn_threads=1), 2)
   s_one, _ = run(make_fed(tiny_data, 'sequential', conv='onednn', client_threads=1, onednn_threads=1), 2)
-  tree_allclose(s_one, s_two, rtol=0, atol=0)
+  tree_allclose(s_one, s_dnnl, rtol=0, atol=0)
 
 
 def test_asking_for_it_elsewhere_than_the_cpu_is_refused():
@@ -180,15 +186,14 @@ def test_asking_for_it_elsewhere_than_the_cpu_is_refused():
 
 
 @needs_onednn
-def test_each_federation_runs_with_its_own_threads(tiny_data):
+def test_each_federation_runs_with_its_own_threads(tiny_data, onednn_run):
   """oneDNN's threads are a setting of the process: a federation built after another (here under vmap, every core
   per convolution) must not change the first's numbers."""
   from test_engine import make_fed, run
-  alone, _ = run(make_fed(tiny_data, 'sequential', conv='onednn', onednn_threads=1), 2)
-  first = make_fed(tiny_data, 'sequential', conv='onednn', onednn_threads=1)
+  first = make_fed(tiny_data, 'sequential', conv='onednn', client_threads=2, onednn_threads=1)
   make_fed(tiny_data, 'vmap', conv='onednn', onednn_threads=2)
   after_another, _ = run(first, 2)
-  tree_allclose(after_another, alone, rtol=0, atol=0)
+  tree_allclose(after_another, onednn_run[0], rtol=0, atol=0)
 
 
 def test_the_default_under_a_client_mesh_is_im2col():
