@@ -116,6 +116,9 @@ def build(include: str, lib: str, cache: str = CACHE) -> str:
 @functools.lru_cache(maxsize=None)
 def load() -> ctypes.CDLL:
   """The compiled handlers, registered with JAX for the CPU (built on first call). Raises OneDNNUnavailable."""
+  if not hasattr(getattr(jax, 'ffi', None), 'include_dir'):
+    raise OneDNNUnavailable(f'JAX {jax.__version__} has no jax.ffi to call oneDNN with. Fix: pip install -U jax, or '
+                            f'use --conv=auto.')
   path = build(*find_onednn())
   try:
     library = ctypes.CDLL(path)
