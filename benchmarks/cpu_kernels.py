@@ -17,8 +17,8 @@ Batch 32, 32x32x3 inputs, milliseconds, best of 3 after a warm-up. Parts:
   profile:         per-op profile of the default CPU step as a round runs it (two client threads on the cores, JAX's
                    profiler; each XLA op labelled with the layer and primitive it computes, 'backward' where it
                    belongs to the gradient) and of PyTorch's step (torch.profiler, self CPU time per op).
-oneDNN's convolutions run with the library's default threads per call (`ExecutionConfig.onednn_threads`: half
-the cores), and are left out, said so, where the `onednn` extra is not installed. Prints the figures and writes
+oneDNN's convolutions run with the library's default threads per call (`ExecutionConfig.onednn_threads`: the
+cores divided among the default two client threads), and are left out, said so, where the `onednn` extra is not installed. Prints the figures and writes
 benchmarks/results/cpu_kernels_<backend>.json/.csv.
 """
 
@@ -46,7 +46,7 @@ from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
 from fedjax_het.models.forward import forward
 from fedjax_het.models import build_model
 from fedjax_het.models import onednn
-from fedjax_het.models.conv import im2col_conv_general_dilated
+from fedjax_het.models.conv import im2col_conv_general_dilated, onednn_conv_general_dilated
 from fedjax_het.models.pooling import max_pool
 
 flags.DEFINE_list('parts', ['step', 'layers', 'pool', 'threads', 'vmap', 'represent', 'federation_step', 'profile'],
@@ -132,7 +132,7 @@ def part_layers(rows):
     x = jnp.asarray(rng.normal(size=(B, h, h, c)).astype(np.float32))
     k = jnp.asarray(rng.normal(size=(5, 5, c, o)).astype(np.float32))
     impls = {'xla': lax.conv_general_dilated, 'im2col': im2col_conv_general_dilated,
-             'onednn': onednn.conv_general_dilated}
+             'onednn': onednn_conv_general_dilated}
     for name in formulations(*impls):
       fn = impls[name]
       conv = lambda x, k, fn=fn: fn(x, k, (1, 1), 'VALID', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
@@ -198,8 +198,7 @@ def part_threads(rows):
       fn()
       rows.append({'part': 'threads', 'case': f'{label}: {name}', 'ms': ms,
                    'cpu_over_wall': (time.process_time() - cpu0) / (time.perf_counter() - t0)})
-  if formulations('onednn'):
-    onednn.set_threads(DEFAULT.onednn_threads)
+  DEFAULT.apply_process_settings()
 
 
 def part_vmap(rows):
@@ -329,8 +328,7 @@ def main(_):
   global B, DEFAULT
   B = FLAGS.batch_size
   DEFAULT = ExecutionConfig().resolve('cpu')
-  if onednn.unavailable_reason() is None:
-    onednn.set_threads(DEFAULT.onednn_threads)
+  DEFAULT.apply_process_settings()
   rows = []
   parts = {'step': part_step, 'layers': part_layers, 'pool': part_pool, 'threads': part_threads,
            'vmap': part_vmap, 'represent': part_represent, 'federation_step': part_federation_step,

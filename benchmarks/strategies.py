@@ -51,7 +51,8 @@ def main(_):
       state, m = fed.round(state)
       times.append(m['train_seconds'])
     seconds = sum(times) / len(times)
-    rows.append({'variant': variant, 'eval_batch_size': fed.executor.eval_batch_size, 'first_round_seconds': first, 'seconds_per_round': seconds,
+    rows.append({'variant': variant, 'eval_batch_size': fed.executor.eval_batch_size,
+                 'first_round_seconds': first, 'seconds_per_round': seconds,
                  'client_steps_per_second': m['local_steps'] / seconds})
     print(f"{variant:>18}: first round (with compile) {first:7.2f} s | warm round {seconds:7.3f} s"
           f" | {rows[-1]['client_steps_per_second']:8.1f} client-steps/s", flush=True)

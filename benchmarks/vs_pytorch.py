@@ -141,7 +141,8 @@ def main(_):
           flush=True)
     settings = {'torch_device': torch_device, 'torch': torch.__version__, 'torch_tf32': torch_device == 'cuda',
                 'torch_threads': torch.get_num_threads(),
-                'strategy': fed.strategy, 'conv': fed.conv, 'onednn_threads': fed.execution.onednn_threads, 'client_threads': getattr(fed.executor, 'threads', None),
+                'strategy': fed.strategy, 'conv': fed.conv, 'onednn_threads': fed.execution.onednn_threads,
+                'client_threads': getattr(fed.executor, 'threads', None),
                 'batch_size': FLAGS.batch_size, 'eval_batch_size': fed.executor.eval_batch_size,
                 'torch_eval_batch_size': FLAGS.torch_eval_batch_size, 'samples_per_client': FLAGS.samples_per_client,
                 'partition': FLAGS.partition, 'alpha': FLAGS.alpha if FLAGS.partition == 'dirichlet' else None,

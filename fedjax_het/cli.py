@@ -97,8 +97,9 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_enum('strategy', None, list(STRATEGIES), 'How a group executes (default: sequential on CPU, vmap else).')
   f.DEFINE_integer('chunk_size', _D.chunk_size, 'vmap strategy: clients per vmapped chunk (0: whole group).')
   f.DEFINE_enum('conv', None, list(CONV_IMPLS), 'Convolution formulation: xla (native), im2col (strided slices '
-                '+ matmul; batches well under vmap), auto (im2col for <= 8 input channels, else xla), onednn (oneDNN\'s '
-                'kernels, CPU; pip install -e \'.[onednn]\'). Default: per backend and strategy (docs/performance.md).')
+                '+ matmul; batches well under vmap), auto (im2col for <= 8 input channels, else xla), onednn '
+                '(oneDNN\'s kernels, CPU; pip install -e \'.[onednn]\'). Default: per backend and strategy '
+                '(docs/performance.md).')
   f.DEFINE_integer('scan_unroll', _D.scan_unroll, 'vmap strategy: local SGD steps per lax.scan iteration.')
   f.DEFINE_integer('num_devices', _D.num_devices, 'vmap strategy: shard each group\'s clients over this many '
                    'devices (0: all devices; 1: no sharding).')

@@ -1,5 +1,6 @@
-"""oneDNN's convolution as XLA custom calls (fedjax_het/models/onednn.py): hand-computed values and gradients,
-lax's values and derivatives of every order, vmap, empty batches, its threads, and the errors without it."""
+"""oneDNN's convolution as XLA custom calls (fedjax_het/models/onednn.py, through models.conv's
+onednn_conv_general_dilated): hand-computed values and gradients, lax's values and derivatives of every order, vmap,
+empty batches, its threads, and the errors without it."""
 
 import ctypes
 import platform
@@ -17,6 +18,7 @@ from fedjax_het.engine import ExecutionConfig
 from fedjax_het.engine.sharding import CLIENTS_AXIS
 from fedjax_het.errors import ConfigError
 from fedjax_het.models import onednn
+from fedjax_het.models.conv import onednn_conv_general_dilated
 
 DN = ('NHWC', 'HWIO', 'NHWC')
 # The onednn extra (part of the test extra) installs on Linux x86-64: there every test here must pass, not skip.
@@ -25,7 +27,7 @@ needs_onednn = pytest.mark.skipif(not INSTALLABLE, reason="the onednn extra inst
 
 
 def conv(x, w, strides=(1, 1), padding='VALID', dilation=(1, 1)):
-  return onednn.conv_general_dilated(x, w, strides, padding, rhs_dilation=dilation, dimension_numbers=DN)
+  return onednn_conv_general_dilated(x, w, strides, padding, rhs_dilation=dilation, dimension_numbers=DN)
 
 
 def reference(x, w, strides=(1, 1), padding='VALID', dilation=(1, 1)):
@@ -110,7 +112,7 @@ def test_what_it_does_not_cover_goes_to_lax():
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 7, 7, 4))
   grouped = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 2, 4))
   np.testing.assert_allclose(  # grouped, float16, cropping (negative padding)
-      onednn.conv_general_dilated(x, grouped, (1, 1), 'SAME', dimension_numbers=DN, feature_group_count=2),
+      onednn_conv_general_dilated(x, grouped, (1, 1), 'SAME', dimension_numbers=DN, feature_group_count=2),
       lax.conv_general_dilated(x, grouped, (1, 1), 'SAME', dimension_numbers=DN, feature_group_count=2), rtol=1e-6)
   w = jax.random.normal(jax.random.PRNGKey(2), (3, 3, 4, 2))
   half = conv(x.astype(jnp.float16), w.astype(jnp.float16))

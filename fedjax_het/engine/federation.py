@@ -58,8 +58,8 @@ class Federation:
 
   models: the clients' classifiers (`ModelConfig`, or just the architecture names); training: the run's local
   schedule, handed to the algorithm's programs through `GroupSpec.training`; execution: how rounds run
-  (`ExecutionConfig`, which changes no number beyond float32 rounding); rounds: the run's length (phases of open length take the rounds
-  left); join_ratio: the share of clients in each round; full_participation_rounds: the run's last rounds in which
+  (`ExecutionConfig`, which changes no number beyond float32 rounding); rounds: the run's length (phases of open
+  length take the rounds left); join_ratio: the share of clients in each round; full_participation_rounds: the run's last rounds in which
   every client joins; seed: the run's seed.
   """
 

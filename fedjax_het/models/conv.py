@@ -32,6 +32,26 @@ def _channels_last(nd: int) -> lax.ConvDimensionNumbers:
   return lax.ConvDimensionNumbers((0, nd + 1) + spatial, (nd + 1, nd) + tuple(range(nd)), (0, nd + 1) + spatial)
 
 
+def _ungrouped_channels_last(lhs, rhs, dimension_numbers, lhs_dilation, feature_group_count, batch_group_count
+                             ) -> bool:
+  """Whether a convolution is the plain kind the formulations here compute: NHWC/HWIO (channels last), no groups,
+  no input dilation."""
+  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+  return (feature_group_count == 1 and batch_group_count == 1 and dn == _channels_last(lhs.ndim - 2)
+          and (lhs_dilation is None or all(d == 1 for d in lhs_dilation)))
+
+
+def _explicit_padding(lhs, rhs, window_strides, padding, rhs_dilation) -> tuple[list, tuple]:
+  """(padding as (low, high) per spatial axis, the kernel's dilation) of a channels-last convolution; a padding
+  string ('SAME', 'VALID') is resolved over the dilated kernel, as lax does."""
+  nd = lhs.ndim - 2
+  dilation = tuple(int(d) for d in (rhs_dilation or (1,) * nd))
+  if isinstance(padding, str):
+    effective = [(k - 1) * d + 1 for k, d in zip(rhs.shape[:nd], dilation)]
+    padding = lax.padtype_to_pads(lhs.shape[1:-1], effective, window_strides, padding)
+  return [(int(lo), int(hi)) for lo, hi in padding], dilation
+
+
 def im2col_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
                                 dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
                                 preferred_element_type=None) -> jax.Array:
@@ -42,18 +62,16 @@ def im2col_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=
   matmul. Its gradient is slices/pads and matmuls too, so it stays cheap under vmap. Channels-last (NHWC, HWIO)
   ungrouped convolutions only; anything else falls back to `lax.conv_general_dilated`.
   """
+  if not _ungrouped_channels_last(lhs, rhs, dimension_numbers, lhs_dilation, feature_group_count,
+                                  batch_group_count):
+    return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                                    dimension_numbers, feature_group_count, batch_group_count, precision,
+                                    preferred_element_type)
   nd = lhs.ndim - 2
-  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-  plain = (feature_group_count == 1 and batch_group_count == 1 and dn == _channels_last(nd)
-           and (lhs_dilation is None or all(d == 1 for d in lhs_dilation)))
-  if not plain:
-    return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dn,
-                                    feature_group_count, batch_group_count, precision, preferred_element_type)
-  window, dilation = rhs.shape[:nd], tuple(rhs_dilation or (1,) * nd)
+  padding, dilation = _explicit_padding(lhs, rhs, window_strides, padding, rhs_dilation)
+  window = rhs.shape[:nd]
   effective = [(k - 1) * d + 1 for k, d in zip(window, dilation)]
-  if isinstance(padding, str):
-    padding = lax.padtype_to_pads(lhs.shape[1:-1], effective, window_strides, padding)
-  x = jnp.pad(lhs, [(0, 0)] + [tuple(p) for p in padding] + [(0, 0)])
+  x = jnp.pad(lhs, [(0, 0)] + padding + [(0, 0)])
   out = [(x.shape[1 + a] - effective[a]) // window_strides[a] + 1 for a in range(nd)]
   slices = []
   for offset in itertools.product(*[range(k) for k in window]):
@@ -73,12 +91,30 @@ def auto_conv_general_dilated(lhs, rhs, *args, max_channels: int = IM2COL_MAX_CH
   return lax.conv_general_dilated(lhs, rhs, *args, **kwargs)
 
 
+def onednn_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                                dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
+                                preferred_element_type=None) -> jax.Array:
+  """`lax.conv_general_dilated` by oneDNN's custom calls (`models.onednn.conv2d`) for 2-D channels-last ungrouped
+  float32 convolutions on the CPU; anything else (other layouts, groups, dtypes, cropping, another backend) by
+  `lax.conv_general_dilated`. Raises OneDNNUnavailable (with its fix) when oneDNN cannot be loaded."""
+  plain = (lhs.ndim == 4 and jax.default_backend() == 'cpu' and lhs.dtype == jnp.float32
+           and rhs.dtype == jnp.float32 and preferred_element_type in (None, jnp.float32)
+           and _ungrouped_channels_last(lhs, rhs, dimension_numbers, lhs_dilation, feature_group_count,
+                                        batch_group_count))
+  if plain:
+    pads, dilation = _explicit_padding(lhs, rhs, window_strides, padding, rhs_dilation)
+    if all(p >= 0 for pair in pads for p in pair):  # oneDNN pads only; lax also crops
+      return onednn.conv2d(lhs, rhs, window_strides, pads, dilation)
+  return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                                  feature_group_count, batch_group_count, precision, preferred_element_type)
+
+
 ConvFactory = Callable[..., nn.Module]
 CONV_IMPLS: dict[str, ConvFactory] = {  # the formulations a run chooses from (--conv)
     'xla': nn.Conv,
     'im2col': functools.partial(nn.Conv, conv_general_dilated=im2col_conv_general_dilated),
     'auto': functools.partial(nn.Conv, conv_general_dilated=auto_conv_general_dilated),
-    'onednn': functools.partial(nn.Conv, conv_general_dilated=onednn.conv_general_dilated),
+    'onednn': functools.partial(nn.Conv, conv_general_dilated=onednn_conv_general_dilated),
 }
 # Eval-mode representation passes of an 'auto' run: im2col up to 32 input channels. Without a backward pass and
 # in 32-row passes its patches stay small, and it is faster there (288 cnn4 rows: 42.7 ms against 53.0 with

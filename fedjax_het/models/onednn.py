@@ -1,17 +1,17 @@
 """oneDNN's convolution on the CPU as XLA custom calls: the kernels PyTorch's CPU convolutions run on.
 
-XLA:CPU's convolutions take 1.4 to 8 times as long as oneDNN's on the 4-layer CNN's layers (docs/performance.md). `onednn_conv.cc` wraps oneDNN's forward, input-gradient and kernel-gradient convolutions
+XLA:CPU's convolutions take 1.4 to 8 times as long as oneDNN's on the 4-layer CNN's layers
+(docs/performance.md). `onednn_conv.cc` wraps oneDNN's forward, input-gradient and kernel-gradient convolutions
 as XLA FFI handlers; on first use this module compiles it with the system's C++ compiler against the oneDNN of
 the `onednn` extra (`pip install -e '.[onednn]'`, Linux x86-64; or any oneDNN 3.x found through $DNNLROOT),
 keeps the shared library in ~/.cache/fedjax_het/onednn (keyed by the source, the compiler and its flags, JAX's
 version and the oneDNN files found) and registers the handlers with JAX. oneDNN must be built with OpenMP (the
 extra's is): each call sets its OpenMP threads and puts the caller's setting back.
 
-`conv_general_dilated` has `lax.conv_general_dilated`'s signature and values (up to float32 rounding) for 2-D
-channels-last float32 convolutions, ungrouped, with any strides, padding and kernel dilation; anything else, and
-any backend but the CPU, goes to `lax.conv_general_dilated`. The three passes are each other's adjoints, so it
-has reverse-mode derivatives of every order (`jax.grad` of `jax.grad`); forward mode (`jax.jvp`) is not
-defined. Under `jax.vmap` each batched call loops over the mapped axis.
+`conv2d` computes a 2-D channels-last float32 convolution with any strides, zero padding and kernel dilation
+(`models.conv.onednn_conv_general_dilated` gives it lax's signature and sends the rest to lax). The three passes
+are each other's adjoints, so it has reverse-mode derivatives of every order (`jax.grad` of `jax.grad`); forward
+mode (`jax.jvp`) is not defined. Under `jax.vmap` each batched call loops over the mapped axis.
 
 oneDNN parallelises each call with OpenMP; `set_threads` fixes its threads per call for the whole process (a
 `Federation` sets `ExecutionConfig.onednn_threads` when it is built: by default the cores divided among its client
@@ -35,7 +35,6 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from fedjax_het.errors import ConfigError
 
@@ -196,30 +195,13 @@ _kernel_gradient.defvjp(
                                        _forward(res[0], g, geometry)))
 
 
-def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
-                         dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
-                         preferred_element_type=None) -> jax.Array:
-  """`lax.conv_general_dilated` by oneDNN: out[n, y, x, o] = sum_{i, j, c} lhs_pad[n, y*s + i*d, x*s + j*d, c] *
-  rhs[i, j, c, o] for 2-D NHWC/HWIO float32 operands on the CPU; anything else by `lax.conv_general_dilated`.
-  Raises OneDNNUnavailable (with its fix) when oneDNN cannot be loaded."""
-  fallback = functools.partial(lax.conv_general_dilated, lhs, rhs, window_strides, padding, lhs_dilation,
-                               rhs_dilation, dimension_numbers, feature_group_count, batch_group_count, precision,
-                               preferred_element_type)
-  if lhs.ndim != 4 or jax.default_backend() != 'cpu':
-    return fallback()
-  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-  plain = (feature_group_count == 1 and batch_group_count == 1 and dn == lax.ConvDimensionNumbers(
-      (0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2)) and (lhs_dilation is None or tuple(lhs_dilation) == (1, 1))
-      and lhs.dtype == jnp.float32 and rhs.dtype == jnp.float32
-      and preferred_element_type in (None, jnp.float32))
-  if not plain:
-    return fallback()
+def conv2d(x: jax.Array, w: jax.Array, strides: Sequence[int], padding: Sequence[tuple[int, int]],
+           dilation: Sequence[int]) -> jax.Array:
+  """out[n, y, x, o] = sum_{i, j, c} x_pad[n, y*s + i*d, x*s + j*d, c] * w[i, j, c, o] by oneDNN, for float32 x
+  [N, H, W, C] and w [KH, KW, C, O], (low, high) zero padding per spatial axis (not negative) and kernel dilation d;
+  differentiable in reverse mode to every order. Raises OneDNNUnavailable (with its fix) when oneDNN cannot be
+  loaded. `models.conv.onednn_conv_general_dilated` is the same with lax's signature."""
   load()
-  dilation = tuple(int(d) for d in (rhs_dilation or (1, 1)))
-  if isinstance(padding, str):
-    effective = [(k - 1) * d + 1 for k, d in zip(rhs.shape[:2], dilation)]
-    padding = lax.padtype_to_pads(lhs.shape[1:3], effective, window_strides, padding)
-  if any(p < 0 for pair in padding for p in pair):  # cropping: oneDNN pads only
-    return fallback()
-  geometry = (tuple(int(s) for s in window_strides), tuple((int(lo), int(hi)) for lo, hi in padding), dilation)
-  return _forward(lhs, rhs, geometry)
+  geometry = (tuple(int(s) for s in strides), tuple((int(lo), int(hi)) for lo, hi in padding),
+              tuple(int(d) for d in dilation))
+  return _forward(x, w, geometry)
