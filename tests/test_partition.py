@@ -122,14 +122,12 @@ def test_long_tail_class_sizes_follow_the_imbalance_factor():
 
 
 def test_partitions_equal_the_reference_for_the_same_seed():
-  """HtFLlib/PFLlib's own outputs (shared/fixtures): train and test index lists in content and order, for the
-  Dirichlet and the pathological partitions, balanced and not, two seeds each."""
+  """HtFLlib/PFLlib's own outputs (tests/fixtures/htfllib_partitions.json, produced by their dataset_utils'
+  separate_data and split_data): train and test index lists in content and order, for the Dirichlet and the
+  pathological partitions, balanced and not, two seeds each."""
   import json
   import os
-  path = os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'fixtures', 'htfllib_partitions.json')
-  if not os.path.exists(path):
-    pytest.fail(f'reference fixture missing: {path} (CI clones the project with shared/ beside it)')
-  with open(path) as f:
+  with open(os.path.join(os.path.dirname(__file__), 'fixtures', 'htfllib_partitions.json')) as f:
     fixture = json.load(f)
   labels = np.asarray(fixture['labels'])
   kinds = set()
