@@ -36,7 +36,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from fedjax_het.cli import app_run
 from jax import lax
 
 from harness import best_seconds, cifar_like, sgd_step_fn, write_results, xla_op_label
@@ -346,4 +348,4 @@ def main(_):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app_run(main)

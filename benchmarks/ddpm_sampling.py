@@ -10,7 +10,9 @@ warm-up call, then the best of 3. Writes benchmarks/results/ddpm_sampling_<backe
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
+
+from fedjax_het.cli import app_run
 
 from harness import best_seconds, write_results
 from fedjax_het.generators import ddpm
@@ -38,4 +40,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app_run(main)

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import app, flags
+from absl import flags
+
+from fedjax_het.cli import app_run
 
 from harness import write_results
 from fedjax_het.algorithms.common import cross_entropy, descend
@@ -102,4 +104,4 @@ def main(_):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app_run(main)

@@ -46,6 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from fedjax_het.cli import app_run
+
 from harness import write_results
 
 from fedjax_het.algorithms import FedREConfig, GeFLConfig, fedavg_grouped, fedre
@@ -243,4 +245,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app_run(main)

@@ -8,7 +8,9 @@ warm seconds for each formulation and writes JSON/CSV. This is the measurement b
 
 import time
 
-from absl import app, flags
+from absl import flags
+
+from fedjax_het.cli import app_run
 
 import jax
 import jax.numpy as jnp
@@ -65,4 +67,4 @@ def main(_):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app_run(main)

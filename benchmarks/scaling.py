@@ -22,6 +22,8 @@ import time
 
 from absl import app, flags
 
+from fedjax_het.cli import app_run
+
 import jax
 
 from harness import CompileLog, cifar_like, write_results
@@ -117,4 +119,4 @@ def main(_):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app_run(main)

@@ -15,7 +15,9 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
+
+from fedjax_het.cli import app_run
 
 flags.DEFINE_string('flagfile_path', None, 'The experiment flag file (its data, models and method).')
 flags.DEFINE_integer('rounds_timed', 1, 'Rounds run and timed after init (0: init only).')
@@ -79,4 +81,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app_run(main)

@@ -11,7 +11,9 @@ eval-mode pass; empty or absent: the default). For each: compile+first-round sec
 
 import time
 
-from absl import app, flags
+from absl import flags
+
+from fedjax_het.cli import app_run
 
 import jax
 
@@ -62,4 +64,4 @@ def main(_):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app_run(main)

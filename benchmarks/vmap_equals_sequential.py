@@ -15,7 +15,9 @@ import dataclasses
 import os
 import time
 
-from absl import app, flags
+from absl import flags
+
+from fedjax_het.cli import app_run
 
 import jax
 import numpy as np
@@ -114,4 +116,4 @@ def main(_):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app_run(main)

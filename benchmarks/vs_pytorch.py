@@ -21,7 +21,9 @@ Prints a table, writes benchmarks/results/vs_pytorch_<backend>.json and .csv, re
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from fedjax_het.cli import app_run
 
 import jax
 import jax.numpy as jnp
@@ -152,4 +154,4 @@ def main(_):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app_run(main)

@@ -93,4 +93,4 @@ def _tradeoff(epsilons, seeds, names) -> str:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.app_run(main)

@@ -7,7 +7,7 @@ from fedjax_het import interrupts
 
 interrupts.install(watch=True)  # Ctrl-C or SIGTERM from the first second: a clean stop, or an abort
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from fedjax_het import cli
 
@@ -15,4 +15,4 @@ cli.define_flags(default_algorithm='fedre')
 flags.mark_flag_as_required('workdir')
 
 if __name__ == '__main__':
-  app.run(cli.main)
+  cli.app_run(cli.main)

@@ -12,7 +12,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from fedjax_het import cli  # noqa: E402
+from absl import flags
 
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.registry import MODEL_FAMILIES, build_model, expand_models, model_names
@@ -49,4 +50,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.app_run(main)

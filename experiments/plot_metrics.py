@@ -14,7 +14,8 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from fedjax_het import cli  # noqa: E402
+from absl import flags
 
 flags.DEFINE_list('runs', None, 'Method folders (seed*/metrics.jsonl inside) or run workdirs.')
 flags.DEFINE_list('metrics', None, 'metrics.jsonl keys to draw.')
@@ -70,4 +71,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.app_run(main)

@@ -10,7 +10,7 @@ from fedjax_het import interrupts
 
 interrupts.install(watch=True)  # Ctrl-C or SIGTERM from the first second: a clean stop, or an abort
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from fedjax_het import cli
 from fedjax_het.methods import METHODS
@@ -20,4 +20,4 @@ cli.define_flags(default_algorithm=None)
 flags.mark_flags_as_required(['algorithm', 'workdir'])
 
 if __name__ == '__main__':
-  app.run(cli.main)
+  cli.app_run(cli.main)

