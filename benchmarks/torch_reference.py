@@ -3,7 +3,8 @@
 What a round does here, following HtFLlib's client/server loop (not its code):
   for each participating client, one after another in Python:
     [disk] load the client's model object from disk (HtFLlib's `load_item`)
-    set its head to the global head (fedre.txt Alg. 1 line 6, as fedjax_het does)
+    set its head to the global head (Alg. 1, line 6, of "FedRE: A Representation Entanglement Framework for
+      Model-Heterogeneous Federated Learning", as fedjax_het does)
     build a shuffled DataLoader over its training rows (drop_last) and a fresh torch.optim.SGD
     run `epochs` epochs of CE steps
     eval-mode pass over its training rows -> representations; RAP weights -> one entangled (r~, y~)

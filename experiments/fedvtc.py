@@ -1,4 +1,5 @@
-"""FedVTC from flags (fedvtc_iclr.txt; every other method: experiments/run.py --algorithm=NAME, same flags).
+"""FedVTC from flags ("Bridging Generalization Gap of Heterogeneous Federated Clients Using Generative Models";
+every other method: experiments/run.py --algorithm=NAME, same flags).
 
   python experiments/fedvtc.py --flagfile=experiments/flags/fedvtc_mnist5k.flags --workdir=/tmp/fedvtc_mnist5k
 """

@@ -1,4 +1,5 @@
-"""Felo, Velo and FedHe from flags (felo_velo.txt; --algorithm=felo|velo|fedhe).
+"""Felo, Velo and FedHe from flags ("Exploiting Features and Logits in Heterogeneous Federated Learning";
+--algorithm=felo|velo|fedhe).
 
 Every other method: experiments/run.py --algorithm=NAME, with the same flags.
 

@@ -1,4 +1,5 @@
-"""GeFL from flags (gefl.txt; every other method: experiments/run.py --algorithm=NAME, same flags).
+"""GeFL from flags ("GeFL: Model-Agnostic Federated Learning with Generative Models"; every other method:
+experiments/run.py --algorithm=NAME, same flags).
 
   python experiments/gefl.py --flagfile=experiments/flags/gefl_mnist5k.flags --workdir=/tmp/gefl_mnist5k
 """

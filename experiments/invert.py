@@ -1,4 +1,5 @@
-"""Representation inversion attacks on what each method uploads (FedRE Q2, fedre.txt Sec. 4 and Appendix C.1).
+"""Representation inversion attacks on what each method uploads (FedRE Q2: "FedRE: A Representation Entanglement
+Framework for Model-Heterogeneous Federated Learning", Sec. 4 and Appendix C.1).
 
 For every --methods entry and --seeds seed it trains the method for --rounds - 1 rounds, runs the last round's
 client programs on --attack_clients to get their uploads (fedjax_het/privacy/uploads.py, `round_uploads`), inverts up to

@@ -1,9 +1,10 @@
-"""The memorisation ratio (MND, gefl.txt Eq. 1) of a finished run's generator: its latest checkpoint's server
-generator draws --per_class images per class (S), --points random training images x_i of the run's clients are
-compared with S and with as many held-out test images (V), and mean_i min_V d / min_S d is printed and written to
-<workdir>/mnd.json for each --distances entry (fedjax_het/privacy/mnd.py). For GeFL-F, whose generator draws feature
-maps, S is the images recovered from them by inversion through the run's frozen extractor F
-(`gefl_f.reconstructed_samples`; --inversion_steps, --inversion_lr, --tv_weight).
+"""The memorisation ratio (MND, "GeFL: Model-Agnostic Federated Learning with Generative Models", Eq. 1) of a
+finished run's generator: its latest checkpoint's server generator draws --per_class images per class (S), --points
+random training images x_i of the run's clients are compared with S and with as many held-out test images (V), and
+mean_i min_V d / min_S d is printed and written to <workdir>/mnd.json for each --distances entry
+(fedjax_het/privacy/mnd.py). For GeFL-F, whose generator draws feature maps, S is the images recovered from them by
+inversion through the run's frozen extractor F (`gefl_f.reconstructed_samples`; --inversion_steps, --inversion_lr,
+--tv_weight).
 
   python experiments/mnd.py --workdir=/tmp/gefl_mnist5k --distances=pixel,feature
 """

@@ -43,7 +43,9 @@ def flags_of_arguments() -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-  """Everything that defines a run. Defaults follow FedRE's CIFAR setting (fedre.txt Table 10, SPEC.md)."""
+  """Everything that defines a run. Defaults follow FedRE's CIFAR setting
+  ("FedRE: A Representation Entanglement Framework for Model-Heterogeneous Federated Learning", Table 10)
+  and HtFLlib's reference protocol."""
   algorithm: str = 'fedre'
   dataset: str = 'cifar10'
   data_dir: Optional[str] = None

@@ -184,8 +184,8 @@ def _check_config_json(workdir: Workdir, cfg: ExperimentConfig) -> None:
 
 def best_per_architecture_mean(cfg: ExperimentConfig, evals: list[dict]) -> Optional[float]:
   """The mean over architectures of each architecture's best (over the evaluation rounds) mean accuracy of its
-  clients (gefl.txt Sec. V: every architecture's model, best over rounds, then the mean); None without per-client
-  accuracies."""
+  clients ("GeFL: Model-Agnostic Federated Learning with Generative Models", Sec. V: every architecture's model,
+  best over rounds, then the mean); None without per-client accuracies."""
   rows = [np.asarray(r['client_accuracy']) for r in evals if r.get('client_accuracy')]
   if not rows:
     return None
@@ -211,8 +211,9 @@ def restore_run(workdir: str, flag: str = '--workdir'):
 
 
 def second_half_mean(evals: list[dict]) -> Optional[float]:
-  """The mean accuracy over the evaluations after half of the run's rounds (felo_velo.txt: "the average accuracy
-  after half of the training process"); None without evaluations."""
+  """The mean accuracy over the evaluations after half of the run's rounds (Felo/Velo, "Exploiting Features and Logits
+  in Heterogeneous Federated Learning": "the average accuracy after half of the training process"); None without
+  evaluations."""
   if not evals:
     return None
   half = evals[-1]['round'] / 2

@@ -1,5 +1,6 @@
-"""A method the version-1 API could not express, written as a user would add one (this module plus, for the
-command line, one registry line): a federated conditional GAN that aids heterogeneous classifiers.
+"""A method beyond a single loss (per-client generator and discriminator with their own Adam states, several steps
+per batch, two phases), written as a user would add one (this module plus, for the command line, one registry
+line): a federated conditional GAN that aids heterogeneous classifiers.
 
 Phase 'gan': every client holds a generator G and a discriminator D in its per-client state, each with an Adam
 state that persists across rounds; per local batch it takes a D step, then a G step, then an SGD step of its

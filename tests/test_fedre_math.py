@@ -72,7 +72,7 @@ def test_entangle_hand_computed_and_rap_equals_weighted_prototypes():
   r, y = entangle(reps, Y, w, C)
   np.testing.assert_allclose(r, [.1 + .6 + .8, .4 + 1.2 + .8], rtol=1e-6)
   np.testing.assert_allclose(y, [.3, .3, .4, 0.], rtol=1e-6)
-  # RAP (Eq. 12) == sum_c W_c p_c with p_c the class prototypes (SPEC.md).
+  # RAP (Eq. 12) == sum_c W_c p_c with p_c the class prototypes.
   protos, counts = class_prototypes(reps, Y, VALID, C)
   np.testing.assert_allclose(protos[0], [2., 1.])
   np.testing.assert_allclose(counts, [2, 1, 1, 0])

@@ -1,4 +1,4 @@
-"""FedVTC: its terms against hand-computed values (SPEC_GENERATIVE.md sec. 2), the VTC decoder's shapes and
+"""FedVTC: its terms against hand-computed values, the VTC decoder's shapes and
 parameter counts, gradient isolation of its two steps, the server's means, generation, and the three-phase run
 (vmap == sequential, resume across the fine-tuning boundary, outputs)."""
 

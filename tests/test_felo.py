@@ -1,7 +1,8 @@
-"""Felo, Velo and FedHe (SPEC_GENERATIVE.md sec. 4): the hand-computed values of the spec (per-class averaging, the
-server's per-upload logit mean and per-sample feature mean, the KL term, warm-up, FIFO eviction, MultiStepLR, the
-CVAE's shapes, linearity and loss reductions), then a tiny Velo run: Adam states kept across rounds, one generated
-feature per class for every client, the traffic counted, vmap == sequential and resume == uninterrupted."""
+"""Felo, Velo and FedHe ("Exploiting Features and Logits in Heterogeneous Federated Learning"): hand-computed values
+(per-class averaging, the server's per-upload logit mean and per-sample feature mean, the KL term, warm-up, FIFO
+eviction, MultiStepLR, the CVAE's shapes, linearity and loss reductions), then a tiny Velo run: Adam states kept across
+rounds, one generated feature per class for every client, the traffic counted, vmap == sequential and resume ==
+uninterrupted."""
 
 import dataclasses
 import math

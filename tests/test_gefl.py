@@ -1,7 +1,7 @@
-"""GeFL (SPEC_GENERATIVE.md sec. 3): the servers' means (the generator over all groups, each target model within
-its group), per-client optimizer states across rounds, the round structure of both modes, Table X's
-communication and resume across the knowledge -> target boundary, on a tiny DCGAN (vmap == sequential: the
-golden run's vmap case in tests/test_golden.py, in the slow set)."""
+"""GeFL ("GeFL: Model-Agnostic Federated Learning with Generative Models"): the servers' means (the generator over all
+groups, each target model within its group), per-client optimizer states across rounds, the round structure of both
+modes, Table X's communication and resume across the knowledge -> target boundary, on a tiny DCGAN (vmap == sequential:
+the golden run's vmap case in tests/test_golden.py, in the slow set)."""
 
 import dataclasses
 import math
@@ -152,7 +152,7 @@ def test_update_mode_runs_half_the_knowledge_rounds_and_keeps_training_the_gener
 @pytest.mark.parametrize('generator, channels, rounds, gib', [('dcgan', 1, 100, 2.13), ('cvae', 1, 100, 8.32),
                                                               ('ddpm', 1, 100, 2.82), ('dcgan', 3, 200, 8.99)])
 def test_table_x_cumulative_generator_download_per_client(generator, channels, rounds, gib):
-  """gefl.txt Table X: T_KA x (|G| + |D|) x 4 bytes / 2^30 downloaded by each client over knowledge aggregation
+  """GeFL paper, Table X: T_KA x (|G| + |D|) x 4 bytes / 2^30 downloaded by each client over knowledge aggregation
   (paper sizes; parameters only: the BatchNorm statistics that also cross add < 0.1 %)."""
   gen = build_generator(GeFLConfig(generator=generator), 10, (32, 32, channels))
   variables = jax.eval_shape(gen.init, jax.random.PRNGKey(0))

@@ -1,7 +1,7 @@
-"""GeFL-F (gefl.txt Alg. 3): the extractor / header split of GeFL's CNNs, and a three-phase run in which F is
-averaged over all groups in warm-up and then frozen, the generator learns F's maps, and target rounds move only
-the headers, averaged within their group (and, in update mode, keep training the generator). The golden run
-(tests/golden.py) covers freeze mode."""
+"""GeFL-F ("GeFL: Model-Agnostic Federated Learning with Generative Models", Alg. 3): the extractor / header split of
+GeFL's CNNs, and a three-phase run in which F is averaged over all groups in warm-up and then frozen, the generator
+learns F's maps, and target rounds move only the headers, averaged within their group (and, in update mode, keep
+training the generator). The golden run (tests/golden.py) covers freeze mode."""
 
 import dataclasses
 

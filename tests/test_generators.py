@@ -1,5 +1,5 @@
-"""GeFL's generators: paper-size parameter counts, the hand-computed values of SPEC_GENERATIVE.md sec. 3, and a
-training step and sampler of each at test size."""
+"""GeFL's generators: paper-size parameter counts, hand-computed values, and a training step and sampler of each at
+test size."""
 
 import math
 
@@ -18,8 +18,9 @@ count = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))
 
 
 def test_paper_size_parameter_counts():
-  """gefl.txt Tables V and VI: DCGAN G + D 5.72M (3,076,737 + 2,643,329), CVAE 22.35M (decoder 11.17M), U-Net
-  7,568,641 and U-Net-F 4,427,523 (shapes only, nothing is allocated)."""
+  """Tables V and VI of "GeFL: Model-Agnostic Federated Learning with Generative Models": DCGAN G + D 5.72M
+  (3,076,737 + 2,643,329), CVAE 22.35M (decoder 11.17M), U-Net 7,568,641 and U-Net-F 4,427,523 (shapes only,
+  nothing is allocated)."""
   shapes = lambda gen: jax.eval_shape(gen.init, jax.random.PRNGKey(0))
   v = shapes(dcgan(10))
   assert (count(v['G']['params']), count(v['D']['params'])) == (3_076_737, 2_643_329)

@@ -1,7 +1,7 @@
 """No number moves: every method's metrics and final client parameters after two rounds on the tiny two-group
 federation (half the clients per round) equal those pinned in fixtures/engine_golden.json. The fixture was
-written by fixtures/make_engine_golden.py before the engine's version-2 refactor; regenerating it is a statement
-that numbers move on purpose."""
+written by fixtures/make_engine_golden.py (the few numbers that differ from it on purpose are listed in `MOVED`);
+regenerating it is a statement that numbers move on purpose."""
 
 import json
 import os
@@ -15,9 +15,9 @@ with open(os.path.join(os.path.dirname(__file__), 'fixtures', 'engine_golden.jso
   GOLDEN = json.load(f)
 
 
-# Numbers that moved on purpose in the v2 refactor: FedKD's and FPL's broadcast was measured by v1 as what the
-# server sends back at the END of a round (the new compressed mentee, the new cluster prototypes); v2 counts what
-# each participant receives at the START of its round (the server state of the round before; in round 1 the
+# Numbers that differ from the fixture on purpose: the fixture measured FedKD's and FPL's broadcast as what the
+# server sends back at the END of a round (the new compressed mentee, the new cluster prototypes); the engine counts
+# what each participant receives at the START of its round (the server state of the round before; in round 1 the
 # initial, uncompressed mentee and no cluster prototypes), like every other method's broadcast.
 MOVED = {'fedkd': ('broadcast_scalars', 'broadcast_global_model_scalars'),
          'fpl': ('broadcast_scalars', 'broadcast_cluster_prototypes_scalars')}
@@ -58,7 +58,9 @@ def test_vmap_executor_gives_the_golden_numbers(tiny_data, name):
 def check(got, name, rtol, atol):
   want = GOLDEN[name]
   assert got['eval_head'] == want['eval_head']
-  if name != 'fedavg':  # v2 keeps each client's trained parameters; the group's average lives in the server
+  # Unlike fedavg's fixture, the engine keeps each fedavg client's trained parameters; the group's average lives in
+  # the server.
+  if name != 'fedavg':
     np.testing.assert_allclose(got['client_params'], want['client_params'], rtol=rtol)
   scored = name not in UNPINNED_ACCURACY
   if scored:

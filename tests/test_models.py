@@ -110,7 +110,8 @@ def test_model_families_expand_in_htfllib_order():
 
 @pytest.mark.parametrize('dataset,channels', [('mnist', 1), ('fmnist', 1), ('cifar10', 3)])
 def test_gefl_cnns_flatten_to_the_tables_fc_widths(dataset, channels):
-  # gefl.txt Tables XXI-XXIII: the final layers are fc(1024/10) ... fc(80/10) for CNN-1 ... CNN-10 (32x32 inputs).
+  # "GeFL: Model-Agnostic Federated Learning with Generative Models", Tables XXI-XXIII: the final layers are fc(1024/10)
+  # ... fc(80/10) for CNN-1 ... CNN-10 (32x32 inputs).
   widths = []
   for k in range(1, 11):
     extractor = build_model(f'gefl_{dataset}_cnn{k}', 10, 16).extractor

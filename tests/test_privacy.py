@@ -1,4 +1,5 @@
-"""The MND memorisation ratio (gefl.txt Eq. 1) against SPEC_GENERATIVE.md's toy values, and its invariances."""
+"""The MND memorisation ratio ("GeFL: Model-Agnostic Federated Learning with Generative Models", Eq. 1) against
+hand-computed toy values, and its invariances."""
 
 import jax
 import jax.numpy as jnp

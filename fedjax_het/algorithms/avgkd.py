@@ -1,6 +1,6 @@
 """AvgKD (Afonin and Karimireddy 2022, "Towards model agnostic federated learning using knowledge distillation"),
-as GeFL's Table II runs it (gefl.txt Sec. V and Appendix: "pseudo labels aggregated from the outputs of 10
-heterogeneous models").
+as GeFL's Table II runs it ("GeFL: Model-Agnostic Federated Learning with Generative Models", Sec. V and Appendix:
+"pseudo labels aggregated from the outputs of 10 heterogeneous models").
 
 The first round is plain local training (CE). From the second on, a participant starts from its architecture's
 model (the mean of the group's uploads), receives every other architecture's model as well, and trains on soft

@@ -1,6 +1,6 @@
 """FedALA (Zhang et al. 2023, "FedALA: Adaptive local aggregation for personalized federated learning"), within
-each architecture group as GeFL's Table II runs its model-homogeneous baselines (gefl.txt Sec. V: FedAvg, FedProx
-and FedALA "applied in grouped settings").
+each architecture group as GeFL's Table II runs its model-homogeneous baselines ("GeFL: Model-Agnostic Federated
+Learning with Generative Models", Sec. V: FedAvg, FedProx and FedALA "applied in grouped settings").
 
 Before its local training a participant aggregates its group's model into its own (adaptive local aggregation,
 ALA, the paper's Eq. 4-6, as PFLlib's `utils/ALA.py` computes it):

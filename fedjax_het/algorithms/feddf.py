@@ -1,6 +1,6 @@
 """FedDF (Lin et al. 2020, "Ensemble distillation for robust model fusion in federated learning"), as GeFL's Table
-II runs it (gefl.txt Sec. V, Appendix: unlabelled public data at the server, SVHN for MNIST, CIFAR-10 for FMNIST,
-CIFAR-100 for CIFAR-10: --public_dataset).
+II runs it ("GeFL: Model-Agnostic Federated Learning with Generative Models", Sec. V, Appendix: unlabelled public data
+at the server, SVHN for MNIST, CIFAR-10 for FMNIST, CIFAR-100 for CIFAR-10: --public_dataset).
 
 Clients train their architecture's model on their own data (CE, the run's local SGD) and upload it (parameters and
 BatchNorm statistics). The server, per round:

@@ -7,8 +7,8 @@ weighted by training samples, classifies G's outputs: CE(sum_k w_k head_k(G(eps,
 participants' training-label distribution. Clients set their head to the global head and train on
 CE(f(x), y) + CE(head(G(eps, y')), y') with y' from the same distribution.
 
-HtFLlib trains the generator but never saves it, so its clients always use the untrained initial generator; as
-SPEC.md says, the trained G is broadcast here (and counted in the broadcast). The generator's Adam state starts
+HtFLlib trains the generator but never saves it, so its clients always use the untrained initial generator;
+here the trained G is broadcast (and counted in the broadcast). The generator's Adam state starts
 fresh every round, as in HtFLlib. The label distribution is HtFLlib's: computed once, before the first round, from
 all clients' training labels as their train loaders yield them (`FederatedData.loader_label_counts`), and fixed
 thereafter; it is handed to the server and the clients at construction, so it is not counted per round.

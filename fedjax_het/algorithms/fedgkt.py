@@ -1,6 +1,6 @@
 """FedGKT (He, Annavaram and Avestimehr, NeurIPS 2020, "Group knowledge transfer: federated learning of large CNNs
-at the edge"), as Felo's Fig. 4 and Tables 2-3 run it (felo_velo.txt Sec. 4: every client each round, "evaluated on
-the server side", by the large server model).
+at the edge"), as Felo's Fig. 4 and Tables 2-3 run it ("Exploiting Features and Logits in Heterogeneous Federated
+Learning", Sec. 4: every client each round, "evaluated on the server side", by the large server model).
 
 Each client trains its own small model (its group's classifier: extractor, RM, head), never averaged, with its own
 optimizer kept across rounds, on

@@ -1,5 +1,6 @@
 """FedMD (Li and Wang 2019, "FedMD: Heterogenous federated learning via model distillation"), as Felo's tables run
-it (felo_velo.txt Sec. 4: the server holds about 10 % of the training set as public data).
+it ("Exploiting Features and Logits in Heterogeneous Federated Learning", Sec. 4: the server holds about 10 % of the
+training set as public data).
 
 Transfer learning (the run's first round, every client): each client trains on the labelled public set
 (--fedmd_transfer_public_epochs, CE), then on its own data (--fedmd_transfer_private_epochs, CE), and uploads its

@@ -11,7 +11,7 @@ broadcasts the average. A client is scored with head(proj([r_g, r_own])) using t
 loads the server's copy to test).
 
 proj stays on the client across rounds, as the paper describes; HtFLlib reloads a fresh proj every round
-because it never saves the trained one (SPEC.md), which is not reproduced.
+because it never saves the trained one, which is not reproduced.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""FedProx within each architecture group (Li et al. 2020; GeFL's baseline, gefl.txt Sec. V, mu = 1e-2): grouped
-FedAvg whose clients minimise CE + (mu / 2) ||w - w_t||^2, w_t their group's model at the start of the round.
+"""FedProx within each architecture group (Li et al. 2020; a baseline of GeFL, "GeFL: Model-Agnostic Federated Learning
+with Generative Models", Sec. V, mu = 1e-2): grouped FedAvg whose clients minimise CE + (mu / 2) ||w - w_t||^2, w_t
+their group's model at the start of the round.
 
 --fedprox_norm=norm reproduces GeFL's code, whose proximal term is (mu / 2) sum over parameter tensors of
 ||w - w_t||_2 (a norm per tensor, not squared). Everything else is `fedavg_grouped` (sample-weighted mean per

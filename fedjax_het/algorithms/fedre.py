@@ -1,4 +1,5 @@
-"""FedRE: federated representation entanglement (fedre.txt, Alg. 1, Eq. 1-3, Appendix A Eq. 6-12).
+"""FedRE: federated representation entanglement ("FedRE: A Representation Entanglement Framework for Model-Heterogeneous
+Federated Learning", Alg. 1, Eq. 1-3, Appendix A Eq. 6-12).
 
 Each round a participating client sets its head to the global head omega (Alg. 1 line 6; HtFLlib's released code
 skips this, we follow the paper), trains on CE (Eq. 1), maps its training rows to representations r_i = RM(g(x_i))
@@ -123,7 +124,7 @@ def fedre_upload(cfg: FedREConfig, num_classes: int):
 
 
 def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
-  """FedRE as an `Algorithm` (fedre.txt Alg. 1)."""
+  """FedRE as an `Algorithm` (the FedRE paper's Alg. 1)."""
 
   upload = fedre_upload(cfg, num_classes)
 

@@ -1,5 +1,6 @@
 """FedType (Wang, Zhao, Lyu, You, Huai and Ma, ICML 2024, "Bridging model heterogeneity in federated learning via
-uncertainty-based asymmetrical reciprocity learning"), a baseline of FedVTC's Tables 1-2 (fedvtc_iclr.txt Sec. 4),
+uncertainty-based asymmetrical reciprocity learning"), a baseline of FedVTC's Tables 1-2
+("Bridging Generalization Gap of Heterogeneous Federated Clients Using Generative Models", Sec. 4),
 after its authors' code (JackqqWang/FedType, `update_new.py`, `conformal.py`, `my_utils.py`).
 
 Every client holds its own private model w_k and a copy of a small shared proxy model p (`--global_model`; the

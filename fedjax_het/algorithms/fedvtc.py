@@ -1,5 +1,6 @@
-"""FedVTC (fedvtc_iclr.txt Sec. 3, Alg. 1, Eq. 2-6; SPEC_GENERATIVE.md sec. 2): class prototypes and standard
-deviations shared, a variational transposed-convolution decoder psi per client, fine-tuning on its samples.
+"""FedVTC ("Bridging Generalization Gap of Heterogeneous Federated Clients Using Generative Models",
+Sec. 3, Alg. 1, Eq. 2-6): class prototypes and standard deviations shared, a variational transposed-convolution decoder psi per client,
+fine-tuning on its samples.
 
 Each client's model is f = h o g with g ending in a learned map to R^p (--rm=fc, --feature_dim=p). Its per-client
 state holds psi_k (`models.vtc.VTCDecoder`, identical initialisation on every client) and sigma_k in R^p.
@@ -24,7 +25,7 @@ Phase 'finetune' (round T+2, every client, no upload): each client draws S laten
   epoch). The run evaluates after round T+1 (before fine-tuning) and T+2 (after); summary.json's
   final_accuracy_by_phase holds both.
 
-Choices where the paper is silent (SPEC_GENERATIVE.md sec. 2): one eps per batch, shared by its f-step and
+Choices where the paper is silent: one eps per batch, shared by its f-step and
 psi-step; BatchNorm of g in train mode in both steps, its running statistics kept from the f-step's pass over the
 real batch only; psi's from the psi-step only; plain SGD with rate --local_learning_rate for f, psi and sigma
 (no state); sigma is trained as is (its sign never matters: only sigma^2 and sigma * eps enter); the fine-tuning

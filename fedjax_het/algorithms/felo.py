@@ -1,5 +1,5 @@
-"""Felo and FedHe (felo_velo.txt Sec. 3, Eq. 1, Alg. 1; SPEC_GENERATIVE.md sec. 4): clients exchange per-class
-mid-level features and logits, and the server keeps them in per-class stores across rounds.
+"""Felo and FedHe ("Exploiting Features and Logits in Heterogeneous Federated Learning", Sec. 3, Eq. 1, Alg. 1):
+clients exchange per-class mid-level features and logits, and the server keeps them in per-class stores across rounds.
 
 Client k in a round: its model set to its group's model (model-wise FedAvg, paper Sec. 3.1.2), then local steps on
   L = CE(p(x), y) + alpha [MSE(s(x), s^s_y) + KL(softmax(p^s_y) || softmax(p(x)))]        (Eq. 1)
@@ -23,7 +23,7 @@ the mix of features inside that one pair). Model-wise FedAvg within each archite
 
 FedHe (the paper's logits-only baseline) is Felo without the feature term (MSE), nothing else changed.
 
-Choices where paper and code differ (SPEC_GENERATIVE.md sec. 4-5): KL as the paper (the code's default without
+Choices where paper and code differ: KL as the paper (the code's default without
 --KLD_flag is a logit MSE); alpha 0.5 (code; the paper gives none); weight averaging as the paper (the code has
 none: --nofelo_average_models reproduces that); per-class feature means uploaded as the paper (the code uploads
 every training feature; Velo does). One library round is one of the code's iterations; the code's local training,
@@ -56,7 +56,7 @@ MILESTONES = (0.4, 0.7)  # MultiStepLR milestones as shares of the rounds (the c
 
 @dataclasses.dataclass(frozen=True)
 class FeloConfig:
-  """Felo's hyperparameters (the code's defaults; SPEC_GENERATIVE.md sec. 4)."""
+  """Felo's hyperparameters (the code's defaults)."""
   alpha: float = hyperparameter(0.5, 'Felo/Velo/FedHe: weight alpha of the feature MSE + logit KL terms (Eq. 1).',
                                 flag='felo_alpha')
   learning_rate: float = hyperparameter(1e-3, 'Felo/Velo/FedHe: the clients\' Adam learning rate (state kept across '

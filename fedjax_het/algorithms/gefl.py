@@ -1,6 +1,6 @@
-"""GeFL (gefl.txt Alg. 1-2, Sec. IV-V; SPEC_GENERATIVE.md sec. 3): one class-conditional generator trained
-federatedly by every client whatever its architecture, and heterogeneous target networks trained on its samples
-and on real data, averaged only within their architecture.
+"""GeFL ("GeFL: Model-Agnostic Federated Learning with Generative Models", Alg. 1-2, Sec. IV-V): one class-conditional
+generator trained federatedly by every client whatever its architecture, and heterogeneous target networks trained on
+its samples and on real data, averaged only within their architecture.
 
 Phase 'knowledge' (T_KA = --gefl_ka_rounds rounds; T_KA / 2 in update mode; no evaluation): a participant sets
   its generator to the server's and trains it for T_g = --gefl_generator_epochs epochs on its real batches with
@@ -24,7 +24,7 @@ Generators (`fedjax_het.generators`): 'dcgan' (Adam 2e-4, betas 0.5 / 0.999), 'c
 1e-3), 'ddpm' (Adam 1e-4, decayed linearly: rate 1e-4 (1 - t / T_KA) in knowledge round t = 1..T_KA, as the
 code). DCGAN trains on and emits [-1, 1]; CVAE and DDPM [0, 1] (the code feeds them ToTensor images). With
 --gefl_match_range (default) their samples are mapped into the classifiers' input range [-1, 1]; --nogefl_match_range
-feeds the generators' own range unconverted, the code's mismatch (SPEC_GENERATIVE.md: "Code quirks not to copy").
+feeds the generators' own range unconverted, the code's mismatch (a quirk of the code that the default does not copy).
 
 Batches: GeFL's code loads real rows with PyTorch's default loader (shuffled, the last partial batch kept), for the
 target networks and the generators alike: run with --data_order=shuffle --nodrop_last, as the paper flag files do
@@ -65,7 +65,7 @@ MODES = ('freeze', 'update')
 
 @dataclasses.dataclass(frozen=True)
 class GeFLConfig:
-  """GeFL's hyperparameters (gefl.txt Tables XIV, XV). Widths 0 take the paper's size."""
+  """GeFL's hyperparameters (GeFL paper, Tables XIV, XV). Widths 0 take the paper's size."""
   generator: str = hyperparameter('dcgan', "GeFL: the generator, one of 'dcgan', 'cvae', 'ddpm'.",
                                   flag='gefl_generator')
   ka_rounds: int = hyperparameter(100, 'GeFL: knowledge-aggregation rounds T_KA (Table XV: 100 MNIST/FMNIST/SVHN, '

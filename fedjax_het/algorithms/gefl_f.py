@@ -1,4 +1,5 @@
-"""GeFL-F (gefl.txt Alg. 3, Sec. VI; SPEC_GENERATIVE.md sec. 3): GeFL on the features of a shared extractor.
+"""GeFL-F ("GeFL: Model-Agnostic Federated Learning with Generative Models", Alg. 3, Sec. VI): GeFL on the features of
+a shared extractor.
 
 Each target network is GeFL's CNN-k split into a common feature extractor F (its first block: conv 3x3 to 3
 channels, BatchNorm, ReLU, max pool: 3x16x16 maps from 32x32 images; `models.gefl_cnn.GeFLCNN` stage 'features')
@@ -22,7 +23,7 @@ evaluations too (the code's best-over-rounds does).
 
 CIFAR-10 (Fig. 4): GeFL-F runs on `gefl-cifar10f-10`, the CIFAR-10 CNNs as GeFL's code builds them, whose common
 block is conv(3 -> 3) BN ReLU maxpool (3x16x16 maps, the shape the code's -F generators emit); `gefl-cifar10-10`
-follows Table XXIII's extra conv(10) row, which would make F emit 10x16x16 maps (SPEC_GENERATIVE.md sec. 3).
+follows Table XXIII's extra conv(10) row, which would make F emit 10x16x16 maps.
 Not built: samples.png (the generator draws feature maps, not images). The MND ratio's synthetic images are generated maps inverted
 through the frozen F (`reconstructed_samples`, experiments/mnd.py).
 
@@ -51,7 +52,7 @@ from fedjax_het.models.gefl_cnn import GeFLCNN, join_client, split_client
 
 @dataclasses.dataclass(frozen=True)
 class GeFLFConfig(GeFLConfig):
-  """GeFL-F's hyperparameters: GeFL's, and the extractor warm-up (gefl.txt Sec. VI, Tables XIV-XV)."""
+  """GeFL-F's hyperparameters: GeFL's, and the extractor warm-up (GeFL paper, Sec. VI, Tables XIV-XV)."""
   fe_rounds: int = hyperparameter(20, 'GeFL-F: warm-up rounds T_FE of the shared feature extractor (20 MNIST/FMNIST, '
                                       '50 SVHN/CIFAR-10).', flag='gefl_fe_rounds')
   warmup_epochs: int = hyperparameter(5, 'GeFL-F: local epochs T_w of a warm-up round.', flag='gefl_warmup_epochs')
@@ -102,7 +103,7 @@ def feature_generator(cfg: GeFLFConfig, num_classes: int, group: GroupSpec):
 
 def reconstructed_samples(cfg: GeFLFConfig, num_classes: int, group: GroupSpec, server: dict, key: jax.Array, n: int,
                           inversion) -> jnp.ndarray:
-  """GeFL-F's synthetic set S for the MND ratio (gefl.txt Sec. VI, Table VI; SPEC_GENERATIVE.md sec. 3): n feature
+  """GeFL-F's synthetic set S for the MND ratio (GeFL paper, Sec. VI, Table VI): n feature
   maps per class from the server's feature generator, each inverted into an image through the frozen, white-box F
   (`fedjax_het.privacy.invert` with `inversion`, an InversionConfig: Adam on x minimising ||F(x) - f||^2 / ||f||^2
   + TV; the paper's inversion method [52] is unspecified). Returns images [C * n, H, W, c] in [-1, 1]."""
@@ -177,7 +178,7 @@ def model_scalars(tree) -> dict:
 
 
 def lg_fedavg_first_block(num_classes: int) -> Algorithm:
-  """GeFL's LG-FedAvg baseline (gefl.txt Table II; its code's `avg_FE = 1`): GeFL's CNNs with the first
+  """GeFL's LG-FedAvg baseline (GeFL paper, Table II; its code's `avg_FE = 1`): GeFL's CNNs with the first
   convolution block F averaged over all clients and the rest of each model within its architecture, every round
   --local_epochs epochs of plain SGD (GeFL-F's warm-up phase for the whole run). The library's `lg_fedavg` is
   LG-FedAvg as HtFLlib runs it (local extractors, one shared head)."""

@@ -1,6 +1,6 @@
 """HeteroFL (Diao et al., ICLR 2021, "HeteroFL: Computation and communication efficient federated learning for
-heterogeneous clients"), as Felo's Fig. 4 runs it (felo_velo.txt Sec. 4: sub-models of the largest ResNet with
-smaller widths and the same depth, evaluated on the server).
+heterogeneous clients"), as Felo's Fig. 4 runs it ("Exploiting Features and Logits in Heterogeneous Federated Learning",
+Sec. 4: sub-models of the largest ResNet with smaller widths and the same depth, evaluated on the server).
 
 The architecture groups are one architecture at several width rates, `--models=resnet26@1,resnet26@0.5,...`
 (`models.registry`: every hidden width w becomes ceil(rate * w)). The server holds the global model, the widest

@@ -1,5 +1,6 @@
 """pFedAFM (Yi, Yu, Wang, Liu and Li, ICDE 2025, "pFedAFM: adaptive feature mixture for batch-level
-personalization in heterogeneous federated learning"), a baseline of FedVTC's Table 1 (fedvtc_iclr.txt Sec. 4),
+personalization in heterogeneous federated learning"), a baseline of FedVTC's Table 1
+("Bridging Generalization Gap of Heterogeneous Federated Clients Using Generative Models", Sec. 4),
 as its authors' code runs it (LipingYi/pFedAFM, `pFedAFM_mh.py`).
 
 Every client holds its own model (extractor F_k with RM to d, head h_k), a copy of a small homogeneous global

@@ -1,5 +1,5 @@
-"""Velo (felo_velo.txt Alg. 2, Eq. 2; SPEC_GENERATIVE.md sec. 4): Felo whose server replaces the averaged class
-features by ones a conditional VAE generates.
+"""Velo ("Exploiting Features and Logits in Heterogeneous Federated Learning", Alg. 2, Eq. 2): Felo whose server
+replaces the averaged class features by ones a conditional VAE generates.
 
 Clients are Felo's (`felo.adam_client_program`), except that they upload their individual training-mode features
 with labels: the first --velo_upload_rows feature rows of their local steps (the code uploads all 10 x 50 = 500 of
@@ -8,7 +8,7 @@ The server pushes them into a per-class FIFO of --felo_feature_store features. O
 every --velo_interval rounds, it trains the CVAE for --velo_epochs epochs over the whole store in batches of
 --velo_batch_size with a fresh Adam (--velo_learning_rate) whose parameters persist across trainings; loss =
 MSE(reconstruction, s) (mean over rows x d) + KL summed over the batch and the latent (the code; it dominates,
-and near-collapse is expected, SPEC). Each round after the first training the server draws one z ~ N(0, I) per
+and near-collapse is expected). Each round after the first training the server draws one z ~ N(0, I) per
 class from the round's key and broadcasts s^s_y = decoder(z_y, E(y)), the same vector to every client that round,
 in place of the class mean (before it: the store's mean). Logits are Felo's.
 
@@ -63,7 +63,7 @@ class VeloConfig(FeloConfig):
 
 
 class FeatureCVAE(nn.Module):
-  """Velo's conditional VAE on d-wide features (the code's layers, SPEC_GENERATIVE.md sec. 4)."""
+  """Velo's conditional VAE on d-wide features (the code's layers)."""
   num_classes: int
   feature_dim: int
   hidden: int = 1024

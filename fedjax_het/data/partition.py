@@ -15,7 +15,7 @@ consumed in the reference's order (per class a shuffle then a Dirichlet draw; PA
 each client's 75/25 split by scikit-learn's own `train_test_split(train_size=0.75, shuffle=True)` continuing the
 same stream client by client. Index lists keep the order the split returns, so a client's rows are stored in the
 reference's order (HtFLlib trains on them in that order). For the same seed the partition equals HtFLlib's and
-PFLlib's (tested against `shared/fixtures/htfllib_partitions.json`).
+PFLlib's (tested against `tests/fixtures/htfllib_partitions.json`).
 """
 
 from __future__ import annotations

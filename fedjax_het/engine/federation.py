@@ -236,7 +236,8 @@ class Federation:
     return key, server_key
 
   def round(self, state: FederationState) -> tuple[FederationState, dict]:
-    """One communication round (fedre.txt Alg. 1 lines 5-13 for FedRE); returns the new state and metrics.
+    """One communication round (for FedRE: Alg. 1, lines 5-13, of "FedRE: A Representation Entanglement Framework
+    for Model-Heterogeneous Federated Learning"); returns the new state and metrics.
 
     Metrics: round, phase, train_loss (mean over participants of their mean local-step loss), participants,
     local_steps and local_samples, the server's metrics, upload/broadcast scalars and bytes (total and by part)

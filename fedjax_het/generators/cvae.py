@@ -1,4 +1,5 @@
-"""GeFL's conditional VAE (gefl.txt App. C-A2, Table XVIII; SPEC_GENERATIVE.md sec. 3), on 32x32 images in [0, 1].
+"""GeFL's conditional VAE ("GeFL: Model-Agnostic Federated Learning with Generative Models",
+App. C-A2, Table XVIII), on 32x32 images in [0, 1].
 
 Encoder: the image concatenated with one constant channel holding the integer label (not normalised, as the
 code) -> 5 x [Conv(k4, s2, p1) BN ReLU] with widths w, 2w, 4w, 8w, 16w (32 -> 1) -> Linear(16w, l) for mu and

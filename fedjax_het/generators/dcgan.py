@@ -1,4 +1,5 @@
-"""GeFL's conditional DCGAN (gefl.txt App. C-A1, Table XVII; SPEC_GENERATIVE.md sec. 3), on 32x32 images.
+"""GeFL's conditional DCGAN ("GeFL: Model-Agnostic Federated Learning with Generative Models",
+App. C-A1, Table XVII), on 32x32 images.
 
 G (width d_g): z [100] -> ConvT(100, 2d_g, 4, 1, 0) BN ReLU and y one-hot [10] -> ConvT(10, 2d_g, 4, 1, 0) BN
 ReLU, concatenated (4d_g x 4 x 4) -> ConvT(4d_g, 2d_g, 4, 2, 1) BN ReLU -> ConvT(2d_g, d_g, 4, 2, 1) BN ReLU ->

@@ -1,5 +1,5 @@
-"""GeFL's conditional DDPM with classifier-free guidance (gefl.txt App. C-A3; the conditional diffusion of
-TeaPearce's MNIST example that GeFL's code uses; SPEC_GENERATIVE.md sec. 3), on images in [0, 1].
+"""GeFL's conditional DDPM with classifier-free guidance ("GeFL: Model-Agnostic Federated Learning with Generative
+Models", App. C-A3; the conditional diffusion of TeaPearce's MNIST example that GeFL's code uses), on images in [0, 1].
 
 Schedule (`ddpm_schedule`): beta_t = beta1 + (beta2 - beta1) t / T for t = 0..T (beta1 = 1e-4, beta2 = 0.02),
 alpha_t = 1 - beta_t, alphabar_t = prod_{s=0..t} alpha_s (the product includes the s = 0 factor, as the code).

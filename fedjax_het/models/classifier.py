@@ -1,4 +1,4 @@
-"""Every local model is `extractor -> RM (map to width d) -> head (d -> C)` (SPEC.md, "RM")."""
+"""Every local model is `extractor -> RM (map to width d) -> head (d -> C)`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The ten heterogeneous CNNs of GeFL (gefl.txt Tables XXI-XXIII), as extractors.
+"""The ten heterogeneous CNNs of GeFL ("GeFL: Model-Agnostic Federated Learning with Generative Models",
+Tables XXI-XXIII), as extractors.
 
 Every CNN starts with GeFL-F's common block (conv 3x3 to 3 channels, BN, ReLU, and for CIFAR-10 a conv to 10
 channels with BN; 'cifar10f' is CIFAR-10 as GeFL's code builds it, without that conv(10), the CNNs GeFL-F's feature

@@ -102,7 +102,7 @@ register_model('resnet4', lambda conv: ResNet((1,), conv=conv))
 register_model('resnet6', lambda conv: ResNet((1, 1), conv=conv))
 register_model('resnet8', lambda conv: ResNet((1, 1, 1), conv=conv))
 register_model('resnet10', lambda conv: ResNet((1, 1, 1, 1), conv=conv))
-register_model('resnet14', lambda conv: ResNet((1, 1, 2, 2), conv=conv))  # felo_velo.txt's family (InCo code)
+register_model('resnet14', lambda conv: ResNet((1, 1, 2, 2), conv=conv))  # Felo/Velo's family (InCo code)
 register_model('resnet18', lambda conv: ResNet((2, 2, 2, 2), conv=conv))
 register_model('resnet22', lambda conv: ResNet((2, 2, 3, 3), conv=conv))
 register_model('resnet26', lambda conv: ResNet((3, 3, 3, 3), conv=conv))
@@ -129,7 +129,8 @@ for _dataset in GEFL_DATASETS:
   for _k in range(1, 11):
     register_model(f'gefl_{_dataset}_cnn{_k}', lambda conv, d=_dataset, k=_k: GeFLCNN(d, k, conv=conv))
 
-# HtFLlib's model families (its main.py, --model_family), and FedRE's 10-architecture set (fedre.txt Sec. 4.1).
+# HtFLlib's model families (its main.py, --model_family), and FedRE's 10-architecture set
+# ("FedRE: A Representation Entanglement Framework for Model-Heterogeneous Federated Learning", Sec. 4.1).
 MODEL_FAMILIES: dict[str, tuple[str, ...]] = {
     'HtFE-img-2': ('cnn4', 'resnet18'),
     'HtFE-img-3': ('resnet10', 'resnet18', 'resnet34'),
@@ -142,9 +143,11 @@ MODEL_FAMILIES: dict[str, tuple[str, ...]] = {
     'HtM-img-10': ('cnn4', 'googlenet', 'mobilenet_v2', 'resnet18', 'resnet34', 'resnet50', 'resnet101',
                    'resnet152', 'vit_b16', 'vit_b32'),
 }
-for _dataset in GEFL_DATASETS:  # GeFL's ten target networks (gefl.txt Tables XXI-XXIII)
+for _dataset in GEFL_DATASETS:  # GeFL's ten target networks
+  # ("GeFL: Model-Agnostic Federated Learning with Generative Models", Tables XXI-XXIII)
   MODEL_FAMILIES[f'gefl-{_dataset}-10'] = tuple(f'gefl_{_dataset}_cnn{k}' for k in range(1, 11))
-MODEL_FAMILIES['felo-5'] = ('resnet10', 'resnet14', 'resnet18', 'resnet22', 'resnet26')  # felo_velo.txt Table 2
+# Felo/Velo's ResNets ("Exploiting Features and Logits in Heterogeneous Federated Learning", Tables 2 and 3).
+MODEL_FAMILIES['felo-5'] = ('resnet10', 'resnet14', 'resnet18', 'resnet22', 'resnet26')  # Table 2
 MODEL_FAMILIES['felo-extreme-5'] = ('resnet10', 'resnet18', 'resnet26', 'resnet34', 'resnet50')  # Table 3
 MODEL_FAMILIES['fedre-10'] = ('cnn4', 'mobilenet_v2', 'googlenet', 'resnet18', 'resnet34', 'resnet50', 'resnet101',
                               'resnet152', 'vit_b16', 'vit_b32')

@@ -1,4 +1,5 @@
-"""FedVTC's variational transposed-convolution decoder psi (fedvtc_iclr.txt Table 6; SPEC_GENERATIVE.md sec. 2).
+"""FedVTC's variational transposed-convolution decoder psi ("Bridging Generalization Gap of Heterogeneous Federated
+Clients Using Generative Models", Table 6).
 
 psi reshapes a latent v in R^p to (c0, H/4, W/4), as PyTorch's `view` does (channel-major), then runs four
 transposed convolutions, each followed by PyTorch-default BatchNorm: k3 s1 p1 + LeakyReLU(0.01), k4 s2 p1 +
@@ -52,7 +53,7 @@ def vtc_layout(image_shape: tuple[int, ...], latent_dim: int) -> tuple[int, tupl
     c0, widths = VTC_LAYOUTS[tuple(image_shape)]
     if latent_dim != c0 * cells:
       raise ConfigError(f'FedVTC on {h}x{w}x{c} images: ModelConfig.feature_dim must be p = {c0 * cells} ('
-                        f'{c0}x{h // 4}x{w // 4}, the VTC latent of fedvtc_iclr.txt Table 6); got {latent_dim}.')
+                        f'{c0}x{h // 4}x{w // 4}, the VTC latent of Table 6 of the FedVTC paper); got {latent_dim}.')
     return c0, widths
   if latent_dim % cells:
     raise ConfigError(f'FedVTC on {h}x{w}x{c} images: ModelConfig.feature_dim={latent_dim} must be a multiple of '

@@ -1,11 +1,12 @@
 """Privacy evaluations of what a method shares.
 
-`attack`: the inversion attack (fedre.txt Sec. 4, Q2; deep image prior) that reconstructs images from an uploaded
-d-vector through the client's white-box extractor; `metrics`: how much a reconstruction leaks (PSNR / MSE on the
+`attack`: the inversion attack ("FedRE: A Representation Entanglement Framework for Model-Heterogeneous Federated
+Learning", Sec. 4, Q2; deep image prior) that reconstructs images from an uploaded d-vector through the client's
+white-box extractor; `metrics`: how much a reconstruction leaks (PSNR / MSE on the
 0-255 scale against a reference, a best match and a null image; identification); `uploads`: a round's uploads of
 chosen clients turned into targets, and one client's attack (`attack_client`); `report`: tables and figures;
-`mnd`: GeFL's memorisation ratio of a generator (gefl.txt Eq. 1). `experiments/invert.py` and
-`experiments/mnd.py` run them on a finished run.
+`mnd`: GeFL's memorisation ratio of a generator ("GeFL: Model-Agnostic Federated Learning with Generative Models",
+Eq. 1). `experiments/invert.py` and `experiments/mnd.py` run them on a finished run.
 """
 
 from fedjax_het.privacy.attack import (PRIORS, DeepImagePrior, InversionConfig, extractor_fn, image_parameterisation,

@@ -1,5 +1,6 @@
 """The inversion attack: representation inversion: how much of a client's images an attacker recovers from what a method uploads
-(fedre.txt Sec. 4, Q2, Figure 4 and Appendix C.1; the attack of its ref. [35], deep image prior).
+("FedRE: A Representation Entanglement Framework for Model-Heterogeneous Federated Learning",
+Sec. 4, Q2, Figure 4 and Appendix C.1; the attack of its ref. [35], deep image prior).
 
 Threat model (the paper's): the attacker holds the client's extractor, RM(g(.)) in eval mode (white box), and one
 uploaded d-vector t. It optimises an image x from noise so that RM(g(x)) matches t (`invert`):

@@ -1,10 +1,11 @@
-"""Privacy measurements of what a method shares: GeFL's memorisation ratio of a generator (gefl.txt Eq. 1).
+"""Privacy measurements of what a method shares: GeFL's memorisation ratio of a generator
+("GeFL: Model-Agnostic Federated Learning with Generative Models", Eq. 1).
 
 MND ratio (`mnd_ratio`): for training points x_i, rho_i = min_{v in V} d(x_i, v) / min_{s in S} d(x_i, s), V held-out
 (validation) images and S generated ones; the reported number is the mean of rho_i. rho > 1 means the generator's
 samples lie closer to the training points than unseen real images do (memorisation); the paper's text states the
-ratio the other way round, Eq. 1 and its "> 1 = memorisation" reading agree and are followed (SPEC_GENERATIVE.md
-sec. 3). Distances d (`DISTANCES`): 'pixel', the L2 distance of the images; 'feature', the L2 distance of the
+ratio the other way round, Eq. 1 and its "> 1 = memorisation" reading agree and are followed.
+Distances d (`DISTANCES`): 'pixel', the L2 distance of the images; 'feature', the L2 distance of the
 flattened feature maps of a fixed, randomly initialised small_cnn extractor (seed 0, the same for every run: a
 label-free perceptual proxy). The paper's LPIPS (AlexNet) needs weights that are not available offline and is not
 offered; values under these distances differ from LPIPS values and are labelled with their distance.
