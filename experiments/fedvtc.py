@@ -1,5 +1,6 @@
-"""FedVTC from flags ("Bridging Generalization Gap of Heterogeneous Federated Clients Using Generative Models";
-every other method: experiments/run.py --algorithm=NAME, same flags).
+"""FedVTC from flags; every other method: experiments/run.py --algorithm=NAME, same flags.
+
+FedVTC: "Bridging Generalization Gap of Heterogeneous Federated Clients Using Generative Models".
 
   python experiments/fedvtc.py --flagfile=experiments/flags/fedvtc_mnist5k.flags --workdir=/tmp/fedvtc_mnist5k
 """
@@ -8,7 +9,7 @@ from fedjax_het import interrupts
 
 interrupts.install(watch=True)  # Ctrl-C or SIGTERM from the first second: a clean stop, or an abort
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from fedjax_het import cli
 
@@ -16,4 +17,4 @@ cli.define_flags(default_algorithm='fedvtc')
 flags.mark_flag_as_required('workdir')
 
 if __name__ == '__main__':
-  app.run(cli.main)
+  cli.app_run(cli.main)

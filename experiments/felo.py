@@ -1,5 +1,6 @@
-"""Felo, Velo and FedHe from flags ("Exploiting Features and Logits in Heterogeneous Federated Learning";
---algorithm=felo|velo|fedhe).
+"""Felo, Velo and FedHe from flags (--algorithm=felo|velo|fedhe).
+
+Felo and Velo: "Exploiting Features and Logits in Heterogeneous Federated Learning".
 
 Every other method: experiments/run.py --algorithm=NAME, with the same flags.
 
@@ -10,7 +11,7 @@ from fedjax_het import interrupts
 
 interrupts.install(watch=True)  # Ctrl-C or SIGTERM from the first second: a clean stop, or an abort
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from fedjax_het import cli
 
@@ -18,4 +19,4 @@ cli.define_flags(default_algorithm='felo')
 flags.mark_flag_as_required('workdir')
 
 if __name__ == '__main__':
-  app.run(cli.main)
+  cli.app_run(cli.main)

@@ -189,4 +189,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.app_run(main)

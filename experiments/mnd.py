@@ -13,7 +13,8 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from fedjax_het import cli  # noqa: E402
+from absl import flags
 
 from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
 
@@ -81,4 +82,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.app_run(main)
