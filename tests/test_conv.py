@@ -20,7 +20,7 @@ ONEDNN = ['onednn'] if sys.platform == 'linux' and platform.machine() == 'x86_64
 FORMULATIONS = [c for c in CONV_IMPLS if c in ONEDNN or c != 'onednn']
 
 
-@pytest.mark.parametrize('impl', ['im2col', 'auto'] + ONEDNN)
+@pytest.mark.parametrize('impl', ['im2col', 'auto', 'gemm'] + ONEDNN)
 @pytest.mark.parametrize('kw', [dict(features=5, kernel_size=(3, 3)),
                                 dict(features=4, kernel_size=(5, 5), padding='VALID'),
                                 dict(features=4, kernel_size=(7, 7), strides=2, padding=3, use_bias=False),
@@ -61,6 +61,21 @@ def test_models_are_the_same_function_under_vmap_with_either_conv(name):
          for c, m in models.items()}
   for c in FORMULATIONS:
     tree_allclose(out[c], out['xla'], rtol=1e-4, atol=1e-4)
+
+
+def test_gemm_kernel_gradient_under_vmap_is_a_batched_matmul_with_xlas_values():
+  """Under vmap over clients, 'gemm' computes each client's kernel gradient as one batched dot_general (no
+  grouped convolution in the backward pass) and equals XLA's gradients."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 9, 9, 4))  # 3 clients
+  w = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 3, 4, 5))
+  kw = dict(window_strides=(1, 1), padding='SAME', dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+  conv = {'xla': jax.lax.conv_general_dilated, 'gemm': CONV_IMPLS['gemm'].keywords['conv_general_dilated']}
+  loss = lambda f: lambda x, w: jnp.sum(jnp.sin(jax.vmap(lambda a, b: f(a, b, **kw))(x, w)))
+  grads = {name: jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w) for name, f in conv.items()}
+  tree_allclose(grads['gemm'], grads['xla'], rtol=1e-4, atol=1e-5)
+  hlo = jax.jit(jax.grad(loss(conv['gemm']), argnums=1)).lower(x, w).as_text()
+  assert hlo.count('stablehlo.convolution') == 1  # the forward pass only
+  assert 'stablehlo.dot_general' in hlo
 
 
 def test_unknown_conv_names_the_argument():

@@ -67,9 +67,19 @@ def im2col_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=
     return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
                                     dimension_numbers, feature_group_count, batch_group_count, precision,
                                     preferred_element_type)
+  patches = image_patches(lhs, rhs.shape, window_strides, padding, rhs_dilation)
+  return lax.dot_general(patches, rhs.reshape(-1, rhs.shape[-1]), (((lhs.ndim - 1,), (0,)), ((), ())),
+                         precision=precision, preferred_element_type=preferred_element_type)
+
+
+def image_patches(lhs, kernel_shape, window_strides, padding, rhs_dilation=None) -> jax.Array:
+  """The im2col patches [N, *out, kh*kw*C] of a channels-last convolution of lhs [N, *spatial, C] with a kernel of
+  `kernel_shape` [kh, kw, C, O]: the kh*kw shifted, strided slices of the padded input concatenated on the channel
+  axis in (i, j, c) order, so that patches @ kernel.reshape(-1, O) is the convolution."""
   nd = lhs.ndim - 2
-  padding, dilation = _explicit_padding(lhs, rhs, window_strides, padding, rhs_dilation)
-  window = rhs.shape[:nd]
+  padding, dilation = _explicit_padding(lhs, jax.ShapeDtypeStruct(kernel_shape, lhs.dtype), window_strides,
+                                        padding, rhs_dilation)
+  window = kernel_shape[:nd]
   effective = [(k - 1) * d + 1 for k, d in zip(window, dilation)]
   x = jnp.pad(lhs, [(0, 0)] + padding + [(0, 0)])
   out = [(x.shape[1 + a] - effective[a]) // window_strides[a] + 1 for a in range(nd)]
@@ -78,9 +88,48 @@ def im2col_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=
     start = [0] + [o * d for o, d in zip(offset, dilation)] + [0]
     limit = [x.shape[0]] + [s + (n - 1) * st + 1 for s, n, st in zip(start[1:], out, window_strides)] + [x.shape[-1]]
     slices.append(lax.slice(x, start, limit, [1] + list(window_strides) + [1]))
-  patches = jnp.concatenate(slices, axis=-1) if len(slices) > 1 else slices[0]
-  return lax.dot_general(patches, rhs.reshape(-1, rhs.shape[-1]), (((nd + 1,), (0,)), ((), ())),
-                         precision=precision, preferred_element_type=preferred_element_type)
+  return jnp.concatenate(slices, axis=-1) if len(slices) > 1 else slices[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _conv_gemm_grad(lhs, rhs, window_strides, padding, rhs_dilation):
+  return lax.conv_general_dilated(lhs, rhs, window_strides, padding, rhs_dilation=rhs_dilation,
+                                  dimension_numbers=_channels_last(lhs.ndim - 2))
+
+
+def _conv_gemm_grad_fwd(lhs, rhs, window_strides, padding, rhs_dilation):
+  return _conv_gemm_grad(lhs, rhs, window_strides, padding, rhs_dilation), (lhs, rhs)
+
+
+def _conv_gemm_grad_bwd(window_strides, padding, rhs_dilation, residuals, g):
+  lhs, rhs = residuals
+  conv = lambda x: lax.conv_general_dilated(x, rhs, window_strides, padding, rhs_dilation=rhs_dilation,
+                                           dimension_numbers=_channels_last(lhs.ndim - 2))
+  d_lhs = jax.vjp(conv, lhs)[1](g)[0]  # XLA's input gradient (a transposed convolution)
+  patches = image_patches(lhs, rhs.shape, window_strides, padding, rhs_dilation)
+  batch_axes = tuple(range(patches.ndim - 1))
+  d_rhs = lax.dot_general(patches, g.astype(patches.dtype), ((batch_axes, batch_axes), ((), ())))
+  return d_lhs, d_rhs.reshape(rhs.shape).astype(rhs.dtype)
+
+
+_conv_gemm_grad.defvjp(_conv_gemm_grad_fwd, _conv_gemm_grad_bwd)
+
+
+def gemm_grad_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                                   dimension_numbers=None, feature_group_count=1, batch_group_count=1,
+                                   precision=None, preferred_element_type=None) -> jax.Array:
+  """`lax.conv_general_dilated` whose forward pass and input gradient are XLA's convolutions and whose kernel
+  gradient is one matmul, patches^T @ output gradient (`image_patches`). Under `jax.vmap` over clients XLA turns a
+  convolution's kernel gradient into a grouped convolution with image-sized windows, which GPUs run slowly; this
+  one becomes a batched matmul over the client axis. Channels-last ungrouped convolutions with default precision
+  only; anything else is `lax.conv_general_dilated`."""
+  if (precision is not None or preferred_element_type is not None or not _ungrouped_channels_last(
+      lhs, rhs, dimension_numbers, lhs_dilation, feature_group_count, batch_group_count)):
+    return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                                    dimension_numbers, feature_group_count, batch_group_count, precision,
+                                    preferred_element_type)
+  pads, dilation = _explicit_padding(lhs, rhs, window_strides, padding, rhs_dilation)
+  return _conv_gemm_grad(lhs, rhs, tuple(int(s) for s in window_strides), tuple(tuple(p) for p in pads), dilation)
 
 
 def auto_conv_general_dilated(lhs, rhs, *args, max_channels: int = IM2COL_MAX_CHANNELS, **kwargs) -> jax.Array:
@@ -115,6 +164,7 @@ CONV_IMPLS: dict[str, ConvFactory] = {  # the formulations a run chooses from (-
     'im2col': functools.partial(nn.Conv, conv_general_dilated=im2col_conv_general_dilated),
     'auto': functools.partial(nn.Conv, conv_general_dilated=auto_conv_general_dilated),
     'onednn': functools.partial(nn.Conv, conv_general_dilated=onednn_conv_general_dilated),
+    'gemm': functools.partial(nn.Conv, conv_general_dilated=gemm_grad_conv_general_dilated),
 }
 # Eval-mode representation passes of an 'auto' run: im2col up to 32 input channels. Without a backward pass and
 # in 32-row passes its patches stay small, and it is faster there (288 cnn4 rows: 42.7 ms against 53.0 with
