@@ -276,9 +276,12 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
       _check_config_json(wd, cfg)
     if _stopping(stop):
       raise Interrupted(stop.requested or 'SIGTERM', resume, 0)
+    say = (lambda text: sys.stderr.write(f'{cfg.algorithm}: {text}\n')) if progress and distributed.is_writer() else (
+        lambda text: None)
+    say(f'loading {cfg.dataset} and splitting it over {cfg.num_clients} clients ({cfg.partition})')
     fed, run, budget = _build(cfg)
-    if progress and distributed.is_writer():  # the defaults are the backend's where a flag leaves them unset
-      sys.stderr.write(f'{cfg.algorithm}: running on {fed.execution.describe()}\n')
+    say(f'running on {fed.execution.describe()}')  # the defaults are the backend's where a flag leaves them unset
+    startup = StartupDisplay(fed, say) if progress and distributed.is_writer() else None
     if federation is not None:
       fed = federation(fed)
     if _stopping(stop):
@@ -287,6 +290,8 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     has_checkpoints = wd.has_checkpoints()
     checkpoints = Checkpoints(wd.checkpoints) if cfg.checkpoint_every or (resume and has_checkpoints) else None
     state, rows = fed.init(), []
+    if startup is not None:
+      startup.initialised()
     if resume:
       if not has_checkpoints:
         raise ConfigError(_no_checkpoint_message(wd))
@@ -307,7 +312,7 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     scalars = (ScalarLog(wd.file(TENSORBOARD_FOLDER), resumed_after=int(state.round)) if tensorboard and wd.writes
                else None)
     return _train(cfg, fed, state, rows, wd, checkpoints if cfg.checkpoint_every else None, identity, stop,
-                  progress, scalars, budget)
+                  progress, scalars, budget, startup)
 
 
 def _stopping(stop: StopAtRoundEnd) -> bool:
@@ -342,7 +347,7 @@ def _resumed_rows(wd: Workdir, checkpoints: Checkpoints, saved_round: int) -> li
 
 
 def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, progress, scalars=None,
-           budget=None) -> dict:
+           budget=None, startup: Optional['StartupDisplay'] = None) -> dict:
   """The round loop from `state` to the run's last round; outputs are finished (summary.json, plot) however it
   ends."""
   total = fed.total_rounds
@@ -356,7 +361,11 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
     bar = tqdm(total=total, initial=start_round, desc=f'{cfg.algorithm}', unit='round')
   try:
     for r in range(start_round, total):
+      if startup is not None:
+        startup.before_round(r)
       state, metrics = fed.round(state)
+      if startup is not None:
+        startup.after_round()
       if budget is not None:
         metrics.update(budget.metrics(r + 1))
       if fed.evaluates_after(r, cfg.eval_every):
@@ -415,6 +424,52 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
     if scalars is not None:
       scalars.close()
   return _finish(cfg, wd, rows, start, idle, total)
+
+
+class StartupDisplay:
+  """What a run prints while it starts: a bar over the architecture groups as their programs compile, at
+  initialisation and in the first round of each phase (where every group compiles its round programs), and where
+  XLA's compilation cache keeps them for the next start."""
+
+  def __init__(self, fed: Federation, say: Callable[[str], None]):
+    from fedjax_het.compilation_cache import configured_directory
+    self.fed, self.say, self.bar = fed, say, None
+    self.compiled_phases: set = set()
+    cache = configured_directory()
+    self.cache_note = (f'compiled programs go into XLA\'s compilation cache ({cache}), so the next start of this '
+                       f'setting skips most of it' if cache else 'XLA\'s compilation cache is off '
+                       f'(--compilation_cache): every start compiles again')
+    self.say(f'initialising {len(fed.groups)} architecture group(s) '
+             f'({", ".join(g.arch for g in fed.groups)}); {self.cache_note}')
+    self._open('initialising', 'init')
+
+  def _open(self, what: str, kind: str) -> None:
+    from tqdm.auto import tqdm
+    self.bar = tqdm(total=len(self.fed.groups), desc=f'{self.fed.algorithm.name}: {what}', unit='group',
+                    leave=False)
+    self.fed.progress = lambda k, gi, total: self.bar.update(1) if k == kind and self.bar is not None else None
+
+  def _close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+    self.bar, self.fed.progress = None, None
+
+  def initialised(self) -> None:
+    """Closes the initialisation bar."""
+    self._close()
+
+  def before_round(self, round_index: int) -> None:
+    """Opens a bar over the groups where round `round_index` is the first of its phase in this process (its
+    programs compile now)."""
+    phase = self.fed.phase_index(round_index)
+    if phase not in self.compiled_phases:
+      self.compiled_phases.add(phase)
+      name = self.fed.algorithm.phases[phase].name
+      self._open(f'compiling round {round_index + 1} ({name})', 'round')
+
+  def after_round(self) -> None:
+    """Closes the compile bar, if any."""
+    self._close()
 
 
 SAMPLES_PER_CLASS = 8

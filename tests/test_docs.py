@@ -54,3 +54,53 @@ def test_pages_name_no_machine_path_and_no_work_history(page):
 def test_the_readme_is_a_front_door():
   with open(os.path.join(ROOT, 'README.md')) as f:
     assert len(f.read().splitlines()) <= 250
+
+
+# What a user's clone does not have: folders beside the checkout, the papers' text files, spec pages; and what
+# only the project's own build process knows (its CI script, time targets set for developers).
+OUTSIDE = re.compile(r'\.\./shared|\bshared/(?:papers|fixtures|measurements)|\bSPEC(?:_GENERATIVE)?\.md\b|'
+                     r'\b(?:fedre|fedvtc_iclr|fedvtc_arxiv|gefl|felo_velo)\.txt\b')
+BUILD_PROCESS = re.compile(r'\.ci/run|\bCI\b|target is \d+ minutes|the limit \d+|suite budget', re.I)
+USER_TEXTS = sorted(['README.md'] + [os.path.relpath(p, ROOT) for p in
+                                     glob.glob(os.path.join(ROOT, 'docs', '**', '*.md'), recursive=True)])
+TEST_FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, 'tests', '*.py')))
+
+
+def outside_references(text: str) -> list[str]:
+  """The references of `text` to what lies outside the repository."""
+  return OUTSIDE.findall(text)
+
+
+def escaping_links(page: str, text: str) -> list[str]:
+  """The relative links of `text` (a page at `page`) that point outside the repository."""
+  here = os.path.dirname(os.path.join(ROOT, page))
+  return [t for t in LINK.findall(text) if not re.match(r'[a-z]+:', t) and not t.startswith('#')
+          and not os.path.abspath(os.path.join(here, t.split('#')[0])).startswith(ROOT + os.sep)]
+
+
+def test_outside_references_and_the_build_process_are_found():
+  assert outside_references("read('../shared/fixtures/x.json'); see SPEC.md and gefl.txt Eq. 1") == [
+      '../shared', 'SPEC.md', 'gefl.txt']
+  assert escaping_links('docs/usage.md', '[a](../README.md), [b](../../shared/x.md)') == ['../../shared/x.md']
+  assert BUILD_PROCESS.findall('`time bash .ci/run`: the target is 10 minutes, the limit 15') == [
+      '.ci/run', 'target is 10 minutes', 'the limit 15']
+  assert outside_references('an entry in tests/fixtures/htfllib_partitions.json') == []
+
+
+@pytest.mark.parametrize('path', USER_TEXTS + TEST_FILES + ['DEVELOPERS.md'])
+def test_nothing_points_outside_the_repository(path):
+  """README, DEVELOPERS.md, docs/ and tests/ need nothing beside the checkout (fixtures live in tests/fixtures/,
+  papers are cited by title, section and equation)."""
+  with open(os.path.join(ROOT, path)) as f:
+    text = f.read()
+  if path.endswith('.py') and os.path.basename(path) == 'test_docs.py':
+    text = text.split('# What a user', 1)[0]  # this file's own patterns and examples
+  assert outside_references(text) == [] and escaping_links(path, text) == []
+  if path.endswith('.py'):
+    assert not re.search(r"'\.\.',\s*'\.\.'", text), path  # a path two levels up: beside the checkout
+
+
+@pytest.mark.parametrize('page', USER_TEXTS)
+def test_user_pages_say_nothing_of_the_build_process(page):
+  with open(os.path.join(ROOT, page)) as f:
+    assert BUILD_PROCESS.findall(f.read()) == []

@@ -12,7 +12,7 @@ one-device run.
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +126,9 @@ class Federation:
                       self.clients_without_steps)
     self._jitted: dict = {}
     self._server_shapes = None
+    # Called as progress(what, group index, groups) after each group's part of `init` ('init') and of a round
+    # ('round'): where each group's programs compile on first use, a start-up display can follow them.
+    self.progress: Optional[Callable[[str, int, int], None]] = None
     self.constants = None if algorithm.constants is None else place_replicated(algorithm.constants, self.mesh)
 
   def phase_index(self, round_index: int) -> int:
@@ -156,7 +159,11 @@ class Federation:
   def init(self) -> FederationState:
     """Initial client states (`groups.init_group`) and the server state."""
     server_key = self._init_keys()[2]
-    states = tuple(self.init_group(gi) for gi in range(len(self.groups)))
+    states = []
+    for gi in range(len(self.groups)):
+      states.append(self.init_group(gi))
+      self._report('init', gi)
+    states = tuple(states)
     initial = tuple(host_copy(s) for s in states)
     server = place_replicated(self.algorithm.init_server(server_key, self.spec, initial), self.mesh)
     return FederationState(states, server, jnp.asarray(0, jnp.int32))
@@ -256,7 +263,12 @@ class Federation:
       stacked, values, loss = self.executor.run(g, self.programs[p][gi], p, state.groups[gi], slot_idx, broadcast,
                                                 key)
       results.append(GroupRound(slot_idx, stacked, values, loss))
+      self._report('round', gi)
     return self.finish_round(state, results, participants, start)
+
+  def _report(self, what: str, gi: int) -> None:
+    if self.progress is not None:
+      self.progress(what, gi, len(self.groups))
 
   def finish_round(self, state: FederationState, results: Sequence['GroupRound'], participants: np.ndarray,
                    start: float) -> tuple[FederationState, dict]:
