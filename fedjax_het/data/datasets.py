@@ -18,6 +18,9 @@ from fedjax_het.errors import ConfigError, DatasetUnavailableError
 
 TFDS_DATASETS = ('mnist', 'fashion_mnist', 'cifar10', 'cifar100', 'svhn_cropped')
 OFFLINE_DATASETS = ('digits', 'mnist5k', 'synthetic')
+# The command that downloads and prepares the tfds datasets and the .npz files named here (fedjax_het.data.prepare).
+PREPARE_COMMAND = 'python -m fedjax_het.data.prepare'
+PREPARED_NPZ = ('tinyimagenet', 'cinic10')
 NORMALIZATIONS = ('symmetric', 'cifar10')
 CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010))
 
@@ -117,12 +120,7 @@ def load_tfds(name: str, data_dir: Optional[str] = None) -> Dataset:
     try:
       source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
     except Exception as e:  # tfds raises several types (DatasetNotFoundError, AssertionError, FileNotFoundError).
-      raise DatasetUnavailableError(
-          f"--dataset={name}: the tfds dataset is not prepared under data_dir={data_dir or '~/tensorflow_datasets'} "
-          f"and cannot be downloaded offline ({type(e).__name__}). Fix: on a machine with network run "
-          f"`tfds build {name}` (or `tfds.builder('{name}').download_and_prepare()`), copy the prepared folder "
-          f"and pass --data_dir; or use an offline dataset: --dataset=digits, --dataset=synthetic, or "
-          f"--dataset=npz:/path/to/file.npz.") from e
+      raise DatasetUnavailableError(_tfds_missing_message(name, data_dir, e)) from e
     records = [source[i] for i in range(len(source))]
     images = np.stack([np.asarray(r['image']) for r in records]) if records else np.zeros((0, 1, 1, 1), np.uint8)
     labels = np.asarray([r['label'] for r in records], dtype=np.int32)
@@ -130,6 +128,37 @@ def load_tfds(name: str, data_dir: Optional[str] = None) -> Dataset:
   num_classes = int(tfds.builder(name, data_dir=data_dir).info.features['label'].num_classes)
   (x, y), (x_test, y_test) = splits['train'], splits['test']
   return Dataset(name, x, y, num_classes, x_test, y_test)
+
+
+def _tfds_formats(name: str, data_dir: Optional[str]) -> set[str]:
+  """The file formats of the finished builds of tfds dataset `name` under `data_dir` (tfds's default if None)."""
+  import glob
+  import json
+  root = os.path.expanduser(data_dir or os.environ.get('TFDS_DATA_DIR', os.path.join('~', 'tensorflow_datasets')))
+  formats = set()
+  for info in glob.glob(os.path.join(glob.escape(root), name, '*', 'dataset_info.json')):
+    try:
+      with open(info) as f:
+        formats.add(json.load(f).get('fileFormat', 'tfrecord'))
+    except (OSError, ValueError):
+      pass
+  return formats
+
+
+def _tfds_missing_message(name: str, data_dir: Optional[str], error: Exception) -> str:
+  """Why tfds dataset `name` cannot be read from `data_dir` and the command that prepares it."""
+  where = data_dir or "~/tensorflow_datasets (tfds's default; $TFDS_DATA_DIR if set)"
+  command = f'{PREPARE_COMMAND} {name}' + (f' --data_dir={data_dir}' if data_dir else '')
+  if _tfds_formats(name, data_dir) - {'array_record'}:  # prepared, but as tfrecord files (tfds's default)
+    return (f'--dataset={name}: the tfds dataset under data_dir={where} was built as tfrecord files; the loader '
+            f'reads array_record files (random access). Fix: delete that build (the folder {name}/VERSION there) and '
+            f'run `{command}`, which builds it as array_record (the same as `tfds build {name} '
+            f'--file_format=array_record`) from the downloads kept beside it.')
+  return (f'--dataset={name}: the tfds dataset is not prepared under data_dir={where} and cannot be downloaded '
+          f'offline ({type(error).__name__}). Fix: run `{command}` (the same build as `tfds build {name} '
+          f'--file_format=array_record`; it prints the sizes first) on a machine with network, copy the data folder '
+          f'it names to this machine and pass --data_dir=THAT_FOLDER; or use an offline dataset: --dataset=digits, '
+          f'--dataset=mnist5k, --dataset=synthetic, or --dataset=npz:/path/to/file.npz.')
 
 
 def _npz_labels(path: str, name: str, y: np.ndarray) -> np.ndarray:
@@ -195,6 +224,11 @@ def load_npz(path: str) -> Dataset:
   """
   where = f'--dataset=npz:{path}'
   if not os.path.isfile(path):
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if stem in PREPARED_NPZ:  # the flag files' Tiny-ImageNet and CINIC-10
+      raise DatasetUnavailableError(
+          f'{where}: file not found. Fix: `{PREPARE_COMMAND} {stem}` downloads the original archive and writes '
+          f'{stem}.npz into ~/tensorflow_datasets (or --data_dir=DIR), then prints the --dataset=npz:PATH to use.')
     raise ConfigError(f'{where}: file not found. Fix: give the path of an .npz with arrays x and y.')
   if not zipfile.is_zipfile(path):
     raise ConfigError(f'{where}: not an .npz file (an .npz is a zip archive of arrays; this file is not a zip). Fix: '
