@@ -2,8 +2,11 @@
 
 In CI: pytrees through ArrayRecords, the nodes' state files, and `FlowerRounds` over Flower's own ClientApp and
 Message objects delivered in-process (every reply in: the simulation's metrics; a server restarted from an
-earlier checkpoint ends where it would have; a node that stops answering: the round goes on without it). With -m slow: a real Deployment Engine on localhost (SuperLink + 4 SuperNodes as
-processes), FedRE and FedProto equal to the simulation, and a SuperNode killed mid-run.
+earlier checkpoint ends where it would have; a node that stops answering: the round goes on without it); the
+command line of `python -m fedjax_het.flower.local` (flags after --flagfile reach the ServerApp through Flower's
+run config; a bad flag is one line) and the app's run-config keys. With -m slow: a real Deployment Engine on
+localhost (SuperLink + 4 SuperNodes as processes), FedRE and FedProto equal to the simulation, a SuperNode killed
+mid-run, and the local command with overrides.
 """
 
 import dataclasses
@@ -190,6 +193,88 @@ def test_a_per_client_broadcast_reaches_each_node_alone_and_equals_the_simulatio
     assert not any(len(s) == 3 and s[-1] == 10 for s in shapes)
 
 
+def _flower_run_config(deployment, run) -> dict:
+  """The run config the ServerApp gets for a parsed local command line: `flwr run`'s --run-config argument,
+  parsed and merged with the app's pyproject.toml by Flower's own functions (which refuse a key it does not
+  list, as the SuperLink does)."""
+  from pathlib import Path
+  from flwr.common.config import get_fused_config_from_dir, parse_config_args
+  from fedjax_het.flower.run_config import APP_DIR, run_config_argument
+  argument = run_config_argument(deployment.run_config(run.flagfile, overrides=run.overrides))
+  return get_fused_config_from_dir(Path(APP_DIR), parse_config_args([argument]))
+
+
+def test_local_flags_after_the_flagfile_reach_the_server_app_and_its_run(tmp_path):
+  """--rounds=2, --local_learning_rate=0.05 and --noshared_init after a flag file of 3 rounds (and the defaults):
+  the command's config, the run config it hands to `flwr run` and the ServerApp's run (over in-process nodes)
+  all take them."""
+  from flwr.app import Context
+  from fedjax_het.flower import local, server_app
+  flagfile = _flagfile(tmp_path, 'fedre')
+  workdir = str(tmp_path / 'run')
+  run = local.parse_command_line([f'--flagfile={flagfile}', f'--workdir={workdir}', '--rounds=2',
+                                  '--local_learning_rate=0.05', '--noshared_init', '--round_timeout=30'])
+  assert (run.config.rounds, run.config.local_learning_rate, run.config.shared_init) == (2, 0.05, False)
+  assert run.overrides == {'rounds': 2, 'local-learning-rate': 0.05, 'shared-init': False}
+  assert run.flags.round_timeout == 30 and run.flagfile == flagfile
+  run_config = _flower_run_config(local.LocalDeployment(4, workdir), run)
+  assert (run_config['rounds'], run_config['num-clients'], run_config['flagfile']) == (2, '', flagfile)
+  # The ServerApp itself, its nodes' messages delivered in-process.
+  server_app.main(InProcessGrid(str(tmp_path / 'nodes'), 4), Context(
+      run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=dict(run_config, **{
+          'round-timeout': 30.0, 'connect-timeout': 5.0})))
+  assert [r['round'] for r in _rows(workdir)] == [1, 2]
+  config = json.loads((tmp_path / 'run' / 'summary.json').read_text())['config']
+  assert (config['rounds'], config['local_learning_rate'], config['shared_init']) == (2, 0.05, False)
+  assert (config['num_clients'], config['models']) == (4, ['mlp', 'small_cnn_narrow'])  # the flag file's
+
+
+def test_a_bad_local_flag_is_one_line_naming_it_and_help_exits_0(tmp_path, capsys):
+  from fedjax_het.flower import local, server_app
+  flagfile = _flagfile(tmp_path, 'fedre')
+  start = [f'--flagfile={flagfile}', f'--workdir={tmp_path / "run"}']
+  for bad, says in [('--roundz=2', "Unknown command line flag 'roundz'. Did you mean: round_timeout, rounds ? "
+                                   "Fix: python -m fedjax_het.flower.local --helpfull lists the flags."),
+                    ('--rounds=two', "flag --rounds=two: invalid literal for int() with base 10: 'two'"),
+                    ('--strategy=vmap', '--strategy: each node trains its one client with the sequential executor. '
+                                        'Fix: leave --strategy out.'),
+                    ('--local_learning_rate=-1', '--local_learning_rate')]:
+    assert local.main(start + [bad]) == 2, bad
+    err = capsys.readouterr().err
+    assert err.startswith('error: ') and says in err and err.count('\n') == 1 and 'Traceback' not in err, err
+  assert local.main(['--flagfile=no/such.flags', '--workdir=x']) == 2
+  assert 'Fix: the path of a flag file' in capsys.readouterr().err
+  assert local.main(['--help']) == 0
+  out = capsys.readouterr().out
+  assert '--round_timeout' in out and '--engine' in out and 'Data:' in out and '--rounds' in out
+  assert '  --strategy' not in out  # a Flower run sets it
+  # Over Flower's run config: a bad value names its flag; a key the app does not list is refused by Flower.
+  with pytest.raises(ConfigError, match=r"flag --rounds=two: invalid literal"):
+    server_app.experiment_flags({'flagfile': flagfile, 'rounds': 'two', 'seed': ''})
+  from pathlib import Path
+  from flwr.common.config import get_fused_config_from_dir, parse_config_args
+  from fedjax_het.flower.run_config import APP_DIR
+  with pytest.raises(ValueError, match="Key 'roundz' is not present"):
+    get_fused_config_from_dir(Path(APP_DIR), parse_config_args(['rounds=2 roundz=2']))
+
+
+def test_the_flower_app_lists_a_run_config_key_per_experiment_flag():
+  """Flower refuses a --run-config key its pyproject.toml does not list: the app lists every experiment flag
+  (python -m fedjax_het.flower.run_config rewrites the block when flags change)."""
+  import tomllib
+  from fedjax_het.flower import run_config
+  path = os.path.join(run_config.APP_DIR, 'pyproject.toml')
+  with open(path) as f:
+    text = f.read()
+  assert run_config.with_block(text, run_config.pyproject_block()) == text, (
+      'experiments/flower/pyproject.toml lists other flags than fedjax_het.cli defines. Fix: python -m '
+      'fedjax_het.flower.run_config')
+  keys = tomllib.loads(text)['tool']['flwr']['app']['config']
+  assert set(keys) == set(run_config.DEPLOYMENT_KEYS) | set(run_config.experiment_keys())
+  assert run_config.override_arguments({'rounds': 2, 'num-clients': '', 'drop-last': False, 'models': 'mlp,cnn',
+                                        'workdir': '/out'}) == ['--rounds=2', '--drop_last=false', '--models=mlp,cnn']
+
+
 FLAGS = '''--dataset=digits
 --num_clients=4
 --models=mlp,small_cnn_narrow
@@ -270,3 +355,19 @@ def test_simulation_engine_equals_the_simulation(tmp_path):
   """Flower's Simulation Engine (Ray actors as the 4 nodes) gives the in-process simulation's numbers."""
   pytest.importorskip('ray')
   _flower_equals_simulation(tmp_path, 'fedre', simulation=True)
+
+
+@pytest.mark.slow
+def test_the_local_command_applies_flags_after_the_flagfile(tmp_path):
+  """python -m fedjax_het.flower.local with --rounds=2 --num_clients=3 after a flag file of 3 rounds and 4
+  clients: 3 SuperNodes, 2 rounds."""
+  import subprocess
+  import sys
+  flagfile = _flagfile(tmp_path, 'fedre')
+  result = subprocess.run([sys.executable, '-m', 'fedjax_het.flower.local', f'--flagfile={flagfile}',
+                           f'--workdir={tmp_path / "run"}', '--rounds=2', '--num_clients=3', '--round_timeout=300'],
+                          capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+  assert '3 SuperNodes' in result.stdout and 'round 2/2: 3 clients evaluated' in result.stdout, result.stdout[-3000:]
+  rows = _rows(tmp_path / 'run')
+  assert [r['round'] for r in rows] == [1, 2] and rows[-1]['evaluated_clients'] == 3

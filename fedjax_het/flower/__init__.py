@@ -6,6 +6,7 @@ client per Flower SuperNode (`flwr` 1.42, Message API; `pip install 'fedjax_het[
   rounds.py      the server's rounds over a Flower Grid, in place of the simulation's executor
   server_app.py  the ServerApp: a run's flags, workdir, metrics and checkpoints, as experiments/ writes them
   client_app.py  the ClientApp: query (which client a node holds), train, evaluate
+  run_config.py  the run config's keys: the deployment's, and one per experiment flag (rounds=2, num-clients=4)
   local.py       a SuperLink and N SuperNodes on this machine, and the run (python -m fedjax_het.flower.local)
 """
 

@@ -2,16 +2,22 @@
 localhost), and the run, in one command.
 
   python -m fedjax_het.flower.local --flagfile=experiments/flags/quickstart.flags --workdir=/tmp/fedre_flower
+  python -m fedjax_het.flower.local --flagfile=experiments/flags/quickstart.flags --workdir=/tmp/small \\
+      --rounds=2 --num_clients=3
 
-The run's outputs are the simulation's (metrics.jsonl, summary.json, plots, checkpoints/) in --workdir; the nodes
-keep their clients' states in WORKDIR/flower_nodes; the SuperLink's and SuperNodes' logs go to WORKDIR/flower_logs.
---resume continues a stopped run from its last checkpoint; --engine=simulation runs Flower's Simulation Engine (Ray)
-instead of SuperNode processes. Several machines: docs/distributed.md.
+Every experiment flag of experiments/run.py is accepted; flags after --flagfile override the file's (--helpfull
+lists them all). The run's outputs are the simulation's (metrics.jsonl, summary.json, plots, checkpoints/) in
+--workdir; the nodes keep their clients' states in WORKDIR/flower_nodes; the SuperLink's and SuperNodes' logs go to
+WORKDIR/flower_logs. Each round prints its time as it ends: Flower starts a new process per message, so a round
+takes seconds to tens of seconds where a simulation takes well under one (docs/distributed.md gives measured
+times). --resume continues a stopped run from its last checkpoint; --engine=simulation runs Flower's Simulation
+Engine (Ray) instead of SuperNode processes. Several machines: docs/distributed.md.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -19,13 +25,17 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
+from absl import flags
+
+from fedjax_het.errors import ConfigError
+from fedjax_het.flower.run_config import (APP_DIR, NOT_KEYS, experiment_flag_values, key_of,
+                                          run_config_argument)
 from fedjax_het.launch import free_port
 
 CONNECTION = 'fedjax-het-local'
-APP_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), 'experiments',
-                       'flower')
+PROG = 'python -m fedjax_het.flower.local'
 
 
 def wait_for_port(port: int, seconds: float, process: subprocess.Popen, what: str) -> None:
@@ -58,16 +68,18 @@ class LocalDeployment:
   """A SuperLink and `num_supernodes` SuperNodes on localhost (`start`, `stop`, a context manager), and
   `run(...)`, one fedjax_het run on them. `supernodes[k]` holds client k. With `simulation`, Flower's Simulation
   Engine instead: the SuperLink runs the ClientApps of `num_supernodes` simulated nodes itself, in Ray actors
-  (needs `pip install 'fedjax_het[flower-simulation]'`)."""
+  (needs `pip install 'fedjax_het[flower-simulation]'`). `compilation_cache`, when given, is the SuperNodes' XLA
+  compilation cache ('': off; None: their default, ~/.cache/fedjax_het/xla)."""
 
   def __init__(self, num_supernodes: int, workdir: str, app_dir: str = APP_DIR, port: int = 0,
-               simulation: bool = False):
+               simulation: bool = False, compilation_cache: Optional[str] = None):
     self.num_supernodes, self.workdir, self.app_dir = num_supernodes, os.path.abspath(workdir), app_dir
-    self.simulation = simulation
+    self.simulation, self.compilation_cache = simulation, compilation_cache
     self.port = port or free_port()
     self.logs = os.path.join(self.workdir, 'flower_logs')
     self.home = os.path.join(self.logs, 'flwr_home')
     self.superlink: Optional[subprocess.Popen] = None
+    self.failure: Optional[str] = None  # Flower's account of the last run's failure, if it failed
     self.supernodes: list[subprocess.Popen] = []
 
   def _spawn(self, command: list[str], log: str) -> subprocess.Popen:
@@ -91,9 +103,12 @@ class LocalDeployment:
 
   def start_supernode(self, k: int) -> subprocess.Popen:
     """(Re)starts the SuperNode of client k."""
-    node_config = f'partition-id={k} state-dir="{os.path.join(self.workdir, "flower_nodes")}"'
+    node_config = {'partition-id': k, 'state-dir': os.path.join(self.workdir, 'flower_nodes')}
+    if self.compilation_cache is not None:
+      node_config['compilation-cache'] = self.compilation_cache
     process = self._spawn(['flower-supernode', '--insecure', '--superlink', f'127.0.0.1:{self.port}', '--port',
-                           str(free_port()), '--node-config', node_config], f'supernode_{k}.log')
+                           str(free_port()), '--node-config', run_config_argument(node_config)],
+                           f'supernode_{k}.log')
     if k < len(self.supernodes):
       self.supernodes[k] = process
     else:
@@ -105,20 +120,49 @@ class LocalDeployment:
     os.killpg(self.supernodes[k].pid, signal.SIGKILL)
     self.supernodes[k].wait()
 
-  def run(self, flagfile: str, resume: bool = False, round_timeout: float = 600.0, connect_timeout: float = 120.0,
-          run_name: str = 'default', stdout=None) -> int:
-    """Runs the flags of `flagfile` on the nodes (flwr run, its log streamed to `stdout`); the exit status."""
-    config = (f'flagfile="{os.path.abspath(flagfile)}" workdir="{self.workdir}" resume={str(resume).lower()} '
-              f'round-timeout={float(round_timeout)} connect-timeout={float(connect_timeout)} '
-              f'run-name="{run_name}"')
+  def run_config(self, flagfile: str, resume: bool = False, round_timeout: float = 600.0,
+                 connect_timeout: float = 120.0, run_name: str = 'default',
+                 overrides: Optional[Mapping[str, Any]] = None) -> dict:
+    """The run config `run` hands to `flwr run --run-config`: the deployment's keys, then `overrides` (run-config
+    keys of experiment flags, `fedjax_het.flower.run_config`)."""
+    config = {'flagfile': os.path.abspath(flagfile) if flagfile else '', 'workdir': self.workdir, 'resume': resume,
+              'round-timeout': float(round_timeout), 'connect-timeout': float(connect_timeout), 'run-name': run_name}
     if self.simulation:  # the simulated nodes' states, where the deployment's SuperNodes keep them
-      config += f' state-dir="{os.path.join(self.workdir, "flower_nodes")}"'
+      config['state-dir'] = os.path.join(self.workdir, 'flower_nodes')
+    config.update(overrides or {})
+    return config
+
+  def runs(self) -> dict[str, dict]:
+    """The SuperLink's runs by run id, as `flwr ls --format json` lists them (status, status-details, ...)."""
+    result = subprocess.run(['flwr', 'ls', CONNECTION, '--format', 'json'], env=dict(os.environ, FLWR_HOME=self.home),
+                            capture_output=True, text=True)
+    try:
+      return {str(r['run-id']): r for r in json.loads(result.stdout).get('runs', [])}
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError):
+      return {}
+
+  def run(self, flagfile: str, resume: bool = False, round_timeout: float = 600.0, connect_timeout: float = 120.0,
+          run_name: str = 'default', stdout=None, overrides: Optional[Mapping[str, Any]] = None) -> int:
+    """Runs the flags of `flagfile` ('': the flags' defaults) with `overrides` (run-config keys of experiment
+    flags, such as {'rounds': 2}) on the nodes (flwr run, its log streamed to `stdout`); the exit status: 1 when
+    the ServerApp failed (`failure` then holds Flower's account of it), flwr run's otherwise."""
+    config = run_config_argument(self.run_config(flagfile, resume, round_timeout, connect_timeout, run_name,
+                                                 overrides))
     env = dict(os.environ, FLWR_HOME=self.home)
     federation = ['--federation-config', f'num-supernodes={self.num_supernodes}'] if self.simulation else []
-    return subprocess.run(['flwr', 'run', self.app_dir, CONNECTION, '--run-config', config, '--stream'] + federation,
-                          env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None).returncode
+    before = self.runs()
+    self.failure = None
+    status = subprocess.run(['flwr', 'run', self.app_dir, CONNECTION, '--run-config', config, '--stream'] + federation,
+                            env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None).returncode
+    if status == 0:  # flwr run --stream exits 0 even when the ServerApp raised: ask the SuperLink how it ended
+      new = [r for run_id, r in self.runs().items() if run_id not in before]
+      if new and new[-1].get('status') == 'finished:failed':
+        self.failure = str(new[-1].get('status-details') or 'the ServerApp failed')
+        return 1
+    return status
 
   def stop(self) -> None:
+    """Stops the SuperNodes and the SuperLink (SIGTERM, then SIGKILL after a grace period)."""
     _stop(self.supernodes + ([self.superlink] if self.superlink else []))
 
   def __enter__(self):
@@ -128,34 +172,179 @@ class LocalDeployment:
     self.stop()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  parser = argparse.ArgumentParser(prog='python -m fedjax_het.flower.local', description=__doc__.split('\n\n')[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--flagfile', required=True, help='The run\'s flags, as experiments/ takes them.')
-  parser.add_argument('--workdir', required=True, help='The run\'s outputs.')
-  parser.add_argument('--resume', action='store_true', help='Continue from the last checkpoint in --workdir.')
-  parser.add_argument('--round_timeout', type=float, default=600.0, help='Seconds a round waits for its replies; '
-                      'then it goes on without the nodes that did not answer.')
-  parser.add_argument('--port', type=int, default=0, help='The SuperLink\'s port (0: a free one).')
-  parser.add_argument('--engine', choices=('deployment', 'simulation'), default='deployment', help='deployment: '
-                      'a SuperNode process per client; simulation: Flower\'s Simulation Engine (Ray actors; '
-                      'pip install \'fedjax_het[flower-simulation]\').')
-  args = parser.parse_args(argv)
-  if shutil.which('flower-superlink') is None:
-    parser.error('flwr is not installed. Fix: pip install \'fedjax_het[flower]\'.')
-  from fedjax_het.errors import ConfigError
-  from fedjax_het.flower.server_app import config_from_flagfile
+LOCAL_FLAGS_MODULE = 'fedjax_het.flower.local'
+HELP_ARGS = ('-h', '--help', '-?', '--helpshort')
+# Experiment flags that go to the run config's own keys rather than to the keys of experiment flags.
+DEPLOYMENT_FLAGS = {'workdir': 'workdir', 'resume': 'resume', 'compilation_cache': 'compilation-cache'}
+
+
+def define_local_flags(fv: flags.FlagValues) -> None:
+  """Defines this command's own flags (the deployment's, not the experiment's) on `fv`."""
+  define = dict(flag_values=fv, module_name=LOCAL_FLAGS_MODULE)
+  flags.DEFINE_enum('engine', 'deployment', ['deployment', 'simulation'], 'deployment: a SuperNode process per '
+                    'client; simulation: Flower\'s Simulation Engine (Ray actors; pip install '
+                    '\'fedjax_het[flower-simulation]\').', **define)
+  flags.DEFINE_float('round_timeout', 600.0, 'Seconds a round waits for its replies; then it goes on without the '
+                     'nodes that did not answer.', **define)
+  flags.DEFINE_float('connect_timeout', 120.0, 'Seconds the first round waits for the nodes to connect.', **define)
+  flags.DEFINE_integer('port', 0, 'The SuperLink\'s port (0: a free one).', **define)
+
+
+@dataclasses.dataclass
+class LocalRun:
+  """A parsed command line: `flags` (the experiment's and this command's), `config` (the run's
+  `ExperimentConfig`), `flagfile` (absolute, '' for none) and `overrides` (the run-config keys of the experiment
+  flags given on the command line, which the ServerApp applies after the flag file)."""
+  flags: flags.FlagValues
+  config: Any
+  flagfile: str
+  overrides: dict
+
+
+def _parse(argv: Sequence[str]) -> flags.FlagValues:
+  fv = experiment_flag_values()
+  define_local_flags(fv)
   try:
-    cfg = config_from_flagfile(os.path.abspath(args.flagfile))
+    rest = fv([PROG] + list(argv))
+  except flags.Error as e:
+    message = str(e)
+    if isinstance(e, flags.UnrecognizedFlagError):
+      message += f' Fix: {PROG} --helpfull lists the flags.'
+    elif isinstance(e, flags.CantOpenFlagFileError):
+      message = (message.replace('ERROR:: ', '').rstrip('.') + '. Fix: the path of a flag file (the project\'s '
+                 'are in experiments/flags/).')
+    raise ConfigError(message) from None
+  if len(rest) > 1:
+    raise ConfigError(f'unexpected arguments {rest[1:]}. Fix: give every setting as --flag=value.')
+  return fv
+
+
+def _without_flagfiles(argv: Sequence[str]) -> list[str]:
+  """`argv` without its --flagfile arguments (the flags given on the command line itself)."""
+  out, skip = [], False
+  for arg in argv:
+    if skip:
+      skip = False
+      continue
+    name = arg.lstrip('-').split('=', 1)[0]
+    if arg.startswith('-') and name == 'flagfile':
+      skip = '=' not in arg
+      continue
+    out.append(arg)
+  return out
+
+
+def _run_config_value(flag) -> Any:
+  """A parsed flag's value as a run-config value (bool, int, float or str; a list as a, b, c)."""
+  value = flag.value
+  if isinstance(value, (list, tuple)):
+    value = ','.join(str(v) for v in value)
+  if value is None or value == '':
+    raise ConfigError(f'--{flag.name}={flag.value if flag.value is not None else ""}: an empty value cannot go '
+                      f'through Flower\'s run config (its "" keeps the flag file\'s value). Fix: leave --{flag.name} '
+                      f'out, or set it in the flag file.')
+  return value
+
+
+def parse_command_line(argv: Sequence[str]) -> LocalRun:
+  """The run of a command line (`--flagfile=FILE --workdir=DIR --rounds=2 ...`, without the program name): every
+  experiment flag and this command's own, later flags overriding earlier ones and the flag file's. A ConfigError
+  for a bad flag or value, naming it."""
+  fv = _parse(argv)
+  flagfile = _flagfile(argv)
+  if not fv.workdir:
+    raise ConfigError('--workdir is required: the run\'s outputs, the nodes\' states and the Flower logs go '
+                      'there. Fix: --workdir=DIR.')
+  from fedjax_het import cli
+  from fedjax_het.config import flags_named
+  from fedjax_het.experiment import validate
+  from fedjax_het.flower.node import deployed_config
+  config = cli.config_from_flags(fv)
+  with flags_named():
+    validate(deployed_config(config))  # the settings that need no data, before anything starts
+  given = _parse(_without_flagfiles(argv))  # the flags given on the command line itself
+  own = {f.name for f in fv.get_flags_for_module(LOCAL_FLAGS_MODULE)}
+  overrides = {}
+  for name in given:
+    if not given[name].present or name in own or name == 'flagfile':
+      continue
+    if name in DEPLOYMENT_FLAGS:  # workdir and resume: `run`'s own arguments; compilation_cache: below
+      continue
+    if name in NOT_KEYS:
+      raise ConfigError(f'--{name}: {NOT_KEYS[name]}. Fix: leave --{name} out.')
+    overrides[key_of(name)] = _run_config_value(fv[name])
+  if fv['compilation_cache'].present:  # from the flag file or the command line; '' turns the cache off
+    overrides['compilation-cache'] = fv.compilation_cache or ''
+  return LocalRun(fv, config, flagfile, overrides)
+
+
+def _flagfile(argv: Sequence[str]) -> str:
+  """The absolute path of the command line's --flagfile ('' for none); a ConfigError for several."""
+  paths = []
+  for i, arg in enumerate(argv):
+    name, _, value = arg.lstrip('-').partition('=')
+    if arg.startswith('-') and name == 'flagfile':
+      paths.append(value if '=' in arg else (argv[i + 1] if i + 1 < len(argv) else ''))
+  if len(paths) > 1:
+    raise ConfigError(f'--flagfile is given {len(paths)} times; the Flower run reads one. Fix: one --flagfile (it '
+                      f'may include others with --flagfile lines), the other settings as flags after it.')
+  return os.path.abspath(paths[0]) if paths and paths[0] else ''
+
+
+def help_text(argv: Sequence[str] = (), full: bool = False) -> str:
+  """What --help prints: the usage, this command's own flags, then the experiment flags by group as the other
+  entry points list them (the hyperparameters of the method --algorithm in `argv` names); with `full`
+  (--helpfull), every method's hyperparameters too. The flags a Flower run sets itself are left out."""
+  from fedjax_het import cli
+  fv = experiment_flag_values()
+  define_local_flags(fv)
+  for name in set(NOT_KEYS) - set(DEPLOYMENT_FLAGS):
+    delattr(fv, name)
+  own = [line for flag in fv.get_flags_for_module(LOCAL_FLAGS_MODULE) for line in cli._flag_lines(flag)]
+  usage = '\n'.join([__doc__.strip(), '', 'This command (a Flower run sets --strategy, --num_devices, --chunk_size, '
+                     '--progress and --distributed itself):'] + own)
+  text = cli.help_text(fv, usage, argv)
+  if full:
+    shown = set(cli.help_text(fv, '', argv).split())
+    for module, module_flags in fv.flags_by_module_dict().items():
+      rest = [f for f in module_flags if module.startswith('fedjax_het.methods') and f'--{f.name}' not in shown
+              and f'--[no]{f.name}' not in shown]
+      if rest:
+        text += f'\n\n{module}:\n' + '\n'.join(line for f in rest for line in cli._flag_lines(f))
+  return text
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """The command: parses `argv` (default: sys.argv[1:]), starts the deployment, runs, stops it; the exit status.
+  A bad flag or setting prints one line, `error: ...`, and returns 2 before anything starts; a run that fails
+  later prints the same kind of line and returns 1."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if any(arg in HELP_ARGS + ('--helpfull',) for arg in argv):
+    print(help_text(argv, full='--helpfull' in argv))
+    return 0
+  try:
+    run = parse_command_line(argv)
+    if shutil.which('flower-superlink') is None:
+      raise ConfigError('flwr is not installed. Fix: pip install \'fedjax_het[flower]\'.')
   except ConfigError as e:
-    parser.error(str(e))
-  simulation = args.engine == 'simulation'
-  with LocalDeployment(cfg.num_clients, args.workdir, port=args.port, simulation=simulation) as deployment:
+    sys.stderr.write(f'error: {e}\n')
+    return 2
+  fv, cfg = run.flags, run.config
+  simulation = fv.engine == 'simulation'
+  cache = run.overrides.get('compilation-cache')  # the SuperNodes' too
+  with LocalDeployment(cfg.num_clients, fv.workdir, port=fv.port, simulation=simulation,
+                       compilation_cache=cache) as deployment:
     nodes = 'simulated nodes (Ray)' if simulation else 'SuperNodes'
-    print(f'SuperLink on 127.0.0.1:{deployment.port}, {cfg.num_clients} {nodes}, one per client; logs in '
-          f'{deployment.logs}', flush=True)
+    rounds = f'{cfg.rounds} round' + ('s' if cfg.rounds != 1 else '')
+    print(f'SuperLink on 127.0.0.1:{deployment.port}, {cfg.num_clients} {nodes}, one per client; {rounds}, each '
+          f'printed as it ends; logs in {deployment.logs}', flush=True)
     try:
-      return deployment.run(args.flagfile, args.resume, args.round_timeout)
+      status = deployment.run(run.flagfile, fv.resume, fv.round_timeout, fv.connect_timeout, overrides=run.overrides)
+      if deployment.failure:
+        reason = deployment.failure.replace('ServerApp failed with exception: ', '')
+        sys.stderr.write(f'error: {reason} (the run\'s log: the ServerApp\'s output above; the nodes\': '
+                         f'{deployment.logs})\n')
+      return status
     except KeyboardInterrupt:
       sys.stderr.write(f'stopped: the last checkpoint in {deployment.workdir} stands; continue with --resume.\n')
       return 130

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +46,11 @@ class FlowerRounds:
   other attribute is the federation's (`fed`, built from the same config as the nodes build theirs).
 
   cfg_json: the run's `ExperimentConfig` as JSON; round_timeout: seconds a round waits for its replies;
-  connect_timeout: seconds the first round waits for the nodes to connect (`assign_nodes`)."""
+  connect_timeout: seconds the first round waits for the nodes to connect (`assign_nodes`); log: called with a
+  line as each round's training and each evaluation ends (how long it took), or None."""
 
-  def __init__(self, fed: Federation, grid, cfg_json: str, round_timeout: float, connect_timeout: float):
+  def __init__(self, fed: Federation, grid, cfg_json: str, round_timeout: float, connect_timeout: float,
+               log: Optional[Callable[[str], None]] = None):
     if any(e.statistics is not None for e in fed.evaluations):
       heterofl = fed.algorithm.name == 'heterofl'
       instead = ' --noheterofl_static_bn (each test batch\'s statistics), or' if heterofl else ''
@@ -56,7 +58,7 @@ class FlowerRounds:
                         f'rows (HeteroFL\'s static BatchNorm), which the nodes are not asked for over Flower. Fix:'
                         f'{instead} run the simulation.')
     self.fed, self.grid, self.cfg_json = fed, grid, cfg_json
-    self.round_timeout, self.connect_timeout = round_timeout, connect_timeout
+    self.round_timeout, self.connect_timeout, self.log = round_timeout, connect_timeout, log
     self.nodes: Optional[dict[int, int]] = None  # client id -> node id, asked as the first round starts
     self._templates: dict = {}
     self._initial_groups = None
@@ -149,12 +151,17 @@ class FlowerRounds:
       results.append(GroupRound(slot_idx, None, stacked, jnp.asarray(losses, jnp.float32)))
     new_state, metrics = fed.finish_round(state, results, answered, start)
     metrics['missing_clients'] = missing
+    if self.log is not None:
+      self.log(f'round {r + 1}/{fed.total_rounds}: {len(answered)} clients trained in '
+               f'{time.perf_counter() - start:.1f} s, train_loss {float(metrics["train_loss"]):.4f}'
+               + (f', missing clients {missing}' if missing else ''))
     return new_state._replace(groups=()), metrics
 
   def evaluate(self, state: FederationState) -> dict:
     """The simulation's `evaluate` from every node's scores (EVALUATE messages); nodes that do not answer are left
     out ('missing_clients' in the metrics)."""
     fed = self.fed
+    start = time.perf_counter()
     r = max(int(state.round) - 1, 0)
     self._connect(int(state.round))
     broadcasts = [fed.sent(state.server, gi, r) for gi in range(len(fed.groups))]
@@ -176,6 +183,10 @@ class FlowerRounds:
       sets[which] = (correct, counts)
     out = fed.accuracy(sets['local'], sets['global'])
     out['evaluated_clients'] = len(replies)
+    if self.log is not None:
+      accuracy = f', accuracy {float(out["accuracy"]):.4f}' if 'accuracy' in out else ''
+      self.log(f'round {r + 1}/{fed.total_rounds}: {len(replies)} clients evaluated in '
+               f'{time.perf_counter() - start:.1f} s{accuracy}')
     return out
 
 

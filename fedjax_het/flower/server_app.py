@@ -1,17 +1,19 @@
 """The ServerApp: a fedjax_het run whose clients are Flower SuperNodes, with the outputs of a simulation run
 (metrics.jsonl, summary.json, plots, orbax checkpoints and --resume) in its workdir.
 
-Run config (flwr run ... --run-config '...'): flagfile (the run's flags, as experiments/ takes them; absolute
-path on the SuperLink's machine), workdir (its outputs there), resume (continue from its last checkpoint),
-round-timeout (seconds a round waits for its replies, default 600), connect-timeout (seconds to wait for the
-nodes, default 120), run-name (the folder of the nodes' states; give each run its own), compilation-cache
-(XLA's persistent compilation cache, default ~/.cache/fedjax_het/xla).
+Run config (flwr run ... --run-config '...'; experiments/flower/pyproject.toml lists the keys): flagfile (the
+run's flags, as experiments/ takes them; absolute path on the SuperLink's machine), workdir (its outputs there),
+resume (continue from its last checkpoint), round-timeout (seconds a round waits for its replies, default 600),
+connect-timeout (seconds to wait for the nodes, default 120), run-name (the folder of the nodes' states; give each
+run its own), compilation-cache (XLA's persistent compilation cache, default ~/.cache/fedjax_het/xla); and one key
+per experiment flag, its name with - for _ (rounds=2, num-clients=4), which overrides the flag file's value as a
+flag given after --flagfile does (`fedjax_het.flower.run_config`).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from absl import flags, logging
 from flwr.app import Context
@@ -20,19 +22,32 @@ from flwr.serverapp import Grid, ServerApp
 from fedjax_het import cli
 from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
 from fedjax_het.experiment import train_and_evaluate
-from fedjax_het.flower.node import deployed_config
 from fedjax_het.errors import ConfigError
+from fedjax_het.flower.node import deployed_config
 from fedjax_het.flower.rounds import FlowerRounds
+from fedjax_het.flower.run_config import experiment_flag_values, override_arguments
 
 app = ServerApp()
 
 
-def config_from_flagfile(path: str):
-  """The `ExperimentConfig` of a flag file, as the experiment entry points read it."""
-  fv = flags.FlagValues()
-  cli.define_flags(flag_values=fv)
-  cli.parse_flags(['flower', f'--flagfile={path}'], fv)
-  return cli.config_from_flags(fv)
+def parse_experiment_flags(flagfile: str = '', overrides: Sequence[str] = ()) -> flags.FlagValues:
+  """The experiment flags of `flagfile` ('': none) with the flag arguments `overrides` after it, parsed as the
+  experiment entry points parse `--flagfile=FILE --rounds=2 ...` (a later flag wins); a ConfigError naming a bad
+  flag or value."""
+  fv = experiment_flag_values()
+  cli.parse_flags(['flower'] + ([f'--flagfile={flagfile}'] if flagfile else []) + list(overrides), fv)
+  return fv
+
+
+def config_from_flagfile(path: str, overrides: Sequence[str] = ()):
+  """The `ExperimentConfig` of a flag file and the flag arguments `overrides` after it, as the experiment entry
+  points read them."""
+  return cli.config_from_flags(parse_experiment_flags(path, overrides))
+
+
+def experiment_flags(run_config: dict) -> flags.FlagValues:
+  """The experiment flags of a Flower run config: its flagfile, then its experiment keys that are not ""."""
+  return parse_experiment_flags(str(run_config.get('flagfile') or ''), override_arguments(run_config))
 
 
 def run_config_value(run_config: dict, name: str, default: Optional[Any] = None) -> Any:
@@ -44,20 +59,26 @@ def run_config_value(run_config: dict, name: str, default: Optional[Any] = None)
   return default
 
 
+def _log(line: str) -> None:
+  print(line, flush=True)  # streamed to `flwr run --stream` as it is written
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
   """Runs the configured rounds over the connected SuperNodes and writes the run's outputs."""
   logging.set_verbosity(logging.WARNING)
   run_config = context.run_config
-  use_compilation_cache(str(run_config_value(run_config, 'compilation-cache', DEFAULT_DIRECTORY)))
-  cfg = deployed_config(config_from_flagfile(str(run_config_value(run_config, 'flagfile'))))
+  use_compilation_cache(str(run_config.get('compilation-cache', DEFAULT_DIRECTORY)))  # '': off, as the flag
+  fv = experiment_flags(run_config)
+  cfg = deployed_config(cli.config_from_flags(fv))
   cfg_json = json.dumps(cfg.to_dict())
   resume = bool(run_config_value(run_config, 'resume', False))
   round_timeout = float(run_config_value(run_config, 'round-timeout', 600.0))
   connect_timeout = float(run_config_value(run_config, 'connect-timeout', 120.0))
 
   summary = train_and_evaluate(cfg, str(run_config_value(run_config, 'workdir')), resume=resume, progress=False,
+                               tensorboard=fv.tensorboard,
                                federation=lambda fed: FlowerRounds(fed, grid, cfg_json, round_timeout,
-                                                                   connect_timeout))
+                                                                   connect_timeout, log=_log))
   print(json.dumps({k: v for k, v in summary.items() if k != 'config'}, indent=2), flush=True)
 
