@@ -115,7 +115,7 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_integer('seed', _D.seed, 'One seed for partition, initialisation and every random draw.')
   f = f.group('execution')
   f.DEFINE_enum('strategy', None, list(STRATEGIES), 'How a group executes (default: sequential on CPU, vmap else).')
-  f.DEFINE_integer('chunk_size', _D.chunk_size, 'vmap strategy: clients per vmapped chunk (0: whole group).')
+  f.DEFINE_integer('chunk_size', _D.chunk_size, 'vmap strategy: the widest chunk of clients in one vmapped call (0: 256); a round\'s participants run in chunks of similar work, widths from 256, 64, 16, 4, 1.')
   f.DEFINE_enum('conv', None, list(CONV_IMPLS), 'Convolution formulation: xla (native), im2col (strided slices '
                 '+ matmul; batches well under vmap), auto (im2col for <= 8 input channels, else xla), onednn '
                 '(oneDNN\'s kernels, CPU; pip install -e \'.[onednn]\'). Default: per backend and strategy '

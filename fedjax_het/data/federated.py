@@ -39,6 +39,25 @@ def stack_clients(x: np.ndarray, y: np.ndarray, index_lists: Sequence[np.ndarray
   return ClientArrays(xs, ys, sizes)
 
 
+class FlatRows(NamedTuple):
+  """Clients' rows without padding: client i's are x[offset[i]:offset[i] + n[i]] (host arrays)."""
+  x: np.ndarray       # [N, H, W, C]
+  y: np.ndarray       # [N] int32
+  offset: np.ndarray  # [clients] int64
+  n: np.ndarray       # [clients] int32
+
+
+def flat_clients(x: np.ndarray, y: np.ndarray, index_lists: Sequence[np.ndarray]) -> FlatRows:
+  """Gathers each client's rows from the pool, one after another (at least one row in all, so that every array
+  has a row to read)."""
+  sizes = np.array([len(i) for i in index_lists], dtype=np.int32)
+  offset = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if len(sizes) else np.zeros(0, np.int64)
+  idx = np.concatenate([np.asarray(i, np.int64) for i in index_lists]) if len(index_lists) else np.zeros(0, np.int64)
+  if not len(idx):
+    return FlatRows(np.zeros((1,) + x.shape[1:], x.dtype), np.zeros(1, np.int32), offset, sizes)
+  return FlatRows(x[idx], y[idx].astype(np.int32), offset, sizes)
+
+
 class PublicData(NamedTuple):
   """The server's public dataset (FedMD, FedDF): images x [P, H, W, C], labels y [P] (FedMD's transfer learning
   reads them; FedDF's distillation does not) and where it comes from ('held out of mnist', 'svhn_cropped')."""
@@ -71,6 +90,17 @@ class FederatedData:
   def group_test(self, clients: Sequence[int]) -> ClientArrays:
     """Stacked local test data of the given clients (pooled protocol)."""
     return stack_clients(self.dataset.x, self.dataset.y, [self.split.test_indices[k] for k in clients])
+
+  def group_rows(self, clients: Sequence[int], which: str = 'train') -> FlatRows:
+    """The given clients' local training (or, which='test', test) rows, unpadded (`FlatRows`)."""
+    lists = self.split.train_indices if which == 'train' else self.split.test_indices
+    return flat_clients(self.dataset.x, self.dataset.y, [lists[k] for k in clients])
+
+  def global_test_rows(self) -> Optional[FlatRows]:
+    """The global test set as the rows of one pseudo-client (global protocol), else None."""
+    if self.protocol != 'global' or self.dataset.x_test is None:
+      return None
+    return flat_clients(self.dataset.x_test, self.dataset.y_test, [np.arange(len(self.dataset.y_test))])
 
   def loader_label_counts(self, batch_size: int, drop_last_rows: bool = True) -> np.ndarray:
     """[C] label counts summed over every client's training rows that its train loader yields: the first

@@ -1,17 +1,22 @@
 """One client's round and one client's score as pure functions on device: what the vmap executor maps over a
-group. Both run the plan of `engine.plan`, which the sequential executor runs from the host instead."""
+chunk of clients (`run_client_rows`, `score_client_rows`, on rows in a flat store) or over padded arrays
+(`run_client`, `score_client`). All run the plan of `engine.plan`, which the sequential executor runs from the host
+instead."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedjax_het.core import ClientProgram, ClientState, Evaluation, with_model, without_model
 from fedjax_het.data.federated import ClientArrays
-from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, masked, plan_stages,
-                                    represent_into, stage_key, statistics_into, take_step, zero_statistics)
+from fedjax_het.engine.plan import (client_keys, client_rows, correct_counts, count_into, even_chunk, masked,
+                                    pass_window, plan_stages, represent_into, slot_of_step, stage_key,
+                                    statistics_into, step_on_rows, take_step, zero_statistics)
+from fedjax_het.engine.stores import DeviceRows, client_view, gather_rows
+from fedjax_het.models.forward import forward
 from fedjax_het.models.classifier import HeteroClassifier
 
 
@@ -82,3 +87,102 @@ def client_statistics(evaluation: Evaluation, client: ClientState, broadcast: An
   return jax.lax.fori_loop(0, -(-n_max // chunk), lambda c, sums: statistics_into(
       evaluation, sums, evaluated, train.x, c * chunk, chunk, train.n), zero_statistics(evaluation, evaluated,
                                                                                         train.x, chunk))
+
+
+class RowsOf(NamedTuple):
+  """Where one client's rows are in a flat store (`stores.DeviceRows`): from `offset`, `n` of them; `num_rows`
+  (static) is the group's largest client, the length of the padded view its `prepare` and `final` read."""
+  store: DeviceRows
+  offset: jnp.ndarray
+  n: jnp.ndarray
+  num_rows: int
+
+  def pick(self, index) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(x, y) of the client's rows `index` (zeros past n)."""
+    return gather_rows(self.store, self.offset, self.n, index)
+
+  def view(self) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The client's rows as padded arrays x [num_rows, ...], y [num_rows]."""
+    return client_view(self.store, self.offset, self.n, self.num_rows)
+
+
+def represent_flat(model: HeteroClassifier, params: Any, model_state: Any, rows: RowsOf, count, passes,
+                   chunk: int) -> jnp.ndarray:
+  """Eval-mode representations [num_rows, d] of the client's first `count` rows (zeros after), in `passes`
+  (traced) passes of `chunk` rows: a chunk of clients runs as many passes as its largest one needs."""
+  size = -(-rows.num_rows // chunk) * chunk
+
+  def one(p, buf):
+    index = p * chunk + jnp.arange(chunk)
+    reps = forward(model, params, model_state, rows.pick(index)[0], False)[1].astype(buf.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where((index < count)[:, None], reps, 0.0), p * chunk, 0)
+  buf = jax.lax.fori_loop(0, passes, one, jnp.zeros((size, model.feature_dim)))
+  return buf[:rows.num_rows]
+
+
+def run_client_rows(program: ClientProgram, model: HeteroClassifier, client: ClientState, rows: RowsOf,
+                    broadcast: Any, rng: jax.Array, trips: jnp.ndarray, rep_passes, rep_chunk: int, unroll: int = 1
+                    ) -> tuple[ClientState, Any, jnp.ndarray]:
+  """ONE client's round on its rows in a flat store, what the vmap executor maps over a chunk of clients: prepare
+  -> init -> each stage's valid steps -> representations if the program reads them -> final, as `run_client`.
+
+  The loops run a chunk's largest counts (traced, the same for every client of the chunk): trips [stages] steps
+  per stage and `rep_passes` representation passes; step j of a stage is the client's j-th valid slot
+  (`plan.slot_of_step`), masked past its own count. `unroll` steps run per loop iteration."""
+  keys = client_keys(rng)
+  x_view, y_view = rows.view()  # read by prepare / final where they read rows (else compiled away)
+  start = without_model(program, client)
+  if program.prepare is not None:
+    start = program.prepare(start, client_rows(program, x_view, y_view, rows.n), broadcast, keys['prepare'])
+  carry = program.init(start, broadcast, keys['init'])
+  total, count = 0.0, 0
+  for plan in plan_stages(program, rows.num_rows):
+    if not plan.length:  # a stage of 0 epochs (GeFL's synthetic-only rounds have no real epochs)
+      continue
+    key = stage_key(keys['train'], plan.index)
+    schedule, steps = plan.schedule(key, rows.n), plan.valid(rows.n).sum()
+
+    def body(i, state, plan=plan, schedule=schedule, key=key, steps=steps):
+      for u in range(unroll):
+        j = i * unroll + u
+        step = lambda c: step_on_rows(plan, c, slot_of_step(plan, rows.n, j), schedule, rows.pick, rows.n,
+                                      broadcast, key)
+        carry, loss = masked(step, state[0], j < steps)
+        state = (carry, state[1] + loss)
+      return state
+    carry, stage_total = jax.lax.fori_loop(0, -(-trips[plan.index] // unroll), body, (carry, 0.0))
+    total, count = total + stage_total, count + steps
+  reps = None
+  if program.trained is not None:
+    trained = program.trained(carry)
+    reps = represent_flat(model, trained.params, trained.model_state, rows,
+                          program.training.statistics_rows(rows.n), rep_passes, rep_chunk)
+  out, upload = program.final(carry, client_rows(program, x_view, y_view, rows.n, reps), broadcast, keys['final'])
+  return with_model(program, out, client), upload, total / jnp.maximum(count, 1)
+
+
+def score_client_rows(evaluation: Evaluation, client: ClientState, broadcast: Any, rows: RowsOf, passes,
+                      chunk: int) -> jnp.ndarray:
+  """Correct predictions [len(names)] of one client on its test rows in a flat store, in `passes` (traced)
+  passes of `chunk` rows (`score_client`)."""
+  evaluated = evaluation.prepare(client, broadcast)
+
+  def one(p, counts):
+    row, valid = pass_window(p * chunk, chunk, rows.num_rows, rows.n)
+    x, y = rows.pick(row)
+    return counts + correct_counts(evaluation, evaluated, x, y, valid).astype(counts.dtype)
+  return jax.lax.fori_loop(0, passes, one, jnp.zeros(len(evaluation.names), jnp.int32))
+
+
+def client_statistics_rows(evaluation: Evaluation, client: ClientState, broadcast: Any, rows: RowsOf, passes,
+                           chunk: int) -> Any:
+  """The evaluation's statistics summed over one client's training rows in a flat store, in batches of `chunk`
+  rows from its first, `passes` (traced) of them (`client_statistics`)."""
+  evaluated = evaluation.prepare(client, broadcast)
+
+  def one(p, sums):
+    row, valid = pass_window(p * chunk, chunk, rows.num_rows, rows.n)
+    return jax.tree.map(jnp.add, sums, evaluation.statistics(evaluated, rows.pick(row)[0], valid))
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+      evaluation.statistics, evaluated, rows.pick(jnp.arange(chunk))[0], jnp.ones(chunk, bool)))
+  return jax.lax.fori_loop(0, passes, one, zeros)

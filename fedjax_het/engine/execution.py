@@ -12,7 +12,7 @@ from typing import Optional
 import jax
 
 from fedjax_het.engine.executors import STRATEGIES, Executor, SequentialExecutor, VmapExecutor
-from fedjax_het.engine.sharding import CLIENTS_AXIS
+from fedjax_het.engine.sharding import CLIENTS_AXIS, place_replicated
 from fedjax_het.errors import ConfigError
 from fedjax_het.models import onednn
 from fedjax_het.models.conv import CONV_IMPLS
@@ -22,12 +22,14 @@ from fedjax_het.models.conv import CONV_IMPLS
 class ExecutionConfig:
   """strategy: 'vmap' (`VmapExecutor`) or 'sequential' (`SequentialExecutor`); None: sequential on CPU (measured
     faster there, docs/performance.md), vmap on GPU/TPU.
-  conv: 'xla', 'im2col', 'auto' (models/conv.py) or 'onednn' (models/onednn.py, CPU only); None: on CPU onednn
-    where oneDNN is installed, else im2col under vmap (grouped convolutions are slow there) and auto for
-    sequential; xla on GPU/TPU.
+  conv: 'xla', 'im2col', 'auto', 'gemm' (models/conv.py) or 'onednn' (models/onednn.py, CPU only); None: on CPU
+    onednn where oneDNN is installed, else im2col under vmap (grouped convolutions are slow there) and auto for
+    sequential; im2col on GPU under vmap (measured, benchmarks/vmap_conv.py), xla otherwise.
   client_mesh: a one-axis ('clients') mesh of D > 1 devices over which the vmap executor lays each group's clients
     (`engine.client_mesh`); None: one device.
-  chunk_size: vmap this many clients per call (0: a whole group); a multiple of the mesh's devices.
+  chunk_size: the widest chunk of clients in one vmapped call (0: `VmapExecutor.DEFAULT_MAX_WIDTH`); the
+    executor cuts a round's participants into chunks of similar work (`engine.chunks`), widths from a ladder up to
+    this; a multiple of the mesh's devices.
   scan_unroll: local steps per loop iteration of the vmap executor's lax.scan.
   client_threads: clients the sequential executor runs at once, one host thread each; None: 2, at most the cores.
   eval_batch_size: rows per eval-mode pass (representations, evaluation); None: on CPU 64 with oneDNN's
@@ -58,7 +60,7 @@ class ExecutionConfig:
       raise ConfigError(f'ExecutionConfig.client_mesh must have the single axis {CLIENTS_AXIS!r}; got '
                         f'{mesh.axis_names}. Fix: build it with fedjax_het.engine.client_mesh().')
     if self.chunk_size < 0:
-      raise ConfigError(f'ExecutionConfig.chunk_size={self.chunk_size} must be >= 0 (0: a whole group per vmapped '
+      raise ConfigError(f'ExecutionConfig.chunk_size={self.chunk_size} must be >= 0 (0: the default widest '
                         f'call).')
     if self.scan_unroll < 1:
       raise ConfigError(f'ExecutionConfig.scan_unroll={self.scan_unroll} must be >= 1 (local steps per loop '
@@ -95,8 +97,12 @@ class ExecutionConfig:
     # oneDNN's custom call under vmap is a loop over the clients, which XLA cannot split over a client mesh.
     fallback = 'im2col' if strategy == 'vmap' else 'auto'
     wants_onednn = strategy == 'sequential' or self.num_devices == 1
+    backend = backend or jax.default_backend()
+    # GPUs run XLA's vmapped (grouped) convolutions slowly: a whole cnn4 step of 256 clients in 187 ms against
+    # 17 ms as im2col on an H100 (benchmarks/results/vmap_conv); TPUs are not measured and keep XLA's.
+    accelerator = 'im2col' if backend == 'gpu' and strategy == 'vmap' else 'xla'
     conv = self.conv or (('onednn' if wants_onednn and onednn.unavailable_reason() is None else fallback) if cpu
-                         else 'xla')
+                         else accelerator)
     if conv == 'onednn':
       if not cpu:
         raise ConfigError(f'ExecutionConfig.conv=\'onednn\' runs on the CPU only (backend: '
@@ -129,7 +135,7 @@ class ExecutionConfig:
     if self.strategy == 'sequential':
       how += f', client_threads={self.client_threads}'
     else:
-      how += f', chunk_size={self.chunk_size or "whole group"}, devices={self.num_devices}'
+      how += f', chunk_size={self.chunk_size or f"at most {VmapExecutor.DEFAULT_MAX_WIDTH}"}, devices={self.num_devices}'
     return f'{where}: {how}'
 
   def apply_process_settings(self) -> None:
@@ -143,5 +149,6 @@ class ExecutionConfig:
     """The executor of a resolved configuration (the process settings applied)."""
     self.apply_process_settings()
     if self.strategy == 'vmap':
-      return VmapExecutor(self.eval_batch_size, self.chunk_size, self.scan_unroll)
+      return VmapExecutor(self.eval_batch_size, self.chunk_size, self.scan_unroll, self.num_devices,
+                          lambda tree: place_replicated(jax.device_put(tree), self.client_mesh))
     return SequentialExecutor(self.eval_batch_size, self.client_threads)

@@ -1,9 +1,10 @@
 """Executors: how a group's participants run their `ClientProgram` and how its clients are scored. Both run
 exactly the program's and the evaluation's functions, so they give the same numbers.
 
-  VmapExecutor:       `jax.vmap(run_client)` over the group's participant slots in one jitted call, the local
-                      steps in a lax.scan (optionally in chunks of `chunk_size` clients). The fast path on
-                      accelerators; with a client mesh, each device updates its share of the slots (SPMD).
+  VmapExecutor:       `jax.vmap(run_client_rows)` over chunks of a group's participants of similar work
+                      (`engine.chunks`), one jitted call each, the local steps in a loop as long as the chunk's
+                      busiest client needs. The fast path on accelerators; with a client mesh, each device updates
+                      its share of a chunk's slots (SPMD).
   SequentialExecutor: the host walks the participants; each runs init, its real local steps and final, each
                       jitted once per group and phase and reused. `threads` clients run at once, one host thread
                       each. The fast path on XLA:CPU, which runs convolutions inside while-loops and vmapped
@@ -21,11 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_het.core import PER_CLIENT, ClientProgram, Evaluation, for_client, with_model, without_model
-from fedjax_het.engine.client import client_statistics, run_client, score_client
+from fedjax_het.engine.chunks import Chunk, plan_chunks, width_ladder
+from fedjax_het.engine.client import (RowsOf, client_statistics_rows, run_client_rows, score_client_rows)
 from fedjax_het.engine.groups import EvalSet, Group, representation_model
 from fedjax_het.engine.sharding import to_host
 from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, plan_stages, represent_into,
-                                    stage_key, statistics_into, take_step, zero_statistics)
+                                    stage_key, statistics_into, step_counts, take_step, zero_statistics)
 
 STRATEGIES = ('vmap', 'sequential')
 
@@ -81,77 +83,206 @@ class Executor:
 
 
 class VmapExecutor(Executor):
-  """`run_client` vmapped over a group's slots in one jitted call (or in chunks of `chunk_size` clients)."""
+  """A group's participants in chunks (`engine.chunks`): each chunk is one jitted call of `run_client_rows`
+  vmapped over its clients, which read their rows from the group's flat store on the device (no padded copy) and
+  loop for as many steps and passes as the chunk's largest client needs. Chunk widths come from a fixed ladder up
+  to `chunk_size` (0: `DEFAULT_MAX_WIDTH`), so the compiled programs are a few per group and phase whatever the
+  number of clients."""
 
-  def __init__(self, eval_batch_size: int, chunk_size: int = 0, scan_unroll: int = 1):
+  DEFAULT_MAX_WIDTH = 256
+  # A representation or scoring pass of a chunk holds at most this many clients' full passes of rows: wide chunks
+  # take fewer rows per client per pass, so that a pass's activations stay as large as a narrow chunk's.
+  PASSES_IN_FLIGHT = 32
+
+  def __init__(self, eval_batch_size: int, chunk_size: int = 0, scan_unroll: int = 1, num_devices: int = 1,
+               placement: Callable[[Any], Any] = jax.device_put):
     super().__init__(eval_batch_size)
-    self.chunk_size, self.scan_unroll = chunk_size, scan_unroll
+    self.chunk_size, self.scan_unroll, self.num_devices = chunk_size, scan_unroll, num_devices
+    self.placement = placement  # how a store's rows reach the device (replicated over a client mesh)
+    self.last_plan: dict = {}  # (name, group) -> the chunk plan of the latest call (benchmarks read it)
+
+  def max_width(self) -> int:
+    """The widest chunk: `chunk_size`, else DEFAULT_MAX_WIDTH (a multiple of the mesh's devices)."""
+    width = self.chunk_size or self.DEFAULT_MAX_WIDTH
+    return max(width // self.num_devices, 1) * self.num_devices
+
+  def plan(self, name: str, g: Group, work: np.ndarray) -> list[Chunk]:
+    """The chunks of participants with `work` (`chunks.plan_chunks`), recorded as the latest plan of `name`."""
+    chunks = plan_chunks(work, self.max_width(), multiple=self.num_devices)
+    self.last_plan[(name, g.spec.index)] = (np.asarray(work), chunks)
+    return chunks
+
+  def pass_rows(self, width: int) -> int:
+    """Rows per client in one representation or scoring pass of a chunk of `width` clients."""
+    return max(1, min(self.eval_batch_size, self.eval_batch_size * self.PASSES_IN_FLIGHT // width))
+
+  def widths(self, slots: int) -> tuple[int, ...]:
+    """The ladder widths a call over `slots` slots can use (`chunks.width_ladder`; none wider than the slots,
+    but the narrowest)."""
+    ladder = width_ladder(self.max_width(), self.num_devices)
+    return tuple(w for w in ladder if w <= slots or w == ladder[-1])
+
+  def _functions(self, name: str, g: Group, phase: int, slots: int, make: Callable, warm: Callable) -> dict:
+    """width -> the jitted function `name` of group g in `phase` over that many clients (`make(width)`), for every
+    ladder width a call over `slots` slots can use: each is made and called once with empty slots (`warm(fn,
+    width)`, which computes nothing that counts), so every program a phase runs compiles in its first round, never
+    later."""
+    def build():
+      fns = {}
+      for width in self.widths(slots):
+        fns[width] = jax.jit(make(width), donate_argnums=0)
+        warm(fns[width], width)
+      return fns
+    return self.compiled(name, g.spec.index, phase, slots, make=build)
 
   def run(self, g, program, phase, stacked, slot_idx, broadcast, key):
-    full = not self.chunk_size and len(slot_idx) == g.stacked_size and np.array_equal(
-        slot_idx[:g.size], np.arange(g.size))
-    if full:  # Full participation: the slots are the (padded) group itself, so no gather/scatter copies.
-      update = self.compiled('vmap_update_full', g.spec.index, phase, make=lambda: jax.jit(
-          self._make_update(g, program, full=True), donate_argnums=0))
-      return update(stacked, g.train, jnp.asarray(slot_idx), g.stacked_ids, broadcast, key)
-    chunk = self.chunk_size or len(slot_idx)
-    pad = (-len(slot_idx)) % chunk
-    slot_idx = np.concatenate([slot_idx, np.full(pad, g.stacked_size, np.int32)])
-    update = self.compiled('vmap_update', g.spec.index, phase, make=lambda: jax.jit(
-        self._make_update(g, program, full=False), donate_argnums=0))
-    uploads, losses = [], []
-    for c in range(0, len(slot_idx), chunk):
-      stacked, up, loss = update(stacked, g.train, jnp.asarray(slot_idx[c:c + chunk]), g.stacked_ids, broadcast,
-                                 key)
-      uploads.append(up)
-      losses.append(loss)
-    keep = len(slot_idx) - pad
-    cat = lambda *a: jnp.concatenate(a)[:keep]
-    return stacked, jax.tree.map(cat, *uploads), jnp.concatenate(losses)[:keep]
+    slots = len(slot_idx)
+    local = np.asarray(slot_idx)[np.asarray(slot_idx) < g.size]
+    n = g.train_sizes[local]
+    steps = step_counts(program, g.rows.n_max, n)  # [participants, stages]
+    statistics_rows = np.asarray(program.training.statistics_rows(n)) if program.trained is not None else n * 0
+    store = g.rows.device(self.placement)
 
-  def _make_update(self, g: Group, program: ClientProgram, full: bool):
-    one = lambda c, d, k, b: run_client(program, g.model, c, d, b, k, self.eval_batch_size, self.scan_unroll)
+    def empty(width):  # a call over `width` empty slots: nothing trains, nothing is written
+      idx = np.full(width, g.stacked_size, np.int32)
+      return (self._offsets(g.rows, idx), self._counts(g.rows, idx), jnp.asarray(idx), jnp.full(width, slots),
+              g.stacked_ids, broadcast, key, jnp.zeros(steps.shape[1], jnp.int32), jnp.int32(0))
 
-    def update(stacked, train, slot_idx, client_ids, broadcast, key):
-      if full:  # the slots are the stacked group in order
-        clients, data, ids = stacked, train, client_ids
-      else:
-        clients, data = take(stacked, slot_idx), take(train, slot_idx)
-        ids = jnp.take(client_ids, slot_idx, mode='clip')
+    shapes = self.compiled('vmap_buffers', g.spec.index, phase, slots, make=lambda: jax.eval_shape(
+        self._make_update(g, program, 1), stacked, store, *empty(1)[:3], *empty(1)[4:])[1:])  # a slot's results
+    zeros = lambda: jax.tree.map(lambda s: jnp.zeros((slots,) + s.shape[1:], s.dtype), shapes)
+
+    def warm(fn, width):
+      nonlocal stacked
+      stacked, _ = fn(stacked, zeros(), store, *empty(width))
+
+    fns = self._functions('vmap_update', g, phase, slots,
+                          lambda width: self._with_buffers(self._make_update(g, program, width)), warm)
+    out = zeros()
+    for chunk in self.plan('train', g, steps.sum(1)):
+      idx = self._slots(local[chunk.positions], chunk.width, g.stacked_size)
+      dest = self._slots(chunk.positions, chunk.width, slots)
+      trips = jnp.asarray(steps[chunk.positions].max(0, initial=0), jnp.int32)
+      passes = -(-int(statistics_rows[chunk.positions].max(initial=0)) // self.pass_rows(chunk.width))
+      stacked, out = fns[chunk.width](stacked, out, store, self._offsets(g.rows, idx), self._counts(g.rows, idx),
+                                      jnp.asarray(idx), jnp.asarray(dest), g.stacked_ids, broadcast, key, trips,
+                                      jnp.int32(passes))
+    uploads, losses = out
+    return stacked, uploads, losses
+
+  @staticmethod
+  def _with_buffers(core: Callable) -> Callable:
+    """`core` (a chunk's update) writing its uploads and losses into slot-ordered buffers at `dest` (positions past
+    them: dropped), so that a round assembles its results without further programs."""
+    def update(stacked, buffers, store, offsets, counts, slot_idx, dest, client_ids, broadcast, key, trips, passes):
+      stacked, uploads, losses = core(stacked, store, offsets, counts, slot_idx, client_ids, broadcast, key, trips,
+                                      passes)
+      return stacked, jax.tree.map(lambda b, u: b.at[dest].set(u, mode='drop'), buffers, (uploads, losses))
+    return update
+
+  @staticmethod
+  def _slots(local: np.ndarray, width: int, empty: int) -> np.ndarray:
+    """A chunk's client indices, padded to its width with `empty` (past the stack: an empty slot)."""
+    return np.concatenate([local, np.full(width - len(local), empty)]).astype(np.int32)
+
+  @staticmethod
+  def _offsets(store, idx: np.ndarray) -> jnp.ndarray:
+    return jnp.asarray(store.offset[np.minimum(idx, len(store.n) - 1)], jnp.int32)
+
+  @staticmethod
+  def _counts(store, idx: np.ndarray) -> jnp.ndarray:
+    return jnp.asarray(np.where(idx < len(store.n), store.n[np.minimum(idx, len(store.n) - 1)], 0), jnp.int32)
+
+  def _make_update(self, g: Group, program: ClientProgram, width: int):
+    num_rows, unroll, chunk = g.rows.n_max, self.scan_unroll, self.pass_rows(width)
+
+    def update(stacked, store, offsets, counts, slot_idx, client_ids, broadcast, key, trips, passes):
+      clients = take(stacked, slot_idx)
+      ids = jnp.take(client_ids, slot_idx, mode='clip')
       rngs = jax.vmap(lambda c: jax.random.fold_in(key, c))(ids)
-      new, uploads, losses = vmap_broadcast(one, broadcast, slot_idx)(clients, data, rngs)
+      one = lambda c, off, cnt, k, b: run_client_rows(program, g.model, c, RowsOf(store, off, cnt, num_rows), b, k,
+                                                      trips, passes, chunk, unroll)
+      new, uploads, losses = vmap_broadcast(one, broadcast, slot_idx)(clients, offsets, counts, rngs)
       real = slot_idx < g.size
       uploads = jax.tree.map(lambda u: jnp.where(real.reshape((-1,) + (1,) * (u.ndim - 1)), u, jnp.zeros((), u.dtype)),
                              uploads)  # empty slots zero, in the upload's own dtype (a bool stays bool)
-      if full:
-        return new, uploads, losses
       stacked = jax.tree.map(lambda a, b: a.at[slot_idx].set(b, mode='drop'), stacked, new)
-      return stacked, uploads, losses
+      return stacked, uploads, jnp.where(real, losses, 0.0)
     return update
 
   def correct(self, g, evaluation, phase, stacked, broadcast, test, which):
-    fn = self.compiled(f'vmap_eval_{which}', g.spec.index, phase, make=lambda: jax.jit(
-        self._make_eval(evaluation, test.shared)))
-    return to_host(fn(stacked, test.arrays, broadcast))[:g.size]
+    blocks = np.array([test.index(i) for i in range(g.size)])
+    counts = test.sizes[blocks]
+    store = test.rows.device(self.placement)
+
+    def args(positions, width):
+      idx = self._slots(positions, width, g.stacked_size)
+      rows_of = blocks[np.minimum(idx, g.size - 1)]
+      return (store, jnp.asarray(test.rows.offset[rows_of], jnp.int32),
+              jnp.asarray(np.where(idx < g.size, test.sizes[rows_of], 0), jnp.int32), jnp.asarray(idx),
+              jnp.asarray(self._slots(positions, width, g.size)), broadcast)
+
+    scores = jnp.zeros((g.size, len(evaluation.names)), jnp.int32)
+
+    def warm(fn, width):
+      fn(jnp.zeros_like(scores), *args(np.zeros(0, np.int32), width), stacked, jnp.int32(0))
+    fns = self._functions(f'vmap_eval_{which}', g, phase, g.size, lambda width: self._scores_into(
+        self._make_eval(evaluation, test.rows.n_max, width)), warm)
+    for chunk in self.plan(f'eval_{which}', g, -(-counts // self.eval_batch_size)):
+      passes = -(-int(counts[chunk.positions].max(initial=0)) // self.pass_rows(chunk.width))
+      scores = fns[chunk.width](scores, *args(chunk.positions, chunk.width), stacked, jnp.int32(passes))
+    return to_host(scores)
+
+  @staticmethod
+  def _scores_into(core: Callable) -> Callable:
+    def into(scores, store, offsets, counts, slot_idx, dest, broadcast, stacked, passes):
+      return scores.at[dest].set(core(stacked, store, offsets, counts, slot_idx, broadcast, passes), mode='drop')
+    return into
+
+  def _make_eval(self, evaluation: Evaluation, num_rows: int, width: int):
+    chunk = self.pass_rows(width)
+
+    def evaluate(stacked, store, offsets, counts, slot_idx, broadcast, passes):
+      one = lambda c, off, cnt, b: score_client_rows(evaluation, c, b, RowsOf(store, off, cnt, num_rows), passes,
+                                                     chunk)
+      return vmap_broadcast(one, broadcast, slot_idx)(take(stacked, slot_idx), offsets, counts)
+    return evaluate
 
   def statistics(self, g, evaluation, phase, stacked, broadcast):
-    def gather(stacked, train, broadcast):
-      size = jax.tree.leaves(stacked)[0].shape[0]
-      per = vmap_broadcast(lambda c, t, b: client_statistics(evaluation, c, b, t, g.spec.training.batch_size),
-                           broadcast, jnp.arange(size))(stacked, train)
-      return jax.tree.map(lambda a: a[:g.size].sum(0), per)  # the clients past the group's size are padding
-    return self.compiled('vmap_statistics', g.spec.index, phase, make=lambda: jax.jit(gather))(
-        stacked, g.train, broadcast)
+    batch = min(g.spec.training.batch_size, g.rows.n_max)
+    store = g.rows.device(self.placement)
+    core = self._make_statistics(g, evaluation, batch)
 
-  def _make_eval(self, evaluation: Evaluation, shared: bool):
-    def evaluate(stacked, test, broadcast):
-      fn = lambda c, t, b: score_client(evaluation, c, b, t, self.eval_batch_size)
-      size = jax.tree.leaves(stacked)[0].shape[0]
-      if shared:
-        one_test = jax.tree.map(lambda a: a[0], test)
-        return vmap_broadcast(lambda c, b: fn(c, one_test, b), broadcast, jnp.arange(size))(stacked)
-      return vmap_broadcast(fn, broadcast, jnp.arange(size))(stacked, test)
-    return evaluate
+    def args(positions, width):
+      idx = self._slots(positions, width, g.stacked_size)
+      return (store, self._offsets(g.rows, idx), self._counts(g.rows, idx), jnp.asarray(idx), broadcast)
+
+    shapes = jax.eval_shape(core, stacked, *args(np.zeros(0, np.int32), 1), jnp.int32(0))
+    total = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def warm(fn, width):
+      fn(jax.tree.map(jnp.zeros_like, total), *args(np.zeros(0, np.int32), width), stacked, jnp.int32(0))
+    fns = self._functions('vmap_statistics', g, phase, g.size, lambda width: self._sum_into(core), warm)
+    for chunk in self.plan('statistics', g, -(-g.train_sizes // batch)):
+      total = fns[chunk.width](total, *args(chunk.positions, chunk.width), stacked, jnp.int32(chunk.work))
+    return total
+
+  @staticmethod
+  def _sum_into(core: Callable) -> Callable:
+    def into(total, store, offsets, counts, slot_idx, broadcast, stacked, passes):
+      return jax.tree.map(jnp.add, total, core(stacked, store, offsets, counts, slot_idx, broadcast, passes))
+    return into
+
+  def _make_statistics(self, g: Group, evaluation: Evaluation, batch: int):
+    num_rows = g.rows.n_max
+
+    def gather(stacked, store, offsets, counts, slot_idx, broadcast, passes):
+      one = lambda c, off, cnt, b: client_statistics_rows(evaluation, c, b, RowsOf(store, off, cnt, num_rows),
+                                                          passes, batch)
+      per = vmap_broadcast(one, broadcast, slot_idx)(take(stacked, slot_idx), offsets, counts)
+      real = slot_idx < g.size
+      return jax.tree.map(lambda a: jnp.sum(jnp.where(real.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0), 0), per)
+    return gather
 
 
 class SequentialExecutor(Executor):

@@ -29,6 +29,7 @@ from fedjax_het.engine.groups import (EvalSet, Group, ModelConfig, build_groups,
 from fedjax_het.engine.plan import plan_stages
 from fedjax_het.engine.schedule import Schedule
 from fedjax_het.engine.sharding import place_replicated, to_host
+from fedjax_het.engine.stores import RowStore
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
 
@@ -84,8 +85,8 @@ class Federation:
     self.num_devices = execution.num_devices
     self.executor: Executor = execution.executor()
     self.num_clients = data.num_clients
-    global_test = data.global_test()
-    self.global_test = None if global_test is None else EvalSet(jax.device_put(global_test), shared=True)
+    global_test = data.global_test_rows()
+    self.global_test = None if global_test is None else EvalSet(RowStore(global_test), shared=True)
     self.groups: list[Group] = build_groups(data, models, training, self.conv, self.num_devices, self.mesh, seed)
     self.architectures = [None] * self.num_clients  # client k's architecture, as the groups assigned it
     self.group_of = np.zeros(self.num_clients, int)  # client k's group index

@@ -1,9 +1,9 @@
-"""Architecture groups: the clients that share an architecture, their padded data on device, and their initial
-stacked states."""
+"""Architecture groups: the clients that share an architecture, their data, and their initial stacked states."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -13,6 +13,7 @@ import numpy as np
 from fedjax_het.core import Algorithm, ClientState, GroupSpec
 from fedjax_het.data.federated import ClientArrays, FederatedData
 from fedjax_het.engine.sharding import place_clients, to_host
+from fedjax_het.engine.stores import RowStore
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
 from fedjax_het.models.conv import EVAL_PASS_CONV
@@ -80,38 +81,47 @@ def representation_model(spec: GroupSpec):
   return dataclasses.replace(spec.maker, conv=eval_conv).build(spec.arch, spec.feature_dim)
 
 
-@dataclasses.dataclass
 class EvalSet:
-  """Test rows: per client ([G, n_max, ...], client i scored on row block i) or one set shared by every client."""
-  arrays: ClientArrays
-  shared: bool
+  """Test rows: per client (client i scored on its own rows) or one set shared by every client, flat and compact
+  (`rows`, a `stores.RowStore`); `arrays` is their padded copy on device ([G, n_max, ...], client i's rows in
+  block i), made on first use, for the executors that read padded arrays."""
 
-  def __post_init__(self):
-    self.sizes = to_host(self.arrays.n)  # host copy: loops are planned without device reads
+  def __init__(self, rows: RowStore, shared: bool, mesh=None, stacked_size: int = 0):
+    self.rows, self.shared, self.mesh = rows, shared, mesh
+    self.stacked_size = stacked_size or len(rows.n)
+    self.sizes = rows.n  # host copy: loops are planned without device reads
+
+  @functools.cached_property
+  def arrays(self) -> ClientArrays:
+    if self.shared:
+      return jax.device_put(self.rows.padded())
+    return place_clients(self.rows.padded(self.stacked_size), self.mesh)
 
   def index(self, i: int) -> int:
     """Which row block client i is scored on."""
     return 0 if self.shared else i
 
 
-@dataclasses.dataclass
 class Group:
-  """Clients sharing one architecture, with their padded data on device.
+  """Clients sharing one architecture, with their data.
 
-  The stacked arrays have `stacked_size` >= size rows on the client axis: rows past `size` are phantom copies of
-  the last client that only pad the axis to a multiple of the device count.
+  `rows`: the clients' training rows, flat and compact (`stores.RowStore`), which the vmap executor reads;
+  `train`: the same rows padded to the largest client on device ([stacked_size, n_max, ...]), made on first use,
+  which the sequential executor reads. The stacked client states have `stacked_size` >= size entries: those past
+  `size` are phantom copies of the last client that only pad the client axis to a multiple of the device count.
   """
-  spec: GroupSpec
-  train: ClientArrays          # stacked [stacked_size, n_max, ...]
-  test: EvalSet                # the clients' local test splits
 
-  def __post_init__(self):
+  def __init__(self, spec: GroupSpec, rows: RowStore, test: EvalSet, stacked_size: int, mesh=None):
+    self.spec, self.rows, self.test, self.stacked_size, self.mesh = spec, rows, test, stacked_size, mesh
     self.clients = np.asarray(self.spec.clients)
-    self.train_sizes = to_host(self.train.n)[:len(self.clients)]
-    self.stacked_size = int(self.train.n.shape[0])
+    self.train_sizes = np.asarray(rows.n)[:len(self.clients)]
     self.stacked_ids = jnp.asarray(pad_clients(self.clients, self.stacked_size))
     self.num_params = count_params(jax.eval_shape(lambda: self.spec.model.init(
         jax.random.PRNGKey(0), self.spec.sample_input(), train=False))['params'])
+
+  @functools.cached_property
+  def train(self) -> ClientArrays:
+    return place_clients(self.rows.padded(self.stacked_size), self.mesh)
 
   @property
   def arch(self) -> str:
@@ -147,16 +157,15 @@ def build_groups(data: FederatedData, models: ModelConfig, training: LocalTraini
   for index, arch in enumerate(dict.fromkeys(architectures)):
     ids = np.array([k for k, a in enumerate(architectures) if a == arch])
     stacked = -(-len(ids) // num_devices) * num_devices
-    place = lambda arrays: place_clients(pad_clients(arrays, stacked), mesh)
-    train = place(data.group_train(ids))
+    rows = RowStore(data.group_rows(ids, 'train'))
     spec = GroupSpec(index, arch, maker.build(arch, feature_dim), tuple(int(k) for k in ids), data.num_classes,
-                     feature_dim, tuple(train.x.shape[2:]), training, maker, rm, conv,
-                     train_rows=int(train.x.shape[1]))
+                     feature_dim, rows.image_shape, training, maker, rm, conv, train_rows=rows.n_max)
     check_architecture(spec)
     if rm == 'none':  # d is the architecture's own feature width
       width = feature_width(spec)
       spec = dataclasses.replace(spec, model=maker.build(arch, width), feature_dim=width)
-    groups.append(Group(spec, train, EvalSet(place(data.group_test(ids)), shared=False)))
+    test = EvalSet(RowStore(data.group_rows(ids, 'test')), shared=False, mesh=mesh, stacked_size=stacked)
+    groups.append(Group(spec, rows, test, stacked, mesh))
   models_of_groups = tuple(g.spec.model for g in groups)
   for g in groups:
     g.spec = dataclasses.replace(g.spec, group_models=models_of_groups)

@@ -124,9 +124,16 @@ def plan_stages(program: ClientProgram, n_max: int) -> tuple[StagePlan, ...]:
 
 def take_step(plan: StagePlan, carry: Any, t, schedule: Optional[jnp.ndarray], x: jnp.ndarray, y: jnp.ndarray,
               n, broadcast: Any, key: jax.Array, client=None) -> tuple[Any, jnp.ndarray]:
-  """Slot t of a stage: its `Batch` (rows schedule[t] of x and y, client `client` of stacked x and y when given;
-  row ids only under `LocalTraining.rows`; none in a generated stage; `Batch.mask` marks the real rows of a partial
-  batch), its key (`step_key`: epoch t // slots, step t % slots of the stage key) and the stage's step."""
+  """Slot t of a stage on padded rows x, y (client `client` of stacked x and y when given): `step_on_rows`."""
+  pick = (lambda rows: (x[rows], y[rows])) if client is None else (lambda rows: (x[client, rows], y[client, rows]))
+  return step_on_rows(plan, carry, t, schedule, pick, n, broadcast, key)
+
+
+def step_on_rows(plan: StagePlan, carry: Any, t, schedule: Optional[jnp.ndarray], pick, n, broadcast: Any,
+                 key: jax.Array) -> tuple[Any, jnp.ndarray]:
+  """Slot t of a stage: its `Batch` (rows schedule[t], read by pick(rows) -> (x, y); row ids only under
+  `LocalTraining.rows`; none in a generated stage; `Batch.mask` marks the real rows of a partial batch), its key
+  (`step_key`: epoch t // slots, step t % slots of the stage key) and the stage's step."""
   training, batch_size = plan.training, plan.training.batch_size
   epoch, slot = t // plan.slots, t % plan.slots
   if plan.stage.generated:
@@ -137,9 +144,32 @@ def take_step(plan: StagePlan, carry: Any, t, schedule: Optional[jnp.ndarray], x
     if training.rows is not None:
       batch = Batch(None, None, rows, mask)
     else:
-      pick = (lambda a: a[rows]) if client is None else (lambda a: a[client, rows])
-      batch = Batch(pick(x), pick(y), rows, mask)
+      batch = Batch(*pick(rows), rows, mask)
   return plan.stage.step(carry, batch, broadcast, step_key(key, epoch, slot))
+
+
+def slot_of_step(plan: StagePlan, n, j):
+  """The slot of a client's j-th valid step in the stage (j < its `StagePlan.valid` count): step j % s of epoch
+  j // s, for s its steps per epoch. A loop over j visits exactly the valid slots, in order."""
+  per_epoch = _xp(n).maximum(stage_steps_per_epoch(plan.training, plan.stage, plan.rows_of(n)), 1)
+  return (j // per_epoch) * plan.slots + j % per_epoch
+
+
+def step_counts(program: ClientProgram, num_rows: int, n: np.ndarray) -> np.ndarray:
+  """[clients, stages] the valid steps of each stage for clients of n [clients] training rows (host numbers), the
+  stages planned over `num_rows` rows."""
+  plans = plan_stages(program, num_rows)
+  return np.asarray([[int(p.valid(int(k)).sum()) if p.length else 0 for p in plans] for k in np.asarray(n)],
+                    np.int64).reshape(len(n), len(plans))
+
+
+def pass_window(start, chunk: int, num_rows: int, n):
+  """(row ids [chunk], which of them count) of a pass of `chunk` rows from `start` over a client of n rows held in
+  `num_rows` padded rows: near the end the window is clamped to end at num_rows (as dynamic_slice clamps) and
+  counts only its new rows, so every pass reads the rows a padded array would give it."""
+  first = jnp.minimum(start, max(num_rows - chunk, 0))
+  row = first + jnp.arange(chunk)
+  return row, (row >= start) & (row < n)
 
 
 def masked(step, carry: Any, valid) -> tuple[Any, jnp.ndarray]:
@@ -191,5 +221,11 @@ def count_into(evaluation: Evaluation, counts: jnp.ndarray, evaluated: Any, x: j
   ys = jax.lax.dynamic_slice_in_dim(y, first, chunk)
   row = first + jnp.arange(chunk)
   valid = (row >= start) & (row < n)
-  logits = evaluation.logits(evaluated, xs, valid) if evaluation.batch_rows else evaluation.logits(evaluated, xs)
-  return counts + jnp.stack([jnp.sum((jnp.argmax(z, -1) == ys) & valid) for z in logits]).astype(counts.dtype)
+  return counts + correct_counts(evaluation, evaluated, xs, ys, valid).astype(counts.dtype)
+
+
+def correct_counts(evaluation: Evaluation, evaluated: Any, x: jnp.ndarray, y: jnp.ndarray, valid: jnp.ndarray
+                   ) -> jnp.ndarray:
+  """[len(names)] correct predictions of each of the evaluation's predictions on the rows of x, y where valid."""
+  logits = evaluation.logits(evaluated, x, valid) if evaluation.batch_rows else evaluation.logits(evaluated, x)
+  return jnp.stack([jnp.sum((jnp.argmax(z, -1) == y) & valid) for z in logits])
