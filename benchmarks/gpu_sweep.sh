@@ -5,11 +5,13 @@
 # OUT/gpu_sweep_<backend>.md and a figure in OUT/gpu_sweep_<backend>.png.
 #
 #   bash benchmarks/gpu_sweep.sh [OUT] [PART ...]
-#     PART: host_cpu (the same comparison on the machine's own CPU, 20 and 50 clients, fedjax_het's client threads
-#     2, 4, 8 and 16 up to the cores, one process each under OUT/host_cpu_tN/), vs_pytorch, scaling_g1, scaling_g2,
-#     scaling_g5, scaling_g10 (FedRE and grouped FedAvg over 10, 50, 200 and 1,000 clients with that many
-#     architecture groups), plan; default: all of them, in that order; merge: only merge the parts already under
-#     OUT (e.g. copied there from separate machines or commands)
+#     PART: vs_pytorch (FedRE against the PyTorch loop at 10 and 100 clients), scaling_g1 (FedRE over 10, 100,
+#     1,000 and 10,000 clients, one architecture), scaling_g2, scaling_g5, scaling_g10 (10 clients over that many
+#     architecture groups: their compilation); default: vs_pytorch scaling_g1 scaling_g5. Also host_cpu (the
+#     comparison on the machine's own CPU, 20 and 50 clients, fedjax_het's client threads 2, 4, 8 and 16 up to the
+#     cores, one process each under OUT/host_cpu_tN/) and plan (XLA's analyses of the round); merge: only merge the
+#     parts already under OUT (e.g. copied there from separate machines or commands)
+#   ALGORITHMS="fedre fedavg": the methods of the scaling parts (default fedre)
 #   SWEEP_SECONDS=...: the command's time limit; each part gets an equal share of what is left when it starts, is
 #   stopped at its share and keeps the rows it finished (each part rewrites its results after every row)
 #   PYTHON=...: the interpreter (default python3); the repository is put on PYTHONPATH, so nothing needs installing
@@ -29,7 +31,7 @@ out="$(mkdir -p "${1:-$here/results/gpu_sweep}" && cd "${1:-$here/results/gpu_sw
 shift || true
 parts=("$@")
 if [ ${#parts[@]} -eq 0 ]; then
-  parts=(host_cpu vs_pytorch scaling_g1 scaling_g2 scaling_g5 scaling_g10 plan)
+  parts=(vs_pytorch scaling_g5 scaling_g1)  # the longest last: it gets the time the others leave
   [ "${TINY:-0}" = 1 ] && parts=(host_cpu vs_pytorch scaling_g2 plan)  # the tiny family has two architectures
 fi
 cd "$here"
@@ -43,13 +45,17 @@ if [ "${TINY:-0}" = 1 ]; then
   algorithms=(fedre)
   scaling=(--num_clients=4 --models=mlp --group_family=mlp,small_cnn_narrow --samples_per_client=48 --batch_sizes=8
            --rounds=1)
+  scaling_groups=("${scaling[@]}")
   plan=(--settings=quickstart)
 else
-  vs=(--num_clients=10,20,50,100,200,500,1000 --rounds=3 --nodisk_io)
+  vs=(--num_clients=10,100 --rounds=3 --nodisk_io)
   host=(--num_clients=20,50 --rounds=3 --nodisk_io)
   host_threads=(2 4 8 16)
-  algorithms=(fedre fedavg)
-  scaling=(--num_clients=10,50,200,1000 --models=cnn4 --rounds=2)
+  algorithms=(${ALGORITHMS:-fedre})
+  # 384 pool rows per client (288 train: 9 steps of 32) up to 1,000 clients; the 480,000-row pool then gives the
+  # 10,000 clients 48 rows each (36 train: one step).
+  scaling=(--num_clients=10,100,1000,10000 --max_pool_rows=480000 --models=cnn4 --rounds=2)
+  scaling_groups=(--num_clients=10 --models=cnn4 --rounds=2)  # several groups: their compilation
   plan=()
 fi
 
@@ -116,7 +122,9 @@ for part in ${units[@]+"${units[@]}"}; do
     vs_pytorch) ${cap[@]+"${cap[@]}"} "$py" vs_pytorch.py "${vs[@]}" --out="$out" || rc=$? ;;
     scaling_g*)
       groups="${part#scaling_g}"
-      ${cap[@]+"${cap[@]}"} "$py" scaling.py "${scaling[@]}" --algorithms="${part##*_}" --groups="${groups%%_*}" \
+      args=("${scaling[@]}")
+      [ "${groups%%_*}" != 1 ] && args=("${scaling_groups[@]}")
+      ${cap[@]+"${cap[@]}"} "$py" scaling.py "${args[@]}" --algorithms="${part##*_}" --groups="${groups%%_*}" \
         --out="$out/$part" || rc=$? ;;
     host_cpu_t*)
       JAX_PLATFORMS=cpu ${cap[@]+"${cap[@]}"} "$py" vs_pytorch.py "${host[@]}" --strategy=sequential \
