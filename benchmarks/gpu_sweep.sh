@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_sweep.sh [OUT] [PART ...]
 #     PART: vs_pytorch (FedRE against the PyTorch loop at 10 and 100 clients), scaling_g1 (FedRE over 10, 100,
 #     1,000 and 10,000 clients, one architecture), scaling_g2, scaling_g5, scaling_g10 (10 clients over that many
-#     architecture groups: their compilation); default: vs_pytorch scaling_g1 scaling_g5. Also host_cpu (the
+#     architecture groups: their compilation); default: vs_pytorch scaling_g5 scaling_g1. Also host_cpu (the
 #     comparison on the machine's own CPU, 20 and 50 clients, fedjax_het's client threads 2, 4, 8 and 16 up to the
 #     cores, one process each under OUT/host_cpu_tN/) and plan (XLA's analyses of the round); merge: only merge the
 #     parts already under OUT (e.g. copied there from separate machines or commands)
