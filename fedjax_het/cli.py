@@ -120,6 +120,10 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
                 '+ matmul; batches well under vmap), auto (im2col for <= 8 input channels, else xla), onednn '
                 '(oneDNN\'s kernels, CPU; pip install -e \'.[onednn]\'). Default: per backend and strategy '
                 '(docs/performance.md).')
+  f.DEFINE_float('memory_budget_gib', _D.memory_budget_gib, 'vmap strategy: GiB of device memory a vmapped call '
+                 'may use, the clients\' states and rows included; each group\'s widest chunk is the widest whose '
+                 'compiled call fits (XLA\'s memory analysis). 0: 75%% of the device\'s memory on a GPU, no bound '
+                 'elsewhere. Ignored with --chunk_size.')
   f.DEFINE_integer('scan_unroll', _D.scan_unroll, 'vmap strategy: local SGD steps per lax.scan iteration.')
   f.DEFINE_integer('num_devices', _D.num_devices, 'vmap strategy: shard each group\'s clients over this many '
                    'devices (0: all devices; 1: no sharding).')

@@ -91,6 +91,7 @@ class ExperimentConfig:
   onednn_threads: Optional[int] = None
   eval_every: int = 1
   eval_batch_size: int = 0  # 0: the backend default (engine.default_eval_batch_size)
+  memory_budget_gib: float = 0.0  # device memory a vmapped call may use (0: a share of the device's memory)
   checkpoint_every: int = 10
   # Client-level differential privacy of the uploads (`fedjax_het.privacy.dp`, docs/privacy.md); off by default.
   dp_mode: str = 'off'  # 'central' (a trusted server noises each sum) or 'local' (each client noises its upload)
@@ -119,7 +120,7 @@ class ExperimentConfig:
   def _check_run_settings(self):
     """The checks of the fields only a run has (the local training, models and execution records check theirs
     when built); a bad value fails as the config is made, before any data is loaded."""
-    for name in ('rounds', 'checkpoint_every', 'local_steps', 'public_size'):
+    for name in ('rounds', 'checkpoint_every', 'local_steps', 'public_size', 'memory_budget_gib'):
       if getattr(self, name) < 0:
         raise ConfigError(f'--{name}={getattr(self, name)} must be >= 0.')
     for name in ('eval_every', 'num_clients'):
@@ -186,15 +187,21 @@ class ExperimentConfig:
       if jax.process_count() > 1:  # every process computes its share of each group: the mesh spans them all
         return ExecutionConfig(self._distributed_strategy(), self.conv or None, client_mesh(0), self.chunk_size,
                                self.scan_unroll, self.client_threads, self.eval_batch_size or None,
-                               self.onednn_threads)
+                               self.onednn_threads, self.memory_budget_bytes)
       strategy = ExecutionConfig(self.strategy or None, 'xla').resolve().strategy  # conv: not needed to decide it
       every_device_under_vmap = self.num_devices == 0 and strategy == 'vmap'
       # a count other than 0 and 1 always goes to client_mesh, which refuses one it cannot give
       mesh = client_mesh(self.num_devices) if self.num_devices not in (0, 1) or every_device_under_vmap else None
       execution = ExecutionConfig(self.strategy or None, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
-                                  self.client_threads, self.eval_batch_size or None, self.onednn_threads)
+                                  self.client_threads, self.eval_batch_size or None, self.onednn_threads,
+                                  self.memory_budget_bytes)
       execution.resolve()  # e.g. --conv=onednn where it cannot run: refused now, before any data is read
       return execution
+
+  @property
+  def memory_budget_bytes(self) -> Optional[int]:
+    """--memory_budget_gib in bytes (None: the backend's default)."""
+    return int(self.memory_budget_gib * 2**30) if self.memory_budget_gib else None
 
   def _distributed_strategy(self) -> str:
     """'vmap', the strategy of a run over several processes; a ConfigError for settings that cannot be one."""

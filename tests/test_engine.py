@@ -22,7 +22,8 @@ TRAINING = LocalTraining(learning_rate=0.05, batch_size=8, epochs=2)
 def make_fed(data, strategy, algorithm=None, join_ratio=1.0, seed=0, models=('small_cnn_narrow', 'mlp'),
              conv='xla', eval_batch_size=16, training=TRAINING, **kw):
   algorithm = algorithm or fedre(FedREConfig(), data.num_classes)
-  execution = {k: kw.pop(k) for k in ('chunk_size', 'client_threads', 'scan_unroll', 'onednn_threads') if k in kw}
+  execution = {k: kw.pop(k) for k in ('chunk_size', 'client_threads', 'scan_unroll', 'onednn_threads',
+                                      'memory_budget') if k in kw}
   return Federation(algorithm, data, ModelConfig(list(models), feature_dim=16), training,
                     ExecutionConfig(strategy=strategy, conv=conv, eval_batch_size=eval_batch_size, **execution),
                     join_ratio=join_ratio, seed=seed, **kw)
@@ -152,6 +153,35 @@ def test_eval_pass_size_does_not_change_results(tiny_data, two_rounds, strategy)
 
 def test_chunked_vmap_equals_whole_group(tiny_data, two_rounds):
   assert_same_run(run(make_fed(tiny_data, 'vmap', chunk_size=2), 2), two_rounds['vmap'], rtol=1e-5, atol=1e-6)
+
+
+def test_the_memory_budget_picks_the_widest_chunk_that_fits_and_changes_no_number(tiny_data, monkeypatch):
+  """One group of 6: the budget's width comes from XLA's analysis of the call at widths 1 and 4; a budget between
+  their peaks gives chunks of one client, the same numbers as chunks of four; one below the narrowest call's peak
+  is refused with its fix; the same budget always gives the same width."""
+  from fedjax_het.engine import executors
+  peaks = []
+  analysed = executors.compiled_peak
+  monkeypatch.setattr(executors, 'compiled_peak', lambda lowered: peaks.append(analysed(lowered)) or peaks[-1])
+  one_group = dict(models=('mlp',), training=LocalTraining(learning_rate=0.05, batch_size=8, epochs=1))
+  wide_fed = make_fed(tiny_data, 'vmap', memory_budget=2**40, **one_group)
+  wide = run(wide_fed, 1)
+  assert len(peaks) == 2 and peaks[1] > peaks[0]  # the call over 4 clients needs more than over 1
+  assert wide_fed.executor.widest == {(0, 0): 256} and {c.width for c in wide_fed.executor.last_plan[
+      ('train', 0)][1]} == {4, 1}
+  budget = (peaks[0] + peaks[1]) // 2
+  narrow_fed = make_fed(tiny_data, 'vmap', memory_budget=budget, **one_group)
+  narrow = run(narrow_fed, 1)
+  assert narrow_fed.executor.widest == {(0, 0): 1}
+  assert {c.width for c in narrow_fed.executor.last_plan[('train', 0)][1]} == {1}
+  assert_same_run(narrow, wide, exact_accuracy=False, rtol=1e-5, atol=1e-6)
+  again = make_fed(tiny_data, 'vmap', memory_budget=budget, **one_group)
+  again.round(again.init())
+  assert again.executor.widest == narrow_fed.executor.widest and peaks[2:4] == peaks[4:6]
+  with pytest.raises(ConfigError, match=r"^ExecutionConfig.memory_budget=\d+ bytes: a round of group 'mlp' needs "
+                                        r"\d+ bytes .* Fix: a larger memory_budget"):
+    tight = make_fed(tiny_data, 'vmap', memory_budget=peaks[0] // 2, **one_group)
+    tight.round(tight.init())
 
 
 def test_same_seed_same_numbers_whatever_the_client_threads(tiny_data):

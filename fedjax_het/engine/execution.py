@@ -18,6 +18,18 @@ from fedjax_het.models import onednn
 from fedjax_het.models.conv import CONV_IMPLS
 
 
+DEFAULT_BUDGET_FRACTION = 0.75
+
+
+def default_memory_budget(backend: str) -> Optional[int]:
+  """DEFAULT_BUDGET_FRACTION of the first device's memory where the backend reports it (GPUs do), else None."""
+  if backend == 'cpu':
+    return None
+  stats = jax.devices()[0].memory_stats() or {}
+  limit = stats.get('bytes_limit')
+  return int(DEFAULT_BUDGET_FRACTION * limit) if limit else None
+
+
 @dataclasses.dataclass(frozen=True)
 class ExecutionConfig:
   """strategy: 'vmap' (`VmapExecutor`) or 'sequential' (`SequentialExecutor`); None: sequential on CPU (measured
@@ -35,6 +47,10 @@ class ExecutionConfig:
   eval_batch_size: rows per eval-mode pass (representations, evaluation); None: on CPU 64 with oneDNN's
     convolutions and 32 with the others, whose larger passes spill the im2col patches out of cache
     (benchmarks/cpu_kernels.py --parts=represent); 256 on GPU/TPU.
+  memory_budget: bytes of device memory a vmapped call may use, its clients' states and rows included: each
+    group's widest chunk is the widest whose compiled call fits (`VmapExecutor.budget_width`, from XLA's memory
+    analysis); None: DEFAULT_BUDGET_FRACTION of the device's memory where the backend reports it (GPU), else no
+    bound. Ignored when chunk_size is set.
   onednn_threads: OpenMP threads of each oneDNN convolution (conv='onednn'); None: under the sequential strategy
     the cores divided among the client threads (at least 1), so that they fill the cores without oversubscribing
     them; under vmap (one host thread) all cores. The numbers depend on it (oneDNN splits some kernel-gradient
@@ -48,6 +64,7 @@ class ExecutionConfig:
   client_threads: Optional[int] = None
   eval_batch_size: Optional[int] = None
   onednn_threads: Optional[int] = None
+  memory_budget: Optional[int] = None
 
   def __post_init__(self):
     if self.strategy is not None and self.strategy not in STRATEGIES:
@@ -70,6 +87,9 @@ class ExecutionConfig:
     if self.onednn_threads is not None and self.onednn_threads < 1:
       raise ConfigError(f'ExecutionConfig.onednn_threads={self.onednn_threads} must be >= 1 (None: the cores divided '
                         f'among the client threads).')
+    if self.memory_budget is not None and self.memory_budget < 1:
+      raise ConfigError(f'ExecutionConfig.memory_budget={self.memory_budget} must be a positive number of bytes '
+                        f'(None: a share of the device\'s memory).')
     if self.eval_batch_size is not None and self.eval_batch_size < 1:
       raise ConfigError(f'ExecutionConfig.eval_batch_size={self.eval_batch_size} must be >= 1 (None: the '
                         f'backend default).')
@@ -111,7 +131,9 @@ class ExecutionConfig:
         raise onednn.OneDNNUnavailable(f'ExecutionConfig.conv=\'onednn\': {onednn.unavailable_reason()}')
     threads = self.client_threads or max(1, min(2, os.cpu_count() or 1))
     mesh = self.client_mesh if self.num_devices > 1 else None
+    budget = self.memory_budget or default_memory_budget(backend)
     return dataclasses.replace(self, strategy=strategy, conv=conv, client_mesh=mesh, client_threads=threads,
+                               memory_budget=budget,
                                eval_batch_size=self.eval_batch_size or ((64 if conv == 'onednn' else 32) if cpu
                                                                         else 256),
                                onednn_threads=self.onednn_threads or max(1, (os.cpu_count() or 1)
@@ -135,7 +157,9 @@ class ExecutionConfig:
     if self.strategy == 'sequential':
       how += f', client_threads={self.client_threads}'
     else:
-      how += f', chunk_size={self.chunk_size or f"at most {VmapExecutor.DEFAULT_MAX_WIDTH}"}, devices={self.num_devices}'
+      widest = self.chunk_size or f'at most {VmapExecutor.DEFAULT_MAX_WIDTH}'
+      budget = f', memory_budget={self.memory_budget / 2**30:.1f} GiB' if self.memory_budget else ''
+      how += f', chunk_size={widest}{budget}, devices={self.num_devices}'
     return f'{where}: {how}'
 
   def apply_process_settings(self) -> None:
@@ -150,5 +174,5 @@ class ExecutionConfig:
     self.apply_process_settings()
     if self.strategy == 'vmap':
       return VmapExecutor(self.eval_batch_size, self.chunk_size, self.scan_unroll, self.num_devices,
-                          lambda tree: place_replicated(jax.device_put(tree), self.client_mesh))
+                          lambda tree: place_replicated(jax.device_put(tree), self.client_mesh), self.memory_budget)
     return SequentialExecutor(self.eval_batch_size, self.client_threads)

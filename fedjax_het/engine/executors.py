@@ -15,7 +15,7 @@ Executors cache their compiled functions per (name, group, phase); `compiled_fun
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,7 @@ from fedjax_het.engine.chunks import Chunk, plan_chunks, width_ladder
 from fedjax_het.engine.client import (RowsOf, client_statistics_rows, run_client_rows, score_client_rows)
 from fedjax_het.engine.groups import EvalSet, Group, representation_model
 from fedjax_het.engine.sharding import to_host
+from fedjax_het.errors import ConfigError
 from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, plan_stages, represent_into,
                                     stage_key, statistics_into, step_counts, take_step, zero_statistics)
 
@@ -45,6 +46,17 @@ def vmap_broadcast(fn: Callable, broadcast: Any, idx) -> Callable:
   shared = {k: v for k, v in broadcast.items() if k != PER_CLIENT}
   per = take(broadcast[PER_CLIENT], idx)
   return lambda *args: jax.vmap(lambda p, *a: fn(*a, {**shared, PER_CLIENT: p}))(per, *args)
+
+
+def compiled_peak(lowered) -> Optional[int]:
+  """The peak device bytes XLA's memory analysis gives a lowered call once compiled (arguments, outputs and
+  temporaries), or None where the backend gives none."""
+  stats = lowered.compile().memory_analysis()
+  if stats is None:
+    return None
+  peak = getattr(stats, 'peak_memory_in_bytes', 0)
+  return int(peak or stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+             - stats.alias_size_in_bytes)
 
 
 class Executor:
@@ -95,31 +107,60 @@ class VmapExecutor(Executor):
   PASSES_IN_FLIGHT = 32
 
   def __init__(self, eval_batch_size: int, chunk_size: int = 0, scan_unroll: int = 1, num_devices: int = 1,
-               placement: Callable[[Any], Any] = jax.device_put):
+               placement: Callable[[Any], Any] = jax.device_put, memory_budget: Optional[int] = None):
     super().__init__(eval_batch_size)
     self.chunk_size, self.scan_unroll, self.num_devices = chunk_size, scan_unroll, num_devices
     self.placement = placement  # how a store's rows reach the device (replicated over a client mesh)
+    self.memory_budget = memory_budget
     self.last_plan: dict = {}  # (name, group) -> the chunk plan of the latest call (benchmarks read it)
+    self.widest: dict = {}  # (group, phase) -> its widest chunk under the memory budget (`budget_width`)
 
-  def max_width(self) -> int:
-    """The widest chunk: `chunk_size`, else DEFAULT_MAX_WIDTH (a multiple of the mesh's devices)."""
-    width = self.chunk_size or self.DEFAULT_MAX_WIDTH
+  def max_width(self, g: Optional[Group] = None, phase: Optional[int] = None) -> int:
+    """The widest chunk: `chunk_size`, else what the memory budget allows group g's rounds of `phase`
+    (`budget_width`, once one has run; without a phase, the narrowest of its phases run so far), else
+    DEFAULT_MAX_WIDTH; a multiple of the mesh's devices."""
+    known = [w for (gi, p), w in self.widest.items() if g is not None and gi == g.spec.index
+             and (phase is None or p == phase)]
+    width = self.chunk_size or (min(known) if known else self.DEFAULT_MAX_WIDTH)
     return max(width // self.num_devices, 1) * self.num_devices
 
-  def plan(self, name: str, g: Group, work: np.ndarray) -> list[Chunk]:
+  def plan(self, name: str, g: Group, work: np.ndarray, phase: Optional[int] = None) -> list[Chunk]:
     """The chunks of participants with `work` (`chunks.plan_chunks`), recorded as the latest plan of `name`."""
-    chunks = plan_chunks(work, self.max_width(), multiple=self.num_devices)
+    chunks = plan_chunks(work, self.max_width(g, phase), multiple=self.num_devices)
     self.last_plan[(name, g.spec.index)] = (np.asarray(work), chunks)
     return chunks
+
+  def budget_width(self, g: Group, lower: Callable[[int], Any]) -> int:
+    """The widest ladder width whose compiled call fits `memory_budget` bytes on the device, from XLA's memory
+    analysis of the call compiled at the two narrowest widths (`lower(width)`: the call lowered at that width):
+    its peak, resident arrays included, grows linearly with the width. Without a budget (or where the backend
+    reports no analysis) DEFAULT_MAX_WIDTH; with `chunk_size` set, that."""
+    if self.chunk_size or self.memory_budget is None:
+      return self.max_width()
+    ladder = width_ladder(self.DEFAULT_MAX_WIDTH, self.num_devices)
+    if len(ladder) < 2:
+      return ladder[0]
+    narrow, next_up = ladder[-1], ladder[-2]
+    peaks = [compiled_peak(lower(w)) for w in (narrow, next_up)]
+    if None in peaks:
+      return self.max_width()
+    per_client = max((peaks[1] - peaks[0]) / (next_up - narrow), 1.0)
+    fits = narrow + int((self.memory_budget - peaks[0]) // per_client)
+    if fits < narrow:
+      raise ConfigError(
+          f'ExecutionConfig.memory_budget={self.memory_budget} bytes: a round of group {g.arch!r} needs '
+          f'{peaks[0]} bytes on the device with {narrow} client(s) per call (its clients\' states and rows '
+          f'included). Fix: a larger memory_budget, or fewer clients or a smaller model in that group.')
+    return max(w for w in ladder if w <= fits)
 
   def pass_rows(self, width: int) -> int:
     """Rows per client in one representation or scoring pass of a chunk of `width` clients."""
     return max(1, min(self.eval_batch_size, self.eval_batch_size * self.PASSES_IN_FLIGHT // width))
 
-  def widths(self, slots: int) -> tuple[int, ...]:
-    """The ladder widths a call over `slots` slots can use (`chunks.width_ladder`; none wider than the slots,
-    but the narrowest)."""
-    ladder = width_ladder(self.max_width(), self.num_devices)
+  def widths(self, slots: int, g: Optional[Group] = None, phase: Optional[int] = None) -> tuple[int, ...]:
+    """The ladder widths a call of group g over `slots` slots can use (`chunks.width_ladder` up to its
+    `max_width`; none wider than the slots, but the narrowest)."""
+    ladder = width_ladder(self.max_width(g, phase), self.num_devices)
     return tuple(w for w in ladder if w <= slots or w == ladder[-1])
 
   def _functions(self, name: str, g: Group, phase: int, slots: int, make: Callable, warm: Callable) -> dict:
@@ -129,7 +170,7 @@ class VmapExecutor(Executor):
     later."""
     def build():
       fns = {}
-      for width in self.widths(slots):
+      for width in self.widths(slots, g, phase if name == 'vmap_update' else None):
         fns[width] = jax.jit(make(width), donate_argnums=0)
         warm(fns[width], width)
       return fns
@@ -156,10 +197,14 @@ class VmapExecutor(Executor):
       nonlocal stacked
       stacked, _ = fn(stacked, zeros(), store, *empty(width))
 
+    if (g.spec.index, phase) not in self.widest:  # the phase's first round: the widest chunk its memory allows
+      update = lambda width: jax.jit(self._with_buffers(self._make_update(g, program, width)), donate_argnums=0)
+      self.widest[(g.spec.index, phase)] = self.budget_width(g, lambda width: update(width).lower(
+          stacked, zeros(), store, *empty(width)))
     fns = self._functions('vmap_update', g, phase, slots,
                           lambda width: self._with_buffers(self._make_update(g, program, width)), warm)
     out = zeros()
-    for chunk in self.plan('train', g, steps.sum(1)):
+    for chunk in self.plan('train', g, steps.sum(1), phase):
       idx = self._slots(local[chunk.positions], chunk.width, g.stacked_size)
       dest = self._slots(chunk.positions, chunk.width, slots)
       trips = jnp.asarray(steps[chunk.positions].max(0, initial=0), jnp.int32)
