@@ -105,6 +105,10 @@ class ClientProgram(NamedTuple):
   prepare(client, rows, broadcast, key) -> client: a pass over the client's rows (`ClientRows` without
     representations or statistics) before `init`, for a method that sets the client up from its data before the
     local loop (FedALA's adaptive local aggregation of the received model); None: none.
+  representation_weights(carry, rows, broadcast, key) -> W [rows, K]: for a program with `trained` whose `final`
+    reads the representations only through K weighted sums (FedRE's entangled representation): `final` then gets
+    rows.reps = W^T R [K, d], which the vmap executor adds up pass by pass instead of holding every row's
+    representation; `rows` holds no representations, `key` is the one `final` gets. None: rows.reps is R.
   """
   init: Callable[[ClientState, Broadcast, jax.Array], Carry]
   stages: tuple[Stage, ...]
@@ -113,6 +117,7 @@ class ClientProgram(NamedTuple):
   trained: Optional[Callable[[Carry], ClientState]] = None
   identity: Any = None
   prepare: Optional[Callable[[ClientState, ClientRows, Broadcast, jax.Array], ClientState]] = None
+  representation_weights: Optional[Callable[[Carry, ClientRows, Broadcast, jax.Array], jnp.ndarray]] = None
 
 
 def single_stage(step: Callable[[Any, Batch, Any, jax.Array], tuple[Any, jnp.ndarray]], training: LocalTraining

@@ -6,7 +6,7 @@ import pytest
 from fedjax_het.core import ClientRows
 from fedjax_het.algorithms.common import class_prototypes, masked_mean, soft_cross_entropy
 from fedjax_het.algorithms.fedre import (FedREConfig, entangle, entanglement_weights, fedre, fedre_upload,
-                                         random_magnitudes, train_head)
+                                         fedre_weights, random_magnitudes, train_head)
 from fedjax_het.core import ClientState
 from fedjax_het.errors import ConfigError
 
@@ -130,10 +130,15 @@ def test_fixed_sampling_reuses_weights_and_resampling_changes_them():
   client = ClientState({'head': {}}, {}, {}, jax.random.PRNGKey(9))
   rows = ClientRows(None, Y, 4, 5, reps)
   for resample, same in [(False, True), (True, False)]:
-    upload = fedre_upload(FedREConfig(resample=resample), C)
-    a = upload(client, rows, {}, jax.random.PRNGKey(1))
-    b = upload(client, rows, {}, jax.random.PRNGKey(2))
-    assert np.allclose(a['rep'], b['rep']) == same
+    cfg = FedREConfig(resample=resample)
+    upload, weights = fedre_upload(cfg, C), fedre_weights(cfg, C)
+    # the engine hands the upload sum_i w_i r_i, with the weights of the same key
+    entangled = lambda key: upload(client, rows._replace(reps=weights(client, rows, {}, key).T @ reps), {}, key)
+    a, b = entangled(jax.random.PRNGKey(1)), entangled(jax.random.PRNGKey(2))
+    assert np.allclose(a['rep'], b['rep']) == same and np.allclose(a['label'], b['label']) == same
+    w = weights(client, rows, {}, jax.random.PRNGKey(1))[:, 0]
+    np.testing.assert_allclose(a['rep'][0], w @ reps, rtol=1e-6)  # Eq. 6
+    np.testing.assert_allclose(a['label'][0], w @ jax.nn.one_hot(Y, C), rtol=1e-6)
 
 
 def test_fedallrep_uploads_every_real_row():

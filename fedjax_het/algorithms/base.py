@@ -42,8 +42,8 @@ def with_trainable(client: ClientState, values: tuple[Any, Any]) -> ClientState:
 
 def sgd_program(loss: Loss, training: LocalTraining, *, receive: Optional[Callable] = None,
                 upload: Optional[Callable] = None, optimizer: Optional[optax.GradientTransformation] = None,
-                representations: bool = False, statistics: Optional[Callable[[ClientState], Any]] = None
-                ) -> ClientProgram:
+                representations: bool = False, statistics: Optional[Callable[[ClientState], Any]] = None,
+                representation_weights: Optional[Callable] = None) -> ClientProgram:
   """The `ClientProgram` of a method whose clients minimise one loss with one optimizer (fresh every round, as
   HtFLlib builds its optimizers per round).
 
@@ -56,6 +56,8 @@ def sgd_program(loss: Loss, training: LocalTraining, *, receive: Optional[Callab
   optimizer: default optax.sgd(training.learning_rate), plain SGD as HtFLlib; per-part rates with
     optax.multi_transform over `trainable`'s (params, extra params).
   representations: upload reads rows.reps, the trained model's eval-mode representations of the training rows.
+  representation_weights(client, rows, broadcast, key) -> W [rows, K]: upload reads rows.reps as the weighted
+    sums W^T R [K, d] only (`ClientProgram.representation_weights`; the client is the trained one).
   statistics(client) -> zero sums shaped like those `loss` returns.
   """
   optimizer = optimizer or optax.sgd(training.learning_rate)
@@ -84,8 +86,12 @@ def sgd_program(loss: Loss, training: LocalTraining, *, receive: Optional[Callab
       return client, {}
     return client, upload(client, rows._replace(statistics=sums), broadcast, key)
 
+  weights = None
+  if representation_weights is not None:
+    weights = lambda carry, rows, broadcast, key: representation_weights(carry[0], rows, broadcast, key)
   return ClientProgram(init, single_stage(step, training), final, training,
-                       (lambda carry: carry[0]) if representations else None)
+                       (lambda carry: carry[0]) if representations or weights else None,
+                       representation_weights=weights)
 
 
 def kept_optimizer_step(optimizer: optax.GradientTransformation, loss):

@@ -108,18 +108,30 @@ def train_head(head: dict, reps: jnp.ndarray, soft_labels: jnp.ndarray, row_weig
                      cfg.server_epochs, cfg.server_loss_reduction)
 
 
+def fedre_weights(cfg: FedREConfig, num_classes: int):
+  """(client, rows, broadcast, key) -> the entanglement weights w [rows, 1] of the client's training rows (Eq. 6-12):
+  they depend on the labels and the key only, so the engine can add up sum_i w_i r_i without keeping every r_i."""
+  def weights(client: ClientState, rows: ClientRows, broadcast, key):
+    valid = (jnp.arange(rows.y.shape[0]) < rows.n).astype(jnp.float32)
+    key = key if cfg.resample else jax.random.fold_in(client.key, 0x52E)
+    return entanglement_weights(rows.y, valid, num_classes, cfg.mechanism, cfg.weight_distribution, key)[:, None]
+  return weights
+
+
 def fedre_upload(cfg: FedREConfig, num_classes: int):
-  """The client's upload (client, rows, broadcast, key) -> (r~_k, y~_k) of Eq. 2 as one row, or every
-  (r_i, onehot(y_i)) for FedAllRep; 'weight' marks the rows sent."""
+  """The client's upload (client, rows, broadcast, key) -> (r~_k, y~_k) of Eq. 2 as one row, rows.reps holding
+  r~_k = sum_i w_i r_i (`fedre_weights`); or, for FedAllRep, every (r_i, onehot(y_i)) with rows.reps every r_i;
+  'weight' marks the rows sent."""
+  weights = fedre_weights(cfg, num_classes)
+
   def upload(client: ClientState, rows: ClientRows, broadcast, key):
     reps, y, n = rows.reps, rows.y, rows.n
-    valid = (jnp.arange(y.shape[0]) < n).astype(reps.dtype)
     if cfg.all_representations:
+      valid = (jnp.arange(y.shape[0]) < n).astype(reps.dtype)
       return {'rep': reps, 'label': jax.nn.one_hot(y, num_classes, dtype=reps.dtype), 'weight': valid}
-    key = key if cfg.resample else jax.random.fold_in(client.key, 0x52E)
-    w = entanglement_weights(y, valid, num_classes, cfg.mechanism, cfg.weight_distribution, key)
-    r, soft = entangle(reps, y, w, num_classes)
-    return {'rep': r[None], 'label': soft[None], 'weight': jnp.minimum(n, 1).astype(reps.dtype)[None]}
+    w = weights(client, rows, broadcast, key)[:, 0]
+    soft = w @ jax.nn.one_hot(y, num_classes, dtype=reps.dtype)
+    return {'rep': reps, 'label': soft[None], 'weight': jnp.minimum(n, 1).astype(reps.dtype)[None]}
   return upload
 
 
@@ -131,7 +143,8 @@ def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
   def client(group: GroupSpec) -> ClientProgram:
     """omega_k <- omega (Alg. 1 line 6), CE (Eq. 1), then the upload from eval-mode representations."""
     return sgd_program(cross_entropy_loss(group.model), group.training, receive=receive_head, upload=upload,
-                       representations=True)
+                       representations=True,
+                       representation_weights=None if cfg.all_representations else fedre_weights(cfg, num_classes))
 
   def server_update(server, uploads, key):
     """Trains omega on the participants' rows (Eq. 3)."""

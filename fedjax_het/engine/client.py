@@ -5,12 +5,12 @@ instead."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.core import ClientProgram, ClientState, Evaluation, with_model, without_model
+from fedjax_het.core import ClientProgram, ClientRows, ClientState, Evaluation, with_model, without_model
 from fedjax_het.data.federated import ClientArrays
 from fedjax_het.engine.plan import (client_keys, client_rows, correct_counts, count_into, even_chunk, masked,
                                     pass_window, plan_stages, represent_into, slot_of_step, stage_key,
@@ -57,10 +57,10 @@ def run_client(program: ClientProgram, model: HeteroClassifier, client: ClientSt
 
     carry, losses = jax.lax.scan(body, carry, jnp.arange(plan.length), unroll=unroll)
     total, count = total + losses.sum(), count + valid.sum()
-  reps = None
-  if program.trained is not None:
-    trained = program.trained(carry)
-    reps = represent_rows(model, trained.params, trained.model_state, data.x, rep_chunk)
+  trained = program.trained(carry) if program.trained is not None else None
+  reps = program_representations(program, carry, lambda weights: weighted(represent_rows(
+      model, trained.params, trained.model_state, data.x, rep_chunk), weights),
+      client_rows(program, data.x, data.y, data.n), broadcast, keys['final'])
   out, upload = program.final(carry, client_rows(program, data.x, data.y, data.n, reps), broadcast, keys['final'])
   return with_model(program, out, client), upload, total / jnp.maximum(count, 1)
 
@@ -89,6 +89,11 @@ def client_statistics(evaluation: Evaluation, client: ClientState, broadcast: An
                                                                                         train.x, chunk))
 
 
+def weighted(reps: jnp.ndarray, weights: Optional[jnp.ndarray]) -> jnp.ndarray:
+  """reps [rows, d] as they are, or their weighted sums W^T reps [K, d] (`ClientProgram.representation_weights`)."""
+  return reps if weights is None else weights.T @ reps
+
+
 class RowsOf(NamedTuple):
   """Where one client's rows are in a flat store (`stores.DeviceRows`): from `offset`, `n` of them; `num_rows`
   (static) is the group's largest client, the length of the padded view its `prepare` and `final` read."""
@@ -107,17 +112,39 @@ class RowsOf(NamedTuple):
 
 
 def represent_flat(model: HeteroClassifier, params: Any, model_state: Any, rows: RowsOf, count, passes,
-                   chunk: int) -> jnp.ndarray:
+                   chunk: int, weights: Optional[jnp.ndarray] = None) -> jnp.ndarray:
   """Eval-mode representations [num_rows, d] of the client's first `count` rows (zeros after), in `passes`
-  (traced) passes of `chunk` rows: a chunk of clients runs as many passes as its largest one needs."""
+  (traced) passes of `chunk` rows: a chunk of clients runs as many passes as its largest one needs. With
+  `weights` [num_rows, K], their weighted sums W^T R [K, d] instead, added up pass by pass (no row is kept)."""
   size = -(-rows.num_rows // chunk) * chunk
 
-  def one(p, buf):
+  def reps_of(p):
     index = p * chunk + jnp.arange(chunk)
-    reps = forward(model, params, model_state, rows.pick(index)[0], False)[1].astype(buf.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where((index < count)[:, None], reps, 0.0), p * chunk, 0)
-  buf = jax.lax.fori_loop(0, passes, one, jnp.zeros((size, model.feature_dim)))
-  return buf[:rows.num_rows]
+    reps = forward(model, params, model_state, rows.pick(index)[0], False)[1].astype(jnp.float32)
+    return index, jnp.where((index < count)[:, None], reps, 0.0)
+
+  if weights is not None:
+    padded = jnp.pad(weights, ((0, size - rows.num_rows), (0, 0)))
+
+    def add(p, sums):
+      index, reps = reps_of(p)
+      return sums + jax.lax.dynamic_slice_in_dim(padded, p * chunk, chunk).T @ reps
+    return jax.lax.fori_loop(0, passes, add, jnp.zeros((weights.shape[1], model.feature_dim)))
+
+  def put(p, buf):
+    return jax.lax.dynamic_update_slice_in_dim(buf, reps_of(p)[1], p * chunk, 0)
+  return jax.lax.fori_loop(0, passes, put, jnp.zeros((size, model.feature_dim)))[:rows.num_rows]
+
+
+def program_representations(program: ClientProgram, carry: Any, reps_of: Callable[[Optional[jnp.ndarray]], Any],
+                            rows: ClientRows, broadcast: Any, key: jax.Array) -> Optional[jnp.ndarray]:
+  """What `final` reads as rows.reps: None for a program without `trained`; reps_of(W) with W its
+  `representation_weights` (rows without representations, `final`'s key), else reps_of(None)."""
+  if program.trained is None:
+    return None
+  if program.representation_weights is None:
+    return reps_of(None)
+  return reps_of(program.representation_weights(carry, rows, broadcast, key))
 
 
 def run_client_rows(program: ClientProgram, model: HeteroClassifier, client: ClientState, rows: RowsOf,
@@ -152,11 +179,10 @@ def run_client_rows(program: ClientProgram, model: HeteroClassifier, client: Cli
       return state
     carry, stage_total = jax.lax.fori_loop(0, -(-trips[plan.index] // unroll), body, (carry, 0.0))
     total, count = total + stage_total, count + steps
-  reps = None
-  if program.trained is not None:
-    trained = program.trained(carry)
-    reps = represent_flat(model, trained.params, trained.model_state, rows,
-                          program.training.statistics_rows(rows.n), rep_passes, rep_chunk)
+  trained = program.trained(carry) if program.trained is not None else None
+  reps = program_representations(program, carry, lambda weights: represent_flat(
+      model, trained.params, trained.model_state, rows, program.training.statistics_rows(rows.n), rep_passes,
+      rep_chunk, weights), client_rows(program, x_view, y_view, rows.n), broadcast, keys['final'])
   out, upload = program.final(carry, client_rows(program, x_view, y_view, rows.n, reps), broadcast, keys['final'])
   return with_model(program, out, client), upload, total / jnp.maximum(count, 1)
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from fedjax_het.core import PER_CLIENT, ClientProgram, Evaluation, for_client, with_model, without_model
 from fedjax_het.engine.chunks import Chunk, plan_chunks, width_ladder
-from fedjax_het.engine.client import (RowsOf, client_statistics_rows, run_client_rows, score_client_rows)
+from fedjax_het.engine.client import (RowsOf, client_statistics_rows, run_client_rows, score_client_rows,
+                                      weighted)
 from fedjax_het.engine.groups import EvalSet, Group, representation_model
 from fedjax_het.engine.sharding import to_host
 from fedjax_het.errors import ConfigError
@@ -407,6 +408,8 @@ class SequentialExecutor(Executor):
     reps = None
     if program.trained is not None:
       reps = jax.ShapeDtypeStruct((g.train.x.shape[1], g.model.feature_dim), jnp.float32)
+      if program.representation_weights is not None:
+        reps = jax.eval_shape(fns['weighted'], carry, g.train, 0, reps, broadcast, jax.random.PRNGKey(0))
     template = jax.eval_shape(fns['final'], carry, g.train, 0, reps, broadcast, jax.random.PRNGKey(0))[1]
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
 
@@ -435,6 +438,8 @@ class SequentialExecutor(Executor):
       trained = program.trained(carry)
       reps = self._represent(g, fns, trained.params, trained.model_state, i,
                              int(program.training.statistics_rows(n)))
+      if program.representation_weights is not None:
+        reps = fns['weighted'](carry, g.train, i, reps, broadcast, keys['final'])
     client, upload = fns['final'](carry, g.train, i, reps, broadcast, keys['final'])
     return with_model(program, client, original), upload, total / max(steps, 1)
 
@@ -460,6 +465,10 @@ class SequentialExecutor(Executor):
     def final(carry, train, i, reps, broadcast, key):
       return program.final(carry, client_rows(program, train.x[i], train.y[i], train.n[i], reps), broadcast, key)
 
+    def weighted_reps(carry, train, i, reps, broadcast, key):
+      rows = client_rows(program, train.x[i], train.y[i], train.n[i])
+      return weighted(reps, program.representation_weights(carry, rows, broadcast, key))
+
     def prepare(client, train, i, broadcast, key):
       return program.prepare(client, client_rows(program, train.x[i], train.y[i], train.n[i]), broadcast, key)
 
@@ -472,6 +481,7 @@ class SequentialExecutor(Executor):
         'represent_into': jax.jit(represent, donate_argnums=0),
         'final': jax.jit(final),
         'prepare': jax.jit(prepare) if program.prepare is not None else None,
+        'weighted': jax.jit(weighted_reps) if program.representation_weights is not None else None,
     }
 
   def correct(self, g, evaluation, phase, stacked, broadcast, test, which):
