@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import torch  # the '[test]' extra installs it (README)
+torch = pytest.importorskip('torch', reason='PyTorch is not installed: the reference-loop tests need its CPU build '
+                            '(pip install torch --index-url https://download.pytorch.org/whl/cpu)')
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks'))
 from torch_reference import TorchCNN4, TorchFedRE, client_tensors, load_flax_params  # noqa: E402
 
