@@ -217,15 +217,21 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
 
   if shared_init:
     group_key = architecture_key(init_key, spec.arch)
-    init_keys = jnp.broadcast_to(group_key, (g.stacked_size,) + group_key.shape)
+    trace(lambda: init_one(group_key), 'the algorithm\'s client modules (e.g. a shared global model)',
+          'the method\'s hyperparameters (e.g. its global model)', spec.input_shape)
+    # One client's state, computed once and broadcast: the programs do not depend on the number of clients, so a
+    # larger population compiles nothing new (XLA's persistent compilation cache, `compilation_cache`).
+    stack = jax.jit(lambda tree: jax.tree.map(lambda a: jnp.broadcast_to(a, (g.stacked_size,) + a.shape), tree))
+    params, variables = stack(jax.jit(init_classifier)(group_key))
+    extra = stack(jax.jit(lambda k: algorithm.init_client(spec, k))(group_key))
   else:
     init_keys = jax.vmap(lambda c: jax.random.fold_in(init_key, c))(g.stacked_ids)
-  trace(lambda: init_one(init_keys[0]), 'the algorithm\'s client modules (e.g. a shared global model)',
-        'the method\'s hyperparameters (e.g. its global model)', spec.input_shape)
-  # Two programs, not one: the algorithm's state is often the same program in every group (a generator, an
-  # optimizer), which XLA's persistent compilation cache (`compilation_cache`) then compiles once per run.
-  params, variables = jax.jit(jax.vmap(init_classifier))(init_keys)
-  extra = jax.jit(jax.vmap(lambda k: algorithm.init_client(spec, k)))(init_keys)
+    trace(lambda: init_one(init_keys[0]), 'the algorithm\'s client modules (e.g. a shared global model)',
+          'the method\'s hyperparameters (e.g. its global model)', spec.input_shape)
+    # Two programs, not one: the algorithm's state is often the same program in every group (a generator, an
+    # optimizer), which XLA's persistent compilation cache (`compilation_cache`) then compiles once per run.
+    params, variables = jax.jit(jax.vmap(init_classifier))(init_keys)
+    extra = jax.jit(jax.vmap(lambda k: algorithm.init_client(spec, k)))(init_keys)
   keys = jax.vmap(lambda c: jax.random.fold_in(key_key, c))(g.stacked_ids)
   return place_clients(ClientState(params, dict(variables), extra, keys), mesh)
 
