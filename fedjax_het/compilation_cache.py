@@ -39,4 +39,7 @@ def use_compilation_cache(directory: Optional[str]) -> Optional[str]:
                     'give a writable folder, or --compilation_cache= to turn it off.', directory, e)
     return None
   jax.config.update('jax_compilation_cache_dir', directory)
+  # Every program, however quick to compile: a round is dozens of small ones (per group, phase and chunk width),
+  # each under JAX's default threshold of one second, which together make most of a start.
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   return directory
