@@ -51,6 +51,19 @@ class GroupRound(NamedTuple):
   losses: Any
 
 
+def _check_arguments(algorithm: Algorithm, training: LocalTraining, join_ratio: float,
+                     full_participation_rounds: int) -> None:
+  """The `Federation` arguments checked before anything is built, each refused with its fix."""
+  if not 0 < join_ratio <= 1:
+    raise ConfigError(f'Federation.join_ratio={join_ratio} must be in (0, 1].')
+  if full_participation_rounds < 0:
+    raise ConfigError(f'Federation.full_participation_rounds={full_participation_rounds} must be >= 0.')
+  if not training.drop_last and not algorithm.partial_batches:
+    raise ConfigError(f'LocalTraining.drop_last=False: {algorithm.name} does not weight its losses by the real rows of '
+                      f'a partial batch yet, so it only runs with epochs of full batches. Fix: '
+                      f'LocalTraining.drop_last=True.')
+
+
 class Federation:
   """Builds groups from a `FederatedData` and a model family, and runs rounds of an `Algorithm`.
 
@@ -69,14 +82,7 @@ class Federation:
                join_ratio: float = 1.0, full_participation_rounds: int = 0, seed: int = 0):
     if not isinstance(models, ModelConfig):
       models = ModelConfig(tuple(models))
-    if not 0 < join_ratio <= 1:
-      raise ConfigError(f'Federation.join_ratio={join_ratio} must be in (0, 1].')
-    if full_participation_rounds < 0:
-      raise ConfigError(f'Federation.full_participation_rounds={full_participation_rounds} must be >= 0.')
-    if not training.drop_last and not algorithm.partial_batches:
-      raise ConfigError(f'LocalTraining.drop_last=False: {algorithm.name} does not weight its losses by the real rows of '
-                        f'a partial batch yet, so it only runs with epochs of full batches. Fix: '
-                        f'LocalTraining.drop_last=True.')
+    _check_arguments(algorithm, training, join_ratio, full_participation_rounds)
     execution = execution.resolve()
     self.algorithm, self.data, self.training, self.models, self.execution = (algorithm, data, training, models,
                                                                               execution)
