@@ -33,6 +33,7 @@ from harness import CompileLog, cifar_like, write_results
 from fedjax_het.algorithms import FedREConfig, fedavg_grouped, fedre
 from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
+from fedjax_het.engine.stores import nbytes
 
 flags.DEFINE_list('algorithms', ['fedre', 'fedavg'], 'fedre and/or fedavg (grouped).')
 flags.DEFINE_list('num_clients', ['10', '20'], 'Client counts.')
@@ -49,6 +50,9 @@ flags.DEFINE_enum('partition', 'iid', ['iid', 'dirichlet'], 'How the pool is spl
 flags.DEFINE_float('alpha', 0.1, 'Dirichlet concentration for --partition=dirichlet.')
 flags.DEFINE_integer('rounds', 2, 'Warm rounds timed after the first.')
 flags.DEFINE_string('strategy', None, 'Execution strategy (default: the backend default).')
+flags.DEFINE_bool('stream_clients', False, 'Client states and rows on the host, streamed chunk by chunk.')
+flags.DEFINE_float('memory_budget_gib', 0.0, 'Device memory a vmapped call may use (0: the backend default).')
+flags.DEFINE_float('learning_rate', 0.01, 'Local learning rate.')
 flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the JSON/CSV results.')
 flags.DEFINE_string('compilation_cache', DEFAULT_DIRECTORY, 'XLA\'s persistent compilation cache (as the '
                     'experiments\' flag; empty: off). A first run on a machine measures cold compilations.')
@@ -76,7 +80,10 @@ def measure(algorithm: str, k: int, groups: int, model: str, batch: int) -> dict
   data = cifar_like(k, per_client, partition=FLAGS.partition, alpha=FLAGS.alpha)
   t0 = time.perf_counter()
   with CompileLog() as compiles:
-    fed = Federation(alg, data, family, LocalTraining(0.01, batch, 1), ExecutionConfig(strategy=FLAGS.strategy))
+    budget = int(FLAGS.memory_budget_gib * 2**30) or None
+    fed = Federation(alg, data, family, LocalTraining(FLAGS.learning_rate, batch, 1),
+                     ExecutionConfig(strategy=FLAGS.strategy, stream_clients=FLAGS.stream_clients,
+                                     memory_budget=budget))
     state = fed.init()
     jax.block_until_ready(state)
     init_seconds, init_compiles = time.perf_counter() - t0, list(compiles.durations)
@@ -95,7 +102,12 @@ def measure(algorithm: str, k: int, groups: int, model: str, batch: int) -> dict
     if name == 'train':
       useful += int(work.sum())
       computed += sum(c.width * c.work for c in chunks)
-  return {'samples_per_client': per_client, 'init_seconds': init_seconds,
+  dataset_bytes = sum(g.rows.nbytes() + g.test.rows.nbytes() for g in fed.groups)
+  state_bytes = sum(nbytes(s) for s in state.groups)
+  return {'samples_per_client': per_client, 'init_seconds': init_seconds, 'dataset_mib': dataset_bytes / 2**20,
+          'client_states_mib': state_bytes / 2**20, 'widest_chunk': max(getattr(fed.executor, 'widest', {0: 0}).values(),
+                                                                      default=None),
+          'train_loss': m['train_loss'],
           'init_compilations': len(init_compiles), 'init_compile_seconds': sum(init_compiles),
           'first_round_seconds': first, 'compile_seconds': sum(first_compiles),
           'padding_waste': computed / useful if useful else None,

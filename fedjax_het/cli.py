@@ -124,6 +124,9 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
                  'may use, the clients\' states and rows included; each group\'s widest chunk is the widest whose '
                  'compiled call fits (XLA\'s memory analysis). 0: 75%% of the device\'s memory on a GPU, no bound '
                  'elsewhere. Ignored with --chunk_size.')
+  f.DEFINE_bool('stream_clients', _D.stream_clients, 'vmap strategy: keep the client states and rows on the host and '
+                'copy each chunk\'s to the device for its call (the next chunk\'s while it computes): the device '
+                'then holds one chunk, not the population (same numbers).')
   f.DEFINE_integer('scan_unroll', _D.scan_unroll, 'vmap strategy: local SGD steps per lax.scan iteration.')
   f.DEFINE_integer('num_devices', _D.num_devices, 'vmap strategy: shard each group\'s clients over this many '
                    'devices (0: all devices; 1: no sharding).')

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 # Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
 # --rounds is among them unless the method's numbers depend on it (`methods.Run.depends_on_rounds`).
 RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eval_batch_size', 'data_dir', 'conv',
-                    'scan_unroll', 'num_devices', 'client_threads', 'onednn_threads', 'memory_budget_gib')
+                    'scan_unroll', 'num_devices', 'client_threads', 'onednn_threads', 'memory_budget_gib',
+                    'stream_clients')
 
 
 def validate(cfg: ExperimentConfig) -> None:

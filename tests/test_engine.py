@@ -23,7 +23,7 @@ def make_fed(data, strategy, algorithm=None, join_ratio=1.0, seed=0, models=('sm
              conv='xla', eval_batch_size=16, training=TRAINING, **kw):
   algorithm = algorithm or fedre(FedREConfig(), data.num_classes)
   execution = {k: kw.pop(k) for k in ('chunk_size', 'client_threads', 'scan_unroll', 'onednn_threads',
-                                      'memory_budget') if k in kw}
+                                      'memory_budget', 'stream_clients') if k in kw}
   return Federation(algorithm, data, ModelConfig(list(models), feature_dim=16), training,
                     ExecutionConfig(strategy=strategy, conv=conv, eval_batch_size=eval_batch_size, **execution),
                     join_ratio=join_ratio, seed=seed, **kw)
@@ -343,3 +343,42 @@ def test_stages_run_in_order_with_their_own_step_counts_under_both_strategies(ti
     np.testing.assert_array_equal(v[k], s[k])
   np.testing.assert_allclose(v['keys'], s['keys'], rtol=1e-6)
   assert v_steps == s_steps == int((3 * np.maximum(1, sizes // 8) + sizes // 8).sum())
+
+
+def test_clients_streamed_from_the_host_give_the_numbers_of_resident_ones(tiny_data):
+  """Client states and rows on the host, each chunk's copied to the device and back: the same rounds, evaluations
+  and states as with everything on the device; the state the round was given is left as it was."""
+  one_group = dict(models=('mlp',), training=LocalTraining(learning_rate=0.05, batch_size=8, epochs=1))
+  resident = run(make_fed(tiny_data, 'vmap', **one_group), 2)
+  streamed_fed = make_fed(tiny_data, 'vmap', stream_clients=True, **one_group)
+  streamed = run(streamed_fed, 2)
+  assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(streamed[0].groups))  # on the host
+  assert_same_run(streamed, resident, exact_accuracy=False, rtol=1e-5, atol=1e-6)
+  before = streamed[0]
+  kept = jax.tree.map(np.copy, before.groups)
+  streamed_fed.round(before)
+  tree_allclose(before.groups, kept, rtol=0, atol=0)
+
+
+def test_a_population_larger_than_the_memory_budget_runs_with_clients_streamed(tiny_data, monkeypatch):
+  """A budget below the group's client states: refused with everything on the device, while streamed chunks fit
+  it and give the same numbers."""
+  from fedjax_het.engine import executors
+  from fedjax_het.engine.stores import nbytes
+  peaks = []
+  analysed = executors.compiled_peak
+  monkeypatch.setattr(executors, 'compiled_peak', lambda lowered: peaks.append(analysed(lowered)) or peaks[-1])
+  one_group = dict(models=('mlp',), training=LocalTraining(learning_rate=0.05, batch_size=8, epochs=1))
+  resident_fed = make_fed(tiny_data, 'vmap', memory_budget=2**40, **one_group)
+  resident = run(resident_fed, 1)
+  resident_peak = peaks[0]  # one client per call, the population's states and rows its arguments
+  run(make_fed(tiny_data, 'vmap', memory_budget=2**40, stream_clients=True, **one_group), 1)
+  streamed_peak = peaks[2]  # one client per call, only its own state and rows
+  population = nbytes(resident[0].groups)
+  budget = (streamed_peak + resident_peak) // 2
+  assert streamed_peak < budget < population  # the clients' states alone do not fit the budget
+  with pytest.raises(ConfigError, match=r'^ExecutionConfig.memory_budget='):
+    tight = make_fed(tiny_data, 'vmap', memory_budget=budget, **one_group)
+    tight.round(tight.init())
+  streamed = run(make_fed(tiny_data, 'vmap', memory_budget=budget, stream_clients=True, **one_group), 1)
+  assert_same_run(streamed, resident, exact_accuracy=False, rtol=1e-5, atol=1e-6)

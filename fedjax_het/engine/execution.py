@@ -51,6 +51,9 @@ class ExecutionConfig:
     group's widest chunk is the widest whose compiled call fits (`VmapExecutor.budget_width`, from XLA's memory
     analysis); None: DEFAULT_BUDGET_FRACTION of the device's memory where the backend reports it (GPU), else no
     bound. Ignored when chunk_size is set.
+  stream_clients: vmap strategy: client states and rows stay on the host; each chunk's are copied to the device
+    for its call (the next chunk's while it computes) and its states copied back, so that the device holds one
+    chunk's data, not the population's (same numbers).
   onednn_threads: OpenMP threads of each oneDNN convolution (conv='onednn'); None: under the sequential strategy
     the cores divided among the client threads (at least 1), so that they fill the cores without oversubscribing
     them; under vmap (one host thread) all cores. The numbers depend on it (oneDNN splits some kernel-gradient
@@ -65,6 +68,7 @@ class ExecutionConfig:
   eval_batch_size: Optional[int] = None
   onednn_threads: Optional[int] = None
   memory_budget: Optional[int] = None
+  stream_clients: bool = False
 
   def __post_init__(self):
     if self.strategy is not None and self.strategy not in STRATEGIES:
@@ -94,6 +98,11 @@ class ExecutionConfig:
       raise ConfigError(f'ExecutionConfig.eval_batch_size={self.eval_batch_size} must be >= 1 (None: the '
                         f'backend default).')
     devices = self.num_devices
+    if self.stream_clients and (self.strategy == 'sequential' or devices > 1):
+      raise ConfigError(f'ExecutionConfig.stream_clients=True streams chunks of clients into vmapped calls on one '
+                        f'device; it runs with ExecutionConfig.strategy=\'vmap\' and no client mesh (got strategy '
+                        f'{self.strategy!r}, {devices} device(s)). Fix: strategy=\'vmap\' and num_devices=1, or '
+                        f'stream_clients=False.')
     if devices > 1 and self.strategy == 'sequential':
       raise ConfigError(f'ExecutionConfig.client_mesh={devices} devices: sharding clients over devices needs '
                         f'ExecutionConfig.strategy=\'vmap\' (got {self.strategy!r}). Fix: '
@@ -112,7 +121,7 @@ class ExecutionConfig:
     """This configuration with every default decided for `backend` (default: JAX's): the one place they are."""
     cpu = (backend or jax.default_backend()) == 'cpu'
     strategy = self.strategy or ('sequential' if cpu else 'vmap')
-    if self.num_devices > 1 and self.strategy is None:
+    if (self.num_devices > 1 or self.stream_clients) and self.strategy is None:
       strategy = 'vmap'
     # oneDNN's custom call under vmap is a loop over the clients, which XLA cannot split over a client mesh.
     fallback = 'im2col' if strategy == 'vmap' else 'auto'
@@ -159,7 +168,8 @@ class ExecutionConfig:
     else:
       widest = self.chunk_size or f'at most {VmapExecutor.DEFAULT_MAX_WIDTH}'
       budget = f', memory_budget={self.memory_budget / 2**30:.1f} GiB' if self.memory_budget else ''
-      how += f', chunk_size={widest}{budget}, devices={self.num_devices}'
+      stream = ', clients streamed from the host' if self.stream_clients else ''
+      how += f', chunk_size={widest}{budget}, devices={self.num_devices}{stream}'
     return f'{where}: {how}'
 
   def apply_process_settings(self) -> None:
@@ -174,5 +184,6 @@ class ExecutionConfig:
     self.apply_process_settings()
     if self.strategy == 'vmap':
       return VmapExecutor(self.eval_batch_size, self.chunk_size, self.scan_unroll, self.num_devices,
-                          lambda tree: place_replicated(jax.device_put(tree), self.client_mesh), self.memory_budget)
+                          lambda tree: place_replicated(jax.device_put(tree), self.client_mesh), self.memory_budget,
+                          self.stream_clients)
     return SequentialExecutor(self.eval_batch_size, self.client_threads)

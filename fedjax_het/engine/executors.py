@@ -26,6 +26,7 @@ from fedjax_het.engine.chunks import Chunk, plan_chunks, width_ladder
 from fedjax_het.engine.client import (RowsOf, client_statistics_rows, run_client_rows, score_client_rows,
                                       weighted)
 from fedjax_het.engine.groups import EvalSet, Group, representation_model
+from fedjax_het.engine.stores import DeviceRows, RowStore
 from fedjax_het.engine.sharding import to_host
 from fedjax_het.errors import ConfigError
 from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, plan_stages, represent_into,
@@ -47,6 +48,78 @@ def vmap_broadcast(fn: Callable, broadcast: Any, idx) -> Callable:
   shared = {k: v for k, v in broadcast.items() if k != PER_CLIENT}
   per = take(broadcast[PER_CLIENT], idx)
   return lambda *args: jax.vmap(lambda p, *a: fn(*a, {**shared, PER_CLIENT: p}))(per, *args)
+
+
+def host_states(stacked: Any) -> Any:
+  """A writable host copy of stacked client states (a round updates its copy, never the state it was given)."""
+  return jax.tree.map(lambda a: np.array(to_host(a)), stacked)
+
+
+class ResidentClients:
+  """A group's client states and rows on the device: a chunk's call receives them whole and picks its clients
+  (`idx`); `blocks[i]` is the block of `rows` client i reads (default: its own)."""
+
+  def __init__(self, g: Group, rows: RowStore, stacked: Any, placement: Callable, blocks=None):
+    self.g, self.rows, self.stacked, self.placement = g, rows, stacked, placement
+    self.blocks = np.arange(len(rows.n)) if blocks is None else np.asarray(blocks)
+
+  def inputs(self, idx: np.ndarray, width: int) -> tuple:
+    """(states, store, offsets, counts) of a call over slots `idx` (past the group: empty)."""
+    block = self.blocks[np.minimum(idx, self.g.size - 1)]
+    real = idx < self.g.size
+    return (self.stacked, self.rows.device(self.placement),
+            jnp.asarray(np.where(real, self.rows.offset[block], 0), jnp.int32),
+            jnp.asarray(np.where(real, self.rows.n[block], 0), jnp.int32))
+
+  def prefetch(self, idx: np.ndarray, width: int) -> tuple:
+    """`inputs` made ahead of the call, the states left out (the call before it returns them)."""
+    return (None,) + self.inputs(idx, width)[1:]
+
+  def written(self, idx, states) -> None:
+    """Takes the states a call returned (the whole stack)."""
+    self.stacked = states
+
+  def states(self) -> Any:
+    return self.stacked
+
+
+class StreamedClients(ResidentClients):
+  """A group's client states and rows on the host: a chunk's call receives only its clients' states and rows,
+  copied to the device (slot j's rows at j * n_max of a [width * n_max] block), and its states are copied back.
+  Rows shared by every client (`shared_rows`, a global test set) stay on the device."""
+
+  def __init__(self, g: Group, rows: RowStore, stacked: Any, placement: Callable, blocks=None,
+               shared_rows: bool = False):
+    super().__init__(g, rows, stacked, placement, blocks)
+    self.shared_rows = shared_rows
+
+  def inputs(self, idx: np.ndarray, width: int) -> tuple:
+    pick = np.minimum(idx, self.g.stacked_size - 1)
+    clients = jax.device_put(jax.tree.map(lambda a: a[pick], self.stacked))
+    if self.shared_rows:
+      return (clients,) + super().inputs(idx, width)[1:]
+    span, host = self.rows.n_max, self.rows.rows
+    x = np.zeros((width * span,) + host.x.shape[1:], host.x.dtype)
+    y = np.zeros(width * span, np.int32)
+    counts = np.zeros(width, np.int32)
+    for j, i in enumerate(idx):
+      if i < self.g.size:
+        b = self.blocks[i]
+        lo, k = int(self.rows.offset[b]), int(self.rows.n[b])
+        x[j * span:j * span + k], y[j * span:j * span + k], counts[j] = host.x[lo:lo + k], host.y[lo:lo + k], k
+    store = jax.device_put(DeviceRows(x, y, self.rows.palette))
+    return clients, store, jnp.asarray(np.arange(width) * span, jnp.int32), jnp.asarray(counts)
+
+  prefetch = inputs
+
+  def written(self, idx, states) -> None:
+    """Copies a call's updated states back into the host stack (nothing for a warm-up call, `idx` None)."""
+    if idx is None:
+      return
+    real = idx < self.g.size
+    new = jax.device_get(states)
+    for host, values in zip(jax.tree.leaves(self.stacked), jax.tree.leaves(new)):
+      host[idx[real]] = values[real]
 
 
 def compiled_peak(lowered) -> Optional[int]:
@@ -108,9 +181,12 @@ class VmapExecutor(Executor):
   PASSES_IN_FLIGHT = 32
 
   def __init__(self, eval_batch_size: int, chunk_size: int = 0, scan_unroll: int = 1, num_devices: int = 1,
-               placement: Callable[[Any], Any] = jax.device_put, memory_budget: Optional[int] = None):
+               placement: Callable[[Any], Any] = jax.device_put, memory_budget: Optional[int] = None,
+               stream: bool = False):
     super().__init__(eval_batch_size)
     self.chunk_size, self.scan_unroll, self.num_devices = chunk_size, scan_unroll, num_devices
+    # Client states and rows on the host, each chunk's copied to the device for its call (`stream_clients`).
+    self.stream = stream
     self.placement = placement  # how a store's rows reach the device (replicated over a client mesh)
     self.memory_budget = memory_budget
     self.last_plan: dict = {}  # (name, group) -> the chunk plan of the latest call (benchmarks read it)
@@ -172,7 +248,7 @@ class VmapExecutor(Executor):
     def build():
       fns = {}
       for width in self.widths(slots, g, phase if name == 'vmap_update' else None):
-        fns[width] = jax.jit(make(width), donate_argnums=0)
+        fns[width] = jax.jit(make(width), donate_argnums=(0, 1) if name == 'vmap_update' else 0)
         warm(fns[width], width)
       return fns
     return self.compiled(name, g.spec.index, phase, slots, make=build)
@@ -183,38 +259,49 @@ class VmapExecutor(Executor):
     n = g.train_sizes[local]
     steps = step_counts(program, g.rows.n_max, n)  # [participants, stages]
     statistics_rows = np.asarray(program.training.statistics_rows(n)) if program.trained is not None else n * 0
-    store = g.rows.device(self.placement)
+    source = (StreamedClients(g, g.rows, host_states(stacked), self.placement) if self.stream
+              else ResidentClients(g, g.rows, stacked, self.placement))
 
     def empty(width):  # a call over `width` empty slots: nothing trains, nothing is written
       idx = np.full(width, g.stacked_size, np.int32)
-      return (self._offsets(g.rows, idx), self._counts(g.rows, idx), jnp.asarray(idx), jnp.full(width, slots),
-              g.stacked_ids, broadcast, key, jnp.zeros(steps.shape[1], jnp.int32), jnp.int32(0))
+      return (*source.inputs(idx, width), jnp.asarray(idx), jnp.full(width, slots), g.stacked_ids, broadcast, key,
+              jnp.zeros(steps.shape[1], jnp.int32), jnp.int32(0))
+
+    def one_slot():
+      first, store, offsets, counts, idx, _, *rest = empty(1)
+      return first, store, offsets, counts, idx, *rest
 
     shapes = self.compiled('vmap_buffers', g.spec.index, phase, slots, make=lambda: jax.eval_shape(
-        self._make_update(g, program, 1), stacked, store, *empty(1)[:3], *empty(1)[4:])[1:])  # a slot's results
+        self._make_update(g, program, 1), *one_slot())[1:])  # a slot's results
     zeros = lambda: jax.tree.map(lambda s: jnp.zeros((slots,) + s.shape[1:], s.dtype), shapes)
 
     def warm(fn, width):
-      nonlocal stacked
-      stacked, _ = fn(stacked, zeros(), store, *empty(width))
+      first, store, *rest = empty(width)
+      source.written(None, fn(first, zeros(), store, *rest)[0])
 
     if (g.spec.index, phase) not in self.widest:  # the phase's first round: the widest chunk its memory allows
-      update = lambda width: jax.jit(self._with_buffers(self._make_update(g, program, width)), donate_argnums=0)
+      update = lambda width: jax.jit(self._with_buffers(self._make_update(g, program, width)), donate_argnums=(0, 1))
       self.widest[(g.spec.index, phase)] = self.budget_width(g, lambda width: update(width).lower(
-          stacked, zeros(), store, *empty(width)))
+          empty(width)[0], zeros(), *empty(width)[1:]))
     fns = self._functions('vmap_update', g, phase, slots,
                           lambda width: self._with_buffers(self._make_update(g, program, width)), warm)
     out = zeros()
-    for chunk in self.plan('train', g, steps.sum(1), phase):
-      idx = self._slots(local[chunk.positions], chunk.width, g.stacked_size)
+    chunks = self.plan('train', g, steps.sum(1), phase)
+    calls = [(chunk, self._slots(local[chunk.positions], chunk.width, g.stacked_size)) for chunk in chunks]
+    ahead = source.prefetch(calls[0][1], calls[0][0].width) if calls else None
+    for c, (chunk, idx) in enumerate(calls):
+      first, store, offsets, counts = ahead
+      first = source.states() if first is None else first
       dest = self._slots(chunk.positions, chunk.width, slots)
       trips = jnp.asarray(steps[chunk.positions].max(0, initial=0), jnp.int32)
       passes = -(-int(statistics_rows[chunk.positions].max(initial=0)) // self.pass_rows(chunk.width))
-      stacked, out = fns[chunk.width](stacked, out, store, self._offsets(g.rows, idx), self._counts(g.rows, idx),
-                                      jnp.asarray(idx), jnp.asarray(dest), g.stacked_ids, broadcast, key, trips,
-                                      jnp.int32(passes))
+      new, out = fns[chunk.width](first, out, store, offsets, counts, jnp.asarray(idx), jnp.asarray(dest),
+                                  g.stacked_ids, broadcast, key, trips, jnp.int32(passes))
+      if c + 1 < len(calls):  # the next chunk's inputs travel while this one computes
+        ahead = source.prefetch(calls[c + 1][1], calls[c + 1][0].width)
+      source.written(idx, new)
     uploads, losses = out
-    return stacked, uploads, losses
+    return source.states(), uploads, losses
 
   @staticmethod
   def _with_buffers(core: Callable) -> Callable:
@@ -231,19 +318,13 @@ class VmapExecutor(Executor):
     """A chunk's client indices, padded to its width with `empty` (past the stack: an empty slot)."""
     return np.concatenate([local, np.full(width - len(local), empty)]).astype(np.int32)
 
-  @staticmethod
-  def _offsets(store, idx: np.ndarray) -> jnp.ndarray:
-    return jnp.asarray(store.offset[np.minimum(idx, len(store.n) - 1)], jnp.int32)
-
-  @staticmethod
-  def _counts(store, idx: np.ndarray) -> jnp.ndarray:
-    return jnp.asarray(np.where(idx < len(store.n), store.n[np.minimum(idx, len(store.n) - 1)], 0), jnp.int32)
-
   def _make_update(self, g: Group, program: ClientProgram, width: int):
-    num_rows, unroll, chunk = g.rows.n_max, self.scan_unroll, self.pass_rows(width)
+    """A chunk's update: (stacked states, or with `stream` the chunk's own, store, offsets, counts, slot_idx,
+    client_ids, broadcast, key, trips, passes) -> (the same states updated, uploads, losses)."""
+    num_rows, unroll, chunk, stream = g.rows.n_max, self.scan_unroll, self.pass_rows(width), self.stream
 
-    def update(stacked, store, offsets, counts, slot_idx, client_ids, broadcast, key, trips, passes):
-      clients = take(stacked, slot_idx)
+    def update(states, store, offsets, counts, slot_idx, client_ids, broadcast, key, trips, passes):
+      clients = states if stream else take(states, slot_idx)
       ids = jnp.take(client_ids, slot_idx, mode='clip')
       rngs = jax.vmap(lambda c: jax.random.fold_in(key, c))(ids)
       one = lambda c, off, cnt, k, b: run_client_rows(program, g.model, c, RowsOf(store, off, cnt, num_rows), b, k,
@@ -252,31 +333,32 @@ class VmapExecutor(Executor):
       real = slot_idx < g.size
       uploads = jax.tree.map(lambda u: jnp.where(real.reshape((-1,) + (1,) * (u.ndim - 1)), u, jnp.zeros((), u.dtype)),
                              uploads)  # empty slots zero, in the upload's own dtype (a bool stays bool)
-      stacked = jax.tree.map(lambda a, b: a.at[slot_idx].set(b, mode='drop'), stacked, new)
-      return stacked, uploads, jnp.where(real, losses, 0.0)
+      if not stream:
+        new = jax.tree.map(lambda a, b: a.at[slot_idx].set(b, mode='drop'), states, new)
+      return new, uploads, jnp.where(real, losses, 0.0)
     return update
 
   def correct(self, g, evaluation, phase, stacked, broadcast, test, which):
     blocks = np.array([test.index(i) for i in range(g.size)])
     counts = test.sizes[blocks]
-    store = test.rows.device(self.placement)
+    source = (StreamedClients(g, test.rows, host_states(stacked), self.placement, blocks, test.shared) if self.stream
+              else ResidentClients(g, test.rows, stacked, self.placement, blocks))
 
     def args(positions, width):
       idx = self._slots(positions, width, g.stacked_size)
-      rows_of = blocks[np.minimum(idx, g.size - 1)]
-      return (store, jnp.asarray(test.rows.offset[rows_of], jnp.int32),
-              jnp.asarray(np.where(idx < g.size, test.sizes[rows_of], 0), jnp.int32), jnp.asarray(idx),
-              jnp.asarray(self._slots(positions, width, g.size)), broadcast)
+      states, store, offsets, row_counts = source.inputs(idx, width)
+      return (store, offsets, row_counts, jnp.asarray(idx), jnp.asarray(self._slots(positions, width, g.size)),
+              broadcast, states)
 
     scores = jnp.zeros((g.size, len(evaluation.names)), jnp.int32)
 
     def warm(fn, width):
-      fn(jnp.zeros_like(scores), *args(np.zeros(0, np.int32), width), stacked, jnp.int32(0))
+      fn(jnp.zeros_like(scores), *args(np.zeros(0, np.int32), width), jnp.int32(0))
     fns = self._functions(f'vmap_eval_{which}', g, phase, g.size, lambda width: self._scores_into(
         self._make_eval(evaluation, test.rows.n_max, width)), warm)
     for chunk in self.plan(f'eval_{which}', g, -(-counts // self.eval_batch_size)):
       passes = -(-int(counts[chunk.positions].max(initial=0)) // self.pass_rows(chunk.width))
-      scores = fns[chunk.width](scores, *args(chunk.positions, chunk.width), stacked, jnp.int32(passes))
+      scores = fns[chunk.width](scores, *args(chunk.positions, chunk.width), jnp.int32(passes))
     return to_host(scores)
 
   @staticmethod
@@ -286,31 +368,34 @@ class VmapExecutor(Executor):
     return into
 
   def _make_eval(self, evaluation: Evaluation, num_rows: int, width: int):
-    chunk = self.pass_rows(width)
+    chunk, stream = self.pass_rows(width), self.stream
 
-    def evaluate(stacked, store, offsets, counts, slot_idx, broadcast, passes):
+    def evaluate(states, store, offsets, counts, slot_idx, broadcast, passes):
       one = lambda c, off, cnt, b: score_client_rows(evaluation, c, b, RowsOf(store, off, cnt, num_rows), passes,
                                                      chunk)
-      return vmap_broadcast(one, broadcast, slot_idx)(take(stacked, slot_idx), offsets, counts)
+      clients = states if stream else take(states, slot_idx)
+      return vmap_broadcast(one, broadcast, slot_idx)(clients, offsets, counts)
     return evaluate
 
   def statistics(self, g, evaluation, phase, stacked, broadcast):
     batch = min(g.spec.training.batch_size, g.rows.n_max)
-    store = g.rows.device(self.placement)
+    source = (StreamedClients(g, g.rows, host_states(stacked), self.placement) if self.stream
+              else ResidentClients(g, g.rows, stacked, self.placement))
     core = self._make_statistics(g, evaluation, batch)
 
     def args(positions, width):
       idx = self._slots(positions, width, g.stacked_size)
-      return (store, self._offsets(g.rows, idx), self._counts(g.rows, idx), jnp.asarray(idx), broadcast)
+      states, store, offsets, counts = source.inputs(idx, width)
+      return (store, offsets, counts, jnp.asarray(idx), broadcast, states)
 
-    shapes = jax.eval_shape(core, stacked, *args(np.zeros(0, np.int32), 1), jnp.int32(0))
+    shapes = jax.eval_shape(lambda *a: core(a[-1], *a[:-1], jnp.int32(0)), *args(np.zeros(0, np.int32), 1))
     total = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
     def warm(fn, width):
-      fn(jax.tree.map(jnp.zeros_like, total), *args(np.zeros(0, np.int32), width), stacked, jnp.int32(0))
+      fn(jax.tree.map(jnp.zeros_like, total), *args(np.zeros(0, np.int32), width), jnp.int32(0))
     fns = self._functions('vmap_statistics', g, phase, g.size, lambda width: self._sum_into(core), warm)
     for chunk in self.plan('statistics', g, -(-g.train_sizes // batch)):
-      total = fns[chunk.width](total, *args(chunk.positions, chunk.width), stacked, jnp.int32(chunk.work))
+      total = fns[chunk.width](total, *args(chunk.positions, chunk.width), jnp.int32(chunk.work))
     return total
 
   @staticmethod
@@ -320,12 +405,13 @@ class VmapExecutor(Executor):
     return into
 
   def _make_statistics(self, g: Group, evaluation: Evaluation, batch: int):
-    num_rows = g.rows.n_max
+    num_rows, stream = g.rows.n_max, self.stream
 
-    def gather(stacked, store, offsets, counts, slot_idx, broadcast, passes):
+    def gather(states, store, offsets, counts, slot_idx, broadcast, passes):
       one = lambda c, off, cnt, b: client_statistics_rows(evaluation, c, b, RowsOf(store, off, cnt, num_rows),
                                                           passes, batch)
-      per = vmap_broadcast(one, broadcast, slot_idx)(take(stacked, slot_idx), offsets, counts)
+      clients = states if stream else take(states, slot_idx)
+      per = vmap_broadcast(one, broadcast, slot_idx)(clients, offsets, counts)
       real = slot_idx < g.size
       return jax.tree.map(lambda a: jnp.sum(jnp.where(real.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0), 0), per)
     return gather

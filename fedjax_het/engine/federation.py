@@ -23,7 +23,7 @@ from fedjax_het.core import Algorithm, FederationSpec, Phase, Uploads, for_clien
 from fedjax_het.data.federated import FederatedData
 from fedjax_het.engine.accounting import accuracy_metrics, communication_metrics, count_uploads
 from fedjax_het.engine.execution import ExecutionConfig
-from fedjax_het.engine.executors import Executor
+from fedjax_het.engine.executors import Executor, host_states
 from fedjax_het.engine.groups import (EvalSet, Group, ModelConfig, build_groups, clients_without_steps, host_copy,
                                       init_group, slot_indices)
 from fedjax_het.engine.plan import plan_stages
@@ -170,7 +170,7 @@ class Federation:
     for gi in range(len(self.groups)):
       states.append(self.init_group(gi))
       self._report('init', gi)
-    states = tuple(states)
+    states = tuple(host_states(s) for s in states) if self.execution.stream_clients else tuple(states)
     initial = tuple(host_copy(s) for s in states)
     server = place_replicated(self.algorithm.init_server(server_key, self.spec, initial), self.mesh)
     return FederationState(states, server, jnp.asarray(0, jnp.int32))

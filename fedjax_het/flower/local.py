@@ -302,6 +302,7 @@ def help_text(argv: Sequence[str] = (), full: bool = False) -> str:
     delattr(fv, name)
   own = [line for flag in fv.get_flags_for_module(LOCAL_FLAGS_MODULE) for line in cli._flag_lines(flag)]
   usage = '\n'.join([__doc__.strip(), '', 'This command (a Flower run sets --strategy, --num_devices, --chunk_size, '
+                     '--memory_budget_gib, --stream_clients, '
                      '--progress and --distributed itself):'] + own)
   text = cli.help_text(fv, usage, argv)
   if full:

@@ -33,7 +33,8 @@ _STATE_FILE = re.compile(r'after_round_(\d+)\.npz$')
 def deployed_config(cfg: ExperimentConfig) -> ExperimentConfig:
   """The config a Flower run executes: one client per node, so the sequential executor's per-client functions on
   one device (the numbers do not depend on the executor)."""
-  return dataclasses.replace(cfg, strategy='sequential', num_devices=1, chunk_size=0)
+  return dataclasses.replace(cfg, strategy='sequential', num_devices=1, chunk_size=0, memory_budget_gib=0.0,
+                             stream_clients=False)
 
 
 class NodeStates:

@@ -34,6 +34,8 @@ NOT_KEYS = {
     'strategy': 'each node trains its one client with the sequential executor',
     'num_devices': 'each node trains its one client on one device',
     'chunk_size': 'each node trains its one client alone (no vmapped chunks)',
+    'memory_budget_gib': 'each node trains its one client alone (no vmapped chunks)',
+    'stream_clients': 'each node keeps its own client\'s state',
 }
 BEGIN = '# BEGIN experiment flags'
 END = '# END experiment flags'
