@@ -191,6 +191,7 @@ class VmapExecutor(Executor):
     self.memory_budget = memory_budget
     self.last_plan: dict = {}  # (name, group) -> the chunk plan of the latest call (benchmarks read it)
     self.widest: dict = {}  # (group, phase) -> its widest chunk under the memory budget (`budget_width`)
+    self.analysis: dict = {}  # group -> XLA's peaks of its latest budget analysis (benchmarks read it)
 
   def max_width(self, g: Optional[Group] = None, phase: Optional[int] = None) -> int:
     """The widest chunk: `chunk_size`, else what the memory budget allows group g's rounds of `phase`
@@ -223,6 +224,7 @@ class VmapExecutor(Executor):
       return self.max_width()
     per_client = max((peaks[1] - peaks[0]) / (next_up - narrow), 1.0)
     fits = narrow + int((self.memory_budget - peaks[0]) // per_client)
+    self.analysis[g.spec.index] = {'widths': (narrow, next_up), 'peaks': tuple(peaks), 'per_client': per_client}
     if fits < narrow:
       raise ConfigError(
           f'ExecutionConfig.memory_budget={self.memory_budget} bytes: a round of group {g.arch!r} needs '

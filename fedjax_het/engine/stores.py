@@ -31,22 +31,26 @@ def palette_codes(x: np.ndarray) -> tuple[np.ndarray, Optional[np.ndarray]]:
   flat = x.reshape(-1, channels)
   sample = flat[::max(1, len(flat) // _SAMPLE)]
   palette = np.zeros((PALETTE_SIZE, channels), np.float32)
-  candidates = []
+  codes = np.empty(flat.shape, np.uint8)
   for c in range(channels):
     values = np.unique(sample[:, c])
-    if len(values) > PALETTE_SIZE:
-      return x, None
+    for attempt in range(2):  # the sample's values, then with any the sample missed
+      if len(values) > PALETTE_SIZE:
+        return x, None
+      lookup, missed = _bit_lookup(values), []
+      for start in range(0, len(flat), _BLOCK):  # blocks that stay in cache
+        bits = np.ascontiguousarray(flat[start:start + _BLOCK, c]).view(np.uint32)
+        pos = lookup(bits)
+        wrong = values[pos].view(np.uint32) != bits
+        if wrong.any():
+          missed.append(np.unique(bits[wrong]).view(np.float32))
+        codes[start:start + _BLOCK, c] = pos
+      if not missed:
+        break
+      if attempt:  # -0.0 beside 0.0, or NaN: values that do not sort apart
+        return x, None
+      values = np.union1d(values, np.concatenate(missed))
     palette[:len(values), c] = values
-    candidates.append(values)
-  codes = np.empty(flat.shape, np.uint8)
-  for c, values in enumerate(candidates):
-    lookup = _bit_lookup(values)
-    for start in range(0, len(flat), _BLOCK):  # blocks that stay in cache
-      bits = np.ascontiguousarray(flat[start:start + _BLOCK, c]).view(np.uint32)
-      pos = lookup(bits)
-      if not np.array_equal(values[pos].view(np.uint32), bits):
-        return x, None  # a value the sample missed, or -0.0: keep the floats
-      codes[start:start + _BLOCK, c] = pos
   return codes.reshape(x.shape), palette
 
 
