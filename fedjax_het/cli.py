@@ -127,7 +127,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_bool('stream_clients', _D.stream_clients, 'vmap strategy: keep the client states and rows on the host and '
                 'copy each chunk\'s to the device for its call (the next chunk\'s while it computes): the device '
                 'then holds one chunk, not the population (same numbers).')
-  f.DEFINE_integer('scan_unroll', _D.scan_unroll, 'vmap strategy: local SGD steps per lax.scan iteration.')
+  f.DEFINE_integer('scan_unroll', _D.scan_unroll, 'vmap strategy: local SGD steps per iteration of a chunk\'s loop '
+                   'over its busiest client\'s steps.')
   f.DEFINE_integer('num_devices', _D.num_devices, 'vmap strategy: shard each group\'s clients over this many '
                    'devices (0: all devices; 1: no sharding).')
   f.DEFINE_integer('client_threads', None, 'sequential strategy: clients updated at once, one host thread each '
