@@ -50,9 +50,10 @@ def vmap_broadcast(fn: Callable, broadcast: Any, idx) -> Callable:
   return lambda *args: jax.vmap(lambda p, *a: fn(*a, {**shared, PER_CLIENT: p}))(per, *args)
 
 
-def host_states(stacked: Any) -> Any:
-  """A writable host copy of stacked client states (a round updates its copy, never the state it was given)."""
-  return jax.tree.map(lambda a: np.array(to_host(a)), stacked)
+def host_states(stacked: Any, copy: bool = True) -> Any:
+  """Stacked client states on the host: a writable copy (a round updates its copy, never the state it was given),
+  or with copy=False the arrays themselves where they are there already (for reading)."""
+  return jax.tree.map(lambda a: np.array(to_host(a)) if copy else np.asarray(to_host(a)), stacked)
 
 
 class ResidentClients:
@@ -343,7 +344,8 @@ class VmapExecutor(Executor):
   def correct(self, g, evaluation, phase, stacked, broadcast, test, which):
     blocks = np.array([test.index(i) for i in range(g.size)])
     counts = test.sizes[blocks]
-    source = (StreamedClients(g, test.rows, host_states(stacked), self.placement, blocks, test.shared) if self.stream
+    source = (StreamedClients(g, test.rows, host_states(stacked, copy=False), self.placement, blocks, test.shared)
+              if self.stream
               else ResidentClients(g, test.rows, stacked, self.placement, blocks))
 
     def args(positions, width):
@@ -381,7 +383,7 @@ class VmapExecutor(Executor):
 
   def statistics(self, g, evaluation, phase, stacked, broadcast):
     batch = min(g.spec.training.batch_size, g.rows.n_max)
-    source = (StreamedClients(g, g.rows, host_states(stacked), self.placement) if self.stream
+    source = (StreamedClients(g, g.rows, host_states(stacked, copy=False), self.placement) if self.stream
               else ResidentClients(g, g.rows, stacked, self.placement))
     core = self._make_statistics(g, evaluation, batch)
 
