@@ -112,6 +112,9 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
                 'default U(+-1/sqrt(fan_in)), as HtFLlib) or flax (Flax\'s defaults).')
   f.DEFINE_bool('shared_init', _D.shared_init, 'Clients of one architecture start from identical parameters '
                 '(HtFLlib); --noshared_init: each client draws its own.')
+  f.DEFINE_enum('precision', _D.precision, ['float32', 'bfloat16'], 'Compute type of the classifiers: float32, or '
+                'bfloat16 from float32 parameters (the master copy the optimizer updates; uploads stay float32). '
+                'Changes the numbers; off by default.')
   f.DEFINE_integer('seed', _D.seed, 'One seed for partition, initialisation and every random draw.')
   f = f.group('execution')
   f.DEFINE_enum('strategy', None, list(STRATEGIES), 'How a group executes (default: sequential on CPU, vmap else).')

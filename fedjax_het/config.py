@@ -20,7 +20,7 @@ FLAGS_OF_ARGUMENTS = {
     'LocalTraining.epochs': '--local_epochs', 'LocalTraining.order': '--data_order',
     'LocalTraining.max_steps': '--local_steps', 'LocalTraining.drop_last=True': '--drop_last',
     'LocalTraining.drop_last=False': '--nodrop_last', 'LocalTraining.drop_last': '--drop_last',
-    'ModelConfig.names': '--models', 'ModelConfig.*': '', 'Dataset.resized(32)': '--image_size=32',
+    'ModelConfig.names': '--models', 'ModelConfig.precision': '--precision', 'ModelConfig.*': '', 'Dataset.resized(32)': '--image_size=32',
     'Federation.*': '', 'make_federated_data.num_clients': '--num_clients', 'make_federated_data.*': '',
     'ExecutionConfig.client_mesh=None': '--num_devices=1', 'ExecutionConfig.client_mesh=': '--num_devices=',
     'client_mesh.num_devices': '--num_devices',
@@ -78,6 +78,7 @@ class ExperimentConfig:
   drop_last: bool = True  # HtFLlib's loader drops the last partial batch; False: PyTorch's default (GeFL's code)
   init: str = 'torch'  # PyTorch's default Conv/Linear initialisation (HtFLlib); 'flax': Flax's defaults
   shared_init: bool = True  # clients of one architecture start identical (HtFLlib seeds 0 before each model)
+  precision: str = 'float32'  # 'bfloat16': the classifiers compute in bfloat16 from float32 parameters
   # Every registered method's hyperparameters by name (its config dataclass, `fedjax_het.methods`); methods left
   # out take their defaults, e.g. methods={'fedproto': FedProtoConfig(lamda=5.0)}.
   methods: dict = dataclasses.field(default_factory=dict)
@@ -177,7 +178,7 @@ class ExperimentConfig:
     """The clients' classifiers of this config (`engine.ModelConfig`)."""
     from fedjax_het.engine.groups import ModelConfig
     with flags_named():
-      return ModelConfig(tuple(self.models), self.feature_dim, self.rm, self.init, self.shared_init)
+      return ModelConfig(tuple(self.models), self.feature_dim, self.rm, self.init, self.shared_init, self.precision)
 
   def execution_config(self):
     """How this config's rounds run (`engine.ExecutionConfig`), with --num_devices as a client mesh; its errors

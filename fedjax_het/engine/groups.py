@@ -17,6 +17,7 @@ from fedjax_het.engine.stores import RowStore
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
 from fedjax_het.models.conv import EVAL_PASS_CONV
+from fedjax_het.models.classifier import PRECISIONS
 from fedjax_het.models.init import INITS, architecture_key, init_variables
 from fedjax_het.models.registry import assign_models, build_model
 
@@ -31,12 +32,15 @@ class ModelConfig:
   init: 'torch' (PyTorch's default Conv/Linear initialisation, as HtFLlib) or 'flax' (Flax's defaults).
   shared_init: every client of an architecture starts from the same parameters (HtFLlib); otherwise each draws
     its own.
+  precision: 'float32', or 'bfloat16': the classifiers compute in bfloat16 from float32 parameters
+    (`models.forward`; the parameters, optimizer states and uploads stay float32).
   """
   names: tuple[str, ...]
   feature_dim: int = 512
   rm: str = 'ap'
   init: str = 'torch'
   shared_init: bool = True
+  precision: str = 'float32'
 
   def __post_init__(self):
     object.__setattr__(self, 'names', tuple(self.names))
@@ -45,6 +49,8 @@ class ModelConfig:
                         f'default Conv/Linear initialisation, as HtFLlib; flax: Flax\'s defaults).')
     if self.feature_dim < 1:
       raise ConfigError(f'ModelConfig.feature_dim={self.feature_dim} must be >= 1.')
+    if self.precision not in PRECISIONS:
+      raise ConfigError(f'ModelConfig.precision={self.precision!r} is unknown; choose one of {", ".join(PRECISIONS)}.')
     self.architectures(1)  # an empty or unknown name fails here
 
   def architectures(self, num_clients: int) -> list[str]:
@@ -61,9 +67,10 @@ class ClassifierMaker:
   conv: str
   init_scheme: str
   seed: int
+  precision: str = 'float32'
 
   def build(self, arch: str, feature_dim: int):
-    return build_model(arch, self.num_classes, feature_dim, self.rm, self.conv)
+    return build_model(arch, self.num_classes, feature_dim, self.rm, self.conv, self.precision)
 
   def init(self, module, key, *inputs, path: tuple = ()) -> dict:
     return init_variables(module, key, *inputs, scheme=self.init_scheme, path=path)
@@ -152,7 +159,7 @@ def build_groups(data: FederatedData, models: ModelConfig, training: LocalTraini
   first appearance, each padded to a multiple of `num_devices` clients and placed on `mesh` (None: one device)."""
   architectures = models.architectures(data.num_clients)
   feature_dim, rm = models.feature_dim, models.rm
-  maker = ClassifierMaker(data.num_classes, rm, conv, models.init, seed)
+  maker = ClassifierMaker(data.num_classes, rm, conv, models.init, seed, models.precision)
   groups = []
   for index, arch in enumerate(dict.fromkeys(architectures)):
     ids = np.array([k for k, a in enumerate(architectures) if a == arch])

@@ -9,6 +9,7 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.models.pooling import adaptive_avg_pool1d, adaptive_max_pool1d
 
 RM_MODES = ('ap', 'mp', 'fc', 'none')
+PRECISIONS = ('float32', 'bfloat16')
 
 
 class HeteroClassifier(nn.Module):
@@ -27,6 +28,8 @@ class HeteroClassifier(nn.Module):
   num_classes: int
   feature_dim: int = 512
   rm: str = 'ap'
+  # 'bfloat16': `models.forward` computes in bfloat16 from float32 parameters (the master copy), outputs in float32.
+  precision: str = 'float32'
 
   def setup(self):
     if self.rm not in RM_MODES:

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import flax.linen as nn
 
 from fedjax_het.errors import ConfigError
-from fedjax_het.models.classifier import HeteroClassifier
+from fedjax_het.models.classifier import PRECISIONS, HeteroClassifier
 from fedjax_het.models.cnn import MLP, FedAvgCNN, HeteroFLConv, SmallCNN
 from fedjax_het.models.conv import ConvFactory, conv_factory
 from fedjax_het.models.gefl_cnn import GEFL_DATASETS, GeFLCNN
@@ -70,16 +70,19 @@ def model_names() -> list[str]:
   return sorted(_EXTRACTORS)
 
 
-def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = 'ap', conv: str = 'xla'
-                ) -> HeteroClassifier:
-  """The classifier `name` with RM to `feature_dim`, a head to `num_classes`, and convolutions computed the
-  `conv` way ('xla', 'im2col' or 'auto'; same parameters, same function)."""
+def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = 'ap', conv: str = 'xla',
+                precision: str = 'float32') -> HeteroClassifier:
+  """The classifier `name` with RM to `feature_dim`, a head to `num_classes`, convolutions computed the `conv` way
+  ('xla', 'im2col', 'auto', ...; same parameters, same function) and `precision` the compute type of
+  `models.forward` ('float32', or 'bfloat16' from float32 parameters)."""
+  if precision not in PRECISIONS:
+    raise ConfigError(f'ModelConfig.precision={precision!r} is unknown; choose one of {", ".join(PRECISIONS)}.')
   base, rate = width_rate(name)
   if base not in _EXTRACTORS:
     raise ConfigError(f'ModelConfig.names: unknown model {name!r}; registered models are {", ".join(model_names())}.')
   extractor = (_WIDTH_SCALED[base](conv_factory(conv), rate) if '@' in name
                else _EXTRACTORS[name](conv_factory(conv)))
-  return HeteroClassifier(extractor, num_classes, feature_dim, rm)
+  return HeteroClassifier(extractor, num_classes, feature_dim, rm, precision)
 
 
 def assign_models(models: Sequence[str], num_clients: int) -> list[str]:
