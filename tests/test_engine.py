@@ -155,15 +155,25 @@ def test_chunked_vmap_equals_whole_group(tiny_data, two_rounds):
   assert_same_run(run(make_fed(tiny_data, 'vmap', chunk_size=2), 2), two_rounds['vmap'], rtol=1e-5, atol=1e-6)
 
 
-def test_the_memory_budget_picks_the_widest_chunk_that_fits_and_changes_no_number(tiny_data, monkeypatch):
+# One group of 6 clients (the tiny data's), so that a round's chunks can be 4 wide.
+ONE_GROUP = dict(models=('mlp',), training=LocalTraining(learning_rate=0.05, batch_size=8, epochs=1))
+
+
+@pytest.fixture
+def peaks(monkeypatch):
+  """The peaks XLA's memory analysis gives the executor's budget calls, in the order it asks for them."""
+  from fedjax_het.engine import executors
+  recorded = []
+  analysed = executors.compiled_peak
+  monkeypatch.setattr(executors, 'compiled_peak', lambda lowered: recorded.append(analysed(lowered)) or recorded[-1])
+  return recorded
+
+
+def test_the_memory_budget_picks_the_widest_chunk_that_fits_and_changes_no_number(tiny_data, peaks):
   """One group of 6: the budget's width comes from XLA's analysis of the call at widths 1 and 4; a budget between
   their peaks gives chunks of one client, the same numbers as chunks of four; one below the narrowest call's peak
   is refused with its fix; the same budget always gives the same width."""
-  from fedjax_het.engine import executors
-  peaks = []
-  analysed = executors.compiled_peak
-  monkeypatch.setattr(executors, 'compiled_peak', lambda lowered: peaks.append(analysed(lowered)) or peaks[-1])
-  one_group = dict(models=('mlp',), training=LocalTraining(learning_rate=0.05, batch_size=8, epochs=1))
+  one_group = ONE_GROUP
   wide_fed = make_fed(tiny_data, 'vmap', memory_budget=2**40, **one_group)
   wide = run(wide_fed, 1)
   assert len(peaks) == 2 and peaks[1] > peaks[0]  # the call over 4 clients needs more than over 1
@@ -348,7 +358,7 @@ def test_stages_run_in_order_with_their_own_step_counts_under_both_strategies(ti
 def test_clients_streamed_from_the_host_give_the_numbers_of_resident_ones(tiny_data):
   """Client states and rows on the host, each chunk's copied to the device and back: the same rounds, evaluations
   and states as with everything on the device; the state the round was given is left as it was."""
-  one_group = dict(models=('mlp',), training=LocalTraining(learning_rate=0.05, batch_size=8, epochs=1))
+  one_group = ONE_GROUP
   resident = run(make_fed(tiny_data, 'vmap', **one_group), 2)
   streamed_fed = make_fed(tiny_data, 'vmap', stream_clients=True, **one_group)
   streamed = run(streamed_fed, 2)
@@ -360,15 +370,11 @@ def test_clients_streamed_from_the_host_give_the_numbers_of_resident_ones(tiny_d
   tree_allclose(before.groups, kept, rtol=0, atol=0)
 
 
-def test_a_population_larger_than_the_memory_budget_runs_with_clients_streamed(tiny_data, monkeypatch):
+def test_a_population_larger_than_the_memory_budget_runs_with_clients_streamed(tiny_data, peaks):
   """A budget below the group's client states: refused with everything on the device, while streamed chunks fit
   it and give the same numbers."""
-  from fedjax_het.engine import executors
   from fedjax_het.engine.stores import nbytes
-  peaks = []
-  analysed = executors.compiled_peak
-  monkeypatch.setattr(executors, 'compiled_peak', lambda lowered: peaks.append(analysed(lowered)) or peaks[-1])
-  one_group = dict(models=('mlp',), training=LocalTraining(learning_rate=0.05, batch_size=8, epochs=1))
+  one_group = ONE_GROUP
   resident_fed = make_fed(tiny_data, 'vmap', memory_budget=2**40, **one_group)
   resident = run(resident_fed, 1)
   resident_peak = peaks[0]  # one client per call, the population's states and rows its arguments
