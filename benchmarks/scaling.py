@@ -51,6 +51,7 @@ flags.DEFINE_float('alpha', 0.1, 'Dirichlet concentration for --partition=dirich
 flags.DEFINE_integer('rounds', 2, 'Warm rounds timed after the first.')
 flags.DEFINE_string('strategy', None, 'Execution strategy (default: the backend default).')
 flags.DEFINE_bool('stream_clients', False, 'Client states and rows on the host, streamed chunk by chunk.')
+flags.DEFINE_integer('group_threads', None, 'Groups initialised and compiled at once (default: the cores).')
 flags.DEFINE_float('memory_budget_gib', 0.0, 'Device memory a vmapped call may use (0: the backend default).')
 flags.DEFINE_float('learning_rate', 0.01, 'Local learning rate.')
 flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the JSON/CSV results.')
@@ -83,7 +84,7 @@ def measure(algorithm: str, k: int, groups: int, model: str, batch: int) -> dict
     budget = int(FLAGS.memory_budget_gib * 2**30) or None
     fed = Federation(alg, data, family, LocalTraining(FLAGS.learning_rate, batch, 1),
                      ExecutionConfig(strategy=FLAGS.strategy, stream_clients=FLAGS.stream_clients,
-                                     memory_budget=budget))
+                                     memory_budget=budget, group_threads=FLAGS.group_threads))
     state = fed.init()
     jax.block_until_ready(state)
     init_seconds, init_compiles = time.perf_counter() - t0, list(compiles.durations)

@@ -1,6 +1,7 @@
 import os
 import platform
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ def make_fed(data, strategy, algorithm=None, join_ratio=1.0, seed=0, models=('sm
              conv='xla', eval_batch_size=16, training=TRAINING, **kw):
   algorithm = algorithm or fedre(FedREConfig(), data.num_classes)
   execution = {k: kw.pop(k) for k in ('chunk_size', 'client_threads', 'scan_unroll', 'onednn_threads',
-                                      'memory_budget', 'stream_clients') if k in kw}
+                                      'memory_budget', 'stream_clients', 'group_threads') if k in kw}
   return Federation(algorithm, data, ModelConfig(list(models), feature_dim=16), training,
                     ExecutionConfig(strategy=strategy, conv=conv, eval_batch_size=eval_batch_size, **execution),
                     join_ratio=join_ratio, seed=seed, **kw)
@@ -194,14 +195,23 @@ def test_the_memory_budget_picks_the_widest_chunk_that_fits_and_changes_no_numbe
     tight.round(tight.init())
 
 
-def test_same_seed_same_numbers_whatever_the_client_threads(tiny_data):
+def test_same_seed_same_numbers_whatever_the_client_and_group_threads(tiny_data):
   strip = lambda h: [{k: v for k, v in m.items() if 'seconds' not in k} for m in h]
-  s1, h1 = run(make_fed(tiny_data, 'sequential', join_ratio=0.5, seed=4, client_threads=1), 2)
-  s2, h2 = run(make_fed(tiny_data, 'sequential', join_ratio=0.5, seed=4, client_threads=3), 2)
+  s1, h1 = run(make_fed(tiny_data, 'sequential', join_ratio=0.5, seed=4, client_threads=1, group_threads=1), 2)
+  threaded = make_fed(tiny_data, 'sequential', join_ratio=0.5, seed=4, client_threads=3, group_threads=2)
+  ran_in = []
+  original = threaded.executor.run
+  threaded.executor.run = lambda *a: ran_in.append(threading.current_thread().name) or original(*a)
+  s2, h2 = run(threaded, 2)
   _, h3 = run(make_fed(tiny_data, 'sequential', join_ratio=0.5, seed=5), 2)
   tree_allclose(s1, s2, rtol=0, atol=0)
   assert strip(h1) == strip(h2)
   assert strip(h1) != strip(h3)
+  # The first round, where the groups' programs compile, runs its two groups in threads of their own; later
+  # rounds one after the other from the caller's thread.
+  assert [name.startswith('group') for name in ran_in] == [True, True, False, False]
+  with pytest.raises(ConfigError, match=r'^ExecutionConfig.group_threads=0 must be >= 1'):
+    ExecutionConfig(group_threads=0)
 
 
 @pytest.mark.skipif(not (sys.platform == 'linux' and platform.machine() == 'x86_64'),

@@ -1,6 +1,7 @@
 """HtFLlib's initialisation: PyTorch's default Conv/Linear draws, clients of one architecture identical."""
 
 import math
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,29 @@ def test_torch_default_init_has_the_reference_bounds_and_leaves_norms_alone():
   np.testing.assert_array_equal(out['attention']['kernel'], 0)
   again = torch_default_init(params, jax.random.PRNGKey(0))
   np.testing.assert_array_equal(again['conv']['kernel'], out['conv']['kernel'])
+
+
+def test_each_layer_is_its_own_uniform_draw_from_a_key_of_its_path():
+  # The documented draw, written out: kernel and bias from the two keys of split(fold_in(key, crc32(path))), as
+  # jax.random.uniform draws them; one layer spans several blocks of the hashed stream, one is a transposed
+  # convolution (fan_in = kh * kw * out), and a batch of keys (vmap) gives each its own.
+  params = {'a': {'kernel': jnp.zeros((3, 3, 16, 200)), 'bias': jnp.zeros(200)},  # 28,800 weights: 29 blocks
+            'b': {'Dense_0': {'kernel': jnp.zeros((7, 5))}},
+            'up': {'convt1': {'kernel': jnp.zeros((4, 4, 6, 3)), 'bias': jnp.zeros(3)}}}
+  keys = jax.random.split(jax.random.PRNGKey(5), 3)
+  out = jax.jit(jax.vmap(torch_default_init, in_axes=(None, 0)))(params, keys)
+  for c, key in enumerate(keys):
+    for path, fan_in in ((('a',), 3 * 3 * 16), (('b', 'Dense_0'), 7), (('up', 'convt1'), 4 * 4 * 3)):
+      k_key, b_key = jax.random.split(jax.random.fold_in(key, zlib.crc32('/'.join(path).encode()) & 0x7FFFFFFF))
+      layer, got = params, out
+      for name in path:
+        layer, got = layer[name], got[name]
+      bound = 1 / math.sqrt(fan_in)
+      np.testing.assert_array_equal(got['kernel'][c], jax.random.uniform(k_key, layer['kernel'].shape,
+                                                                         jnp.float32, -bound, bound))
+      if 'bias' in layer:
+        np.testing.assert_array_equal(got['bias'][c], jax.random.uniform(b_key, layer['bias'].shape, jnp.float32,
+                                                                         -bound, bound))
 
 
 def test_torch_default_init_matches_torch_linear_moments():

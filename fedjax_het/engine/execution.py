@@ -58,6 +58,10 @@ class ExecutionConfig:
     the cores divided among the client threads (at least 1), so that they fill the cores without oversubscribing
     them; under vmap (one host thread) all cores. The numbers depend on it (oneDNN splits some kernel-gradient
     sums among its threads): set it to keep them while changing client_threads.
+  group_threads: architecture groups initialised, and run in the rounds and evaluations where their programs
+    compile (a phase's first), at once, one host thread each, so that their compilations overlap (the numbers do
+    not depend on it); None: the cores, and 1 where the programs span several devices or processes (their
+    collectives must be issued in one order everywhere).
   """
   strategy: Optional[str] = None
   conv: Optional[str] = None
@@ -69,6 +73,7 @@ class ExecutionConfig:
   onednn_threads: Optional[int] = None
   memory_budget: Optional[int] = None
   stream_clients: bool = False
+  group_threads: Optional[int] = None
 
   def __post_init__(self):
     if self.strategy is not None and self.strategy not in STRATEGIES:
@@ -88,6 +93,8 @@ class ExecutionConfig:
                         f'iteration).')
     if self.client_threads is not None and self.client_threads < 1:
       raise ConfigError(f'ExecutionConfig.client_threads={self.client_threads} must be >= 1.')
+    if self.group_threads is not None and self.group_threads < 1:
+      raise ConfigError(f'ExecutionConfig.group_threads={self.group_threads} must be >= 1 (None: the cores).')
     if self.onednn_threads is not None and self.onednn_threads < 1:
       raise ConfigError(f'ExecutionConfig.onednn_threads={self.onednn_threads} must be >= 1 (None: the cores divided '
                         f'among the client threads).')
@@ -141,8 +148,14 @@ class ExecutionConfig:
     threads = self.client_threads or max(1, min(2, os.cpu_count() or 1))
     mesh = self.client_mesh if self.num_devices > 1 else None
     budget = self.memory_budget or default_memory_budget(backend)
+    spans = self.num_devices > 1 or jax.process_count() > 1
+    if spans and (self.group_threads or 1) > 1:
+      raise ConfigError(f'ExecutionConfig.group_threads={self.group_threads}: programs over several devices or '
+                        f'processes must be issued in one order everywhere, so their groups run one at a time. Fix: '
+                        f'group_threads=1 (or leave it unset).')
+    groups = self.group_threads or (1 if spans else os.cpu_count() or 1)
     return dataclasses.replace(self, strategy=strategy, conv=conv, client_mesh=mesh, client_threads=threads,
-                               memory_budget=budget,
+                               memory_budget=budget, group_threads=groups,
                                eval_batch_size=self.eval_batch_size or ((64 if conv == 'onednn' else 32) if cpu
                                                                         else 256),
                                onednn_threads=self.onednn_threads or max(1, (os.cpu_count() or 1)

@@ -15,6 +15,7 @@ Executors cache their compiled functions per (name, group, phase); `compiled_fun
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Any, Callable, Optional
 
 import jax
@@ -140,12 +141,18 @@ class Executor:
   def __init__(self, eval_batch_size: int):
     self.eval_batch_size = eval_batch_size
     self._compiled: dict = {}
+    self._lock = threading.Lock()
+    self._making: dict = {}  # key -> the lock its maker holds (groups may run in threads, `group_threads`)
 
   def compiled(self, name: str, *where: Any, make: Callable[[], Any]) -> Any:
-    """The function cached under (name, *where), made on first use."""
+    """The function cached under (name, *where), made on first use (once, whichever thread asks first)."""
     key = (name,) + where
     if key not in self._compiled:
-      self._compiled[key] = make()
+      with self._lock:
+        making = self._making.setdefault(key, threading.RLock())
+      with making:
+        if key not in self._compiled:
+          self._compiled[key] = make()
     return self._compiled[key]
 
   def compiled_functions(self) -> list[tuple]:
@@ -430,8 +437,9 @@ class SequentialExecutor(Executor):
     self.threads, self._pool = threads, None
 
   def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
-    if self._pool is None:
-      self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix='client')
+    with self._lock:
+      if self._pool is None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix='client')
     return self._pool
 
   def functions(self, g: Group, program: ClientProgram, phase: int) -> dict:

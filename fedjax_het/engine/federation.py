@@ -11,6 +11,7 @@ one-device run.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -132,6 +133,7 @@ class Federation:
                       'no local step (one epoch drops the last partial batch, as HtFLlib does).', training.batch_size,
                       self.clients_without_steps)
     self._jitted: dict = {}
+    self._compiled_parts: set = set()  # ('round', phase) and ('eval', phase, which) run once: their programs exist
     self._server_shapes = None
     # Called as progress(what, group index, groups) after each group's part of `init` ('init') and of a round
     # ('round'): where each group's programs compile on first use, a start-up display can follow them.
@@ -166,10 +168,7 @@ class Federation:
   def init(self) -> FederationState:
     """Initial client states (`groups.init_group`) and the server state."""
     server_key = self._init_keys()[2]
-    states = []
-    for gi in range(len(self.groups)):
-      states.append(self.init_group(gi))
-      self._report('init', gi)
+    states = self.each_group(self.init_group, 'init', compiles=True)
     states = tuple(host_states(s) for s in states) if self.execution.stream_clients else tuple(states)
     initial = tuple(host_copy(s) for s in states)
     server = place_replicated(self.algorithm.init_server(server_key, self.spec, initial), self.mesh)
@@ -263,15 +262,40 @@ class Federation:
     p = self.phase_index(r)
     key, _ = self.round_keys(r)
     participants = self.participants(r)
-    results = []
-    for gi, (g, slots) in enumerate(zip(self.groups, self.slots(r))):
-      slot_idx = slot_indices(g, participants, slots)
+    slots = self.slots(r)
+
+    def run(gi):
+      g = self.groups[gi]
+      slot_idx = slot_indices(g, participants, slots[gi])
       broadcast = self.broadcast(state.server, gi, r)
-      stacked, values, loss = self.executor.run(g, self.programs[p][gi], p, state.groups[gi], slot_idx, broadcast,
-                                                key)
-      results.append(GroupRound(slot_idx, stacked, values, loss))
-      self._report('round', gi)
+      return GroupRound(slot_idx, *self.executor.run(g, self.programs[p][gi], p, state.groups[gi], slot_idx,
+                                                      broadcast, key))
+    results = self.each_group(run, 'round', compiles=('round', p) not in self._compiled_parts)
+    self._compiled_parts.add(('round', p))
     return self.finish_round(state, results, participants, start)
+
+  def each_group(self, fn: Callable[[int], Any], what: str, compiles: bool) -> list:
+    """[fn(gi) for every group index], reported to `progress` as `what` group by group. Where `compiles` (the
+    groups' programs compile in these calls), `ExecutionConfig.group_threads` groups run at once, one host thread
+    each, so that their compilations overlap; the groups are independent, so the results do not depend on it."""
+    threads = min(self.execution.group_threads, len(self.groups)) if compiles else 1
+    if threads <= 1:
+      out = []
+      for gi in range(len(self.groups)):
+        out.append(fn(gi))
+        self._report(what, gi)
+      return out
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix='group') as pool:
+      futures = {pool.submit(fn, gi): gi for gi in range(len(self.groups))}
+      try:
+        for future in concurrent.futures.as_completed(futures):
+          future.result()  # the first failure raises here
+          self._report(what, futures[future])
+        return [future.result() for future in futures]
+      except BaseException:
+        for future in futures:
+          future.cancel()
+        raise
 
   def _report(self, what: str, gi: int) -> None:
     if self.progress is not None:
@@ -381,14 +405,22 @@ class Federation:
     correct, counts = np.zeros((self.num_clients, len(names))), np.zeros(self.num_clients)
     p = self.phase_index(round_index)
     for gi, g in enumerate(self.groups):
-      evaluation = self.evaluations[gi]
-      if evaluation.names != names:
+      if self.evaluations[gi].names != names:
         raise ConfigError(f'{self.algorithm.name}: every group must score the same predictions; group {g.arch!r} '
-                          f'scores {evaluation.names}, the first {names}.')
+                          f'scores {self.evaluations[gi].names}, the first {names}.')
+
+    def score(gi):
+      g = self.groups[gi]
       es = g.test if which == 'local' else self.global_test
       broadcast = self.broadcast(state.server, gi, round_index)
       if statistics is not None:
         broadcast = {**broadcast, 'statistics': statistics}
-      correct[g.clients] = self.executor.correct(g, evaluation, p, state.groups[gi], broadcast, es, which)
+      return self.executor.correct(g, self.evaluations[gi], p, state.groups[gi], broadcast, es, which)
+    part = ('eval', p, which)
+    scores = self.each_group(score, 'evaluate', compiles=part not in self._compiled_parts)
+    self._compiled_parts.add(part)
+    for g, group_correct in zip(self.groups, scores):
+      es = g.test if which == 'local' else self.global_test
+      correct[g.clients] = group_correct
       counts[g.clients] = [es.sizes[es.index(i)] for i in range(g.size)]
     return correct, counts
