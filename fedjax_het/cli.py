@@ -139,6 +139,9 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_integer('onednn_threads', None, 'conv=onednn: OpenMP threads of each convolution (default: the cores '
                    'divided among --client_threads, all cores under vmap). The numbers depend on it: set it to keep '
                    'them while changing --client_threads.')
+  f.DEFINE_integer('group_threads', None, 'Architecture groups initialised, and run in the rounds where their '
+                   'programs compile, at once, one host thread each (default: the cores; 1 across several devices '
+                   'or processes). Same numbers.')
   f.DEFINE_bool('distributed', False, 'Join the run\'s other processes first (jax.distributed.initialize; every '
                 'process with the same flags; python -m fedjax_het.launch starts them on one machine).')
   f = f.group('output')

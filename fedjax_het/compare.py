@@ -18,7 +18,7 @@ from absl import logging
 
 from fedjax_het.config import ExperimentConfig, run_settings
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import TrainingDiverged, train_and_evaluate
+from fedjax_het.experiment import RESUMABLE_FIELDS, TrainingDiverged, train_and_evaluate
 from fedjax_het.workdir import Workdir
 from fedjax_het.methods import METHODS, config_with, flag_name
 from fedjax_het.plots import save_line_plot
@@ -40,7 +40,34 @@ def _finished_summary(workdir: str, cfg: ExperimentConfig):
     summary = json.load(f)
   if not (summary.get('finished') or summary.get('diverged_round')) or 'config' not in summary:
     return None  # a run that diverged ended for good: its outcome is kept, not run again
-  return summary if run_settings(summary['config']) == run_settings(cfg.to_dict()) else None
+  return summary if _settings(summary['config']) == _settings(cfg.to_dict()) else None
+
+
+def _settings(config: dict) -> dict:
+  """The settings a run's numbers depend on: `run_settings` without how it was executed (strategy, threads,
+  checkpoints, ...), which changes nothing but rounding."""
+  return {k: v for k, v in run_settings(config).items() if k == 'rounds' or k not in RESUMABLE_FIELDS}
+
+
+def _refuse_other_run(run_dir: str, cfg: ExperimentConfig) -> None:
+  """A ConfigError where `run_dir`, which holds a run and no checkpoint to resume, holds one of other settings
+  (or of unknown ones): a comparison runs again only its own runs stopped before their first checkpoint, and never
+  deletes another's results."""
+  path = os.path.join(run_dir, 'config.json')
+  try:
+    with open(path) as f:
+      saved = _settings(json.load(f))
+  except (OSError, ValueError):
+    saved = None
+  now = _settings(cfg.to_dict())
+  if saved == now:
+    return
+  changed = [] if saved is None else [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+  what = (f'a run with other settings ({", ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in changed[:6])})'
+          if saved is not None else 'a run whose config.json cannot be read')
+  raise ConfigError(f'--workdir: {run_dir} holds {what}, and no checkpoint to continue from, so running this '
+                    f'setting there would replace it. Fix: a new --workdir for this comparison, or move that folder '
+                    f'away (nothing is deleted).')
 
 
 def _curve(workdir: str) -> tuple[list[int], list[float]]:
@@ -94,6 +121,7 @@ def run_comparison(base: ExperimentConfig, algorithms: Sequence[str], seeds: Seq
       if summary is None:
         resume = Workdir(run_dir).has_checkpoints()
         if not resume and Workdir(run_dir).holds_run():
+          _refuse_other_run(run_dir, cfg)
           shutil.rmtree(run_dir)  # this comparison's own run, stopped before its first checkpoint: start it again
         try:
           summary = train_and_evaluate(cfg, run_dir, resume=resume, progress=progress, tensorboard=tensorboard)

@@ -90,6 +90,7 @@ class ExperimentConfig:
   num_devices: int = 0
   client_threads: Optional[int] = None
   onednn_threads: Optional[int] = None
+  group_threads: Optional[int] = None  # groups initialised and compiled at once (None: the cores)
   eval_every: int = 1
   eval_batch_size: int = 0  # 0: the backend default (engine.default_eval_batch_size)
   memory_budget_gib: float = 0.0  # device memory a vmapped call may use (0: a share of the device's memory)
@@ -189,14 +190,15 @@ class ExperimentConfig:
       if jax.process_count() > 1:  # every process computes its share of each group: the mesh spans them all
         return ExecutionConfig(self._distributed_strategy(), self.conv or None, client_mesh(0), self.chunk_size,
                                self.scan_unroll, self.client_threads, self.eval_batch_size or None,
-                               self.onednn_threads, self.memory_budget_bytes, self.stream_clients)
+                               self.onednn_threads, self.memory_budget_bytes, self.stream_clients,
+                               self.group_threads)
       strategy = ExecutionConfig(self.strategy or None, 'xla').resolve().strategy  # conv: not needed to decide it
       every_device_under_vmap = self.num_devices == 0 and strategy == 'vmap'
       # a count other than 0 and 1 always goes to client_mesh, which refuses one it cannot give
       mesh = client_mesh(self.num_devices) if self.num_devices not in (0, 1) or every_device_under_vmap else None
       execution = ExecutionConfig(self.strategy or None, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
                                   self.client_threads, self.eval_batch_size or None, self.onednn_threads,
-                                  self.memory_budget_bytes, self.stream_clients)
+                                  self.memory_budget_bytes, self.stream_clients, self.group_threads)
       execution.resolve()  # e.g. --conv=onednn where it cannot run: refused now, before any data is read
       return execution
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 # --rounds is among them unless the method's numbers depend on it (`methods.Run.depends_on_rounds`).
 RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eval_batch_size', 'data_dir', 'conv',
                     'scan_unroll', 'num_devices', 'client_threads', 'onednn_threads', 'memory_budget_gib',
-                    'stream_clients')
+                    'stream_clients', 'group_threads')
 
 
 def validate(cfg: ExperimentConfig) -> None:

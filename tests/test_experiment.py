@@ -264,6 +264,7 @@ def test_comparison_runs_every_method_and_seed_then_reuses_finished_runs(tmp_pat
       scalars = tensorboard_scalars(tmp_path / method / f'seed{seed}' / 'tensorboard')
       assert [scalars[('accuracy', step)] for step in (1, 2)] == pytest.approx(accuracy, rel=1e-6)
   finals = [s['final_accuracy'] for s in results[1].summaries]
+  finals_fedre = [s['final_accuracy'] for s in results[0].summaries]
   assert [c[0] for c in results[1].curves] == [[1, 2], [1, 2]]
   table = write_comparison(results, str(tmp_path), 'test')
   mean, std = 100 * sum(finals) / 2, 100 * abs(finals[0] - finals[1]) / 2
@@ -274,6 +275,17 @@ def test_comparison_runs_every_method_and_seed_then_reuses_finished_runs(tmp_pat
   again = run_comparison(cfg, ['fedre', 'fedproto'], [0, 1], str(tmp_path), progress=False)
   assert os.path.getmtime(tmp_path / 'fedre' / 'seed1' / 'metrics.jsonl') == stamp  # reused, not rerun
   assert comparison_table(again) == comparison_table(results)
+  # Executed otherwise (threads, strategy): the same numbers, reused. Other settings, no checkpoint to continue
+  # from: refused, the finished run left as it was.
+  threaded = run_comparison(dataclasses.replace(cfg, client_threads=1, group_threads=1), ['fedre'], [1],
+                            str(tmp_path), progress=False)
+  assert os.path.getmtime(tmp_path / 'fedre' / 'seed1' / 'metrics.jsonl') == stamp
+  assert threaded[0].summaries[0] == results[0].summaries[1]
+  with pytest.raises(ConfigError, match=r"^--workdir: .*seed1 holds a run with other settings \(local_learning_rate: "
+                                        r"0\.05 there, 0\.03 now\), and no checkpoint .* Fix: a new --workdir"):
+    run_comparison(dataclasses.replace(cfg, local_learning_rate=0.03), ['fedre'], [1], str(tmp_path), progress=False)
+  assert os.path.getmtime(tmp_path / 'fedre' / 'seed1' / 'metrics.jsonl') == stamp
+  assert json.load(open(tmp_path / 'fedre' / 'seed1' / 'summary.json'))['final_accuracy'] == finals_fedre[1]
   with pytest.raises(ConfigError, match='--algorithms'):
     run_comparison(cfg, ['fedre', 'nope'], [0], str(tmp_path), progress=False)
 

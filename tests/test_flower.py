@@ -258,6 +258,15 @@ def test_a_bad_local_flag_is_one_line_naming_it_and_help_exits_0(tmp_path, capsy
     get_fused_config_from_dir(Path(APP_DIR), parse_config_args(['rounds=2 roundz=2']))
 
 
+def test_the_run_config_tool_answers_help_and_a_missing_file_in_one_line(capsys):
+  from fedjax_het.flower import run_config
+  assert run_config.main(['--help']) == 0
+  assert capsys.readouterr().out.startswith('usage: python -m fedjax_het.flower.run_config [PYPROJECT_TOML]')
+  assert run_config.main(['no_such_pyproject.toml']) == 2
+  assert capsys.readouterr().err.startswith('error: cannot read no_such_pyproject.toml (No such file or directory). '
+                                            'Fix: ')
+
+
 def test_the_flower_app_lists_a_run_config_key_per_experiment_flag():
   """Flower refuses a --run-config key its pyproject.toml does not list: the app lists every experiment flag
   (python -m fedjax_het.flower.run_config rewrites the block when flags change)."""

@@ -129,9 +129,19 @@ def with_block(text: str, block: str) -> str:
 def main(argv: Iterable[str] = ()) -> int:
   """Rewrites the experiment flags' block of the app's pyproject.toml (or of the file given)."""
   argv = list(argv)
+  if any(a in ('-h', '--help', '-help') for a in argv) or len(argv) > 1:
+    print('usage: python -m fedjax_het.flower.run_config [PYPROJECT_TOML]\n\nRewrites the block of experiment flags '
+          'of the Flower app\'s pyproject.toml (default: experiments/flower/pyproject.toml) from fedjax_het.cli\'s '
+          'flags.', file=sys.stdout if len(argv) == 1 else sys.stderr)
+    return 0 if len(argv) == 1 else 2
   path = argv[0] if argv else os.path.join(APP_DIR, 'pyproject.toml')
-  with open(path) as f:
-    text = f.read()
+  try:
+    with open(path) as f:
+      text = f.read()
+  except OSError as e:
+    print(f'error: cannot read {path} ({e.strerror}). Fix: give the path of a Flower app\'s pyproject.toml.',
+          file=sys.stderr)
+    return 2
   new = with_block(text, pyproject_block())
   if new != text:
     with open(path, 'w') as f:
