@@ -9,6 +9,7 @@ import math
 from typing import Optional
 
 import jax
+from absl import logging
 
 from fedjax_het.errors import ConfigError, naming_flags
 from fedjax_het.local_training import LocalTraining
@@ -199,7 +200,10 @@ class ExperimentConfig:
       execution = ExecutionConfig(self.strategy or None, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
                                   self.client_threads, self.eval_batch_size or None, self.onednn_threads,
                                   self.memory_budget_bytes, self.stream_clients, self.group_threads)
-      execution.resolve()  # e.g. --conv=onednn where it cannot run: refused now, before any data is read
+      resolved = execution.resolve()  # e.g. --conv=onednn where it cannot run: refused now, before any data is read
+      if self.onednn_threads is not None and resolved.conv != 'onednn':
+        logging.warning('--onednn_threads=%d is ignored: it sets the threads of oneDNN\'s convolutions, and this '
+                        'run computes them with --conv=%s.', self.onednn_threads, resolved.conv)
       return execution
 
   @property

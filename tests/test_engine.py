@@ -222,7 +222,10 @@ def test_the_backend_defaults_are_decided_once_and_described(monkeypatch):
   threads = max(1, os.cpu_count() // 2)  # the cores divided among the client threads
   assert cpu.onednn_threads == threads
   assert ExecutionConfig(client_threads=1).resolve('cpu').onednn_threads == os.cpu_count()
-  assert ExecutionConfig(client_threads=1, onednn_threads=3).resolve('cpu').onednn_threads == 3
+  assert ExecutionConfig(client_threads=3, onednn_threads=1).resolve('cpu').onednn_threads == 1
+  with pytest.raises(ConfigError, match=rf"^ExecutionConfig.onednn_threads=100000 is more than this machine's "
+                                        rf"{os.cpu_count()} cores .* Fix: at most {os.cpu_count()}"):
+    ExecutionConfig(onednn_threads=100000)
   assert cpu.describe('cpu').endswith(f': strategy=sequential, conv=onednn (oneDNN {onednn.version()}, {threads} '
                                       f'thread{"s" if threads > 1 else ""} each), eval_batch_size=64, client_threads=2')
   gpu = ExecutionConfig(chunk_size=4).resolve('gpu')  # im2col: XLA's grouped convolutions are slow on GPUs

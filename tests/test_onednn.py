@@ -160,6 +160,53 @@ def test_without_onednn_the_errors_say_why_and_how_to_fix(tmp_path, monkeypatch)
     onednn.build(include, lib, cache=str(tmp_path / 'cache'))
 
 
+@needs_onednn
+def test_a_damaged_cached_library_is_built_again_never_loaded(tmp_path):
+  """A cached library cut short (a full disk, a copy stopped halfway) once crashed every run on the CPU at start
+  (SIGBUS while loading it); now it is checked against the fingerprint written beside it and built again."""
+  import os
+  import subprocess
+  home = tmp_path / 'home'
+  folder = home / '.cache' / 'fedjax_het' / 'onednn'
+  probe = [sys.executable, '-c', 'from fedjax_het.models import onednn; print(onednn.unavailable_reason())']
+  env = {**os.environ, 'HOME': str(home)}
+  first = subprocess.run(probe, capture_output=True, text=True, env=env, timeout=300)
+  assert first.returncode == 0 and first.stdout.strip() == 'None', first.stderr[-2000:]
+  (library,) = [p for p in folder.iterdir() if p.suffix == '.so']
+  whole = library.stat().st_size
+  for damaged in (library.read_bytes()[:whole // 2], b''):
+    library.write_bytes(damaged)
+    again = subprocess.run(probe, capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0 and again.stdout.strip() == 'None', again.stderr[-2000:]
+    assert (f'the cached convolution handlers {library} are damaged ({len(damaged)} bytes where {whole} were '
+            f'written); building them again.') in again.stderr
+    assert library.stat().st_size == whole
+
+
+@needs_onednn
+def test_unfinished_builds_of_gone_processes_are_removed_and_an_unwritable_cache_is_not_needed(tmp_path, caplog,
+                                                                                                 monkeypatch):
+  import os
+  include, lib = onednn.find_onednn()
+  cache = tmp_path / 'cache'
+  cache.mkdir()
+  gone = cache / 'onednn_conv_0123456789abcdef.so.999999999.1.tmp'  # no process has that id
+  running = cache / f'onednn_conv_0123456789abcdef.so.{os.getpid()}.1.tmp'
+  gone.write_bytes(b'half a library')
+  running.write_bytes(b'a build under way')
+  path = onednn.build(include, lib, cache=str(cache))
+  assert not gone.exists() and running.exists() and os.path.dirname(path) == str(cache)
+  assert f'removed {gone}, a build left unfinished by process 999999999.' in caplog.text
+  real_access = os.access
+  monkeypatch.setattr(onednn.os, 'access', lambda p, mode: False if str(p) == str(tmp_path / 'locked') else
+                      real_access(p, mode))
+  (tmp_path / 'locked').mkdir()
+  elsewhere = onednn.build(include, lib, cache=str(tmp_path / 'locked'))
+  assert os.path.dirname(elsewhere) != str(tmp_path / 'locked') and os.path.exists(elsewhere)
+  assert f'the cache folder {tmp_path / "locked"} cannot be written' in caplog.text
+  assert os.path.dirname(elsewhere) in onednn._TEMPORARY
+
+
 @pytest.fixture(scope='module')
 def onednn_run(tiny_data):
   """Two rounds of the tiny federation with oneDNN's convolutions, two client threads, one oneDNN thread each."""

@@ -98,6 +98,11 @@ class ExecutionConfig:
     if self.onednn_threads is not None and self.onednn_threads < 1:
       raise ConfigError(f'ExecutionConfig.onednn_threads={self.onednn_threads} must be >= 1 (None: the cores divided '
                         f'among the client threads).')
+    cores = os.cpu_count() or 1
+    if self.onednn_threads is not None and self.onednn_threads > cores:
+      raise ConfigError(f'ExecutionConfig.onednn_threads={self.onednn_threads} is more than this machine\'s {cores} '
+                        f'cores (OpenMP cannot start that many threads per convolution). Fix: at most '
+                        f'{cores}, or leave it unset (the cores divided among the client threads).')
     if self.memory_budget is not None and self.memory_budget < 1:
       raise ConfigError(f'ExecutionConfig.memory_budget={self.memory_budget} must be a positive number of bytes '
                         f'(None: a share of the device\'s memory).')

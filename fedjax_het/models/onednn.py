@@ -35,12 +35,14 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from fedjax_het.errors import ConfigError
 
 SOURCE = os.path.join(os.path.dirname(__file__), 'onednn_conv.cc')
 CACHE = os.path.join('~', '.cache', 'fedjax_het', 'onednn')
 INSTALL = "pip install -e '.[onednn]' (Linux x86-64), or set DNNLROOT to a oneDNN 3.x installation"
+_TEMPORARY: set = set()  # folders made for one process's build, removed once it is loaded
 _TARGETS = {'forward': 'fedjax_het_onednn_conv_forward', 'input_gradient': 'fedjax_het_onednn_conv_input_gradient',
             'kernel_gradient': 'fedjax_het_onednn_conv_kernel_gradient'}
 
@@ -76,8 +78,10 @@ def _compiler() -> str:
 
 def build(include: str, lib: str, cache: str = CACHE) -> str:
   """The shared library of onednn_conv.cc compiled against oneDNN (`include`, `lib`), from `cache` when it was
-  built before from the same source, compiler, flags, JAX and oneDNN files. Raises OneDNNUnavailable when it
-  fails to build."""
+  built before from the same source, compiler, flags, JAX and oneDNN files and is whole (its size and SHA-256 as
+  written beside it when it was built). A damaged cached library is rebuilt, an unfinished build left by a process
+  that no longer runs is removed, and an unwritable cache folder builds into a temporary folder (`load` removes it
+  once the library is loaded); each says so in one line. Raises OneDNNUnavailable when it fails to build."""
   compiler = _compiler()
   flags = ['-O2', '-std=c++17', '-shared', '-fPIC', '-w', f'-I{jax.ffi.include_dir()}', f'-I{include}']
   with open(SOURCE, 'rb') as f:
@@ -86,14 +90,20 @@ def build(include: str, lib: str, cache: str = CACHE) -> str:
   stamps = [f'{os.path.realpath(p)}:{os.stat(p).st_size}:{os.stat(p).st_mtime_ns}' for p in found]
   key = hashlib.sha256(b'\0'.join([source, compiler.encode(), ' '.join(flags).encode(), jax.__version__.encode(),
                                    *[stamp.encode() for stamp in stamps]])).hexdigest()[:16]
-  folder = os.path.expanduser(cache)
-  try:
-    os.makedirs(folder, exist_ok=True)
-  except OSError:  # an unwritable cache: a private folder of this process
-    folder = tempfile.mkdtemp(prefix='fedjax_het_onednn_')
+  folder = _writable_folder(os.path.expanduser(cache))
   target = os.path.join(folder, f'onednn_conv_{key}.so')
+  _remove_abandoned_builds(folder)
   if os.path.exists(target):
-    return target
+    damage = _damage(target)
+    if damage is None:
+      return target
+    logging.warning('oneDNN: the cached convolution handlers %s are damaged (%s); building them again.', target,
+                    damage)
+    try:
+      os.remove(target)
+    except OSError:
+      folder = _private_folder()
+      target = os.path.join(folder, os.path.basename(target))
   partial = f'{target}.{os.getpid()}.{threading.get_ident()}.tmp'
   command = [compiler, *flags, SOURCE, lib, f'-Wl,-rpath,{os.path.dirname(lib)}', '-o', partial]
   try:
@@ -103,13 +113,85 @@ def build(include: str, lib: str, cache: str = CACHE) -> str:
       errors = [line for line in lines if 'error' in line][:8] or lines[-8:]
       raise OneDNNUnavailable(f'building the oneDNN convolution handlers failed:\n  {" ".join(command)}\n'
                               + '\n'.join(errors) + f'\nFix: use --conv=auto, or a oneDNN 3.x ({INSTALL}).')
-    os.replace(partial, target)  # whole, even when another process builds the same file at once
+    with open(partial + '.sha256', 'w') as f:
+      f.write(_fingerprint(partial))
+    # The fingerprint first: a library in place always has one (another process building the same file at once
+    # may leave a pair that does not match, which the next start rebuilds).
+    os.replace(partial + '.sha256', target + '.sha256')
+    os.replace(partial, target)
   except (OSError, subprocess.TimeoutExpired) as e:
     raise OneDNNUnavailable(f'building the oneDNN convolution handlers failed ({e}). Fix: use --conv=auto.') from e
   finally:
-    if os.path.exists(partial):
-      os.remove(partial)
+    for leftover in (partial, partial + '.sha256'):
+      if os.path.exists(leftover):
+        os.remove(leftover)
   return target
+
+
+def _fingerprint(path: str) -> str:
+  """'<sha256> <size>' of a file."""
+  digest = hashlib.sha256()
+  with open(path, 'rb') as f:
+    for block in iter(lambda: f.read(1 << 20), b''):
+      digest.update(block)
+  return f'{digest.hexdigest()} {os.path.getsize(path)}'
+
+
+def _damage(target: str) -> Optional[str]:
+  """None where the cached library `target` is whole (its fingerprint as written beside it), else what is wrong."""
+  try:
+    with open(target + '.sha256') as f:
+      expected = f.read().strip()
+  except OSError:
+    return 'no fingerprint beside it to check it by'
+  try:
+    actual = _fingerprint(target)
+  except OSError as e:
+    return f'unreadable: {e.strerror}'
+  if actual != expected:
+    size, want = actual.split()[1], expected.split()[-1]
+    return f'{size} bytes where {want} were written' if size != want else 'its contents changed'
+  return None
+
+
+def _private_folder() -> str:
+  folder = tempfile.mkdtemp(prefix='fedjax_het_onednn_')
+  _TEMPORARY.add(folder)
+  return folder
+
+
+def _writable_folder(folder: str) -> str:
+  """`folder`, created if needed; a temporary one (one line says so) where it cannot be written."""
+  try:
+    os.makedirs(folder, exist_ok=True)
+    if os.access(folder, os.W_OK | os.X_OK):
+      return folder
+  except OSError:
+    pass
+  logging.warning('oneDNN: the cache folder %s cannot be written; the convolution handlers are built in a '
+                  'temporary folder for this process (make the folder writable to build them once).', folder)
+  return _private_folder()
+
+
+def _remove_abandoned_builds(folder: str) -> None:
+  """Removes the unfinished builds (`*.so.<pid>.<thread>.tmp`) of processes that no longer run."""
+  for name in os.listdir(folder):
+    parts = name.split('.')
+    if not (name.startswith('onednn_conv_') and name.endswith('.tmp') and len(parts) >= 5 and parts[-3].isdigit()):
+      continue
+    pid = int(parts[-3])
+    try:
+      os.kill(pid, 0)
+      continue  # a build under way
+    except ProcessLookupError:
+      pass
+    except OSError:  # another user's process: not ours to judge
+      continue
+    try:
+      os.remove(os.path.join(folder, name))
+      logging.warning('oneDNN: removed %s, a build left unfinished by process %d.', os.path.join(folder, name), pid)
+    except OSError:
+      pass
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,6 +203,8 @@ def load() -> ctypes.CDLL:
   path = build(*find_onednn())
   try:
     library = ctypes.CDLL(path)
+    if os.path.dirname(path) in _TEMPORARY:  # loaded: the file can go (the mapping stays)
+      shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     for target in _TARGETS.values():
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform='cpu')
     library.fedjax_het_onednn_version.restype = ctypes.c_char_p
@@ -146,7 +230,12 @@ def version() -> str:
 
 
 def set_threads(threads: int) -> None:
-  """OpenMP threads of each oneDNN convolution from now on, in every calling thread (0: OpenMP's default)."""
+  """OpenMP threads of each oneDNN convolution from now on, in every calling thread (0: OpenMP's default); at
+  most the machine's cores."""
+  cores = os.cpu_count() or 1
+  if not 0 <= int(threads) <= cores:
+    raise ConfigError(f'onednn.set_threads({threads}): between 0 (OpenMP\'s default) and this machine\'s {cores} '
+                      f'cores. Fix: a thread count in that range.')
   load().fedjax_het_onednn_set_threads(int(threads))
 
 
