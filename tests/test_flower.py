@@ -132,6 +132,54 @@ def test_rounds_over_flower_messages_equal_the_simulation_and_go_on_without_a_si
     client_app.node_of(query, context)
 
 
+class MaliciousGrid(InProcessGrid):
+  """An InProcessGrid whose nodes of clients 1-3 tamper with their replies from round 2 on: client 3 uploads NaN,
+  client 2 an array of another shape, client 1 reports a NaN loss and inflated evaluation counts."""
+
+  def send_and_receive(self, messages, timeout=None):
+    from flwr.app import Array
+    replies = super().send_and_receive(messages, timeout)
+    for reply in replies:
+      k, r = reply.metadata.src_node_id - 100, None
+      content = reply.content
+      for m in messages:
+        if m.metadata.dst_node_id == reply.metadata.src_node_id:
+          r = int(m.content['config']['round'])
+      if r < 1:
+        continue
+      if 'upload' in content:
+        first = content['upload']['00000'].numpy()
+        if k == 3:
+          content['upload']['00000'] = Array(np.full_like(first, np.nan))
+        elif k == 2:
+          content['upload']['00000'] = Array(np.zeros(first.shape + (2,), first.dtype))
+        elif k == 1:
+          content['metrics']['loss'] = float('nan')
+      elif k == 1:
+        for which in ('local', 'global'):
+          if f'{which}_rows' in content['metrics']:
+            rows = content['metrics'][f'{which}_rows']
+            content['metrics'][f'{which}_rows'] = 1000 * rows
+            content['metrics'][f'{which}_correct'] = [999 * rows]
+    return replies
+
+
+def test_replies_that_fail_the_servers_checks_are_left_out_and_the_run_finishes(tmp_path):
+  cfg = dataclasses.replace(CFG, rounds=3)
+  cfg_json = json.dumps(cfg.to_dict())
+  train_and_evaluate(cfg, str(tmp_path / 'run'), progress=False, federation=lambda fed: FlowerRounds(
+      fed, MaliciousGrid(str(tmp_path / 'nodes'), 4), cfg_json, round_timeout=5, connect_timeout=5))
+  rows = _rows(tmp_path / 'run')
+  assert [r['rejected_clients'] for r in rows] == [[], [1, 2, 3], [1, 2, 3]]
+  assert [r['participants'] for r in rows] == [4, 1, 1]
+  assert all(np.isfinite(r['train_loss']) for r in rows)
+  assert [r.get('rejected_scores', []) for r in rows] == [[], [1], [1]]
+  assert [r['evaluated_clients'] for r in rows] == [4, 3, 3]
+  assert all(0 <= r['accuracy'] <= 1 for r in rows)
+  summary = json.loads((tmp_path / 'run' / 'summary.json').read_text())
+  assert summary['finished'] and 0 <= summary['final_accuracy'] <= 1
+
+
 def test_each_train_message_carries_only_its_clients_slice_of_a_per_client_broadcast():
   from fedjax_het.algorithms import FedGKTConfig
   from fedjax_het.core import PER_CLIENT

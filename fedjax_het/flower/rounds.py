@@ -11,6 +11,13 @@ error is left out of that round as if it had not been drawn: the method's masks 
 participant, so the round goes on with the replies it has, and the row of metrics lists the clients missing. A
 round in which no participant answers, or an evaluation no node answers, stops the run with an error that says
 to --resume from the last checkpoint once the nodes are back.
+
+The server trusts no reply (`check_upload`, `check_scores`): an upload must hold exactly the arrays of the
+method's upload, each of its shape and dtype, finite and within `upload_bound` in absolute value; the loss a
+finite number; an evaluation's test rows those the server's own split gives the client, and its correct
+predictions integers between 0 and them. A reply that fails is logged with its client and node and left out as
+a missing one would be ('rejected_clients' in the round's metrics): it never reaches the server step or a
+metric, and never ends the run.
 """
 
 from __future__ import annotations
@@ -36,6 +43,58 @@ class NodesUnavailable(ConfigError):
   """Too few nodes answered for the run to go on."""
 
 
+class ReplyRejected(ValueError):
+  """A node's reply that the server does not take; the message says why."""
+
+
+UPLOAD_BOUND = 1e6  # the largest absolute value an upload's array may hold (run config: upload-bound)
+
+
+def check_upload(content: RecordDict, template: Any, bound: float) -> tuple[Any, float]:
+  """(upload in `template`'s structure, loss) of a TRAIN reply's content, or ReplyRejected saying what is wrong:
+  missing parts, other arrays than the template's (count, shape, dtype), NaN or infinite values or values beyond
+  `bound` in absolute value in a floating-point array, a loss that is not a finite number."""
+  try:
+    record, loss = content['upload'], content['metrics']['loss']
+  except (KeyError, TypeError) as e:
+    raise ReplyRejected(f'no {e} in the reply') from None
+  expected = jax.tree.structure(template).num_leaves
+  if len(record) != expected:
+    raise ReplyRejected(f'{len(record)} arrays where the upload has {expected}')
+  try:
+    upload = tree_from_record(record, template, 'the upload')
+  except ConfigError as e:
+    raise ReplyRejected(str(e).split(' Fix:')[0]) from None
+  for i, leaf in enumerate(jax.tree.leaves(upload)):
+    if np.issubdtype(leaf.dtype, np.inexact):  # (integer arrays are counts, ids or keys: their shape is checked)
+      values = np.asarray(leaf, np.float64)
+      if not np.all(np.isfinite(values)):
+        raise ReplyRejected(f'array {i} holds NaN or infinite values')
+      if values.size and np.abs(values).max() > bound:
+        raise ReplyRejected(f'array {i} holds {np.abs(values).max():.4g}, beyond the bound {bound:g} '
+                            f'(run config upload-bound)')
+  if not isinstance(loss, (int, float)) or not np.isfinite(loss):
+    raise ReplyRejected(f'the loss {loss!r} is not a finite number')
+  return upload, float(loss)
+
+
+def check_scores(scores: Any, which: str, rows: int, predictions: int) -> np.ndarray:
+  """The correct predictions [predictions] of an EVALUATE reply's scores on the `which` test set, whose test rows
+  must be `rows` (the server's own count for that client), or ReplyRejected."""
+  try:
+    correct, reported = scores[f'{which}_correct'], scores[f'{which}_rows']
+  except (KeyError, TypeError) as e:
+    raise ReplyRejected(f'no {e} in the scores') from None
+  if reported != rows:
+    raise ReplyRejected(f'{reported!r} {which} test rows where the client has {rows}')
+  correct = np.asarray(correct)
+  if correct.shape != (predictions,) or not np.issubdtype(correct.dtype, np.integer):
+    raise ReplyRejected(f'{which} correct predictions {correct.tolist()!r}: expected {predictions} integers')
+  if correct.min(initial=0) < 0 or correct.max(initial=0) > rows:
+    raise ReplyRejected(f'{which} correct predictions {correct.tolist()} outside 0..{rows}')
+  return correct
+
+
 def message_config(cfg_json: str, round_index: int, **extra) -> ConfigRecord:
   """The ConfigRecord every message carries: the run's config (each node rebuilds the run from it) and the round."""
   return ConfigRecord({'experiment': cfg_json, 'round': round_index, **extra})
@@ -47,10 +106,11 @@ class FlowerRounds:
 
   cfg_json: the run's `ExperimentConfig` as JSON; round_timeout: seconds a round waits for its replies;
   connect_timeout: seconds the first round waits for the nodes to connect (`assign_nodes`); log: called with a
-  line as each round's training and each evaluation ends (how long it took), or None."""
+  line as each round's training and each evaluation ends (how long it took), or None; upload_bound: the largest
+  absolute value an upload may hold (`check_upload`)."""
 
   def __init__(self, fed: Federation, grid, cfg_json: str, round_timeout: float, connect_timeout: float,
-               log: Optional[Callable[[str], None]] = None):
+               log: Optional[Callable[[str], None]] = None, upload_bound: float = UPLOAD_BOUND):
     if any(e.statistics is not None for e in fed.evaluations):
       heterofl = fed.algorithm.name == 'heterofl'
       instead = ' --noheterofl_static_bn (each test batch\'s statistics), or' if heterofl else ''
@@ -59,6 +119,7 @@ class FlowerRounds:
                         f'{instead} run the simulation.')
     self.fed, self.grid, self.cfg_json = fed, grid, cfg_json
     self.round_timeout, self.connect_timeout, self.log = round_timeout, connect_timeout, log
+    self.upload_bound = upload_bound
     self.nodes: Optional[dict[int, int]] = None  # client id -> node id, asked as the first round starts
     self._templates: dict = {}
     self._initial_groups = None
@@ -117,8 +178,9 @@ class FlowerRounds:
     return self._templates[key]
 
   def round(self, state: FederationState) -> tuple[FederationState, dict]:
-    """One round: TRAIN messages to the participants, their uploads into the simulation's slots,
-    `Federation.finish_round`. Metrics as the simulation's, plus 'missing_clients'."""
+    """One round: TRAIN messages to the participants, their uploads (each checked, `check_upload`) into the
+    simulation's slots, `Federation.finish_round`. Metrics as the simulation's, plus 'missing_clients' (no upload
+    taken) and 'rejected_clients' (an upload that failed its check)."""
     start = time.perf_counter()
     fed, r = self.fed, int(state.round)
     self._connect(r)
@@ -126,31 +188,39 @@ class FlowerRounds:
     participants = fed.participants(r)
     broadcasts = [fed.sent(state.server, gi, r) for gi in range(len(fed.groups))]
     replies = self._send(self._messages(participants.tolist(), broadcasts, r, MessageType.TRAIN))
-    missing = sorted(set(participants.tolist()) - set(replies))
+    taken, rejected = {}, []
+    for k, reply in sorted(replies.items()):
+      gi = int(fed.group_of[k])
+      template = self._upload_template(gi, p, for_client(fed.with_constants(broadcasts[gi]), 0))
+      try:
+        taken[k] = check_upload(reply.content, template, self.upload_bound)
+      except ReplyRejected as e:
+        logging.warning('round %d: the upload of client %d (node %d) is left out: %s.', r + 1, k,
+                        reply.metadata.src_node_id, e)
+        rejected.append(k)
+    missing = sorted(set(participants.tolist()) - set(taken))
     if missing:
-      logging.warning('round %d: clients %s did not answer; the round goes on without them.', r + 1, missing)
-    if not replies:
+      logging.warning('round %d: clients %s did not answer or were left out; the round goes on without them.',
+                      r + 1, missing)
+    if not taken:
       raise NodesUnavailable(f'round {r + 1}: none of the {len(participants)} participants answered within '
-                             f'{self.round_timeout:g} s. Fix: bring the nodes back (or raise round-timeout), then '
-                             f'run again with resume=true to continue from the last checkpoint.')
-    answered = np.asarray(sorted(replies))
+                             f'{self.round_timeout:g} s with an upload the server takes ({len(rejected)} left out). '
+                             f'Fix: bring the nodes back (or raise round-timeout), then run again with resume=true '
+                             f'to continue from the last checkpoint.')
+    answered = np.asarray(sorted(taken))
     results = []
     for gi, (g, slots) in enumerate(zip(fed.groups, fed.slots(r))):
       slot_idx = slot_indices(g, answered, slots)
       template = self._upload_template(gi, p, for_client(fed.with_constants(broadcasts[gi]), 0))
       uploads, losses = [], []
       for i in slot_idx.tolist():
-        if i < g.size:
-          content = replies[int(g.clients[i])].content
-          uploads.append(tree_from_record(content['upload'], template, f'the upload of client {g.clients[i]}'))
-          losses.append(float(content['metrics']['loss']))
-        else:
-          uploads.append(template)
-          losses.append(0.0)
+        upload, loss = taken[int(g.clients[i])] if i < g.size else (template, 0.0)
+        uploads.append(upload)
+        losses.append(loss)
       stacked = jax.tree.map(lambda *a: jnp.stack([jnp.asarray(x) for x in a]), *uploads)
       results.append(GroupRound(slot_idx, None, stacked, jnp.asarray(losses, jnp.float32)))
     new_state, metrics = fed.finish_round(state, results, answered, start)
-    metrics['missing_clients'] = missing
+    metrics['missing_clients'], metrics['rejected_clients'] = missing, rejected
     if self.log is not None:
       self.log(f'round {r + 1}/{fed.total_rounds}: {len(answered)} clients trained in '
                f'{time.perf_counter() - start:.1f} s, train_loss {float(metrics["train_loss"]):.4f}'
@@ -158,34 +228,49 @@ class FlowerRounds:
     return new_state._replace(groups=()), metrics
 
   def evaluate(self, state: FederationState) -> dict:
-    """The simulation's `evaluate` from every node's scores (EVALUATE messages); nodes that do not answer are left
-    out ('missing_clients' in the metrics)."""
+    """The simulation's `evaluate` from every node's scores (EVALUATE messages, each checked, `check_scores`);
+    nodes that do not answer, or whose scores fail their check ('rejected_scores'), are left out."""
     fed = self.fed
     start = time.perf_counter()
     r = max(int(state.round) - 1, 0)
     self._connect(int(state.round))
     broadcasts = [fed.sent(state.server, gi, r) for gi in range(len(fed.groups))]
     replies = self._send(self._messages(range(fed.num_clients), broadcasts, r, MessageType.EVALUATE))
-    if not replies:
-      raise NodesUnavailable(f'the evaluation after round {r + 1}: no node answered within {self.round_timeout:g} '
-                             f's. Fix: bring the nodes back, then run again with resume=true.')
     names = fed.evaluations[0].names
-    sets = {}
+    expected = {}  # which -> the test rows the server's own split gives each client
     for which in ('local', 'global'):
-      if (which == 'local' and not fed.has_local_test) or (which == 'global' and fed.global_test is None):
-        sets[which] = None
-        continue
-      correct, counts = np.zeros((fed.num_clients, len(names))), np.zeros(fed.num_clients)
-      for k, reply in replies.items():
+      if which == 'local' and fed.has_local_test:
+        expected[which] = {int(k): int(g.test.sizes[g.test.index(i)]) for g in fed.groups
+                           for i, k in enumerate(g.clients)}
+      elif which == 'global' and fed.global_test is not None:
+        expected[which] = {int(k): int(fed.global_test.sizes[fed.global_test.index(i)]) for g in fed.groups
+                           for i, k in enumerate(g.clients)}
+    scored, rejected = {}, []
+    for k, reply in sorted(replies.items()):
+      try:
         scores = reply.content['metrics']
-        correct[k] = np.asarray(scores[f'{which}_correct'])
-        counts[k] = scores[f'{which}_rows']
+        scored[k] = {which: check_scores(scores, which, rows[k], len(names)) for which, rows in expected.items()}
+      except (ReplyRejected, KeyError) as e:
+        logging.warning('the evaluation after round %d: the scores of client %d (node %d) are left out: %s.', r + 1,
+                        k, reply.metadata.src_node_id, e)
+        rejected.append(k)
+    if not scored:
+      raise NodesUnavailable(f'the evaluation after round {r + 1}: no node answered within {self.round_timeout:g} s '
+                             f'with scores the server takes ({len(rejected)} left out). Fix: bring the nodes back, '
+                             f'then run again with resume=true.')
+    sets = {'local': None, 'global': None}
+    for which, rows in expected.items():
+      correct, counts = np.zeros((fed.num_clients, len(names))), np.zeros(fed.num_clients)
+      for k, per_set in scored.items():
+        correct[k], counts[k] = per_set[which], rows[k]
       sets[which] = (correct, counts)
     out = fed.accuracy(sets['local'], sets['global'])
-    out['evaluated_clients'] = len(replies)
+    out['evaluated_clients'] = len(scored)
+    if rejected:
+      out['rejected_scores'] = rejected
     if self.log is not None:
       accuracy = f', accuracy {float(out["accuracy"]):.4f}' if 'accuracy' in out else ''
-      self.log(f'round {r + 1}/{fed.total_rounds}: {len(replies)} clients evaluated in '
+      self.log(f'round {r + 1}/{fed.total_rounds}: {len(scored)} clients evaluated in '
                f'{time.perf_counter() - start:.1f} s{accuracy}')
     return out
 

@@ -5,7 +5,8 @@ Run config (flwr run ... --run-config '...'; experiments/flower/pyproject.toml l
 run's flags, as experiments/ takes them; absolute path on the SuperLink's machine), workdir (its outputs there),
 resume (continue from its last checkpoint), round-timeout (seconds a round waits for its replies, default 600),
 connect-timeout (seconds to wait for the nodes, default 120), run-name (the folder of the nodes' states; give each
-run its own), compilation-cache (XLA's persistent compilation cache, default ~/.cache/fedjax_het/xla); and one key
+run its own), upload-bound (the largest absolute value an upload may hold, default 1e6: a node's upload beyond it,
+like one with NaN values or arrays of other shapes, is left out of its round), compilation-cache (XLA's persistent compilation cache, default ~/.cache/fedjax_het/xla); and one key
 per experiment flag, its name with - for _ (rounds=2, num-clients=4), which overrides the flag file's value as a
 flag given after --flagfile does (`fedjax_het.flower.run_config`).
 """
@@ -24,7 +25,7 @@ from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cach
 from fedjax_het.experiment import train_and_evaluate
 from fedjax_het.errors import ConfigError
 from fedjax_het.flower.node import deployed_config
-from fedjax_het.flower.rounds import FlowerRounds
+from fedjax_het.flower.rounds import UPLOAD_BOUND, FlowerRounds
 from fedjax_het.flower.run_config import experiment_flag_values, override_arguments
 
 app = ServerApp()
@@ -75,10 +76,12 @@ def main(grid: Grid, context: Context) -> None:
   resume = bool(run_config_value(run_config, 'resume', False))
   round_timeout = float(run_config_value(run_config, 'round-timeout', 600.0))
   connect_timeout = float(run_config_value(run_config, 'connect-timeout', 120.0))
+  upload_bound = float(run_config_value(run_config, 'upload-bound', UPLOAD_BOUND))
 
   summary = train_and_evaluate(cfg, str(run_config_value(run_config, 'workdir')), resume=resume, progress=False,
                                tensorboard=fv.tensorboard,
                                federation=lambda fed: FlowerRounds(fed, grid, cfg_json, round_timeout,
-                                                                   connect_timeout, log=_log))
+                                                                   connect_timeout, log=_log,
+                                                                   upload_bound=upload_bound))
   print(json.dumps({k: v for k, v in summary.items() if k != 'config'}, indent=2), flush=True)
 
