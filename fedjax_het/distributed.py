@@ -27,13 +27,17 @@ from fedjax_het.errors import ConfigError
 COORDINATOR = 'JAX_COORDINATOR_ADDRESS'
 NUM_PROCESSES = 'FEDJAX_HET_NUM_PROCESSES'
 PROCESS_ID = 'FEDJAX_HET_PROCESS_ID'
+# Where process 0's coordination service listens (host:port); default the coordinator address itself. Set it on a
+# machine reached through another address than its own interface's (e.g. behind NAT).
+COORDINATOR_BIND = 'FEDJAX_HET_COORDINATOR_BIND_ADDRESS'
 
 
 def initialize(timeout_seconds: int = 300) -> None:
   """Joins this process to the run's others (`jax.distributed.initialize`), before any computation.
 
   With FEDJAX_HET_NUM_PROCESSES and FEDJAX_HET_PROCESS_ID set (and JAX_COORDINATOR_ADDRESS, host:port of process
-  0) they are used; otherwise JAX detects the cluster. CPU collectives use gloo. A ConfigError names the variables
+  0) they are used, process 0's coordination service listening on that address only (or on
+  FEDJAX_HET_COORDINATOR_BIND_ADDRESS); otherwise JAX detects the cluster. CPU collectives use gloo. A ConfigError names the variables
   when neither works."""
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   num, index, coordinator = os.environ.get(NUM_PROCESSES), os.environ.get(PROCESS_ID), os.environ.get(COORDINATOR)
@@ -43,7 +47,10 @@ def initialize(timeout_seconds: int = 300) -> None:
         raise ConfigError(f'--distributed: set all of {COORDINATOR} (host:port of process 0), {NUM_PROCESSES} and '
                           f'{PROCESS_ID}, or none of them on a cluster JAX detects (SLURM, Open MPI, Cloud TPU). '
                           f'Fix: start the processes with python -m fedjax_het.launch.')
-      jax.distributed.initialize(coordinator, int(num), int(index), initialization_timeout=timeout_seconds)
+      # The coordinator listens on the address the processes are given, not on every interface (JAX's default):
+      # its service is unauthenticated, so it is reachable only where the run means it to be.
+      jax.distributed.initialize(coordinator, int(num), int(index), initialization_timeout=timeout_seconds,
+                                 coordinator_bind_address=os.environ.get(COORDINATOR_BIND, coordinator))
     else:
       jax.distributed.initialize(initialization_timeout=timeout_seconds)
   except ConfigError:

@@ -180,6 +180,25 @@ def test_replies_that_fail_the_servers_checks_are_left_out_and_the_run_finishes(
   assert summary['finished'] and 0 <= summary['final_accuracy'] <= 1
 
 
+def test_a_run_name_from_the_server_never_reaches_outside_the_nodes_state_folder(tmp_path):
+  from flwr.app import Message, MessageType
+  from fedjax_het.flower.rounds import message_config
+  TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+  query = Message(RecordDict({'config': message_config(json.dumps(CFG.to_dict()), 0)}), dst_node_id=100,
+                  message_type=MessageType.QUERY)
+  state_dir = tmp_path / 'nodes'
+  for name in ('x/../../../escaped', '..', '/etc', 'a b', '', '.hidden'):
+    context = Context(run_id=1, node_id=100, node_config={'partition-id': 0, 'state-dir': str(state_dir)},
+                      state=RecordDict(), run_config={'run-name': name})
+    with pytest.raises(ConfigError, match=r"^run config run-name=.*: a run name is 1-128 letters.*Fix: "):
+      client_app.node_of(query, context)
+  assert not (tmp_path / 'escaped').exists() and not state_dir.exists()
+  context = Context(run_id=1, node_id=100, node_config={'partition-id': 0, 'state-dir': str(state_dir)},
+                    state=RecordDict(), run_config={'run-name': 'cifar10-fedre_seed.0'})
+  node, _ = client_app.node_of(query, context)
+  assert node.states.directory == str(state_dir / 'run_cifar10-fedre_seed.0' / 'client_0')
+
+
 def test_each_train_message_carries_only_its_clients_slice_of_a_per_client_broadcast():
   from fedjax_het.algorithms import FedGKTConfig
   from fedjax_het.core import PER_CLIENT

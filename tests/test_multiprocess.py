@@ -160,3 +160,20 @@ def test_a_run_over_several_processes_lays_groups_over_all_their_devices(monkeyp
   if len(jax.devices()) == 1:
     with pytest.raises(ConfigError, match=r'--num_devices=2: a run of 2 processes'):
       ExperimentConfig(num_devices=2).execution_config()
+
+
+def test_the_coordinator_listens_on_the_address_it_is_given_only(monkeypatch):
+  """JAX's coordination service is unauthenticated and by default listens on every interface; the run binds it to
+  the coordinator address the processes are given (or FEDJAX_HET_COORDINATOR_BIND_ADDRESS)."""
+  import jax
+  from fedjax_het import distributed
+  calls = []
+  monkeypatch.setattr(jax.distributed, 'initialize', lambda *a, **k: calls.append((a, k)))
+  monkeypatch.setenv(distributed.COORDINATOR, '127.0.0.1:4321')
+  monkeypatch.setenv(distributed.NUM_PROCESSES, '2')
+  monkeypatch.setenv(distributed.PROCESS_ID, '0')
+  distributed.initialize()
+  monkeypatch.setenv(distributed.COORDINATOR_BIND, '10.0.0.5:4321')
+  distributed.initialize()
+  assert [(a, k['coordinator_bind_address']) for a, k in calls] == [
+      (('127.0.0.1:4321', 2, 0), '127.0.0.1:4321'), (('127.0.0.1:4321', 2, 0), '10.0.0.5:4321')]

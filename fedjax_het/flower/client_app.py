@@ -27,6 +27,7 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import build_federation
 from fedjax_het.flower.node import Node, deployed_config
 from fedjax_het.flower.records import tree_from_record, tree_to_record
+from fedjax_het.flower.run_config import run_name
 
 app = ClientApp()
 # The run's federation by (config, data dir): a process that serves several messages (several nodes in one process,
@@ -54,7 +55,7 @@ def node_of(message: Message, context: Context) -> tuple[Node, int]:
     _nodes.clear()
   state_dir = str(node_config.get('state-dir') or context.run_config.get('state-dir')
                   or os.path.join(tempfile.gettempdir(), 'fedjax_het_flower'))
-  run_dir = os.path.join(state_dir, f'run_{context.run_config.get("run-name", "default")}')
+  run_dir = os.path.join(state_dir, f'run_{run_name(context.run_config.get("run-name", "default"))}')
   client = int(node_config['partition-id'])
   if (client, run_dir) not in _nodes:
     _nodes[(client, run_dir)] = Node(_federations[key], client, run_dir)

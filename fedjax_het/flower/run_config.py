@@ -37,6 +37,20 @@ NOT_KEYS = {
     'memory_budget_gib': 'each node trains its one client alone (no vmapped chunks)',
     'stream_clients': 'each node keeps its own client\'s state',
 }
+RUN_NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9_.-]{0,127}')
+
+
+def run_name(name) -> str:
+  """The run config's run-name, which names a folder of this node's state-dir: letters, digits, '_', '.' and '-',
+  starting with a letter or digit, so that no name the server sends reaches outside that folder."""
+  from fedjax_het.errors import ConfigError
+  if not isinstance(name, str) or not RUN_NAME.fullmatch(name):
+    raise ConfigError(f'run config run-name={name!r}: a run name is 1-128 letters, digits, \'_\', \'.\' or \'-\', '
+                      f'starting with a letter or digit (it names a folder of the node\'s state-dir). Fix: '
+                      f'run-name="my-run-1".')
+  return name
+
+
 BEGIN = '# BEGIN experiment flags'
 END = '# END experiment flags'
 APP_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), 'experiments',

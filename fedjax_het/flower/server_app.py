@@ -26,7 +26,7 @@ from fedjax_het.experiment import train_and_evaluate
 from fedjax_het.errors import ConfigError
 from fedjax_het.flower.node import deployed_config
 from fedjax_het.flower.rounds import UPLOAD_BOUND, FlowerRounds
-from fedjax_het.flower.run_config import experiment_flag_values, override_arguments
+from fedjax_het.flower.run_config import experiment_flag_values, override_arguments, run_name
 
 app = ServerApp()
 
@@ -77,6 +77,7 @@ def main(grid: Grid, context: Context) -> None:
   round_timeout = float(run_config_value(run_config, 'round-timeout', 600.0))
   connect_timeout = float(run_config_value(run_config, 'connect-timeout', 120.0))
   upload_bound = float(run_config_value(run_config, 'upload-bound', UPLOAD_BOUND))
+  run_name(run_config.get('run-name', 'default'))  # the nodes refuse a name that is no plain folder name: say so now
 
   summary = train_and_evaluate(cfg, str(run_config_value(run_config, 'workdir')), resume=resume, progress=False,
                                tensorboard=fv.tensorboard,
