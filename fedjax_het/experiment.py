@@ -69,6 +69,12 @@ def build_federation(cfg: ExperimentConfig) -> Federation:
   return _build(cfg)[0]
 
 
+def build_federation_and_budget(cfg: ExperimentConfig) -> tuple[Federation, Optional['PrivacyBudget']]:
+  """`build_federation`, and the privacy its uploads spend (sigma as the run calibrates it; None without DP)."""
+  fed, _, budget = _build(cfg)
+  return fed, budget
+
+
 def _build(cfg: ExperimentConfig) -> tuple[Federation, Run, Optional['PrivacyBudget']]:
   validate(cfg)
   dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)

@@ -199,6 +199,38 @@ def test_a_run_name_from_the_server_never_reaches_outside_the_nodes_state_folder
   assert node.states.directory == str(state_dir / 'run_cifar10-fedre_seed.0' / 'client_0')
 
 
+def test_a_nodes_local_dp_policy_holds_whatever_config_the_server_sends(tmp_path):
+  """A node started with dp-mode="local" takes part only in runs that noise its uploads on the node at least as
+  its policy says; the server's config cannot switch it off (it could, by sending dp_mode=off)."""
+  from flwr.app import Message, MessageType
+  from fedjax_het.flower.rounds import message_config
+  TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+  policy = {'partition-id': 0, 'state-dir': str(tmp_path), 'dp-mode': 'local', 'dp-noise-multiplier': 1.0}
+
+  def query(cfg, node_config):
+    message = Message(RecordDict({'config': message_config(json.dumps(cfg.to_dict()), 0)}), dst_node_id=100,
+                      message_type=MessageType.QUERY)
+    return client_app.node_of(message, Context(run_id=1, node_id=100, node_config=node_config, state=RecordDict(),
+                                               run_config={'run-name': 'dp'}))
+  with pytest.raises(ConfigError, match=r'^this node uploads only with local DP .* the run asks for --dp_mode=off'):
+    query(CFG, policy)
+  central = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=2.0)
+  with pytest.raises(ConfigError, match=r'asks for --dp_mode=central'):
+    query(central, policy)
+  weak = dataclasses.replace(CFG, dp_mode='local', dp_noise_multiplier=0.5)
+  with pytest.raises(ConfigError, match=r'^this node uploads only with noise multiplier >= 1 .* the run\'s is 0\.5\. '
+                                        r'Fix: run with --dp_noise_multiplier >= 1'):
+    query(weak, policy)
+  strong = dataclasses.replace(CFG, dp_mode='local', dp_noise_multiplier=1.5)
+  node, _ = query(strong, policy)
+  assert node.client_id == 0
+  with pytest.raises(ConfigError, match=r'^this node uploads only in runs that spend epsilon <= 0\.01 .* this run '
+                                        r'spends [0-9.]+ at delta 1e-05'):
+    query(strong, {**policy, 'dp-max-epsilon': 0.01})
+  query(strong, {**policy, 'dp-max-epsilon': 1e6})
+  query(weak, {'partition-id': 0, 'state-dir': str(tmp_path)})  # no policy: the run's config decides
+
+
 def test_each_train_message_carries_only_its_clients_slice_of_a_per_client_broadcast():
   from fedjax_het.algorithms import FedGKTConfig
   from fedjax_het.core import PER_CLIENT

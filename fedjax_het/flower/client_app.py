@@ -9,6 +9,12 @@ uses, else a folder under the system's temporary directory); data-dir: the
 tfds data_dir on this machine, when it differs from the run's --data_dir; compilation-cache: XLA's persistent
 compilation cache (default ~/.cache/fedjax_het/xla; every message runs in a new ClientApp process, which reads
 its compiled programs there instead of compiling them again).
+
+The node's own privacy policy, which no config from the server overrides (`check_dp_policy`): dp-mode="local"
+makes the node train only in runs that noise each client's upload on the client (--dp_mode=local), with at least
+dp-noise-multiplier (sigma, as the run calibrates it) and, where dp-max-epsilon is set, spending at most that epsilon
+over the run (at the run's --dp_delta); any other run's messages are answered with an error that says why, and the
+server leaves the node out.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from flwr.clientapp import ClientApp
 from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import build_federation
+from fedjax_het.experiment import build_federation_and_budget
 from fedjax_het.flower.node import Node, deployed_config
 from fedjax_het.flower.records import tree_from_record, tree_to_record
 from fedjax_het.flower.run_config import run_name
@@ -34,6 +40,32 @@ app = ClientApp()
 # as the tests deliver them) builds it once.
 _federations: dict = {}
 _nodes: dict = {}  # (client, state folder) -> Node of the federation in _federations
+
+
+def check_dp_policy(node_config, cfg: ExperimentConfig, budget) -> None:
+  """A ConfigError where the run (`cfg`, its privacy `budget`) would have this node upload less private than its
+  node config's policy allows (see the module docstring); nothing without a policy."""
+  policy = node_config.get('dp-mode')
+  if not policy:
+    return
+  if policy != 'local':
+    raise ConfigError(f'node config dp-mode={policy!r}: a node\'s own policy can only be "local" (its uploads noised '
+                      f'before they leave it). Fix: dp-mode="local", or no dp-mode.')
+  needs = float(node_config.get('dp-noise-multiplier', 0.0))
+  most = float(node_config.get('dp-max-epsilon', 0.0))
+  if cfg.dp_mode != 'local' or budget is None:
+    raise ConfigError(f'this node uploads only with local DP (its node config dp-mode="local"); the run asks for '
+                      f'--dp_mode={cfg.dp_mode}. Fix: run with --dp_mode=local (and --dp_noise_multiplier >= '
+                      f'{needs:g}), or start the node without that policy.')
+  if budget.noise_multiplier < needs:
+    raise ConfigError(f'this node uploads only with noise multiplier >= {needs:g} (its node config); the run\'s is '
+                      f'{budget.noise_multiplier:.4g}. Fix: run with --dp_noise_multiplier >= {needs:g}.')
+  if most > 0:
+    spent = budget.epsilon(budget.schedule.total_rounds)
+    if spent > most:
+      raise ConfigError(f'this node uploads only in runs that spend epsilon <= {most:g} (its node config '
+                        f'dp-max-epsilon); this run spends {spent:.4g} at delta {budget.delta:g}. Fix: more noise '
+                        f'(--dp_noise_multiplier), fewer rounds or a --dp_target_epsilon <= {most:g}.')
 
 
 def node_of(message: Message, context: Context) -> tuple[Node, int]:
@@ -51,14 +83,16 @@ def node_of(message: Message, context: Context) -> tuple[Node, int]:
     if data_dir:
       cfg = dataclasses.replace(cfg, data_dir=str(data_dir))
     _federations.clear()
-    _federations[key] = build_federation(deployed_config(cfg))
+    _federations[key] = build_federation_and_budget(deployed_config(cfg)) + (cfg,)
     _nodes.clear()
+  fed, budget, cfg = _federations[key]
+  check_dp_policy(node_config, cfg, budget)
   state_dir = str(node_config.get('state-dir') or context.run_config.get('state-dir')
                   or os.path.join(tempfile.gettempdir(), 'fedjax_het_flower'))
   run_dir = os.path.join(state_dir, f'run_{run_name(context.run_config.get("run-name", "default"))}')
   client = int(node_config['partition-id'])
   if (client, run_dir) not in _nodes:
-    _nodes[(client, run_dir)] = Node(_federations[key], client, run_dir)
+    _nodes[(client, run_dir)] = Node(fed, client, run_dir)
   node = _nodes[(client, run_dir)]
   if node_config.get('architecture') and node_config['architecture'] != node.architecture:
     raise ConfigError(f'node config architecture={node_config["architecture"]!r}: client {client} of this run has '
