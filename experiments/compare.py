@@ -84,6 +84,11 @@ def _comparison(seeds, names) -> str:
 
 def _tradeoff(epsilons, seeds, names) -> str:
   """Each point sets its own noise: the base runs without DP."""
+  for flag in ('dp_noise_multiplier', 'dp_target_epsilon'):
+    if FLAGS[flag].present and FLAGS[flag].value:
+      raise ConfigError(f'--{flag}={FLAGS[flag].value} with --epsilons: each point of the trade-off calibrates its '
+                        f'noise to its own epsilon, so this value would be ignored. Fix: leave --{flag} out (or '
+                        f'drop --epsilons to compare the methods at that noise).')
   base = cli.config_from_flags(algorithms=names, dp_mode='off', dp_parts=(), dp_target_epsilon=0.0,
                                dp_noise_multiplier=0.0)
   points = run_tradeoff(base, FLAGS.dp_mode, FLAGS.algorithms, epsilons, seeds, FLAGS.workdir,

@@ -16,6 +16,7 @@ In a run of several processes (`fedjax_het.distributed`) only process 0 writes: 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import IO, Any, Callable, Optional
 
@@ -35,6 +36,26 @@ def write_atomically(path: str, write: Callable[[IO], None], binary: bool = Fals
   with open(path + '.tmp', 'wb' if binary else 'w', newline=None if binary else '') as f:
     write(f)
   os.replace(path + '.tmp', path)
+
+
+def strict_json(obj: Any, indent: Optional[int] = None) -> str:
+  """`obj` as standard JSON: a NaN or infinite number (which Python's json writes as NaN / Infinity, which other
+  readers refuse) becomes null, and in a dict the key `<key>_not_finite` beside it says which it was ('nan',
+  'inf', '-inf')."""
+  def clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+      return None
+    if isinstance(value, dict):
+      out = {}
+      for k, v in value.items():
+        out[k] = clean(v)
+        if isinstance(v, float) and not math.isfinite(v):
+          out[f'{k}_not_finite'] = 'nan' if math.isnan(v) else ('inf' if v > 0 else '-inf')
+      return out
+    if isinstance(value, (list, tuple)):
+      return [clean(v) for v in value]
+    return value
+  return json.dumps(clean(obj), indent=indent, allow_nan=False)
 
 
 class Workdir:
@@ -120,7 +141,7 @@ class Workdir:
     """Writes `name` atomically (temporary file, then rename)."""
     if not self.writes:
       return
-    write_atomically(self.file(name), lambda f: json.dump(obj, f, indent=2))
+    write_atomically(self.file(name), lambda f: f.write(strict_json(obj, indent=2)))
 
   def read_json(self, name: str) -> Optional[Any]:
     """The parsed file, or None when it is missing or unreadable (a note is logged for the latter)."""
@@ -158,11 +179,11 @@ class Workdir:
     """Replaces metrics.jsonl by `rows` atomically."""
     if not self.writes:
       return
-    write_atomically(self.file('metrics.jsonl'), lambda f: f.writelines(json.dumps(r) + '\n' for r in rows))
+    write_atomically(self.file('metrics.jsonl'), lambda f: f.writelines(strict_json(r) + '\n' for r in rows))
 
   def append_metrics(self, row: dict) -> None:
     """Appends one round's row to metrics.jsonl and flushes it to the OS."""
     if not self.writes:
       return
     with open(self.file('metrics.jsonl'), 'a') as f:
-      f.write(json.dumps(row) + '\n')
+      f.write(strict_json(row) + '\n')

@@ -158,6 +158,19 @@ def test_epsilon_is_dp_accountings_figure_for_a_hand_chosen_run():
   assert shown.epsilon(50) == local.epsilon(50)
 
 
+def test_a_runs_epsilon_after_round_r_draws_r_rounds_not_the_runs_length():
+  """--rounds=100000000 with sampled local DP once drew every round's participants before round 1 (minutes, no
+  progress, SIGTERM unanswered); each round's epsilon now draws as far as that round."""
+  long = PrivacyBudget(schedule(rounds=10**8, join_ratio=0.5), 'local', 2.0, 1e-5, 'pld')
+  short = PrivacyBudget(schedule(rounds=3, join_ratio=0.5), 'local', 2.0, 1e-5, 'pld')
+  assert long.epsilon(3) == short.epsilon(3) > 0
+  assert len(long._joins['most']) == 4  # rounds 0..3 drawn, not 10**8
+  # The stretches of one sample size, by hand: 10 rounds of 5 of 20 clients, then 5 rounds of all 20.
+  tail = PrivacyBudget(dataclasses.replace(schedule(rounds=15), full_participation_rounds=5), 'central', 2.0, 1e-5)
+  assert tail.draws(15) == [(5, 10), (20, 5)] and tail.draws(12) == [(5, 10), (20, 2)]
+  assert tail.draws(4) == [(5, 4)] and long.draws(10**8) == [(10, 10**8)]
+
+
 def test_calibration_reaches_the_target_epsilon():
   for budget in (PrivacyBudget(schedule(rounds=20), 'central', 1.0, 1e-5),
                  PrivacyBudget(schedule(rounds=20, join_ratio=0.5), 'local', 1.0, 1e-5, 'pld'),
@@ -257,3 +270,33 @@ def test_the_tradeoff_table_json_and_plot_put_every_method_on_the_same_axes(tmp_
   assert saved[1]['target_epsilon'] is None and (tmp_path / 'privacy_utility.png').stat().st_size > 0
   with pytest.raises(ConfigError, match='--dp_mode=off: the trade-off needs'):
     run_tradeoff(CFG, 'off', ['fedre'], [1.0], [0], str(tmp_path / 'never'))
+
+
+def test_an_infinite_epsilon_is_written_as_strict_json(tmp_path):
+  """--dp_noise_multiplier=1e-300 spends an infinite epsilon: metrics.jsonl and summary.json say so in standard
+  JSON (null, and beside it dp_epsilon_not_finite), not as the `Infinity` other JSON readers refuse."""
+  cfg = dataclasses.replace(CFG, rounds=2, dp_mode='local', dp_noise_multiplier=1e-300)
+  train_and_evaluate(cfg, str(tmp_path), progress=False)
+
+  def refuse(constant):
+    raise ValueError(f'{constant} is not JSON')
+  for line in (tmp_path / 'metrics.jsonl').read_text().splitlines():
+    row = json.loads(line, parse_constant=refuse)
+    assert row['dp_epsilon'] is None and row['dp_epsilon_not_finite'] == 'inf'
+  json.loads((tmp_path / 'summary.json').read_text(), parse_constant=refuse)
+
+
+def test_the_tradeoff_refuses_a_noise_it_would_ignore(tmp_path):
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, os.path.join(root, 'experiments', 'compare.py'), '--algorithms=fedre',
+                         '--dataset=digits', '--epsilons=1,inf', '--dp_mode=central', '--dp_noise_multiplier=2',
+                         f'--workdir={tmp_path}'], capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines()[-1] == (
+      'error: --dp_noise_multiplier=2.0 with --epsilons: each point of the trade-off calibrates its noise to its own '
+      'epsilon, so this value would be ignored. Fix: leave --dp_noise_multiplier out (or drop --epsilons to compare '
+      'the methods at that noise).')
+  assert not os.listdir(tmp_path)

@@ -231,6 +231,27 @@ def test_a_nodes_local_dp_policy_holds_whatever_config_the_server_sends(tmp_path
   query(weak, {'partition-id': 0, 'state-dir': str(tmp_path)})  # no policy: the run's config decides
 
 
+def test_a_second_node_claiming_a_client_is_refused_and_never_blocks_the_run(tmp_path, caplog):
+  from fedjax_het.experiment import build_federation
+  from fedjax_het.flower.rounds import NodesUnavailable, assign_nodes
+  grid = InProcessGrid(str(tmp_path / 'nodes'), 4)
+  impostor = Context(run_id=1, node_id=99, node_config={'partition-id': 0, 'state-dir': str(tmp_path / 'x')},
+                     state=RecordDict(), run_config={'run-name': 'test'})
+  grid.contexts = {99: impostor, **grid.contexts}  # it connected first
+  fed, cfg_json = build_federation(CFG), json.dumps(CFG.to_dict())
+  # Without registered keys the first claim stands, the second is refused, and the run goes on.
+  assert assign_nodes(grid, fed, cfg_json, 0, 5, poll_seconds=0.01) == {0: 99, 1: 101, 2: 102, 3: 103}
+  assert 'SuperNode 100 claims client 0, which SuperNode 99 holds: refused' in caplog.text
+  # With the node ids of the keys registered for the clients, only the registered node's claim is taken.
+  registered = {k: 100 + k for k in range(4)}
+  assert assign_nodes(grid, fed, cfg_json, 0, 5, poll_seconds=0.01, registered=registered) == registered
+  assert 'SuperNode 99 claims client 0, whose registered SuperNode is 100: refused' in caplog.text
+  del grid.contexts[100]  # the registered node of client 0 never connects: the impostor does not take its place
+  with pytest.raises(NodesUnavailable, match=r'no SuperNode holds clients \[0\] after 0.2 s .*Refused: SuperNode 99 '
+                                             r'claims client 0'):
+    assign_nodes(grid, fed, cfg_json, 0, 0.2, poll_seconds=0.01, registered=registered)
+
+
 def test_each_train_message_carries_only_its_clients_slice_of_a_per_client_broadcast():
   from fedjax_het.algorithms import FedGKTConfig
   from fedjax_het.core import PER_CLIENT
@@ -455,6 +476,35 @@ def test_a_supernode_killed_mid_run_is_left_out_and_the_run_finishes(tmp_path):
   rows = _rows(tmp_path / 'flower')
   assert [r['missing_clients'] for r in rows] == [[], [3], [3]]
   assert [r['participants'] for r in rows] == [4, 3, 3] and rows[-1]['evaluated_clients'] == 3
+  assert json.loads((tmp_path / 'flower' / 'summary.json').read_text())['finished']
+
+
+@pytest.mark.slow
+def test_a_deployment_with_a_lying_node_and_an_impostor_finishes_without_them(tmp_path):
+  """Authenticated SuperNodes on localhost: client 2's node uploads NaN and inflates its test counts
+  (tests/fixtures/malicious_node), and a second node with a registered key of its own claims client 0. The
+  impostor is refused, client 2's replies are left out every round, and the honest nodes' run finishes."""
+  from fedjax_het.flower.local import LocalDeployment
+  flagfile = _flagfile(tmp_path, 'fedre')
+  fixture = os.path.join(os.path.dirname(__file__), 'fixtures', 'malicious_node')
+  deployment = LocalDeployment(4, str(tmp_path / 'flower'))
+  try:
+    deployment.start()
+    deployment.supernodes[2].kill()
+    deployment.supernodes[2].wait()
+    deployment.start_supernode(2, env={'PYTHONPATH': os.pathsep.join([fixture, os.environ.get('PYTHONPATH', '')])})
+    deployment.start_supernode(0, identity='impostor')
+    with open(tmp_path / 'flwr_run.log', 'w') as log:
+      status = deployment.run(flagfile, round_timeout=120, stdout=log)
+  finally:
+    deployment.stop()
+  assert status == 0, (tmp_path / 'flwr_run.log').read_text()[-3000:]
+  rows = _rows(tmp_path / 'flower')
+  assert [r['rejected_clients'] for r in rows] == [[2], [2], [2]]
+  assert [r.get('rejected_scores') for r in rows] == [[2], [2], [2]]
+  assert [r['participants'] for r in rows] == [3, 3, 3] and all(0 <= r['accuracy'] <= 1 for r in rows)
+  log = (tmp_path / 'flwr_run.log').read_text()
+  assert 'claims client 0, whose registered SuperNode is' in log, log[-3000:]
   assert json.loads((tmp_path / 'flower' / 'summary.json').read_text())['finished']
 
 

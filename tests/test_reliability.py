@@ -201,6 +201,7 @@ X = np.zeros((6, 4, 4), np.uint8)
 @pytest.mark.parametrize('arrays,message', [
     (dict(x=X, y=np.array([0, 1, 2, -1, 0, 1])), 'negative labels'),
     (dict(x=X, y=np.array([0, 1, 0.5, 1, 0, 1])), 'non-integer labels'),
+    (dict(x=X, y=np.array([0, 1, 2, 3, 0, 1]) + 2**32), r'labels up to 4294967299, beyond any class index'),
     (dict(x=X, y=np.array([0, 1, 2, 99, 0, 1])), 'no training sample'),
     (dict(x=X, y=np.array([0, 1, 2, 3, 0])), 'same number'),
     (dict(x=X[:0], y=np.zeros(0, int)), 'same number'),

@@ -174,6 +174,10 @@ def _npz_labels(path: str, name: str, y: np.ndarray) -> np.ndarray:
   if len(y) and y.min() < 0:
     raise ConfigError(f'--dataset=npz:{path}: {name} holds negative labels ({sorted(set(y[y < 0].tolist()))[:5]}); '
                       f'labels must be class indices 0..C-1. Fix: relabel, or drop those samples.')
+  largest = np.iinfo(np.int32).max
+  if len(y) and y.max() > largest:  # int32 would wrap them onto small labels without a word
+    raise ConfigError(f'--dataset=npz:{path}: {name} holds labels up to {int(y.max())}, beyond any class index '
+                      f'(at most {largest}); labels must be class indices 0..C-1. Fix: relabel them 0..C-1.')
   return y.astype(np.int32)
 
 

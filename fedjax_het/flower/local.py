@@ -72,27 +72,41 @@ class LocalDeployment:
   compilation cache ('': off; None: their default, ~/.cache/fedjax_het/xla)."""
 
   def __init__(self, num_supernodes: int, workdir: str, app_dir: str = APP_DIR, port: int = 0,
-               simulation: bool = False, compilation_cache: Optional[str] = None):
+               simulation: bool = False, compilation_cache: Optional[str] = None, authenticate: bool = True):
     self.num_supernodes, self.workdir, self.app_dir = num_supernodes, os.path.abspath(workdir), app_dir
     self.simulation, self.compilation_cache = simulation, compilation_cache
+    # SuperNodes authenticated (Flower's CLI-managed SuperNode authentication, over TLS); a simulation has none.
+    self.authenticate = authenticate and not simulation
     self.port = port or free_port()
     self.logs = os.path.join(self.workdir, 'flower_logs')
     self.home = os.path.join(self.logs, 'flwr_home')
+    self.credentials = os.path.join(self.logs, 'credentials')
     self.superlink: Optional[subprocess.Popen] = None
     self.failure: Optional[str] = None  # Flower's account of the last run's failure, if it failed
     self.supernodes: list[subprocess.Popen] = []
+    self.others: list[subprocess.Popen] = []  # SuperNodes started with an identity of their own
+    self.node_ids: dict[int, int] = {}  # client -> the node id its registered key gets (authenticated deployments)
+    self.tls = None
 
-  def _spawn(self, command: list[str], log: str) -> subprocess.Popen:
+  def _spawn(self, command: list[str], log: str, env: Optional[Mapping[str, str]] = None) -> subprocess.Popen:
     out = open(os.path.join(self.logs, log), 'a')
-    env = dict(os.environ, FLWR_HOME=self.home)
+    env = dict(os.environ, FLWR_HOME=self.home, **(env or {}))
     return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
   def start(self) -> 'LocalDeployment':
     os.makedirs(self.home, exist_ok=True)
+    connection = 'insecure = true\n'
+    security = ['--insecure']
+    if self.authenticate:
+      from fedjax_het.flower.credentials import tls_files
+      self.tls = tls_files(self.credentials)
+      connection = f'root-certificates = {json.dumps(self.tls.ca_certificate)}\n'
+      security = ['--ssl-ca-certfile', self.tls.ca_certificate, '--ssl-certfile', self.tls.certificate,
+                  '--ssl-keyfile', self.tls.private_key, '--enable-supernode-auth']
     with open(os.path.join(self.home, 'config.toml'), 'w') as f:
       f.write(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-              f'address = "127.0.0.1:{self.port}"\ninsecure = true\n')
-    self.superlink = self._spawn(['flower-superlink', '--insecure', '--port', str(self.port), '--database',
+              f'address = "127.0.0.1:{self.port}"\n{connection}')
+    self.superlink = self._spawn(['flower-superlink', *security, '--port', str(self.port), '--database',
                                   os.path.join(self.home, 'superlink.db'), '--disable-runtime-dependency-installation']
                                  + (['--simulation'] if self.simulation else []), 'superlink.log')
     wait_for_port(self.port, 60, self.superlink, 'flower-superlink')
@@ -101,14 +115,43 @@ class LocalDeployment:
         self.start_supernode(k)
     return self
 
-  def start_supernode(self, k: int) -> subprocess.Popen:
-    """(Re)starts the SuperNode of client k."""
+  def register(self, k: int) -> str:
+    """Client k's SuperNode key (made once, kept for its restarts), registered with the SuperLink: the private
+    key's path. Its node id goes to `node_ids`."""
+    if k not in self.node_ids:
+      self.node_ids[k] = self._register_key(f'supernode_{k}')[1]
+    return os.path.join(self.credentials, f'supernode_{k}')
+
+  def _register_key(self, name: str) -> tuple[str, int]:
+    """(private key path, node id) of a new key pair `name`, registered with the SuperLink."""
+    from fedjax_het.flower.credentials import node_key_pair
+    private, public = node_key_pair(self.credentials, name)
+    done = subprocess.run(['flwr', 'supernode', 'register', public, CONNECTION, '--format', 'json'],
+                          env=dict(os.environ, FLWR_HOME=self.home), capture_output=True, text=True)
+    try:
+      return private, int(json.loads(done.stdout)['node-id'])
+    except (ValueError, KeyError, TypeError):
+      raise RuntimeError(f'flwr supernode register did not register the key {public} (status {done.returncode}): '
+                         f'{(done.stdout + done.stderr).strip()[-500:]}') from None
+
+  def start_supernode(self, k: int, env: Optional[Mapping[str, str]] = None, identity: Optional[str] = None
+                      ) -> subprocess.Popen:
+    """(Re)starts the SuperNode of client k (with its registered key, where the deployment authenticates), its
+    processes with the variables `env` added. With `identity`, another SuperNode claiming client k, with a key of
+    its own registered under that name (not kept in `supernodes` or `node_ids`: a node the run must refuse)."""
     node_config = {'partition-id': k, 'state-dir': os.path.join(self.workdir, 'flower_nodes')}
     if self.compilation_cache is not None:
       node_config['compilation-cache'] = self.compilation_cache
-    process = self._spawn(['flower-supernode', '--insecure', '--superlink', f'127.0.0.1:{self.port}', '--port',
+    security = ['--insecure']
+    if self.authenticate:
+      key = self.register(k) if identity is None else self._register_key(identity)[0]
+      security = ['--root-certificates', self.tls.ca_certificate, '--auth-supernode-private-key', key]
+    process = self._spawn(['flower-supernode', *security, '--superlink', f'127.0.0.1:{self.port}', '--port',
                            str(free_port()), '--node-config', run_config_argument(node_config)],
-                           f'supernode_{k}.log')
+                           f'supernode_{identity or k}.log', env)
+    if identity is not None:
+      self.others.append(process)
+      return process
     if k < len(self.supernodes):
       self.supernodes[k] = process
     else:
@@ -129,6 +172,8 @@ class LocalDeployment:
               'round-timeout': float(round_timeout), 'connect-timeout': float(connect_timeout), 'run-name': run_name}
     if self.simulation:  # the simulated nodes' states, where the deployment's SuperNodes keep them
       config['state-dir'] = os.path.join(self.workdir, 'flower_nodes')
+    if self.node_ids:  # the node each client's registered key is: the server takes no other node's claim
+      config['node-ids'] = json.dumps({str(k): v for k, v in sorted(self.node_ids.items())})
     config.update(overrides or {})
     return config
 
@@ -163,7 +208,7 @@ class LocalDeployment:
 
   def stop(self) -> None:
     """Stops the SuperNodes and the SuperLink (SIGTERM, then SIGKILL after a grace period)."""
-    _stop(self.supernodes + ([self.superlink] if self.superlink else []))
+    _stop(self.supernodes + self.others + ([self.superlink] if self.superlink else []))
 
   def __enter__(self):
     return self.start()

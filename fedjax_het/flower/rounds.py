@@ -107,10 +107,12 @@ class FlowerRounds:
   cfg_json: the run's `ExperimentConfig` as JSON; round_timeout: seconds a round waits for its replies;
   connect_timeout: seconds the first round waits for the nodes to connect (`assign_nodes`); log: called with a
   line as each round's training and each evaluation ends (how long it took), or None; upload_bound: the largest
-  absolute value an upload may hold (`check_upload`)."""
+  absolute value an upload may hold (`check_upload`); registered: client id -> the node id of its registered
+  SuperNode key, where the deployment authenticates nodes (`assign_nodes` takes no other node's claim)."""
 
   def __init__(self, fed: Federation, grid, cfg_json: str, round_timeout: float, connect_timeout: float,
-               log: Optional[Callable[[str], None]] = None, upload_bound: float = UPLOAD_BOUND):
+               log: Optional[Callable[[str], None]] = None, upload_bound: float = UPLOAD_BOUND,
+               registered: Optional[dict[int, int]] = None):
     if any(e.statistics is not None for e in fed.evaluations):
       heterofl = fed.algorithm.name == 'heterofl'
       instead = ' --noheterofl_static_bn (each test batch\'s statistics), or' if heterofl else ''
@@ -119,14 +121,15 @@ class FlowerRounds:
                         f'{instead} run the simulation.')
     self.fed, self.grid, self.cfg_json = fed, grid, cfg_json
     self.round_timeout, self.connect_timeout, self.log = round_timeout, connect_timeout, log
-    self.upload_bound = upload_bound
+    self.upload_bound, self.registered = upload_bound, registered
     self.nodes: Optional[dict[int, int]] = None  # client id -> node id, asked as the first round starts
     self._templates: dict = {}
     self._initial_groups = None
 
   def _connect(self, round_index: int) -> None:
     if self.nodes is None:
-      self.nodes = assign_nodes(self.grid, self.fed, self.cfg_json, round_index, self.connect_timeout)
+      self.nodes = assign_nodes(self.grid, self.fed, self.cfg_json, round_index, self.connect_timeout,
+                                registered=self.registered)
 
   def __getattr__(self, name: str) -> Any:
     return getattr(self.fed, name)
@@ -276,35 +279,60 @@ class FlowerRounds:
 
 
 def assign_nodes(grid, fed: Federation, cfg_json: str, start_round: int, connect_timeout: float,
-                 poll_seconds: float = 1.0) -> dict[int, int]:
-  """client id -> node id: waits until `fed.num_clients` nodes are connected (at most `connect_timeout` s), then
-  asks each which client it holds (a QUERY message; the node also forgets states after `start_round`). A
-  ConfigError when nodes are missing or two hold the same client."""
+                 poll_seconds: float = 1.0, registered: Optional[dict[int, int]] = None) -> dict[int, int]:
+  """client id -> node id: asks each connected node which client it holds (a QUERY message; the node also forgets
+  states after `start_round`), as nodes connect, until every client has its node (at most `connect_timeout` s).
+
+  A node's claim is refused, with a warning naming it, where `registered` (client -> the node id of the key
+  registered for it, in an authenticated deployment) gives that client another node, where another node claimed
+  the client first, where it names no client of the run, or where the node answers with an error (its reason is
+  logged, e.g. its DP policy): no node can block the run by claiming a client. NodesUnavailable when clients are
+  still without a node at the deadline."""
   deadline = time.monotonic() + connect_timeout
-  while len(list(grid.get_node_ids())) < fed.num_clients and time.monotonic() < deadline:
-    time.sleep(poll_seconds)
-  node_ids = list(grid.get_node_ids())
-  if len(node_ids) < fed.num_clients:
-    raise NodesUnavailable(f'{len(node_ids)} SuperNodes are connected, the run has {fed.num_clients} clients (one '
-                           f'node each). Fix: start a SuperNode per client with --node-config "partition-id=K", or '
-                           f'raise connect-timeout (now {connect_timeout:g} s).')
   config = message_config(cfg_json, start_round)
-  messages = [Message(RecordDict({'config': config}), dst_node_id=n, message_type=MessageType.QUERY)
-              for n in node_ids]
-  replies = grid.send_and_receive(messages, timeout=connect_timeout)
   nodes: dict[int, int] = {}
-  for reply in replies:
-    if reply.has_error():
-      raise ConfigError(f'SuperNode {reply.metadata.src_node_id} could not join the run: {reply.error.reason}')
-    k = int(reply.content['node']['client'])
-    if k in nodes:
-      raise ConfigError(f'SuperNodes {nodes[k]} and {reply.metadata.src_node_id} both hold client {k}. Fix: give '
-                        f'each SuperNode its own --node-config "partition-id=K".')
-    nodes[k] = reply.metadata.src_node_id
+  asked: set = set()
+  refusals: list[str] = []
+  while True:
+    new = [n for n in grid.get_node_ids() if n not in asked]
+    if registered is not None:
+      new = sorted(new, key=lambda n: n not in registered.values())  # the registered nodes' answers first
+    if new:
+      asked.update(new)
+      messages = [Message(RecordDict({'config': config}), dst_node_id=n, message_type=MessageType.QUERY) for n in new]
+      for reply in grid.send_and_receive(messages, timeout=max(deadline - time.monotonic(), poll_seconds)):
+        why = _claim(reply, nodes, registered, fed.num_clients)
+        if why:
+          refusals.append(why)
+          logging.warning('%s', why)
+    if len(nodes) == fed.num_clients or time.monotonic() >= deadline:
+      break
+    time.sleep(poll_seconds)
   absent = sorted(set(range(fed.num_clients)) - set(nodes))
   if absent:
-    raise NodesUnavailable(f'no SuperNode holds clients {absent}. Fix: start a SuperNode with --node-config '
-                           f'"partition-id=K" for each of them.')
+    said = f' Refused: {"; ".join(refusals[:5])}.' if refusals else ''
+    raise NodesUnavailable(f'no SuperNode holds clients {absent} after {connect_timeout:g} s ({len(asked)} '
+                           f'connected).{said} Fix: start a SuperNode with --node-config "partition-id=K" for each of '
+                           f'them (or raise connect-timeout).')
   logging.info('nodes by client: %s', json.dumps(nodes))
   return nodes
 
+
+def _claim(reply: Message, nodes: dict[int, int], registered: Optional[dict[int, int]], num_clients: int
+           ) -> Optional[str]:
+  """Takes a node's answer to the QUERY into `nodes`; why it was refused, or None."""
+  node = reply.metadata.src_node_id
+  if reply.has_error():
+    return f'SuperNode {node} could not join the run: {reply.error.reason}'
+  try:
+    k = int(reply.content['node']['client'])
+  except (KeyError, TypeError, ValueError):
+    return f'SuperNode {node} answered without the client it holds'
+  if not 0 <= k < num_clients:
+    return f'SuperNode {node} claims client {k}, which the run does not have ({num_clients} clients)'
+  if registered is not None and registered.get(k) != node:
+    return (f'SuperNode {node} claims client {k}, whose registered SuperNode is {registered.get(k)}: refused')
+  if k in nodes:
+    return f'SuperNode {node} claims client {k}, which SuperNode {nodes[k]} holds: refused'
+  nodes[k] = node
+  return None

@@ -23,7 +23,7 @@ from absl import flags
 
 # The deployment's own run-config keys (not experiment flags; experiments/flower/pyproject.toml says what each sets).
 DEPLOYMENT_KEYS = ('flagfile', 'workdir', 'resume', 'round-timeout', 'connect-timeout', 'run-name', 'state-dir',
-                   'compilation-cache', 'upload-bound')
+                   'compilation-cache', 'upload-bound', 'node-ids')
 # Experiment flags that a Flower run sets itself: flag -> why it has no run-config key of its own.
 NOT_KEYS = {
     'workdir': 'the run config\'s workdir',

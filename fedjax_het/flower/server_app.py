@@ -5,7 +5,8 @@ Run config (flwr run ... --run-config '...'; experiments/flower/pyproject.toml l
 run's flags, as experiments/ takes them; absolute path on the SuperLink's machine), workdir (its outputs there),
 resume (continue from its last checkpoint), round-timeout (seconds a round waits for its replies, default 600),
 connect-timeout (seconds to wait for the nodes, default 120), run-name (the folder of the nodes' states; give each
-run its own), upload-bound (the largest absolute value an upload may hold, default 1e6: a node's upload beyond it,
+run its own), node-ids (JSON {client: node id} of the SuperNode keys registered for the clients: no other node's
+claim to a client is taken), upload-bound (the largest absolute value an upload may hold, default 1e6: a node's upload beyond it,
 like one with NaN values or arrays of other shapes, is left out of its round), compilation-cache (XLA's persistent compilation cache, default ~/.cache/fedjax_het/xla); and one key
 per experiment flag, its name with - for _ (rounds=2, num-clients=4), which overrides the flag file's value as a
 flag given after --flagfile does (`fedjax_het.flower.run_config`).
@@ -60,6 +61,18 @@ def run_config_value(run_config: dict, name: str, default: Optional[Any] = None)
   return default
 
 
+def node_ids(run_config: dict) -> Optional[dict[int, int]]:
+  """The run config's node-ids, {client: node id} of the SuperNode keys registered for the clients, or None."""
+  text = run_config.get('node-ids') or ''
+  if not text:
+    return None
+  try:
+    return {int(k): int(v) for k, v in json.loads(text).items()}
+  except (ValueError, TypeError, AttributeError):
+    raise ConfigError(f'the run config\'s node-ids={text!r} is not a JSON object of client -> node id. Fix: '
+                      f'node-ids=\'{{"0": NODE_ID, "1": NODE_ID, ...}}\' as flwr supernode register printed them.') from None
+
+
 def _log(line: str) -> None:
   print(line, flush=True)  # streamed to `flwr run --stream` as it is written
 
@@ -77,12 +90,14 @@ def main(grid: Grid, context: Context) -> None:
   round_timeout = float(run_config_value(run_config, 'round-timeout', 600.0))
   connect_timeout = float(run_config_value(run_config, 'connect-timeout', 120.0))
   upload_bound = float(run_config_value(run_config, 'upload-bound', UPLOAD_BOUND))
+  registered = node_ids(run_config)
   run_name(run_config.get('run-name', 'default'))  # the nodes refuse a name that is no plain folder name: say so now
 
   summary = train_and_evaluate(cfg, str(run_config_value(run_config, 'workdir')), resume=resume, progress=False,
                                tensorboard=fv.tensorboard,
                                federation=lambda fed: FlowerRounds(fed, grid, cfg_json, round_timeout,
                                                                    connect_timeout, log=_log,
-                                                                   upload_bound=upload_bound))
+                                                                   upload_bound=upload_bound,
+                                                                   registered=registered))
   print(json.dumps({k: v for k, v in summary.items() if k != 'config'}, indent=2), flush=True)
 

@@ -98,35 +98,33 @@ class PrivacyBudget:
     return self.mode == 'central' and self.hides_participants
 
   def draws(self, rounds: int) -> list[tuple[int, int]]:
-    """(clients drawn, rounds) of each stretch of the first `rounds` rounds with one sample size."""
+    """(clients drawn, rounds) of each stretch of the first `rounds` rounds with one sample size: the sample size
+    changes only where a phase starts and where the full-participation rounds begin."""
+    schedule = self.schedule
+    full = schedule.total_rounds - schedule.full_participation_rounds
+    cuts = sorted({0, rounds, *(c for c in (*schedule.phase_starts, full) if 0 < c < rounds)})
     runs: list[list[int]] = []
-    for r in range(rounds):
-      n = self.schedule.num_join(r)
+    for start, end in zip(cuts, cuts[1:]):
+      n = schedule.num_join(start)
       if runs and runs[-1][0] == n:
-        runs[-1][1] += 1
+        runs[-1][1] += end - start
       else:
-        runs.append([n, 1])
+        runs.append([n, end - start])
     return [(n, k) for n, k in runs]
 
   def participations(self, rounds: int) -> int:
-    """The most rounds any one client joins among the first `rounds` (the seeded draw of `Schedule`)."""
-    most = self._most_joins
-    if rounds < len(most):
-      return int(most[rounds])
-    counts = np.zeros(self.schedule.num_clients, int)
-    for r in range(rounds):
-      counts[self.schedule.participants(r)] += 1
-    return int(counts.max())
+    """The most rounds any one client joins among the first `rounds` (the seeded draw of `Schedule`), drawn as far
+    as asked and kept (a run's epsilon after round r draws r rounds, not the run's whole length)."""
+    joins = self._joins
+    while len(joins['most']) <= rounds:
+      joins['counts'][self.schedule.participants(len(joins['most']) - 1)] += 1
+      joins['most'].append(int(joins['counts'].max()))
+    return joins['most'][rounds]
 
   @functools.cached_property
-  def _most_joins(self) -> np.ndarray:
-    """[r]: the most rounds any one client joins among the first r, for r up to the run's length (drawn once, not
-    again at every round's epsilon)."""
-    counts, most = np.zeros(self.schedule.num_clients, int), [0]
-    for r in range(self.schedule.total_rounds):
-      counts[self.schedule.participants(r)] += 1
-      most.append(int(counts.max()))
-    return np.asarray(most)
+  def _joins(self) -> dict:
+    """The draws so far: each client's joins ('counts') and the most joins after each round ('most')."""
+    return {'counts': np.zeros(self.schedule.num_clients, int), 'most': [0]}
 
   def epsilon(self, rounds: int) -> float:
     """Epsilon at `delta` after the first `rounds` rounds."""
