@@ -19,7 +19,7 @@ from absl import logging
 from fedjax_het.config import ExperimentConfig, run_settings
 from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import RESUMABLE_FIELDS, TrainingDiverged, train_and_evaluate
-from fedjax_het.workdir import Workdir
+from fedjax_het.workdir import Workdir, strict_json
 from fedjax_het.methods import METHODS, config_with, flag_name
 from fedjax_het.plots import save_line_plot
 
@@ -198,10 +198,21 @@ def plot_comparison(results: Sequence[MethodResult], path: str, title: str) -> N
 def write_comparison(results: Sequence[MethodResult], workdir: str, title: str) -> str:
   """Writes comparison.md, comparison.json and comparison.png into `workdir`; returns the Markdown table."""
   table = comparison_table(results)
-  with open(os.path.join(workdir, 'comparison.md'), 'w') as f:
-    f.write(f'# {title}\n\n{table}')
-  with open(os.path.join(workdir, 'comparison.json'), 'w') as f:
-    json.dump([{'algorithm': r.algorithm, 'summaries': [{k: v for k, v in s.items() if k != 'config'}
-                                                        for s in r.summaries]} for r in results], f, indent=2)
-  plot_comparison(results, os.path.join(workdir, 'comparison.png'), title)
+  rows = [{'algorithm': r.algorithm, 'summaries': [{k: v for k, v in s.items() if k != 'config'}
+                                                   for s in r.summaries]} for r in results]
+  write_outputs(workdir, {'comparison.md': f'# {title}\n\n{table}', 'comparison.json': strict_json(rows, indent=2)},
+                lambda: plot_comparison(results, os.path.join(workdir, 'comparison.png'), title))
   return table
+
+
+def write_outputs(workdir: str, texts: dict, plot) -> None:
+  """Writes each of `texts` (file name -> text) into `workdir`, then `plot()`; where the folder cannot be
+  written (a read-only file system), one warning says so and the caller's table is still printed."""
+  try:
+    for name, text in texts.items():
+      with open(os.path.join(workdir, name), 'w') as f:
+        f.write(text)
+    plot()
+  except OSError as e:
+    logging.warning('could not write %s into %s (%s); the table is printed only.', ', '.join(texts), workdir,
+                    e.strerror or e)

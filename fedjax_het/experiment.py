@@ -127,7 +127,24 @@ def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: 
 
 
 class TrainingDiverged(ConfigError):
-  """The loss became NaN/inf; the message names the learning-rate flags."""
+  """The loss became NaN/inf; the message names the flags that can cause it (`diverged_message`)."""
+
+
+def diverged_message(cfg: ExperimentConfig, round_index: int, loss: float, budget=None) -> str:
+  """Why a run's loss became NaN/inf in round `round_index` (0-based) and what to change: under DP first the noise
+  the clients receive (sigma * C in every coordinate of what they are sent back) and the clip, else the learning
+  rates."""
+  head = f'training diverged in round {round_index + 1} (train_loss={loss}). '
+  tail = ' Start again in a new --workdir; a diverged run cannot be resumed with other settings.'
+  rates = (f'a lower --local_learning_rate (now {cfg.local_learning_rate}) or the method\'s server/learning-rate '
+           f'flags')
+  if cfg.dp_mode == 'off' or budget is None:
+    return head + f'Fix: {rates}.' + tail
+  noise = budget.noise_multiplier * cfg.dp_clip
+  return (head + f'Under --dp_mode={cfg.dp_mode} the noise on what the server averages has standard deviation '
+          f'sigma * C = {budget.noise_multiplier:.4g} * {cfg.dp_clip:g} = {noise:.4g} per coordinate. Fix: less noise '
+          f'(a larger --dp_target_epsilon or a smaller --dp_noise_multiplier), a smaller --dp_clip (now '
+          f'{cfg.dp_clip:g}) if the noise is large against the uploads, or else {rates}.' + tail)
 
 
 def resumable_fields(run: Run, cfg: Optional[ExperimentConfig] = None) -> tuple[str, ...]:
@@ -279,6 +296,10 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     summary_writer_class()  # a missing package fails before anything is written
   with StopAtRoundEnd() as stop, Workdir(workdir, writes=distributed.is_writer()).open(resume) as wd:
     distributed.barrier('workdir checked')  # every process checks the folder before the first writes to it
+    events = wd.file(TENSORBOARD_FOLDER)
+    if tensorboard and os.path.lexists(events) and not os.path.isdir(events):
+      raise ConfigError(f'--tensorboard: {events} exists and is not a folder, so the events cannot go there. Fix: '
+                        f'move that file away, or leave --tensorboard off.')
     if resume:
       _check_config_json(wd, cfg)
     if _stopping(stop):
@@ -391,10 +412,7 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
       if scalars is not None:
         scalars.write(metrics)
       if not np.isfinite(metrics['train_loss']):
-        raise TrainingDiverged(
-            f'training diverged in round {r + 1} (train_loss={metrics["train_loss"]}). Fix: start again in a new '
-            f'--workdir with a lower --local_learning_rate (now {cfg.local_learning_rate}) or the method\'s '
-            f'server/learning-rate flags; a diverged run cannot be resumed with other settings.')
+        raise TrainingDiverged(diverged_message(cfg, r, metrics['train_loss'], budget))
       due = (r + 1) % max(cfg.checkpoint_every, 1) == 0 or r + 1 == total
       stopping = _stopping(stop)
       if checkpoints is not None and (due or stopping):

@@ -178,6 +178,15 @@ def test_calibration_reaches_the_target_epsilon():
     sigma = calibrate(budget, 3.0)
     assert dataclasses.replace(budget, noise_multiplier=sigma).epsilon(20) == pytest.approx(3.0, rel=1e-3)
     assert dataclasses.replace(budget, noise_multiplier=0.99 * sigma).epsilon(20) > 3.0
+  # Targets no noise reaches, and a run without rounds: one error naming the flag, not the accountant's.
+  for budget, target in ((PrivacyBudget(schedule(rounds=20), 'central', 1.0, 1e-5), 1e300),
+                         (PrivacyBudget(schedule(rounds=20, join_ratio=0.5), 'local', 1.0, 1e-5, 'pld'), 1e300),
+                         (PrivacyBudget(schedule(rounds=20, join_ratio=0.5), 'local', 1.0, 1e-5, 'rdp'), 1e300)):
+    with pytest.raises(ConfigError, match=r'^--dp_target_epsilon=1e\+300: the accountant finds no noise multiplier '
+                                          r'for it over this run \(20 rounds, delta 1e-05\).*Fix: '):
+      calibrate(budget, target)
+  with pytest.raises(ConfigError, match=r'^--dp_target_epsilon=3: the run has no rounds.*Fix: --rounds > 0'):
+    calibrate(PrivacyBudget(schedule(rounds=0), 'central', 1.0, 1e-5), 3.0)
 
 
 def test_settings_the_accountant_cannot_bound_or_lacking_noise_are_refused_naming_the_flag():

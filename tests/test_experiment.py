@@ -43,6 +43,14 @@ def test_tensorboard_without_its_package_is_one_clear_error(tmp_path, monkeypatc
   assert not os.path.exists(tmp_path / 'run')  # refused before anything is written
 
 
+def test_a_file_where_the_tensorboard_folder_goes_is_one_clear_error_before_any_output(tmp_path):
+  (tmp_path / 'run').mkdir()
+  (tmp_path / 'run' / 'tensorboard').write_text('not a folder')
+  with pytest.raises(ConfigError, match=r'^--tensorboard: .*tensorboard exists and is not a folder.*Fix: move'):
+    train_and_evaluate(CFG, str(tmp_path / 'run'), progress=False, tensorboard=True)
+  assert sorted(p.name for p in (tmp_path / 'run').iterdir() if p.name != '.lock') == ['tensorboard']
+
+
 def test_outputs_are_written(tmp_path, capsys):
   summary = train_and_evaluate(CFG, str(tmp_path), progress=True, tensorboard=True)
   # the start says what the run executes with (the backend's defaults where no flag is set)
@@ -187,6 +195,20 @@ def test_every_flag_file_parses_into_a_config(flagfile):
     assert cfg.methods['fedvtc'].loss_reduction == 'mean'
 
 
+def test_a_diverged_dp_run_names_the_noise_before_the_learning_rate():
+  import types
+  from fedjax_het.experiment import diverged_message
+  cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1000.0, dp_clip=5.0)
+  message = diverged_message(cfg, 2, float('nan'), types.SimpleNamespace(noise_multiplier=1000.0))
+  assert message.startswith('training diverged in round 3 (train_loss=nan). Under --dp_mode=central the noise on '
+                            'what the server averages has standard deviation sigma * C = 1000 * 5 = 5000 per '
+                            'coordinate. Fix: less noise (a larger --dp_target_epsilon or a smaller '
+                            '--dp_noise_multiplier), a smaller --dp_clip (now 5)')
+  assert '--local_learning_rate' in message.split('or else')[1]
+  assert diverged_message(CFG, 0, float('inf')).startswith('training diverged in round 1 (train_loss=inf). Fix: a '
+                                                           'lower --local_learning_rate')
+
+
 def test_architecture_that_cannot_take_the_images_fails_clearly():
   with pytest.raises(ConfigError, match="--models: architecture 'cnn4' cannot take images of shape"):
     train_and_evaluate(dataclasses.replace(CFG, models=('cnn4',)), '/tmp/never_written', progress=False)
@@ -288,6 +310,19 @@ def test_comparison_runs_every_method_and_seed_then_reuses_finished_runs(tmp_pat
   assert json.load(open(tmp_path / 'fedre' / 'seed1' / 'summary.json'))['final_accuracy'] == finals_fedre[1]
   with pytest.raises(ConfigError, match='--algorithms'):
     run_comparison(cfg, ['fedre', 'nope'], [0], str(tmp_path), progress=False)
+  # Printing a finished comparison again where its folder cannot be written: the table, and one warning.
+  import builtins
+  real_open = builtins.open
+
+  def read_only(path, mode='r', *a, **k):
+    if any(c in mode for c in 'wax+'):
+      raise OSError(30, 'Read-only file system')
+    return real_open(path, mode, *a, **k)
+  os.remove(tmp_path / 'comparison.md')
+  from unittest import mock
+  with mock.patch('builtins.open', read_only):
+    assert write_comparison(again, str(tmp_path), 'test') == comparison_table(results)
+  assert not os.path.exists(tmp_path / 'comparison.md')
 
 
 def test_a_run_that_diverges_is_recorded_and_the_comparison_goes_on(tmp_path, monkeypatch):

@@ -178,12 +178,25 @@ def calibrate(budget: PrivacyBudget, target_epsilon: float) -> float:
   if not (math.isfinite(target_epsilon) and target_epsilon > 0):
     raise ConfigError(f'--dp_target_epsilon={target_epsilon} must be a positive number.')
   rounds = budget.schedule.total_rounds
+  if rounds == 0:
+    raise ConfigError(f'--dp_target_epsilon={target_epsilon:g}: the run has no rounds, so there is no noise to '
+                      f'calibrate. Fix: --rounds > 0.')
   unit = dataclasses.replace(budget, noise_multiplier=1.0).event(rounds)  # the run at sigma = 1
   if isinstance(unit, dp_accounting.NoOpDpEvent):
     raise ConfigError('--dp_target_epsilon: no client uploads in this run, so no noise is needed.')
-  if budget.accountant == 'pld' and isinstance(unit, dp_accounting.GaussianDpEvent):
-    return float(dp_accounting.get_sigma_gaussian(target_epsilon, budget.delta) / unit.noise_multiplier)
-  make_event = lambda sigma: dataclasses.replace(budget, noise_multiplier=float(sigma)).event(rounds)
-  return float(dp_accounting.calibrate_dp_mechanism(
-      lambda: make_accountant('rdp', budget.sampled), make_event, target_epsilon, budget.delta,
-      dp_accounting.LowerEndpointAndGuess(1e-2, 1.0), tol=1e-4))
+  try:
+    if budget.accountant == 'pld' and isinstance(unit, dp_accounting.GaussianDpEvent):
+      sigma = float(dp_accounting.get_sigma_gaussian(target_epsilon, budget.delta) / unit.noise_multiplier)
+    else:
+      make_event = lambda sigma: dataclasses.replace(budget, noise_multiplier=float(sigma)).event(rounds)
+      sigma = float(dp_accounting.calibrate_dp_mechanism(
+          lambda: make_accountant('rdp', budget.sampled), make_event, target_epsilon, budget.delta,
+          dp_accounting.LowerEndpointAndGuess(1e-2, 1.0), tol=1e-4))
+  except (ValueError, ArithmeticError, dp_accounting.mechanism_calibration.NoBracketIntervalFoundError):
+    sigma = float('nan')
+  if not (math.isfinite(sigma) and sigma > 0):
+    raise ConfigError(f'--dp_target_epsilon={target_epsilon:g}: the accountant finds no noise multiplier for it '
+                      f'over this run ({rounds} rounds, delta {budget.delta:g}): so large an epsilon promises no '
+                      f'privacy a DP review would accept. Fix: a target epsilon of at most a few tens, or set '
+                      f'--dp_noise_multiplier instead.')
+  return sigma

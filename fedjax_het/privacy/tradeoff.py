@@ -5,7 +5,6 @@ each run spent, and one plot with every method on the same axes."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import textwrap
@@ -13,10 +12,11 @@ from typing import Sequence
 
 import numpy as np
 
-from fedjax_het.compare import MethodResult, diverged_note, run_comparison
+from fedjax_het.compare import MethodResult, diverged_note, run_comparison, write_outputs
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
 from fedjax_het.plots import save_line_plot
+from fedjax_het.workdir import strict_json
 
 
 @dataclasses.dataclass
@@ -121,12 +121,11 @@ def plot_tradeoff(points: Sequence[TradeoffPoint], path: str, title: str) -> Non
 def write_tradeoff(points: Sequence[TradeoffPoint], workdir: str, title: str) -> str:
   """Writes privacy_utility.md, .json and .png into `workdir`; returns the Markdown table."""
   table = tradeoff_table(points)
-  with open(os.path.join(workdir, 'privacy_utility.md'), 'w') as f:
-    f.write(f'# {title}\n\n{table}')
-  with open(os.path.join(workdir, 'privacy_utility.json'), 'w') as f:
-    json.dump([{'algorithm': p.algorithm, 'target_epsilon': None if math.isinf(p.epsilon) else p.epsilon,
-                'spent_epsilon': p.spent, 'final_accuracy': p.accuracies.tolist(),
-                'noise_multiplier': [(s.get('dp') or {}).get('noise_multiplier') for s in p.result.summaries]}
-               for p in points], f, indent=2)
-  plot_tradeoff(points, os.path.join(workdir, 'privacy_utility.png'), title)
+  rows = [{'algorithm': p.algorithm, 'target_epsilon': None if math.isinf(p.epsilon) else p.epsilon,
+           'spent_epsilon': p.spent, 'final_accuracy': p.accuracies.tolist(),
+           'noise_multiplier': [(s.get('dp') or {}).get('noise_multiplier') for s in p.result.summaries]}
+          for p in points]
+  write_outputs(workdir, {'privacy_utility.md': f'# {title}\n\n{table}',
+                          'privacy_utility.json': strict_json(rows, indent=2)},
+                lambda: plot_tradeoff(points, os.path.join(workdir, 'privacy_utility.png'), title))
   return table
