@@ -57,6 +57,10 @@ def initialize(timeout_seconds: int = 300) -> None:
     raise
   except (ValueError, RuntimeError) as e:
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if any(s in str(e).lower() for s in ('address already in use', 'failed to bind', 'address in use')):
+      raise ConfigError(f'--distributed: process 0 cannot listen on {coordinator} ({first}): the port is in use. '
+                        f'Fix: another port in {COORDINATOR} (python -m fedjax_het.launch picks a free one unless '
+                        f'--port is given).') from None
     raise ConfigError(f'--distributed: the processes could not be joined ({first}). Fix: start them with python -m '
                       f'fedjax_het.launch, or set {COORDINATOR}, {NUM_PROCESSES} and {PROCESS_ID} for each.') from None
 

@@ -6,7 +6,9 @@
 Each process runs the entry point with the same flags plus --distributed, and the variables
 `fedjax_het.distributed.initialize` reads (the coordinator on a free localhost port, the process count and its
 index); with --cpu_devices each process gets that many CPU devices. Process 0's output is this command's; the
-others' goes to a log each (--log_dir, default a temporary folder), shown when one of them fails.
+others' goes to a log each (--log_dir; default WORKDIR/process_logs for a command with --workdir, else a temporary
+folder removed when the run succeeds), shown when one of them fails. The processes end with the launcher, however
+it ends (even kill -9: the kernel sends them SIGTERM, and they checkpoint and stop).
 
 Ctrl-C or SIGTERM is passed to every process once (each finishes the round, they checkpoint together and stop); a
 second one is passed on too (abort). When a process fails, the others, which would wait for it in their next
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +38,37 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     return s.getsockname()[1]
+
+
+class LaunchError(ValueError):
+  """A launch that cannot start; the message says why and how to fix it."""
+
+
+def port_is_free(port: int) -> bool:
+  """Whether 127.0.0.1:port can be bound now."""
+  with socket.socket() as s:
+    try:
+      s.bind(('127.0.0.1', port))
+      return True
+    except OSError:
+      return False
+
+
+def workdir_of(command: Sequence[str]) -> Optional[str]:
+  """The --workdir a command line gives (`--workdir=X` or `--workdir X`), or None."""
+  for i, arg in enumerate(command):
+    if arg.startswith('--workdir='):
+      return arg.split('=', 1)[1] or None
+    if arg == '--workdir' and i + 1 < len(command):
+      return command[i + 1]
+  return None
+
+
+def _end_with_parent() -> None:
+  """In a child before it runs: SIGTERM when the launcher ends, however it ends (Linux's PR_SET_PDEATHSIG)."""
+  if sys.platform.startswith('linux'):
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def process_environment(index: int, num_processes: int, coordinator: str, cpu_devices: int,
@@ -64,8 +98,13 @@ def launch(command: Sequence[str], num_processes: int, cpu_devices: int = 0, log
   if command and command[0].endswith('.py'):
     command = [sys.executable] + command
   command.append('--distributed')
+  if port and not port_is_free(port):
+    raise LaunchError(f'--port={port}: something on this machine listens on 127.0.0.1:{port} already. Fix: another '
+                      f'--port, or leave it out (a free one is chosen).')
   coordinator = f'127.0.0.1:{port or free_port()}'
-  log_dir = log_dir or tempfile.mkdtemp(prefix='fedjax_het_launch_')
+  temporary = log_dir is None and workdir_of(command) is None
+  log_dir = log_dir or (os.path.join(workdir_of(command), 'process_logs') if not temporary
+                        else tempfile.mkdtemp(prefix='fedjax_het_launch_'))
   os.makedirs(log_dir, exist_ok=True)
   procs, logs = [], []
   for i in range(num_processes):
@@ -74,7 +113,7 @@ def launch(command: Sequence[str], num_processes: int, cpu_devices: int = 0, log
     logs.append(log)
     # Own sessions: a Ctrl-C in the terminal reaches the launcher alone, which passes it on once to each.
     procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
-                                  start_new_session=True))
+                                  start_new_session=True, preexec_fn=_end_with_parent))
 
   def forward(signum, frame):
     for p in procs:
@@ -88,6 +127,8 @@ def launch(command: Sequence[str], num_processes: int, cpu_devices: int = 0, log
       if failed:
         break
       if all(c == 0 for c in codes):
+        if temporary:
+          shutil.rmtree(log_dir, ignore_errors=True)
         return 0
       time.sleep(poll_seconds)
     first = failed[0]
@@ -121,8 +162,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--num_processes', type=int, default=2, help='Processes to start (default 2).')
   parser.add_argument('--cpu_devices', type=int, default=0, help='Run JAX on this many CPU devices per process '
                       '(0: the platform\'s own devices, e.g. the GPUs each process sees).')
-  parser.add_argument('--log_dir', default=None, help='Folder for the logs of processes 1.. (default: a new '
-                      'temporary folder).')
+  parser.add_argument('--log_dir', default=None, help='Folder for the logs of processes 1.. (default: '
+                      'WORKDIR/process_logs for a command with --workdir, else a temporary folder removed when the run '
+                      'succeeds).')
   parser.add_argument('--port', type=int, default=0, help='The coordinator\'s localhost port (0: a free one).')
   parser.add_argument('command', nargs=argparse.REMAINDER, help='The entry point and its flags, e.g. '
                       'experiments/fedre.py --flagfile=...')
@@ -133,7 +175,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.error(f'--cpu_devices={args.cpu_devices} must be >= 0.')
   if not args.command:
     parser.error('give the entry point to run, e.g. experiments/fedre.py --flagfile=... --workdir=...')
-  return launch(args.command, args.num_processes, args.cpu_devices, args.log_dir, args.port)
+  try:
+    return launch(args.command, args.num_processes, args.cpu_devices, args.log_dir, args.port)
+  except LaunchError as e:
+    parser.error(str(e))
 
 
 if __name__ == '__main__':

@@ -88,6 +88,9 @@ class Workdir:
     `resume`; every failure is one ConfigError naming --workdir."""
     if os.path.exists(self.path) and not os.path.isdir(self.path):
       raise ConfigError(f'--workdir={self.path} is a file, not a folder. Fix: choose a folder path.')
+    if os.path.islink(self.path) and not os.path.exists(self.path):
+      raise ConfigError(f'--workdir={self.path} is a symbolic link to {os.readlink(self.path)}, which does not '
+                        f'exist. Fix: create that folder, or point --workdir at an existing one.')
     if not self.writes:
       self._refuse_used(resume)
       return self

@@ -529,3 +529,20 @@ def test_the_local_command_applies_flags_after_the_flagfile(tmp_path):
   assert '3 SuperNodes' in result.stdout and 'round 2/2: 3 clients evaluated' in result.stdout, result.stdout[-3000:]
   rows = _rows(tmp_path / 'run')
   assert [r['round'] for r in rows] == [1, 2] and rows[-1]['evaluated_clients'] == 3
+
+
+def test_flowers_commands_are_found_beside_this_python_when_not_on_path(monkeypatch, tmp_path):
+  """A virtual environment run by its path, not activated: its Flower commands are not on PATH (the local command
+  once said "flwr is not installed"); they are found beside the Python and put first on PATH."""
+  from fedjax_het.flower import local
+  here = os.path.dirname(local.sys.executable)
+  monkeypatch.setenv('PATH', str(tmp_path))
+  monkeypatch.setattr(local.sys, 'executable', os.path.join(here, 'python'))
+  if not os.path.exists(os.path.join(here, 'flower-superlink')):
+    pytest.skip('Flower\'s commands are not installed beside this Python')
+  local.find_flower_commands()
+  assert os.environ['PATH'].split(os.pathsep)[0] == here
+  monkeypatch.setenv('PATH', str(tmp_path))
+  monkeypatch.setattr(local.sys, 'executable', str(tmp_path / 'python'))
+  with pytest.raises(ConfigError, match=r'flwr is installed, but its commands .* Fix: put the folder'):
+    local.find_flower_commands()

@@ -177,3 +177,44 @@ def test_the_coordinator_listens_on_the_address_it_is_given_only(monkeypatch):
   distributed.initialize()
   assert [(a, k['coordinator_bind_address']) for a, k in calls] == [
       (('127.0.0.1:4321', 2, 0), '127.0.0.1:4321'), (('127.0.0.1:4321', 2, 0), '10.0.0.5:4321')]
+
+
+def test_the_processes_end_with_a_killed_launcher_and_its_logs_go_to_the_workdir(tmp_path):
+  """kill -9 of the launcher once left its processes running on silently; now the kernel sends them SIGTERM. With
+  --workdir in the command the logs of processes 1.. go to WORKDIR/process_logs, not the system's temp folder; a
+  --port in use is one clear line before anything starts."""
+  import signal
+  import socket
+  import time
+  script = tmp_path / 'script.py'
+  script.write_text(SCRIPT.replace("time.sleep(60)", "open(f'{sys.argv[2]}/pid_{index}', 'w').write(str(os.getpid()))"
+                                                       "\ntime.sleep(60)"))
+  (tmp_path / 'run').mkdir()
+  launcher = subprocess.Popen([sys.executable, '-m', 'fedjax_het.launch', '--num_processes=2', str(script), 'wait',
+                               str(tmp_path), f'--workdir={tmp_path / "run"}'], env=_env(), cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  pids = [tmp_path / f'pid_{i}' for i in range(2)]
+  deadline = time.monotonic() + 60
+  while not all(p.exists() and p.read_text() for p in pids) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  children = [int(p.read_text()) for p in pids]
+  assert 'process 1 of 2' in (tmp_path / 'run' / 'process_logs' / 'process_1.log').read_text()
+  launcher.send_signal(signal.SIGKILL)
+  launcher.wait()
+  deadline = time.monotonic() + 20
+  alive = children
+  while alive and time.monotonic() < deadline:
+    time.sleep(0.1)
+    alive = [pid for pid in children if os.path.exists(f'/proc/{pid}') and
+             open(f'/proc/{pid}/stat').read().split()[2] != 'Z']
+  assert not alive, f'processes {alive} outlived their launcher'
+  with socket.socket() as busy:
+    busy.bind(('127.0.0.1', 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    done = subprocess.run([sys.executable, '-m', 'fedjax_het.launch', f'--port={port}', str(script), 'wait'],
+                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert done.returncode == 2
+  assert done.stderr.strip().splitlines()[-1].endswith(
+      f'error: --port={port}: something on this machine listens on 127.0.0.1:{port} already. Fix: another --port, '
+      f'or leave it out (a free one is chosen).')

@@ -269,6 +269,7 @@ def test_integer_images_of_any_dtype_in_0_255_read_as_uint8(tmp_path):
     (dict(alpha=float('nan')), '--alpha=nan'),
     (dict(num_clients=10000), '--num_clients=10000 is more than the 2500 samples'),
     (dict(local_learning_rate=float('nan')), '--local_learning_rate=nan'),
+    (dict(feature_dim=10**12), '--feature_dim=1000000000000 must be between 1 and 65536'),  # was blamed on --models
     (dict(local_learning_rate=float('inf')), '--local_learning_rate=inf'),
     (dict(algorithm='fedtgp', methods={'fedtgp': __import__('fedjax_het.algorithms', fromlist=['x']).FedTGPConfig(
         margin_threshold=float('inf'))}), '--margin_threshold=inf'),
@@ -285,10 +286,13 @@ def test_a_one_class_dataset_is_named_as_such(tmp_path):
     train_and_evaluate(dataclasses.replace(CFG, dataset=f'npz:{path}'), str(tmp_path / 'run'), progress=False)
 
 
-@pytest.mark.parametrize('kind', ['file', 'readonly', 'proc'])
+@pytest.mark.parametrize('kind', ['file', 'readonly', 'proc', 'dangling'])
 def test_an_unusable_workdir_is_one_clear_error(tmp_path, kind):
   path = tmp_path / 'workdir'
-  if kind == 'proc':
+  if kind == 'dangling':  # was "File exists"
+    path.symlink_to(tmp_path / 'gone')
+    message = r'is a symbolic link to .*gone, which does not exist\. Fix: create that folder'
+  elif kind == 'proc':
     path = '/proc/fedjax_het_workdir'  # unwritable even for root
     message = 'cannot be written'
   elif kind == 'file':

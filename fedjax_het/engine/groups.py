@@ -22,6 +22,9 @@ from fedjax_het.models.init import INITS, architecture_key, init_variables
 from fedjax_het.models.registry import assign_models, build_model
 
 
+MAX_FEATURE_DIM = 65536  # wider representations are a typo: their layers alone would not fit in memory
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """The clients' classifiers.
@@ -47,8 +50,9 @@ class ModelConfig:
     if self.init not in INITS:
       raise ConfigError(f'ModelConfig.init={self.init!r} is unknown; choose one of {", ".join(INITS)} (torch: PyTorch\'s '
                         f'default Conv/Linear initialisation, as HtFLlib; flax: Flax\'s defaults).')
-    if self.feature_dim < 1:
-      raise ConfigError(f'ModelConfig.feature_dim={self.feature_dim} must be >= 1.')
+    if not 1 <= self.feature_dim <= MAX_FEATURE_DIM:
+      raise ConfigError(f'ModelConfig.feature_dim={self.feature_dim} must be between 1 and {MAX_FEATURE_DIM} (the '
+                        f'representation width d; ResNet-50\'s is 2048). Fix: a width in that range.')
     if self.precision not in PRECISIONS:
       raise ConfigError(f'ModelConfig.precision={self.precision!r} is unknown; choose one of {", ".join(PRECISIONS)}.')
     self.architectures(1)  # an empty or unknown name fails here

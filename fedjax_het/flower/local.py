@@ -217,6 +217,25 @@ class LocalDeployment:
     self.stop()
 
 
+def find_flower_commands() -> None:
+  """Makes Flower's commands (flower-superlink, flower-supernode, flwr) reachable by the processes this command
+  starts: on PATH, or beside this Python (a virtual environment run by its path, not activated), whose folder then
+  goes first on PATH. A ConfigError where neither has them."""
+  if shutil.which('flower-superlink') is not None:
+    return
+  here = os.path.dirname(sys.executable)
+  if os.path.exists(os.path.join(here, 'flower-superlink')):
+    os.environ['PATH'] = here + os.pathsep + os.environ.get('PATH', '')
+    return
+  try:
+    import flwr  # noqa: F401
+  except ImportError:
+    raise ConfigError(f'flwr is not installed for {sys.executable}. Fix: {sys.executable} -m pip install '
+                      f'\'fedjax_het[flower]\'.') from None
+  raise ConfigError(f'flwr is installed, but its commands (flower-superlink, flwr) are neither on PATH nor in '
+                    f'{here}. Fix: put the folder of its commands on PATH (activate its virtual environment).')
+
+
 LOCAL_FLAGS_MODULE = 'fedjax_het.flower.local'
 HELP_ARGS = ('-h', '--help', '-?', '--helpshort')
 # Experiment flags that go to the run config's own keys rather than to the keys of experiment flags.
@@ -370,8 +389,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
   try:
     run = parse_command_line(argv)
-    if shutil.which('flower-superlink') is None:
-      raise ConfigError('flwr is not installed. Fix: pip install \'fedjax_het[flower]\'.')
+    find_flower_commands()
   except ConfigError as e:
     sys.stderr.write(f'error: {e}\n')
     return 2
