@@ -546,3 +546,51 @@ def test_flowers_commands_are_found_beside_this_python_when_not_on_path(monkeypa
   monkeypatch.setattr(local.sys, 'executable', str(tmp_path / 'python'))
   with pytest.raises(ConfigError, match=r'flwr is installed, but its commands .* Fix: put the folder'):
     local.find_flower_commands()
+
+
+def test_paths_with_quotes_and_spaces_cross_flowers_run_config_whole():
+  from flwr.common.config import parse_config_args
+  from fedjax_het.flower.run_config import run_config_argument
+  config = {'workdir': '/tmp/my "best" run', 'state-dir': "/data/it's here", 'flagfile': r'C:\flags\a b.flags',
+            'rounds': 3, 'resume': True}
+  assert parse_config_args([run_config_argument(config)]) == config
+  with pytest.raises(ConfigError, match=r"holds both ' and \", which no value of Flower's --run-config can carry"):
+    run_config_argument({'workdir': '/tmp/it\'s "x"'})
+
+
+def test_stopping_the_deployment_stops_what_its_processes_started_even_in_other_sessions(tmp_path):
+  """An orphaned ServerApp once held the workdir's lock for minutes after the local command ended: the deployment
+  stops every process its SuperLink and SuperNodes started, in whatever session."""
+  import subprocess
+  import sys
+  import time
+  from fedjax_het.flower.local import _stop, descendants
+  child = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import os, time; "
+           f"open(r\"{tmp_path}/grandchild\", \"w\").write(str(os.getpid())); time.sleep(120)'], "
+           f"start_new_session=True); time.sleep(120)")
+  parent = subprocess.Popen([sys.executable, '-c', child], start_new_session=True)
+  marker = tmp_path / 'grandchild'
+  deadline = time.monotonic() + 30
+  while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  grandchild = int(marker.read_text())
+  assert grandchild in descendants([parent.pid])
+  _stop([parent], grace=2.0)
+  time.sleep(0.2)
+  state = open(f'/proc/{grandchild}/stat').read().split()[2] if os.path.exists(f'/proc/{grandchild}') else 'gone'
+  assert state in ('gone', 'Z'), state
+
+
+def test_a_run_that_did_not_finish_is_a_failure_of_the_local_command(tmp_path):
+  from fedjax_het.flower.local import unfinished
+  summary = tmp_path / 'summary.json'
+  assert unfinished(str(summary), None) == ('the ServerApp ended without writing summary.json (its output above '
+                                            'says why)')
+  summary.write_text(json.dumps({'finished': True}))
+  before = os.path.getmtime(summary)
+  assert unfinished(str(summary), before).startswith('the ServerApp ended without writing')  # an earlier run's
+  assert unfinished(str(summary), None) is None
+  summary.write_text(json.dumps({'finished': False, 'diverged_round': 3}))
+  assert unfinished(str(summary), None) == 'training diverged in round 3 (summary.json)'
+  summary.write_text(json.dumps({'finished': False, 'rounds': 2}))
+  assert unfinished(str(summary), None) == 'the run stopped after round 2 without finishing (summary.json)'

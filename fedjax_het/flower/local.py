@@ -51,10 +51,41 @@ def wait_for_port(port: int, seconds: float, process: subprocess.Popen, what: st
   raise RuntimeError(f'{what} did not listen on port {port} within {seconds:g} s.')
 
 
+def descendants(pids: Sequence[int]) -> list[int]:
+  """Every process started, directly or not, by one of `pids` (Linux's /proc; none elsewhere): the ServerApp and
+  ClientApp processes a SuperLink or SuperNode starts may leave its process group."""
+  children: dict[int, list[int]] = {}
+  for entry in os.listdir('/proc') if os.path.isdir('/proc') else []:
+    if entry.isdigit():
+      try:
+        with open(f'/proc/{entry}/stat') as f:
+          parent = int(f.read().rsplit(')', 1)[1].split()[1])
+      except (OSError, IndexError, ValueError):
+        continue
+      children.setdefault(parent, []).append(int(entry))
+  found, todo = [], list(pids)
+  while todo:
+    for child in children.get(todo.pop(), []):
+      found.append(child)
+      todo.append(child)
+  return found
+
+
+def _signal(pid: int, signum: int) -> None:
+  try:
+    os.kill(pid, signum)
+  except OSError:
+    pass
+
+
 def _stop(processes: Sequence[subprocess.Popen], grace: float = 5.0) -> None:
+  """Stops `processes` and every process they started (SIGTERM, then SIGKILL after `grace` seconds)."""
+  started = descendants([p.pid for p in processes])
   for p in processes:
     if p.poll() is None:
       os.killpg(p.pid, signal.SIGTERM)
+  for pid in started:
+    _signal(pid, signal.SIGTERM)
   deadline = time.monotonic() + grace
   for p in processes:
     try:
@@ -62,6 +93,27 @@ def _stop(processes: Sequence[subprocess.Popen], grace: float = 5.0) -> None:
     except subprocess.TimeoutExpired:
       os.killpg(p.pid, signal.SIGKILL)
       p.wait()
+  while time.monotonic() < deadline and any(os.path.exists(f'/proc/{pid}') for pid in started):
+    time.sleep(0.1)
+  for pid in started:
+    _signal(pid, signal.SIGKILL)
+
+
+def unfinished(summary: str, written_before: Optional[float]) -> Optional[str]:
+  """Why the run whose summary.json is `summary` did not finish (that file unchanged since `written_before`, its
+  mtime before the run, or not finished), or None when it finished."""
+  if not os.path.exists(summary) or os.path.getmtime(summary) == written_before:
+    return 'the ServerApp ended without writing summary.json (its output above says why)'
+  try:
+    with open(summary) as f:
+      done = json.load(f)
+  except (OSError, ValueError):
+    return f'{summary} cannot be read'
+  if done.get('diverged_round'):
+    return f'training diverged in round {done["diverged_round"]} (summary.json)'
+  if not done.get('finished'):
+    return f'the run stopped after round {done.get("rounds", "?")} without finishing (summary.json)'
+  return None
 
 
 class LocalDeployment:
@@ -103,6 +155,9 @@ class LocalDeployment:
       connection = f'root-certificates = {json.dumps(self.tls.ca_certificate)}\n'
       security = ['--ssl-ca-certfile', self.tls.ca_certificate, '--ssl-certfile', self.tls.certificate,
                   '--ssl-keyfile', self.tls.private_key, '--enable-supernode-auth']
+    database = os.path.join(self.home, 'superlink.db')
+    if os.path.exists(database):  # a fresh SuperLink: nodes of an earlier start would be waited for as unavailable
+      os.remove(database)
     with open(os.path.join(self.home, 'config.toml'), 'w') as f:
       f.write(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
               f'address = "127.0.0.1:{self.port}"\n{connection}')
@@ -196,13 +251,21 @@ class LocalDeployment:
     env = dict(os.environ, FLWR_HOME=self.home)
     federation = ['--federation-config', f'num-supernodes={self.num_supernodes}'] if self.simulation else []
     before = self.runs()
+    summary = os.path.join(self.workdir, 'summary.json')
+    written = os.path.getmtime(summary) if os.path.exists(summary) else None
     self.failure = None
     status = subprocess.run(['flwr', 'run', self.app_dir, CONNECTION, '--run-config', config, '--stream'] + federation,
                             env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None).returncode
+    if self.superlink is not None and self.superlink.poll() is not None:
+      self.failure = f'the SuperLink stopped (status {self.superlink.returncode}; its log: {self.logs}/superlink.log)'
+      return 1
     if status == 0:  # flwr run --stream exits 0 even when the ServerApp raised: ask the SuperLink how it ended
       new = [r for run_id, r in self.runs().items() if run_id not in before]
       if new and new[-1].get('status') == 'finished:failed':
         self.failure = str(new[-1].get('status-details') or 'the ServerApp failed')
+        return 1
+      self.failure = unfinished(summary, written)
+      if self.failure:
         return 1
     return status
 
@@ -406,8 +469,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       status = deployment.run(run.flagfile, fv.resume, fv.round_timeout, fv.connect_timeout, overrides=run.overrides)
       if deployment.failure:
         reason = deployment.failure.replace('ServerApp failed with exception: ', '')
+        resume = (f' The last checkpoint in {deployment.workdir} stands: continue with --resume.'
+                  if os.path.isdir(os.path.join(deployment.workdir, 'checkpoints')) else '')
         sys.stderr.write(f'error: {reason} (the run\'s log: the ServerApp\'s output above; the nodes\': '
-                         f'{deployment.logs})\n')
+                         f'{deployment.logs}).{resume}\n')
       return status
     except KeyboardInterrupt:
       sys.stderr.write(f'stopped: the last checkpoint in {deployment.workdir} stands; continue with --resume.\n')

@@ -116,7 +116,9 @@ def toml_value(value: Any) -> str:
     return f'"{value}"'
   if "'" not in value:
     return f"'{value}'"  # a TOML literal string: no escapes
-  raise ValueError(f'{value!r}: a --run-config value cannot hold both \' and "')
+  from fedjax_het.errors import ConfigError
+  raise ConfigError(f'{value!r} holds both \' and ", which no value of Flower\'s --run-config can carry (it reads a '
+                    f'value up to the quote that opened it). Fix: a path or value without one of them.')
 
 
 def run_config_argument(config: Mapping[str, Any]) -> str:
