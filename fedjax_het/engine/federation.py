@@ -89,9 +89,8 @@ class Federation:
                                                                               execution)
     self.seed, self.join_ratio, self.full_participation_rounds = seed, join_ratio, full_participation_rounds
     self.strategy, self.conv, self.mesh = execution.strategy, execution.conv, execution.client_mesh
-    self.num_devices = execution.num_devices
+    self.num_devices, self.num_clients = execution.num_devices, data.num_clients
     self.executor: Executor = execution.executor()
-    self.num_clients = data.num_clients
     global_test = data.global_test_rows()
     self.global_test = None if global_test is None else EvalSet(RowStore(global_test), shared=True)
     self.groups: list[Group] = build_groups(data, models, training, self.conv, self.num_devices, self.mesh, seed)
