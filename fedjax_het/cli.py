@@ -170,6 +170,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_list('dp_parts', list(_D.dp_parts), 'DP: public parts of the method\'s upload to privatise too (every '
                 'other part is private; e.g. FedRE: label, its label encoding).')
   f.DEFINE_enum('dp_accountant', _D.dp_accountant, ['rdp', 'pld'], 'DP: dp-accounting\'s accountant.')
+  f.DEFINE_bool('dp_allow_large_delta', _D.dp_allow_large_delta, 'DP: report epsilon at a --dp_delta >= 1 / clients '
+                '(refused otherwise: a mechanism that publishes one client\'s data outright meets such a delta).')
   define_method_flags(f)
 
 

@@ -30,6 +30,7 @@ FLAGS_OF_ARGUMENTS = {
     'DPConfig.mode': '--dp_mode', 'DPConfig.clip_parts': '--dp_clip_parts', 'DPConfig.clip': '--dp_clip',
     'DPConfig.noise_multiplier': '--dp_noise_multiplier', 'DPConfig.parts': '--dp_parts',
     'PrivacyBudget.accountant': '--dp_accountant', 'PrivacyBudget.delta': '--dp_delta',
+    'PrivacyBudget.allow_large_delta=True': '--dp_allow_large_delta',
 }
 
 
@@ -106,6 +107,7 @@ class ExperimentConfig:
   dp_clip_parts: str = 'whole'  # 'each': each private part of the upload to C / sqrt(parts)
   dp_parts: tuple[str, ...] = ()  # public upload parts privatised too (every other part is private)
   dp_accountant: str = 'rdp'  # 'rdp' or 'pld' (dp-accounting)
+  dp_allow_large_delta: bool = False  # report epsilon at a delta >= 1 / clients anyway
 
   def __post_init__(self):
     from fedjax_het.methods import METHODS, method  # the registry imports every method; config stays light

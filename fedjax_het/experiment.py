@@ -113,17 +113,24 @@ def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: 
   if cfg.dp_mode == 'off':
     return algorithm, None
   from fedjax_het.privacy.budget import PrivacyBudget, calibrate  # dp-accounting, only for DP runs
-  from fedjax_het.privacy.dp import privatize
+  from fedjax_het.privacy.dp import claims_amplification, privatize
   schedule = Schedule(algorithm.name, algorithm.phases, num_clients, cfg.rounds, cfg.join_ratio,
                       cfg.full_participation_rounds, cfg.seed)
+  public = tuple(p for p in algorithm.upload_privacy.public if p not in cfg.dp_parts)
   with flags_named():
     budget = PrivacyBudget(schedule, cfg.dp_mode, cfg.dp_noise_multiplier, cfg.dp_delta, cfg.dp_accountant,
-                           algorithm.upload_privacy.hides_participants)
+                           claims_amplification(algorithm.upload_privacy, cfg.dp_parts), cfg.dp_allow_large_delta,
+                           public)
     if cfg.dp_target_epsilon > 0:
       budget = dataclasses.replace(budget, noise_multiplier=calibrate(budget, cfg.dp_target_epsilon))
       logging.info('--dp_target_epsilon=%g: noise multiplier %.4f over %d rounds.', cfg.dp_target_epsilon,
                    budget.noise_multiplier, schedule.total_rounds)
     return privatize(algorithm, cfg.dp_config(budget.noise_multiplier)), budget
+
+
+# Under DP, round metrics computed from the participants' data or telling which clients took part, which no noise
+# covers: not written (the run still stops when the loss is NaN/inf, a one-bit release).
+WITHHELD_UNDER_DP = ('train_loss', 'local_steps', 'local_samples', 'missing_clients', 'rejected_clients')
 
 
 class TrainingDiverged(ConfigError):
@@ -244,8 +251,9 @@ def second_half_mean(evals: list[dict]) -> Optional[float]:
   return float(np.mean([r['accuracy'] for r in evals if r['round'] > half]))
 
 
-def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
-  """summary.json: final and best accuracy, communication per round, and the full config."""
+def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float, dp: Optional[dict] = None) -> dict:
+  """summary.json: final and best accuracy, communication per round, the privacy spent under DP (with `dp`, what
+  its epsilon means: `PrivacyBudget.describe`) and the full config."""
   evals = [r for r in rows if 'accuracy' in r]
   best = max(evals, key=lambda r: r['accuracy']) if evals else None
   last = evals[-1] if evals else {}
@@ -273,7 +281,7 @@ def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float) -> dict:
       # client-level DP (--dp_mode): the epsilon spent at delta by the rounds done, and the noise that spent it
       'dp': ({'mode': cfg.dp_mode, 'epsilon': rows[-1]['dp_epsilon'], 'delta': rows[-1]['dp_delta'],
               'noise_multiplier': rows[-1]['dp_noise_multiplier'], 'clip': cfg.dp_clip,
-              'accountant': cfg.dp_accountant} if rows and 'dp_epsilon' in rows[-1] else None),
+              'accountant': cfg.dp_accountant, **(dp or {})} if rows and 'dp_epsilon' in rows[-1] else None),
       'config': cfg.to_dict(),
   }
 
@@ -339,6 +347,8 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     wd.write_metrics(rows)
     scalars = (ScalarLog(wd.file(TENSORBOARD_FOLDER), resumed_after=int(state.round)) if tensorboard and wd.writes
                else None)
+    if budget is not None and rows:  # the rounds that ran are accounted as they ran (their participants)
+      budget = budget.after([r['participants'] for r in rows])
     return _train(cfg, fed, state, rows, wd, checkpoints if cfg.checkpoint_every else None, identity, stop,
                   progress, scalars, budget, startup)
 
@@ -394,7 +404,9 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
       state, metrics = fed.round(state)
       if startup is not None:
         startup.after_round()
+      loss = metrics['train_loss']
       if budget is not None:
+        metrics = {k: v for k, v in metrics.items() if k not in WITHHELD_UNDER_DP}
         metrics.update(budget.metrics(r + 1))
       if fed.evaluates_after(r, cfg.eval_every):
         t0 = time.perf_counter()
@@ -411,8 +423,8 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
       wd.append_metrics(metrics)
       if scalars is not None:
         scalars.write(metrics)
-      if not np.isfinite(metrics['train_loss']):
-        raise TrainingDiverged(diverged_message(cfg, r, metrics['train_loss'], budget))
+      if not np.isfinite(loss):
+        raise TrainingDiverged(diverged_message(cfg, r, loss, budget))
       due = (r + 1) % max(cfg.checkpoint_every, 1) == 0 or r + 1 == total
       stopping = _stopping(stop)
       if checkpoints is not None and (due or stopping):
@@ -420,7 +432,7 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
         saved_round = r + 1
       if bar is not None:
         bar.update(1)
-        postfix = {'loss': f"{metrics['train_loss']:.3f}"}
+        postfix = {'loss': f"{metrics['train_loss']:.3f}"} if 'train_loss' in metrics else {}
         if 'accuracy' in metrics:
           postfix['acc'] = f"{100 * metrics['accuracy']:.2f}"
         if idle:
@@ -429,13 +441,14 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
       if stopping:
         raise Interrupted(stop.requested or 'SIGTERM', saved_round is not None, r + 1)
   except TrainingDiverged:
-    _finish(cfg, wd, rows, start, idle, total, diverged_round=len(rows))  # a final state, recorded as such
+    # a final state, recorded as such
+    _finish(cfg, wd, rows, start, idle, total, diverged_round=len(rows), budget=budget)
     raise
   except (KeyboardInterrupt, ConfigError):
-    _finish(cfg, wd, rows, start, idle, total)  # keep the summary and plot of the rounds done
+    _finish(cfg, wd, rows, start, idle, total, budget=budget)  # keep the summary and plot of the rounds done
     raise
   except OSError as e:  # metrics.jsonl could not be appended: a full disk, a removed folder
-    _finish(cfg, wd, rows, start, idle, total)
+    _finish(cfg, wd, rows, start, idle, total, budget=budget)
     failed = f'writing the outputs of round {len(rows)} in --workdir={wd.path} failed ({e.strerror or e}).'
     if saved_round is None:
       raise ConfigError(f'{failed} The run wrote no checkpoint (--checkpoint_every=0, or before its first), so it '
@@ -448,7 +461,7 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
       bar.close()
     if scalars is not None:
       scalars.close()
-  return _finish(cfg, wd, rows, start, idle, total)
+  return _finish(cfg, wd, rows, start, idle, total, budget=budget)
 
 
 class StartupDisplay:
@@ -517,11 +530,11 @@ def real_examples(dataset, per_class: int) -> np.ndarray:
 
 
 def _finish(cfg: ExperimentConfig, wd: Workdir, rows: list[dict], start: float, idle: list[int], total: int,
-            diverged_round: Optional[int] = None) -> dict:
+            diverged_round: Optional[int] = None, budget=None) -> dict:
   """Writes summary.json and accuracy.png for the rounds done so far (`diverged_round`: the round whose loss became
   NaN/inf, which ended the run); returns the summary. A failure to write (a full disk) is logged, never allowed to
   hide the error that ended the run."""
-  summary = summarize(cfg, rows, time.perf_counter() - start)
+  summary = summarize(cfg, rows, time.perf_counter() - start, budget.describe() if budget is not None else None)
   summary['clients_without_local_steps'] = idle
   summary['finished'] = bool(rows) and rows[-1]['round'] == total
   summary['diverged_round'] = diverged_round

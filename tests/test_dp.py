@@ -194,7 +194,8 @@ def test_settings_the_accountant_cannot_bound_or_lacking_noise_are_refused_namin
     dataclasses.replace(CFG, dp_mode='central')
   with pytest.raises(ConfigError, match='--dp_clip=-1'):
     dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1.0, dp_clip=-1.0)
-  cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1.0, dp_accountant='pld')
+  cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1.0, dp_accountant='pld',
+                            dp_parts=('label', 'weight'))  # amplified rounds
   with pytest.raises(ConfigError, match="--dp_accountant='pld'.*Poisson.*--join_ratio=1"):
     private_algorithm(cfg, make_algorithm(cfg, tiny_data()), 4)
   with pytest.raises(ConfigError, match='--dp_noise_multiplier, --dp_target_epsilon and --dp_parts act only under'):
@@ -252,10 +253,13 @@ def test_a_dp_run_resumes_to_the_uninterrupted_numbers_and_epsilon(tmp_path):
   train_and_evaluate(cfg, part, resume=True, progress=False)  # from the checkpoint of round 2
   rows = metric_rows(full)
   assert metric_rows(part) == rows
-  budget = PrivacyBudget(Schedule('fedre', (Phase('fedre', None, None),), 4, 4, 0.5), 'central', 1.0, 1e-5)
+  # FedRE's public label says who took part: no amplification, every round a client joined counts in full
+  budget = PrivacyBudget(Schedule('fedre', (Phase('fedre', None, None),), 4, 4, 0.5), 'central', 1.0, 1e-5,
+                         hides_participants=False)
   assert [r['dp_epsilon'] for r in rows] == pytest.approx([budget.epsilon(r) for r in (1, 2, 3, 4)], rel=1e-9)
-  assert summary['dp'] == {'mode': 'central', 'epsilon': rows[-1]['dp_epsilon'], 'delta': 1e-5,
-                           'noise_multiplier': 1.0, 'clip': 0.5, 'accountant': 'rdp'}
+  assert {k: summary['dp'][k] for k in ('mode', 'epsilon', 'delta', 'noise_multiplier', 'clip', 'accountant')} == {
+      'mode': 'central', 'epsilon': rows[-1]['dp_epsilon'], 'delta': 1e-5, 'noise_multiplier': 1.0, 'clip': 0.5,
+      'accountant': 'rdp'}
   # sigma calibrated to the whole run: its length may not change on resume
   run = Run(10, 4, 4, 16, 16, 0.05, None)
   assert 'rounds' in resumable_fields(run, cfg)
@@ -309,3 +313,96 @@ def test_the_tradeoff_refuses_a_noise_it_would_ignore(tmp_path):
       'epsilon, so this value would be ignored. Fix: leave --dp_noise_multiplier out (or drop --epsilons to compare '
       'the methods at that noise).')
   assert not os.listdir(tmp_path)
+
+
+def test_a_resumed_run_accounts_the_rounds_that_ran_as_they_ran():
+  """Ten rounds, the last five with every client; resumed to twenty rounds, whose full-participation rounds are now
+  16-20: rounds 6-10 still ran with every client. Accounting them as sampled (the run's present settings)
+  reported 3.81 where 6.25 was spent."""
+  ran = PrivacyBudget(dataclasses.replace(schedule(rounds=10), full_participation_rounds=5), 'central', 4.0, 1e-5)
+  longer = PrivacyBudget(dataclasses.replace(schedule(rounds=20), full_participation_rounds=5), 'central', 4.0, 1e-5)
+  resumed = longer.after([5] * 5 + [20] * 5)
+  assert resumed.epsilon(10) == ran.epsilon(10) > longer.epsilon(10) + 2
+  assert resumed.draws(12) == [(5, 5), (20, 5), (5, 2)]
+
+
+def test_end_to_end_the_resumed_epsilon_continues_from_what_ran(tmp_path):
+  cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=4.0, join_ratio=0.5, dp_parts=('label', 'weight'),
+                            full_participation_rounds=2, rounds=4, checkpoint_every=1)  # amplified: sizes count
+  train_and_evaluate(cfg, str(tmp_path), progress=False)
+  first = metric_rows(tmp_path)
+  train_and_evaluate(dataclasses.replace(cfg, rounds=6), str(tmp_path), resume=True, progress=False)
+  rows = metric_rows(tmp_path)
+  assert [r['participants'] for r in rows] == [2, 2, 4, 4, 4, 4] and rows[:4] == first
+  # What ran up to round 5 is a 5-round run whose last 3 rounds had every client: its epsilon, drawn afresh.
+  phases = make_algorithm(cfg, tiny_data()).phases
+  as_ran = PrivacyBudget(Schedule('fedre', phases, 4, 5, 0.5, 3, cfg.seed), 'central', 4.0, 1e-5)
+  assert rows[4]['dp_epsilon'] == pytest.approx(as_ran.epsilon(5), rel=1e-9)
+
+
+def test_a_delta_of_one_over_the_clients_or_more_is_refused_unless_allowed():
+  with pytest.raises(ConfigError, match=r'^PrivacyBudget.delta=0.05 is at least 1 / clients \(0.05 here\).*Fix: a '
+                                        r'delta below 0.05'):
+    PrivacyBudget(schedule(), 'central', 1.0, 0.05)
+  assert PrivacyBudget(schedule(), 'central', 1.0, 0.05, allow_large_delta=True).epsilon(1) > 0
+  cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1.0, dp_delta=0.3)
+  with pytest.raises(ConfigError, match=r'^--dp_delta=0.3 is at least 1 / clients .* or --dp_allow_large_delta'):
+    private_algorithm(cfg, make_algorithm(cfg, tiny_data()), 4)
+
+
+def test_only_a_method_whose_public_parts_cannot_tell_who_took_part_counts_on_the_draw():
+  """FedRE's soft label trains the released head: left public, it says who was drawn, so no amplification; with
+  the label and weight private it may. FedAllRep never (how many rows the head trains on depends on who was drawn);
+  grouped FedAvg never (a group model unchanged when its group had nobody)."""
+  def sampled(algorithm, **dp):
+    cfg = dataclasses.replace(CFG, algorithm=algorithm, dp_mode='central', dp_noise_multiplier=1.0, join_ratio=0.5,
+                              **dp)
+    return private_algorithm(cfg, make_algorithm(cfg, tiny_data()), 4)[1]
+  assert not sampled('fedre').sampled and sampled('fedre').public_parts == ('label', 'weight')
+  assert sampled('fedre', dp_parts=('label', 'weight')).sampled
+  assert not sampled('fedre', dp_parts=('label',)).sampled
+  allrep = dataclasses.replace(CFG, methods={**CFG.methods, 'fedre': dataclasses.replace(
+      CFG.methods['fedre'], all_representations=True)})
+  cfg = dataclasses.replace(allrep, dp_mode='central', dp_noise_multiplier=1.0, join_ratio=0.5,
+                            dp_parts=('label', 'weight'))
+  assert not private_algorithm(cfg, make_algorithm(cfg, tiny_data()), 4)[1].sampled
+  assert not sampled('fedavg').sampled
+
+
+def test_under_dp_the_summary_says_what_its_epsilon_means_and_rows_hold_nothing_of_the_participants(tmp_path):
+  cfg = dataclasses.replace(CFG, rounds=2, dp_mode='central', dp_noise_multiplier=1.0)
+  summary = train_and_evaluate(cfg, str(tmp_path), progress=False)
+  dp = summary['dp']
+  assert {k: dp[k] for k in ('mode', 'delta', 'noise_multiplier', 'accountant', 'adjacency', 'sampling',
+                             'amplified_by_sampling', 'public_parts')} == {
+      'mode': 'central', 'delta': 1e-5, 'noise_multiplier': 1.0, 'accountant': 'rdp',
+      'adjacency': 'replace-one client (all of its data)', 'sampling': 'fixed-size draw without replacement',
+      'amplified_by_sampling': False, 'public_parts': ['label', 'weight']}
+  assert dp['holds_for'] == 'federations that differ in one client\'s data and agree on the public parts'
+  assert dp['epsilon'] > 0 and 'noise_source' in dp
+  for row in metric_rows(tmp_path):
+    assert not {'train_loss', 'local_steps', 'local_samples'} & set(row) and row['dp_epsilon'] > 0
+
+
+def test_docs_list_every_methods_public_parts_and_whether_it_is_amplified():
+  """docs/privacy.md's table per method against each method's declaration (`Algorithm.upload_privacy`): its public
+  parts (what the epsilon does not cover) and whether its central rounds count on the draw."""
+  import os
+  from fedjax_het.experiment import build_federation
+  from fedjax_het.methods import METHODS
+  from fedjax_het.privacy.dp import claims_amplification
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, 'docs', 'privacy.md')) as f:
+    table = {cells[0]: cells for cells in ([c.strip() for c in line.strip().strip('|').split('|')]
+                                           for line in f if line.startswith('| ') and line.count('|') == 6)}
+  for name in METHODS:
+    cfg = dataclasses.replace(CFG, algorithm=name, feature_dim=256, public_size=64 if name in ('fedmd', 'feddf')
+                              else 0)
+    declared = (build_federation(cfg).algorithm if cfg.public_size else make_algorithm(cfg, tiny_data())
+                ).upload_privacy
+    assert name in table, f'docs/privacy.md has no row for {name}'
+    _, _, _, public, amplified = table[name]
+    assert public == (', '.join(f'`{p}`' for p in declared.public) or 'none'), name
+    expected = ('yes' if claims_amplification(declared) else
+                f'with `--dp_parts={",".join(declared.public)}`' if declared.hides_participants else 'no')
+    assert amplified == expected, name

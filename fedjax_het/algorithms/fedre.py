@@ -163,7 +163,10 @@ def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
     return {'representation': sent * upload['rep'].shape[-1], 'label': sent * num_classes}
 
   # DP: the representation is the client's contribution; its label encoding too with --dp_parts=label; the server
-  # trains its head on each of a fixed number of uploads ('records'). The row weight only marks a client with rows.
+  # trains its head on each of a fixed number of uploads ('records'), which hides who took part once the label and
+  # weight are private too (`privacy.dp.claims_amplification`). FedAllRep never does: how many rows the server
+  # trains on depends on who was drawn.
   return one_phase('fedre', initial_head, client, server_update, global_head_evaluation,
                    upload_scalars=upload_scalars,
-                   upload_privacy=UploadPrivacy(public=('label', 'weight'), hides_participants=True))
+                   upload_privacy=UploadPrivacy(public=('label', 'weight'),
+                                                hides_participants=not cfg.all_representations))

@@ -16,7 +16,9 @@ from fedjax_het.errors import ConfigError
 class Schedule:
   """The rounds of a run of `phases`: rounds, the run's --rounds (phases of open length take the rounds left);
   join_ratio, the share of clients in each round (a phase may set its own); full_participation_rounds, the run's
-  last rounds in which every client joins; seed, the run's seed (participants are drawn from it)."""
+  last rounds in which every client joins; seed, the run's seed (participants are drawn from it); joined, the
+  number of participants of each round already run, where they differ from what these settings give (a resumed
+  run whose --rounds moved its full-participation rounds: the rounds that ran keep the draws they had)."""
   name: str
   phases: Sequence[Phase]
   num_clients: int
@@ -24,6 +26,7 @@ class Schedule:
   join_ratio: float = 1.0
   full_participation_rounds: int = 0
   seed: int = 0
+  joined: tuple[int, ...] = ()
 
   @property
   def phase_starts(self) -> list[int]:
@@ -48,7 +51,9 @@ class Schedule:
 
   def num_join(self, round_index: int = 0) -> int:
     """Participants in round `round_index`: every client in the run's last `full_participation_rounds` rounds,
-    else the phase's (or the run's) join ratio of them, at least one."""
+    else the phase's (or the run's) join ratio of them, at least one; for a round already run, as it ran (`joined`)."""
+    if round_index < len(self.joined):
+      return self.joined[round_index]
     if round_index >= self.total_rounds - self.full_participation_rounds:
       return self.num_clients
     ratio = self.phases[self.phase_index(round_index)].join_ratio or self.join_ratio

@@ -5,8 +5,8 @@ Each round that uploads releases every participant's clipped contribution throug
 differ in one client replaced by another: the contribution's L2 sensitivity is 2C against noise sigma * C, a
 Gaussian of noise multiplier sigma / 2 in dp-accounting's terms.
 
-- central, for a method whose releases hide who took part (`UploadPrivacy.hides_participants`: FedRE, LG-FedAvg,
-  FML, FedMRL): an observer of what the server releases does not know who was drawn, so each round is the Gaussian
+- central, for a method whose releases hide who took part (`privacy.dp.claims_amplification`: LG-FedAvg, FML,
+  FedMRL, FedMD, and FedRE with its label and weight private too): an observer of what the server releases does not know who was drawn, so each round is the Gaussian
   subsampled without replacement (n of N; Wang, Balle & Kasiviswanathan 2019), composed over the rounds with the
   RDP accountant (dp-accounting accounts sampling without replacement only with RDP). A round in which every client
   joins is the plain Gaussian.
@@ -63,6 +63,8 @@ class PrivacyBudget:
   delta: float
   accountant: str = 'rdp'
   hides_participants: bool = True
+  allow_large_delta: bool = False
+  public_parts: tuple[str, ...] = ()  # upload parts released without noise (what the epsilon does not cover)
 
   def __post_init__(self):
     if self.mode not in ('central', 'local'):
@@ -72,8 +74,13 @@ class PrivacyBudget:
     if not 0 < self.delta < 1:
       raise ConfigError(f'PrivacyBudget.delta={self.delta} must be in (0, 1); a common choice is below 1 / clients '
                         f'({1 / self.schedule.num_clients:.3g} here).')
+    if self.delta >= 1 / self.schedule.num_clients and not self.allow_large_delta:
+      raise ConfigError(f'PrivacyBudget.delta={self.delta:g} is at least 1 / clients ({1 / self.schedule.num_clients:.3g}'
+                        f' here): a mechanism that publishes one client\'s data outright meets such a delta. Fix: a '
+                        f'delta below {1 / self.schedule.num_clients:.3g} (1e-5 is the usual choice), or '
+                        f'PrivacyBudget.allow_large_delta=True to report it anyway.')
     if self.sampled and self.accountant == 'pld' and any(
-        self.schedule.num_join(r) < self.schedule.num_clients for r in range(self.schedule.total_rounds)):
+        n < self.schedule.num_clients for n, _ in self.draws(self.schedule.total_rounds)):
       raise ConfigError('PrivacyBudget.accountant=\'pld\': dp-accounting\'s PLD accountant bounds Poisson sampling '
                         'only, and this run draws a fixed number of clients per round (--join_ratio < 1), which '
                         'its RDP accountant bounds. Fix: PrivacyBudget.accountant=\'rdp\', or full participation '
@@ -98,18 +105,21 @@ class PrivacyBudget:
     return self.mode == 'central' and self.hides_participants
 
   def draws(self, rounds: int) -> list[tuple[int, int]]:
-    """(clients drawn, rounds) of each stretch of the first `rounds` rounds with one sample size: the sample size
-    changes only where a phase starts and where the full-participation rounds begin."""
+    """(clients drawn, rounds) of each stretch of the first `rounds` rounds with one sample size: the rounds already
+    run as they ran (`Schedule.joined`), then stretches cut where a phase starts and where the full-participation
+    rounds begin."""
     schedule = self.schedule
+    ran = len(schedule.joined[:rounds])
     full = schedule.total_rounds - schedule.full_participation_rounds
-    cuts = sorted({0, rounds, *(c for c in (*schedule.phase_starts, full) if 0 < c < rounds)})
+    cuts = sorted({ran, max(rounds, ran), *(c for c in (*schedule.phase_starts, full) if ran < c < rounds)})
+    stretches = [(n, 1) for n in schedule.joined[:ran]]
+    stretches += [(schedule.num_join(start), end - start) for start, end in zip(cuts, cuts[1:])]
     runs: list[list[int]] = []
-    for start, end in zip(cuts, cuts[1:]):
-      n = schedule.num_join(start)
+    for n, k in stretches:
       if runs and runs[-1][0] == n:
-        runs[-1][1] += end - start
-      else:
-        runs.append([n, end - start])
+        runs[-1][1] += k
+      elif k:
+        runs.append([n, k])
     return [(n, k) for n, k in runs]
 
   def participations(self, rounds: int) -> int:
@@ -142,6 +152,23 @@ class PrivacyBudget:
     acc = make_accountant(self.accountant, self.sampled)
     acc.compose(event)
     return float(acc.get_epsilon(self.delta))
+
+  def after(self, joined: tuple[int, ...]) -> 'PrivacyBudget':
+    """This budget for a run whose first rounds had `joined` participants each (a resumed run's metrics rows):
+    epsilon accounts the rounds that ran as they ran, not as the run's present settings would draw them."""
+    return dataclasses.replace(self, schedule=dataclasses.replace(self.schedule, joined=tuple(int(n) for n in joined)))
+
+  def describe(self) -> dict:
+    """What the reported epsilon means: the neighbouring relation, how participants are drawn, whether the draw
+    amplifies (central rounds of a method whose releases hide who took part), the accountant, and the upload parts it
+    does not cover (public, released without noise: the guarantee holds between federations that agree on them)."""
+    return {'adjacency': 'replace-one client (all of its data)',
+            'sampling': 'fixed-size draw without replacement',
+            'amplified_by_sampling': self.sampled, 'accountant': self.accountant,
+            'public_parts': list(self.public_parts),
+            'noise_source': 'the run\'s seed: reproducible, and regenerable by anyone who knows --seed',
+            'holds_for': ('federations that differ in one client\'s data and agree on the public parts'
+                          if self.public_parts else 'federations that differ in one client\'s data')}
 
   def metrics(self, rounds: int) -> dict:
     """A round's row entries: dp_epsilon, spent at dp_delta after `rounds` rounds, and the noise multiplier."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -197,6 +197,15 @@ def _private_phase(phase: Phase, algorithm: Algorithm, dp: DPConfig) -> Phase:
   server_update = ((lambda spec: private_step(phase.server_update(spec))) if phase.server_of_spec
                    else private_step(phase.server_update))
   return dataclasses.replace(phase, client=client, server_update=server_update)
+
+
+def claims_amplification(declared: UploadPrivacy, dp_parts: Sequence[str] = ()) -> bool:
+  """Whether central accounting may count on the random draw of participants (amplification by sampling): the
+  method declares that its server's releases hide who took part (`UploadPrivacy.hides_participants`) and nothing
+  it releases without noise depends on who took part, i.e. none of its upload parts stays public (each one made
+  private with `dp_parts`). FedRE's soft label trains the released head: left public, the head's bias carries the
+  participants' label supports in the clear, which under a skewed split say who was drawn."""
+  return declared.hides_participants and not (set(declared.public) - set(dp_parts))
 
 
 def privatize(algorithm: Algorithm, dp: Optional[DPConfig]) -> Algorithm:
