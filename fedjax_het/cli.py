@@ -172,6 +172,10 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_enum('dp_accountant', _D.dp_accountant, ['rdp', 'pld'], 'DP: dp-accounting\'s accountant.')
   f.DEFINE_bool('dp_allow_large_delta', _D.dp_allow_large_delta, 'DP: report epsilon at a --dp_delta >= 1 / clients '
                 '(refused otherwise: a mechanism that publishes one client\'s data outright meets such a delta).')
+  f.DEFINE_bool('dp_reproducible_noise', _D.dp_reproducible_noise, 'DP: draw the noise (and the participants of '
+                'amplified rounds) from --seed, reproducibly, for simulation research; the guarantee then does not '
+                'hold against anyone who knows the seed. Default: the operating system\'s entropy (not '
+                'reproducible).')
   define_method_flags(f)
 
 

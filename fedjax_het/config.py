@@ -108,6 +108,7 @@ class ExperimentConfig:
   dp_parts: tuple[str, ...] = ()  # public upload parts privatised too (every other part is private)
   dp_accountant: str = 'rdp'  # 'rdp' or 'pld' (dp-accounting)
   dp_allow_large_delta: bool = False  # report epsilon at a delta >= 1 / clients anyway
+  dp_reproducible_noise: bool = False  # DP noise (and draw) from --seed: reproducible research, no guarantee
 
   def __post_init__(self):
     from fedjax_het.methods import METHODS, method  # the registry imports every method; config stays light

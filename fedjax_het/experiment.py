@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import json
 import os
+import secrets
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -99,10 +100,14 @@ def _build(cfg: ExperimentConfig) -> tuple[Federation, Run, Optional['PrivacyBud
                                public_size=cfg.public_size, public_dataset=public)
   algorithm, run = _make_algorithm(cfg, data)
   algorithm, budget = private_algorithm(cfg, algorithm, data.num_clients)
+  # Under DP the noise, and for amplified rounds the draw, come from the operating system's entropy (per process:
+  # on Flower each node's own), unless --dp_reproducible_noise.
+  secret = secrets.randbits(62) if budget is not None and not cfg.dp_reproducible_noise else None
   with flags_named():
     fed = Federation(algorithm, data, cfg.model_config(), cfg.local_training(), cfg.execution_config(),
                      rounds=cfg.rounds, join_ratio=cfg.join_ratio,
-                     full_participation_rounds=cfg.full_participation_rounds, seed=cfg.seed)
+                     full_participation_rounds=cfg.full_participation_rounds, seed=cfg.seed, secret=secret,
+                     secret_draw=budget is not None and budget.sampled)
   return fed, run, budget
 
 
@@ -120,7 +125,7 @@ def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: 
   with flags_named():
     budget = PrivacyBudget(schedule, cfg.dp_mode, cfg.dp_noise_multiplier, cfg.dp_delta, cfg.dp_accountant,
                            claims_amplification(algorithm.upload_privacy, cfg.dp_parts), cfg.dp_allow_large_delta,
-                           public)
+                           public, 'seed' if cfg.dp_reproducible_noise else 'secret')
     if cfg.dp_target_epsilon > 0:
       budget = dataclasses.replace(budget, noise_multiplier=calibrate(budget, cfg.dp_target_epsilon))
       logging.info('--dp_target_epsilon=%g: noise multiplier %.4f over %d rounds.', cfg.dp_target_epsilon,

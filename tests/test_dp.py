@@ -246,7 +246,7 @@ def test_vmap_equals_sequential_with_dp(name, mode):
 
 
 def test_a_dp_run_resumes_to_the_uninterrupted_numbers_and_epsilon(tmp_path):
-  cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1.0, dp_clip=0.5)
+  cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1.0, dp_clip=0.5, dp_reproducible_noise=True)
   full, part = str(tmp_path / 'full'), str(tmp_path / 'part')
   summary = train_and_evaluate(cfg, full, progress=False)
   train_and_evaluate(dataclasses.replace(cfg, rounds=3), part, progress=False)
@@ -406,3 +406,25 @@ def test_docs_list_every_methods_public_parts_and_whether_it_is_amplified():
     expected = ('yes' if claims_amplification(declared) else
                 f'with `--dp_parts={",".join(declared.public)}`' if declared.hides_participants else 'no')
     assert amplified == expected, name
+
+
+def test_under_dp_the_noise_and_an_amplified_draw_are_secret_unless_asked_to_be_reproducible():
+  """The round keys (every client's and the server's randomness, their DP noise included) and, for amplified rounds,
+  the participant draw came from --seed, which Flower sends every node: the server could regenerate a client's
+  local noise and subtract it. Under DP they now come from each process's own entropy."""
+  from fedjax_het.experiment import build_federation
+  seeded = build_federation(CFG)
+  local = dataclasses.replace(CFG, dp_mode='local', dp_noise_multiplier=1.0)
+  a, b = build_federation(local), build_federation(local)
+  keys = lambda fed: np.asarray(jax.random.key_data(fed.round_keys(0)[0]) if jnp.issubdtype(
+      fed.round_keys(0)[0].dtype, jax.dtypes.prng_key) else fed.round_keys(0)[0])
+  assert not np.array_equal(keys(a), keys(b)) and not np.array_equal(keys(a), keys(seeded))
+  again = build_federation(dataclasses.replace(local, dp_reproducible_noise=True))
+  np.testing.assert_array_equal(keys(again), keys(seeded))
+  amplified = dataclasses.replace(local, dp_mode='central', join_ratio=0.5, dp_parts=('label', 'weight'))
+  draws = lambda fed: [fed.participants(r).tolist() for r in range(12)]
+  assert draws(build_federation(amplified)) != draws(build_federation(amplified))
+  public_draw = draws(build_federation(dataclasses.replace(CFG, join_ratio=0.5)))
+  assert draws(build_federation(dataclasses.replace(amplified, dp_reproducible_noise=True))) == public_draw
+  # local mode: the draw is the seed's (the accounting counts the most joins of that known draw)
+  assert draws(build_federation(dataclasses.replace(local, join_ratio=0.5))) == public_draw

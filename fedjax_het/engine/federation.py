@@ -74,13 +74,17 @@ class Federation:
   models: the clients' classifiers (`ModelConfig`, or just the architecture names); training: the run's local
   schedule, handed to the algorithm's programs through `GroupSpec.training`; execution: how rounds run
   (`ExecutionConfig`, which changes no number beyond float32 rounding); rounds: the run's length (phases of open
-  length take the rounds left); join_ratio: the share of clients in each round; full_participation_rounds: the run's last rounds in which
-  every client joins; seed: the run's seed.
+  length take the rounds left); join_ratio: the share of clients in each round; full_participation_rounds: the
+  run's last rounds in which every client joins; seed: the run's seed. secret: under differential privacy, the
+  root of the round keys in place of the seed (the clients' and the server's randomness, their DP noise included),
+  so that nobody who knows the seed can regenerate the noise; with secret_draw, the participant draw too (what
+  amplification by sampling assumes).
   """
 
   def __init__(self, algorithm: Algorithm, data: FederatedData, models: ModelConfig | Sequence[str],
                training: LocalTraining, execution: ExecutionConfig = ExecutionConfig(), *, rounds: int = 0,
-               join_ratio: float = 1.0, full_participation_rounds: int = 0, seed: int = 0):
+               join_ratio: float = 1.0, full_participation_rounds: int = 0, seed: int = 0,
+               secret: Optional[int] = None, secret_draw: bool = False):
     if not isinstance(models, ModelConfig):
       models = ModelConfig(tuple(models))
     _check_arguments(algorithm, training, join_ratio, full_participation_rounds)
@@ -88,6 +92,7 @@ class Federation:
     self.algorithm, self.data, self.training, self.models, self.execution = (algorithm, data, training, models,
                                                                               execution)
     self.seed, self.join_ratio, self.full_participation_rounds = seed, join_ratio, full_participation_rounds
+    self.secret = secret
     self.strategy, self.conv, self.mesh = execution.strategy, execution.conv, execution.client_mesh
     self.num_devices, self.num_clients = execution.num_devices, data.num_clients
     self.executor: Executor = execution.executor()
@@ -115,7 +120,7 @@ class Federation:
     self.spec = FederationSpec(data.num_classes, feature_dim, self.num_clients, rounds,
                                tuple(g.spec for g in self.groups), training)
     self.schedule = Schedule(algorithm.name, algorithm.phases, self.num_clients, rounds, join_ratio,
-                             full_participation_rounds, seed)
+                             full_participation_rounds, secret if secret_draw and secret is not None else seed)
     self.phase_starts = self.schedule.phase_starts
     self.total_rounds = self.schedule.total_rounds
     self.programs = [[phase.client(g.spec) for g in self.groups] for phase in algorithm.phases]
@@ -243,8 +248,10 @@ class Federation:
     return {**broadcast, 'constants': self.constants}
 
   def round_keys(self, round_index: int) -> tuple[jax.Array, jax.Array]:
-    """(clients' key, server's key) of round `round_index`; client k trains with fold_in(clients' key, k)."""
-    key, server_key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(self.seed), round_index + 1))
+    """(clients' key, server's key) of round `round_index` (from `secret` where one is set, else the seed); client
+    k trains with fold_in(clients' key, k)."""
+    root = jax.random.PRNGKey(self.seed if self.secret is None else self.secret)
+    key, server_key = jax.random.split(jax.random.fold_in(root, round_index + 1))
     return key, server_key
 
   def round(self, state: FederationState) -> tuple[FederationState, dict]:

@@ -65,6 +65,7 @@ class PrivacyBudget:
   hides_participants: bool = True
   allow_large_delta: bool = False
   public_parts: tuple[str, ...] = ()  # upload parts released without noise (what the epsilon does not cover)
+  noise_source: str = 'secret'  # 'secret' (the OS's entropy) or 'seed' (--dp_reproducible_noise)
 
   def __post_init__(self):
     if self.mode not in ('central', 'local'):
@@ -166,7 +167,9 @@ class PrivacyBudget:
             'sampling': 'fixed-size draw without replacement',
             'amplified_by_sampling': self.sampled, 'accountant': self.accountant,
             'public_parts': list(self.public_parts),
-            'noise_source': 'the run\'s seed: reproducible, and regenerable by anyone who knows --seed',
+            'noise_source': ('the run\'s seed (--dp_reproducible_noise): anyone who knows --seed can regenerate the '
+                             'noise and the draw, which voids the guarantee against them' if self.noise_source == 'seed'
+                             else 'secret: the operating system\'s entropy, drawn by each process (each node)'),
             'holds_for': ('federations that differ in one client\'s data and agree on the public parts'
                           if self.public_parts else 'federations that differ in one client\'s data')}
 
