@@ -63,8 +63,9 @@ def _refuse_other_run(run_dir: str, cfg: ExperimentConfig) -> None:
   if saved == now:
     return
   changed = [] if saved is None else [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
-  what = (f'a run with other settings ({", ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} now" for k in changed[:6])})'
-          if saved is not None else 'a run whose config.json cannot be read')
+  differences = ', '.join(f'{k}: {saved.get(k)!r} there, {now.get(k)!r} now' for k in changed[:6])
+  what = (f'a run with other settings ({differences})' if saved is not None
+          else 'a run whose config.json cannot be read')
   raise ConfigError(f'--workdir: {run_dir} holds {what}, and no checkpoint to continue from, so running this '
                     f'setting there would replace it. Fix: a new --workdir for this comparison, or move that folder '
                     f'away (nothing is deleted).')

@@ -33,12 +33,11 @@ COORDINATOR_BIND = 'FEDJAX_HET_COORDINATOR_BIND_ADDRESS'
 
 
 def initialize(timeout_seconds: int = 300) -> None:
-  """Joins this process to the run's others (`jax.distributed.initialize`), before any computation.
-
-  With FEDJAX_HET_NUM_PROCESSES and FEDJAX_HET_PROCESS_ID set (and JAX_COORDINATOR_ADDRESS, host:port of process
-  0) they are used, process 0's coordination service listening on that address only (or on
-  FEDJAX_HET_COORDINATOR_BIND_ADDRESS); otherwise JAX detects the cluster. CPU collectives use gloo. A ConfigError names the variables
-  when neither works."""
+  """Joins this process to the run's others (`jax.distributed.initialize`), before any computation. With
+  FEDJAX_HET_NUM_PROCESSES and FEDJAX_HET_PROCESS_ID set (and JAX_COORDINATOR_ADDRESS, host:port of process 0) they
+  are used, process 0's coordination service listening on that address only (or on
+  FEDJAX_HET_COORDINATOR_BIND_ADDRESS); otherwise JAX detects the cluster. CPU collectives use gloo. A ConfigError
+  names the variables when neither works."""
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   num, index, coordinator = os.environ.get(NUM_PROCESSES), os.environ.get(PROCESS_ID), os.environ.get(COORDINATOR)
   try:

@@ -327,8 +327,9 @@ def test_a_resumed_run_accounts_the_rounds_that_ran_as_they_ran():
 
 
 def test_end_to_end_the_resumed_epsilon_continues_from_what_ran(tmp_path):
-  cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=4.0, join_ratio=0.5, dp_parts=('label', 'weight'),
-                            full_participation_rounds=2, rounds=4, checkpoint_every=1)  # amplified: sizes count
+  cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=4.0, join_ratio=0.5,
+                            dp_parts=('label', 'weight'),  # amplified: the sample sizes count
+                            full_participation_rounds=2, rounds=4, checkpoint_every=1)
   train_and_evaluate(cfg, str(tmp_path), progress=False)
   first = metric_rows(tmp_path)
   train_and_evaluate(dataclasses.replace(cfg, rounds=6), str(tmp_path), resume=True, progress=False)
@@ -428,3 +429,56 @@ def test_under_dp_the_noise_and_an_amplified_draw_are_secret_unless_asked_to_be_
   assert draws(build_federation(dataclasses.replace(amplified, dp_reproducible_noise=True))) == public_draw
   # local mode: the draw is the seed's (the accounting counts the most joins of that known draw)
   assert draws(build_federation(dataclasses.replace(local, join_ratio=0.5))) == public_draw
+
+
+def _upload_parts_under_local_dp(name: str) -> dict:
+  """part -> whether client 0's first upload of method `name` is the same with local DP as without (same state,
+  broadcast and key), for its parts that hold arrays; a ConfigError where DP refuses the method."""
+  from golden import make_golden_federation
+  from fedjax_het.core import for_client
+  from fedjax_het.engine.groups import host_copy
+  plain = make_golden_federation(name)
+  private = Federation(privatize(plain.algorithm, DPConfig('local', clip=1e-3, noise_multiplier=1.0)), plain.data,
+                       plain.models, plain.training, plain.execution, join_ratio=0.5, rounds=plain.total_rounds)
+  state = plain.init()
+  g, key = plain.groups[0], plain.round_keys(0)[0]
+  uploads = []
+  for fed in (plain, private):
+    client = host_copy(state.groups[0], 0)
+    broadcast = for_client(fed.broadcast(state.server, 0, 0), 0)
+    uploads.append(fed.executor.run_one(g, fed.programs[0][0], 0, 0, client, broadcast, key)[1])
+  if not isinstance(uploads[0], dict):
+    return {'all': False}
+  return {part: all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(uploads[0][part]),
+                                                          jax.tree.leaves(uploads[1][part])))
+          for part in uploads[0] if jax.tree.leaves(uploads[0][part])}
+
+
+def _check_declaration(name: str) -> None:
+  from fedjax_het.methods import METHODS
+  try:
+    same = _upload_parts_under_local_dp(name)
+  except ConfigError as e:  # refused under DP, with the reason (an integer part noise cannot protect)
+    assert 'Gaussian noise cannot protect' in str(e) or 'cannot' in str(e), (name, str(e))
+    return
+  from golden import make_golden_federation
+  public = make_golden_federation(name).algorithm.upload_privacy.public
+  for part, unchanged in same.items():
+    assert unchanged == (part in public), (f'{name}: upload part {part!r} is '
+                                           f'{"unchanged" if unchanged else "changed"} by local DP but '
+                                           f'{"" if part in public else "not "}declared public')
+  assert name in METHODS
+
+
+@pytest.mark.parametrize('name', ['fedre', 'fedproto', 'fedavg', 'heterofl'])
+def test_every_upload_part_is_noised_or_declared_public(name):
+  """What a client sends under local DP against what it sends without, same state and key: a part the method
+  declares public passes as it is, every other part is clipped and noised. (Every method: -m slow.)"""
+  _check_declaration(name)
+
+
+@pytest.mark.slow
+def test_every_methods_upload_parts_are_noised_or_declared_public():
+  from fedjax_het.methods import METHODS
+  for name in METHODS:
+    _check_declaration(name)

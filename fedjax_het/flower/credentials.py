@@ -53,7 +53,8 @@ def tls_files(folder: str, days: int = 30) -> TLSFiles:
   certificate = (x509.CertificateBuilder()
                  .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, 'localhost')]))
                  .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-                 .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+                 .not_valid_before(now - datetime.timedelta(minutes=5))
+                 .not_valid_after(now + datetime.timedelta(days=days))
                  .add_extension(names, critical=False).sign(ca_key, hashes.SHA256()))
   return TLSFiles(_write(os.path.join(folder, 'ca.crt'), ca.public_bytes(serialization.Encoding.PEM)),
                   _write(os.path.join(folder, 'superlink.crt'), certificate.public_bytes(serialization.Encoding.PEM)),

@@ -1,15 +1,16 @@
 """The ServerApp: a fedjax_het run whose clients are Flower SuperNodes, with the outputs of a simulation run
 (metrics.jsonl, summary.json, plots, orbax checkpoints and --resume) in its workdir.
 
-Run config (flwr run ... --run-config '...'; experiments/flower/pyproject.toml lists the keys): flagfile (the
-run's flags, as experiments/ takes them; absolute path on the SuperLink's machine), workdir (its outputs there),
-resume (continue from its last checkpoint), round-timeout (seconds a round waits for its replies, default 600),
+Run config (flwr run ... --run-config '...'; experiments/flower/pyproject.toml lists the keys): flagfile (the run's
+flags, as experiments/ takes them; absolute path on the SuperLink's machine), workdir (its outputs there), resume
+(continue from its last checkpoint), round-timeout (seconds a round waits for its replies, default 600),
 connect-timeout (seconds to wait for the nodes, default 120), run-name (the folder of the nodes' states; give each
 run its own), node-ids (JSON {client: node id} of the SuperNode keys registered for the clients: no other node's
-claim to a client is taken), upload-bound (the largest absolute value an upload may hold, default 1e6: a node's upload beyond it,
-like one with NaN values or arrays of other shapes, is left out of its round), compilation-cache (XLA's persistent compilation cache, default ~/.cache/fedjax_het/xla); and one key
-per experiment flag, its name with - for _ (rounds=2, num-clients=4), which overrides the flag file's value as a
-flag given after --flagfile does (`fedjax_het.flower.run_config`).
+claim to a client is taken), upload-bound (the largest absolute value an upload may hold, default 1e6: a node's
+upload beyond it, like one with NaN values or arrays of other shapes, is left out of its round), compilation-cache
+(XLA's persistent compilation cache, default ~/.cache/fedjax_het/xla); and one key per experiment flag, its name
+with - for _ (rounds=2, num-clients=4), which overrides the flag file's value as a flag given after --flagfile does
+(`fedjax_het.flower.run_config`).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def node_ids(run_config: dict) -> Optional[dict[int, int]]:
     return {int(k): int(v) for k, v in json.loads(text).items()}
   except (ValueError, TypeError, AttributeError):
     raise ConfigError(f'the run config\'s node-ids={text!r} is not a JSON object of client -> node id. Fix: '
-                      f'node-ids=\'{{"0": NODE_ID, "1": NODE_ID, ...}}\' as flwr supernode register printed them.') from None
+                      f'node-ids=\'{{"0": NODE_ID, "1": NODE_ID, ...}}\' as flwr supernode register printed '
+                      f'them.') from None
 
 
 def _log(line: str) -> None:

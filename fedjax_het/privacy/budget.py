@@ -6,10 +6,10 @@ differ in one client replaced by another: the contribution's L2 sensitivity is 2
 Gaussian of noise multiplier sigma / 2 in dp-accounting's terms.
 
 - central, for a method whose releases hide who took part (`privacy.dp.claims_amplification`: LG-FedAvg, FML,
-  FedMRL, FedMD, and FedRE with its label and weight private too): an observer of what the server releases does not know who was drawn, so each round is the Gaussian
-  subsampled without replacement (n of N; Wang, Balle & Kasiviswanathan 2019), composed over the rounds with the
-  RDP accountant (dp-accounting accounts sampling without replacement only with RDP). A round in which every client
-  joins is the plain Gaussian.
+  FedMRL, FedMD, and FedRE with its label and weight private too): an observer of what the server releases does not
+  know who was drawn, so each round is the Gaussian subsampled without replacement (n of N; Wang, Balle &
+  Kasiviswanathan 2019), composed over the rounds with the RDP accountant (dp-accounting accounts sampling without
+  replacement only with RDP). A round in which every client joins is the plain Gaussian.
 - local, and central for every other method (a per-group or per-class mean shows who was drawn): nothing is gained
   from sampling: a client's uploads compose over the rounds it joins (the most of any client, known from the
   seeded draw), T Gaussians of multiplier s being one of multiplier s / sqrt(T). RDP or PLD.
@@ -76,10 +76,10 @@ class PrivacyBudget:
       raise ConfigError(f'PrivacyBudget.delta={self.delta} must be in (0, 1); a common choice is below 1 / clients '
                         f'({1 / self.schedule.num_clients:.3g} here).')
     if self.delta >= 1 / self.schedule.num_clients and not self.allow_large_delta:
-      raise ConfigError(f'PrivacyBudget.delta={self.delta:g} is at least 1 / clients ({1 / self.schedule.num_clients:.3g}'
-                        f' here): a mechanism that publishes one client\'s data outright meets such a delta. Fix: a '
-                        f'delta below {1 / self.schedule.num_clients:.3g} (1e-5 is the usual choice), or '
-                        f'PrivacyBudget.allow_large_delta=True to report it anyway.')
+      raise ConfigError(f'PrivacyBudget.delta={self.delta:g} is at least 1 / clients '
+                        f'({1 / self.schedule.num_clients:.3g} here): a mechanism that publishes one client\'s data '
+                        f'outright meets such a delta. Fix: a delta below {1 / self.schedule.num_clients:.3g} (1e-5 is '
+                        f'the usual choice), or PrivacyBudget.allow_large_delta=True to report it anyway.')
     if self.sampled and self.accountant == 'pld' and any(
         n < self.schedule.num_clients for n, _ in self.draws(self.schedule.total_rounds)):
       raise ConfigError('PrivacyBudget.accountant=\'pld\': dp-accounting\'s PLD accountant bounds Poisson sampling '
