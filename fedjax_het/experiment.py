@@ -34,7 +34,7 @@ from fedjax_het.interrupts import Interrupted, StopAtRoundEnd
 from fedjax_het.methods import METHODS, Run, config_flags, method
 from fedjax_het.plots import plot_accuracy, plot_partition, plot_samples
 from fedjax_het.tensorboard import FOLDER as TENSORBOARD_FOLDER, ScalarLog, summary_writer_class
-from fedjax_het.workdir import Workdir
+from fedjax_het.workdir import Workdir, write_atomically
 
 if TYPE_CHECKING:
   from fedjax_het.privacy.budget import PrivacyBudget
@@ -76,7 +76,25 @@ def build_federation_and_budget(cfg: ExperimentConfig) -> tuple[Federation, Opti
   return fed, budget
 
 
-def _build(cfg: ExperimentConfig) -> tuple[Federation, Run, Optional['PrivacyBudget']]:
+def dp_secret(cfg: ExperimentConfig, wd: Optional[Workdir] = None, resume: bool = False) -> Optional[int]:
+  """The secret from which a DP run draws its noise and the participants of its amplified rounds, or None (no DP,
+  or --dp_reproducible_noise: the seed instead). With a workdir, its `.dp_secret` file (made by the writing
+  process from the operating system's entropy when a run starts, readable by its owner only): a resumed run
+  continues the same noise and draws, and every process of a multi-process run holds the same. Without one (a
+  Flower node, a tool reading a run), fresh entropy."""
+  if cfg.dp_mode == 'off' or cfg.dp_reproducible_noise:
+    return None
+  if wd is None:
+    return secrets.randbits(62)
+  path = wd.file(DP_SECRET_FILE)
+  if wd.writes and not (resume and os.path.exists(path)):
+    write_atomically(path, lambda f: f.write(str(secrets.randbits(62))), mode=0o600)
+  distributed.barrier('dp secret written')
+  with open(path) as f:
+    return int(f.read())
+
+
+def _build(cfg: ExperimentConfig, secret: Optional[int] = None) -> tuple[Federation, Run, Optional['PrivacyBudget']]:
   validate(cfg)
   dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
   dataset = dataset.subsampled(cfg.data_fraction, cfg.seed).resized(cfg.image_size)
@@ -99,10 +117,9 @@ def _build(cfg: ExperimentConfig) -> tuple[Federation, Run, Optional['PrivacyBud
                                imbalance_factor=cfg.imbalance_factor, train_fraction=cfg.train_fraction,
                                public_size=cfg.public_size, public_dataset=public)
   algorithm, run = _make_algorithm(cfg, data)
-  algorithm, budget = private_algorithm(cfg, algorithm, data.num_clients)
-  # Under DP the noise, and for amplified rounds the draw, come from the operating system's entropy (per process:
-  # on Flower each node's own), unless --dp_reproducible_noise.
-  secret = secrets.randbits(62) if budget is not None and not cfg.dp_reproducible_noise else None
+  # Under DP the noise, and for amplified rounds the draw, come from a secret (`dp_secret`), not the seed.
+  secret = secret if secret is not None else dp_secret(cfg)
+  algorithm, budget = private_algorithm(cfg, algorithm, data.num_clients, secret)
   with flags_named():
     fed = Federation(algorithm, data, cfg.model_config(), cfg.local_training(), cfg.execution_config(),
                      rounds=cfg.rounds, join_ratio=cfg.join_ratio,
@@ -111,21 +128,22 @@ def _build(cfg: ExperimentConfig) -> tuple[Federation, Run, Optional['PrivacyBud
   return fed, run, budget
 
 
-def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: int
+def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: int, secret: Optional[int] = None
                       ) -> tuple[Algorithm, Optional['PrivacyBudget']]:
   """`algorithm` under --dp_mode (`privacy.dp.privatize`) and the privacy its run spends, with sigma calibrated
-  to --dp_target_epsilon over the run's schedule when that is set; (algorithm, None) without DP."""
+  to --dp_target_epsilon over the run's schedule when that is set; (algorithm, None) without DP. `secret`: the
+  run's secret (`dp_secret`), from which the participants of amplified rounds are drawn."""
   if cfg.dp_mode == 'off':
     return algorithm, None
   from fedjax_het.privacy.budget import PrivacyBudget, calibrate  # dp-accounting, only for DP runs
   from fedjax_het.privacy.dp import claims_amplification, privatize
+  amplified = cfg.dp_mode == 'central' and claims_amplification(algorithm.upload_privacy, cfg.dp_parts)
   schedule = Schedule(algorithm.name, algorithm.phases, num_clients, cfg.rounds, cfg.join_ratio,
-                      cfg.full_participation_rounds, cfg.seed)
+                      cfg.full_participation_rounds, secret if amplified and secret is not None else cfg.seed)
   public = tuple(p for p in algorithm.upload_privacy.public if p not in cfg.dp_parts)
   with flags_named():
     budget = PrivacyBudget(schedule, cfg.dp_mode, cfg.dp_noise_multiplier, cfg.dp_delta, cfg.dp_accountant,
-                           claims_amplification(algorithm.upload_privacy, cfg.dp_parts), cfg.dp_allow_large_delta,
-                           public, 'seed' if cfg.dp_reproducible_noise else 'secret')
+                           amplified, cfg.dp_allow_large_delta, public, 'seed' if secret is None else 'secret')
     if cfg.dp_target_epsilon > 0:
       budget = dataclasses.replace(budget, noise_multiplier=calibrate(budget, cfg.dp_target_epsilon))
       logging.info('--dp_target_epsilon=%g: noise multiplier %.4f over %d rounds.', cfg.dp_target_epsilon,
@@ -136,6 +154,9 @@ def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: 
 # Under DP, round metrics computed from the participants' data or telling which clients took part, which no noise
 # covers: not written (the run still stops when the loss is NaN/inf, a one-bit release).
 WITHHELD_UNDER_DP = ('train_loss', 'local_steps', 'local_samples', 'missing_clients', 'rejected_clients')
+
+
+DP_SECRET_FILE = '.dp_secret'
 
 
 class TrainingDiverged(ConfigError):
@@ -320,7 +341,7 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     say = (lambda text: sys.stderr.write(f'{cfg.algorithm}: {text}\n')) if progress and distributed.is_writer() else (
         lambda text: None)
     say(f'loading {cfg.dataset} and splitting it over {cfg.num_clients} clients ({cfg.partition})')
-    fed, run, budget = _build(cfg)
+    fed, run, budget = _build(cfg, dp_secret(cfg, wd, resume))
     say(f'running on {fed.execution.describe()}')  # the defaults are the backend's where a flag leaves them unset
     startup = StartupDisplay(fed, say) if progress and distributed.is_writer() else None
     if federation is not None:

@@ -30,10 +30,11 @@ except ImportError:  # not POSIX: no lock, everything else works
   fcntl = None
 
 
-def write_atomically(path: str, write: Callable[[IO], None], binary: bool = False) -> None:
-  """Calls write(f) on a temporary file beside `path`, then renames it to `path`: a crash leaves the old file or
-  the new one, never half of one."""
-  with open(path + '.tmp', 'wb' if binary else 'w', newline=None if binary else '') as f:
+def write_atomically(path: str, write: Callable[[IO], None], binary: bool = False, mode: int = 0o666) -> None:
+  """Calls write(f) on a temporary file beside `path` (created with permissions `mode`, less the umask), then
+  renames it to `path`: a crash leaves the old file or the new one, never half of one."""
+  fd = os.open(path + '.tmp', os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+  with os.fdopen(fd, 'wb' if binary else 'w', newline=None if binary else '') as f:
     write(f)
   os.replace(path + '.tmp', path)
 

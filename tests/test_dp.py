@@ -482,3 +482,44 @@ def test_every_methods_upload_parts_are_noised_or_declared_public():
   from fedjax_het.methods import METHODS
   for name in METHODS:
     _check_declaration(name)
+
+
+def test_a_run_with_secret_noise_resumes_to_the_uninterrupted_numbers(tmp_path, monkeypatch):
+  """The secret (noise and amplified draw) is the workdir's `.dp_secret`, readable by its owner only: a resumed run
+  continues the same noise; two runs from the same seed share nothing of it."""
+  import os
+  import stat
+  from fedjax_het import experiment
+  monkeypatch.setattr(experiment.secrets, 'randbits', lambda bits: 123456789)  # the same entropy for both runs
+  cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1.0, dp_parts=('label', 'weight'))
+  train_and_evaluate(cfg, str(tmp_path / 'full'), progress=False)
+  train_and_evaluate(dataclasses.replace(cfg, rounds=3), str(tmp_path / 'part'), progress=False)
+  train_and_evaluate(cfg, str(tmp_path / 'part'), resume=True, progress=False)
+  assert metric_rows(tmp_path / 'part') == metric_rows(tmp_path / 'full')
+  assert stat.S_IMODE(os.stat(tmp_path / 'full' / '.dp_secret').st_mode) & 0o077 == 0
+  monkeypatch.setattr(experiment.secrets, 'randbits', lambda bits: 987654321)
+  train_and_evaluate(cfg, str(tmp_path / 'other'), progress=False)
+  seeded = train_and_evaluate(dataclasses.replace(cfg, dp_reproducible_noise=True), str(tmp_path / 'seeded'),
+                              progress=False)
+  accuracy = lambda d: [r['accuracy'] for r in metric_rows(tmp_path / d)]
+  assert len({tuple(accuracy(d)) for d in ('full', 'other', 'seeded')}) == 3
+  assert seeded['dp']['noise_source'].startswith('the run\'s seed (--dp_reproducible_noise)')
+
+
+def test_an_amplified_run_reports_the_smaller_of_its_two_bounds_and_calibrates_on_it():
+  """N = 10, n = 5, T = 20, sigma = 2: the subsampled Gaussian's composition gives 27.29, the client that joined most
+  often (14 of the 20 rounds in this draw) 23.73; both bound the run, so it reports 23.73."""
+  budget = PrivacyBudget(schedule(num_clients=10, rounds=20, join_ratio=0.5), 'central', 2.0, 1e-5)
+  acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+  acc.compose(dp_accounting.SelfComposedDpEvent(
+      dp_accounting.SampledWithoutReplacementDpEvent(10, 5, dp_accounting.GaussianDpEvent(1.0)), 20))
+  counts = np.zeros(10, int)
+  for r in range(20):
+    counts[schedule(num_clients=10, rounds=20, join_ratio=0.5).participants(r)] += 1
+  alone = rdp.RdpAccountant()
+  alone.compose(dp_accounting.GaussianDpEvent(1.0 / math.sqrt(counts.max())))
+  assert acc.get_epsilon(1e-5) == pytest.approx(27.29, abs=0.01) and counts.max() == 14
+  assert budget.epsilon(20) == pytest.approx(alone.get_epsilon(1e-5), rel=1e-9) == pytest.approx(23.73, abs=0.01)
+  sigma = calibrate(budget, 8.0)
+  assert dataclasses.replace(budget, noise_multiplier=sigma).epsilon(20) == pytest.approx(8.0, rel=1e-3)
+  assert dataclasses.replace(budget, noise_multiplier=0.99 * sigma).epsilon(20) > 8.0

@@ -138,19 +138,32 @@ class PrivacyBudget:
     return {'counts': np.zeros(self.schedule.num_clients, int), 'most': [0]}
 
   def epsilon(self, rounds: int) -> float:
-    """Epsilon at `delta` after the first `rounds` rounds."""
+    """Epsilon at `delta` after the first `rounds` rounds. For rounds amplified by the draw, the smaller of two valid
+    bounds: the subsampled Gaussian's composition, and the composition over the client that joined most often of
+    the draw as it is (`realised_epsilon`), which is the smaller where clients are few."""
     if rounds == 0:
       return 0.0
-    if self.sampled and self.accountant == 'rdp':  # fast: one RDP curve per sample size, summed
+    if not self.sampled:
+      return self._epsilon(self.event(rounds), replace_one=False)
+    if self.accountant == 'rdp':  # fast: one RDP curve per sample size, summed
       curve = sum(k * _round_rdp(self.schedule.num_clients, n, self.noise_multiplier) for n, k in self.draws(rounds))
-      return float(rdp.rdp_privacy_accountant.compute_epsilon(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS,
-                                                              curve, self.delta)[0])
-    event = self.event(rounds)
+      amplified = float(rdp.rdp_privacy_accountant.compute_epsilon(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS,
+                                                                   curve, self.delta)[0])
+    else:
+      amplified = self._epsilon(self.event(rounds), replace_one=True)
+    return min(amplified, self.realised_epsilon(rounds))
+
+  def realised_epsilon(self, rounds: int) -> float:
+    """Epsilon after the first `rounds` rounds counting nothing for the sampling: the client that joined most often
+    of this run's draw composes the rounds it joined."""
+    return self._epsilon(unsampled_event(self.participations(rounds), self.noise_multiplier), replace_one=False)
+
+  def _epsilon(self, event: dp_accounting.DpEvent, replace_one: bool) -> float:
     if isinstance(event, dp_accounting.NoOpDpEvent):
       return 0.0
     if self.accountant == 'pld' and isinstance(event, dp_accounting.GaussianDpEvent):
       return gaussian_epsilon(event.noise_multiplier, self.delta)
-    acc = make_accountant(self.accountant, self.sampled)
+    acc = make_accountant(self.accountant, replace_one)
     acc.compose(event)
     return float(acc.get_epsilon(self.delta))
 
@@ -202,9 +215,11 @@ def _round_rdp(num_clients: int, num_join: int, noise_multiplier: float) -> np.n
 
 
 def calibrate(budget: PrivacyBudget, target_epsilon: float) -> float:
-  """The noise multiplier sigma for which `budget`'s whole run spends `target_epsilon` at its delta: dp-accounting's
-  `calibrate_dp_mechanism` (a bisection) over its RDP accountant, or, for a run that composes only Gaussians under
-  the PLD accountant, its exact `get_sigma_gaussian` for the one Gaussian they compose into."""
+  """The noise multiplier sigma for which `budget`'s whole run spends `target_epsilon` at its delta: for rounds
+  amplified by the draw, a bisection on the epsilon it reports (the smaller of its two bounds, `epsilon`);
+  otherwise dp-accounting's `calibrate_dp_mechanism` (a bisection) over its RDP accountant, or, for a run that
+  composes only Gaussians under the PLD accountant, its exact `get_sigma_gaussian` for the one Gaussian they
+  compose into."""
   if not (math.isfinite(target_epsilon) and target_epsilon > 0):
     raise ConfigError(f'--dp_target_epsilon={target_epsilon} must be a positive number.')
   rounds = budget.schedule.total_rounds
@@ -215,7 +230,9 @@ def calibrate(budget: PrivacyBudget, target_epsilon: float) -> float:
   if isinstance(unit, dp_accounting.NoOpDpEvent):
     raise ConfigError('--dp_target_epsilon: no client uploads in this run, so no noise is needed.')
   try:
-    if budget.accountant == 'pld' and isinstance(unit, dp_accounting.GaussianDpEvent):
+    if budget.sampled:
+      sigma = _bisect_sigma(budget, target_epsilon, rounds)
+    elif budget.accountant == 'pld' and isinstance(unit, dp_accounting.GaussianDpEvent):
       sigma = float(dp_accounting.get_sigma_gaussian(target_epsilon, budget.delta) / unit.noise_multiplier)
     else:
       make_event = lambda sigma: dataclasses.replace(budget, noise_multiplier=float(sigma)).event(rounds)
@@ -230,3 +247,24 @@ def calibrate(budget: PrivacyBudget, target_epsilon: float) -> float:
                       f'privacy a DP review would accept. Fix: a target epsilon of at most a few tens, or set '
                       f'--dp_noise_multiplier instead.')
   return sigma
+
+
+def _bisect_sigma(budget: PrivacyBudget, target_epsilon: float, rounds: int, tol: float = 1e-4) -> float:
+  """The smallest sigma (to `tol`, relative) at which `budget.epsilon(rounds)` is at most `target_epsilon` (it falls
+  as sigma grows): a bracket by doubling or halving from 1, then bisection in log-space. NaN where no sigma in
+  [0.01, 1e6] is the answer (the target is beyond what 0.01 spends, or below what 1e6 does), as dp-accounting's
+  calibration from the same lower end."""
+  spend = lambda sigma: dataclasses.replace(budget, noise_multiplier=sigma).epsilon(rounds)
+  low, high = 1.0, 1.0
+  while spend(high) > target_epsilon:
+    low, high = high, high * 2
+    if high > 1e6:
+      return float('nan')
+  while spend(low) <= target_epsilon:
+    if low <= 1e-2:
+      return float('nan')
+    low, high = max(low / 2, 1e-2), low
+  while high / low > 1 + tol:
+    mid = math.sqrt(low * high)
+    low, high = (mid, high) if spend(mid) > target_epsilon else (low, mid)
+  return high
