@@ -523,3 +523,59 @@ def test_an_amplified_run_reports_the_smaller_of_its_two_bounds_and_calibrates_o
   sigma = calibrate(budget, 8.0)
   assert dataclasses.replace(budget, noise_multiplier=sigma).epsilon(20) == pytest.approx(8.0, rel=1e-3)
   assert dataclasses.replace(budget, noise_multiplier=0.99 * sigma).epsilon(20) > 8.0
+
+
+def _released_for_draws(name: str, parts: tuple, draws: list) -> list:
+  """(broadcast after round 1, metrics row without timings) of method `name` under central DP whose contributions
+  are clipped to nothing (C = 1e-9, sigma = 1e-12), once per participant set in `draws`, from one initial state: what
+  the server releases apart from the noised contributions."""
+  from golden import make_golden_federation
+  plain = make_golden_federation(name)
+  fed = Federation(privatize(plain.algorithm, DPConfig('central', clip=1e-9, noise_multiplier=1e-12, parts=parts)),
+                   plain.data, plain.models, plain.training, plain.execution, join_ratio=0.5,
+                   rounds=plain.total_rounds)
+  state = fed.init()
+  out = []
+  for chosen in draws:
+    fed.participants = lambda r, chosen=chosen: np.asarray(chosen)
+    new, row = fed.round(jax.tree.map(jnp.copy, state))  # a round donates the states it is given
+    out.append(([np.asarray(a) for a in jax.tree.leaves(fed.sent(new.server, 0, 1))],
+                {k: v for k, v in row.items() if 'seconds' not in k and k not in ('train_loss', 'local_steps',
+                                                                                 'local_samples')}))
+  return out
+
+
+def _hides_the_draw(name: str, parts: tuple = ()) -> bool:
+  """Whether the broadcast and the metrics row (communication counts, participants, the server's own metrics) are
+  the same for two draws that differ in one client."""
+  (a, row_a), (b, row_b) = _released_for_draws(name, parts, [[0, 1, 2], [0, 1, 3]])
+  same_row = row_a.keys() == row_b.keys() and all(
+      np.allclose(row_a[k], row_b[k], atol=1e-6) if isinstance(row_a[k], float) else row_a[k] == row_b[k]
+      for k in row_a)
+  return same_row and all(np.allclose(x, y, atol=1e-6) for x, y in zip(a, b))
+
+
+def test_what_the_server_releases_apart_from_the_noise_is_the_same_for_neighbouring_draws():
+  """The declaration behind amplification, tested: with every contribution clipped to nothing, what FedRE's server
+  releases after a round drawing clients {0, 1, 2} equals what it releases after {0, 1, 3} once its label and weight
+  are private; with them public the released head differs (its public labels say who was drawn), which is why
+  FedRE alone may not count on the draw. (Every method that claims it: -m slow.)"""
+  from golden import make_golden_federation
+  from fedjax_het.privacy.dp import claims_amplification
+  declared = make_golden_federation('fedre').algorithm.upload_privacy
+  for parts in (('label', 'weight'), ()):
+    assert claims_amplification(declared, parts) == _hides_the_draw('fedre', parts) == bool(parts), parts
+
+
+@pytest.mark.slow
+def test_every_method_that_counts_on_the_draw_releases_nothing_else_of_it():
+  from fedjax_het.methods import METHODS
+  from golden import make_golden_federation
+  from fedjax_het.privacy.dp import claims_amplification
+  checked = []
+  for name in METHODS:
+    declared = make_golden_federation(name).algorithm.upload_privacy
+    if claims_amplification(declared, declared.public):  # counts on the draw, with every public part private
+      assert _hides_the_draw(name, declared.public), name
+      checked.append(name)
+  assert {'fedre', 'lg_fedavg', 'fml'} <= set(checked), checked
