@@ -579,3 +579,18 @@ def test_every_method_that_counts_on_the_draw_releases_nothing_else_of_it():
       assert _hides_the_draw(name, declared.public), name
       checked.append(name)
   assert {'fedre', 'lg_fedavg', 'fml'} <= set(checked), checked
+
+
+def test_the_one_run_audits_bound_by_hand():
+  """benchmarks/dp_audit.py's bound ("Privacy Auditing with One (1) Training Run", Sec. 3): 20 guesses, all right,
+  delta 0: rejected at 95 % while q^20 < 0.05 for q = e^eps / (1 + e^eps), i.e. up to
+  eps = ln(q / (1 - q)) with q = 0.05^(1/20) = 0.86089: 1.8231. Half right is no evidence; delta adds its term."""
+  import os
+  import sys
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks'))
+  from dp_audit import audit_epsilon, audit_p_value
+  q = 0.05 ** (1 / 20)
+  assert audit_epsilon(20, 20, 20, 0.0, 0.95) == pytest.approx(math.log(q / (1 - q)), abs=2e-3)
+  assert audit_p_value(20, 20, 20, 0.0, 0.0) == pytest.approx(0.5 ** 20)
+  assert audit_epsilon(1000, 200, 100, 0.0, 0.95) == 0.0
+  assert audit_p_value(1000, 200, 180, 2.0, 1e-5) > audit_p_value(1000, 200, 180, 2.0, 0.0)
