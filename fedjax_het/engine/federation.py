@@ -35,6 +35,15 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
 
 
+def client_index(groups: Sequence[Group], num_clients: int) -> tuple[list, np.ndarray]:
+  """(client k's architecture, client k's group index) for every client, as the groups assigned them."""
+  architectures, group_of = [None] * num_clients, np.zeros(num_clients, int)
+  for gi, g in enumerate(groups):
+    for k in g.clients:
+      architectures[k], group_of[k] = g.arch, gi
+  return architectures, group_of
+
+
 class FederationState(NamedTuple):
   """Everything a round changes: per-group stacked client states, the server state and the round counter."""
   groups: tuple
@@ -99,11 +108,7 @@ class Federation:
     global_test = data.global_test_rows()
     self.global_test = None if global_test is None else EvalSet(RowStore(global_test), shared=True)
     self.groups: list[Group] = build_groups(data, models, training, self.conv, self.num_devices, self.mesh, seed)
-    self.architectures = [None] * self.num_clients  # client k's architecture, as the groups assigned it
-    self.group_of = np.zeros(self.num_clients, int)  # client k's group index
-    for gi, g in enumerate(self.groups):
-      for k in g.clients:
-        self.architectures[k], self.group_of[k] = g.arch, gi
+    self.architectures, self.group_of = client_index(self.groups, self.num_clients)
     widths = sorted({g.spec.feature_dim for g in self.groups})
     if len(widths) > 1 and algorithm.shares_representations:
       raise ConfigError(f'ModelConfig.rm={models.rm!r}: the architectures\' features have different widths {widths}, '
