@@ -89,6 +89,9 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
                  'split (default: 0.75 pooled, 1.0 global; below 1 with global, both test sets are scored).')
   f.DEFINE_integer('num_clients', _D.num_clients, 'Number of clients K.')
   f.DEFINE_float('join_ratio', _D.join_ratio, 'Fraction of clients that train each round.')
+  f.DEFINE_enum('participation', _D.participation, ['fixed', 'poisson'], 'fixed: --join_ratio of the clients each '
+                'round, drawn without replacement (the papers\' protocol); poisson: each client joins each round with '
+                'probability --join_ratio, independently (the DP literature\'s draw; docs/privacy.md).')
   f.DEFINE_integer('full_participation_rounds', _D.full_participation_rounds, 'The run\'s last N rounds train every '
                    'client whatever --join_ratio (FedVTC gives its baselines 5 such extra rounds).')
   f = f.group('models')

@@ -68,6 +68,7 @@ class ExperimentConfig:
   num_clients: int = 10
   join_ratio: float = 1.0
   full_participation_rounds: int = 0  # the run's last N rounds train every client (FedVTC's baselines: 5)
+  participation: str = 'fixed'  # 'fixed': join_ratio of the clients a round; 'poisson': each with that probability
   models: tuple[str, ...] = ('cnn4',)
   feature_dim: int = 512
   rm: str = 'ap'
@@ -171,13 +172,14 @@ class ExperimentConfig:
       return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order,
                            max_steps=self.local_steps if self.local_steps != 0 else None, drop_last=self.drop_last)
 
-  def dp_config(self, noise_multiplier: Optional[float] = None):
+  def dp_config(self, noise_multiplier: Optional[float] = None, fixed_denominator: bool = False):
     """The DP layer's settings (`privacy.dp.DPConfig`), with `noise_multiplier` (a calibrated sigma) in place of
-    --dp_noise_multiplier when given."""
+    --dp_noise_multiplier when given; fixed_denominator: means divided by the expected count (an amplified run
+    under Poisson sampling)."""
     from fedjax_het.privacy.dp import DPConfig
     with flags_named():
       return DPConfig(self.dp_mode, self.dp_clip, self.dp_noise_multiplier if noise_multiplier is None
-                      else noise_multiplier, self.dp_clip_parts, self.dp_parts)
+                      else noise_multiplier, self.dp_clip_parts, self.dp_parts, fixed_denominator)
 
   def model_config(self):
     """The clients' classifiers of this config (`engine.ModelConfig`)."""

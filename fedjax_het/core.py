@@ -160,11 +160,14 @@ class Uploads(NamedTuple):
   """One group's uploads in a round: values (the programs' uploads stacked over slots [S, ...]), mask [S] (the
   slots that hold a participant), num_train [S] (their training rows, float: sample weights the server knows),
   client [S] (each slot's client, its index in the group; the group's size or more for an empty slot: where a
-  server keeps something per client, FedGKT's logits of its rows)."""
+  server keeps something per client, FedGKT's logits of its rows); expected [S]: under Poisson sampling, the
+  number of participants the round's draw expects over all groups (rate x clients), in every slot, by which a DP
+  server divides its sums (a fixed denominator, `privacy.dp`); None under a fixed-size draw."""
   values: Any
   mask: jnp.ndarray
   num_train: jnp.ndarray
   client: Optional[jnp.ndarray] = None
+  expected: Optional[jnp.ndarray] = None
 
 
 class ModelMaker(Protocol):
@@ -261,6 +264,9 @@ class Phase:
   (None: the rest of the run); join_ratio: participation (None: the run's); evaluate: whether the run's evaluation
   schedule applies in this phase. server_of_spec: server_update is (spec: FederationSpec) -> the server step, for a
   server that runs the groups' classifiers (FedDF distils into them); `server_step` gives the step either way.
+  runs_without_participants: whether the server step runs in a round whose Poisson draw took nobody (a DP step
+  with a fixed denominator, whose release must not tell such a round apart); otherwise such a round leaves the
+  server as it was.
   """
   name: str
   client: Callable[[GroupSpec], ClientProgram]
@@ -270,6 +276,7 @@ class Phase:
   join_ratio: Optional[float] = None
   evaluate: bool = True
   server_of_spec: bool = False
+  runs_without_participants: bool = False
 
 
 def server_step(phase: Phase, spec: FederationSpec) -> Callable[..., tuple[ServerState, dict]]:

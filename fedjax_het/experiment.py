@@ -124,7 +124,7 @@ def _build(cfg: ExperimentConfig, secret: Optional[int] = None) -> tuple[Federat
     fed = Federation(algorithm, data, cfg.model_config(), cfg.local_training(), cfg.execution_config(),
                      rounds=cfg.rounds, join_ratio=cfg.join_ratio,
                      full_participation_rounds=cfg.full_participation_rounds, seed=cfg.seed, secret=secret,
-                     secret_draw=budget is not None and budget.sampled)
+                     secret_draw=budget is not None and budget.sampled, participation=cfg.participation)
   return fed, run, budget
 
 
@@ -137,9 +137,12 @@ def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: 
     return algorithm, None
   from fedjax_het.privacy.budget import PrivacyBudget, calibrate  # dp-accounting, only for DP runs
   from fedjax_het.privacy.dp import claims_amplification, privatize
-  amplified = cfg.dp_mode == 'central' and claims_amplification(algorithm.upload_privacy, cfg.dp_parts)
-  schedule = Schedule(algorithm.name, algorithm.phases, num_clients, cfg.rounds, cfg.join_ratio,
-                      cfg.full_participation_rounds, secret if amplified and secret is not None else cfg.seed)
+  amplified = cfg.dp_mode == 'central' and claims_amplification(algorithm.upload_privacy, cfg.dp_parts,
+                                                                 cfg.participation)
+  with flags_named():
+    schedule = Schedule(algorithm.name, algorithm.phases, num_clients, cfg.rounds, cfg.join_ratio,
+                        cfg.full_participation_rounds, secret if amplified and secret is not None else cfg.seed,
+                        participation=cfg.participation)
   public = tuple(p for p in algorithm.upload_privacy.public if p not in cfg.dp_parts)
   with flags_named():
     budget = PrivacyBudget(schedule, cfg.dp_mode, cfg.dp_noise_multiplier, cfg.dp_delta, cfg.dp_accountant,
@@ -148,12 +151,22 @@ def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: 
       budget = dataclasses.replace(budget, noise_multiplier=calibrate(budget, cfg.dp_target_epsilon))
       logging.info('--dp_target_epsilon=%g: noise multiplier %.4f over %d rounds.', cfg.dp_target_epsilon,
                    budget.noise_multiplier, schedule.total_rounds)
-    return privatize(algorithm, cfg.dp_config(budget.noise_multiplier)), budget
+    fixed_denominator = amplified and schedule.poisson
+    return privatize(algorithm, cfg.dp_config(budget.noise_multiplier, fixed_denominator)), budget
 
 
 # Under DP, round metrics computed from the participants' data or telling which clients took part, which no noise
 # covers: not written (the run still stops when the loss is NaN/inf, a one-bit release).
 WITHHELD_UNDER_DP = ('train_loss', 'local_steps', 'local_samples', 'missing_clients', 'rejected_clients')
+
+
+def released_metrics(metrics: dict, budget: 'PrivacyBudget') -> dict:
+  """A round's metrics as a DP run writes them: without `WITHHELD_UNDER_DP`, and, where the accounting counts on
+  a Poisson draw staying secret (`PrivacyBudget.hides_count`), without the participant count and what crossed,
+  which tell how many clients were drawn."""
+  counts = lambda k: k == 'participants' or k.startswith(('upload_', 'broadcast_'))
+  return {k: v for k, v in metrics.items()
+          if k not in WITHHELD_UNDER_DP and not (budget.hides_count and counts(k))}
 
 
 DP_SECRET_FILE = '.dp_secret'
@@ -277,6 +290,14 @@ def second_half_mean(evals: list[dict]) -> Optional[float]:
   return float(np.mean([r['accuracy'] for r in evals if r['round'] > half]))
 
 
+def _over_rows(rows: list[dict], key: str, reduce: Callable) -> Optional[float]:
+  """reduce(the rows' values of `key`), or None where no row holds it; 0.0 for a run without rows."""
+  values = [r[key] for r in rows if key in r]
+  if not rows:
+    return 0.0
+  return float(reduce(values)) if values else None
+
+
 def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float, dp: Optional[dict] = None) -> dict:
   """summary.json: final and best accuracy, communication per round, the privacy spent under DP (with `dp`, what
   its epsilon means: `PrivacyBudget.describe`) and the full config."""
@@ -295,10 +316,10 @@ def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float, dp: Optio
       # Felo / Velo's reported number: the mean accuracy of the evaluations in the second half of the run
       'second_half_mean_accuracy': second_half_mean(evals),
       'rounds': rows[-1]['round'] if rows else 0,
-      'upload_scalars_per_round': float(np.mean([r['upload_scalars'] for r in rows])) if rows else 0.0,
-      'broadcast_scalars_per_round': float(np.mean([r['broadcast_scalars'] for r in rows])) if rows else 0.0,
-      # totals over the run (every phase, e.g. FedVTC's psi exchange), scalars and fp32 bytes
-      **{f'{d}_{unit}_total': int(sum(r.get(f'{d}_{unit}', 0) for r in rows))
+      # per round and totals over the run (every phase, e.g. FedVTC's psi exchange), scalars and fp32 bytes; None
+      # where the rows withhold them (DP that counts on a secret Poisson draw: they tell how many were drawn)
+      **{f'{d}_scalars_per_round': _over_rows(rows, f'{d}_scalars', np.mean) for d in ('upload', 'broadcast')},
+      **{f'{d}_{unit}_total': _over_rows(rows, f'{d}_{unit}', lambda v: int(np.sum(v)))
          for d in ('upload', 'broadcast') for unit in ('scalars', 'bytes')},
       'seconds': seconds,
       # the last accuracy of each phase, for methods of several (FedVTC: before / after fine-tuning)
@@ -374,7 +395,7 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     scalars = (ScalarLog(wd.file(TENSORBOARD_FOLDER), resumed_after=int(state.round)) if tensorboard and wd.writes
                else None)
     if budget is not None and rows:  # the rounds that ran are accounted as they ran (their participants)
-      budget = budget.after([r['participants'] for r in rows])
+      budget = budget.after(rows)
     return _train(cfg, fed, state, rows, wd, checkpoints if cfg.checkpoint_every else None, identity, stop,
                   progress, scalars, budget, startup)
 
@@ -430,9 +451,9 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
       state, metrics = fed.round(state)
       if startup is not None:
         startup.after_round()
-      loss = metrics['train_loss']
+      loss = metrics.get('train_loss', 0.0)  # none in a round that drew nobody
       if budget is not None:
-        metrics = {k: v for k, v in metrics.items() if k not in WITHHELD_UNDER_DP}
+        metrics = released_metrics(metrics, budget)
         metrics.update(budget.metrics(r + 1))
       if fed.evaluates_after(r, cfg.eval_every):
         t0 = time.perf_counter()

@@ -321,7 +321,7 @@ def test_a_resumed_run_accounts_the_rounds_that_ran_as_they_ran():
   reported 3.81 where 6.25 was spent."""
   ran = PrivacyBudget(dataclasses.replace(schedule(rounds=10), full_participation_rounds=5), 'central', 4.0, 1e-5)
   longer = PrivacyBudget(dataclasses.replace(schedule(rounds=20), full_participation_rounds=5), 'central', 4.0, 1e-5)
-  resumed = longer.after([5] * 5 + [20] * 5)
+  resumed = longer.after([{'participants': n} for n in [5] * 5 + [20] * 5])
   assert resumed.epsilon(10) == ran.epsilon(10) > longer.epsilon(10) + 2
   assert resumed.draws(12) == [(5, 5), (20, 5), (5, 2)]
 
@@ -387,26 +387,28 @@ def test_under_dp_the_summary_says_what_its_epsilon_means_and_rows_hold_nothing_
 
 def test_docs_list_every_methods_public_parts_and_whether_it_is_amplified():
   """docs/privacy.md's table per method against each method's declaration (`Algorithm.upload_privacy`): its public
-  parts (what the epsilon does not cover) and whether its central rounds count on the draw."""
+  parts (what the epsilon does not cover) and whether its central rounds count on the draw, fixed-size or Poisson."""
   import os
   from fedjax_het.experiment import build_federation
   from fedjax_het.methods import METHODS
   from fedjax_het.privacy.dp import claims_amplification
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   with open(os.path.join(root, 'docs', 'privacy.md')) as f:
-    table = {cells[0]: cells for cells in ([c.strip() for c in line.strip().strip('|').split('|')]
-                                           for line in f if line.startswith('| ') and line.count('|') == 6)}
+    text = f.read()
+  rows = text[text.index('| method | contribution'):].split('\n\n')[0].splitlines()[2:]
+  table = {cells[0]: cells for cells in ([c.strip() for c in line.strip().strip('|').split('|')] for line in rows)}
   for name in METHODS:
     cfg = dataclasses.replace(CFG, algorithm=name, feature_dim=256, public_size=64 if name in ('fedmd', 'feddf')
                               else 0)
     declared = (build_federation(cfg).algorithm if cfg.public_size else make_algorithm(cfg, tiny_data())
                 ).upload_privacy
     assert name in table, f'docs/privacy.md has no row for {name}'
-    _, _, _, public, amplified = table[name]
+    _, _, _, public, amplified, poisson = table[name]
     assert public == (', '.join(f'`{p}`' for p in declared.public) or 'none'), name
     expected = ('yes' if claims_amplification(declared) else
                 f'with `--dp_parts={",".join(declared.public)}`' if declared.hides_participants else 'no')
     assert amplified == expected, name
+    assert poisson == ('yes' if claims_amplification(declared, declared.public, 'poisson') else 'no'), name
 
 
 def test_under_dp_the_noise_and_an_amplified_draw_are_secret_unless_asked_to_be_reproducible():

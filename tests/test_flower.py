@@ -594,3 +594,21 @@ def test_a_run_that_did_not_finish_is_a_failure_of_the_local_command(tmp_path):
   assert unfinished(str(summary), None) == 'training diverged in round 3 (summary.json)'
   summary.write_text(json.dumps({'finished': False, 'rounds': 2}))
   assert unfinished(str(summary), None) == 'the run stopped after round 2 without finishing (summary.json)'
+
+
+def test_poisson_rounds_over_flower_equal_the_simulation_empty_rounds_and_fixed_denominator_included(tmp_path):
+  """An amplified DP run under Poisson sampling (LG-FedAvg, central, seeded noise): the draw takes nobody in some
+  round, which the server still noises and releases; the Flower server's rows equal the simulation's."""
+  cfg = dataclasses.replace(CFG, algorithm='lg_fedavg', participation='poisson', join_ratio=0.3, rounds=4,
+                            dp_mode='central', dp_noise_multiplier=2.0, dp_reproducible_noise=True)
+  from fedjax_het.experiment import build_federation_and_budget
+  fed, _ = build_federation_and_budget(cfg)
+  assert 0 in [len(fed.participants(r)) for r in range(4)]
+  train_and_evaluate(cfg, str(tmp_path / 'flower'), progress=False, federation=lambda fed: FlowerRounds(
+      fed, InProcessGrid(str(tmp_path / 'nodes'), 4), json.dumps(cfg.to_dict()), round_timeout=5, connect_timeout=5))
+  train_and_evaluate(cfg, str(tmp_path / 'simulation'), progress=False)
+  flower, simulation = _rows(tmp_path / 'flower'), _rows(tmp_path / 'simulation')
+  assert len(flower) == len(simulation) == 4
+  for a, b in zip(flower, simulation):
+    assert 'participants' not in a and a['evaluated_clients'] == 4
+    assert {k: a[k] for k in b if 'seconds' not in k} == {k: v for k, v in b.items() if 'seconds' not in k}

@@ -12,6 +12,7 @@ one-device run.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -84,7 +85,9 @@ class Federation:
   schedule, handed to the algorithm's programs through `GroupSpec.training`; execution: how rounds run
   (`ExecutionConfig`, which changes no number beyond float32 rounding); rounds: the run's length (phases of open
   length take the rounds left); join_ratio: the share of clients in each round; full_participation_rounds: the
-  run's last rounds in which every client joins; seed: the run's seed. secret: under differential privacy, the
+  run's last rounds in which every client joins; participation: 'fixed' (that share of the clients, drawn without
+  replacement) or 'poisson' (each client with that probability; `engine.schedule`); seed: the run's seed. secret:
+  under differential privacy, the
   root of the round keys in place of the seed (the clients' and the server's randomness, their DP noise included),
   so that nobody who knows the seed can regenerate the noise; with secret_draw, the participant draw too (what
   amplification by sampling assumes).
@@ -93,7 +96,7 @@ class Federation:
   def __init__(self, algorithm: Algorithm, data: FederatedData, models: ModelConfig | Sequence[str],
                training: LocalTraining, execution: ExecutionConfig = ExecutionConfig(), *, rounds: int = 0,
                join_ratio: float = 1.0, full_participation_rounds: int = 0, seed: int = 0,
-               secret: Optional[int] = None, secret_draw: bool = False):
+               secret: Optional[int] = None, secret_draw: bool = False, participation: str = 'fixed'):
     if not isinstance(models, ModelConfig):
       models = ModelConfig(tuple(models))
     _check_arguments(algorithm, training, join_ratio, full_participation_rounds)
@@ -125,7 +128,8 @@ class Federation:
     self.spec = FederationSpec(data.num_classes, feature_dim, self.num_clients, rounds,
                                tuple(g.spec for g in self.groups), training)
     self.schedule = Schedule(algorithm.name, algorithm.phases, self.num_clients, rounds, join_ratio,
-                             full_participation_rounds, secret if secret_draw and secret is not None else seed)
+                             full_participation_rounds, secret if secret_draw and secret is not None else seed,
+                             participation=participation)
     self.phase_starts = self.schedule.phase_starts
     self.total_rounds = self.schedule.total_rounds
     self.programs = [[phase.client(g.spec) for g in self.groups] for phase in algorithm.phases]
@@ -209,10 +213,19 @@ class Federation:
     return self.schedule.participants(round_index)
 
   def slots(self, round_index: int) -> list[int]:
-    """Participant slots per group in the phase of `round_index`: fixed within a phase (no recompiles), a
-    multiple of the device count."""
-    num_join = self.num_join(round_index)
-    return [-(-min(g.size, num_join) // self.num_devices) * self.num_devices for g in self.groups]
+    """Participant slots per group in round `round_index`, a multiple of the device count: under a fixed-size draw
+    min(group size, participants), fixed within a phase (no recompiles); under Poisson sampling, where the count
+    varies, the group's expected count plus four standard deviations, or the whole group in the rare round that
+    draws more (two shapes per rate, so at most two compilations)."""
+    if not self.schedule.poisson:
+      counts = [min(g.size, self.num_join(round_index)) for g in self.groups]
+    else:
+      rate, drawn = self.schedule.rate(round_index), self.participants(round_index)
+      counts = []
+      for g in self.groups:
+        bound = min(g.size, math.ceil(rate * g.size + 4 * math.sqrt(rate * (1 - rate) * g.size)) + 1)
+        counts.append(bound if np.isin(g.clients, drawn).sum() <= bound else g.size)
+    return [-(-n // self.num_devices) * self.num_devices for n in counts]
 
   def local_work(self, participants: np.ndarray, phase: int) -> dict:
     """Local steps and samples the participants process in a round of `phase`, as its programs' plans
@@ -265,7 +278,8 @@ class Federation:
 
     Metrics: round, phase, train_loss (mean over participants of their mean local-step loss), participants,
     local_steps and local_samples, the server's metrics, upload/broadcast scalars and bytes (total and by part)
-    and train_seconds.
+    and train_seconds; under Poisson sampling the round's sampling_rate (and no train_loss in a round that drew
+    nobody: `empty_round`).
     """
     self.execution.apply_process_settings()
     start = time.perf_counter()
@@ -273,6 +287,8 @@ class Federation:
     p = self.phase_index(r)
     key, _ = self.round_keys(r)
     participants = self.participants(r)
+    if not len(participants) and not self.phase(r).runs_without_participants:
+      return self.empty_round(state, start)
     slots = self.slots(r)
 
     def run(gi):
@@ -284,6 +300,15 @@ class Federation:
     results = self.each_group(run, 'round', compiles=('round', p) not in self._compiled_parts)
     self._compiled_parts.add(('round', p))
     return self.finish_round(state, results, participants, start)
+
+  def empty_round(self, state: FederationState, start: float) -> tuple[FederationState, dict]:
+    """A round whose Poisson draw took nobody: nothing trains or crosses, the server stays as it was, and the row
+    says so (no training loss: there was none)."""
+    r = int(state.round)
+    metrics = {'round': r + 1, 'phase': self.phase(r).name, 'participants': 0, 'local_steps': 0, 'local_samples': 0,
+               'sampling_rate': self.schedule.rate(r), **communication_metrics([], [])}
+    metrics['train_seconds'] = time.perf_counter() - start
+    return state._replace(round=state.round + 1), metrics
 
   def each_group(self, fn: Callable[[int], Any], what: str, compiles: bool) -> list:
     """[fn(gi) for every group index], reported to `progress` as `what` group by group. Where `compiles` (the
@@ -320,6 +345,7 @@ class Federation:
     p = self.phase_index(r)
     phase = self.algorithm.phases[p]
     _, server_key = self.round_keys(r)
+    expected = self.schedule.expected_count(r) if self.schedule.poisson else None
     groups, uploads, losses, upload_parts, broadcast_parts = [], [], [], [], []
     for gi, (g, result) in enumerate(zip(self.groups, results)):
       slot_idx, values = result.slot_idx, result.uploads
@@ -328,7 +354,8 @@ class Federation:
       num_train = jnp.asarray(np.where(slot_idx < g.size, self.train_sizes[g.clients[np.minimum(
           slot_idx, g.size - 1)]], 0), jnp.float32)
       groups.append(result.stacked)
-      uploads.append(Uploads(values, real, num_train, jnp.asarray(slot_idx, jnp.int32)))
+      uploads.append(Uploads(values, real, num_train, jnp.asarray(slot_idx, jnp.int32),
+                             None if expected is None else jnp.full(len(slot_idx), expected, jnp.float32)))
       losses.append((result.losses, slot_idx < g.size))
       upload_parts.append(self._fn('count_uploads', (p, gi), lambda: jax.jit(
           lambda u, m: count_uploads(self.algorithm.upload_scalars, u, m)))(values, real))
@@ -348,6 +375,10 @@ class Federation:
     metrics = {'round': r + 1, 'phase': phase.name, 'train_loss': float(np.mean(losses)) if len(losses) else
                float('nan'), 'participants': len(participants),
                **self.local_work(participants, p)}
+    if self.schedule.poisson:
+      metrics['sampling_rate'] = self.schedule.rate(r)
+      if not len(losses):  # nobody drawn, the step ran anyway (`Phase.runs_without_participants`)
+        del metrics['train_loss']
     metrics.update(communication_metrics([jax.device_get(u) for u in upload_parts],
                                          [(jax.device_get(b), n) for b, n in broadcast_parts]))
     metrics.update({k: float(v) for k, v in server_metrics.items()})

@@ -189,6 +189,9 @@ class FlowerRounds:
     self._connect(r)
     p = fed.phase_index(r)
     participants = fed.participants(r)
+    if not len(participants) and not fed.phase(r).runs_without_participants:
+      new_state, metrics = fed.empty_round(state, start)
+      return new_state._replace(groups=()), {**metrics, 'missing_clients': [], 'rejected_clients': []}
     broadcasts = [fed.sent(state.server, gi, r) for gi in range(len(fed.groups))]
     replies = self._send(self._messages(participants.tolist(), broadcasts, r, MessageType.TRAIN))
     taken, rejected = {}, []
@@ -205,7 +208,7 @@ class FlowerRounds:
     if missing:
       logging.warning('round %d: clients %s did not answer or were left out; the round goes on without them.',
                       r + 1, missing)
-    if not taken:
+    if not taken and len(participants):
       raise NodesUnavailable(f'round {r + 1}: none of the {len(participants)} participants answered within '
                              f'{self.round_timeout:g} s with an upload the server takes ({len(rejected)} left out). '
                              f'Fix: bring the nodes back (or raise round-timeout), then run again with resume=true '
@@ -226,7 +229,8 @@ class FlowerRounds:
     metrics['missing_clients'], metrics['rejected_clients'] = missing, rejected
     if self.log is not None:
       self.log(f'round {r + 1}/{fed.total_rounds}: {len(answered)} clients trained in '
-               f'{time.perf_counter() - start:.1f} s, train_loss {float(metrics["train_loss"]):.4f}'
+               f'{time.perf_counter() - start:.1f} s'
+               + (f', train_loss {float(metrics["train_loss"]):.4f}' if 'train_loss' in metrics else '')
                + (f', missing clients {missing}' if missing else ''))
     return new_state._replace(groups=()), metrics
 

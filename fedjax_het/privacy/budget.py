@@ -1,9 +1,9 @@
 """The (epsilon, delta) a DP run spends, with Google's dp-accounting, and the noise that meets a target epsilon.
 
 Each round that uploads releases every participant's clipped contribution through the Gaussian mechanism
-(`privacy.dp`). The engine draws a fixed number n of the N clients per round, so two neighbouring federations
-differ in one client replaced by another: the contribution's L2 sensitivity is 2C against noise sigma * C, a
-Gaussian of noise multiplier sigma / 2 in dp-accounting's terms.
+(`privacy.dp`). Under a fixed-size draw (n of the N clients a round) two neighbouring federations differ in one
+client replaced by another: the contribution's L2 sensitivity is 2C against noise sigma * C, a Gaussian of noise
+multiplier sigma / 2 in dp-accounting's terms.
 
 - central, for a method whose releases hide who took part (`privacy.dp.claims_amplification`: LG-FedAvg, FML,
   FedMRL, FedMD, and FedRE with its label and weight private too): an observer of what the server releases does not
@@ -13,6 +13,12 @@ Gaussian of noise multiplier sigma / 2 in dp-accounting's terms.
 - local, and central for every other method (a per-group or per-class mean shows who was drawn): nothing is gained
   from sampling: a client's uploads compose over the rounds it joins (the most of any client, known from the
   seeded draw), T Gaussians of multiplier s being one of multiplier s / sqrt(T). RDP or PLD.
+- central under Poisson sampling (`--participation=poisson`: each client joins with probability q), for a method
+  whose server reads the private parts only through means over all participants, divided by the expected count qN
+  (`privacy.dp`'s fixed denominator): neighbouring federations differ in one client added or removed, the
+  sensitivity of the sum is C, and each round is dp-accounting's Poisson-subsampled Gaussian of multiplier sigma
+  (RDP or PLD; a round at q = 1 the plain Gaussian), as DP-FedAvg (McMahan et al. 2018) accounts it. Other methods
+  under Poisson sampling count as in the item above (the draw is public, the neighbours replace one client's data).
 
 Epsilon is a function of the round count, which a checkpoint holds, so a resumed run reports what an uninterrupted
 one does. Every round of a run counts, including one whose phase uploads nothing private (an upper bound).
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import dp_accounting
 import numpy as np
@@ -31,16 +38,34 @@ from fedjax_het.engine.schedule import Schedule
 from fedjax_het.errors import ConfigError
 
 ACCOUNTANTS = ('rdp', 'pld')
+
+
+class _NoConvergenceLines(logging.Filter):
+  """dp-accounting's series for the Poisson-subsampled Gaussian at fractional RDP orders may not converge at small
+  orders with much noise; it then leaves that order out (the bound stays valid, over the other orders) and logs a
+  line per order and call, hundreds in a calibration, which this keeps out of a run's log."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return 'failed to converge' not in record.getMessage()
+
+
+logging.getLogger('absl').addFilter(_NoConvergenceLines())
 _REPLACE_ONE = dp_accounting.NeighboringRelation.REPLACE_ONE
 
 
-def round_event(num_clients: int, num_join: int, noise_multiplier: float) -> dp_accounting.DpEvent:
-  """One central round: the Gaussian of multiplier sigma / 2 (replace-one sensitivity 2C) on a sample of `num_join`
-  of `num_clients` clients drawn without replacement (the plain Gaussian when every client joins)."""
+def round_event(num_clients: int, draw: float, noise_multiplier: float, poisson: bool = False
+                ) -> dp_accounting.DpEvent:
+  """One central round amplified by its draw: under a fixed-size draw, the Gaussian of multiplier sigma / 2
+  (replace-one sensitivity 2C) on a sample of `draw` of `num_clients` clients drawn without replacement; under
+  Poisson sampling, the Gaussian of multiplier sigma (add/remove sensitivity C) on a sample taking each client with
+  probability `draw`. The plain Gaussian when every client joins."""
+  if poisson:
+    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
+    return gaussian if draw >= 1 else dp_accounting.PoissonSampledDpEvent(draw, gaussian)
   gaussian = dp_accounting.GaussianDpEvent(noise_multiplier / 2)
-  if num_join >= num_clients:
+  if draw >= num_clients:
     return gaussian
-  return dp_accounting.SampledWithoutReplacementDpEvent(num_clients, num_join, gaussian)
+  return dp_accounting.SampledWithoutReplacementDpEvent(num_clients, int(draw), gaussian)
 
 
 def unsampled_event(participations: int, noise_multiplier: float) -> dp_accounting.DpEvent:
@@ -80,18 +105,22 @@ class PrivacyBudget:
                         f'({1 / self.schedule.num_clients:.3g} here): a mechanism that publishes one client\'s data '
                         f'outright meets such a delta. Fix: a delta below {1 / self.schedule.num_clients:.3g} (1e-5 is '
                         f'the usual choice), or PrivacyBudget.allow_large_delta=True to report it anyway.')
-    if self.sampled and self.accountant == 'pld' and any(
+    if self.sampled and not self.schedule.poisson and self.accountant == 'pld' and any(
         n < self.schedule.num_clients for n, _ in self.draws(self.schedule.total_rounds)):
       raise ConfigError('PrivacyBudget.accountant=\'pld\': dp-accounting\'s PLD accountant bounds Poisson sampling '
                         'only, and this run draws a fixed number of clients per round (--join_ratio < 1), which '
-                        'its RDP accountant bounds. Fix: PrivacyBudget.accountant=\'rdp\', or full participation '
-                        '(--join_ratio=1).')
+                        'its RDP accountant bounds. Fix: PrivacyBudget.accountant=\'rdp\', Poisson sampling '
+                        '(--participation=poisson), or full participation (--join_ratio=1).')
 
   def event(self, rounds: int) -> dp_accounting.DpEvent:
     """What the first `rounds` rounds release about one client (dp-accounting's event); the rounds in which every
     client joins compose exactly into one Gaussian."""
     if not self.sampled:
       return unsampled_event(self.participations(rounds), self.noise_multiplier)
+    if self.schedule.poisson:
+      events = [dp_accounting.SelfComposedDpEvent(round_event(self.schedule.num_clients, q, self.noise_multiplier,
+                                                              poisson=True), k) for q, k in self.draws(rounds)]
+      return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
     draws = self.draws(rounds)
     everyone = sum(k for n, k in draws if n >= self.schedule.num_clients)
     events = [dp_accounting.SelfComposedDpEvent(round_event(self.schedule.num_clients, n, self.noise_multiplier), k)
@@ -105,22 +134,24 @@ class PrivacyBudget:
     """Whether rounds count as Gaussians on a random sample (central mode, participants hidden)."""
     return self.mode == 'central' and self.hides_participants
 
-  def draws(self, rounds: int) -> list[tuple[int, int]]:
-    """(clients drawn, rounds) of each stretch of the first `rounds` rounds with one sample size: the rounds already
-    run as they ran (`Schedule.joined`), then stretches cut where a phase starts and where the full-participation
-    rounds begin."""
+  @property
+  def hides_count(self) -> bool:
+    """Whether the accounting counts on a Poisson draw, whose size (how many clients joined) must then stay as
+    secret as the draw itself."""
+    return self.sampled and self.schedule.poisson
+
+  def draws(self, rounds: int) -> list[tuple[float, int]]:
+    """(draw, rounds) of each stretch of the first `rounds` rounds with one draw: the number of clients drawn, or
+    under Poisson sampling the rate (`Schedule.rate`); the rounds already run as they ran (`Schedule.joined`,
+    `Schedule.rates_ran`)."""
     schedule = self.schedule
-    ran = len(schedule.joined[:rounds])
-    full = schedule.total_rounds - schedule.full_participation_rounds
-    cuts = sorted({ran, max(rounds, ran), *(c for c in (*schedule.phase_starts, full) if ran < c < rounds)})
-    stretches = [(n, 1) for n in schedule.joined[:ran]]
-    stretches += [(schedule.num_join(start), end - start) for start, end in zip(cuts, cuts[1:])]
-    runs: list[list[int]] = []
-    for n, k in stretches:
-      if runs and runs[-1][0] == n:
-        runs[-1][1] += k
-      elif k:
-        runs.append([n, k])
+    runs: list[list] = []
+    for r in range(rounds):
+      draw = schedule.rate(r) if schedule.poisson else schedule.num_join(r)
+      if runs and runs[-1][0] == draw:
+        runs[-1][1] += 1
+      else:
+        runs.append([draw, 1])
     return [(n, k) for n, k in runs]
 
   def participations(self, rounds: int) -> int:
@@ -140,18 +171,22 @@ class PrivacyBudget:
   def epsilon(self, rounds: int) -> float:
     """Epsilon at `delta` after the first `rounds` rounds. For rounds amplified by the draw, the smaller of two valid
     bounds: the subsampled Gaussian's composition, and the composition over the client that joined most often of
-    the draw as it is (`realised_epsilon`), which is the smaller where clients are few."""
+    the draw as it is (`realised_epsilon`), which is the smaller where clients are few; under Poisson sampling the
+    first alone."""
     if rounds == 0:
       return 0.0
     if not self.sampled:
       return self._epsilon(self.event(rounds), replace_one=False)
-    if self.accountant == 'rdp':  # fast: one RDP curve per sample size, summed
-      curve = sum(k * _round_rdp(self.schedule.num_clients, n, self.noise_multiplier) for n, k in self.draws(rounds))
+    poisson = self.schedule.poisson
+    if self.accountant == 'rdp':  # fast: one RDP curve per draw, summed
+      curve = sum(k * _round_rdp(self.schedule.num_clients, n, self.noise_multiplier, poisson)
+                  for n, k in self.draws(rounds))
       amplified = float(rdp.rdp_privacy_accountant.compute_epsilon(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS,
                                                                    curve, self.delta)[0])
     else:
-      amplified = self._epsilon(self.event(rounds), replace_one=True)
-    return min(amplified, self.realised_epsilon(rounds))
+      amplified = self._epsilon(self.event(rounds), replace_one=not poisson)
+    # Under Poisson sampling no realised bound: a client added to the federation joins rounds this draw never saw.
+    return amplified if poisson else min(amplified, self.realised_epsilon(rounds))
 
   def realised_epsilon(self, rounds: int) -> float:
     """Epsilon after the first `rounds` rounds counting nothing for the sampling: the client that joined most often
@@ -167,17 +202,25 @@ class PrivacyBudget:
     acc.compose(event)
     return float(acc.get_epsilon(self.delta))
 
-  def after(self, joined: tuple[int, ...]) -> 'PrivacyBudget':
-    """This budget for a run whose first rounds had `joined` participants each (a resumed run's metrics rows):
-    epsilon accounts the rounds that ran as they ran, not as the run's present settings would draw them."""
-    return dataclasses.replace(self, schedule=dataclasses.replace(self.schedule, joined=tuple(int(n) for n in joined)))
+  def after(self, rows: list[dict]) -> 'PrivacyBudget':
+    """This budget for a run whose first rounds wrote metrics `rows` (a resumed run's): epsilon accounts the rounds
+    that ran as they ran (their participants, or under Poisson sampling their rate), not as the run's present
+    settings would draw them."""
+    if self.schedule.poisson:
+      ran = {'rates_ran': tuple(float(r['sampling_rate']) for r in rows)}
+    else:
+      ran = {'joined': tuple(int(r['participants']) for r in rows)}
+    return dataclasses.replace(self, schedule=dataclasses.replace(self.schedule, **ran))
 
   def describe(self) -> dict:
     """What the reported epsilon means: the neighbouring relation, how participants are drawn, whether the draw
     amplifies (central rounds of a method whose releases hide who took part), the accountant, and the upload parts it
     does not cover (public, released without noise: the guarantee holds between federations that agree on them)."""
-    return {'adjacency': 'replace-one client (all of its data)',
-            'sampling': 'fixed-size draw without replacement',
+    poisson = self.schedule.poisson
+    return {'adjacency': ('add or remove one client (all of its data)' if self.hides_count
+                          else 'replace-one client (all of its data)'),
+            'sampling': ('Poisson: each client joins each round independently with probability --join_ratio' if poisson
+                         else 'fixed-size draw without replacement'),
             'amplified_by_sampling': self.sampled, 'accountant': self.accountant,
             'public_parts': list(self.public_parts),
             'noise_source': ('the run\'s seed (--dp_reproducible_noise): anyone who knows --seed can regenerate the '
@@ -207,10 +250,11 @@ def gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _round_rdp(num_clients: int, num_join: int, noise_multiplier: float) -> np.ndarray:
-  """The RDP curve (at dp-accounting's default orders) of one central round; RDP composes by adding curves."""
-  acc = make_accountant('rdp', replace_one=True)
-  acc.compose(round_event(num_clients, num_join, noise_multiplier))
+def _round_rdp(num_clients: int, draw: float, noise_multiplier: float, poisson: bool = False) -> np.ndarray:
+  """The RDP curve (at dp-accounting's default orders) of one central round (`round_event`); RDP composes by adding
+  curves."""
+  acc = make_accountant('rdp', replace_one=not poisson)
+  acc.compose(round_event(num_clients, draw, noise_multiplier, poisson))
   return np.asarray(acc._rdp)  # dp-accounting keeps the curve it composes; tests check the sum against it
 
 

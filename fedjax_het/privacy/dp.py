@@ -15,9 +15,13 @@ set of class prototypes, its entangled representation, its logit table, its mode
   noise is drawn as shares of the holders of each entry, so every sum carries exactly N(0, sigma^2 C^2)), and to
   each upload for a method whose server reads each upload on its own ('records', e.g. FedRE's head training).
 
-Under DP every server step weighs participants equally (the sample counts used as weights would leak), and the
-sampling is the engine's, a fixed number of clients per round, so neighbouring federations replace one client (the
-sensitivity of a clipped contribution is 2C; `privacy.budget` accounts it so). What is not protected: parts a
+Under DP every server step weighs participants equally (the sample counts used as weights would leak). Under the
+engine's fixed-size draw neighbouring federations replace one client (the sensitivity of a clipped contribution is
+2C; `privacy.budget` accounts it so). Under Poisson sampling (`--participation=poisson`) a method whose server reads
+the private parts only through means over all participants divides their noised sum by the expected count qN, not
+by the number drawn (`fixed_denominator`: the fixed-denominator estimator of "Learning Differentially Private
+Recurrent Language Models", McMahan et al., ICLR 2018), and a round that drew nobody still releases the noise
+alone, so the release is the sum's Gaussian mechanism under add/remove adjacency (sensitivity C) whatever the draw. What is not protected: parts a
 method declares public (FedProto's and FD's per-class counts: which classes a client holds), the participant set
 (the server draws it), and what a simulation measures beside the protocol (evaluation, the training loss).
 """
@@ -45,12 +49,14 @@ class DPConfig:
   """mode: 'off', 'central' or 'local'; clip: the L2 bound C of a client's contribution; noise_multiplier: sigma
   (the noise's standard deviation is sigma * C); clip_parts: 'whole' (the contribution as one vector) or 'each'
   (each part to C / sqrt(parts)); parts: public parts of the method's upload made private too (FedRE's label);
-  every other part is private already."""
+  every other part is private already; fixed_denominator: central mode under Poisson sampling, means over the
+  participants divided by the expected count (`fixed_denominator`), for a method that claims amplification."""
   mode: str = 'off'
   clip: float = 1.0
   noise_multiplier: float = 0.0
   clip_parts: str = 'whole'
   parts: tuple[str, ...] = ()
+  fixed_denominator: bool = False
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -173,6 +179,36 @@ def central_noise(uploads: tuple, declared: UploadPrivacy, dp: DPConfig, key: ja
   return tuple(out)
 
 
+def fixed_denominator(uploads: tuple, reference: dict, names: Sequence[str], dp: DPConfig, key: jax.Array
+                      ) -> tuple:
+  """The groups' noised `Uploads` rescaled so that a server's unweighted mean over the k participants equals their
+  sum over the expected count E = `Uploads.expected` (DP-FedAvg's fixed denominator): each private part
+  x -> r + (k / E)(x - r), r its reference (0 where it has none), so the mean is r + (sum of contributions + noise) / E.
+  In a round that drew nobody the first slot of the first group becomes a participant carrying r + Z / E,
+  Z ~ N(0, sigma^2 C^2): the noise alone, so that such a round is released as any other."""
+  expected = uploads[0].expected[0]
+  drawn = sum(jnp.sum(u.mask.astype(jnp.float32)) for u in uploads)
+  nobody = drawn == 0
+
+  def around(part, tree, f):
+    if part in reference:
+      return jax.tree.map(lambda x, r: r + f(x - r), tree, reference[part])
+    return jax.tree.map(f, tree)
+  out = []
+  for gi, u in enumerate(uploads):
+    parts = _as_parts(u.values)
+    scaled = {n: around(n, parts[n], lambda x: (drawn / expected) * x) for n in names}
+    mask = u.mask
+    if gi == 0:
+      noise = gaussian_noise({n: jax.tree.map(lambda a: a[0], parts[n]) for n in names}, key, dp.noise_std)
+      alone = {n: around(n, jax.tree.map(jnp.add, noise[n], reference[n]) if n in reference else noise[n],
+                         lambda z: z / expected) for n in names}
+      scaled = jax.tree.map(lambda a, z: a.at[0].set(jnp.where(nobody, z, a[0])), scaled, alone)
+      mask = mask.at[0].set(mask[0] | nobody)
+    out.append(u._replace(values=_from_parts(u.values, scaled), mask=mask, num_train=mask.astype(jnp.float32)))
+  return tuple(out)
+
+
 def _private_phase(phase: Phase, algorithm: Algorithm, dp: DPConfig) -> Phase:
   declared = algorithm.upload_privacy
   where = f'{algorithm.name}, phase {phase.name!r}'
@@ -186,26 +222,44 @@ def _private_phase(phase: Phase, algorithm: Algorithm, dp: DPConfig) -> Phase:
                                             where)
     return program._replace(final=final)
 
-  def private_step(step):
+  def private_step(step, spec=None):
     def server_update(server, uploads, key):
       uploads = tuple(u._replace(num_train=u.mask.astype(jnp.float32)) for u in uploads)  # equal weights
+      noise_key = jax.random.fold_in(key, _DP_STREAM)
       if dp.mode == 'central':
-        uploads = central_noise(uploads, declared, dp, jax.random.fold_in(key, _DP_STREAM), where)
-      return step(server, uploads, key)
+        uploads = central_noise(uploads, declared, dp, noise_key, where)
+      if dp.mode == 'central' and dp.fixed_denominator:
+        names = private_parts(jax.tree.map(lambda a: a[0], uploads[0].values), declared, dp, where)
+        reference = (declared.reference(phase.broadcast(server, spec.groups[0])) if declared.reference is not None
+                     else {})
+        uploads = fixed_denominator(uploads, reference, names, dp, jax.random.fold_in(noise_key, 1))
+      return step(server, tuple(u._replace(expected=None) for u in uploads), key)
     return server_update
 
+  if dp.mode == 'central' and dp.fixed_denominator:  # the step reads the broadcast, and runs in every round
+    inner = phase.server_update
+    return dataclasses.replace(phase, client=client, server_of_spec=True, runs_without_participants=True,
+                               server_update=lambda spec: private_step(
+                                   inner(spec) if phase.server_of_spec else inner, spec))
   server_update = ((lambda spec: private_step(phase.server_update(spec))) if phase.server_of_spec
                    else private_step(phase.server_update))
   return dataclasses.replace(phase, client=client, server_update=server_update)
 
 
-def claims_amplification(declared: UploadPrivacy, dp_parts: Sequence[str] = ()) -> bool:
+def claims_amplification(declared: UploadPrivacy, dp_parts: Sequence[str] = (), participation: str = 'fixed'
+                         ) -> bool:
   """Whether central accounting may count on the random draw of participants (amplification by sampling): the
   method declares that its server's releases hide who took part (`UploadPrivacy.hides_participants`) and nothing
   it releases without noise depends on who took part, i.e. none of its upload parts stays public (each one made
   private with `dp_parts`). FedRE's soft label trains the released head: left public, the head's bias carries the
-  participants' label supports in the clear, which under a skewed split say who was drawn."""
-  return declared.hides_participants and not (set(declared.public) - set(dp_parts))
+  participants' label supports in the clear, which under a skewed split say who was drawn. Under Poisson sampling
+  also only a server that reads the private parts through means over all participants (`aggregate='sum'`, every
+  entry held by all), which a fixed denominator makes independent of how many were drawn; one that reads each
+  upload on its own sees the count of uploads, which tells an added client from none."""
+  hides = declared.hides_participants and not (set(declared.public) - set(dp_parts))
+  if participation == 'poisson':
+    return hides and declared.aggregate == 'sum' and declared.holds is None
+  return hides
 
 
 def privatize(algorithm: Algorithm, dp: Optional[DPConfig]) -> Algorithm:
@@ -227,6 +281,10 @@ def privatize(algorithm: Algorithm, dp: Optional[DPConfig]) -> Algorithm:
                       f'{", ".join(unknown)}; the parts this flag can add to the private ones are '
                       f'{", ".join(declared.public) or "none"} (every other part is private already). Fix: '
                       f'DPConfig.parts from those, or empty.')
+  if dp.fixed_denominator and not claims_amplification(declared, dp.parts, 'poisson'):
+    raise ConfigError(f'DPConfig.fixed_denominator: {algorithm.name}\'s server does not read its uploads only through '
+                      f'means over all participants, so dividing by the expected count does not hide how many were '
+                      f'drawn. Fix: DPConfig.fixed_denominator=False.')
   if dp.parts and declared.holds is not None:
     raise ConfigError(f'DPConfig.parts={",".join(dp.parts)}: {algorithm.name}\'s server reads from its public '
                       f'parts which entries each client holds, one upload at a time, so they stay public (stated in '
