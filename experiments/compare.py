@@ -72,7 +72,10 @@ def main(argv):
 
 
 def _title(base, seeds) -> str:
-  return f'{base.dataset}, {base.partition}, {base.num_clients} clients, {base.rounds} rounds, seeds {seeds}'
+  drawn = ('' if base.join_ratio == 1 else f', {base.join_ratio:g} of them a round' if base.participation == 'fixed'
+           else f', each with probability {base.join_ratio:g} a round (Poisson)')
+  return (f'{base.dataset}, {base.partition}, {base.num_clients} clients{drawn}, {base.rounds} rounds, '
+          f'seeds {seeds}')
 
 
 def _comparison(seeds, names) -> str:

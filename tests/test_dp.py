@@ -329,7 +329,8 @@ def test_a_resumed_run_accounts_the_rounds_that_ran_as_they_ran():
 def test_end_to_end_the_resumed_epsilon_continues_from_what_ran(tmp_path):
   cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=4.0, join_ratio=0.5,
                             dp_parts=('label', 'weight'),  # amplified: the sample sizes count
-                            full_participation_rounds=2, rounds=4, checkpoint_every=1)
+                            full_participation_rounds=2, rounds=4, checkpoint_every=1,
+                            dp_reproducible_noise=True)  # the seed's draw, which `as_ran` draws again
   train_and_evaluate(cfg, str(tmp_path), progress=False)
   first = metric_rows(tmp_path)
   train_and_evaluate(dataclasses.replace(cfg, rounds=6), str(tmp_path), resume=True, progress=False)
