@@ -193,6 +193,7 @@ def test_every_flag_file_parses_into_a_config(flagfile):
   assert not foreign, foreign
   if flagfile.startswith('fedvtc_table1'):  # the scaling under which the paper's rates train
     assert cfg.methods['fedvtc'].loss_reduction == 'mean'
+    assert cfg.methods['fedtype'].backward == 'none'  # FedType as its released code runs it, as FedVTC's authors
 
 
 def test_a_diverged_dp_run_names_the_noise_before_the_learning_rate():

@@ -212,6 +212,27 @@ def test_fedala_keeps_a_model_equal_to_the_groups_and_mixes_only_the_head_otherw
 
 
 # ---------------------------------------------------------------------------------------------------- HeteroFL
+def test_heterofl_clips_each_steps_gradient_to_norm_one_before_decay_and_momentum_by_hand():
+  """Its code's `Local.train`: clip_grad_norm_(params, 1), then torch SGD (lr 0.1, momentum 0.9, weight decay 0.01)
+  adds the decay to the clipped gradient. Gradient (3, 4) at parameters (1, 1): clipped (0.6, 0.8), plus decay
+  (0.61, 0.81), first step -0.1 times that; the second step's gradient (0.3, 0) is within the norm: momentum
+  0.9 * (0.61, 0.81) + (0.3, 0) + 0.01 * (0.939, 0.919)."""
+  from fedjax_het.algorithms import HeteroFLConfig
+  from fedjax_het.algorithms.heterofl import local_optimizer
+  optimizer = local_optimizer(HeteroFLConfig(momentum=0.9, weight_decay=0.01), 0.1)
+  params = jnp.asarray([1.0, 1.0])
+  state = optimizer.init(params)
+  step, state = optimizer.update(jnp.asarray([3.0, 4.0]), state, params)
+  np.testing.assert_allclose(step, [-0.061, -0.081], rtol=1e-6)
+  params = params + step
+  step, state = optimizer.update(jnp.asarray([0.3, 0.0]), state, params)
+  trace = 0.9 * np.asarray([0.61, 0.81]) + np.asarray([0.3, 0.0]) + 0.01 * np.asarray([0.939, 0.919])
+  np.testing.assert_allclose(step, -0.1 * trace, rtol=1e-6)
+  unclipped = local_optimizer(HeteroFLConfig(momentum=0.0, weight_decay=0.0, clip_norm=0.0), 0.1)
+  np.testing.assert_allclose(unclipped.update(jnp.asarray([3.0, 4.0]), unclipped.init(params), params)[0],
+                             [-0.3, -0.4], rtol=1e-6)
+
+
 def test_heterofl_sub_models_are_leading_slices_and_entries_average_over_their_holders():
   from fedjax_het.algorithms.heterofl import combine, sub_model
   w = jnp.arange(9.0).reshape(3, 3)

@@ -11,7 +11,8 @@ output layer's row of class c counts only the participants holding c (HeteroFL's
 
 Training: CE with the logits of classes the client does not hold set to 0 (HeteroFL's `masked_fill(label_mask ==
 0, 0)`, --heterofl_mask), SGD at --local_learning_rate with momentum --heterofl_momentum and weight decay
---heterofl_weight_decay (HeteroFL's 0.9 and 5e-4), a fresh optimizer every round. Its static BatchNorm keeps no
+--heterofl_weight_decay (HeteroFL's 0.9 and 5e-4), each step's gradient first clipped to global norm
+--heterofl_clip_norm (its code's 1), a fresh optimizer every round. Its static BatchNorm keeps no
 running statistics for training; every client is scored with the global model (Felo: "evaluated on the server
 side").
 
@@ -54,6 +55,9 @@ class HeteroFLConfig:
   momentum: float = hyperparameter(0.9, 'HeteroFL: SGD momentum (a fresh optimiser every round).',
                                    flag='heterofl_momentum')
   weight_decay: float = hyperparameter(5e-4, 'HeteroFL: SGD weight decay.', flag='heterofl_weight_decay')
+  clip_norm: float = hyperparameter(1.0, 'HeteroFL: clip every local step\'s gradient to this global L2 norm before '
+                                         'weight decay and momentum (its code\'s clip_grad_norm_(..., 1)); 0: none.',
+                                    flag='heterofl_clip_norm')
   mask: bool = hyperparameter(True, 'HeteroFL: set the logits of classes a client does not hold to 0 in training.',
                               flag='heterofl_mask')
   static_bn: bool = hyperparameter(True, 'HeteroFL: score the global model with BatchNorm statistics from a pass over '
@@ -63,6 +67,16 @@ class HeteroFLConfig:
   def __post_init__(self):
     if not 0 <= self.momentum < 1 or self.weight_decay < 0:
       raise ConfigError(f'{setting(self, "momentum")} must be in [0, 1) and {setting(self, "weight_decay")} >= 0.')
+    if not self.clip_norm >= 0:
+      raise ConfigError(f'{setting(self, "clip_norm")} must be >= 0 (0: no clipping).')
+
+
+def local_optimizer(cfg: HeteroFLConfig, learning_rate: float) -> optax.GradientTransformation:
+  """HeteroFL's local step (its `Local.train`): the loss's gradient clipped to global L2 norm `clip_norm`, then
+  SGD's weight decay and momentum, as torch's SGD adds them after `clip_grad_norm_`."""
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm else optax.identity(),
+                     optax.add_decayed_weights(cfg.weight_decay) if cfg.weight_decay else optax.identity(),
+                     optax.sgd(learning_rate, momentum=cfg.momentum or None))
 
 
 def sub_model(tree: Any, shapes: Any) -> Any:
@@ -139,8 +153,7 @@ def heterofl(cfg: HeteroFLConfig, num_classes: int, local_learning_rate: float) 
     return {'label_mask': jnp.ones(num_classes)}
 
   def client(group: GroupSpec):
-    optimizer = optax.chain(optax.add_decayed_weights(cfg.weight_decay) if cfg.weight_decay else optax.identity(),
-                            optax.sgd(local_learning_rate, momentum=cfg.momentum or None))
+    optimizer = local_optimizer(cfg, local_learning_rate)
 
     def loss(client, batch, broadcast, key):
       logits, _, model_state = forward(group.model, client.params, client.model_state, batch.x, True, batch.mask)
