@@ -12,6 +12,7 @@ import jax
 from absl import logging
 
 from fedjax_het.errors import ConfigError, naming_flags
+from fedjax_het.data.datasets import black_pixel
 from fedjax_het.local_training import LocalTraining
 
 
@@ -19,7 +20,7 @@ from fedjax_het.local_training import LocalTraining
 FLAGS_OF_ARGUMENTS = {
     'LocalTraining.learning_rate': '--local_learning_rate', 'LocalTraining.batch_size': '--batch_size',
     'LocalTraining.epochs': '--local_epochs', 'LocalTraining.order': '--data_order',
-    'LocalTraining.max_steps': '--local_steps', 'LocalTraining.drop_last=True': '--drop_last',
+    'LocalTraining.max_steps': '--local_steps', 'LocalTraining.augment': '--augment', 'LocalTraining.drop_last=True': '--drop_last',
     'LocalTraining.drop_last=False': '--nodrop_last', 'LocalTraining.drop_last': '--drop_last',
     'ModelConfig.names': '--models', 'ModelConfig.precision': '--precision', 'ModelConfig.*': '', 'Dataset.resized(32)': '--image_size=32',
     'Federation.*': '', 'make_federated_data.num_clients': '--num_clients', 'make_federated_data.*': '',
@@ -79,6 +80,7 @@ class ExperimentConfig:
   local_learning_rate: float = 0.06
   data_order: str = 'stored'  # HtFLlib's DataLoader(shuffle=False, drop_last=True); 'shuffle': PFLlib
   drop_last: bool = True  # HtFLlib's loader drops the last partial batch; False: PyTorch's default (GeFL's code)
+  augment: str = 'none'  # 'crop_flip': random crop (padding 4) and horizontal flip of every local batch
   init: str = 'torch'  # PyTorch's default Conv/Linear initialisation (HtFLlib); 'flax': Flax's defaults
   shared_init: bool = True  # clients of one architecture start identical (HtFLlib seeds 0 before each model)
   precision: str = 'float32'  # 'bfloat16': the classifiers compute in bfloat16 from float32 parameters
@@ -170,7 +172,8 @@ class ExperimentConfig:
     """The local SGD settings of this config."""
     with flags_named():
       return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order,
-                           max_steps=self.local_steps if self.local_steps != 0 else None, drop_last=self.drop_last)
+                           max_steps=self.local_steps if self.local_steps != 0 else None, drop_last=self.drop_last,
+                           augment=self.augment, augment_fill=black_pixel(self.input_normalization))
 
   def dp_config(self, noise_multiplier: Optional[float] = None, fixed_denominator: bool = False):
     """The DP layer's settings (`privacy.dp.DPConfig`), with `noise_multiplier` (a calibrated sigma) in place of

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_het.data.augment import AUGMENTATIONS
 from fedjax_het.rows import shuffled_real_rows
 from fedjax_het.errors import ConfigError
 
@@ -44,6 +45,9 @@ class LocalTraining:
   steps, whatever its data, and each step's `Batch` holds only the row ids (`Batch.index`).
   max_steps: None, every step of the epochs; an int, at most that many steps per stage of a round, the first ones
   of its schedule (--local_steps; Felo's code trains 10 steps of batch 50 per round).
+  augment: 'none', or 'crop_flip': every local step's images randomly cropped with padding 4 and flipped
+  (`data.augment`, the CIFAR references' loaders); augment_fill: the value of a black pixel in the run's
+  normalisation, per channel or one for all (what the crop pads with).
   """
   learning_rate: float = 0.01
   batch_size: int = 32
@@ -52,8 +56,13 @@ class LocalTraining:
   rows: Optional[int] = None
   max_steps: Optional[int] = None
   drop_last: bool = True
+  augment: str = 'none'
+  augment_fill: tuple[float, ...] = (-1.0,)
 
   def __post_init__(self):
+    if self.augment not in AUGMENTATIONS:
+      raise ConfigError(f'LocalTraining.augment={self.augment!r} is unknown; choose one of {", ".join(AUGMENTATIONS)}.')
+    object.__setattr__(self, 'augment_fill', tuple(float(v) for v in self.augment_fill))
     if self.order not in DATA_ORDERS:
       raise ConfigError(f'LocalTraining.order={self.order!r} is unknown; choose one of {", ".join(DATA_ORDERS)} '
                         f'(stored: HtFLlib, shuffle: PFLlib).')

@@ -66,3 +66,12 @@ def test_bad_settings_name_their_fields():
     PFedAFMConfig(momentum=1.0)
   with pytest.raises(ConfigError, match="--global_model='nope' is not a registered model"):
     _federation(global_model='nope')
+
+
+def test_g_trains_with_the_codes_weight_decay_by_hand():
+  """The code steps G by SGD(lr, momentum 0.9, weight_decay=wd) (its optimizer_small): a zero gradient still moves
+  G by -lr * wd * G; lr 0.1, wd 1e-3, G = (2, -4): (-2e-4, 4e-4). Its own model's optimiser the same."""
+  from fedjax_het.algorithms.pfedafm import optimizers
+  params = jnp.asarray([2.0, -4.0])
+  for opt in optimizers(PFedAFMConfig(weight_decay=1e-3), 0.1)[::2]:
+    np.testing.assert_allclose(opt.update(jnp.zeros(2), opt.init(params), params)[0], [-2e-4, 4e-4], rtol=1e-6)

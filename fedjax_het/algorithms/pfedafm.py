@@ -12,8 +12,8 @@ A round, after receiving G:
      (--local_learning_rate, momentum --pfedafm_momentum, weight decay --pfedafm_weight_decay, gradients clipped
      to norm 50, a fresh optimizer every round), alpha_k by SGD at --pfedafm_alpha_learning_rate with the same
      momentum and decay, clamped to [0, 1] before and after each step;
-  2. --local_epochs epochs with F_k and h_k frozen: G on CE(h_k(G(x)), y) (alpha 0), SGD with the same momentum,
-     clipped to 50.
+  2. --local_epochs epochs with F_k and h_k frozen: G on CE(h_k(G(x)), y) (alpha 0), SGD with the same momentum
+     and weight decay, clipped to 50.
 It uploads G; the server averages the participants' copies weighted by their training rows. Scored: 'mixed', the
 client's mixture with the global G it receives (the reported accuracy); 'global_extractor', h_k(G(x)).
 
@@ -22,7 +22,10 @@ so their momentum carries from one client to the next; here each client keeps it
 and G's optimizer is fresh every round. G runs in eval mode while frozen (its BatchNorm statistics unchanged). The
 code scores the mixture with the G received at the start of the round, before step 2; the engine scores after the
 round, with the G the server has just averaged. The server weights G by training rows (the code counts a client's
-train, validation and test rows).
+train, validation and test rows). The code keeps each client's alpha as `ALPHA[node_id] = alpha`, the optimiser's
+Parameter itself rather than a copy, so after their first rounds every client's entry is the one shared vector
+and each client starts from the alpha the last trained client left: one alpha for the federation. The paper's
+alpha_k is the client's own, and so is the library's.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class PFedAFMConfig:
   alpha_learning_rate: float = hyperparameter(0.01, 'pFedAFM: SGD rate of each client\'s mixing weights alpha.',
                                               flag='pfedafm_alpha_learning_rate')
   momentum: float = hyperparameter(0.9, 'pFedAFM: SGD momentum of every optimiser.', flag='pfedafm_momentum')
-  weight_decay: float = hyperparameter(1e-3, 'pFedAFM: weight decay of the local model and alpha.',
+  weight_decay: float = hyperparameter(1e-3, 'pFedAFM: weight decay of the local model, alpha and G.',
                                        flag='pfedafm_weight_decay')
 
   def __post_init__(self):
@@ -73,13 +76,20 @@ def sgd(learning_rate: float, momentum: float, weight_decay: float = 0.0) -> opt
                      optax.sgd(learning_rate, momentum=momentum or None))
 
 
+def optimizers(cfg: PFedAFMConfig, learning_rate: float) -> tuple[optax.GradientTransformation, ...]:
+  """(the client's own model's, alpha's, G's) optimisers, as the code builds them: torch SGD with momentum and
+  weight decay for all three (its optimizer_large, optimizer_alpha, optimizer_small), the two models' gradients
+  clipped to 50."""
+  own = sgd(learning_rate, cfg.momentum, cfg.weight_decay)
+  alpha = optax.chain(optax.add_decayed_weights(cfg.weight_decay),
+                      optax.sgd(cfg.alpha_learning_rate, momentum=cfg.momentum or None))
+  return own, alpha, sgd(learning_rate, cfg.momentum, cfg.weight_decay)
+
+
 def pfedafm(cfg: PFedAFMConfig, local_learning_rate: float) -> Algorithm:
   """pFedAFM as an `Algorithm` (clients carry G and alpha in their per-client state)."""
   check_global_model(cfg)
-  own_opt = sgd(local_learning_rate, cfg.momentum, cfg.weight_decay)
-  alpha_opt = optax.chain(optax.add_decayed_weights(cfg.weight_decay),
-                          optax.sgd(cfg.alpha_learning_rate, momentum=cfg.momentum or None))
-  shared_opt = sgd(local_learning_rate, cfg.momentum)
+  own_opt, alpha_opt, shared_opt = optimizers(cfg, local_learning_rate)
   clamp = lambda a: jnp.clip(a, 0.0, 1.0)
 
   def init_client(group: GroupSpec, key):

@@ -25,6 +25,14 @@ NORMALIZATIONS = ('symmetric', 'cifar10')
 CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010))
 
 
+def black_pixel(kind: str) -> tuple[float, ...]:
+  """The value a raw black pixel (0) takes under input normalisation `kind`: -1 ('symmetric'), or -mean / std per
+  channel ('cifar10'). What a random crop pads with, as torchvision pads the raw image before `Normalize`."""
+  if kind == 'cifar10':
+    return tuple(-m / s for m, s in zip(*CIFAR10_MEAN_STD))
+  return (-1.0,)
+
+
 @dataclasses.dataclass(frozen=True)
 class Dataset:
   """Images `x` [N, H, W, C] float32, labels `y` [N] int32, and an optional held-out global test set."""

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_het.core import Batch, ClientProgram, ClientRows, Evaluation, Stage
+from fedjax_het.data.augment import augment_batch
 from fedjax_het.local_training import LocalTraining, batch_row_mask, batch_schedule, step_key
 from fedjax_het.models.forward import forward
 
@@ -144,7 +145,9 @@ def step_on_rows(plan: StagePlan, carry: Any, t, schedule: Optional[jnp.ndarray]
     if training.rows is not None:
       batch = Batch(None, None, rows, mask)
     else:
-      batch = Batch(*pick(rows), rows, mask)
+      x, y = pick(rows)
+      batch = Batch(augment_batch(x, step_key(key, epoch, slot), training.augment, training.augment_fill), y, rows,
+                    mask)
   return plan.stage.step(carry, batch, broadcast, step_key(key, epoch, slot))
 
 

@@ -1,0 +1,81 @@
+"""Data augmentation on device (fedjax_het.data.augment): the crop and flip by hand, the draws, and in a run the
+same numbers under vmap and sequential and from the same seed."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_het.config import ExperimentConfig
+from fedjax_het.data import make_federated_data, make_synthetic
+from fedjax_het.data.augment import crop_and_flip, random_crop_flip
+from fedjax_het.data.datasets import black_pixel
+from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
+from fedjax_het.errors import ConfigError
+from fedjax_het.experiment import make_algorithm
+
+from golden import TINY
+
+
+def test_a_crop_of_the_padded_image_and_its_mirror_by_hand():
+  """The 4x4 image 1..16 padded by one pixel of -1, the window at row 0, column 2 of the padded 6x6: its first row
+  is padding, then rows 1-3 of the image from column 1 with padding on the right; flipped, mirrored."""
+  x = jnp.arange(1.0, 17.0).reshape(1, 4, 4, 1)
+  window = [[-1, -1, -1, -1], [2, 3, 4, -1], [6, 7, 8, -1], [10, 11, 12, -1]]
+  got = crop_and_flip(x, jnp.asarray([0]), jnp.asarray([2]), jnp.asarray([False]), 1, -1.0)
+  np.testing.assert_array_equal(got[0, ..., 0], window)
+  flipped = crop_and_flip(x, jnp.asarray([0]), jnp.asarray([2]), jnp.asarray([True]), 1, -1.0)
+  np.testing.assert_array_equal(flipped[0, ..., 0], np.asarray(window)[:, ::-1])
+  centre = crop_and_flip(x, jnp.asarray([1]), jnp.asarray([1]), jnp.asarray([False]), 1, -1.0)
+  np.testing.assert_array_equal(centre, x)
+
+
+def test_offsets_cover_zero_to_twice_the_padding_and_half_the_images_flip():
+  """Padding 4 on 1x1 images of one marked pixel: the pixel lands at each of the 81 offsets (9 x 9), and an
+  asymmetric 1x2 image is mirrored in about half the draws; the same key draws the same."""
+  x = jnp.zeros((4000, 9, 9, 1)).at[:, 4, 4, 0].set(1.0)
+  out = random_crop_flip(x, jax.random.PRNGKey(0), 4, 0.0)
+  where = np.argwhere(np.asarray(out[..., 0]) == 1.0)
+  counts = np.zeros((9, 9))
+  np.add.at(counts, (where[:, 1], where[:, 2]), 1)
+  assert (counts > 0).all() and counts.sum() == 4000 and counts.max() < 2 * 4000 / 81
+  pair = jnp.tile(jnp.asarray([[[[0.0], [1.0]]]]), (4000, 1, 1, 1))
+  mirrored = random_crop_flip(pair, jax.random.PRNGKey(1), 0, 0.0)[:, 0, 0, 0] == 1.0
+  assert float(mirrored.mean()) == pytest.approx(0.5, abs=0.03)
+  np.testing.assert_array_equal(random_crop_flip(x[:8], jax.random.PRNGKey(2)),
+                                random_crop_flip(x[:8], jax.random.PRNGKey(2)))
+
+
+def test_the_padding_is_a_black_pixel_of_the_runs_normalisation():
+  assert black_pixel('symmetric') == (-1.0,)
+  np.testing.assert_allclose(black_pixel('cifar10'), [-0.4914 / 0.2023, -0.4822 / 0.1994, -0.4465 / 0.2010])
+  with pytest.raises(ConfigError, match="LocalTraining.augment='rotate' is unknown; choose one of none, crop_flip"):
+    LocalTraining(augment='rotate')
+
+
+def federation(strategy: str, augment: str, seed: int = 0) -> Federation:
+  data = make_federated_data(make_synthetic(num_samples=320, image_shape=(8, 8, 1), num_classes=4, noise=0.3, seed=1),
+                             num_clients=4, partition='dirichlet', seed=3, alpha=0.5)
+  cfg = ExperimentConfig(algorithm='fedavg', **{**TINY, 'rounds': 2, 'feature_dim': 16})
+  return Federation(make_algorithm(cfg, data), data, ModelConfig(('small_cnn_narrow',), 16),
+                    LocalTraining(0.05, 8, 1, augment=augment), ExecutionConfig(strategy=strategy, conv='xla'),
+                    rounds=2, seed=seed)
+
+
+def final_state(fed: Federation):
+  state = fed.init()
+  for _ in range(2):
+    state, _ = fed.round(state)
+  return [np.asarray(a) for a in jax.tree.leaves(state.groups)]
+
+
+def test_augmented_runs_are_the_same_under_vmap_and_sequential_and_from_the_same_seed():
+  sequential, vmapped = final_state(federation('sequential', 'crop_flip')), final_state(federation('vmap', 'crop_flip'))
+  for a, b in zip(sequential, vmapped):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+  again = final_state(federation('sequential', 'crop_flip'))
+  assert all(np.array_equal(a, b) for a, b in zip(sequential, again))
+  plain = final_state(federation('sequential', 'none'))
+  assert not all(np.allclose(a, b) for a, b in zip(sequential, plain))  # the augmentation took effect
