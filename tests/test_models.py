@@ -191,3 +191,27 @@ def test_an_unknown_precision_names_the_setting():
   from fedjax_het.engine.groups import ModelConfig
   with pytest.raises(ConfigError, match="^ModelConfig.precision='fp8' is unknown"):
     ModelConfig(('cnn4',), precision='fp8')
+
+
+# CIFAR-style ResNets, by hand from the blocks. resnet18_cifar: torchvision's extractor 11,176,512 with the 3x3 stem
+# (3*64*9 = 1,728) in place of the 7x7 one (9,408): 11,168,832 (kuangliu's CIFAR ResNet-18, 11,173,962, minus its
+# Linear(512, 10)). preact_resnet18 from it: no stem BN (-128), bare 1x1 shortcuts (-2 * (128 + 256 + 512)), the
+# trunk's closing BN (+1,024), and each stage's first block normalising its narrower input (-(128 + 256 + 512)).
+# resnet20_cifar: stem 432 + BN 32; a 16-wide block 2 * 2,304 + 64 = 4,672; the 32-wide stage's first block
+# 4,608 + 9,216 + 128 + projection 512 + 64 = 14,528, the others 18,560; the 64-wide stage's first 18,432 + 36,864 +
+# 256 + 2,048 + 128 = 57,728, the others 73,984: 464 + 3 * 4,672 + 14,528 + 2 * 18,560 + 57,728 + 2 * 73,984.
+# resnet56_cifar: the same with 9 blocks a stage.
+CIFAR_EXTRACTORS = {'resnet18_cifar': (11168832, (4, 4, 512)), 'preact_resnet18': (11167040, (4, 4, 512)),
+                    'resnet20_cifar': (271824, (8, 8, 64)), 'resnet56_cifar': (855120, (8, 8, 64)),
+                    'preact_resnet18@0.5': (None, (4, 4, 256))}
+
+
+@pytest.mark.parametrize('name', sorted(CIFAR_EXTRACTORS))
+def test_cifar_resnets_keep_the_resolution_into_the_first_stage_and_count_their_parameters(name):
+  count, shape = CIFAR_EXTRACTORS[name]
+  extractor = build_model(name, 10, 512).extractor
+  variables = jax.eval_shape(lambda: extractor.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3))))
+  out = jax.eval_shape(lambda v: extractor.apply(v, jnp.zeros((1, 32, 32, 3))), variables)
+  assert out.shape == (1,) + shape
+  if count is not None:
+    assert sum(a.size for a in jax.tree.leaves(variables['params'])) == count
