@@ -3,7 +3,7 @@ generators' DDPM decay, Felo's MultiStepLR driven by the server's round counter)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jax.numpy as jnp
 import optax
@@ -27,3 +27,10 @@ def step_at_rate(optimizer: optax.GradientTransformation, params: Any, grads: An
   opt_state = opt_state._replace(hyperparams={**opt_state.hyperparams, 'learning_rate': rate})
   updates, opt_state = optimizer.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state
+
+
+def multistep_factor(round_index: Any, milestones: Sequence[int], gamma: float) -> jnp.ndarray:
+  """torch's MultiStepLR stepped once per round: the factor gamma^k on the base rate in round `round_index`
+  (0-based, traced or not), k the milestones at or before it."""
+  passed = sum((jnp.asarray(round_index) >= m).astype(jnp.float32) for m in milestones)
+  return jnp.float32(gamma) ** passed

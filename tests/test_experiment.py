@@ -191,6 +191,11 @@ def test_every_flag_file_parses_into_a_config(flagfile):
     comments = ' '.join(line for line in f if line.startswith('#'))
   foreign = [flag for flag in cli.ignored_method_flags(fv, [cfg.algorithm]) if flag.split('_')[0] not in comments]
   assert not foreign, foreign
+  if flagfile.startswith('heterofl_felo'):  # Felo: "the default settings in the source code of HeteroFL"
+    heterofl = cfg.methods['heterofl']
+    assert cfg.augment == 'crop_flip' and heterofl.clip_norm == 1.0 and heterofl.lr_decay == 0.1
+    assert heterofl.milestones == (int(0.375 * cfg.rounds), int(0.625 * cfg.rounds))  # its 150, 250 of 400
+    assert all(m.startswith('preact_resnet26@') for m in cfg.models)
   if flagfile.startswith('fedvtc_table1'):  # the scaling under which the paper's rates train
     assert cfg.methods['fedvtc'].loss_reduction == 'mean'
     assert cfg.methods['fedtype'].backward == 'none'  # FedType as its released code runs it, as FedVTC's authors

@@ -290,6 +290,37 @@ def test_public_images_reach_the_programs_as_arguments_not_compiled_constants(fe
       state.server, 0, 0)
 
 
+def test_heterofl_multisteplr_scales_the_rounds_rate_as_a_lower_rate_would(tiny_data):
+  """torch's MultiStepLR stepped every round: the factor 0.1^k after k milestones (by hand at 149, 150, 249, 250);
+  a run whose milestone 0 halves the rate from the first round ends its round where a run at half the rate does,
+  and the server's round counter moves the factor."""
+  from fedjax_het.algorithms import HeteroFLConfig, heterofl
+  from fedjax_het.optim import multistep_factor
+  assert [float(multistep_factor(r, (150, 250), 0.1)) for r in (149, 150, 249, 250)] == pytest.approx(
+      [1.0, 0.1, 0.1, 0.01])
+
+  def one_round(cfg, rate):
+    fed = Federation(heterofl(cfg, 4, rate), tiny_data, ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'),
+                     16, 'none'), LocalTraining(rate, 8))
+    state, _ = fed.round(fed.init())
+    return fed, state
+  fed, halved = one_round(HeteroFLConfig(lr_milestones='0', lr_decay=0.5), 0.1)
+  _, slower = one_round(HeteroFLConfig(), 0.05)
+  for a, b in zip(jax.tree.leaves(halved.server['model']), jax.tree.leaves(slower.server['model'])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert float(fed.sent(halved.server, 0, 1)['lr_scale']) == 0.5
+  later = Federation(heterofl(HeteroFLConfig(lr_milestones='1,3', lr_decay=0.5), 4, 0.1), tiny_data,
+                     ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.1, 8))
+  state = later.init()
+  scales = []
+  for r in range(4):
+    scales.append(float(later.sent(state.server, 0, r)['lr_scale']))
+    state, _ = later.round(state)
+  assert scales == [1.0, 0.5, 0.5, 0.25]
+  with pytest.raises(ConfigError, match='lr_milestones=.150,x. must list rounds'):
+    HeteroFLConfig(lr_milestones='150,x')
+
+
 def test_heterofl_scores_do_not_depend_on_how_the_test_rows_are_padded(tiny_data):
   from fedjax_het.algorithms import HeteroFLConfig, heterofl
   from fedjax_het.data.federated import ClientArrays

@@ -54,19 +54,21 @@ def sgd_program(loss: Loss, training: LocalTraining, *, receive: Optional[Callab
   receive(client, broadcast) -> client: applied before training (e.g. set the head to the global head).
   upload(client, rows, broadcast, key) -> upload (default: nothing); rows.statistics holds the summed statistics.
   optimizer: default optax.sgd(training.learning_rate), plain SGD as HtFLlib; per-part rates with
-    optax.multi_transform over `trainable`'s (params, extra params).
+    optax.multi_transform over `trainable`'s (params, extra params); or a function of the broadcast that builds it
+    (a rate the server sets each round: HeteroFL's MultiStepLR).
   representations: upload reads rows.reps, the trained model's eval-mode representations of the training rows.
   representation_weights(client, rows, broadcast, key) -> W [rows, K]: upload reads rows.reps as the weighted
     sums W^T R [K, d] only (`ClientProgram.representation_weights`; the client is the trained one).
   statistics(client) -> zero sums shaped like those `loss` returns.
   """
-  optimizer = optimizer or optax.sgd(training.learning_rate)
+  fixed = optimizer or optax.sgd(training.learning_rate)
+  optimizer_of = fixed if callable(fixed) else (lambda broadcast: fixed)
 
   def init(client, broadcast, key):
     if receive is not None:
       client = receive(client, broadcast)
     sums = statistics(client) if statistics is not None else None
-    return client, optimizer.init(trainable(client)), sums
+    return client, optimizer_of(broadcast).init(trainable(client)), sums
 
   def step(carry, batch, broadcast, key):
     client, opt_state, sums = carry
@@ -74,7 +76,7 @@ def sgd_program(loss: Loss, training: LocalTraining, *, receive: Optional[Callab
     objective = lambda v: loss(with_trainable(client, v), batch, broadcast, key)
     (value, aux), grads = jax.value_and_grad(objective, has_aux=True)(values)
     updated, batch_sums = aux if statistics is not None else (aux, None)
-    updates, opt_state = optimizer.update(grads, opt_state, values)
+    updates, opt_state = optimizer_of(broadcast).update(grads, opt_state, values)
     client = with_trainable(updated, optax.apply_updates(values, updates))
     if statistics is not None:
       sums = jax.tree.map(jnp.add, sums, batch_sums)

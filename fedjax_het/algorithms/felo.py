@@ -49,7 +49,7 @@ from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientState, Group
                              hyperparameter, leaf_scalars, single_stage)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
-from fedjax_het.optim import step_at_rate, torch_adam
+from fedjax_het.optim import multistep_factor, step_at_rate, torch_adam
 
 MILESTONES = (0.4, 0.7)  # MultiStepLR milestones as shares of the rounds (the code's int(0.4 R), int(0.7 R))
 
@@ -91,8 +91,7 @@ def warmup_rounds(warmup: float, rounds: int) -> int:
 def multistep_scale(round_index: jnp.ndarray, rounds: int) -> jnp.ndarray:
   """torch MultiStepLR(milestones=[int(0.4 R), int(0.7 R)], gamma=0.1) after `round_index` scheduler steps: the
   factor on the base rate in round round_index (0-based)."""
-  passed = sum((round_index >= int(m * rounds)).astype(jnp.float32) for m in MILESTONES)
-  return 0.1 ** passed
+  return multistep_factor(round_index, [int(m * rounds) for m in MILESTONES], 0.1)
 
 
 # ------------------------------------------------------------------ the server's per-class FIFO stores

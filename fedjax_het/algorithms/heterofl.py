@@ -12,7 +12,8 @@ output layer's row of class c counts only the participants holding c (HeteroFL's
 Training: CE with the logits of classes the client does not hold set to 0 (HeteroFL's `masked_fill(label_mask ==
 0, 0)`, --heterofl_mask), SGD at --local_learning_rate with momentum --heterofl_momentum and weight decay
 --heterofl_weight_decay (HeteroFL's 0.9 and 5e-4), each step's gradient first clipped to global norm
---heterofl_clip_norm (its code's 1), a fresh optimizer every round. Its static BatchNorm keeps no
+--heterofl_clip_norm (its code's 1), a fresh optimizer every round, its rate multiplied by --heterofl_lr_decay at
+each round of --heterofl_lr_milestones (its code's MultiStepLR, stepped every round; off by default). Its static BatchNorm keeps no
 running statistics for training; every client is scored with the global model (Felo: "evaluated on the server
 side").
 
@@ -27,8 +28,9 @@ Under DP the classes a client holds (its label mask) are sent in the clear. Its 
 on every conv output during training) is left out: a BatchNorm follows every scaled convolution in both model
 families and removes the factor. Felo's 'dynamic' split (each client draws its rate every round) is not
 reproduced: a client keeps its group's rate ('fix' in HeteroFL's code). The models are HeteroFL's CNN
-(`heterofl_conv`) and the zoo's torchvision-style ResNets (HeteroFL's are pre-activation ResNets); models that
-flatten a feature map into a Dense have no channel-sliceable sub-model and are refused.
+(`heterofl_conv`), its pre-activation ResNets with the 3x3 stem (`preact_resnet18`, `preact_resnet26`) and the
+zoo's other ResNets; models that flatten a feature map into a Dense have no channel-sliceable sub-model and are
+refused. Its CIFAR loader's random crop and flip are the run's `--augment=crop_flip`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from fedjax_het.core import (Algorithm, ClientState, Evaluation, GroupSpec, Uplo
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 from fedjax_het.models.norm import batch_statistics
+from fedjax_het.optim import multistep_factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,12 @@ class HeteroFLConfig:
   momentum: float = hyperparameter(0.9, 'HeteroFL: SGD momentum (a fresh optimiser every round).',
                                    flag='heterofl_momentum')
   weight_decay: float = hyperparameter(5e-4, 'HeteroFL: SGD weight decay.', flag='heterofl_weight_decay')
+  lr_milestones: str = hyperparameter('', 'HeteroFL: comma-separated rounds (0-based) from which the local rate is '
+                                           'multiplied by --heterofl_lr_decay once more (its code\'s MultiStepLR, '
+                                           'stepped every round: 150,250 for CIFAR-10 IID); empty: a constant rate.',
+                                     flag='heterofl_lr_milestones')
+  lr_decay: float = hyperparameter(0.1, 'HeteroFL: the MultiStepLR factor at each of --heterofl_lr_milestones.',
+                                   flag='heterofl_lr_decay')
   clip_norm: float = hyperparameter(1.0, 'HeteroFL: clip every local step\'s gradient to this global L2 norm before '
                                          'weight decay and momentum (its code\'s clip_grad_norm_(..., 1)); 0: none.',
                                     flag='heterofl_clip_norm')
@@ -69,6 +78,18 @@ class HeteroFLConfig:
       raise ConfigError(f'{setting(self, "momentum")} must be in [0, 1) and {setting(self, "weight_decay")} >= 0.')
     if not self.clip_norm >= 0:
       raise ConfigError(f'{setting(self, "clip_norm")} must be >= 0 (0: no clipping).')
+    try:
+      milestones = self.milestones
+    except ValueError:
+      milestones = None
+    if milestones is None or any(m < 0 for m in milestones) or not 0 < self.lr_decay <= 1:
+      raise ConfigError(f'{setting(self, "lr_milestones")} must list rounds >= 0 separated by commas (e.g. 150,250) '
+                        f'and {setting(self, "lr_decay")} be in (0, 1].')
+
+  @property
+  def milestones(self) -> tuple[int, ...]:
+    """The rounds of --heterofl_lr_milestones."""
+    return tuple(int(m) for m in self.lr_milestones.replace(' ', '').split(',') if m)
 
 
 def local_optimizer(cfg: HeteroFLConfig, learning_rate: float) -> optax.GradientTransformation:
@@ -143,17 +164,18 @@ def heterofl(cfg: HeteroFLConfig, num_classes: int, local_learning_rate: float) 
                                                                                 jax.tree.leaves(big)))):
         raise ConfigError(f'ModelConfig.names: HeteroFL needs one architecture at several width rates (e.g. '
                           f'resnet26@1,resnet26@0.5); {g.arch!r} is not a sub-model of {spec.groups[top].arch!r}.')
-    return {'model': initial[top].params, 'state': initial[top].model_state}
+    return {'model': initial[top].params, 'state': initial[top].model_state, 'round': jnp.zeros((), jnp.int32)}
 
   def broadcast(server, group):
     return {'model': sub_model(server['model'], variables(group)['params']), 'global': server['model'],
-            'global_state': server['state']}
+            'global_state': server['state'], 'lr_scale': multistep_factor(server['round'], cfg.milestones,
+                                                                          cfg.lr_decay)}
 
   def init_client(group, key):
     return {'label_mask': jnp.ones(num_classes)}
 
   def client(group: GroupSpec):
-    optimizer = local_optimizer(cfg, local_learning_rate)
+    optimizer = lambda broadcast: local_optimizer(cfg, local_learning_rate * broadcast['lr_scale'])
 
     def loss(client, batch, broadcast, key):
       logits, _, model_state = forward(group.model, client.params, client.model_state, batch.x, True, batch.mask)
@@ -171,7 +193,7 @@ def heterofl(cfg: HeteroFLConfig, num_classes: int, local_learning_rate: float) 
     return program._replace(prepare=prepare)
 
   def server_update(server, uploads, key):
-    return {**server, 'model': combine(server['model'], uploads)}, {}
+    return {**server, 'model': combine(server['model'], uploads), 'round': server['round'] + 1}, {}
 
   def evaluation(group: GroupSpec) -> Evaluation:
     """Every client scored with the global model: under sBN with the BatchNorm statistics of a train-mode pass over

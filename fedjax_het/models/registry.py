@@ -114,9 +114,10 @@ register_model('resnet50', lambda conv: ResNet((3, 4, 6, 3), conv=conv, block=Bo
 register_model('resnet101', lambda conv: ResNet((3, 4, 23, 3), conv=conv, block=Bottleneck))
 register_model('resnet152', lambda conv: ResNet((3, 8, 36, 3), conv=conv, block=Bottleneck))
 # CIFAR-style ResNets (conv3x3/1 stem, no max-pool): the ResNet-18 of FedType's code, HeteroFL's pre-activation
-# ResNet-18, and the three-stage 16/32/64 ResNet-20 and ResNet-56 of the original paper's CIFAR-10 networks
+# ResNet-18 (and at Felo's depth 26, as Felo runs HeteroFL), and the three-stage 16/32/64 ResNet-20 and ResNet-56 of the original paper's CIFAR-10 networks
 register_model('resnet18_cifar', lambda conv: ResNet((2, 2, 2, 2), conv=conv, stem='cifar'))
 register_model('preact_resnet18', lambda conv: ResNet((2, 2, 2, 2), conv=conv, block=PreActBlock, stem='cifar'))
+register_model('preact_resnet26', lambda conv: ResNet((3, 3, 3, 3), conv=conv, block=PreActBlock, stem='cifar'))
 register_model('resnet20_cifar', lambda conv: ResNet((3, 3, 3), base_width=16, conv=conv, stem='cifar'))
 register_model('resnet56_cifar', lambda conv: ResNet((9, 9, 9), base_width=16, conv=conv, stem='cifar'))
 register_model('mobilenet_v2', lambda conv: MobileNetV2(conv=conv))
@@ -132,7 +133,8 @@ _RESNETS = {'resnet4': ((1,), BasicBlock), 'resnet6': ((1, 1), BasicBlock), 'res
             'resnet50': ((3, 4, 6, 3), Bottleneck), 'resnet101': ((3, 4, 23, 3), Bottleneck),
             'resnet152': ((3, 8, 36, 3), Bottleneck)}
 _RESNETS.update({'resnet18_cifar': ((2, 2, 2, 2), BasicBlock, 'cifar'),
-                 'preact_resnet18': ((2, 2, 2, 2), PreActBlock, 'cifar')})
+                 'preact_resnet18': ((2, 2, 2, 2), PreActBlock, 'cifar'),
+                 'preact_resnet26': ((3, 3, 3, 3), PreActBlock, 'cifar')})
 for _name, (_stages, _block, *_stem) in _RESNETS.items():  # HeteroFL's widths: ceil(rate * (64, 128, 256, 512))
   register_width_scaled(_name, lambda conv, rate, st=_stages, b=_block, stem=(_stem or ['imagenet'])[0]: ResNet(
       st, conv=conv, block=b, stage_widths=scaled([64 * 2**i for i in range(len(st))], rate), stem=stem))
