@@ -83,6 +83,9 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_string('public_dataset', _D.public_dataset, 'Another dataset as the public one (a --dataset name; GeFL\'s '
                   'FedDF: svhn_cropped for MNIST, cifar10 for FMNIST, cifar100 for CIFAR-10), resized and its '
                   'channels matched to the clients\' images. Empty: held out of --dataset (--public_size).')
+  f.DEFINE_integer('server_validation_size', _D.server_validation_size, 'Labelled training rows held out of every '
+                   'client\'s data for the server\'s validation (FedDF\'s early stopping, its code\'s val_data_ratio '
+                   'split: 10 %% of the training rows); 0: none.')
   f.DEFINE_enum('eval_protocol', _D.eval_protocol, ['pooled', 'global'],
                 'pooled: merged pool, per-client 75/25 split (HtFLlib). global: score on the global test set.')
   f.DEFINE_float('train_fraction', None, 'Share of each client\'s samples used for training, the rest its local test '

@@ -64,6 +64,7 @@ class ExperimentConfig:
   # are partitioned, or (public_dataset set) rows of another dataset, matched to the clients' image shape.
   public_size: int = 0
   public_dataset: str = ''
+  server_validation_size: int = 0  # labelled training rows held out for the server's validation (FedDF's code)
   eval_protocol: str = 'pooled'
   train_fraction: Optional[float] = None
   num_clients: int = 10
@@ -130,7 +131,8 @@ class ExperimentConfig:
   def _check_run_settings(self):
     """The checks of the fields only a run has (the local training, models and execution records check theirs
     when built); a bad value fails as the config is made, before any data is loaded."""
-    for name in ('rounds', 'checkpoint_every', 'local_steps', 'public_size', 'memory_budget_gib'):
+    for name in ('rounds', 'checkpoint_every', 'local_steps', 'public_size', 'server_validation_size',
+                 'memory_budget_gib'):
       if getattr(self, name) < 0:
         raise ConfigError(f'--{name}={getattr(self, name)} must be >= 0.')
     for name in ('eval_every', 'num_clients'):

@@ -115,7 +115,8 @@ def _build(cfg: ExperimentConfig, secret: Optional[int] = None) -> tuple[Federat
     data = make_federated_data(dataset, cfg.num_clients, cfg.partition, cfg.seed, cfg.eval_protocol,
                                alpha=cfg.alpha, classes_per_client=cfg.classes_per_client, balance=cfg.balance,
                                imbalance_factor=cfg.imbalance_factor, train_fraction=cfg.train_fraction,
-                               public_size=cfg.public_size, public_dataset=public)
+                               public_size=cfg.public_size, public_dataset=public,
+                               validation_size=cfg.server_validation_size)
   algorithm, run = _make_algorithm(cfg, data)
   # Under DP the noise, and for amplified rounds the draw, come from a secret (`dp_secret`), not the seed.
   secret = secret if secret is not None else dp_secret(cfg)

@@ -191,6 +191,10 @@ def test_every_flag_file_parses_into_a_config(flagfile):
     comments = ' '.join(line for line in f if line.startswith('#'))
   foreign = [flag for flag in cli.ignored_method_flags(fv, [cfg.algorithm]) if flag.split('_')[0] not in comments]
   assert not foreign, foreign
+  if flagfile.endswith('_feddf.flags'):  # FedDF's code's distillation schedule and early stopping (its README)
+    feddf = cfg.methods['feddf']
+    assert (feddf.server_steps, feddf.patience, feddf.eval_every) == (10000, 1000, 100)
+    assert cfg.server_validation_size == {'mnist': 600, 'fashion_mnist': 600, 'cifar10': 2500}[cfg.dataset]
   if flagfile.startswith('heterofl_felo'):  # Felo: "the default settings in the source code of HeteroFL"
     heterofl = cfg.methods['heterofl']
     assert cfg.augment == 'crop_flip' and heterofl.clip_norm == 1.0 and heterofl.lr_decay == 0.1

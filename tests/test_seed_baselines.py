@@ -132,6 +132,48 @@ def test_feddf_teachers_are_every_participant_and_an_absent_architecture_keeps_i
   assert moved > 0  # the group's mean, then distilled
 
 
+def test_feddf_stops_each_architecture_patience_steps_after_its_best_and_keeps_that_student(monkeypatch):
+  """The code's early stopping with scores by hand: steps at most 60, a validation every 10, patience 20. A
+  student's 'parameters' count its steps; architecture A scores 0.1, 0.3, 0.2, 0.2 at steps 10-40: its best is step
+  20, and at step 40 twenty steps have passed, so it stops there and keeps the student of step 20. B improves at
+  every validation and runs to step 60. A stopped student takes no more steps."""
+  import importlib
+  import types
+  feddf_module = importlib.import_module('fedjax_het.algorithms.feddf')
+  scores = {0: [0.1, 0.3, 0.2, 0.2, 0.25, 0.9], 1: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]}
+  table = jnp.asarray([scores[0], scores[1]])
+  spec = types.SimpleNamespace(groups=(0, 1))
+  monkeypatch.setattr(feddf_module, 'validation_accuracy',
+                      lambda g, p, s, c: table[g, jnp.clip(p.astype(jnp.int32) // 10 - 1, 0, 5)])
+  taken = []
+
+  def step(t, carry, active):
+    params, states, opt = carry
+    return tuple(p + active[g] for g, p in enumerate(params)), states, opt
+  cfg = FedDFConfig(server_steps=60, eval_every=10, patience=20)
+  init = ((jnp.float32(0), jnp.float32(0)), (jnp.float32(0), jnp.float32(0)), ((), ()))
+  params, _ = feddf_module.early_stopped(cfg, spec, step, init, {})
+  assert [float(p) for p in params] == [20.0, 60.0]
+
+
+def test_feddf_early_stopping_reads_held_out_labelled_rows_and_refuses_to_run_without(tiny_data):
+  data = make_federated_data(make_synthetic(num_samples=480, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
+                                            seed=1), num_clients=6, partition='dirichlet', seed=3, alpha=0.5,
+                             public_size=40, validation_size=48)
+  pool = 600  # the 480 training rows and 120 test rows merged (the pooled protocol)
+  assert data.public.validation_x.shape == (48, 8, 8, 1) and len(data.dataset.y) == pool - 40 - 48
+  fed = Federation(feddf(FedDFConfig(server_steps=20, server_batch_size=8, patience=10, eval_every=5), 4,
+                         data.public), data, ModelConfig(('small_cnn_narrow', 'mlp'), 16), LocalTraining(0.05, 8),
+                   join_ratio=0.5)
+  state, _ = fed.round(fed.init())
+  assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(state.server))
+  with pytest.raises(ConfigError, match='patience=10: FedDF stops early on the server.s labelled validation'):
+    feddf(FedDFConfig(patience=10), 4, data.public._replace(validation_x=None, validation_y=None))
+  with pytest.raises(ConfigError, match='validation_size=48: the server.s validation rows serve'):
+    make_federated_data(make_synthetic(num_samples=480, image_shape=(8, 8, 1), num_classes=4, noise=0.3, seed=1),
+                        num_clients=6, partition='dirichlet', seed=3, validation_size=48)
+
+
 def test_fedmd_stages_run_over_the_public_rows_and_only_the_revisit_is_capped(tiny_data):
   data = make_federated_data(make_synthetic(num_samples=480, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
                                             seed=1), num_clients=6, partition='dirichlet', seed=3, alpha=0.5,

@@ -14,14 +14,18 @@ BatchNorm statistics). The server, per round:
 Each architecture's distilled model is what its clients start from and are scored with.
 
 Choices (the paper's code, epfml/federated-learning-public-code, where GeFL gives no setting): Adam 1e-3, T 1,
-batch 64, clip 5, cosine annealing. Its early stopping on a labelled validation split (1,000 steps of patience,
-at most 10,000) is not reproduced: the server here holds only unlabelled public data, so the step count is fixed
-(--feddf_server_steps, default 500).
+batch 64, clip 5, cosine annealing over --feddf_server_steps. The code's early stopping (`--feddf_patience`, its
+README's 1,000; off by default): every --feddf_eval_every (100) steps each student's top-1 accuracy on the server's
+labelled validation rows (`--server_validation_size`, held out of the training rows: the code's val_data_ratio
+split, 10 %) is measured; an architecture stops when that many steps have passed since its best, and keeps its best
+student (the code's best_models), at most --feddf_server_steps (its 10,000) steps. Without it the step count is
+fixed (default 500) and the last student is kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +35,7 @@ from fedjax_het.algorithms.avgkd import (GROUP_STATE_PRIVACY, average_group_stat
                                         initial_group_states, model_upload, receive_group_state)
 from fedjax_het.algorithms.base import sgd_program
 from fedjax_het.algorithms.common import cross_entropy_loss, distillation_loss
-from fedjax_het.algorithms.public import PublicRows
+from fedjax_het.algorithms.public import PublicRows, public_logits
 from fedjax_het.core import Algorithm, FederationSpec, Phase, hyperparameter
 from fedjax_het.data.federated import PublicData
 from fedjax_het.errors import ConfigError, setting
@@ -50,11 +54,19 @@ class FedDFConfig:
   server_batch_size: int = hyperparameter(64, 'FedDF: public rows per distillation step.',
                                           flag='feddf_server_batch_size')
   temperature: float = hyperparameter(1.0, 'FedDF: distillation temperature T.', flag='feddf_temperature')
+  patience: int = hyperparameter(0, 'FedDF: stop an architecture\'s distillation this many steps after its best '
+                                    'validation accuracy and keep that student (the code\'s early stopping: 1,000; '
+                                    'needs --server_validation_size); 0: every step, the last student.',
+                                 flag='feddf_patience')
+  eval_every: int = hyperparameter(100, 'FedDF: distillation steps between validations (the code\'s '
+                                        'eval_batches_freq).', flag='feddf_eval_every')
 
   def __post_init__(self):
     if self.server_steps < 0 or self.server_batch_size < 1:
       raise ConfigError(f'{setting(self, "server_steps")} must be >= 0 and {setting(self, "server_batch_size")} '
                         f'>= 1.')
+    if self.patience < 0 or self.eval_every < 1:
+      raise ConfigError(f'{setting(self, "patience")} must be >= 0 and {setting(self, "eval_every")} >= 1.')
     if not (self.server_learning_rate > 0 and self.temperature > 0):
       raise ConfigError(f'{setting(self, "server_learning_rate")} and {setting(self, "temperature")} must be > 0.')
 
@@ -70,15 +82,58 @@ def ensemble_logits(spec: FederationSpec, uploads, x: jnp.ndarray) -> jnp.ndarra
   return total / jnp.maximum(count, 1.0)
 
 
+def validation_accuracy(group, params: Any, state: Any, constants: dict) -> jnp.ndarray:
+  """Top-1 accuracy of a group's model (eval mode) on the server's labelled validation rows."""
+  logits = public_logits(group.model, params, state, constants['validation_x'])
+  return jnp.mean((jnp.argmax(logits, -1) == constants['validation_y']).astype(jnp.float32))
+
+
+def early_stopped(cfg: FedDFConfig, spec: FederationSpec, step, init: tuple, constants: dict) -> tuple:
+  """(params, BatchNorm states) per group after distilling from `init` = (params, states, optimizer states) with
+  `step(t, carry, active)` the code's way: after every `eval_every`-th step each still active student is scored on
+  the validation rows, its best kept; a group stops once `patience` steps have passed since its best, or at
+  `server_steps`; each ends with its best student (the initial one if it was never scored)."""
+  groups = len(spec.groups)
+  score = lambda params, states: jnp.stack([validation_accuracy(g, p, s, constants)
+                                            for g, p, s in zip(spec.groups, params, states)])
+
+  def chunk(loop):
+    t, carry, best, best_accuracy, best_t, active = loop
+    end = jnp.minimum(t + cfg.eval_every, cfg.server_steps)
+    carry = jax.lax.fori_loop(t, end, lambda i, c: step(i, c, active), carry)
+    scored = end % cfg.eval_every == 0
+    accuracy = score(carry[0], carry[1])
+    better = active & scored & (accuracy > best_accuracy)
+    best = tuple(jax.tree.map(lambda new, old, b=better[g]: jnp.where(b, new, old), (carry[0][g], carry[1][g]),
+                              best[g]) for g in range(groups))
+    best_t = jnp.where(better, end, best_t)
+    active = active & ~(scored & (end - best_t >= cfg.patience)) & (end < cfg.server_steps)
+    return end, carry, best, jnp.where(better, accuracy, best_accuracy), best_t, active
+
+  loop = (jnp.asarray(0), init, tuple(zip(init[0], init[1])), jnp.full(groups, -1.0), jnp.zeros(groups, jnp.int32),
+          jnp.ones(groups, bool))
+  loop = jax.lax.while_loop(lambda loop: (loop[0] < cfg.server_steps) & loop[5].any(), chunk, loop)
+  best = loop[2]
+  return tuple(b[0] for b in best), tuple(b[1] for b in best)
+
+
 def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
   """FedDF as an `Algorithm`: grouped local training, the server's ensemble distillation into each
-  architecture's model on public data."""
+  architecture's model on public data (with the code's early stopping on labelled validation rows)."""
   rows = PublicRows(public)
   batch = min(cfg.server_batch_size, rows.size)
   per_pass = rows.size // batch
   optimizer = optax.chain(optax.clip_by_global_norm(CLIP_NORM),
                           optax.adam(optax.cosine_decay_schedule(cfg.server_learning_rate, max(cfg.server_steps, 1)),
                                      eps=1e-8))
+  constants = dict(rows.constants)
+  if cfg.patience:
+    if public.validation_x is None:
+      raise ConfigError(f'{setting(cfg, "patience")}: FedDF stops early on the server\'s labelled '
+                        f'validation rows, and this run holds none. Fix: --server_validation_size=N (the code: 10 % '
+                        f'of the training rows), or no early stopping (patience 0).')
+    constants.update(validation_x=jnp.asarray(public.validation_x),
+                     validation_y=jnp.asarray(public.validation_y, jnp.int32))
 
   def client(group):
     return sgd_program(cross_entropy_loss(group.model), group.training, receive=receive_group_state,
@@ -90,24 +145,30 @@ def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
       averaged, states = means['models'], means['model_states']
       present = tuple(u.mask.any() for u in uploads)
 
-      def step(t, carry):
+      def step(t, carry, active=None):
         params, states, opt_states = carry
         order = jax.random.permutation(jax.random.fold_in(key, t // per_pass), rows.size)
         index = jax.lax.dynamic_slice_in_dim(order, (t % per_pass) * batch, batch)
         x = server['constants']['public_x'][index]
         teacher = jax.lax.stop_gradient(ensemble_logits(spec, uploads, x))
         out = []
-        for group, p, s, o in zip(spec.groups, params, states, opt_states):
+        for gi, (group, p, s, o) in enumerate(zip(spec.groups, params, states, opt_states)):
           def objective(p):
             logits, _, new_state = forward(group.model, p, s, x, True)
             return distillation_loss(logits, teacher, cfg.temperature), new_state
           (_, new_state), grads = jax.value_and_grad(objective, has_aux=True)(p)
-          updates, o = optimizer.update(grads, o, p)
-          out.append((optax.apply_updates(p, updates), new_state, o))
+          updates, new_o = optimizer.update(grads, o, p)
+          new = (optax.apply_updates(p, updates), new_state, new_o)
+          if active is not None:  # a stopped student stays as it is
+            new = jax.tree.map(lambda a, b: jnp.where(active[gi], a, b), new, (p, s, o))
+          out.append(new)
         return tuple(tuple(v) for v in zip(*out))
 
       init = (averaged, states, tuple(optimizer.init(p) for p in averaged))
-      distilled, new_states, _ = jax.lax.fori_loop(0, cfg.server_steps, step, init)
+      if cfg.patience:
+        distilled, new_states = early_stopped(cfg, spec, step, init, server['constants'])
+      else:
+        distilled, new_states, _ = jax.lax.fori_loop(0, cfg.server_steps, step, init)
       keep = lambda flag, new, old: jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
       models = tuple(keep(f, d, a) for f, d, a in zip(present, distilled, averaged))
       model_states = tuple(keep(f, d, a) for f, d, a in zip(present, new_states, states))
@@ -119,6 +180,6 @@ def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
 
   return Algorithm('feddf', initial_group_states,
                    (Phase('feddf', client, server_for, own_model, server_of_spec=True),), group_state_evaluation,
-                   partial_batches=True, shares_representations=False, constants=rows.constants,
+                   partial_batches=True, shares_representations=False, constants=constants,
                    # the ensemble reads each uploaded model on its own, not only the groups' means
                    upload_privacy=GROUP_STATE_PRIVACY._replace(aggregate='records'))

@@ -60,10 +60,14 @@ def flat_clients(x: np.ndarray, y: np.ndarray, index_lists: Sequence[np.ndarray]
 
 class PublicData(NamedTuple):
   """The server's public dataset (FedMD, FedDF): images x [P, H, W, C], labels y [P] (FedMD's transfer learning
-  reads them; FedDF's distillation does not) and where it comes from ('held out of mnist', 'svhn_cropped')."""
+  reads them; FedDF's distillation does not) and where it comes from ('held out of mnist', 'svhn_cropped');
+  validation_x, validation_y: labelled rows held out of the training rows for the server's own validation (FedDF's
+  early stopping, its code's val_data_ratio split), or None."""
   x: np.ndarray
   y: np.ndarray
   source: str
+  validation_x: Optional[np.ndarray] = None
+  validation_y: Optional[np.ndarray] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,14 +124,15 @@ class FederatedData:
     return stack_clients(self.dataset.x_test, self.dataset.y_test, [np.arange(len(self.dataset.y_test))])
 
 
-def hold_out_public(dataset: Dataset, size: int, seed: int) -> tuple[Dataset, PublicData]:
+def hold_out_public(dataset: Dataset, size: int, seed: int, what: str = 'public_size', salt: int = 7919
+                    ) -> tuple[Dataset, PublicData]:
   """(the dataset without them, PublicData): `size` rows drawn at random (seeded) from the training rows, held out
   of every client's data as the server's public set (Felo's FedMD: 10 % of CIFAR-10's training images)."""
   if not 0 < size < len(dataset.y):
-    raise ConfigError(f'make_federated_data.public_size={size} must be in (0, {len(dataset.y)}): the public rows '
+    raise ConfigError(f'make_federated_data.{what}={size} must be in (0, {len(dataset.y)}): these rows '
                       f'are held out of the {len(dataset.y)} training rows of {dataset.name}.')
     # (an unreachable size of 0 is no public data, handled by the caller)
-  order = np.random.RandomState(seed + 7919).permutation(len(dataset.y))
+  order = np.random.RandomState(seed + salt).permutation(len(dataset.y))
   public, kept = np.sort(order[:size]), np.sort(order[size:])
   rest = dataclasses.replace(dataset, x=dataset.x[kept], y=dataset.y[kept])
   return rest, PublicData(dataset.x[public], dataset.y[public], f'{size} rows held out of {dataset.name}')
@@ -147,7 +152,8 @@ def public_from(other: Dataset, size: int, seed: int) -> PublicData:
 def make_federated_data(dataset: Dataset, num_clients: int, partition: str, seed: int, protocol: str = 'pooled',
                         alpha: float = 0.1, classes_per_client: int = 2, balance: bool = False,
                         train_fraction: Optional[float] = None, imbalance_factor: float = 1.0,
-                        public_size: int = 0, public_dataset: Optional[Dataset] = None) -> FederatedData:
+                        public_size: int = 0, public_dataset: Optional[Dataset] = None,
+                        validation_size: int = 0) -> FederatedData:
   """Builds the client split for an evaluation protocol.
 
   - 'pooled' (HtFLlib, FedRE): merge train+test, partition the pool, split each client 75/25 into local
@@ -156,6 +162,8 @@ def make_federated_data(dataset: Dataset, num_clients: int, partition: str, seed
     (train_fraction 1 unless set) and are scored on the dataset's global test set.
   The server's public set: `public_dataset` (another dataset, `public_size` of its rows, 0 for all), or else
   `public_size` > 0 rows held out of the training rows (the pool under 'pooled') before they are partitioned.
+  validation_size > 0: as many labelled rows held out of the training rows too, the server's validation set
+  (`PublicData.validation_x`; FedDF's early stopping), which needs a public set.
   """
   if protocol not in PROTOCOLS:
     raise ConfigError(f'--eval_protocol={protocol!r} is unknown; choose one of {", ".join(PROTOCOLS)}.')
@@ -172,6 +180,13 @@ def make_federated_data(dataset: Dataset, num_clients: int, partition: str, seed
     public = public_from(public_dataset, public_size, seed)
   elif public_size:
     dataset, public = hold_out_public(dataset, public_size, seed)
+  if validation_size:
+    if public is None:
+      raise ConfigError(f'make_federated_data.validation_size={validation_size}: the server\'s validation rows serve '
+                        f'a method that distils on public data, and this run has none. Fix: a public set '
+                        f'(make_federated_data.public_size or public_dataset), or validation_size=0.')
+    dataset, held = hold_out_public(dataset, validation_size, seed, 'validation_size', salt=104729)
+    public = public._replace(validation_x=held.x, validation_y=held.y)
   split = partition_clients(dataset.y, num_clients, partition, seed, dataset.num_classes, alpha=alpha,
                             classes_per_client=classes_per_client, balance=balance, train_fraction=train_fraction,
                             imbalance_factor=imbalance_factor)
