@@ -143,15 +143,22 @@ class PrivacyBudget:
   def draws(self, rounds: int) -> list[tuple[float, int]]:
     """(draw, rounds) of each stretch of the first `rounds` rounds with one draw: the number of clients drawn, or
     under Poisson sampling the rate (`Schedule.rate`); the rounds already run as they ran (`Schedule.joined`,
-    `Schedule.rates_ran`)."""
+    `Schedule.rates_ran`), then stretches cut where a phase starts and where the full-participation rounds begin
+    (a few stretches however long the run)."""
     schedule = self.schedule
+    ran_draws = schedule.rates_ran if schedule.poisson else schedule.joined
+    draw = schedule.rate if schedule.poisson else schedule.num_join
+    ran = len(ran_draws[:rounds])
+    full = schedule.total_rounds - schedule.full_participation_rounds
+    cuts = sorted({ran, max(rounds, ran), *(c for c in (*schedule.phase_starts, full) if ran < c < rounds)})
+    stretches = [(n, 1) for n in ran_draws[:ran]]
+    stretches += [(draw(start), end - start) for start, end in zip(cuts, cuts[1:])]
     runs: list[list] = []
-    for r in range(rounds):
-      draw = schedule.rate(r) if schedule.poisson else schedule.num_join(r)
-      if runs and runs[-1][0] == draw:
-        runs[-1][1] += 1
-      else:
-        runs.append([draw, 1])
+    for n, k in stretches:
+      if runs and runs[-1][0] == n:
+        runs[-1][1] += k
+      elif k:
+        runs.append([n, k])
     return [(n, k) for n, k in runs]
 
   def participations(self, rounds: int) -> int:

@@ -1,0 +1,145 @@
+"""Baselines against small PyTorch re-implementations written from their authors' code: the same initial weights and
+batches give the same numbers within float32 tolerance. FedDF's server distillation (epfml's
+`noise_knowledge_transfer.py`: Adam, CosineAnnealingLR stepped per batch, clip_grad_norm_(5), kl_div batchmean of
+the averaged logits) and HeteroFL's local steps (its `Local.train`: masked logits, clip_grad_norm_(1), SGD with
+momentum and weight decay, BatchNorm on the batch)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch', reason='PyTorch is not installed: the reference tests need its CPU build '
+                            '(pip install torch --index-url https://download.pytorch.org/whl/cpu)')
+import torch.nn.functional as F  # noqa: E402
+
+from fedjax_het.algorithms import FedDFConfig, HeteroFLConfig, feddf, heterofl  # noqa: E402
+from fedjax_het.core import Batch, ClientState, Uploads, server_step  # noqa: E402
+from fedjax_het.data import make_federated_data, make_synthetic  # noqa: E402
+from fedjax_het.engine import Federation, LocalTraining, ModelConfig  # noqa: E402
+
+t = lambda a: torch.from_numpy(np.array(a, np.float32))
+
+
+def torch_mlp(params: dict) -> torch.nn.Module:
+  """The library's `mlp` (flatten, Dense 512, ReLU, Dense 512, ReLU) with its head, from its parameters."""
+  net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                            torch.nn.ReLU(), torch.nn.Linear(512, 4))
+  layers = [params['extractor']['Dense_0'], params['extractor']['Dense_1'], params['head']]
+  with torch.no_grad():
+    for linear, p in zip([net[1], net[3], net[5]], layers):
+      linear.weight.copy_(t(np.asarray(p['kernel']).T))
+      linear.bias.copy_(t(p['bias']))
+  return net
+
+
+def test_feddf_server_distillation_equals_the_codes_loop():
+  data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
+                                            seed=1), num_clients=4, partition='iid', seed=3, public_size=40)
+  cfg = FedDFConfig(server_steps=7, server_batch_size=8, temperature=2.0, server_learning_rate=3e-3)
+  fed = Federation(feddf(cfg, 4, data.public), data, ModelConfig(('mlp',), 512, 'none'), LocalTraining(0.05, 8))
+  state = fed.init()
+  # two participants with different models: the teacher is their logits' mean, the student their mean
+  models = jax.tree.map(lambda a: a[:2], state.groups[0].params)
+  models = jax.tree.map(lambda a: a.at[1].set(a[1] * -0.5 + 0.01), models)
+  uploads = (Uploads({'model': models, 'model_state': {}}, jnp.array([True, True]), jnp.ones(2)),)
+  key = jax.random.PRNGKey(5)
+  new, _ = server_step(fed.algorithm.phases[0], fed.spec)({**state.server, 'constants': fed.constants}, uploads, key)
+
+  x = np.asarray(fed.constants['public_x'])
+  teachers = [torch_mlp(jax.tree.map(lambda a, i=i: a[i], models)) for i in range(2)]
+  student = torch_mlp(jax.tree.map(lambda a: a.mean(0), models))
+  optimizer = torch.optim.Adam(student.parameters(), lr=cfg.server_learning_rate, eps=1e-8)
+  scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, cfg.server_steps)
+  per_pass = 40 // 8
+  for step in range(cfg.server_steps):  # the library's batches: a fresh permutation of the public rows each pass
+    order = np.asarray(jax.random.permutation(jax.random.fold_in(key, step // per_pass), 40))
+    xb = torch.from_numpy(x[order[(step % per_pass) * 8:(step % per_pass + 1) * 8]].transpose(0, 3, 1, 2).copy())
+    with torch.no_grad():
+      teacher = sum(net(xb) for net in teachers) / 2
+    loss = F.kl_div(F.log_softmax(student(xb) / cfg.temperature, 1), F.softmax(teacher / cfg.temperature, 1),
+                    reduction='batchmean')
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(student.parameters(), 5)
+    optimizer.step()
+    scheduler.step()
+  ours = new['models'][0]
+  # Adam divides by the root of the squared gradients, so float32 rounding in an entry whose gradient is near zero
+  # moves that entry by up to a few hundredths of one step (the rate, 3e-3): the tolerance is 2 % of it.
+  tolerance = 0.02 * cfg.server_learning_rate
+  for torch_layer, ours_layer in ((student[5], ours['head']), (student[1], ours['extractor']['Dense_0']),
+                                  (student[3], ours['extractor']['Dense_1'])):
+    np.testing.assert_allclose(torch_layer.weight.detach().numpy().T, ours_layer['kernel'], rtol=0, atol=tolerance)
+    np.testing.assert_allclose(torch_layer.bias.detach().numpy(), ours_layer['bias'], rtol=0, atol=tolerance)
+  moved = np.abs(np.asarray(ours['head']['kernel']) - np.asarray(models['head']['kernel']).mean(0)).max()
+  assert moved > 1e-3  # the distillation moved the student
+
+
+class TorchHeteroFLConv(torch.nn.Module):
+  """HeteroFL's `conv` model at one rate (its src/models/conv.py): per width a 3x3 conv, BatchNorm without running
+  statistics (its sBN in training), ReLU, a 2x2 max-pool between blocks, the mean over positions, a Linear head."""
+
+  def __init__(self, widths, classes):
+    super().__init__()
+    channels = [1] + list(widths)
+    self.convs = torch.nn.ModuleList(torch.nn.Conv2d(a, b, 3, padding=1) for a, b in zip(channels, channels[1:]))
+    self.norms = torch.nn.ModuleList(torch.nn.BatchNorm2d(w, momentum=None, track_running_stats=False)
+                                     for w in widths)
+    self.head = torch.nn.Linear(widths[-1], classes)
+
+  def forward(self, x):
+    for i, (conv, norm) in enumerate(zip(self.convs, self.norms)):
+      if i:
+        x = F.max_pool2d(x, 2)
+      x = F.relu(norm(conv(x)))
+    return self.head(x.mean((2, 3)))
+
+  def load(self, params):
+    with torch.no_grad():
+      for i, (conv, norm) in enumerate(zip(self.convs, self.norms)):
+        conv.weight.copy_(t(np.transpose(params['extractor'][f'Conv_{i}']['kernel'], (3, 2, 0, 1))))
+        conv.bias.copy_(t(params['extractor'][f'Conv_{i}']['bias']))
+        norm.weight.copy_(t(params['extractor'][f'BatchNorm_{i}']['scale']))
+        norm.bias.copy_(t(params['extractor'][f'BatchNorm_{i}']['bias']))
+      self.head.weight.copy_(t(np.asarray(params['head']['kernel']).T))
+      self.head.bias.copy_(t(params['head']['bias']))
+    return self
+
+
+def test_heterofl_local_steps_equal_its_codes_local_train(tiny_data):
+  """Four steps of batch 8 on a client holding two of the four classes, at a rate that makes the gradient's norm
+  exceed 1: masked logits, clipping to 1, SGD(0.1, momentum 0.9, weight decay 5e-4), as `Local.train` steps."""
+  rate = 0.1
+  fed = Federation(heterofl(HeteroFLConfig(), 4, rate), tiny_data,
+                   ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(rate, 8))
+  state = fed.init()
+  program = fed.programs[0][0]
+  client = jax.tree.map(lambda a: a[0], state.groups[0])
+  broadcast = fed.broadcast(state.server, 0, 0)
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 8, 8, 1)).astype(np.float32)
+  y = rng.choice([0, 2], 32).astype(np.int32)
+  key = jax.random.PRNGKey(0)
+  client = client._replace(extra={**client.extra, 'label_mask': jnp.asarray([1.0, 0.0, 1.0, 0.0])})
+  carry = program.init(client, broadcast, key)
+  step = jax.jit(lambda c, xb, yb: program.stages[0].step(c, Batch(xb, yb), broadcast, key))
+  for b in range(4):
+    carry, _ = step(carry, x[b * 8:(b + 1) * 8], y[b * 8:(b + 1) * 8])
+  ours = carry[0].params
+
+  net = TorchHeteroFLConv([8, 16, 32, 64], 4).load(broadcast['model'])
+  optimizer = torch.optim.SGD(net.parameters(), lr=rate, momentum=0.9, weight_decay=5e-4)
+  norms = []
+  for b in range(4):
+    xb = torch.from_numpy(x[b * 8:(b + 1) * 8].transpose(0, 3, 1, 2).copy())
+    logits = net(xb).masked_fill(torch.tensor([1.0, 0.0, 1.0, 0.0]) == 0, 0)
+    loss = F.cross_entropy(logits, torch.from_numpy(y[b * 8:(b + 1) * 8].astype(np.int64)))
+    optimizer.zero_grad()
+    loss.backward()
+    norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 1)))
+    optimizer.step()
+  assert max(norms) > 1  # the clipping acted
+  np.testing.assert_allclose(net.head.weight.detach().numpy().T, ours['head']['kernel'], rtol=1e-3, atol=1e-5)
+  np.testing.assert_allclose(np.transpose(net.convs[0].weight.detach().numpy(), (2, 3, 1, 0)),
+                             ours['extractor']['Conv_0']['kernel'], rtol=1e-3, atol=1e-5)
