@@ -9,7 +9,9 @@ where z_s are the server's logits of the same training row from the last round (
 over the batch's real rows: FedGKT's KL_Loss, kl_div 'batchmean'); before the server has sent any (round 1) the
 term is left out, as in its code. After training it uploads, for every training row, the extractor's eval-mode
 output h (the feature map before RM; a vector for extractors that end in one) and its eval-mode logits z_c, with
-the labels.
+the labels; with --gkt_split=stem, h is instead the output of its ResNet's stem, where the code cuts its client
+(`resnet8_gkt`, the code's ResNet-8: 16 x 32 x 32 maps on CIFAR, which the server's ResNet-56 takes from its first
+stage).
 
 The server holds a large model, `models.resnet.StemlessResNet` (--gkt_server_blocks bottlenecks per stage: 6 is the
 code's ResNet-56 server, 12 ResNet-110), trained on the uploaded maps for --gkt_server_epochs epochs each round:
@@ -56,6 +58,7 @@ from fedjax_het.models.resnet import StemlessResNet
 from fedjax_het.rows import shuffled_real_rows
 
 OPTIMIZERS = ('adam', 'sgd')
+SPLITS = ('extractor', 'stem')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +78,16 @@ class FedGKTConfig:
                                           '1e-4) or sgd (momentum 0.9 Nesterov, L2 5e-4).', flag='gkt_optimizer')
   learning_rate: float = hyperparameter(1e-3, 'FedGKT: both sides\' learning rate (its README run: Adam at 1e-3).',
                                         flag='gkt_learning_rate')
+  split: str = hyperparameter('extractor', "FedGKT: what a client uploads for each row: 'extractor', its extractor's "
+                                           "output (the map before RM); 'stem', a ResNet's stem output, where its "
+                                           "code cuts the client (resnet8_gkt: 16 x 32 x 32 on CIFAR).",
+                              flag='gkt_split')
 
   def __post_init__(self):
     if self.optimizer not in OPTIMIZERS:
       raise ConfigError(f'{setting(self, "optimizer")}: choose one of {", ".join(OPTIMIZERS)}.')
+    if self.split not in SPLITS:
+      raise ConfigError(f'{setting(self, "split")}: choose one of {", ".join(SPLITS)}.')
     if self.temperature <= 0 or self.alpha < 0 or self.learning_rate <= 0:
       raise ConfigError(f'{setting(self, "temperature")} and {setting(self, "learning_rate")} must be > 0 and '
                         f'{setting(self, "alpha")} >= 0.')
@@ -101,12 +110,22 @@ def client_kd_loss(client_logits: jnp.ndarray, server_logits: jnp.ndarray, tempe
   return temperature ** 2 * distillation_loss(client_logits, server_logits, temperature, rows)
 
 
-def extract(model, params: Any, model_state: Any, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-  """Eval mode (the extractor's output h [B, ...], the classifier's logits [B, C]) of x [B, ...]."""
+def extract(model, params: Any, model_state: Any, x: jnp.ndarray, split: str = 'extractor'
+            ) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """Eval mode (what the client uploads of x [B, ...]: the extractor's output, or with split 'stem' the map its
+  ResNet's stem sows; the classifier's logits [B, C])."""
   def both(m, x):
     h = m.extractor(x, train=False)
     return h, m.classify(m.features_of(h))
-  return model.apply({'params': params, **model_state}, x, method=both)
+  variables = {'params': params, **model_state}
+  if split == 'extractor':
+    return model.apply(variables, x, method=both)
+  (_, logits), sown = model.apply(variables, x, method=both, mutable=['intermediates'])
+  stem = sown.get('intermediates', {}).get('extractor', {}).get('stem')
+  if stem is None:
+    raise ConfigError('FedGKTConfig.split=\'stem\': this client\'s architecture has no ResNet stem to cut after. Fix: '
+                      'a ResNet (e.g. resnet8_gkt, FedGKT\'s client), or FedGKTConfig.split=\'extractor\'.')
+  return stem[0], logits
 
 
 class ServerModel:
@@ -114,8 +133,8 @@ class ServerModel:
   narrower than it (heterogeneous extractors), then the stemless ResNet. Parameters {'trunk', 'adapters': one per
   group, {} where none}; `apply_server` runs it on one group's maps."""
 
-  def __init__(self, spec: FederationSpec, num_classes: int, blocks: int):
-    self.map_shapes = [map_shape(g) for g in spec.groups]
+  def __init__(self, spec: FederationSpec, num_classes: int, blocks: int, split: str = 'extractor'):
+    self.map_shapes = [map_shape(g, split) for g in spec.groups]
     self.width = max(s[-1] for s in self.map_shapes)
     self.trunk = StemlessResNet(num_classes, blocks)
 
@@ -143,11 +162,11 @@ def apply_server(trunk: StemlessResNet, params: dict, state: dict, h: jnp.ndarra
   return logits, dict(updated)
 
 
-def map_shape(group: GroupSpec) -> tuple[int, ...]:
-  """The per-row shape of the group's extractor output."""
+def map_shape(group: GroupSpec, split: str = 'extractor') -> tuple[int, ...]:
+  """The per-row shape of what the group's clients upload (`extract`)."""
   variables = jax.eval_shape(lambda: group.model.init(jax.random.PRNGKey(0), group.sample_input(), train=False))
   out = jax.eval_shape(lambda v: extract(group.model, v['params'], {k: s for k, s in v.items() if k != 'params'},
-                                         group.sample_input()), variables)
+                                         group.sample_input(), split), variables)
   return tuple(out[0].shape[1:])
 
 
@@ -157,7 +176,7 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
   T = cfg.temperature
 
   def init_server(key, spec: FederationSpec, initial):
-    net = ServerModel(spec, num_classes, cfg.server_blocks)
+    net = ServerModel(spec, num_classes, cfg.server_blocks, cfg.split)
     params, state = net.init(spec.groups[0].maker.shared_key('fedgkt_server'))
     return {'model': params, 'state': state,
             'optimizer': {'trunk': optimizer.init(params['trunk']),
@@ -184,7 +203,7 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
     def final(client, rows, broadcast, key):
       real = jnp.arange(rows.x.shape[0]) < rows.num_train
       h, logits = jax.lax.map(lambda x: jax.tree.map(lambda a: a[0], extract(
-          group.model, client.params, client.model_state, x[None])), rows.x, batch_size=64)
+          group.model, client.params, client.model_state, x[None], cfg.split)), rows.x, batch_size=64)
       zero = lambda a: jnp.where(real.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0)
       return client, {'features': zero(h), 'logits': zero(logits), 'y': zero(rows.y), 'rows': real,
                       'received': broadcast[PER_CLIENT]['has']}
@@ -280,7 +299,7 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
 
     def logits(evaluated, x):
       params, model_state, server_model, server_state = evaluated
-      h, own = extract(group.model, params, model_state, x)
+      h, own = extract(group.model, params, model_state, x, cfg.split)
       return apply_server(trunk_net, server_model, server_state, h, False)[0], own
     return Evaluation(('server_model', 'client_model'), prepare, logits)
 

@@ -120,6 +120,8 @@ register_model('preact_resnet18', lambda conv: ResNet((2, 2, 2, 2), conv=conv, b
 register_model('preact_resnet26', lambda conv: ResNet((3, 3, 3, 3), conv=conv, block=PreActBlock, stem='cifar'))
 register_model('resnet20_cifar', lambda conv: ResNet((3, 3, 3), base_width=16, conv=conv, stem='cifar'))
 register_model('resnet56_cifar', lambda conv: ResNet((9, 9, 9), base_width=16, conv=conv, stem='cifar'))
+# FedGKT's client "ResNet-8" (its resnet8_56): the 16-channel 3x3/1 stem, then two bottlenecks of 16 planes (64 out)
+register_model('resnet8_gkt', lambda conv: ResNet((2,), base_width=16, conv=conv, block=Bottleneck, stem='cifar'))
 register_model('mobilenet_v2', lambda conv: MobileNetV2(conv=conv))
 register_model('googlenet', lambda conv: GoogLeNet(conv=conv))
 register_model('vit_b16', lambda conv: VisionTransformer(16, conv=conv))

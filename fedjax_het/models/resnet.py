@@ -103,6 +103,7 @@ class ResNet(nn.Module):
     else:
       x = nn.relu(norm()(self.conv(widths[0], (7, 7), 2, padding=3, use_bias=False)(x)))
       x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
+    self.sow('intermediates', 'stem', x)  # the stem's map: where FedGKT's code cuts its client (`--gkt_split`)
     for i, blocks in enumerate(self.stage_sizes):
       for j in range(blocks):
         x = self.block(widths[i], strides=2 if i > 0 and j == 0 else 1, conv=self.conv)(x, train)
