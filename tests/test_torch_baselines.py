@@ -1,8 +1,9 @@
 """Baselines against small PyTorch re-implementations written from their authors' code: the same initial weights and
 batches give the same numbers within float32 tolerance. FedDF's server distillation (epfml's
 `noise_knowledge_transfer.py`: Adam, CosineAnnealingLR stepped per batch, clip_grad_norm_(5), kl_div batchmean of
-the averaged logits) and HeteroFL's local steps (its `Local.train`: masked logits, clip_grad_norm_(1), SGD with
-momentum and weight decay, BatchNorm on the batch)."""
+the averaged logits), HeteroFL's local steps (its `Local.train`: masked logits, clip_grad_norm_(1), SGD with
+momentum and weight decay, BatchNorm on the batch) and FedMD's collaboration round (the digest towards the
+consensus, then the revisit, one Adam kept through both)."""
 
 import jax
 import jax.numpy as jnp
@@ -143,3 +144,45 @@ def test_heterofl_local_steps_equal_its_codes_local_train(tiny_data):
   np.testing.assert_allclose(net.head.weight.detach().numpy().T, ours['head']['kernel'], rtol=1e-3, atol=1e-5)
   np.testing.assert_allclose(np.transpose(net.convs[0].weight.detach().numpy(), (2, 3, 1, 0)),
                              ours['extractor']['Conv_0']['kernel'], rtol=1e-3, atol=1e-5)
+
+
+def test_fedmd_digest_then_revisit_equals_the_codes_two_fits():
+  """A collaboration round of one client: FedMD's digest (the mean absolute error between its logits and the
+  consensus on the public rows, in stored order) then its revisit (CE on its own rows), one Adam kept through
+  both (Felo's client objects; torch's defaults), against the same two loops in PyTorch."""
+  from fedjax_het.algorithms import FedMDConfig, fedmd
+  from fedjax_het.data.federated import ClientArrays
+  from fedjax_het.engine.client import run_client
+  data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
+                                            seed=1), num_clients=4, partition='iid', seed=3, public_size=40)
+  cfg = FedMDConfig(digest='mae', digest_epochs=1, digest_batch_size=8, learning_rate=2e-3)
+  fed = Federation(fedmd(cfg, 4, 8, data.public), data, ModelConfig(('mlp',), 512, 'none'),
+                   LocalTraining(0.05, 8, 1, order='stored'))
+  state = fed.init()
+  client = jax.tree.map(lambda a: a[0], state.groups[0])
+  consensus = jax.random.normal(jax.random.PRNGKey(7), (40, 4))
+  broadcast = {**fed.sent(state.server, 0, 1), 'consensus': consensus, 'constants': fed.constants}
+  k = int(fed.groups[0].clients[0])
+  x = np.asarray(data.dataset.x[data.split.train_indices[k]])
+  y = np.asarray(data.dataset.y[data.split.train_indices[k]], np.int32)
+  out, _, _ = run_client(fed.programs[1][0], fed.groups[0].model, client,
+                         ClientArrays(jnp.asarray(x), jnp.asarray(y), jnp.asarray(len(y))), broadcast,
+                         jax.random.PRNGKey(0))
+
+  net = torch_mlp(client.params)
+  optimizer = torch.optim.Adam(net.parameters(), lr=cfg.learning_rate, eps=1e-8)
+  public_x = np.asarray(fed.constants['public_x'])
+  batches = [(public_x[b * 8:(b + 1) * 8], None, np.array(consensus[b * 8:(b + 1) * 8])) for b in range(5)]
+  batches += [(x[b * 8:(b + 1) * 8], y[b * 8:(b + 1) * 8], None) for b in range(len(y) // 8)]
+  for xb, yb, target in batches:
+    logits = net(torch.from_numpy(xb.transpose(0, 3, 1, 2).copy()))
+    loss = (F.l1_loss(logits, torch.from_numpy(target)) if target is not None
+            else F.cross_entropy(logits, torch.from_numpy(yb.astype(np.int64))))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+  tolerance = 0.02 * cfg.learning_rate  # Adam's near-zero gradients, as for FedDF above
+  np.testing.assert_allclose(net[5].weight.detach().numpy().T, out.params['head']['kernel'], rtol=0, atol=tolerance)
+  np.testing.assert_allclose(net[1].weight.detach().numpy().T, out.params['extractor']['Dense_0']['kernel'], rtol=0,
+                             atol=tolerance)
+  assert np.abs(np.asarray(out.params['head']['kernel']) - np.asarray(client.params['head']['kernel'])).max() > 1e-3
