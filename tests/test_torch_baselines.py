@@ -186,3 +186,46 @@ def test_fedmd_digest_then_revisit_equals_the_codes_two_fits():
   np.testing.assert_allclose(net[1].weight.detach().numpy().T, out.params['extractor']['Dense_0']['kernel'], rtol=0,
                              atol=tolerance)
   assert np.abs(np.asarray(out.params['head']['kernel']) - np.asarray(client.params['head']['kernel'])).max() > 1e-3
+
+
+def test_fedgkt_client_steps_equal_its_codes_kd_training():
+  """FedGKT's client (its GKTClientTrainer): CE + alpha T^2 KL(softmax(z_s / T) || softmax(z_c / T)) batchmean, each
+  row against the server's logits of that row, Adam(amsgrad, weight_decay 1e-4) kept by the client; T = 3,
+  alpha = 0.7, against the same loop in PyTorch."""
+  from fedjax_het.algorithms import FedGKTConfig, fedgkt
+  from fedjax_het.core import PER_CLIENT, for_client
+  from fedjax_het.data.federated import ClientArrays
+  from fedjax_het.engine.client import run_client
+  data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
+                                            seed=1), num_clients=4, partition='iid', seed=3)
+  cfg = FedGKTConfig(temperature=3.0, alpha=0.7, learning_rate=2e-3, server_blocks=1)
+  fed = Federation(fedgkt(cfg, 4, 8), data, ModelConfig(('mlp',), 512, 'none'), LocalTraining(0.05, 8, 1))
+  state = fed.init()
+  client = jax.tree.map(lambda a: a[0], state.groups[0])
+  k = int(fed.groups[0].clients[0])
+  x = np.asarray(data.dataset.x[data.split.train_indices[k]])
+  y = np.asarray(data.dataset.y[data.split.train_indices[k]], np.int32)
+  server_logits = np.array(jax.random.normal(jax.random.PRNGKey(7), (fed.groups[0].spec.train_rows, 4)) * 2)
+  broadcast = fed.sent(state.server, 0, 1)
+  broadcast = for_client({**broadcast, PER_CLIENT: {'logits': jnp.asarray(server_logits)[None],
+                                                    'has': jnp.asarray([True])}}, 0)
+  out, _, _ = run_client(fed.programs[0][0], fed.groups[0].model, client,
+                         ClientArrays(jnp.asarray(x), jnp.asarray(y), jnp.asarray(len(y))), broadcast,
+                         jax.random.PRNGKey(0))
+
+  net = torch_mlp(client.params)
+  optimizer = torch.optim.Adam(net.parameters(), lr=cfg.learning_rate, eps=1e-8, amsgrad=True, weight_decay=1e-4)
+  T = cfg.temperature
+  for b in range(len(y) // 8):
+    rows = slice(b * 8, (b + 1) * 8)
+    logits = net(torch.from_numpy(x[rows].transpose(0, 3, 1, 2).copy()))
+    kd = F.kl_div(F.log_softmax(logits / T, 1), F.softmax(torch.from_numpy(server_logits[rows]) / T, 1),
+                  reduction='batchmean')
+    loss = F.cross_entropy(logits, torch.from_numpy(y[rows].astype(np.int64))) + cfg.alpha * T * T * kd
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+  tolerance = 0.02 * cfg.learning_rate  # Adam's near-zero gradients, as for FedDF above
+  np.testing.assert_allclose(net[5].weight.detach().numpy().T, out.params['head']['kernel'], rtol=0, atol=tolerance)
+  np.testing.assert_allclose(net[3].weight.detach().numpy().T, out.params['extractor']['Dense_1']['kernel'], rtol=0,
+                             atol=tolerance)

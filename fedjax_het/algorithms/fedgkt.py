@@ -55,6 +55,7 @@ from fedjax_het.core import (PER_CLIENT, Algorithm, ClientProgram, Evaluation, F
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.norm import batch_rows
 from fedjax_het.models.resnet import StemlessResNet
+from fedjax_het.optim import torch_amsgrad
 from fedjax_het.rows import shuffled_real_rows
 
 OPTIMIZERS = ('adam', 'sgd')
@@ -99,7 +100,7 @@ def gkt_optimizer(kind: str, learning_rate: float) -> optax.GradientTransformati
   """FedGKT's optimizers: 'adam', torch's Adam(amsgrad=True, weight_decay=1e-4); 'sgd', torch's SGD(momentum=0.9,
   nesterov=True, weight_decay=5e-4) (L2 added to the gradient in both)."""
   if kind == 'adam':
-    return optax.chain(optax.add_decayed_weights(1e-4), optax.amsgrad(learning_rate, eps=1e-8))
+    return optax.chain(optax.add_decayed_weights(1e-4), torch_amsgrad(learning_rate))
   return optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(learning_rate, momentum=0.9, nesterov=True))
 
 
