@@ -34,6 +34,25 @@ def torch_mlp(params: dict) -> torch.nn.Module:
   return net
 
 
+def torch_steps(net: torch.nn.Module, optimizer, batches, loss_of) -> None:
+  """One optimizer step per (x NHWC numpy, extra) in `batches` on loss_of(logits, extra)."""
+  for xb, extra in batches:
+    loss = loss_of(net(torch.from_numpy(xb.transpose(0, 3, 1, 2).copy())), extra)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def assert_layers_close(net: torch.nn.Module, params: dict, layers: dict, atol: float) -> None:
+  """Each torch Linear net[i] equals the library's Dense at params[path] (kernel transposed) within atol."""
+  for i, path in layers.items():
+    ours = params
+    for key in path:
+      ours = ours[key]
+    np.testing.assert_allclose(net[i].weight.detach().numpy().T, ours['kernel'], rtol=0, atol=atol)
+    np.testing.assert_allclose(net[i].bias.detach().numpy(), ours['bias'], rtol=0, atol=atol)
+
+
 def test_feddf_server_distillation_equals_the_codes_loop():
   data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
                                             seed=1), num_clients=4, partition='iid', seed=3, public_size=40)
@@ -172,19 +191,13 @@ def test_fedmd_digest_then_revisit_equals_the_codes_two_fits():
   net = torch_mlp(client.params)
   optimizer = torch.optim.Adam(net.parameters(), lr=cfg.learning_rate, eps=1e-8)
   public_x = np.asarray(fed.constants['public_x'])
-  batches = [(public_x[b * 8:(b + 1) * 8], None, np.array(consensus[b * 8:(b + 1) * 8])) for b in range(5)]
-  batches += [(x[b * 8:(b + 1) * 8], y[b * 8:(b + 1) * 8], None) for b in range(len(y) // 8)]
-  for xb, yb, target in batches:
-    logits = net(torch.from_numpy(xb.transpose(0, 3, 1, 2).copy()))
-    loss = (F.l1_loss(logits, torch.from_numpy(target)) if target is not None
-            else F.cross_entropy(logits, torch.from_numpy(yb.astype(np.int64))))
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-  tolerance = 0.02 * cfg.learning_rate  # Adam's near-zero gradients, as for FedDF above
-  np.testing.assert_allclose(net[5].weight.detach().numpy().T, out.params['head']['kernel'], rtol=0, atol=tolerance)
-  np.testing.assert_allclose(net[1].weight.detach().numpy().T, out.params['extractor']['Dense_0']['kernel'], rtol=0,
-                             atol=tolerance)
+  digest = [(public_x[b * 8:(b + 1) * 8], torch.from_numpy(np.array(consensus[b * 8:(b + 1) * 8]))) for b in range(5)]
+  torch_steps(net, optimizer, digest, F.l1_loss)
+  revisit = [(x[b * 8:(b + 1) * 8], torch.from_numpy(y[b * 8:(b + 1) * 8].astype(np.int64)))
+             for b in range(len(y) // 8)]
+  torch_steps(net, optimizer, revisit, F.cross_entropy)
+  # Adam's near-zero gradients, as for FedDF above
+  assert_layers_close(net, out.params, {5: ('head',), 1: ('extractor', 'Dense_0')}, 0.02 * cfg.learning_rate)
   assert np.abs(np.asarray(out.params['head']['kernel']) - np.asarray(client.params['head']['kernel'])).max() > 1e-3
 
 
@@ -216,16 +229,13 @@ def test_fedgkt_client_steps_equal_its_codes_kd_training():
   net = torch_mlp(client.params)
   optimizer = torch.optim.Adam(net.parameters(), lr=cfg.learning_rate, eps=1e-8, amsgrad=True, weight_decay=1e-4)
   T = cfg.temperature
-  for b in range(len(y) // 8):
-    rows = slice(b * 8, (b + 1) * 8)
-    logits = net(torch.from_numpy(x[rows].transpose(0, 3, 1, 2).copy()))
-    kd = F.kl_div(F.log_softmax(logits / T, 1), F.softmax(torch.from_numpy(server_logits[rows]) / T, 1),
-                  reduction='batchmean')
-    loss = F.cross_entropy(logits, torch.from_numpy(y[rows].astype(np.int64))) + cfg.alpha * T * T * kd
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-  tolerance = 0.02 * cfg.learning_rate  # Adam's near-zero gradients, as for FedDF above
-  np.testing.assert_allclose(net[5].weight.detach().numpy().T, out.params['head']['kernel'], rtol=0, atol=tolerance)
-  np.testing.assert_allclose(net[3].weight.detach().numpy().T, out.params['extractor']['Dense_1']['kernel'], rtol=0,
-                             atol=tolerance)
+
+  def loss(logits, target):
+    y_batch, server = target
+    kd = F.kl_div(F.log_softmax(logits / T, 1), F.softmax(server / T, 1), reduction='batchmean')
+    return F.cross_entropy(logits, y_batch) + cfg.alpha * T * T * kd
+  rows = [slice(b * 8, (b + 1) * 8) for b in range(len(y) // 8)]
+  torch_steps(net, optimizer, [(x[r], (torch.from_numpy(y[r].astype(np.int64)), torch.from_numpy(server_logits[r])))
+                               for r in rows], loss)
+  # Adam's near-zero gradients, as for FedDF above
+  assert_layers_close(net, out.params, {5: ('head',), 3: ('extractor', 'Dense_1')}, 0.02 * cfg.learning_rate)

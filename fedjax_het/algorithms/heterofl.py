@@ -13,8 +13,8 @@ Training: CE with the logits of classes the client does not hold set to 0 (Heter
 0, 0)`, --heterofl_mask), SGD at --local_learning_rate with momentum --heterofl_momentum and weight decay
 --heterofl_weight_decay (HeteroFL's 0.9 and 5e-4), each step's gradient first clipped to global norm
 --heterofl_clip_norm (its code's 1), a fresh optimizer every round, its rate multiplied by --heterofl_lr_decay at
-each round of --heterofl_lr_milestones (its code's MultiStepLR, stepped every round; off by default). Its static BatchNorm keeps no
-running statistics for training; every client is scored with the global model (Felo: "evaluated on the server
+each round of --heterofl_lr_milestones (its code's MultiStepLR, stepped every round; off by default). Its static
+BatchNorm keeps no running statistics for training; every client is scored with the global model (Felo: "evaluated on the server
 side").
 
 Static BatchNorm (sBN, --heterofl_static_bn, the default): before each evaluation the global model runs in train

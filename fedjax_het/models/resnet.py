@@ -28,11 +28,15 @@ def _residual(x: jnp.ndarray, y: jnp.ndarray, strides: int, conv, norm) -> jnp.n
 
 
 
-class BasicBlock(nn.Module):
-  """Two 3x3 convs with a projection shortcut when the shape changes (ResNet-18/34)."""
+class _Block(nn.Module):
+  """A residual block's settings: its width, the stride of its first convolution, the convolution to build."""
   filters: int
   strides: int = 1
   conv: Any = nn.Conv
+
+
+class BasicBlock(_Block):
+  """Two 3x3 convs with a projection shortcut when the shape changes (ResNet-18/34)."""
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
@@ -42,12 +46,9 @@ class BasicBlock(nn.Module):
     return _residual(x, y, self.strides, self.conv, norm)
 
 
-class PreActBlock(nn.Module):
+class PreActBlock(_Block):
   """A pre-activation basic block: BN-ReLU-conv3x3(stride)-BN-ReLU-conv3x3, added to the input or, when the shape
   changes, to a strided 1x1 projection of the pre-activated input (He et al. 2016, "Identity Mappings")."""
-  filters: int
-  strides: int = 1
-  conv: Any = nn.Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
@@ -61,12 +62,9 @@ class PreActBlock(nn.Module):
     return y + shortcut
 
 
-class Bottleneck(nn.Module):
+class Bottleneck(_Block):
   """torchvision's Bottleneck: 1x1 (filters) -> 3x3 (filters, stride) -> 1x1 (4 * filters), projection shortcut
   when the shape changes (ResNet-50/101/152)."""
-  filters: int
-  strides: int = 1
-  conv: Any = nn.Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:

@@ -21,9 +21,10 @@ engine's fixed-size draw neighbouring federations replace one client (the sensit
 the private parts only through means over all participants divides their noised sum by the expected count qN, not
 by the number drawn (`fixed_denominator`: the fixed-denominator estimator of "Learning Differentially Private
 Recurrent Language Models", McMahan et al., ICLR 2018), and a round that drew nobody still releases the noise
-alone, so the release is the sum's Gaussian mechanism under add/remove adjacency (sensitivity C) whatever the draw. What is not protected: parts a
-method declares public (FedProto's and FD's per-class counts: which classes a client holds), the participant set
-(the server draws it), and what a simulation measures beside the protocol (evaluation, the training loss).
+alone, so the release is the sum's Gaussian mechanism under add/remove adjacency (sensitivity C) whatever the draw.
+What is not protected: parts a method declares public (FedProto's and FD's per-class counts: which classes a client
+holds), the participant set where the draw does not amplify (the server draws it), and what a simulation measures
+beside the protocol (evaluation).
 """
 
 from __future__ import annotations
