@@ -2,8 +2,9 @@
 batches give the same numbers within float32 tolerance. FedDF's server distillation (epfml's
 `noise_knowledge_transfer.py`: Adam, CosineAnnealingLR stepped per batch, clip_grad_norm_(5), kl_div batchmean of
 the averaged logits), HeteroFL's local steps (its `Local.train`: masked logits, clip_grad_norm_(1), SGD with
-momentum and weight decay, BatchNorm on the batch) and FedMD's collaboration round (the digest towards the
-consensus, then the revisit, one Adam kept through both)."""
+momentum and weight decay, BatchNorm on the batch), FedMD's collaboration round (the digest towards the consensus,
+then the revisit, one Adam kept through both), FedGKT's client steps (CE plus its KD term, torch's Adam with
+amsgrad) and FedALA's adaptive local aggregation (PFLlib's `utils/ALA.py`)."""
 
 import jax
 import jax.numpy as jnp
@@ -239,3 +240,49 @@ def test_fedgkt_client_steps_equal_its_codes_kd_training():
                                for r in rows], loss)
   # Adam's near-zero gradients, as for FedDF above
   assert_layers_close(net, out.params, {5: ('head',), 3: ('extractor', 'Dense_1')}, 0.02 * cfg.learning_rate)
+
+
+def test_fedala_adaptive_aggregation_equals_pfllibs_ala():
+  """One ALA epoch (PFLlib's utils/ALA.py after its start phase): the lower layers take the group model's values;
+  on a contiguous 80 % of the client's rows from a random start, in batches (the last partial one dropped), the temp
+  head is local + (group - local) * W, and after each batch W <- clamp(W - eta * grad * (group - local), 0, 1);
+  the client ends with local + (group - local) * W. Weights start from a mix of ones and halves."""
+  from fedjax_het.algorithms import FedALAConfig
+  from fedjax_het.algorithms.fedala import adaptive_local_aggregation
+  from fedjax_het.core import ClientRows
+  from fedjax_het.models import build_model
+  model = build_model('mlp', 4, 512, 'none')
+  init = lambda seed: model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 8, 8, 1)))['params']
+  local, group = init(0), init(1)
+  weights = jax.tree.map(lambda a: jnp.where(jnp.arange(a.size).reshape(a.shape) % 2 == 0, 1.0, 0.5), local['head'])
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(45, 8, 8, 1)).astype(np.float32)
+  y = rng.integers(0, 4, 45).astype(np.int32)
+  cfg = FedALAConfig(eta=1.0, rand_percent=80)
+  client = ClientState(local, {}, {'ala_weights': weights, 'ala_started': jnp.asarray(True)}, jax.random.PRNGKey(0))
+  key = jax.random.PRNGKey(4)
+  out = adaptive_local_aggregation(model, cfg, 8, client, ClientRows(jnp.asarray(x), jnp.asarray(y), jnp.asarray(45),
+                                                                     jnp.asarray(45)), group, key)
+
+  size = 45 * 80 // 100  # int(rand_percent / 100 * len(train_data)) = 36: 4 batches of 8
+  start = int(jax.random.randint(key, (), 0, 45 - size + 1))  # the library's draw of PFLlib's random.randint
+  net = torch_mlp({'extractor': group['extractor'], 'head': local['head']})
+  head_local = {k: t(local['head'][k]) for k in ('kernel', 'bias')}
+  head_group = {k: t(group['head'][k]) for k in ('kernel', 'bias')}
+  w = {k: t(weights[k]) for k in ('kernel', 'bias')}
+  mixed = lambda k: head_local[k] + (head_group[k] - head_local[k]) * w[k]
+  for b in range(size // 8):
+    rows = slice(start + b * 8, start + (b + 1) * 8)
+    with torch.no_grad():
+      net[5].weight.copy_(mixed('kernel').T)
+      net[5].bias.copy_(mixed('bias'))
+    net.zero_grad()
+    F.cross_entropy(net(torch.from_numpy(x[rows].transpose(0, 3, 1, 2).copy())),
+                    torch.from_numpy(y[rows].astype(np.int64))).backward()
+    grads = {'kernel': net[5].weight.grad.T, 'bias': net[5].bias.grad}
+    w = {k: torch.clamp(w[k] - cfg.eta * grads[k] * (head_group[k] - head_local[k]), 0, 1) for k in w}
+  np.testing.assert_allclose(np.asarray(out.extra['ala_weights']['kernel']), w['kernel'].numpy(), rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(np.asarray(out.params['head']['kernel']), mixed('kernel').numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out.params['extractor']['Dense_0']['kernel'], group['extractor']['Dense_0']['kernel'])
+  assert not np.allclose(w['kernel'].numpy(), np.asarray(weights['kernel']))  # the weights learned
