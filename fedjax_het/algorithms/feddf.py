@@ -117,16 +117,45 @@ def early_stopped(cfg: FedDFConfig, spec: FederationSpec, step, init: tuple, con
   return tuple(b[0] for b in best), tuple(b[1] for b in best)
 
 
-def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
-  """FedDF as an `Algorithm`: grouped local training, the server's ensemble distillation into each
-  architecture's model on public data (with the code's early stopping on labelled validation rows)."""
-  rows = PublicRows(public)
-  batch = min(cfg.server_batch_size, rows.size)
-  per_pass = rows.size // batch
-  optimizer = optax.chain(optax.clip_by_global_norm(CLIP_NORM),
-                          optax.adam(optax.cosine_decay_schedule(cfg.server_learning_rate, max(cfg.server_steps, 1)),
-                                     eps=1e-8))
-  constants = dict(rows.constants)
+def server_optimizer(cfg: FedDFConfig) -> optax.GradientTransformation:
+  """The student's optimiser: gradients clipped to 5, Adam with its rate cosine-annealed over the server steps."""
+  return optax.chain(optax.clip_by_global_norm(CLIP_NORM),
+                     optax.adam(optax.cosine_decay_schedule(cfg.server_learning_rate, max(cfg.server_steps, 1)),
+                                eps=1e-8))
+
+
+def distillation_step(cfg: FedDFConfig, spec: FederationSpec, uploads, public_x: jnp.ndarray, key: jax.Array,
+                      batch: int):
+  """step(t, (params, states, optimizer states) per group, active=None): distillation step t of every group's
+  student on public batch t (a fresh permutation of the public rows each pass), towards the mean logits of every
+  upload; a group not `active` stays as it is."""
+  optimizer = server_optimizer(cfg)
+  size = public_x.shape[0]
+  per_pass = size // batch
+
+  def step(t, carry, active=None):
+    params, states, opt_states = carry
+    order = jax.random.permutation(jax.random.fold_in(key, t // per_pass), size)
+    x = public_x[jax.lax.dynamic_slice_in_dim(order, (t % per_pass) * batch, batch)]
+    teacher = jax.lax.stop_gradient(ensemble_logits(spec, uploads, x))
+    out = []
+    for gi, (group, p, s, o) in enumerate(zip(spec.groups, params, states, opt_states)):
+      def objective(p):
+        logits, _, new_state = forward(group.model, p, s, x, True)
+        return distillation_loss(logits, teacher, cfg.temperature), new_state
+      (_, new_state), grads = jax.value_and_grad(objective, has_aux=True)(p)
+      updates, new_o = optimizer.update(grads, o, p)
+      new = (optax.apply_updates(p, updates), new_state, new_o)
+      if active is not None:  # a stopped student stays as it is
+        new = jax.tree.map(lambda a, b: jnp.where(active[gi], a, b), new, (p, s, o))
+      out.append(new)
+    return tuple(tuple(v) for v in zip(*out))
+  return step
+
+
+def server_constants(cfg: FedDFConfig, public: PublicData) -> dict:
+  """The server's arrays: the public images, and under early stopping the labelled validation rows."""
+  constants = dict(PublicRows(public).constants)
   if cfg.patience:
     if public.validation_x is None:
       raise ConfigError(f'{setting(cfg, "patience")}: FedDF stops early on the server\'s labelled '
@@ -134,6 +163,15 @@ def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
                         f'of the training rows), or no early stopping (patience 0).')
     constants.update(validation_x=jnp.asarray(public.validation_x),
                      validation_y=jnp.asarray(public.validation_y, jnp.int32))
+  return constants
+
+
+def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
+  """FedDF as an `Algorithm`: grouped local training, the server's ensemble distillation into each
+  architecture's model on public data (with the code's early stopping on labelled validation rows)."""
+  constants = server_constants(cfg, public)
+  batch = min(cfg.server_batch_size, int(public.y.shape[0]))
+  optimizer = server_optimizer(cfg)
 
   def client(group):
     return sgd_program(cross_entropy_loss(group.model), group.training, receive=receive_group_state,
@@ -144,26 +182,7 @@ def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
       means = average_group_states(server, uploads, weight=lambda u: u.mask.astype(jnp.float32))  # uniform
       averaged, states = means['models'], means['model_states']
       present = tuple(u.mask.any() for u in uploads)
-
-      def step(t, carry, active=None):
-        params, states, opt_states = carry
-        order = jax.random.permutation(jax.random.fold_in(key, t // per_pass), rows.size)
-        index = jax.lax.dynamic_slice_in_dim(order, (t % per_pass) * batch, batch)
-        x = server['constants']['public_x'][index]
-        teacher = jax.lax.stop_gradient(ensemble_logits(spec, uploads, x))
-        out = []
-        for gi, (group, p, s, o) in enumerate(zip(spec.groups, params, states, opt_states)):
-          def objective(p):
-            logits, _, new_state = forward(group.model, p, s, x, True)
-            return distillation_loss(logits, teacher, cfg.temperature), new_state
-          (_, new_state), grads = jax.value_and_grad(objective, has_aux=True)(p)
-          updates, new_o = optimizer.update(grads, o, p)
-          new = (optax.apply_updates(p, updates), new_state, new_o)
-          if active is not None:  # a stopped student stays as it is
-            new = jax.tree.map(lambda a, b: jnp.where(active[gi], a, b), new, (p, s, o))
-          out.append(new)
-        return tuple(tuple(v) for v in zip(*out))
-
+      step = distillation_step(cfg, spec, uploads, server['constants']['public_x'], key, batch)
       init = (averaged, states, tuple(optimizer.init(p) for p in averaged))
       if cfg.patience:
         distilled, new_states = early_stopped(cfg, spec, step, init, server['constants'])
