@@ -44,8 +44,8 @@ import optax
 
 from fedjax_het.algorithms.base import sgd_program
 from fedjax_het.algorithms.common import cross_entropy
-from fedjax_het.core import (Algorithm, ClientState, Evaluation, GroupSpec, UploadPrivacy, hyperparameter,
-                             leaf_scalars, one_phase)
+from fedjax_het.core import (Algorithm, ClientProgram, ClientState, Evaluation, GroupSpec, UploadPrivacy,
+                             hyperparameter, leaf_scalars, one_phase)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 from fedjax_het.models.norm import batch_statistics
@@ -137,33 +137,101 @@ def combine(global_params: dict, uploads) -> dict:
   return jax.tree.map(lambda t, c, old: jnp.where(c > 0, t / jnp.maximum(c, 1.0), old), total, count, global_params)
 
 
+def variables(group: GroupSpec, model=None) -> Any:
+  """The shapes of a group's model's variables (of `model`, one of its group's models, where given)."""
+  model = model or group.model
+  return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), group.sample_input(), train=False))
+
+
+def widest(group: GroupSpec) -> int:
+  """The index of the group with the most parameters (the global model's architecture)."""
+  sizes = [sum(leaf.size for leaf in jax.tree.leaves(variables(group, m)['params'])) for m in group.group_models]
+  return max(range(len(sizes)), key=lambda i: sizes[i])
+
+
+def check_sub_models(spec) -> int:
+  """The widest group's index, after checking that every group's model is a leading slice of it (one architecture
+  at several width rates) and that RM keeps the widths apart; a ConfigError naming the setting otherwise."""
+  if spec.groups[0].rm not in ('none', 'fc'):
+    raise ConfigError(f'ModelConfig.rm={spec.groups[0].rm!r}: HeteroFL slices every layer to its width, and '
+                      f'{spec.groups[0].rm!r} pools each width\'s features to the same d, so a narrow model\'s '
+                      f'features would not be the leading slice of the wide one\'s. Fix: ModelConfig.rm=\'none\' '
+                      f'(HeteroFL: the head on the pooled features) or \'fc\'.')
+  top = widest(spec.groups[0])
+  big = variables(spec.groups[top])['params']
+  for g in spec.groups:
+    small = variables(g)['params']
+    if (jax.tree.structure(small) != jax.tree.structure(big) or
+            any(any(d > t for d, t in zip(a.shape, b.shape)) for a, b in zip(jax.tree.leaves(small),
+                                                                              jax.tree.leaves(big)))):
+      raise ConfigError(f'ModelConfig.names: HeteroFL needs one architecture at several width rates (e.g. '
+                        f'resnet26@1,resnet26@0.5); {g.arch!r} is not a sub-model of {spec.groups[top].arch!r}.')
+  return top
+
+
+def client_program(cfg: HeteroFLConfig, num_classes: int, learning_rate: float, group: GroupSpec) -> ClientProgram:
+  """A client's round: its label mask from its rows, then its sub-model trained on CE with the logits of classes
+  it lacks set to 0 (--heterofl_mask), at the round's rate (`local_optimizer`, scaled by the broadcast's MultiStepLR
+  factor); it uploads the sub-model and the mask."""
+  optimizer = lambda broadcast: local_optimizer(cfg, learning_rate * broadcast['lr_scale'])
+
+  def loss(client, batch, broadcast, key):
+    logits, _, model_state = forward(group.model, client.params, client.model_state, batch.x, True, batch.mask)
+    if cfg.mask:
+      logits = jnp.where(client.extra['label_mask'] > 0, logits, 0.0)
+    return cross_entropy(logits, batch.y, batch.mask), client._replace(model_state=model_state)
+
+  def prepare(client, rows, broadcast, key):
+    held = (jnp.arange(rows.x.shape[0]) < rows.num_train)[:, None] & (rows.y[:, None] == jnp.arange(num_classes))
+    return client._replace(extra={**client.extra, 'label_mask': held.any(0).astype(jnp.float32)})
+
+  program = sgd_program(loss, group.training, optimizer=optimizer,
+                        receive=lambda c, b: c._replace(params=b['model']),
+                        upload=lambda c, rows, b, k: {'model': c.params, 'label_mask': c.extra['label_mask']})
+  return program._replace(prepare=prepare)
+
+
+def global_model_evaluation(cfg: HeteroFLConfig, group: GroupSpec) -> Evaluation:
+  """Every client scored with the global model: under sBN with the BatchNorm statistics of a train-mode pass over
+  every client's training rows (each chunk's batch statistics, weighted by its rows), else each test batch's."""
+  model = group.group_models[widest(group)]
+  if not (cfg.static_bn and 'batch_stats' in variables(group, model)):
+    def prepare(client: ClientState, broadcast):
+      return broadcast['global'], broadcast['global_state']
+
+    def batch_logits(evaluated, x, rows):
+      params, state = evaluated
+      return (forward(model, params, state, x, True, rows)[0],)  # BatchNorm on the batch's real test rows
+    return Evaluation(('global_model',), prepare, batch_logits, batch_rows=True)
+
+  def prepare_static(client: ClientState, broadcast):
+    if 'statistics' not in broadcast:  # while the statistics are gathered: nothing to score with yet
+      return broadcast['global'], broadcast['global_state'], None  # (a static marker: None, not gathered)
+    sums = broadcast['statistics']
+    stats = jax.tree.map(lambda a: a / jnp.maximum(sums['rows'], 1.0), sums['weighted'])
+    return broadcast['global'], {**broadcast['global_state'], 'batch_stats': stats}, ()
+
+  def statistics(evaluated, x, rows):
+    params, state, _ = evaluated
+    stats = batch_statistics(model, {'params': params, **state}, x, rows)
+    k = rows.sum().astype(jnp.float32)
+    return {'weighted': jax.tree.map(lambda a: jnp.where(k > 0, a * k, 0.0), stats), 'rows': k}
+
+  def logits(evaluated, x):
+    params, state, gathered = evaluated
+    if gathered is None:
+      raise ConfigError('HeteroFL\'s static BatchNorm scores the global model with statistics gathered over the '
+                        'clients\' training rows, and this evaluation had none (Federation.evaluate gathers '
+                        'them). Fix: score through Federation.evaluate, or --noheterofl_static_bn.')
+    return (forward(model, params, state, x, False)[0],)
+  return Evaluation(('global_model',), prepare_static, logits, statistics=statistics)
+
+
 def heterofl(cfg: HeteroFLConfig, num_classes: int, local_learning_rate: float) -> Algorithm:
   """HeteroFL (fixed rates per group) as an `Algorithm`."""
 
-  def variables(group: GroupSpec, model=None):
-    model = model or group.model
-    return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), group.sample_input(), train=False))
-
-  def widest(group: GroupSpec) -> int:
-    """The index of the group with the most parameters (the global model's architecture)."""
-    sizes = [sum(leaf.size for leaf in jax.tree.leaves(variables(group, m)['params'])) for m in group.group_models]
-    return max(range(len(sizes)), key=lambda i: sizes[i])
-
   def init_server(key, spec, initial):
-    if spec.groups[0].rm not in ('none', 'fc'):
-      raise ConfigError(f'ModelConfig.rm={spec.groups[0].rm!r}: HeteroFL slices every layer to its width, and '
-                        f'{spec.groups[0].rm!r} pools each width\'s features to the same d, so a narrow model\'s '
-                        f'features would not be the leading slice of the wide one\'s. Fix: ModelConfig.rm=\'none\' '
-                        f'(HeteroFL: the head on the pooled features) or \'fc\'.')
-    top = widest(spec.groups[0])
-    big = variables(spec.groups[top])['params']
-    for g in spec.groups:
-      small = variables(g)['params']
-      if (jax.tree.structure(small) != jax.tree.structure(big) or
-              any(any(d > t for d, t in zip(a.shape, b.shape)) for a, b in zip(jax.tree.leaves(small),
-                                                                                jax.tree.leaves(big)))):
-        raise ConfigError(f'ModelConfig.names: HeteroFL needs one architecture at several width rates (e.g. '
-                          f'resnet26@1,resnet26@0.5); {g.arch!r} is not a sub-model of {spec.groups[top].arch!r}.')
+    top = check_sub_models(spec)
     return {'model': initial[top].params, 'state': initial[top].model_state, 'round': jnp.zeros((), jnp.int32)}
 
   def broadcast(server, group):
@@ -171,67 +239,11 @@ def heterofl(cfg: HeteroFLConfig, num_classes: int, local_learning_rate: float) 
             'global_state': server['state'], 'lr_scale': multistep_factor(server['round'], cfg.milestones,
                                                                           cfg.lr_decay)}
 
-  def init_client(group, key):
-    return {'label_mask': jnp.ones(num_classes)}
-
-  def client(group: GroupSpec):
-    optimizer = lambda broadcast: local_optimizer(cfg, local_learning_rate * broadcast['lr_scale'])
-
-    def loss(client, batch, broadcast, key):
-      logits, _, model_state = forward(group.model, client.params, client.model_state, batch.x, True, batch.mask)
-      if cfg.mask:
-        logits = jnp.where(client.extra['label_mask'] > 0, logits, 0.0)
-      return cross_entropy(logits, batch.y, batch.mask), client._replace(model_state=model_state)
-
-    def prepare(client, rows, broadcast, key):
-      held = (jnp.arange(rows.x.shape[0]) < rows.num_train)[:, None] & (rows.y[:, None] == jnp.arange(num_classes))
-      return client._replace(extra={**client.extra, 'label_mask': held.any(0).astype(jnp.float32)})
-
-    program = sgd_program(loss, group.training, optimizer=optimizer,
-                          receive=lambda c, b: c._replace(params=b['model']),
-                          upload=lambda c, rows, b, k: {'model': c.params, 'label_mask': c.extra['label_mask']})
-    return program._replace(prepare=prepare)
-
   def server_update(server, uploads, key):
     return {**server, 'model': combine(server['model'], uploads), 'round': server['round'] + 1}, {}
 
-  def evaluation(group: GroupSpec) -> Evaluation:
-    """Every client scored with the global model: under sBN with the BatchNorm statistics of a train-mode pass over
-    every client's training rows (each chunk's batch statistics, weighted by its rows), else each test batch's."""
-    top = widest(group)
-    model = group.group_models[top]
-    if not (cfg.static_bn and 'batch_stats' in variables(group, model)):
-      def prepare(client: ClientState, broadcast):
-        return broadcast['global'], broadcast['global_state']
-
-      def batch_logits(evaluated, x, rows):
-        params, state = evaluated
-        return (forward(model, params, state, x, True, rows)[0],)  # BatchNorm on the batch's real test rows
-      return Evaluation(('global_model',), prepare, batch_logits, batch_rows=True)
-
-    def prepare_static(client: ClientState, broadcast):
-      if 'statistics' not in broadcast:  # while the statistics are gathered: nothing to score with yet
-        return broadcast['global'], broadcast['global_state'], None  # (a static marker: None, not gathered)
-      sums = broadcast['statistics']
-      stats = jax.tree.map(lambda a: a / jnp.maximum(sums['rows'], 1.0), sums['weighted'])
-      return broadcast['global'], {**broadcast['global_state'], 'batch_stats': stats}, ()
-
-    def statistics(evaluated, x, rows):
-      params, state, _ = evaluated
-      stats = batch_statistics(model, {'params': params, **state}, x, rows)
-      k = rows.sum().astype(jnp.float32)
-      return {'weighted': jax.tree.map(lambda a: jnp.where(k > 0, a * k, 0.0), stats), 'rows': k}
-
-    def logits(evaluated, x):
-      params, state, gathered = evaluated
-      if gathered is None:
-        raise ConfigError('HeteroFL\'s static BatchNorm scores the global model with statistics gathered over the '
-                          'clients\' training rows, and this evaluation had none (Federation.evaluate gathers '
-                          'them). Fix: score through Federation.evaluate, or --noheterofl_static_bn.')
-      return (forward(model, params, state, x, False)[0],)
-    return Evaluation(('global_model',), prepare_static, logits, statistics=statistics)
-
-  return one_phase('heterofl', init_server, client, server_update, evaluation, broadcast=broadcast,
-                   init_client=init_client, partial_batches=True, shares_representations=False,
-                   broadcast_scalars=lambda b: leaf_scalars({'model': b['model']}),
+  return one_phase('heterofl', init_server, lambda group: client_program(cfg, num_classes, local_learning_rate, group),
+                   server_update, lambda group: global_model_evaluation(cfg, group), broadcast=broadcast,
+                   init_client=lambda group, key: {'label_mask': jnp.ones(num_classes)}, partial_batches=True,
+                   shares_representations=False, broadcast_scalars=lambda b: leaf_scalars({'model': b['model']}),
                    upload_privacy=UploadPrivacy(public=('label_mask',), reference=lambda b: {'model': b['model']}))
