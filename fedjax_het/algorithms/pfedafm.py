@@ -86,58 +86,82 @@ def optimizers(cfg: PFedAFMConfig, learning_rate: float) -> tuple[optax.Gradient
   return own, alpha, sgd(learning_rate, cfg.momentum, cfg.weight_decay)
 
 
+def clamp(alpha: jnp.ndarray) -> jnp.ndarray:
+  """alpha clamped to [0, 1], as the code clamps it before and after each step."""
+  return jnp.clip(alpha, 0.0, 1.0)
+
+
+def client_program(cfg: PFedAFMConfig, learning_rate: float, group: GroupSpec) -> ClientProgram:
+  """A client's round (the module docstring): receive G, step 1 (F_k, h_k and alpha, G frozen), step 2 (G, F_k and
+  h_k frozen), upload G."""
+  own_opt, alpha_opt, shared_opt = optimizers(cfg, learning_rate)
+  shared_model = group.build_model(cfg.global_model, group.feature_dim)
+
+  def mixture_step(carry, batch, broadcast, key):
+    """Step 1: F_k, h_k and alpha on CE(h_k(o), y), G frozen."""
+    client, own_state, shared_state = carry
+    extra = client.extra
+    _, shared, _ = forward(shared_model, extra['params']['companion'], extra['state']['companion'], batch.x, False)
+
+    def loss(values):
+      params, alpha = values
+      _, own, model_state = forward(group.model, params, client.model_state, batch.x, True, batch.mask)
+      logits = head_apply(params['head'], mix(alpha, own, shared))
+      return cross_entropy(logits, batch.y, batch.mask), model_state
+    alpha = clamp(extra['alpha'])
+    (value, model_state), (g_params, g_alpha) = jax.value_and_grad(loss, has_aux=True)((client.params, alpha))
+    updates, own_state = own_opt.update(g_params, own_state, client.params)
+    a_updates, alpha_state = alpha_opt.update(g_alpha, extra['alpha_optimizer'], alpha)
+    client = client._replace(params=optax.apply_updates(client.params, updates), model_state=model_state,
+                             extra={**extra, 'alpha': clamp(optax.apply_updates(alpha, a_updates)),
+                                    'alpha_optimizer': alpha_state})
+    return (client, own_state, shared_state), value
+
+  def shared_step(carry, batch, broadcast, key):
+    """Step 2: G on CE(h_k(G(x)), y), F_k and h_k frozen."""
+    client, own_state, shared_state = carry
+
+    def loss(params):
+      _, shared, state = forward(shared_model, params, client.extra['state']['companion'], batch.x, True,
+                                 batch.mask)
+      return cross_entropy(head_apply(client.params['head'], shared), batch.y, batch.mask), state
+    client, shared_state, value = global_model_step(client, loss, shared_opt, shared_state)
+    return (client, own_state, shared_state), value
+
+  def init(client, broadcast, key):
+    client = receive_global_model(client, broadcast)
+    return client, own_opt.init(client.params), shared_opt.init(client.extra['params']['companion'])
+
+  epochs = group.training.epochs
+  return ClientProgram(init, (Stage(mixture_step, epochs), Stage(shared_step, epochs)), upload_carried_global_model,
+                       group.training)
+
+
+def mixture_evaluation(cfg: PFedAFMConfig, group: GroupSpec) -> Evaluation:
+  """'mixed': h_k(alpha o F_k + (1 - alpha) o G) with the broadcast G; 'global_extractor': h_k(G(x))."""
+  shared_model = group.build_model(cfg.global_model, group.feature_dim)
+
+  def prepare(client: ClientState, broadcast):
+    return receive_global_model(client, broadcast)
+
+  def logits(client, x):
+    _, own, _ = forward(group.model, client.params, client.model_state, x, False)
+    _, shared, _ = forward(shared_model, client.extra['params']['companion'], client.extra['state']['companion'],
+                           x, False)
+    head = client.params['head']
+    return head_apply(head, mix(clamp(client.extra['alpha']), own, shared)), head_apply(head, shared)
+  return Evaluation(('mixed', 'global_extractor'), prepare, logits)
+
+
 def pfedafm(cfg: PFedAFMConfig, local_learning_rate: float) -> Algorithm:
   """pFedAFM as an `Algorithm` (clients carry G and alpha in their per-client state)."""
   check_global_model(cfg)
-  own_opt, alpha_opt, shared_opt = optimizers(cfg, local_learning_rate)
-  clamp = lambda a: jnp.clip(a, 0.0, 1.0)
+  alpha_opt = optimizers(cfg, local_learning_rate)[1]
 
   def init_client(group: GroupSpec, key):
     extra = init_global_model(group, group.build_model(cfg.global_model, group.feature_dim), key)
     alpha = jnp.ones(group.feature_dim)
     return {**extra, 'alpha': alpha, 'alpha_optimizer': alpha_opt.init(alpha)}
-
-  def client(group: GroupSpec) -> ClientProgram:
-    shared_model = group.build_model(cfg.global_model, group.feature_dim)
-
-    def mixture_step(carry, batch, broadcast, key):
-      """Step 1: F_k, h_k and alpha on CE(h_k(o), y), G frozen."""
-      client, own_state, shared_state = carry
-      extra = client.extra
-      _, shared, _ = forward(shared_model, extra['params']['companion'], extra['state']['companion'], batch.x, False)
-
-      def loss(values):
-        params, alpha = values
-        _, own, model_state = forward(group.model, params, client.model_state, batch.x, True, batch.mask)
-        logits = head_apply(params['head'], mix(alpha, own, shared))
-        return cross_entropy(logits, batch.y, batch.mask), model_state
-      alpha = clamp(extra['alpha'])
-      (value, model_state), (g_params, g_alpha) = jax.value_and_grad(loss, has_aux=True)((client.params, alpha))
-      updates, own_state = own_opt.update(g_params, own_state, client.params)
-      a_updates, alpha_state = alpha_opt.update(g_alpha, extra['alpha_optimizer'], alpha)
-      client = client._replace(params=optax.apply_updates(client.params, updates), model_state=model_state,
-                               extra={**extra, 'alpha': clamp(optax.apply_updates(alpha, a_updates)),
-                                      'alpha_optimizer': alpha_state})
-      return (client, own_state, shared_state), value
-
-    def shared_step(carry, batch, broadcast, key):
-      """Step 2: G on CE(h_k(G(x)), y), F_k and h_k frozen."""
-      client, own_state, shared_state = carry
-
-      def loss(params):
-        _, shared, state = forward(shared_model, params, client.extra['state']['companion'], batch.x, True,
-                                   batch.mask)
-        return cross_entropy(head_apply(client.params['head'], shared), batch.y, batch.mask), state
-      client, shared_state, value = global_model_step(client, loss, shared_opt, shared_state)
-      return (client, own_state, shared_state), value
-
-    def init(client, broadcast, key):
-      client = receive_global_model(client, broadcast)
-      return client, own_opt.init(client.params), shared_opt.init(client.extra['params']['companion'])
-
-    epochs = group.training.epochs
-    return ClientProgram(init, (Stage(mixture_step, epochs), Stage(shared_step, epochs)), upload_carried_global_model,
-                         group.training)
 
   def server_update(server, uploads, key):
     """G averaged over the participants, weighted by their training rows."""
@@ -146,20 +170,6 @@ def pfedafm(cfg: PFedAFMConfig, local_learning_rate: float) -> Algorithm:
     return {**server, 'global_model': participant_average(u.values['global_model'], weights,
                                                            server['global_model'])}, {}
 
-  def evaluation(group: GroupSpec) -> Evaluation:
-    """'mixed': h_k(alpha o F_k + (1 - alpha) o G) with the broadcast G; 'global_extractor': h_k(G(x))."""
-    shared_model = group.build_model(cfg.global_model, group.feature_dim)
-
-    def prepare(client: ClientState, broadcast):
-      return receive_global_model(client, broadcast)
-
-    def logits(client, x):
-      _, own, _ = forward(group.model, client.params, client.model_state, x, False)
-      _, shared, _ = forward(shared_model, client.extra['params']['companion'], client.extra['state']['companion'],
-                             x, False)
-      head = client.params['head']
-      return head_apply(head, mix(clamp(client.extra['alpha']), own, shared)), head_apply(head, shared)
-    return Evaluation(('mixed', 'global_extractor'), prepare, logits)
-
-  return one_phase('pfedafm', initial_global_model, client, server_update, evaluation, init_client=init_client,
+  return one_phase('pfedafm', initial_global_model, lambda group: client_program(cfg, local_learning_rate, group),
+                   server_update, lambda group: mixture_evaluation(cfg, group), init_client=init_client,
                    partial_batches=True, upload_privacy=GLOBAL_MODEL_PRIVACY)
