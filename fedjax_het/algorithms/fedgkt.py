@@ -171,10 +171,133 @@ def map_shape(group: GroupSpec, split: str = 'extractor') -> tuple[int, ...]:
   return tuple(out[0].shape[1:])
 
 
+def client_program(cfg: FedGKTConfig, optimizer: optax.GradientTransformation, group: GroupSpec) -> ClientProgram:
+  """A client's round: CE plus the distillation term towards the server's logits of each row (once it has any),
+  its optimiser kept; it uploads every training row's map (`extract`), logits and label."""
+  T = cfg.temperature
+
+  def loss(client, batch, broadcast):
+    logits, _, client = train_forward(group.model, client, batch.x, batch.mask)
+    mine = broadcast[PER_CLIENT]
+    kd = client_kd_loss(logits, mine['logits'][batch.index], T, batch.mask)
+    return cross_entropy(logits, batch.y, batch.mask) + cfg.alpha * jnp.where(mine['has'], kd, 0.0), client
+
+  def final(client, rows, broadcast, key):
+    real = jnp.arange(rows.x.shape[0]) < rows.num_train
+    h, logits = jax.lax.map(lambda x: jax.tree.map(lambda a: a[0], extract(
+        group.model, client.params, client.model_state, x[None], cfg.split)), rows.x, batch_size=64)
+    zero = lambda a: jnp.where(real.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0)
+    return client, {'features': zero(h), 'logits': zero(logits), 'y': zero(rows.y), 'rows': real,
+                    'received': broadcast[PER_CLIENT]['has']}
+
+  return ClientProgram(lambda client, broadcast, key: client, single_stage(kept_optimizer_step(optimizer, loss),
+                                                                          group.training),
+                       final, group.training)
+
+
+def server_evaluation(cfg: FedGKTConfig, num_classes: int, group: GroupSpec) -> Evaluation:
+  """'server_model': the client's extractor, then the server model; 'client_model': the client's own."""
+  trunk_net = StemlessResNet(num_classes, cfg.server_blocks)
+
+  def prepare(client, broadcast):
+    return client.params, client.model_state, broadcast['model'], broadcast['state']
+
+  def logits(evaluated, x):
+    params, model_state, server_model, server_state = evaluated
+    h, own = extract(group.model, params, model_state, x, cfg.split)
+    return apply_server(trunk_net, server_model, server_state, h, False)[0], own
+  return Evaluation(('server_model', 'client_model'), prepare, logits)
+
+
+def server_pass(cfg: FedGKTConfig, optimizer: optax.GradientTransformation, trunk_net: StemlessResNet,
+                batch_size: int):
+  """group_pass(carry, u, order): one pass of the server model over a group's uploaded rows (its slots in order,
+  each slot's rows in `order`) in batches, its trunk and the group's adapter stepped on each."""
+  T = cfg.temperature
+
+  def objective(params, state, h, z_c, y, valid):
+    z_s, state = apply_server(trunk_net, params, state, h, True, valid)
+    ce = cross_entropy(z_s, y, valid)
+    value = (client_kd_loss(z_s, z_c, T, valid) + cfg.alpha * ce) if cfg.server_distill else ce
+    return value, (z_s, state)
+
+  def group_pass(carry, u, order):
+    """One pass over a group's uploaded rows: its slots in order, each slot's rows in `order` [S, n] (a random
+    order of its real rows, then padding) in batches."""
+    rows = u.values['rows'] & u.mask[:, None]
+    slots, n = rows.shape
+    steps = math.ceil(n / batch_size)
+
+    def step(carry, t):
+      params, state, opts, out, total, count = carry
+      s, b = t // steps, t % steps
+      r = b * batch_size + jnp.arange(batch_size)
+      rc = order[s, jnp.minimum(r, n - 1)]
+      valid = (r < n) & rows[s, rc]
+      # The batch's padding repeats its first real row: a padding row normalised by statistics that are not its
+      # own grows through the server's dozens of BatchNorms until it overflows, and 0 * inf in the masked loss
+      # is NaN. Its output is never counted (the loss and the statistics read only the real rows).
+      picked = jnp.where(valid, rc, rc[jnp.argmax(valid)])
+      (value, (z_s, new_state)), grads = jax.value_and_grad(objective, has_aux=True)(
+          params, state, u.values['features'][s, picked], u.values['logits'][s, picked], u.values['y'][s, picked],
+          valid)
+      # The trunk and the group's adapter keep optimizer states of their own (torch's Adam counts steps per
+      # parameter, and the other groups' adapters take no step here).
+      updated = {part: optimizer.update(grads[part], opts[part], params[part]) for part in params}
+      new = ({part: optax.apply_updates(params[part], updated[part][0]) for part in params}, new_state,
+             {part: updated[part][1] for part in params})
+      # A batch without real rows is no step (momentum and weight decay would still move the parameters).
+      any_row = valid.any()
+      params, state, opts = jax.tree.map(lambda a, b: jnp.where(any_row, a, b), new, (params, state, opts))
+      out = out.at[s, jnp.where(valid, rc, n)].set(z_s, mode='drop')  # real rows only: a clipped index repeats
+      total = total + jnp.where(any_row, value * valid.sum(), 0.0)
+      return (params, state, opts, out, total, count + valid.sum()), None
+    carry, _ = jax.lax.scan(step, carry, jnp.arange(slots * steps))
+    return carry
+
+  return group_pass
+
+
+def server_round(cfg: FedGKTConfig, group_pass, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+  """The server's round: --gkt_server_epochs passes over every group's uploaded rows (`server_pass`), then each
+  participant's rows' logits of the last pass kept for it."""
+  # Each client's rows in one random order for the round (the code's server replays the batches of the
+  # client's shuffled extraction pass, in the same order every epoch; a client's stored rows may be sorted by
+  # class, and one-class batches would teach the server nothing).
+  orders = [jax.vmap(lambda k, valid: shuffled_real_rows(k, valid))(
+      jax.random.split(jax.random.fold_in(key, gi), u.mask.shape[0]), u.values['rows'] & u.mask[:, None])
+      for gi, u in enumerate(uploads)]
+
+  def epoch(carry, _):
+    trunk, adapters, state, trunk_opt, adapter_opts, outs, total, count = carry
+    adapters, adapter_opts, outs = list(adapters), list(adapter_opts), list(outs)
+    for gi, u in enumerate(uploads):
+      params = {'trunk': trunk, 'adapter': adapters[gi]}
+      opts = {'trunk': trunk_opt, 'adapter': adapter_opts[gi]}
+      (params, state, opts, outs[gi], total, count) = group_pass((params, state, opts, outs[gi], total, count),
+                                                                 u, orders[gi])
+      trunk, adapters[gi], trunk_opt, adapter_opts[gi] = (params['trunk'], params['adapter'], opts['trunk'],
+                                                          opts['adapter'])
+    return (trunk, tuple(adapters), state, trunk_opt, tuple(adapter_opts), tuple(outs), total, count), None
+
+  start = (server['model']['trunk'], server['model']['adapters'], server['state'], server['optimizer']['trunk'],
+           server['optimizer']['adapters'], tuple(jnp.zeros(u.values['logits'].shape) for u in uploads),
+           jnp.float32(0), jnp.float32(0))
+  (trunk, adapters, state, trunk_opt, adapter_opts, outs, total, count), _ = jax.lax.scan(
+      epoch, start, None, length=cfg.server_epochs)
+  logits, has = list(server['logits']), list(server['has'])
+  for gi, u in enumerate(uploads):
+    who = jnp.where(u.mask, u.client, logits[gi].shape[0])  # absent slots write nothing
+    logits[gi] = logits[gi].at[who].set(outs[gi], mode='drop')
+    has[gi] = has[gi].at[who].set(cfg.server_epochs > 0, mode='drop')
+  new = {'model': {'trunk': trunk, 'adapters': adapters}, 'state': state,
+         'optimizer': {'trunk': trunk_opt, 'adapters': adapter_opts}, 'logits': tuple(logits), 'has': tuple(has)}
+  return new, {'server_loss': total / jnp.maximum(count, 1.0)}
+
+
 def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
   """FedGKT as an `Algorithm`."""
   optimizer = gkt_optimizer(cfg.optimizer, cfg.learning_rate)
-  T = cfg.temperature
 
   def init_server(key, spec: FederationSpec, initial):
     net = ServerModel(spec, num_classes, cfg.server_blocks, cfg.split)
@@ -194,115 +317,10 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
   def init_client(group, key):
     return {'optimizer': optimizer.init(zero_params(group))}
 
-  def client(group: GroupSpec) -> ClientProgram:
-    def loss(client, batch, broadcast):
-      logits, _, client = train_forward(group.model, client, batch.x, batch.mask)
-      mine = broadcast[PER_CLIENT]
-      kd = client_kd_loss(logits, mine['logits'][batch.index], T, batch.mask)
-      return cross_entropy(logits, batch.y, batch.mask) + cfg.alpha * jnp.where(mine['has'], kd, 0.0), client
-
-    def final(client, rows, broadcast, key):
-      real = jnp.arange(rows.x.shape[0]) < rows.num_train
-      h, logits = jax.lax.map(lambda x: jax.tree.map(lambda a: a[0], extract(
-          group.model, client.params, client.model_state, x[None], cfg.split)), rows.x, batch_size=64)
-      zero = lambda a: jnp.where(real.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0)
-      return client, {'features': zero(h), 'logits': zero(logits), 'y': zero(rows.y), 'rows': real,
-                      'received': broadcast[PER_CLIENT]['has']}
-
-    return ClientProgram(lambda client, broadcast, key: client, single_stage(kept_optimizer_step(optimizer, loss),
-                                                                            group.training),
-                         final, group.training)
-
   def server_for(spec: FederationSpec):
-    trunk_net = StemlessResNet(num_classes, cfg.server_blocks)
+    group_pass = server_pass(cfg, optimizer, StemlessResNet(num_classes, cfg.server_blocks), batch_size)
 
-    def objective(params, state, h, z_c, y, valid):
-      z_s, state = apply_server(trunk_net, params, state, h, True, valid)
-      ce = cross_entropy(z_s, y, valid)
-      value = (client_kd_loss(z_s, z_c, T, valid) + cfg.alpha * ce) if cfg.server_distill else ce
-      return value, (z_s, state)
-
-    def group_pass(carry, u, order):
-      """One pass over a group's uploaded rows: its slots in order, each slot's rows in `order` [S, n] (a random
-      order of its real rows, then padding) in batches."""
-      rows = u.values['rows'] & u.mask[:, None]
-      slots, n = rows.shape
-      steps = math.ceil(n / batch_size)
-
-      def step(carry, t):
-        params, state, opts, out, total, count = carry
-        s, b = t // steps, t % steps
-        r = b * batch_size + jnp.arange(batch_size)
-        rc = order[s, jnp.minimum(r, n - 1)]
-        valid = (r < n) & rows[s, rc]
-        # The batch's padding repeats its first real row: a padding row normalised by statistics that are not its
-        # own grows through the server's dozens of BatchNorms until it overflows, and 0 * inf in the masked loss
-        # is NaN. Its output is never counted (the loss and the statistics read only the real rows).
-        picked = jnp.where(valid, rc, rc[jnp.argmax(valid)])
-        (value, (z_s, new_state)), grads = jax.value_and_grad(objective, has_aux=True)(
-            params, state, u.values['features'][s, picked], u.values['logits'][s, picked], u.values['y'][s, picked],
-            valid)
-        # The trunk and the group's adapter keep optimizer states of their own (torch's Adam counts steps per
-        # parameter, and the other groups' adapters take no step here).
-        updated = {part: optimizer.update(grads[part], opts[part], params[part]) for part in params}
-        new = ({part: optax.apply_updates(params[part], updated[part][0]) for part in params}, new_state,
-               {part: updated[part][1] for part in params})
-        # A batch without real rows is no step (momentum and weight decay would still move the parameters).
-        any_row = valid.any()
-        params, state, opts = jax.tree.map(lambda a, b: jnp.where(any_row, a, b), new, (params, state, opts))
-        out = out.at[s, jnp.where(valid, rc, n)].set(z_s, mode='drop')  # real rows only: a clipped index repeats
-        total = total + jnp.where(any_row, value * valid.sum(), 0.0)
-        return (params, state, opts, out, total, count + valid.sum()), None
-      carry, _ = jax.lax.scan(step, carry, jnp.arange(slots * steps))
-      return carry
-
-    def server_update(server, uploads, key):
-      # Each client's rows in one random order for the round (the code's server replays the batches of the
-      # client's shuffled extraction pass, in the same order every epoch; a client's stored rows may be sorted by
-      # class, and one-class batches would teach the server nothing).
-      orders = [jax.vmap(lambda k, valid: shuffled_real_rows(k, valid))(
-          jax.random.split(jax.random.fold_in(key, gi), u.mask.shape[0]), u.values['rows'] & u.mask[:, None])
-          for gi, u in enumerate(uploads)]
-
-      def epoch(carry, _):
-        trunk, adapters, state, trunk_opt, adapter_opts, outs, total, count = carry
-        adapters, adapter_opts, outs = list(adapters), list(adapter_opts), list(outs)
-        for gi, u in enumerate(uploads):
-          params = {'trunk': trunk, 'adapter': adapters[gi]}
-          opts = {'trunk': trunk_opt, 'adapter': adapter_opts[gi]}
-          (params, state, opts, outs[gi], total, count) = group_pass((params, state, opts, outs[gi], total, count),
-                                                                     u, orders[gi])
-          trunk, adapters[gi], trunk_opt, adapter_opts[gi] = (params['trunk'], params['adapter'], opts['trunk'],
-                                                              opts['adapter'])
-        return (trunk, tuple(adapters), state, trunk_opt, tuple(adapter_opts), tuple(outs), total, count), None
-
-      start = (server['model']['trunk'], server['model']['adapters'], server['state'], server['optimizer']['trunk'],
-               server['optimizer']['adapters'], tuple(jnp.zeros(u.values['logits'].shape) for u in uploads),
-               jnp.float32(0), jnp.float32(0))
-      (trunk, adapters, state, trunk_opt, adapter_opts, outs, total, count), _ = jax.lax.scan(
-          epoch, start, None, length=cfg.server_epochs)
-      logits, has = list(server['logits']), list(server['has'])
-      for gi, u in enumerate(uploads):
-        who = jnp.where(u.mask, u.client, logits[gi].shape[0])  # absent slots write nothing
-        logits[gi] = logits[gi].at[who].set(outs[gi], mode='drop')
-        has[gi] = has[gi].at[who].set(cfg.server_epochs > 0, mode='drop')
-      new = {'model': {'trunk': trunk, 'adapters': adapters}, 'state': state,
-             'optimizer': {'trunk': trunk_opt, 'adapters': adapter_opts}, 'logits': tuple(logits), 'has': tuple(has)}
-      return new, {'server_loss': total / jnp.maximum(count, 1.0)}
-    return server_update
-
-  def evaluation(group: GroupSpec) -> Evaluation:
-    """'server_model': the client's extractor, then the server model; 'client_model': the client's own."""
-    trunk_net = StemlessResNet(num_classes, cfg.server_blocks)
-
-    def prepare(client, broadcast):
-      return client.params, client.model_state, broadcast['model'], broadcast['state']
-
-    def logits(evaluated, x):
-      params, model_state, server_model, server_state = evaluated
-      h, own = extract(group.model, params, model_state, x, cfg.split)
-      return apply_server(trunk_net, server_model, server_state, h, False)[0], own
-    return Evaluation(('server_model', 'client_model'), prepare, logits)
+    return lambda server, uploads, key: server_round(cfg, group_pass, server, uploads, key)
 
   def upload_scalars(upload):
     real = upload['rows'].sum()
@@ -313,7 +331,8 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
     """The server's logits of the client's rows, once the server has sent any (`upload['received']`)."""
     return {'server_logits': upload['rows'].sum() * num_classes * upload['received']}
 
-  algorithm = one_phase('fedgkt', init_server, client, server_for, evaluation, broadcast=broadcast,
+  algorithm = one_phase('fedgkt', init_server, lambda group: client_program(cfg, optimizer, group), server_for,
+                        lambda group: server_evaluation(cfg, num_classes, group), broadcast=broadcast,
                         init_client=init_client, partial_batches=True, shares_representations=False,
                         upload_scalars=upload_scalars, received_scalars=received_scalars)
   phase = dataclasses.replace(algorithm.phases[0], server_of_spec=True)

@@ -84,6 +84,38 @@ def digest_loss(logits: jnp.ndarray, labels: jnp.ndarray, consensus: jnp.ndarray
   return cross_entropy(logits, labels) + alpha * jnp.mean(gap ** 2)
 
 
+def public_ce(group: GroupSpec):
+  """The transfer round's loss: CE on a batch of the labelled public rows."""
+  def loss(client, batch, broadcast):
+    x, y = PublicRows.batch(broadcast['constants'], batch.index)
+    logits, _, client = train_forward(group.model, client, x)
+    return cross_entropy(logits, y), client
+  return loss
+
+
+def digest(cfg: FedMDConfig, group: GroupSpec):
+  """The digest's loss on a batch of public rows towards their consensus logits (`digest_loss`)."""
+  def loss(client, batch, broadcast):
+    x, y = PublicRows.batch(broadcast['constants'], batch.index)
+    logits, _, client = train_forward(group.model, client, x)
+    return digest_loss(logits, y, broadcast['consensus'][batch.index], cfg.digest, cfg.alpha), client
+  return loss
+
+
+def private_ce(group: GroupSpec):
+  """CE on a batch of the client's own rows (the transfer's second stage and the revisit)."""
+  ce = cross_entropy_loss(group.model)
+  return lambda client, batch, broadcast: ce(client, batch, broadcast, None)
+
+
+def logits_program(group: GroupSpec, stages: tuple[Stage, ...]) -> ClientProgram:
+  """A client program of `stages` that uploads its eval-mode logits on every public row."""
+  def final(client, client_rows, broadcast, key):
+    return client, {'logits': public_logits(group.model, client.params, client.model_state,
+                                            broadcast['constants']['public_x'])}
+  return ClientProgram(lambda client, broadcast, key: client, stages, final, group.training)
+
+
 def fedmd(cfg: FedMDConfig, num_classes: int, batch_size: int, public: PublicData) -> Algorithm:
   """FedMD as an `Algorithm` of two phases: 'transfer' (one round, every client) and 'collaborate'."""
   if int(public.y.max(initial=0)) >= num_classes:
@@ -92,57 +124,27 @@ def fedmd(cfg: FedMDConfig, num_classes: int, batch_size: int, public: PublicDat
                       f'--public_size=N rows held out of the run\'s own data.')
   rows = PublicRows(public)
   adam = torch_adam(cfg.learning_rate)
-
-  def public_ce(group):
-    def loss(client, batch, broadcast):
-      x, y = rows.batch(broadcast['constants'], batch.index)
-      logits, _, client = train_forward(group.model, client, x)
-      return cross_entropy(logits, y), client
-    return loss
-
-  def digest(group):
-    def loss(client, batch, broadcast):
-      x, y = rows.batch(broadcast['constants'], batch.index)
-      logits, _, client = train_forward(group.model, client, x)
-      return digest_loss(logits, y, broadcast['consensus'][batch.index], cfg.digest, cfg.alpha), client
-    return loss
-
-  def private_ce(group):
-    ce = cross_entropy_loss(group.model)
-    return lambda client, batch, broadcast: ce(client, batch, broadcast, None)
-
-  def program(group: GroupSpec, stages: tuple[Stage, ...]) -> ClientProgram:
-    def final(client, client_rows, broadcast, key):
-      return client, {'logits': public_logits(group.model, client.params, client.model_state,
-                                              broadcast['constants']['public_x'])}
-    return ClientProgram(lambda client, broadcast, key: client, stages, final, group.training)
-
   public_schedule = lambda group: rows.training(cfg.digest_batch_size or batch_size, group.training.order)
 
   def transfer(group):
     whole_epochs = dataclasses.replace(group.training, max_steps=None)
-    return program(group, (Stage(kept_optimizer_step(adam, public_ce(group)), cfg.transfer_public_epochs,
-                                 training=public_schedule(group)),
-                           Stage(kept_optimizer_step(adam, private_ce(group)), cfg.transfer_private_epochs,
-                                 training=whole_epochs)))
+    return logits_program(group, (Stage(kept_optimizer_step(adam, public_ce(group)), cfg.transfer_public_epochs,
+                                        training=public_schedule(group)),
+                                  Stage(kept_optimizer_step(adam, private_ce(group)), cfg.transfer_private_epochs,
+                                        training=whole_epochs)))
 
   def collaborate(group):
-    return program(group, (Stage(kept_optimizer_step(adam, digest(group)), cfg.digest_epochs,
-                                 training=public_schedule(group)),
-                           Stage(kept_optimizer_step(adam, private_ce(group)), group.training.epochs)))
-
-  def init_server(key, spec, initial):
-    return {'consensus': jnp.zeros((rows.size, num_classes))}
+    return logits_program(group, (Stage(kept_optimizer_step(adam, digest(cfg, group)), cfg.digest_epochs,
+                                        training=public_schedule(group)),
+                                  Stage(kept_optimizer_step(adam, private_ce(group)), group.training.epochs)))
 
   def server_update(server, uploads, key):
     """The consensus: the unweighted mean of the participants' public logits."""
     return {'consensus': mean_of_uploads(uploads, 'logits')}, {}
 
-  def init_client(group, key):
-    return {'optimizer': adam.init(zero_params(group))}
-
   phases = (Phase('transfer', transfer, server_update, broadcast=lambda server, group: {}, rounds=1, join_ratio=1.0),
             Phase('collaborate', collaborate, server_update))
-  return Algorithm('fedmd', init_server, phases, local_head_evaluation, init_client=init_client,
+  return Algorithm('fedmd', lambda key, spec, initial: {'consensus': jnp.zeros((rows.size, num_classes))}, phases,
+                   local_head_evaluation, init_client=lambda group, key: {'optimizer': adam.init(zero_params(group))},
                    partial_batches=True, shares_representations=False, constants=rows.constants,
                    upload_privacy=UploadPrivacy(aggregate='sum', hides_participants=True))
