@@ -157,89 +157,105 @@ def adam(cfg: FedTypeConfig) -> optax.GradientTransformation:
   return optax.chain(optax.add_decayed_weights(cfg.weight_decay), optax.adam(cfg.learning_rate))
 
 
+def eval_logits(proxy_model, group: GroupSpec) -> tuple:
+  """(proxy_logits(client, x), private_logits(client, x)): eval-mode logits of the client's copy of the proxy and of
+  its private model."""
+  proxy = lambda client, x: forward(proxy_model, client.extra['params']['companion'],
+                                    client.extra['state']['companion'], x, False)[0]
+  private = lambda client, x: forward(group.model, client.params, client.model_state, x, False)[0]
+  return proxy, private
+
+
+def calibrate(cfg: FedTypeConfig, group: GroupSpec, proxy_model, client: ClientState, rows, broadcast, key
+              ) -> ClientState:
+  """The received proxy; each model's Qhat on the client's training rows (step 0)."""
+  client = receive_global_model(client, broadcast)
+  real = jnp.arange(rows.y.shape[0]) < rows.num_train
+  thresholds = []
+  for logits_of, lam, k in zip(eval_logits(proxy_model, group), (PROXY_LAMBDA, PRIVATE_LAMBDA),
+                               jax.random.split(key)):
+    logits = jax.lax.map(lambda x: logits_of(client, x[None])[0], rows.x, batch_size=group.training.batch_size)
+    u = jax.random.uniform(k, rows.y.shape)
+    thresholds.append(conformal_threshold(raps_scores(logits, rows.y, u, RAPS_KREG, lam), real, cfg.alpha))
+  return client._replace(extra={**client.extra, 'thresholds': jnp.stack(thresholds)})
+
+
+def client_program(cfg: FedTypeConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
+  """A client's round (the module docstring): the received proxy and both models' conformal thresholds, then per
+  epoch a pass of the private model and one of the proxy, each by its own Adam."""
+  optimizer = adam(cfg)
+  ranking = cfg.backward == 'ranking'
+  proxy_model = group.build_model(cfg.global_model)
+  proxy_logits, private_logits = eval_logits(proxy_model, group)
+
+  def private_step(carry, batch, broadcast, key):
+    """Step 1: w_k on CE + c R(w_k(x); S_p), p frozen."""
+    client, private_opt, proxy_opt = carry
+    if ranking:
+      proxy_key, private_key = jax.random.split(key)
+      u = lambda k: jax.random.uniform(k, batch.y.shape)
+      qhat = client.extra['thresholds']
+      proxy_sets = raps_sets(proxy_logits(client, batch.x), qhat[0], u(proxy_key), RAPS_KREG, PROXY_LAMBDA)
+
+    def loss(params):
+      logits, _, state = forward(group.model, params, client.model_state, batch.x, True, batch.mask)
+      value = cross_entropy(logits, batch.y, batch.mask)
+      if ranking:
+        private_sets = raps_sets(jax.lax.stop_gradient(logits), qhat[1], u(private_key), RAPS_KREG,
+                                 PRIVATE_LAMBDA)
+        c = consensus(proxy_sets, private_sets, batch.mask)
+        value = value + c * ranking_loss(logits, proxy_sets, batch.mask)
+      return value, state
+    (value, state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
+    updates, private_opt = optimizer.update(grads, private_opt, client.params)
+    client = client._replace(params=optax.apply_updates(client.params, updates), model_state=state)
+    return (client, private_opt, proxy_opt), value
+
+  def proxy_step(carry, batch, broadcast, key):
+    """Step 2: p on CE + KL(w_k || p) / C, w_k frozen."""
+    client, private_opt, proxy_opt = carry
+    teacher = private_logits(client, batch.x)
+
+    def loss(params):
+      logits, _, state = forward(proxy_model, params, client.extra['state']['companion'], batch.x, True,
+                                 batch.mask)
+      kd = distillation_loss(logits, teacher, cfg.temperature, batch.mask) / num_classes  # KLDivLoss's mean
+      return cross_entropy(logits, batch.y, batch.mask) + kd, state
+    client, proxy_opt, value = global_model_step(client, loss, optimizer, proxy_opt)
+    return (client, private_opt, proxy_opt), value
+
+  def init(client, broadcast, key):
+    client = receive_global_model(client, broadcast)
+    return client, optimizer.init(client.params), optimizer.init(client.extra['params']['companion'])
+
+  stages = (Stage(private_step, 1), Stage(proxy_step, 1)) * group.training.epochs  # alternating per epoch
+  return ClientProgram(init, stages, upload_carried_global_model, group.training,
+                       prepare=lambda client, rows, broadcast, key: calibrate(cfg, group, proxy_model, client,
+                                                                              rows, broadcast, key))
+
+
+def proxy_evaluation(cfg: FedTypeConfig, group: GroupSpec) -> Evaluation:
+  """'private': w_k; 'proxy': the client's copy of p with the broadcast parameters."""
+  proxy_model = group.build_model(cfg.global_model)
+
+  def prepare(client: ClientState, broadcast):
+    return receive_global_model(client, broadcast)
+
+  def logits(client, x):
+    own = forward(group.model, client.params, client.model_state, x, False)[0]
+    return own, forward(proxy_model, client.extra['params']['companion'], client.extra['state']['companion'], x,
+                        False)[0]
+  return Evaluation(('private', 'proxy'), prepare, logits)
+
+
 def fedtype(cfg: FedTypeConfig, num_classes: int) -> Algorithm:
   """FedType as an `Algorithm` (each client carries its copy of the proxy in its per-client state)."""
   check_global_model(cfg)
-  optimizer = adam(cfg)
-  ranking = cfg.backward == 'ranking'
 
   def init_client(group: GroupSpec, key):
     extra = init_global_model(group, group.build_model(cfg.global_model), key)
     return {**extra, 'thresholds': jnp.zeros(2)}  # Qhat of the proxy and of the private model, set each round
 
-  def client(group: GroupSpec) -> ClientProgram:
-    proxy_model = group.build_model(cfg.global_model)
-    proxy_logits = lambda client, x: forward(proxy_model, client.extra['params']['companion'],
-                                             client.extra['state']['companion'], x, False)[0]
-    private_logits = lambda client, x: forward(group.model, client.params, client.model_state, x, False)[0]
-
-    def calibrate(client, rows, broadcast, key):
-      """The received proxy; each model's Qhat on the client's training rows (step 0)."""
-      client = receive_global_model(client, broadcast)
-      real = jnp.arange(rows.y.shape[0]) < rows.num_train
-      thresholds = []
-      for logits_of, lam, k in zip((proxy_logits, private_logits), (PROXY_LAMBDA, PRIVATE_LAMBDA),
-                                   jax.random.split(key)):
-        logits = jax.lax.map(lambda x: logits_of(client, x[None])[0], rows.x, batch_size=group.training.batch_size)
-        u = jax.random.uniform(k, rows.y.shape)
-        thresholds.append(conformal_threshold(raps_scores(logits, rows.y, u, RAPS_KREG, lam), real, cfg.alpha))
-      return client._replace(extra={**client.extra, 'thresholds': jnp.stack(thresholds)})
-
-    def private_step(carry, batch, broadcast, key):
-      """Step 1: w_k on CE + c R(w_k(x); S_p), p frozen."""
-      client, private_opt, proxy_opt = carry
-      if ranking:
-        proxy_key, private_key = jax.random.split(key)
-        u = lambda k: jax.random.uniform(k, batch.y.shape)
-        qhat = client.extra['thresholds']
-        proxy_sets = raps_sets(proxy_logits(client, batch.x), qhat[0], u(proxy_key), RAPS_KREG, PROXY_LAMBDA)
-
-      def loss(params):
-        logits, _, state = forward(group.model, params, client.model_state, batch.x, True, batch.mask)
-        value = cross_entropy(logits, batch.y, batch.mask)
-        if ranking:
-          private_sets = raps_sets(jax.lax.stop_gradient(logits), qhat[1], u(private_key), RAPS_KREG,
-                                   PRIVATE_LAMBDA)
-          c = consensus(proxy_sets, private_sets, batch.mask)
-          value = value + c * ranking_loss(logits, proxy_sets, batch.mask)
-        return value, state
-      (value, state), grads = jax.value_and_grad(loss, has_aux=True)(client.params)
-      updates, private_opt = optimizer.update(grads, private_opt, client.params)
-      client = client._replace(params=optax.apply_updates(client.params, updates), model_state=state)
-      return (client, private_opt, proxy_opt), value
-
-    def proxy_step(carry, batch, broadcast, key):
-      """Step 2: p on CE + KL(w_k || p) / C, w_k frozen."""
-      client, private_opt, proxy_opt = carry
-      teacher = private_logits(client, batch.x)
-
-      def loss(params):
-        logits, _, state = forward(proxy_model, params, client.extra['state']['companion'], batch.x, True,
-                                   batch.mask)
-        kd = distillation_loss(logits, teacher, cfg.temperature, batch.mask) / num_classes  # KLDivLoss's mean
-        return cross_entropy(logits, batch.y, batch.mask) + kd, state
-      client, proxy_opt, value = global_model_step(client, loss, optimizer, proxy_opt)
-      return (client, private_opt, proxy_opt), value
-
-    def init(client, broadcast, key):
-      client = receive_global_model(client, broadcast)
-      return client, optimizer.init(client.params), optimizer.init(client.extra['params']['companion'])
-
-    stages = (Stage(private_step, 1), Stage(proxy_step, 1)) * group.training.epochs  # alternating per epoch
-    return ClientProgram(init, stages, upload_carried_global_model, group.training, prepare=calibrate)
-
-  def evaluation(group: GroupSpec) -> Evaluation:
-    """'private': w_k; 'proxy': the client's copy of p with the broadcast parameters."""
-    proxy_model = group.build_model(cfg.global_model)
-
-    def prepare(client: ClientState, broadcast):
-      return receive_global_model(client, broadcast)
-
-    def logits(client, x):
-      own = forward(group.model, client.params, client.model_state, x, False)[0]
-      return own, forward(proxy_model, client.extra['params']['companion'], client.extra['state']['companion'], x,
-                          False)[0]
-    return Evaluation(('private', 'proxy'), prepare, logits)
-
-  return one_phase('fedtype', initial_global_model, client, average_global_models, evaluation,
-                   init_client=init_client, partial_batches=True, upload_privacy=GLOBAL_MODEL_PRIVACY)
+  return one_phase('fedtype', initial_global_model, lambda group: client_program(cfg, num_classes, group),
+                   average_global_models, lambda group: proxy_evaluation(cfg, group), init_client=init_client,
+                   partial_batches=True, upload_privacy=GLOBAL_MODEL_PRIVACY)
