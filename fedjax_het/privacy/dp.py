@@ -202,8 +202,8 @@ def fixed_denominator(uploads: tuple, reference: dict, names: Sequence[str], dp:
     mask = u.mask
     if gi == 0:
       noise = gaussian_noise({n: jax.tree.map(lambda a: a[0], parts[n]) for n in names}, key, dp.noise_std)
-      alone = {n: around(n, jax.tree.map(jnp.add, noise[n], reference[n]) if n in reference else noise[n],
-                         lambda z: z / expected) for n in names}
+      shift = lambda n: jax.tree.map(lambda z, r: r + z / expected, noise[n], reference[n])
+      alone = {n: shift(n) if n in reference else jax.tree.map(lambda z: z / expected, noise[n]) for n in names}
       scaled = jax.tree.map(lambda a, z: a.at[0].set(jnp.where(nobody, z, a[0])), scaled, alone)
       mask = mask.at[0].set(mask[0] | nobody)
     out.append(u._replace(values=_from_parts(u.values, scaled), mask=mask, num_train=mask.astype(jnp.float32)))
