@@ -11,6 +11,7 @@ from absl import app, flags, logging
 
 from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
 from fedjax_het.config import ExperimentConfig, flags_named
+from fedjax_het.data.augment import AUGMENTATIONS
 from fedjax_het.engine.executors import STRATEGIES
 from fedjax_het.methods import METHODS, config_with, hyperparameter_flags, method
 from fedjax_het.models.conv import CONV_IMPLS
@@ -112,8 +113,9 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f.DEFINE_enum('data_order', _D.data_order, ['stored', 'shuffle'], 'Order of local batches: stored (HtFLlib: '
                 'each client\'s rows in stored order every epoch, the last n mod B never used) or shuffle (PFLlib: '
                 'reshuffled every epoch).')
-  f.DEFINE_enum('augment', _D.augment, ['none', 'crop_flip'], 'Augmentation of every local batch, on device: none, '
-                'or crop_flip (random crop with padding 4 and horizontal flip, as the CIFAR references\' loaders).')
+  f.DEFINE_enum('augment', _D.augment, list(AUGMENTATIONS), 'Augmentation of every local batch, on device: none, '
+                'crop_flip (random crop with padding 4 and horizontal flip, as the CIFAR references\' loaders) or '
+                'crop_flip_cutout (then Cutout(16), as FedGKT\'s loader).')
   f.DEFINE_bool('drop_last', _D.drop_last, 'An epoch drops the last partial batch (HtFLlib\'s loader: FedRE and its '
                 'baselines); --nodrop_last trains on it (PyTorch\'s default loader: GeFL\'s code).')
   f.DEFINE_enum('init', _D.init, ['torch', 'flax'], 'Initialisation of Conv/Dense layers: torch (PyTorch\'s '

@@ -81,7 +81,7 @@ class ExperimentConfig:
   local_learning_rate: float = 0.06
   data_order: str = 'stored'  # HtFLlib's DataLoader(shuffle=False, drop_last=True); 'shuffle': PFLlib
   drop_last: bool = True  # HtFLlib's loader drops the last partial batch; False: PyTorch's default (GeFL's code)
-  augment: str = 'none'  # 'crop_flip': random crop (padding 4) and horizontal flip of every local batch
+  augment: str = 'none'  # 'crop_flip': random crop (padding 4) and flip of every local batch; + '_cutout'
   init: str = 'torch'  # PyTorch's default Conv/Linear initialisation (HtFLlib); 'flax': Flax's defaults
   shared_init: bool = True  # clients of one architecture start identical (HtFLlib seeds 0 before each model)
   precision: str = 'float32'  # 'bfloat16': the classifiers compute in bfloat16 from float32 parameters

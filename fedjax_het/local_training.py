@@ -45,8 +45,9 @@ class LocalTraining:
   steps, whatever its data, and each step's `Batch` holds only the row ids (`Batch.index`).
   max_steps: None, every step of the epochs; an int, at most that many steps per stage of a round, the first ones
   of its schedule (--local_steps; Felo's code trains 10 steps of batch 50 per round).
-  augment: 'none', or 'crop_flip': every local step's images randomly cropped with padding 4 and flipped
-  (`data.augment`, the CIFAR references' loaders); augment_fill: the value of a black pixel in the run's
+  augment: 'none', 'crop_flip': every local step's images randomly cropped with padding 4 and flipped
+  (`data.augment`, the CIFAR references' loaders), or 'crop_flip_cutout': then a 16 x 16 Cutout (FedGKT's
+  loader); augment_fill: the value of a black pixel in the run's
   normalisation, per channel or one for all (what the crop pads with).
   """
   learning_rate: float = 0.01

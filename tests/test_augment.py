@@ -1,5 +1,5 @@
-"""Data augmentation on device (fedjax_het.data.augment): the crop and flip by hand, the draws, and in a run the
-same numbers under vmap and sequential and from the same seed."""
+"""Data augmentation on device (fedjax_het.data.augment): the crop and flip and the Cutout by hand, the draws, and
+in a run the same numbers under vmap and sequential and from the same seed."""
 
 import dataclasses
 
@@ -10,7 +10,7 @@ import pytest
 
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.data import make_federated_data, make_synthetic
-from fedjax_het.data.augment import crop_and_flip, random_crop_flip
+from fedjax_het.data.augment import augment_batch, crop_and_flip, cutout, random_crop_flip
 from fedjax_het.data.datasets import black_pixel
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
@@ -48,6 +48,29 @@ def test_offsets_cover_zero_to_twice_the_padding_and_half_the_images_flip():
                                 random_crop_flip(x[:8], jax.random.PRNGKey(2)))
 
 
+def test_cutout_zeroes_the_square_around_its_centre_clipped_at_the_borders_by_hand():
+  """Length 4 on a 6 x 6 image of ones: centre (0, 3) zeroes rows 0-1 (-2 and -1 clipped) and columns 1-4; centre
+  (5, 5) rows 3-5 and columns 3-5 (FedGKT's loader: y1 = clip(y - 2), y2 = clip(y + 2))."""
+  x = jnp.ones((2, 6, 6, 2))
+  got = np.asarray(cutout(x, jnp.asarray([0, 5]), jnp.asarray([3, 5]), 4))
+  first = np.ones((6, 6))
+  first[0:2, 1:5] = 0
+  second = np.ones((6, 6))
+  second[3:6, 3:6] = 0
+  np.testing.assert_array_equal(got[0, ..., 0], first)
+  np.testing.assert_array_equal(got[1, ..., 1], second)
+
+
+def test_crop_flip_cutout_cuts_a_square_of_up_to_16_by_16_from_every_image():
+  """On 32 x 32 images of ones with no padding effect (fill 1), every image loses between 8 x 8 (a corner centre)
+  and 16 x 16 pixels; the centres cover the image (a cut reaches every row); 'crop_flip' cuts nothing."""
+  x = jnp.ones((500, 32, 32, 1))
+  out = np.asarray(augment_batch(x, jax.random.PRNGKey(0), 'crop_flip_cutout', (1.0,)))[..., 0]
+  cut = (out == 0).sum(axis=(1, 2))
+  assert cut.min() >= 64 and cut.max() == 256 and (out == 0).any(axis=(0, 2)).all()
+  assert (np.asarray(augment_batch(x, jax.random.PRNGKey(0), 'crop_flip', (1.0,))) == 1).all()
+
+
 def test_the_padding_is_a_black_pixel_of_the_runs_normalisation():
   assert black_pixel('symmetric') == (-1.0,)
   np.testing.assert_allclose(black_pixel('cifar10'), [-0.4914 / 0.2023, -0.4822 / 0.1994, -0.4465 / 0.2010])
@@ -71,11 +94,12 @@ def final_state(fed: Federation):
   return [np.asarray(a) for a in jax.tree.leaves(state.groups)]
 
 
-def test_augmented_runs_are_the_same_under_vmap_and_sequential_and_from_the_same_seed():
-  sequential, vmapped = final_state(federation('sequential', 'crop_flip')), final_state(federation('vmap', 'crop_flip'))
+@pytest.mark.parametrize('augment', ['crop_flip', 'crop_flip_cutout'])
+def test_augmented_runs_are_the_same_under_vmap_and_sequential_and_from_the_same_seed(augment):
+  sequential, vmapped = final_state(federation('sequential', augment)), final_state(federation('vmap', augment))
   for a, b in zip(sequential, vmapped):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
-  again = final_state(federation('sequential', 'crop_flip'))
+  again = final_state(federation('sequential', augment))
   assert all(np.array_equal(a, b) for a, b in zip(sequential, again))
   plain = final_state(federation('sequential', 'none'))
   assert not all(np.allclose(a, b) for a, b in zip(sequential, plain))  # the augmentation took effect

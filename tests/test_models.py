@@ -215,3 +215,19 @@ def test_cifar_resnets_keep_the_resolution_into_the_first_stage_and_count_their_
   assert out.shape == (1,) + shape
   if count is not None:
     assert sum(a.size for a in jax.tree.leaves(variables['params'])) == count
+
+
+def test_batchnorm_running_variance_is_torchs_unbiased_one():
+  """A train step normalises with the biased batch variance and moves the running variance towards the unbiased one
+  over rows x positions (torch.nn.BatchNorm2d): values 1, 3, 5, 7 (two rows of two positions; a third, masked
+  row left out) have mean 4, biased variance 5, unbiased 20 / 3; running variance 0.9 * 1 + 0.1 * 20 / 3."""
+  import flax.linen as nn
+  from fedjax_het.models.norm import TorchBatchNorm, batch_rows
+  x = jnp.array([[[1.0], [3.0]], [[5.0], [7.0]], [[100.0], [-100.0]]])[:, None]  # [3, 1, 2, 1]
+  norm = TorchBatchNorm(use_running_average=False)
+  variables = norm.init(jax.random.PRNGKey(0), x)
+  with batch_rows(jnp.array([True, True, False])):
+    y, updated = norm.apply(variables, x, mutable=['batch_stats'])
+  np.testing.assert_allclose(updated['batch_stats']['mean'], [0.4], rtol=1e-6)
+  np.testing.assert_allclose(updated['batch_stats']['var'], [0.9 + 0.1 * 20 / 3], rtol=1e-6)
+  np.testing.assert_allclose(y[0, 0, :, 0], (jnp.array([1.0, 3.0]) - 4) / jnp.sqrt(5 + 1e-5), rtol=1e-5)

@@ -392,7 +392,7 @@ def test_batch_statistics_by_hand():
   variables = OneNorm().init(jax.random.PRNGKey(0), x)
   stats = batch_statistics(OneNorm(), variables, x, jnp.array([True, True, False]))['BatchNorm_0']
   np.testing.assert_allclose(stats['mean'], [2.0, 15.0], rtol=1e-6)  # the real rows only
-  np.testing.assert_allclose(stats['var'], [1.0, 25.0], rtol=1e-5)   # biased: ((1-2)^2 + (3-2)^2) / 2
+  np.testing.assert_allclose(stats['var'], [2.0, 50.0], rtol=1e-5)  # unbiased, torch's: ((1-2)^2 + (3-2)^2) / 1
 
 
 @pytest.mark.parametrize('strategy', ['sequential', 'vmap'])

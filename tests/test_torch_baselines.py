@@ -4,7 +4,8 @@ batches give the same numbers within float32 tolerance. FedDF's server distillat
 the averaged logits), HeteroFL's local steps (its `Local.train`: masked logits, clip_grad_norm_(1), SGD with
 momentum and weight decay, BatchNorm on the batch), FedMD's collaboration round (the digest towards the consensus,
 then the revisit, one Adam kept through both), FedGKT's client steps (CE plus its KD term, torch's Adam with
-amsgrad) and FedALA's adaptive local aggregation (PFLlib's `utils/ALA.py`)."""
+amsgrad) and its server's epochs (a bottleneck ResNet on the clients' maps, its logits routed back to each client),
+and FedALA's adaptive local aggregation (PFLlib's `utils/ALA.py`)."""
 
 import jax
 import jax.numpy as jnp
@@ -286,3 +287,103 @@ def test_fedala_adaptive_aggregation_equals_pfllibs_ala():
   np.testing.assert_allclose(np.asarray(out.params['head']['kernel']), mixed('kernel').numpy(), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(out.params['extractor']['Dense_0']['kernel'], group['extractor']['Dense_0']['kernel'])
   assert not np.allclose(w['kernel'].numpy(), np.asarray(weights['kernel']))  # the weights learned
+
+
+class TorchBottleneck(torch.nn.Module):
+  """FedGKT's server block (its ResNet-56 server's Bottleneck: 1x1, 3x3 with the stride, 1x1 to 4 x filters, BN
+  after each, a 1x1 + BN projection when the shape changes), with the library's weights of one `Bottleneck`."""
+
+  def __init__(self, p: dict, stride: int):
+    super().__init__()
+    conv = lambda k, s=1: torch.nn.Conv2d(k.shape[2], k.shape[3], k.shape[0], s, k.shape[0] // 2, bias=False)
+    self.convs = torch.nn.ModuleList([conv(p['Conv_0']['kernel']), conv(p['Conv_1']['kernel'], stride),
+                                      conv(p['Conv_2']['kernel'])])
+    self.shortcut = conv(p['Conv_3']['kernel'], stride) if 'Conv_3' in p else None
+    self.norms = torch.nn.ModuleList([torch.nn.BatchNorm2d(p[f'BatchNorm_{i}']['scale'].shape[0])
+                                      for i in range(4 if self.shortcut is not None else 3)])
+    with torch.no_grad():
+      for i, c in enumerate(list(self.convs) + ([self.shortcut] if self.shortcut is not None else [])):
+        c.weight.copy_(t(np.asarray(p[f'Conv_{i}']['kernel']).transpose(3, 2, 0, 1)))
+      for i, n in enumerate(self.norms):
+        n.weight.copy_(t(p[f'BatchNorm_{i}']['scale']))
+        n.bias.copy_(t(p[f'BatchNorm_{i}']['bias']))
+
+  def forward(self, x):
+    y = F.relu(self.norms[0](self.convs[0](x)))
+    y = F.relu(self.norms[1](self.convs[1](y)))
+    y = self.norms[2](self.convs[2](y))
+    return F.relu(y + (self.norms[3](self.shortcut(x)) if self.shortcut is not None else x))
+
+
+def test_fedgkt_server_epochs_equal_its_codes_server_training():
+  """FedGKT's server (its GKTServerTrainer.train_large_model_on_the_server with whether_distill_on_the_server=1):
+  every epoch, clients in order, each client's batches of uploaded maps through the server ResNet in training mode,
+  KL_Loss(T) towards the client's logits (teacher probabilities + 1e-7, batchmean, times T^2) + alpha CE, Adam with
+  amsgrad and weight decay 1e-4; the logits of each batch in the last epoch, before its step, go back to the client.
+  Two clients' 16 x 8 x 8 stem maps (resnet8_gkt, --gkt_split=stem), one with padding rows and a partial last
+  batch; T = 3, alpha = 0.7, two epochs, ResNet-11 server (one bottleneck per stage)."""
+  from fedjax_het.algorithms import FedGKTConfig, fedgkt
+  from fedjax_het.rows import shuffled_real_rows
+  data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
+                                            seed=1), num_clients=4, partition='iid', seed=3)
+  cfg = FedGKTConfig(temperature=3.0, alpha=0.7, learning_rate=2e-3, server_blocks=1, server_epochs=2,
+                     server_distill=True, split='stem')
+  fed = Federation(fedgkt(cfg, 4, 8), data, ModelConfig(('resnet8_gkt',), 512, 'none'), LocalTraining(0.05, 8, 1))
+  state = fed.init()
+  n = fed.spec.groups[0].train_rows
+  real = [n, n - 11]  # the second client's last 11 rows are padding: its last batch is partial
+  rng = np.random.default_rng(0)
+  features = rng.normal(size=(2, n, 8, 8, 16)).astype(np.float32)
+  logits = (rng.normal(size=(2, n, 4)) * 2).astype(np.float32)
+  y = rng.integers(0, 4, (2, n)).astype(np.int32)
+  rows = np.arange(n)[None] < np.array(real)[:, None]
+  uploads = (Uploads({'features': jnp.asarray(features), 'logits': jnp.asarray(logits), 'y': jnp.asarray(y),
+                      'rows': jnp.asarray(rows), 'received': jnp.ones(2, bool)},
+                     jnp.array([True, True]), jnp.asarray(real, jnp.float32), jnp.array([2, 0])),)
+  key = jax.random.PRNGKey(5)
+  new, _ = server_step(fed.algorithm.phases[0], fed.spec)(state.server, uploads, key)
+
+  trunk = state.server['model']['trunk']
+  blocks = torch.nn.Sequential(*[TorchBottleneck(trunk[f'Bottleneck_{i}'], 1 if i == 0 else 2) for i in range(3)])
+  dense = torch.nn.Linear(256, 4)
+  with torch.no_grad():
+    dense.weight.copy_(t(np.asarray(trunk['Dense_0']['kernel']).T))
+    dense.bias.copy_(t(trunk['Dense_0']['bias']))
+  net = torch.nn.Sequential(blocks, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), dense)
+  net.train()
+  optimizer = torch.optim.Adam(net.parameters(), lr=cfg.learning_rate, weight_decay=1e-4, amsgrad=True)
+  T = cfg.temperature
+  # the library's draw of each client's order for the round (the code replays its extraction pass's batches)
+  orders = np.asarray(jax.vmap(shuffled_real_rows)(jax.random.split(jax.random.fold_in(key, 0), 2),
+                                                   jnp.asarray(rows)))
+  sent = np.zeros((2, n, 4), np.float32)
+  for epoch in range(cfg.server_epochs):
+    for s in range(2):
+      order = orders[s][:real[s]]
+      for b in range(0, real[s], 8):
+        r = order[b:b + 8]
+        out = net(torch.from_numpy(features[s, r].transpose(0, 3, 1, 2).copy()))
+        teacher = F.softmax(torch.from_numpy(logits[s, r]) / T, 1) + 1e-7
+        kd = T * T * torch.nn.KLDivLoss(reduction='batchmean')(F.log_softmax(out / T, 1), teacher)
+        loss = kd + cfg.alpha * F.cross_entropy(out, torch.from_numpy(y[s, r].astype(np.int64)))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if epoch == cfg.server_epochs - 1:
+          sent[s, r] = out.detach().numpy()
+
+  ours = new['model']['trunk']
+  tolerance = 0.02 * cfg.learning_rate  # Adam's near-zero gradients, as for FedDF above
+  np.testing.assert_allclose(dense.weight.detach().numpy().T, ours['Dense_0']['kernel'], rtol=0, atol=tolerance)
+  np.testing.assert_allclose(blocks[1].convs[1].weight.detach().numpy().transpose(2, 3, 1, 0),
+                             ours['Bottleneck_1']['Conv_1']['kernel'], rtol=0, atol=tolerance)
+  stats = new['state']['batch_stats']['Bottleneck_2']['BatchNorm_3']
+  np.testing.assert_allclose(blocks[2].norms[3].running_mean.numpy(), stats['mean'], rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(blocks[2].norms[3].running_var.numpy(), stats['var'], rtol=1e-4, atol=1e-5)
+  # each slot's logits go to its client (slot 0 holds client 2, slot 1 client 0), real rows only
+  back = np.asarray(new['logits'][0])
+  np.testing.assert_allclose(back[2], sent[0], rtol=0, atol=5e-3)
+  np.testing.assert_allclose(back[0][:real[1]], sent[1][:real[1]], rtol=0, atol=5e-3)
+  assert np.abs(back[0][real[1]:]).max() == 0 and np.abs(back[1]).max() == 0 and np.asarray(new['has'][0]).tolist() \
+      == [True, False, True, False]
+  assert np.abs(np.asarray(ours['Dense_0']['kernel']) - np.asarray(trunk['Dense_0']['kernel'])).max() > 1e-3

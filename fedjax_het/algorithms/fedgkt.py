@@ -34,7 +34,8 @@ uploaded (the code's pass drops the last partial batch). Groups whose extractors
 (heterogeneous clients; the code's clients are all ResNet-8) each get a learned Dense (a 1x1 convolution) to the
 largest count at the server, trained with the server model; groups with equal counts get none. The server's
 ReduceLROnPlateau, the ImageNet-pretrained client start and the augmentation of its CIFAR loaders are not
-reproduced. Uploads hold per-row labels, so FedGKT is refused under DP (labels are not floating point).
+reproduced; its KL_Loss adds 1e-7 to the teacher's probabilities, left out here (one server round against a
+PyTorch loop of its code, with it, agrees within float32 tolerance: tests/test_torch_baselines.py). Uploads hold per-row labels, so FedGKT is refused under DP (labels are not floating point).
 """
 
 from __future__ import annotations

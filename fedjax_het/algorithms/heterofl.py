@@ -20,8 +20,8 @@ side").
 Static BatchNorm (sBN, --heterofl_static_bn, the default): before each evaluation the global model runs in train
 mode over every client's training rows (`Evaluation.statistics`: the paper's server querying its clients), and its
 BatchNorm layers are scored with the mean of the batch statistics of its batches of --batch_size rows, each weighted
-by its rows (HeteroFL's `stats` pass averages its train loader's batches equally, its variances unbiased: the
-library's BatchNorm keeps biased ones; the pass is not counted in the communication); off, the global model
+by its rows (HeteroFL's `stats` pass averages its train loader's batches equally; the variances are unbiased in
+both; the pass is not counted in the communication); off, the global model
 normalises each test batch by the statistics of its real rows, so a score depends on the batch size. Not over
 Flower: its nodes are not queried for statistics.
 Under DP the classes a client holds (its label mask) are sent in the clear. Its Scaler (1 / rate

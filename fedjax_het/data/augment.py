@@ -1,6 +1,8 @@
 """Data augmentation of a training batch on device, inside the jitted local step: the CIFAR references' random crop
 with zero padding and horizontal flip (torchvision's `RandomCrop(32, padding=4)` then `RandomHorizontalFlip()`,
-applied to the raw images before `Normalize`, so the padding is black).
+applied to the raw images before `Normalize`, so the padding is black), and FedGKT's loader's Cutout(16) after them
+(DeVries and Taylor 2017, "Improved Regularization of Convolutional Neural Networks with Cutout": a 16 x 16 square
+around a uniform centre, clipped at the borders, set to 0 after `Normalize`, i.e. to the dataset's mean colour).
 
 Each image draws its own crop offset and flip from the step's key, so the same seed gives the same batches on
 every executor (vmap or sequential) and on resume; a run without augmentation draws nothing.
@@ -13,7 +15,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-AUGMENTATIONS = ('none', 'crop_flip')
+AUGMENTATIONS = ('none', 'crop_flip', 'crop_flip_cutout')
+CUTOUT_LENGTH = 16  # FedGKT's CIFAR loader: Cutout(16)
 _AUGMENT_STREAM = 0x415547  # folded into a step's key: draws that change no other draw of the step
 
 
@@ -42,9 +45,29 @@ def random_crop_flip(x: jnp.ndarray, key: jax.Array, pad: int = 4, fill: float |
   return crop_and_flip(x, rows, cols, flip, pad, jnp.asarray(fill))
 
 
+def cutout(x: jnp.ndarray, rows: jnp.ndarray, cols: jnp.ndarray, length: int) -> jnp.ndarray:
+  """Images x [B, H, W, C] with the pixels (i, j), rows[b] - length // 2 <= i < rows[b] + length // 2 and the same
+  for j around cols[b], set to 0 (the square clipped at the borders, as the Cutout of FedGKT's loader)."""
+  half = length // 2
+  i, j = jnp.arange(x.shape[1]), jnp.arange(x.shape[2])
+  inside = lambda pos, centre: (pos[None] >= centre[:, None] - half) & (pos[None] < centre[:, None] + half)
+  cut = inside(i, rows)[:, :, None] & inside(j, cols)[:, None, :]
+  return jnp.where(cut[..., None], jnp.zeros((), x.dtype), x)
+
+
+def random_cutout(x: jnp.ndarray, key: jax.Array, length: int = CUTOUT_LENGTH) -> jnp.ndarray:
+  """`cutout` around each image's centre drawn uniformly over its pixels (np.random.randint(h), randint(w))."""
+  k_row, k_col = jax.random.split(key)
+  return cutout(x, jax.random.randint(k_row, x.shape[:1], 0, x.shape[1]),
+                jax.random.randint(k_col, x.shape[:1], 0, x.shape[2]), length)
+
+
 def augment_batch(x: jnp.ndarray, key: jax.Array, kind: str, fill: Sequence[float]) -> jnp.ndarray:
   """A training batch x [B, H, W, C] under augmentation `kind` ('none': as it is; 'crop_flip': `random_crop_flip`
-  with padding 4 of `fill`, the value of a black pixel in the run's normalisation), from the step's `key`."""
+  with padding 4 of `fill`, the value of a black pixel in the run's normalisation; 'crop_flip_cutout': then
+  `random_cutout` of side 16), from the step's `key`."""
   if kind == 'none':
     return x
-  return random_crop_flip(x, jax.random.fold_in(key, _AUGMENT_STREAM), 4, fill)
+  key = jax.random.fold_in(key, _AUGMENT_STREAM)
+  x = random_crop_flip(x, key, 4, fill)
+  return random_cutout(x, jax.random.fold_in(key, 1)) if kind == 'crop_flip_cutout' else x

@@ -35,9 +35,11 @@ def batch_rows(mask: Optional[jnp.ndarray]) -> Iterator[None]:
 
 
 class BatchNorm(nn.BatchNorm):
-  """torch.nn.BatchNorm2d's defaults: momentum 0.1 (flax's momentum is the complement, 0.9), eps 1e-5 (googlenet
-  overrides 1e-3); statistics over the rows of `batch_rows` when one is active. (Named BatchNorm so that its
-  variables keep flax's names, e.g. 'BatchNorm_0'.)"""
+  """torch.nn.BatchNorm2d: momentum 0.1 (flax's momentum is the complement, 0.9), eps 1e-5 (googlenet overrides
+  1e-3); a train-mode step normalises with the batch's biased variance and moves the running variance towards the
+  unbiased one, var * n / (n - 1) over the n values per channel (rows x positions), as torch does; statistics over
+  the rows of `batch_rows` when one is active. (Named BatchNorm so that its variables keep flax's names, e.g.
+  'BatchNorm_0'.)"""
   momentum: float = TORCH_MOMENTUM
   epsilon: float = 1e-5
 
@@ -46,16 +48,25 @@ class BatchNorm(nn.BatchNorm):
     rows = getattr(_context, 'mask', None)
     if mask is None and rows is not None:
       mask = jnp.broadcast_to(rows.reshape((-1,) + (1,) * (x.ndim - 1)), x.shape)
-    return super().__call__(x, use_running_average, mask=mask)
+    training = not nn.merge_param('use_running_average', self.use_running_average, use_running_average)
+    updates = training and not self.is_initializing()
+    old = self.get_variable('batch_stats', 'var') if updates else None
+    y = super().__call__(x, use_running_average, mask=mask)
+    if updates:
+      n = mask[..., 0].sum().astype(jnp.float32) if mask is not None else jnp.float32(x.size // x.shape[-1])
+      bessel = jnp.where(n > 1, n / jnp.maximum(n - 1, 1.0), 1.0)
+      new = self.get_variable('batch_stats', 'var')
+      self.put_variable('batch_stats', 'var', self.momentum * old + (new - self.momentum * old) * bessel)
+    return y
 
 
 TorchBatchNorm = BatchNorm
 
 
 def batch_statistics(model: nn.Module, variables: dict, x: jnp.ndarray, mask: Optional[jnp.ndarray] = None) -> Any:
-  """The 'batch_stats' collection holding the batch mean and (biased) variance each BatchNorm layer of `model`
-  normalises with in a train-mode pass over the rows of x where mask [B] is True: the running statistics one
-  update from zero, divided by the update's weight (1 - momentum)."""
+  """The 'batch_stats' collection holding the batch mean and unbiased variance (torch's running-statistics update)
+  of each BatchNorm layer of `model` in a train-mode pass over the rows of x where mask [B] is True: the running
+  statistics one update from zero, divided by the update's weight (1 - momentum)."""
   zero = {**variables, 'batch_stats': jax.tree.map(jnp.zeros_like, variables['batch_stats'])}
   with batch_rows(mask):
     _, updated = model.apply(zero, x, train=True, mutable=['batch_stats'])
