@@ -33,9 +33,10 @@ distilled towards another row's logits; here each row gets its own (keyed by the
 uploaded (the code's pass drops the last partial batch). Groups whose extractors end in different channel counts
 (heterogeneous clients; the code's clients are all ResNet-8) each get a learned Dense (a 1x1 convolution) to the
 largest count at the server, trained with the server model; groups with equal counts get none. The server's
-ReduceLROnPlateau, the ImageNet-pretrained client start and the augmentation of its CIFAR loaders are not
-reproduced; its KL_Loss adds 1e-7 to the teacher's probabilities, left out here (one server round against a
-PyTorch loop of its code, with it, agrees within float32 tolerance: tests/test_torch_baselines.py). Uploads hold per-row labels, so FedGKT is refused under DP (labels are not floating point).
+ReduceLROnPlateau and the ImageNet-pretrained client start are not reproduced; its CIFAR loaders' augmentation is
+--augment=crop_flip_cutout. Its KL_Loss adds 1e-7 to the teacher's probabilities, left out here (one server round
+against a PyTorch loop of its code, with it, agrees within float32 tolerance: tests/test_torch_baselines.py).
+Uploads hold per-row labels, so FedGKT is refused under DP (labels are not floating point).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from fedjax_het.algorithms.common import cross_entropy, distillation_loss, train
 from fedjax_het.core import (PER_CLIENT, Algorithm, ClientProgram, Evaluation, FederationSpec, GroupSpec,
                              hyperparameter, one_phase, single_stage)
 from fedjax_het.errors import ConfigError, setting
+from fedjax_het.models.conv import conv_factory
 from fedjax_het.models.norm import batch_rows
 from fedjax_het.models.resnet import StemlessResNet
 from fedjax_het.optim import torch_amsgrad
@@ -138,7 +140,7 @@ class ServerModel:
   def __init__(self, spec: FederationSpec, num_classes: int, blocks: int, split: str = 'extractor'):
     self.map_shapes = [map_shape(g, split) for g in spec.groups]
     self.width = max(s[-1] for s in self.map_shapes)
-    self.trunk = StemlessResNet(num_classes, blocks)
+    self.trunk = server_trunk(num_classes, blocks, spec.groups[0])
 
   def init(self, key: jax.Array) -> tuple[dict, dict]:
     """(params, non-trainable state) of a fresh server model."""
@@ -162,6 +164,12 @@ def apply_server(trunk: StemlessResNet, params: dict, state: dict, h: jnp.ndarra
   with batch_rows(mask):
     logits, updated = trunk.apply(variables, h, train=True, mutable=list(state))
   return logits, dict(updated)
+
+
+def server_trunk(num_classes: int, blocks: int, group: GroupSpec) -> StemlessResNet:
+  """The server's stemless ResNet, with the run's convolutions (--conv: on a CPU, XLA's own run many times slower
+  than oneDNN's inside the server's loop, benchmarks/fedgkt_server_conv.py)."""
+  return StemlessResNet(num_classes, blocks, conv=conv_factory(group.conv))
 
 
 def map_shape(group: GroupSpec, split: str = 'extractor') -> tuple[int, ...]:
@@ -198,7 +206,7 @@ def client_program(cfg: FedGKTConfig, optimizer: optax.GradientTransformation, g
 
 def server_evaluation(cfg: FedGKTConfig, num_classes: int, group: GroupSpec) -> Evaluation:
   """'server_model': the client's extractor, then the server model; 'client_model': the client's own."""
-  trunk_net = StemlessResNet(num_classes, cfg.server_blocks)
+  trunk_net = server_trunk(num_classes, cfg.server_blocks, group)
 
   def prepare(client, broadcast):
     return client.params, client.model_state, broadcast['model'], broadcast['state']
@@ -319,7 +327,7 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
     return {'optimizer': optimizer.init(zero_params(group))}
 
   def server_for(spec: FederationSpec):
-    group_pass = server_pass(cfg, optimizer, StemlessResNet(num_classes, cfg.server_blocks), batch_size)
+    group_pass = server_pass(cfg, optimizer, server_trunk(num_classes, cfg.server_blocks, spec.groups[0]), batch_size)
 
     return lambda server, uploads, key: server_round(cfg, group_pass, server, uploads, key)
 
