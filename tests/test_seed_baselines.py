@@ -342,7 +342,7 @@ def test_heterofl_multisteplr_scales_the_rounds_rate_as_a_lower_rate_would(tiny_
       [1.0, 0.1, 0.1, 0.01])
 
   def one_round(cfg, rate):
-    fed = Federation(heterofl(cfg, 4, rate), tiny_data, ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'),
+    fed = Federation(heterofl(cfg, 4), tiny_data, ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'),
                      16, 'none'), LocalTraining(rate, 8))
     state, _ = fed.round(fed.init())
     return fed, state
@@ -351,7 +351,7 @@ def test_heterofl_multisteplr_scales_the_rounds_rate_as_a_lower_rate_would(tiny_
   for a, b in zip(jax.tree.leaves(halved.server['model']), jax.tree.leaves(slower.server['model'])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   assert float(fed.sent(halved.server, 0, 1)['lr_scale']) == 0.5
-  later = Federation(heterofl(HeteroFLConfig(lr_milestones='1,3', lr_decay=0.5), 4, 0.1), tiny_data,
+  later = Federation(heterofl(HeteroFLConfig(lr_milestones='1,3', lr_decay=0.5), 4), tiny_data,
                      ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.1, 8))
   state = later.init()
   scales = []
@@ -367,7 +367,7 @@ def test_heterofl_scores_do_not_depend_on_how_the_test_rows_are_padded(tiny_data
   from fedjax_het.algorithms import HeteroFLConfig, heterofl
   from fedjax_het.data.federated import ClientArrays
   from fedjax_het.engine.client import score_client
-  fed = Federation(heterofl(HeteroFLConfig(static_bn=False), 4, 0.05), tiny_data,
+  fed = Federation(heterofl(HeteroFLConfig(static_bn=False), 4), tiny_data,
                    ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.05, 8))
   state = fed.init()
   client = jax.tree.map(lambda a: a[0], state.groups[1])
@@ -401,7 +401,7 @@ def test_heterofl_static_batchnorm_reads_every_clients_training_rows(tiny_data, 
   of the global model's first convolution (a mean of chunk means weighted by their rows is the global mean)."""
   from fedjax_het.algorithms import HeteroFLConfig, heterofl
   from fedjax_het.engine import ExecutionConfig
-  fed = Federation(heterofl(HeteroFLConfig(), 4, 0.05), tiny_data,
+  fed = Federation(heterofl(HeteroFLConfig(), 4), tiny_data,
                    ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.05, 8),
                    ExecutionConfig(strategy=strategy, eval_batch_size=16))
   state = fed.init()
@@ -435,7 +435,7 @@ def test_heterofl_static_batchnorm_is_refused_over_flower(tiny_data):
   pytest.importorskip('flwr')
   from fedjax_het.algorithms import HeteroFLConfig, heterofl
   from fedjax_het.flower.rounds import FlowerRounds
-  fed = Federation(heterofl(HeteroFLConfig(), 4, 0.05), tiny_data,
+  fed = Federation(heterofl(HeteroFLConfig(), 4), tiny_data,
                    ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.05, 8))
   with pytest.raises(ConfigError, match='--noheterofl_static_bn'):
     FlowerRounds(fed, None, '{}', 1, 1)
@@ -443,7 +443,7 @@ def test_heterofl_static_batchnorm_is_refused_over_flower(tiny_data):
 
 def test_heterofl_refuses_an_rm_that_pools_every_width_to_d(tiny_data):
   from fedjax_het.algorithms import HeteroFLConfig, heterofl
-  fed = Federation(heterofl(HeteroFLConfig(), 4, 0.05), tiny_data,
+  fed = Federation(heterofl(HeteroFLConfig(), 4), tiny_data,
                    ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'ap'), LocalTraining(0.05, 8))
   with pytest.raises(ConfigError, match="rm='ap': HeteroFL slices"):
     fed.init()

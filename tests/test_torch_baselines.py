@@ -133,7 +133,7 @@ def test_heterofl_local_steps_equal_its_codes_local_train(tiny_data):
   """Four steps of batch 8 on a client holding two of the four classes, at a rate that makes the gradient's norm
   exceed 1: masked logits, clipping to 1, SGD(0.1, momentum 0.9, weight decay 5e-4), as `Local.train` steps."""
   rate = 0.1
-  fed = Federation(heterofl(HeteroFLConfig(), 4, rate), tiny_data,
+  fed = Federation(heterofl(HeteroFLConfig(), 4), tiny_data,
                    ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(rate, 8))
   state = fed.init()
   program = fed.programs[0][0]

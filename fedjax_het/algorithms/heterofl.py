@@ -169,11 +169,12 @@ def check_sub_models(spec) -> int:
   return top
 
 
-def client_program(cfg: HeteroFLConfig, num_classes: int, learning_rate: float, group: GroupSpec) -> ClientProgram:
+def client_program(cfg: HeteroFLConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
   """A client's round: its label mask from its rows, then its sub-model trained on CE with the logits of classes
-  it lacks set to 0 (--heterofl_mask), at the round's rate (`local_optimizer`, scaled by the broadcast's MultiStepLR
-  factor); it uploads the sub-model and the mask."""
-  optimizer = lambda broadcast: local_optimizer(cfg, learning_rate * broadcast['lr_scale'])
+  it lacks set to 0 (--heterofl_mask), at the round's rate (`local_optimizer`: the group's local rate,
+  `LocalTraining.learning_rate`, scaled by the broadcast's MultiStepLR factor); it uploads the sub-model and the
+  mask."""
+  optimizer = lambda broadcast: local_optimizer(cfg, group.training.learning_rate * broadcast['lr_scale'])
 
   def loss(client, batch, broadcast, key):
     logits, _, model_state = forward(group.model, client.params, client.model_state, batch.x, True, batch.mask)
@@ -227,7 +228,7 @@ def global_model_evaluation(cfg: HeteroFLConfig, group: GroupSpec) -> Evaluation
   return Evaluation(('global_model',), prepare_static, logits, statistics=statistics)
 
 
-def heterofl(cfg: HeteroFLConfig, num_classes: int, local_learning_rate: float) -> Algorithm:
+def heterofl(cfg: HeteroFLConfig, num_classes: int) -> Algorithm:
   """HeteroFL (fixed rates per group) as an `Algorithm`."""
 
   def init_server(key, spec, initial):
@@ -242,7 +243,7 @@ def heterofl(cfg: HeteroFLConfig, num_classes: int, local_learning_rate: float) 
   def server_update(server, uploads, key):
     return {**server, 'model': combine(server['model'], uploads), 'round': server['round'] + 1}, {}
 
-  return one_phase('heterofl', init_server, lambda group: client_program(cfg, num_classes, local_learning_rate, group),
+  return one_phase('heterofl', init_server, lambda group: client_program(cfg, num_classes, group),
                    server_update, lambda group: global_model_evaluation(cfg, group), broadcast=broadcast,
                    init_client=lambda group, key: {'label_mask': jnp.ones(num_classes)}, partial_batches=True,
                    shares_representations=False, broadcast_scalars=lambda b: leaf_scalars({'model': b['model']}),

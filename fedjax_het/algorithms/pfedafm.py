@@ -76,14 +76,18 @@ def sgd(learning_rate: float, momentum: float, weight_decay: float = 0.0) -> opt
                      optax.sgd(learning_rate, momentum=momentum or None))
 
 
+def alpha_optimizer(cfg: PFedAFMConfig) -> optax.GradientTransformation:
+  """alpha's optimiser, as the code's optimizer_alpha: torch SGD with momentum and weight decay."""
+  return optax.chain(optax.add_decayed_weights(cfg.weight_decay),
+                     optax.sgd(cfg.alpha_learning_rate, momentum=cfg.momentum or None))
+
+
 def optimizers(cfg: PFedAFMConfig, learning_rate: float) -> tuple[optax.GradientTransformation, ...]:
   """(the client's own model's, alpha's, G's) optimisers, as the code builds them: torch SGD with momentum and
   weight decay for all three (its optimizer_large, optimizer_alpha, optimizer_small), the two models' gradients
-  clipped to 50."""
+  clipped to 50; the models' at the client's local rate."""
   own = sgd(learning_rate, cfg.momentum, cfg.weight_decay)
-  alpha = optax.chain(optax.add_decayed_weights(cfg.weight_decay),
-                      optax.sgd(cfg.alpha_learning_rate, momentum=cfg.momentum or None))
-  return own, alpha, sgd(learning_rate, cfg.momentum, cfg.weight_decay)
+  return own, alpha_optimizer(cfg), sgd(learning_rate, cfg.momentum, cfg.weight_decay)
 
 
 def clamp(alpha: jnp.ndarray) -> jnp.ndarray:
@@ -91,10 +95,10 @@ def clamp(alpha: jnp.ndarray) -> jnp.ndarray:
   return jnp.clip(alpha, 0.0, 1.0)
 
 
-def client_program(cfg: PFedAFMConfig, learning_rate: float, group: GroupSpec) -> ClientProgram:
+def client_program(cfg: PFedAFMConfig, group: GroupSpec) -> ClientProgram:
   """A client's round (the module docstring): receive G, step 1 (F_k, h_k and alpha, G frozen), step 2 (G, F_k and
-  h_k frozen), upload G."""
-  own_opt, alpha_opt, shared_opt = optimizers(cfg, learning_rate)
+  h_k frozen), upload G; the models step at the group's local rate (`LocalTraining.learning_rate`)."""
+  own_opt, alpha_opt, shared_opt = optimizers(cfg, group.training.learning_rate)
   shared_model = group.build_model(cfg.global_model, group.feature_dim)
 
   def mixture_step(carry, batch, broadcast, key):
@@ -153,10 +157,10 @@ def mixture_evaluation(cfg: PFedAFMConfig, group: GroupSpec) -> Evaluation:
   return Evaluation(('mixed', 'global_extractor'), prepare, logits)
 
 
-def pfedafm(cfg: PFedAFMConfig, local_learning_rate: float) -> Algorithm:
+def pfedafm(cfg: PFedAFMConfig) -> Algorithm:
   """pFedAFM as an `Algorithm` (clients carry G and alpha in their per-client state)."""
   check_global_model(cfg)
-  alpha_opt = optimizers(cfg, local_learning_rate)[1]
+  alpha_opt = alpha_optimizer(cfg)
 
   def init_client(group: GroupSpec, key):
     extra = init_global_model(group, group.build_model(cfg.global_model, group.feature_dim), key)
@@ -170,6 +174,6 @@ def pfedafm(cfg: PFedAFMConfig, local_learning_rate: float) -> Algorithm:
     return {**server, 'global_model': participant_average(u.values['global_model'], weights,
                                                            server['global_model'])}, {}
 
-  return one_phase('pfedafm', initial_global_model, lambda group: client_program(cfg, local_learning_rate, group),
+  return one_phase('pfedafm', initial_global_model, lambda group: client_program(cfg, group),
                    server_update, lambda group: mixture_evaluation(cfg, group), init_client=init_client,
                    partial_batches=True, upload_privacy=GLOBAL_MODEL_PRIVACY)
