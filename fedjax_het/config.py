@@ -199,15 +199,14 @@ class ExperimentConfig:
     from fedjax_het.engine.sharding import client_mesh
     with flags_named():
       if jax.process_count() > 1:  # every process computes its share of each group: the mesh spans them all
-        return ExecutionConfig(self._distributed_strategy(), self.conv or None, client_mesh(0), self.chunk_size,
-                               self.scan_unroll, self.client_threads, self.eval_batch_size or None,
-                               self.onednn_threads, self.memory_budget_bytes, self.stream_clients,
-                               self.group_threads)
-      strategy = ExecutionConfig(self.strategy or None, 'xla').resolve().strategy  # conv: not needed to decide it
-      every_device_under_vmap = self.num_devices == 0 and strategy == 'vmap'
-      # a count other than 0 and 1 always goes to client_mesh, which refuses one it cannot give
-      mesh = client_mesh(self.num_devices) if self.num_devices not in (0, 1) or every_device_under_vmap else None
-      execution = ExecutionConfig(self.strategy or None, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
+        strategy, mesh = self._distributed_strategy(), client_mesh(0)
+      else:
+        strategy = ExecutionConfig(self.strategy or None, 'xla').resolve().strategy  # conv: not needed to decide it
+        every_device_under_vmap = self.num_devices == 0 and strategy == 'vmap'
+        # a count other than 0 and 1 always goes to client_mesh, which refuses one it cannot give
+        mesh = client_mesh(self.num_devices) if self.num_devices not in (0, 1) or every_device_under_vmap else None
+        strategy = self.strategy or None
+      execution = ExecutionConfig(strategy, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
                                   self.client_threads, self.eval_batch_size or None, self.onednn_threads,
                                   self.memory_budget_bytes, self.stream_clients, self.group_threads)
       resolved = execution.resolve()  # e.g. --conv=onednn where it cannot run: refused now, before any data is read

@@ -147,8 +147,8 @@ def test_launcher_starts_joined_processes_forwards_a_stop_and_stops_the_rest_on_
 
 
 def test_a_run_over_several_processes_lays_groups_over_all_their_devices(monkeypatch):
-  """With several processes the default strategy is vmap over every device; a sequential strategy or a mesh of
-  some devices only is refused, naming the flag."""
+  """With several processes the default strategy is vmap over every device; a sequential strategy, a mesh of some
+  devices only or a convolution the machine cannot run is refused, naming the flag."""
   import jax
   from fedjax_het.config import ExperimentConfig
   from fedjax_het.errors import ConfigError
@@ -160,6 +160,11 @@ def test_a_run_over_several_processes_lays_groups_over_all_their_devices(monkeyp
   if len(jax.devices()) == 1:
     with pytest.raises(ConfigError, match=r'--num_devices=2: a run of 2 processes'):
       ExperimentConfig(num_devices=2).execution_config()
+  # a convolution this machine cannot run is refused here, before any process loads data
+  from fedjax_het.models import onednn
+  monkeypatch.setattr(onednn, 'unavailable_reason', lambda: 'oneDNN is not installed. Fix: pip install ...')
+  with pytest.raises(ConfigError, match=r"conv='onednn': oneDNN is not installed"):
+    ExperimentConfig(conv='onednn').execution_config()
 
 
 def test_the_coordinator_listens_on_the_address_it_is_given_only(monkeypatch):
