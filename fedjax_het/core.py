@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_het.local_training import LocalTraining
+from fedjax_het.uploads import RoundUploads, Uploads  # noqa: F401 (Uploads: part of the API here)
 
 Broadcast = Any
 Upload = Any
@@ -156,20 +157,6 @@ class Evaluation(NamedTuple):
   statistics: Optional[Callable[[Any, jnp.ndarray, jnp.ndarray], Any]] = None
 
 
-class Uploads(NamedTuple):
-  """One group's uploads in a round: values (the programs' uploads stacked over slots [S, ...]), mask [S] (the
-  slots that hold a participant), num_train [S] (their training rows, float: sample weights the server knows),
-  client [S] (each slot's client, its index in the group; the group's size or more for an empty slot: where a
-  server keeps something per client, FedGKT's logits of its rows); expected [S]: under Poisson sampling, the
-  number of participants the round's draw expects over all groups (rate x clients), in every slot, by which a DP
-  server divides its sums (a fixed denominator, `privacy.dp`); None under a fixed-size draw."""
-  values: Any
-  mask: jnp.ndarray
-  num_train: jnp.ndarray
-  client: Optional[jnp.ndarray] = None
-  expected: Optional[jnp.ndarray] = None
-
-
 class ModelMaker(Protocol):
   """How a run builds and initialises classifiers and modules (the engine provides it: `engine.groups`)."""
 
@@ -259,10 +246,11 @@ class Phase:
   """A stretch of rounds with one client program and server step.
 
   client(group) -> the `ClientProgram` of that group's clients; server_update(server, uploads, key) -> (server,
-  metrics), uploads a tuple of `Uploads`, one per group; broadcast(server, group) -> what that group's participants
-  receive (a dict may carry a PER_CLIENT part, one slice per client of the group: `for_client`). rounds: how many
-  (None: the rest of the run); join_ratio: participation (None: the run's); evaluate: whether the run's evaluation
-  schedule applies in this phase. server_of_spec: server_update is (spec: FederationSpec) -> the server step, for a
+  metrics), uploads the round's `RoundUploads` (one `Uploads` per group, with reductions over the participants:
+  `server_step` gathers them); broadcast(server, group) -> what that group's participants receive (a dict may
+  carry a PER_CLIENT part, one slice per client of the group: `for_client`). rounds: how many (None: the rest of
+  the run); join_ratio: participation (None: the run's); evaluate: whether the run's evaluation schedule applies
+  in this phase. server_of_spec: server_update is (spec: FederationSpec) -> the server step, for a
   server that runs the groups' classifiers (FedDF distils into them); `server_step` gives the step either way.
   runs_without_participants: whether the server step runs in a round whose Poisson draw took nobody (a DP step
   with a fixed denominator, whose release must not tell such a round apart); otherwise such a round leaves the
@@ -280,8 +268,10 @@ class Phase:
 
 
 def server_step(phase: Phase, spec: FederationSpec) -> Callable[..., tuple[ServerState, dict]]:
-  """The phase's server step (server, uploads, key) -> (server, metrics) in the federation `spec`."""
-  return phase.server_update(spec) if phase.server_of_spec else phase.server_update
+  """The phase's server step (server, uploads, key) -> (server, metrics) in the federation `spec`; uploads, one
+  `Uploads` per group, reach the method as `RoundUploads` (with its reductions over the participants)."""
+  step = phase.server_update(spec) if phase.server_of_spec else phase.server_update
+  return lambda server, uploads, key: step(server, RoundUploads(uploads), key)
 
 
 class UploadPrivacy(NamedTuple):

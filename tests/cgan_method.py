@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
-from fedjax_het.algorithms.common import cross_entropy, participant_average, train_forward
+from fedjax_het.algorithms.base import head_evaluation, own_head
+from fedjax_het.algorithms.common import cross_entropy, train_forward
 from fedjax_het.core import Algorithm, Batch, ClientProgram, Phase, single_stage
 
 NOISE = 4
@@ -133,12 +133,10 @@ def cgan(num_classes: int, gan_rounds: int = 2, learning_rate: float = 0.05, ada
     return ClientProgram(init, single_stage(step, group.training), final, group.training)
 
   def average_classifiers(server, uploads):
-    return tuple(participant_average(u.values['classifier'], u.mask * u.num_train, old)
-                 for u, old in zip(uploads, server['classifiers']))
+    return uploads.group_mean('classifier', by='rows', previous=server['classifiers'])
 
   def gan_server(server, uploads, key):
-    everyone = concat_groups(tuple(u._replace(values=u.values['generator']) for u in uploads))
-    generator = participant_average(everyone.values, everyone.mask.astype(jnp.float32), server['generator'])
+    generator = uploads.mean('generator', previous=server['generator'])
     return {'generator': generator, 'classifiers': average_classifiers(server, uploads)}, {}
 
   def synthetic_server(server, uploads, key):

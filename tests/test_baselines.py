@@ -14,16 +14,17 @@ from golden import client_state, golden_federation
 from fedjax_het.algorithms import (FDConfig, FedGenConfig, FedGHConfig,
                                    FedProtoConfig, FedREConfig, FedTGPConfig, fedgen, fedgh, fedproto, fedre, fedtgp,
                                    lg_fedavg)
-from fedjax_het.algorithms.common import (aggregate_class_means, nearest_prototype_head, prototype_regularizer,
-                                          sgd_on_rows)
+from fedjax_het.algorithms.common import nearest_prototype_head, prototype_regularizer, sgd_on_rows
+from fedjax_het.algorithms.common import elementwise_kl
 from fedjax_het.algorithms.fd import distillation_term
 from fedjax_het.algorithms.fedgen import FeatureGenerator, ensemble_logits
-from fedjax_het.algorithms.common import elementwise_kl
-from fedjax_het.algorithms.fml import FMLConfig, fml, mutual_loss
 from fedjax_het.algorithms.fedtgp import adaptive_margin, margin_contrastive_loss
+from fedjax_het.algorithms.fml import FMLConfig, fml, mutual_loss
 from fedjax_het.core import Uploads
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
+from fedjax_het.uploads import aggregate_class_means
+from fedjax_het.uploads import RoundUploads
 
 C, D = 3, 2
 
@@ -89,7 +90,7 @@ def test_lg_fedavg_server_is_the_sample_weighted_mean_of_participant_heads():
                                                                                                    [4.] * C,
                                                                                                    [100.] * C])}
   uploads = (Uploads({'head': heads}, jnp.array([True, True, False]), jnp.array([30., 10., 50.])),)
-  server, _ = alg.phases[0].server_update({'head': jax.tree.map(lambda a: a[0], heads)}, uploads,
+  server, _ = alg.phases[0].server_update({'head': jax.tree.map(lambda a: a[0], heads)}, RoundUploads(uploads),
                                           jax.random.PRNGKey(0))
   np.testing.assert_allclose(server['head']['kernel'], np.full((D, C), (30 * 1 + 10 * 4) / 40))
 
@@ -99,7 +100,7 @@ def test_fedgh_server_is_sgd_on_ce_over_the_uploaded_prototypes():
   head = {'kernel': jnp.array([[1., 0., -1.], [0., 1., 0.]]), 'bias': jnp.zeros(C)}
   uploads = (Uploads({'protos': jnp.array([[[1., 0.], [0., 2.], [0., 0.]]]), 'counts': jnp.array([[3, 1, 0]])},
                      jnp.array([True]), jnp.ones(1)),)
-  server, _ = fedgh(cfg, C).phases[0].server_update({'head': head}, uploads, jax.random.PRNGKey(0))
+  server, _ = fedgh(cfg, C).phases[0].server_update({'head': head}, RoundUploads(uploads), jax.random.PRNGKey(0))
   # One batch holds both real rows (class 2 is absent): one step on their mean CE, computed by hand.
   x = np.array([[1., 0.], [0., 2.]])
   p = jax.nn.softmax(x @ np.asarray(head['kernel']), -1)
@@ -124,7 +125,7 @@ def test_fedgen_server_trains_the_generator_towards_the_heads_and_averages_heads
                batch_size=16, label_counts=np.array([5, 25, 10]))
   initial = [SimpleNamespace(params={'head': jax.tree.map(lambda a: a[0], heads)})]
   server = alg.init_server(jax.random.PRNGKey(0), SimpleNamespace(feature_dim=d), initial)
-  trained, m = alg.phases[0].server_update(server, uploads, jax.random.PRNGKey(1))
+  trained, m = alg.phases[0].server_update(server, RoundUploads(uploads), jax.random.PRNGKey(1))
   np.testing.assert_allclose(trained['head']['kernel'], heads['kernel'][0], rtol=1e-6)
   # The ensemble's CE on generated features falls: a fresh and the trained generator on the same draws.
   def ensemble_ce(variables):

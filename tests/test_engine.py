@@ -16,6 +16,7 @@ from fedjax_het.engine import (ExecutionConfig, Federation, LocalTraining, Model
                                run_client)
 from fedjax_het.errors import ConfigError
 from fedjax_het.models import onednn
+from fedjax_het.uploads import RoundUploads
 
 TRAINING = LocalTraining(learning_rate=0.05, batch_size=8, epochs=2)
 
@@ -275,7 +276,7 @@ def test_grouped_fedavg_server_is_the_sample_weighted_mean_of_participants_per_g
   uploads = (Uploads({'model': {'w': jnp.array([[1., 1.], [3., 5.], [100., 100.]])}}, jnp.array([True, True, False]),
                      jnp.array([1., 3., 50.])),
              Uploads({'model': {'w': jnp.ones((1, 3))}}, jnp.array([False]), jnp.array([4.])))
-  server, _ = alg.phases[0].server_update({'models': models}, uploads, jax.random.PRNGKey(0))
+  server, _ = alg.phases[0].server_update({'models': models}, RoundUploads(uploads), jax.random.PRNGKey(0))
   np.testing.assert_allclose(server['models'][0]['w'], [2.5, 4.0])  # (1*1 + 3*3)/4, (1*1 + 3*5)/4
   np.testing.assert_allclose(server['models'][1]['w'], [9., 9., 9.])  # no participant: kept
 

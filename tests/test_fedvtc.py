@@ -21,12 +21,13 @@ from fedjax_het.engine.groups import count_params
 from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import build_federation, train_and_evaluate
 from fedjax_het.models.vtc import VTCDecoder, init_vtc
+from fedjax_het.uploads import RoundUploads
 
 from conftest import tree_allclose
 from runs import record_rounds, run_rounds
 
 # One architecture group keeps compilation (which dominates these tests) small; the server's cross-group means are
-# the shared `concat_groups` + `aggregate_class_means`, tested with two groups in the other methods' tests.
+# the shared `RoundUploads.class_mean`, tested with two groups in tests/test_uploads.py.
 CFG = ExperimentConfig(algorithm='fedvtc', dataset='synthetic:8,8,1', num_clients=4, alpha=0.5,
                        models=('small_cnn_narrow',), feature_dim=80, rm='fc', rounds=1, batch_size=32,
                        local_learning_rate=0.01, eval_protocol='global', conv='xla', checkpoint_every=1, join_ratio=0.5,
@@ -202,7 +203,7 @@ def test_server_averages_prototypes_over_holders_keeps_unheld_classes_and_averag
   sigma = jnp.stack([jnp.full(80, 1.0), jnp.full(80, 3.0), jnp.full(80, 50.0)])
   uploads = (Uploads({'protos': protos, 'counts': counts, 'sigma': sigma}, jnp.array([True, True, False]),
                      jnp.ones(3)),)
-  new, _ = fed.algorithm.phases[0].server_update(server, uploads, None)
+  new, _ = fed.algorithm.phases[0].server_update(server, RoundUploads(uploads), None)
   np.testing.assert_allclose(new['protos'][:3, 0], [2.0, 5.0, 7.0])  # holders only; class 2 kept
   np.testing.assert_array_equal(new['present'][:3], [True, True, True])
   assert not new['present'][3]
@@ -212,8 +213,8 @@ def test_server_averages_prototypes_over_holders_keeps_unheld_classes_and_averag
 def test_the_final_psi_is_the_mean_of_every_clients_psi(fed):
   server = {'psi': {'w': jnp.zeros(2)}}
   psi = {'w': jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 9.0]])}
-  new, _ = fed.algorithm.phases[1].server_update(server, (Uploads({'psi': psi}, jnp.ones(3, bool), jnp.ones(3)),),
-                                                 None)
+  uploads = RoundUploads((Uploads({'psi': psi}, jnp.ones(3, bool), jnp.ones(3)),))
+  new, _ = fed.algorithm.phases[1].server_update(server, uploads, None)
   np.testing.assert_allclose(new['psi']['w'], [3.0, 5.0])
 
 

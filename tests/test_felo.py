@@ -24,6 +24,7 @@ from fedjax_het.core import Uploads
 from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import build_federation
 from fedjax_het.local_training import LocalTraining
+from fedjax_het.uploads import RoundUploads
 
 
 def uploads(values, mask, num_train):
@@ -89,14 +90,15 @@ def test_server_logit_mean_is_per_upload_and_feature_mean_is_per_sample():
             'feature_sums': jnp.asarray([[[2.0, 3.0], [0.0, 0.0]], [[36.0, 45.0], [0.0, 0.0]]]),
             'feature_counts': jnp.asarray([[1.0, 0.0], [9.0, 0.0]]),
             'loss_terms': jnp.asarray([[2.0, 0.5, 0.1], [4.0, 1.5, 0.3]])}
-  new, metrics = alg.phases[0].server_update(server, (uploads(values, [True, True], [1, 9]),),
+  new, metrics = alg.phases[0].server_update(server, RoundUploads((uploads(values, [True, True], [1, 9]),)),
                                              jax.random.PRNGKey(0))
   np.testing.assert_allclose([metrics[k] for k in ('client_ce', 'client_alpha_mse', 'client_alpha_kl')],
                              [3.0, 1.0, 0.2], rtol=1e-6)  # the participants' mean, logged per round
   np.testing.assert_allclose(new['logits'][0], [3.0, 4.0])      # every client-round counts once
   np.testing.assert_allclose(new['features'][0], [3.8, 4.8])    # (2 + 36) / 10, (3 + 45) / 10
   assert new['logit_present'].tolist() == [True, False] and new['feature_present'].tolist() == [True, False]
-  later, _ = alg.phases[0].server_update(new, (uploads(values, [True, False], [1, 9]),), jax.random.PRNGKey(0))
+  later, _ = alg.phases[0].server_update(new, RoundUploads((uploads(values, [True, False], [1, 9]),)),
+                                         jax.random.PRNGKey(0))
   np.testing.assert_allclose(later['logits'][0], [(2 + 4 + 2) / 3, (3 + 5 + 3) / 3])   # the store spans rounds
   assert int(later['round']) == 2
 

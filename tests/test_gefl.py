@@ -15,13 +15,14 @@ import pytest
 from conftest import tree_allclose
 from runs import record_rounds, run_rounds
 from fedjax_het.algorithms import GeFLConfig, gefl
-from fedjax_het.algorithms.gefl import build_generator
 from fedjax_het.algorithms.fedprox import proximal_term
+from fedjax_het.algorithms.gefl import build_generator
 from fedjax_het.checkpoints import Checkpoints
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Uploads, leaf_scalars
 from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import build_federation
+from fedjax_het.uploads import RoundUploads
 
 GEFL = GeFLConfig(generator='dcgan', ka_rounds=2, generator_epochs=1, width=4)
 # One architecture group and a quarter of the synthetic rows (one or two batches per client) keep compilation and
@@ -43,11 +44,11 @@ def test_knowledge_server_averages_the_generator_over_all_participants_of_all_gr
   server = {'generator': {'w': jnp.full(2, -7.0)}, 'generator_round': jnp.asarray(0), 'models': ({}, {})}
   group0 = uploads({'generator': {'w': jnp.asarray([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]])}}, [1, 1, 0], [10, 90, 0])
   group1 = uploads({'generator': {'w': jnp.asarray([[5.0, 6.0]])}}, [1], [1000])
-  new, _ = alg.phases[0].server_update(server, (group0, group1), jax.random.PRNGKey(0))
+  new, _ = alg.phases[0].server_update(server, RoundUploads((group0, group1)), jax.random.PRNGKey(0))
   np.testing.assert_allclose(new['generator']['w'], [3.0, 4.0])  # (1 + 3 + 5) / 3, sample sizes ignored
   assert int(new['generator_round']) == 1
   nobody = uploads({'generator': {'w': jnp.ones((1, 2))}}, [0])
-  kept, _ = alg.phases[0].server_update(server, (nobody, nobody), jax.random.PRNGKey(0))
+  kept, _ = alg.phases[0].server_update(server, RoundUploads((nobody, nobody)), jax.random.PRNGKey(0))
   np.testing.assert_allclose(kept['generator']['w'], [-7.0, -7.0])
 
 
@@ -58,7 +59,7 @@ def test_target_server_averages_each_group_within_itself_with_equal_weights():
   stack = lambda *ms: jax.tree.map(lambda *a: jnp.stack(a), *ms)
   group0 = uploads({'model': stack(model([1.0]), model([5.0]))}, [1, 1], [10, 1000])
   group1 = uploads({'model': stack(model([100.0]))}, [0])
-  new, _ = alg.phases[1].server_update(server, (group0, group1), jax.random.PRNGKey(0))
+  new, _ = alg.phases[1].server_update(server, RoundUploads((group0, group1)), jax.random.PRNGKey(0))
   np.testing.assert_allclose(new['models'][0]['params']['w'], [3.0])      # BN statistics averaged too
   np.testing.assert_allclose(new['models'][0]['model_state']['s'], [3.0])
   np.testing.assert_allclose(new['models'][1]['params']['w'], [9.0])      # nobody in group 1: kept
@@ -76,7 +77,7 @@ def test_update_mode_target_server_averages_models_within_and_the_generator_acro
   server = {'generator': gen(0.0), 'generator_round': jnp.asarray(1), 'models': (small(0.0), large(0.0))}
   group0 = uploads({'model': stack(small(1.0), small(3.0)), 'generator': stack(gen(1.0), gen(3.0))}, [1, 1])
   group1 = uploads({'model': stack(large(8.0)), 'generator': stack(gen(8.0))}, [1])
-  new, _ = alg.phases[1].server_update(server, (group0, group1), jax.random.PRNGKey(0))
+  new, _ = alg.phases[1].server_update(server, RoundUploads((group0, group1)), jax.random.PRNGKey(0))
   np.testing.assert_allclose(new['models'][0]['params']['w'], [2.0])
   np.testing.assert_allclose(new['models'][1]['params']['extra'], [8.0, 8.0, 8.0])
   np.testing.assert_allclose(new['generator']['w'], [4.0, 4.0])  # (1 + 3 + 8) / 3
@@ -193,8 +194,9 @@ def test_shared_first_block_is_the_unweighted_mean_over_all_participants():
     return {'params': {'extractor': {'fe_conv': {'kernel': fe}, 'conv0': {'kernel': rest}}, 'head': {'bias': rest}},
             'model_state': {'batch_stats': {'extractor': {'fe_bn': {'mean': 10 * fe}}}}}
   arr = lambda *v: jnp.asarray(v, jnp.float32)
-  uploads = (Uploads({'model': model(arr(1., 3.), arr(0., 0.))}, jnp.array([True, True]), arr(1., 1.)),
-             Uploads({'model': model(arr(5., 7.), arr(0., 0.))}, jnp.array([True, False]), arr(1., 1.)))
+  uploads = RoundUploads((Uploads({'model': model(arr(1., 3.), arr(0., 0.))}, jnp.array([True, True]), arr(1., 1.)),
+                          Uploads({'model': model(arr(5., 7.), arr(0., 0.))}, jnp.array([True, False]),
+                                  arr(1., 1.))))
   group_means = (model(jnp.float32(2.), jnp.float32(-1.)), model(jnp.float32(5.), jnp.float32(-2.)))
   out = with_shared_first_block(group_means, uploads)
   for g, rest in zip(out, (-1., -2.)):

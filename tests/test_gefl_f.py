@@ -19,6 +19,7 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import build_federation
 from fedjax_het.models.init import init_variables
 from fedjax_het.models.registry import build_model
+from fedjax_het.uploads import RoundUploads
 
 CFG = ExperimentConfig(algorithm='gefl_f', dataset='synthetic:32,32,1', data_fraction=0.5, num_clients=4,
                        partition='iid', models=('gefl_fmnist_cnn1', 'gefl_fmnist_cnn2'), feature_dim=16, rm='fc',
@@ -141,7 +142,7 @@ def test_lg_fedavg_as_gefl_runs_it_averages_f_over_all_groups_and_the_rest_withi
   group0 = Uploads({'fe': stack(part([1.0]), part([3.0])), 'header': stack(part([1.0, 2.0]), part([3.0, 4.0]))},
                    jnp.asarray([True, True]), jnp.asarray([10.0, 90.0]))
   group1 = Uploads({'fe': stack(part([8.0])), 'header': stack(part([5.0]))}, jnp.asarray([True]), jnp.asarray([1.0]))
-  new, _ = alg.phases[0].server_update(server, (group0, group1), jax.random.PRNGKey(0))
+  new, _ = alg.phases[0].server_update(server, RoundUploads((group0, group1)), jax.random.PRNGKey(0))
   np.testing.assert_allclose(new['fe']['params']['w'], [4.0])              # (1 + 3 + 8) / 3 over all groups
   np.testing.assert_allclose(new['headers'][0]['params']['w'], [2.0, 3.0])  # within group 0
   np.testing.assert_allclose(new['headers'][1]['params']['w'], [5.0])

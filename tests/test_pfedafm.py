@@ -13,6 +13,7 @@ from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Batch, Uploads
 from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import build_federation
+from fedjax_het.uploads import RoundUploads
 
 
 def _federation(**methods):
@@ -56,7 +57,7 @@ def test_the_server_averages_g_weighted_by_training_rows():
   copies = jax.tree.map(lambda a: jnp.stack([jnp.full_like(a, 1.0), jnp.full_like(a, 3.0), jnp.full_like(a, 9.0)]),
                         template)
   uploads = (Uploads({'global_model': copies}, jnp.array([True, True, False]), jnp.array([30.0, 10.0, 50.0])),)
-  new, _ = fed.algorithm.phases[0].server_update(state.server, uploads, jax.random.PRNGKey(0))
+  new, _ = fed.algorithm.phases[0].server_update(state.server, RoundUploads(uploads), jax.random.PRNGKey(0))
   for leaf in jax.tree.leaves(new['global_model']):  # (30 * 1 + 10 * 3) / 40; the absent slot not counted
     np.testing.assert_allclose(leaf, 1.5, rtol=1e-6)
 

@@ -2,8 +2,6 @@
 and its accounting under add/remove adjacency, and what a run under it writes."""
 
 import dataclasses
-import json
-import math
 import types
 
 import dp_accounting
@@ -13,8 +11,6 @@ import numpy as np
 import pytest
 from dp_accounting import rdp
 
-from fedjax_het.algorithms.base import concat_groups
-from fedjax_het.algorithms.common import participant_average
 from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Algorithm, Phase, UploadPrivacy, Uploads, server_step
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
@@ -23,6 +19,8 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import make_algorithm, private_algorithm, train_and_evaluate
 from fedjax_het.privacy.budget import PrivacyBudget, calibrate
 from fedjax_het.privacy.dp import DPConfig, claims_amplification, privatize
+from fedjax_het.uploads import concat_groups
+from fedjax_het.uploads import participant_average
 
 from golden import TINY, tiny_data
 from runs import CFG, metric_rows

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from fedjax_het.core import Uploads
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig, run_client
 from fedjax_het.models.forward import forward
+from fedjax_het.uploads import RoundUploads
 
 
 def _one_client_round(alg, data, training, strategy='vmap'):
@@ -65,7 +66,7 @@ def test_fedtgp_server_trains_at_the_local_learning_rate_by_default():
   results = []
   for alg in (default, explicit, other):
     server = alg.init_server(jax.random.PRNGKey(1), spec, None)
-    results.append(alg.phases[0].server_update(server, uploads, jax.random.PRNGKey(2))[0]['protos'])
+    results.append(alg.phases[0].server_update(server, RoundUploads(uploads), jax.random.PRNGKey(2))[0]['protos'])
   np.testing.assert_array_equal(results[0], results[1])
   assert not np.allclose(results[0], results[2])
 

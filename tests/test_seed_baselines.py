@@ -21,6 +21,7 @@ from fedjax_het.data import Dataset, make_federated_data, make_synthetic
 from fedjax_het.engine import Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
 from fedjax_het.experiment import build_federation
+from fedjax_het.uploads import RoundUploads
 from conftest import tree_allclose
 from runs import run_rounds
 
@@ -68,7 +69,7 @@ def test_fedmd_digest_losses_by_hand():
 def test_the_consensus_is_the_unweighted_mean_over_the_participants_of_every_group():
   a = Uploads({'logits': jnp.array([[[1.0, 2.0]], [[9.0, 9.0]]])}, jnp.array([True, False]), jnp.array([5.0, 1.0]))
   b = Uploads({'logits': jnp.array([[[3.0, 0.0]]])}, jnp.array([True]), jnp.array([100.0]))
-  np.testing.assert_allclose(mean_of_uploads((a, b), 'logits'), [[2.0, 1.0]])
+  np.testing.assert_allclose(mean_of_uploads(RoundUploads((a, b)), 'logits'), [[2.0, 1.0]])
 
 
 def test_public_logits_in_passes_equal_one_pass(tiny_data):

@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import head_evaluation, own_head, sgd_program
-from fedjax_het.algorithms.common import (cross_entropy_loss, participant_average, soft_cross_entropy,
-                                          train_forward)
+from fedjax_het.algorithms.common import cross_entropy_loss, soft_cross_entropy, train_forward
 from fedjax_het.core import Algorithm, ClientState, GroupSpec, Phase, UploadPrivacy, hyperparameter, leaf_scalars
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 from fedjax_het.rows import batch_mean
+from fedjax_het.uploads import RoundUploads
 
 TARGETS = ('average', 'gefl')
 
@@ -77,13 +77,12 @@ def nonnegative_variances(model_state: Any) -> Any:
       lambda path, a: jnp.maximum(a, 0.0) if getattr(path[-1], 'key', None) == 'var' else a, model_state)
 
 
-def average_group_states(server: dict, uploads, weight=lambda u: u.mask * u.num_train) -> dict:
-  """Per architecture, the mean of its participants' parameters and BatchNorm statistics weighted by
-  `weight(uploads)` (default: their training rows; kept when it had none)."""
-  models = tuple(participant_average(u.values['model'], weight(u), old)
-                 for u, old in zip(uploads, server['models']))
-  states = tuple(nonnegative_variances(participant_average(u.values['model_state'], weight(u), old))
-                 for u, old in zip(uploads, server['model_states']))
+def average_group_states(server: dict, uploads: RoundUploads, by: str = 'rows') -> dict:
+  """Per architecture, the mean of its participants' parameters and BatchNorm statistics weighted `by` their
+  training rows ('rows') or equally ('uniform'); kept when it had none."""
+  models = uploads.group_mean('model', by=by, previous=server['models'])
+  states = tuple(nonnegative_variances(s)
+                 for s in uploads.group_mean('model_state', by=by, previous=server['model_states']))
   return {'models': models, 'model_states': states}
 
 

@@ -176,13 +176,3 @@ def keep_server(server, uploads, key):
   return server, {}
 
 
-def concat_groups(uploads) -> Uploads:
-  """All groups' `Uploads` as one, concatenated along the slot axis; ragged row axes (e.g. FedAllRep's rows) are
-  zero-padded to the longest."""
-  def pad_to(a, shape):
-    return jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
-
-  def cat(*leaves):
-    shape = tuple(max(s) for s in zip(*(leaf.shape for leaf in leaves)))
-    return jnp.concatenate([pad_to(leaf, (leaf.shape[0],) + shape[1:]) for leaf in leaves])
-  return jax.tree.map(cat, *uploads)

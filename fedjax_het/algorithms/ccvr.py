@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import (Algorithm, ClientState, concat_groups, head_evaluation, one_phase, own_head,
-                                        sgd_program)
+from fedjax_het.algorithms.base import Algorithm, ClientState, head_evaluation, one_phase, own_head, sgd_program
 from fedjax_het.algorithms.common import class_prototypes, cross_entropy_loss, head_apply, sgd_on_rows
 from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError, setting
@@ -121,8 +120,8 @@ def ccvr(cfg: CCVRConfig, num_classes: int, batch_size: int) -> Algorithm:
     return sgd_program(cross_entropy_loss(group.model), group.training, upload=upload, representations=True)
 
   def server_update(server, uploads, key):
-    u = concat_groups(uploads)
-    counts = u.values['counts'] * u.mask[:, None].astype(jnp.float32)
+    u = uploads.every()
+    counts = u.values['counts'] * u.weights()[:, None]
     mu, sigma, total = global_gaussians(u.values['means'], u.values['covs'], counts)
     sample_key, next_key = jax.random.split(key)
     return ({'virtual': sample_virtual(sample_key, mu, sigma, cfg.virtual_per_class), 'present': total > 0,

@@ -16,12 +16,6 @@ from fedjax_het.models.forward import forward
 from fedjax_het.rows import batch_mean, shuffled_real_rows
 
 
-def masked_mean(values: jnp.ndarray, mask: jnp.ndarray, axis: int = 0) -> jnp.ndarray:
-  """Mean of `values` over `axis` counting only rows where `mask` is nonzero (0 where the mask is empty)."""
-  m = mask.astype(values.dtype).reshape(mask.shape + (1,) * (values.ndim - mask.ndim))
-  return jnp.sum(values * m, axis=axis) / jnp.maximum(jnp.sum(m, axis=axis), 1e-12)
-
-
 def class_prototypes(reps: jnp.ndarray, labels: jnp.ndarray, valid: jnp.ndarray, num_classes: int
                      ) -> tuple[jnp.ndarray, jnp.ndarray]:
   """Per-class means of reps [n, d] over valid rows: (prototypes [C, d] (0 for absent classes), counts [C])."""
@@ -95,31 +89,9 @@ def distillation_loss(student_logits: jnp.ndarray, teacher_logits: jnp.ndarray, 
   return jnp.sum(per_row * rows) / jnp.maximum(rows.sum(), 1.0)
 
 
-def weighted_average(tree: Any, weights: jnp.ndarray) -> Any:
-  """sum_k w_k tree_k / sum_k w_k over the leading client axis of every leaf."""
-  w = weights / jnp.maximum(weights.sum(), 1e-12)
-  return jax.tree.map(lambda a: jnp.tensordot(w.astype(a.dtype), a, axes=1), tree)
-
-
-def participant_average(tree: Any, weights: jnp.ndarray, previous: Any) -> Any:
-  """`weighted_average` over the participants (weights 0 elsewhere), or `previous` when nobody participated:
-  the server step of LG-FedAvg's heads, FedGen's heads and FML's global models."""
-  mean = weighted_average(tree, weights)
-  return jax.tree.map(lambda m, old: jnp.where(weights.sum() > 0, m, old), mean, previous)
-
-
 def head_apply(head: dict, r: jnp.ndarray) -> jnp.ndarray:
   """The linear head f(omega; r) = r W + b (flax Dense layout: kernel [d, C], bias [C])."""
   return r @ head['kernel'] + head['bias']
-
-
-def aggregate_class_means(means: jnp.ndarray, counts: jnp.ndarray, mask: jnp.ndarray
-                          ) -> tuple[jnp.ndarray, jnp.ndarray]:
-  """Server aggregation of per-class means (FedProto Eq. 6, FD's logits): the unweighted mean over the clients
-  that hold each class. means [K, C, ...], counts [K, C], mask [K] (participants) -> (global [C, ...] (0 where no
-  participant holds the class), present [C] bool)."""
-  holds = (counts > 0) & mask[:, None].astype(bool)
-  return masked_mean(means, holds, axis=0), holds.any(0)
 
 
 def prototype_regularizer(reps: jnp.ndarray, labels: jnp.ndarray, protos: jnp.ndarray, present: jnp.ndarray

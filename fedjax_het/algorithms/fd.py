@@ -19,9 +19,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.algorithms.base import Algorithm, concat_groups, local_head_evaluation, one_phase, sgd_program
-from fedjax_het.algorithms.common import (aggregate_class_means, class_means_from_sums, class_means_privacy, class_sums,
-                                          cross_entropy, soft_cross_entropy, train_forward)
+from fedjax_het.algorithms.base import Algorithm, local_head_evaluation, one_phase, sgd_program
+from fedjax_het.algorithms.common import (class_means_from_sums, class_means_privacy, class_sums, cross_entropy,
+                                          soft_cross_entropy, train_forward)
 from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError, setting
 
@@ -64,8 +64,7 @@ def fd(cfg: FDConfig, num_classes: int) -> Algorithm:
     return sgd_program(loss, group.training, upload=upload, statistics=zeros)
 
   def server_update(server, uploads, key):
-    u = concat_groups(uploads)
-    logits, present = aggregate_class_means(u.values['logits'], u.values['counts'], u.mask)
+    logits, present = uploads.class_mean('logits')
     return {'logits': logits, 'present': present}, {'global_classes': present.sum()}
 
   return one_phase('fd', init_server, client, server_update, local_head_evaluation,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fedjax_het.algorithms.base import (Algorithm, ClientState, GroupSpec, head_evaluation, one_phase, own_head,
                                         sgd_program)
-from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
+from fedjax_het.algorithms.common import cross_entropy_loss
 from fedjax_het.core import UploadPrivacy
 
 
@@ -23,8 +23,7 @@ GROUP_MODEL_PRIVACY = UploadPrivacy(reference=lambda b: {'model': b['model']}, a
 
 def average_group_models(server: dict, uploads) -> dict:
   """Per group: sum_k n_k theta_k / sum_k n_k over its participants' uploaded models (kept when it had none)."""
-  return {'models': tuple(participant_average(u.values['model'], u.mask * u.num_train, old)
-                          for u, old in zip(uploads, server['models']))}
+  return {'models': uploads.group_mean('model', by='rows', previous=server['models'])}
 
 
 def fedavg_grouped(num_classes: int) -> Algorithm:

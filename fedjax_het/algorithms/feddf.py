@@ -179,7 +179,7 @@ def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
 
   def server_for(spec: FederationSpec):
     def server_update(server, uploads, key):
-      means = average_group_states(server, uploads, weight=lambda u: u.mask.astype(jnp.float32))  # uniform
+      means = average_group_states(server, uploads, by='uniform')
       averaged, states = means['models'], means['model_states']
       present = tuple(u.mask.any() for u in uploads)
       step = distillation_step(cfg, spec, uploads, server['constants']['public_x'], key, batch)

@@ -27,14 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedjax_het.algorithms.base import (Algorithm, concat_groups, global_head_evaluation, one_phase, receive_head,
-                                        sgd_program)
-from fedjax_het.algorithms.common import cross_entropy, cross_entropy_loss, head_apply, participant_average
+from fedjax_het.algorithms.base import Algorithm, global_head_evaluation, one_phase, receive_head, sgd_program
+from fedjax_het.algorithms.common import cross_entropy, cross_entropy_loss, head_apply
 from fedjax_het.algorithms.lg_fedavg import upload_head
 from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.init import torch_default_init
 from fedjax_het.models.norm import TorchBatchNorm
+from fedjax_het.uploads import participant_average
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +128,8 @@ def server_update(draws: GeneratedDraws, server: dict, uploads, key: jax.Array) 
   """Trains G for server_epochs Adam steps (fresh state) against the sample-weighted ensemble of the uploaded
   heads, then averages the heads."""
   cfg = draws.cfg
-  u = concat_groups(uploads)
-  weights = u.num_train * u.mask
+  u = uploads.every()
+  weights = u.weights('rows')
   w = weights / jnp.maximum(weights.sum(), 1e-12)
   d = server['head']['kernel'].shape[0]
   optimizer = optax.adam(cfg.generator_learning_rate, b1=0.9, b2=0.999, eps=1e-8)

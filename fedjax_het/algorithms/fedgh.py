@@ -12,8 +12,8 @@ from typing import Optional
 
 import jax
 
-from fedjax_het.algorithms.base import (Algorithm, concat_groups, global_head_evaluation, initial_head, one_phase,
-                                        receive_head, sgd_program)
+from fedjax_het.algorithms.base import (Algorithm, global_head_evaluation, initial_head, one_phase, receive_head,
+                                        sgd_program)
 from fedjax_het.algorithms.common import (check_server_training, class_means_privacy, cross_entropy_loss, head_apply,
                                           sgd_on_rows, soft_cross_entropy)
 from fedjax_het.algorithms.fedproto import prototype_rows, prototype_upload, prototypes_sent
@@ -41,7 +41,7 @@ def fedgh(cfg: FedGHConfig, num_classes: int, batch_size: int = 32) -> Algorithm
 
   def server_update(server, uploads, key):
     """Trains the global head on CE over the participants' (prototype, class) pairs."""
-    protos, labels, weight = prototype_rows(concat_groups(uploads))
+    protos, labels, weight = prototype_rows(uploads.every())
     onehot = jax.nn.one_hot(labels, num_classes)
     row_loss = lambda h, idx: soft_cross_entropy(head_apply(h, protos[idx]), onehot[idx])
     head, loss = sgd_on_rows(server['head'], row_loss, weight, key, cfg.server_learning_rate,

@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import Algorithm, concat_groups, local_head_evaluation, one_phase, sgd_program
-from fedjax_het.algorithms.common import elementwise_kl, participant_average, train_forward
+from fedjax_het.algorithms.base import Algorithm, local_head_evaluation, one_phase, sgd_program
+from fedjax_het.algorithms.common import elementwise_kl, train_forward
 from fedjax_het.algorithms.global_model import (check_global_model, global_model_forward, init_global_model,
                                                 initial_global_model, receive_global_model)
 from fedjax_het.core import hyperparameter
@@ -158,9 +158,8 @@ def fedkd(cfg: FedKDConfig, num_classes: int, rounds: int) -> Algorithm:
     return sgd_program(loss, group.training, receive=receive_global_model, upload=upload, optimizer=optimizer)
 
   def server_update(server, uploads, key):
-    u = concat_groups(uploads)
     energy = energy_threshold(cfg, server['round'], rounds)
-    average = participant_average(u.values['global_model'], u.mask.astype(jnp.float32), server['global_model'])
+    average = uploads.mean('global_model', previous=server['global_model'])
     mentee, sent = compress_params(average, energy)
     return {'global_model': mentee, 'round': server['round'] + 1, 'sent': sent}, {'energy': energy}
 

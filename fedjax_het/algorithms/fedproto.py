@@ -18,10 +18,9 @@ import dataclasses
 import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import (Algorithm, ClientRows, ClientState, Evaluation, GroupSpec, Uploads,
-                                        concat_groups, head_evaluation, one_phase, own_head, sgd_program)
-from fedjax_het.algorithms.common import (aggregate_class_means, class_means_from_sums, class_means_privacy,
-                                          class_prototypes, class_sums, cross_entropy, nearest_prototype_head,
-                                          prototype_regularizer, train_forward)
+                                        head_evaluation, one_phase, own_head, sgd_program)
+from fedjax_het.algorithms.common import (class_means_from_sums, class_means_privacy, class_prototypes, class_sums,
+                                          cross_entropy, nearest_prototype_head, prototype_regularizer, train_forward)
 from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError, setting
 
@@ -63,10 +62,10 @@ def training_pass_prototype_upload(client: ClientState, rows: ClientRows, broadc
 
 
 def prototype_rows(uploads: Uploads) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-  """Uploaded prototypes (all groups, `concat_groups`) as server training rows (FedGH, FedTGP): (protos [K*C, d],
+  """Uploaded prototypes (all groups, `RoundUploads.every`) as server training rows (FedGH, FedTGP): (protos [K*C, d],
   labels [K*C], weight [K*C]), weight 1 for each class a participant holds and 0 otherwise."""
   k, c, d = uploads.values['protos'].shape
-  weight = ((uploads.values['counts'] > 0) & uploads.mask[:, None]).astype(jnp.float32).reshape(k * c)
+  weight = uploads.holds().astype(jnp.float32).reshape(k * c)
   return uploads.values['protos'].reshape(k * c, d), jnp.tile(jnp.arange(c), k), weight
 
 
@@ -105,8 +104,7 @@ def fedproto(cfg: FedProtoConfig, num_classes: int) -> Algorithm:
   def server_update(server, uploads, key):
     """Per-class unweighted mean over the participants holding the class; classes nobody uploaded this round
     have no global prototype next round (as in HtFLlib)."""
-    u = concat_groups(uploads)
-    protos, present = aggregate_class_means(u.values['protos'], u.values['counts'], u.mask)
+    protos, present = uploads.class_mean('protos')
     return {'protos': protos, 'present': present}, {'global_classes': present.sum()}
 
   return one_phase('fedproto', init_server, client, server_update, prototype_evaluation,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import Algorithm, GroupSpec, head_evaluation, one_phase, own_head, sgd_program
-from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
+from fedjax_het.algorithms.common import cross_entropy_loss
 from fedjax_het.algorithms.fedavg import GROUP_MODEL_PRIVACY, receive_group_model
 from fedjax_het.core import hyperparameter
 from fedjax_het.errors import ConfigError, setting
@@ -51,8 +51,7 @@ def fedprox(cfg: FedProxConfig, num_classes: int) -> Algorithm:
                        upload=lambda c, rows, b, k: {'model': c.params})
 
   def server_update(server, uploads, key):
-    models = tuple(participant_average(u.values['model'], u.mask * u.num_train, old)
-                   for u, old in zip(uploads, server['models']))
+    models = uploads.group_mean('model', by='rows', previous=server['models'])
     return {'models': models}, {}
 
   return one_phase('fedprox', lambda key, spec, initial: {'models': tuple(s.params for s in initial)}, client,

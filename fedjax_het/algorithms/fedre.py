@@ -13,13 +13,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.algorithms.base import (Algorithm, ClientProgram, ClientRows, ClientState, GroupSpec, concat_groups,
+from fedjax_het.algorithms.base import (Algorithm, ClientProgram, ClientRows, ClientState, GroupSpec,
                                         global_head_evaluation, initial_head, one_phase, receive_head, sgd_program)
 from fedjax_het.algorithms.common import (check_server_training, cross_entropy_loss, head_apply, sgd_on_rows,
                                           soft_cross_entropy)
-from fedjax_het.rows import row_keys, row_uniform
 from fedjax_het.core import UploadPrivacy, hyperparameter
 from fedjax_het.errors import ConfigError, setting
+from fedjax_het.rows import row_keys, row_uniform
 
 MECHANISMS = ('rsr', 'var', 'rar', 'rsp', 'vap', 'rap')
 DISTRIBUTIONS = ('uniform', 'gaussian', 'laplace')
@@ -148,10 +148,10 @@ def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
 
   def server_update(server, uploads, key):
     """Trains omega on the participants' rows (Eq. 3)."""
-    u = concat_groups(uploads)
+    u = uploads.every()
     rep = u.values['rep']
     rows = rep.shape[0] * rep.shape[1]
-    weight = (u.values['weight'] * u.mask[:, None].astype(rep.dtype)).reshape(rows)
+    weight = (u.values['weight'] * u.weights().astype(rep.dtype)[:, None]).reshape(rows)
     head, loss = train_head(server['head'], rep.reshape(rows, -1), u.values['label'].reshape(rows, -1), weight,
                             key, cfg)
     return {'head': head}, {'server_loss': loss}

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import Algorithm, concat_groups, one_phase, sgd_program
-from fedjax_het.algorithms.common import aggregate_class_means, check_server_training, class_means_privacy, sgd_on_rows
+from fedjax_het.algorithms.base import Algorithm, one_phase, sgd_program
+from fedjax_het.algorithms.common import check_server_training, class_means_privacy, sgd_on_rows
 from fedjax_het.algorithms.fedproto import (empty_prototypes, global_prototypes_sent, prototype_evaluation,
                                             prototype_loss, prototype_rows, prototype_upload, prototypes_sent)
 from fedjax_het.core import hyperparameter
@@ -109,9 +109,8 @@ def fedtgp(cfg: FedTGPConfig, num_classes: int, batch_size: int = 32, local_lear
 
   def server_update(server, uploads, key):
     """Trains TGP on the participants' prototypes with the adaptive margin; broadcasts TGP(c) for all c."""
-    u = concat_groups(uploads)
-    protos, labels, weight = prototype_rows(u)
-    means, present = aggregate_class_means(u.values['protos'], u.values['counts'], u.mask)
+    protos, labels, weight = prototype_rows(uploads.every())
+    means, present = uploads.class_mean('protos')
     margin = adaptive_margin(means, present, cfg.margin_threshold)
     tgp = generator(protos.shape[-1])
     row_loss = lambda p, idx: margin_contrastive_loss(protos[idx], labels[idx], tgp.apply({'params': p}, classes),

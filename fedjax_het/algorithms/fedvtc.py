@@ -62,14 +62,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import concat_groups, keep_server, local_head_evaluation
-from fedjax_het.algorithms.common import (aggregate_class_means, class_prototypes, cross_entropy, descend,
-                                          masked_mean, participant_average)
+from fedjax_het.algorithms.base import keep_server, local_head_evaluation
+from fedjax_het.algorithms.common import class_prototypes, cross_entropy, descend
 from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientRows, GroupSpec, Phase, hyperparameter,
                              leaf_scalars, single_stage)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 from fedjax_het.models.vtc import VTCDecoder, init_vtc
+from fedjax_het.uploads import masked_mean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,13 +258,11 @@ def fl_client(cfg: FedVTCConfig, num_classes: int, group: GroupSpec) -> ClientPr
 def fl_server(cfg: FedVTCConfig, server: dict, uploads, key) -> tuple[dict, dict]:
   """Each class's prototype averaged over the participants holding it (a class nobody held keeps its value),
   sigma (and psi under --vtc_every_round) over all participants, unweighted."""
-  u = concat_groups(uploads)
-  protos, present = aggregate_class_means(u.values['protos'], u.values['counts'], u.mask)
-  weights = u.mask.astype(jnp.float32)
+  protos, present = uploads.class_mean('protos')
   new = {'protos': jnp.where(present[:, None], protos, server['protos']), 'present': present | server['present'],
-         'sigma': participant_average(u.values['sigma'], weights, server['sigma']), 'psi': server['psi']}
+         'sigma': uploads.mean('sigma', previous=server['sigma']), 'psi': server['psi']}
   if cfg.every_round:
-    new['psi'] = participant_average(u.values['psi'], weights, server['psi'])
+    new['psi'] = uploads.mean('psi', previous=server['psi'])
   return new, {'global_classes': new['present'].sum(), 'sigma_rms': jnp.sqrt(jnp.mean(new['sigma'] ** 2))}
 
 
@@ -277,8 +275,7 @@ def exchange_client(group: GroupSpec) -> ClientProgram:
 
 def exchange_server(server: dict, uploads, key) -> tuple[dict, dict]:
   """psi <- the average of every client's psi_k."""
-  u = concat_groups(uploads)
-  return {**server, 'psi': participant_average(u.values['psi'], u.mask.astype(jnp.float32), server['psi'])}, {}
+  return {**server, 'psi': uploads.mean('psi', previous=server['psi'])}, {}
 
 
 # ---------------------------------------------------------------- phase 'finetune'

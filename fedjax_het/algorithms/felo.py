@@ -41,15 +41,16 @@ from typing import Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head, zero_params
-from fedjax_het.algorithms.fedavg import receive_group_model
+from fedjax_het.algorithms.base import head_evaluation, own_head, zero_params
 from fedjax_het.algorithms.common import (class_means_from_sums, class_sums, cross_entropy, elementwise_kl,
-                                          masked_mean, participant_average, prototype_regularizer)
-from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientState, GroupSpec, Phase, Uploads,
+                                          prototype_regularizer)
+from fedjax_het.algorithms.fedavg import receive_group_model
+from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientState, GroupSpec, Phase, RoundUploads, Uploads,
                              hyperparameter, leaf_scalars, single_stage)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 from fedjax_het.optim import multistep_factor, step_at_rate, torch_adam
+from fedjax_het.uploads import masked_mean
 
 MILESTONES = (0.4, 0.7)  # MultiStepLR milestones as shares of the rounds (the code's int(0.4 R), int(0.7 R))
 
@@ -213,17 +214,16 @@ def logit_upload(stats) -> dict:
   return {'logits': means, 'logit_counts': counts}
 
 
-def client_rows(values: jnp.ndarray, counts: jnp.ndarray, mask: jnp.ndarray):
+def client_rows(values: jnp.ndarray, holds: jnp.ndarray):
   """Per-client per-class uploads [K, C, w] as store rows: (rows [K C, w], labels [K C], valid [K C]) for the
-  classes a participant holds."""
-  k, c = counts.shape
-  return (values.reshape(k * c, -1), jnp.tile(jnp.arange(c), k),
-          ((counts > 0) & mask[:, None].astype(bool)).reshape(k * c))
+  classes a participant holds (holds [K, C], `Uploads.holds`)."""
+  k, c = holds.shape
+  return values.reshape(k * c, -1), jnp.tile(jnp.arange(c), k), holds.reshape(k * c)
 
 
-def class_uploads(uploads) -> Uploads:
+def class_uploads(uploads: RoundUploads) -> Uploads:
   """All groups' uploads but their models (which differ in shape between architectures), as one `Uploads`."""
-  return concat_groups([g._replace(values={k: v for k, v in g.values.items() if k != 'model'}) for g in uploads])
+  return uploads.every(lambda values: {k: v for k, v in values.items() if k != 'model'})
 
 
 # ------------------------------------------------------------------ the algorithm
@@ -271,7 +271,7 @@ def class_pair_server(run: FeloRun, server: dict, uploads, key: jax.Array) -> tu
   """Felo's class features: the uploaded pairs pushed to their class's FIFO, the mean over its window."""
   u = class_uploads(uploads)
   pairs = jnp.concatenate([u.values['feature_sums'], u.values['feature_counts'][..., None]], axis=-1)
-  store = push(server['feature_store'], *client_rows(pairs, u.values['feature_counts'], u.mask))
+  store = push(server['feature_store'], *client_rows(pairs, u.holds('feature_counts')))
   features, present = window_mean(store, run.cfg.feature_store)
   return {**server, 'feature_store': store, 'features': features, 'feature_present': present}, {}
 
@@ -336,7 +336,7 @@ def server_update(run: FeloRun, server: dict, uploads, key: jax.Array) -> tuple[
   """Pushes the uploaded class logits to their FIFOs (class logits: the stores' means), updates the class
   features through the channel, averages each group's models when asked, and counts the round."""
   u = class_uploads(uploads)
-  logit_store = push(server['logit_store'], *client_rows(u.values['logits'], u.values['logit_counts'], u.mask))
+  logit_store = push(server['logit_store'], *client_rows(u.values['logits'], u.holds('logit_counts')))
   logits, logit_present = store_mean(logit_store)
   server = {**server, 'logit_store': logit_store, 'logits': logits, 'logit_present': logit_present}
   metrics = {'logit_classes': logit_present.sum()}
@@ -347,8 +347,7 @@ def server_update(run: FeloRun, server: dict, uploads, key: jax.Array) -> tuple[
     server, more = run.features.server(run, server, uploads, key)
     metrics.update(more)
   if run.cfg.average_models:
-    server['models'] = tuple(participant_average(g.values['model'], g.mask * g.num_train, old)
-                             for g, old in zip(uploads, server['models']))
+    server['models'] = uploads.group_mean('model', by='rows', previous=server['models'])
   return {**server, 'round': server['round'] + 1}, metrics
 
 

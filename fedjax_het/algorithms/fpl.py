@@ -23,7 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.algorithms.base import Algorithm, concat_groups, local_head_evaluation, one_phase, sgd_program
+from fedjax_het.algorithms.base import Algorithm, local_head_evaluation, one_phase, sgd_program
 from fedjax_het.algorithms.common import class_means_privacy, cosine_similarity, cross_entropy, train_forward
 from fedjax_het.algorithms.fedproto import prototype_upload, prototypes_sent
 from fedjax_het.algorithms.finch import cluster_means, finch
@@ -94,8 +94,8 @@ def fpl(cfg: FPLConfig, num_classes: int, num_clients: int) -> Algorithm:
     return sgd_program(loss, group.training, upload=prototype_upload(num_classes), representations=True)
 
   def server_update(server, uploads, key):
-    u = concat_groups(uploads)
-    holds = (u.values['counts'] > 0) & u.mask[:, None]  # [K, C]
+    u = uploads.every()
+    holds = u.holds()  # [K, C]
     clusters, valid = jax.vmap(cluster_prototypes, in_axes=(1, 1))(u.values['protos'], holds)  # [C, K, ...]
     clusters, valid = jax.vmap(lambda c, v: compact_clusters(c, v, num_clients))(clusters, valid)
     return {'clusters': clusters, 'valid': valid}, {'cluster_prototypes': valid.sum()}

@@ -49,9 +49,9 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
-from fedjax_het.algorithms.common import cross_entropy, descend, participant_average
-from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, Stage, hyperparameter,
+from fedjax_het.algorithms.base import head_evaluation, own_head
+from fedjax_het.algorithms.common import cross_entropy, descend
+from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, RoundUploads, Stage, hyperparameter,
                              leaf_scalars)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.generators import (GENERATORS, ConditionalGenerator, cvae, dcgan, ddpm, from_generator_range,
@@ -173,12 +173,11 @@ def ddpm_lr_scale(cfg: GeFLConfig):
   return scale
 
 
-def with_shared_first_block(models: tuple, uploads) -> tuple:
+def with_shared_first_block(models: tuple, uploads: RoundUploads) -> tuple:
   """Each group's averaged model with its first block F replaced by F's unweighted mean over all participants of
   all groups (parameters and BatchNorm statistics; the code's `LGFedAvg` under avg_FE = 1)."""
   fe = lambda model: split_client(model['params'], model['model_state'])[0]
-  u = concat_groups(tuple(g._replace(values=jax.vmap(fe)(g.values['model'])) for g in uploads))
-  shared = participant_average(u.values, u.mask.astype(jnp.float32), fe(models[0]))
+  shared = uploads.mean(lambda values: jax.vmap(fe)(values['model']), previous=fe(models[0]))
   out = []
   for model in models:
     params, model_state = join_client(shared, split_client(model['params'], model['model_state'])[1],
@@ -209,8 +208,7 @@ def init_server(key: jax.Array, spec, initial) -> dict:
 def average_generators(server: dict, uploads) -> dict:
   """The generator <- the unweighted mean of the participants' generators over all groups; its round count + 1.
   Only the generator crosses groups (target models differ in shape between architectures)."""
-  u = concat_groups(tuple(g._replace(values={'generator': g.values['generator']}) for g in uploads))
-  generator = participant_average(u.values['generator'], u.mask.astype(jnp.float32), server['generator'])
+  generator = uploads.mean('generator', previous=server['generator'])
   return {**server, 'generator': generator, 'generator_round': server['generator_round'] + 1}
 
 
@@ -294,8 +292,7 @@ def target_client(cfg: GeFLConfig, num_classes: int, group: GroupSpec) -> Client
 def target_server(cfg: GeFLConfig, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
   """Each group's model <- the unweighted mean of its participants' (Alg. 2; the first block over all clients
   under --gefl_share_first_block); the generators averaged too in update mode."""
-  models = tuple(participant_average(u.values['model'], u.mask.astype(jnp.float32), old)
-                 for u, old in zip(uploads, server['models']))
+  models = uploads.group_mean('model', previous=server['models'])
   if cfg.share_first_block:
     models = with_shared_first_block(models, uploads)
   server = {**server, 'models': models}

@@ -38,8 +38,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.algorithms.base import concat_groups, head_evaluation, own_head
-from fedjax_het.algorithms.common import cross_entropy, descend, participant_average
+from fedjax_het.algorithms.base import head_evaluation, own_head
+from fedjax_het.algorithms.common import cross_entropy, descend
 from fedjax_het.algorithms.gefl import (GeFLConfig, average_generators, build_generator, ddpm_lr_scale,
                                         generator_broadcast, generator_step, init_generator_extra, knowledge_server,
                                         receive_generator, upload_generator)
@@ -133,8 +133,7 @@ def model_broadcast(server, group):
 
 def average_headers(server, uploads):
   """Each group's header averaged over its participants with equal weights (kept without any)."""
-  return tuple(participant_average(u.values['header'], u.mask.astype(jnp.float32), old)
-               for u, old in zip(uploads, server['headers']))
+  return uploads.group_mean('header', previous=server['headers'])
 
 
 def shared_block_server(key, spec, initial) -> dict:
@@ -166,8 +165,7 @@ def shared_block_program(group: GroupSpec, epochs: int) -> ClientProgram:
 def shared_block_update(server, uploads, key):
   """F averaged over all participants of all groups, each header within its group (equal weights, BatchNorm
   statistics included)."""
-  u = concat_groups(tuple(g._replace(values=g.values['fe']) for g in uploads))  # headers differ by group
-  fe = participant_average(u.values, u.mask.astype(jnp.float32), server['fe'])
+  fe = uploads.mean('fe', previous=server['fe'])  # headers differ by group
   return {**server, 'fe': fe, 'headers': average_headers(server, uploads)}, {}
 
 

@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import ClientState, GroupSpec, concat_groups
-from fedjax_het.algorithms.common import participant_average
+from fedjax_het.algorithms.base import ClientState, GroupSpec
 from fedjax_het.core import UploadPrivacy
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.classifier import HeteroClassifier
@@ -89,6 +88,4 @@ GLOBAL_MODEL_PRIVACY = UploadPrivacy(reference=lambda b: {'global_model': b['glo
 
 def average_global_models(server, uploads, key):
   """The unweighted mean of the participants' global models (kept when nobody participated)."""
-  u = concat_groups(uploads)
-  return {**server, 'global_model': participant_average(u.values['global_model'], u.mask.astype(jnp.float32),
-                                                         server['global_model'])}, {}
+  return {**server, 'global_model': uploads.mean('global_model', previous=server['global_model'])}, {}

@@ -6,9 +6,9 @@ server averages the heads weighted by the participants' training-sample counts a
 
 from __future__ import annotations
 
-from fedjax_het.algorithms.base import (Algorithm, concat_groups, global_head_evaluation, initial_head, one_phase,
-                                        receive_head, sgd_program)
-from fedjax_het.algorithms.common import cross_entropy_loss, participant_average
+from fedjax_het.algorithms.base import (Algorithm, global_head_evaluation, initial_head, one_phase, receive_head,
+                                        sgd_program)
+from fedjax_het.algorithms.common import cross_entropy_loss
 from fedjax_het.core import UploadPrivacy
 
 
@@ -25,8 +25,7 @@ def lg_fedavg(num_classes: int) -> Algorithm:
 
   def server_update(server, uploads, key):
     """head = sum_k n_k head_k / sum_k n_k over participants (kept when nobody participated)."""
-    u = concat_groups(uploads)
-    return {'head': participant_average(u.values['head'], u.mask * u.num_train, server['head'])}, {}
+    return {'head': uploads.mean('head', by='rows', previous=server['head'])}, {}
 
   # DP: the head's delta from the global head is clipped; the server averages the heads of all participants
   return one_phase('lg_fedavg', initial_head, client, server_update, global_head_evaluation, partial_batches=True,

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import Algorithm, ClientState, Evaluation, concat_groups, one_phase
-from fedjax_het.algorithms.common import cross_entropy, head_apply, participant_average
+from fedjax_het.algorithms.base import Algorithm, ClientState, Evaluation, one_phase
+from fedjax_het.algorithms.common import cross_entropy, head_apply
 from fedjax_het.algorithms.global_model import (GLOBAL_MODEL_PRIVACY, check_global_model, global_model_step,
                                                 init_global_model, initial_global_model, receive_global_model,
                                                 upload_carried_global_model)
@@ -169,10 +169,7 @@ def pfedafm(cfg: PFedAFMConfig) -> Algorithm:
 
   def server_update(server, uploads, key):
     """G averaged over the participants, weighted by their training rows."""
-    u = concat_groups(uploads)
-    weights = u.num_train * u.mask.astype(jnp.float32)
-    return {**server, 'global_model': participant_average(u.values['global_model'], weights,
-                                                           server['global_model'])}, {}
+    return {**server, 'global_model': uploads.mean('global_model', by='rows', previous=server['global_model'])}, {}
 
   return one_phase('pfedafm', initial_global_model, lambda group: client_program(cfg, group),
                    server_update, lambda group: mixture_evaluation(cfg, group), init_client=init_client,

@@ -14,12 +14,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.algorithms.base import concat_groups
-from fedjax_het.algorithms.common import masked_mean
-from fedjax_het.core import Uploads
 from fedjax_het.data.federated import PublicData
 from fedjax_het.local_training import LocalTraining
 from fedjax_het.models.forward import forward
+from fedjax_het.uploads import RoundUploads, masked_mean
 
 
 class PublicRows:
@@ -53,8 +51,8 @@ def public_logits(model, params: Any, model_state: Any, x: jnp.ndarray, chunk: i
   return logits.reshape((passes * chunk,) + logits.shape[2:])[:p]
 
 
-def mean_of_uploads(uploads: tuple[Uploads, ...], part: str) -> jnp.ndarray:
+def mean_of_uploads(uploads: RoundUploads, part: str) -> jnp.ndarray:
   """The unweighted mean over every group's participants of upload part `part` (FedMD's consensus: the mean of
   their public logits); zeros when nobody took part."""
-  every = concat_groups(uploads)
-  return masked_mean(every.values[part], every.mask)
+  every = uploads.every(part)
+  return masked_mean(every.values, every.mask)

@@ -39,6 +39,7 @@ import optax
 
 from fedjax_het.core import Algorithm, Phase, UploadPrivacy, Uploads
 from fedjax_het.errors import ConfigError
+from fedjax_het.uploads import RoundUploads
 
 MODES = ('off', 'central', 'local')
 AGGREGATES = ('records', 'sum', 'group_sum')
@@ -234,7 +235,7 @@ def _private_phase(phase: Phase, algorithm: Algorithm, dp: DPConfig) -> Phase:
         reference = (declared.reference(phase.broadcast(server, spec.groups[0])) if declared.reference is not None
                      else {})
         uploads = fixed_denominator(uploads, reference, names, dp, jax.random.fold_in(noise_key, 1))
-      return step(server, tuple(u._replace(expected=None) for u in uploads), key)
+      return step(server, RoundUploads(u._replace(expected=None) for u in uploads), key)
     return server_update
 
   if dp.mode == 'central' and dp.fixed_denominator:  # the step reads the broadcast, and runs in every round
