@@ -48,6 +48,11 @@ class Uploads(NamedTuple):
       return weighted_average(values, self.weights(by))
     return participant_average(values, self.weights(by), previous)
 
+  def participant_rows(self, part: str) -> jnp.ndarray:
+    """[S, n]: which of each slot's n uploaded rows are real (values[part] [S, n] bool) in a participant's slot;
+    False throughout an empty slot."""
+    return self.values[part] & self.mask[:, None].astype(bool)
+
   def holds(self, counts: str = 'counts') -> jnp.ndarray:
     """[S, C]: whether each slot's participant holds each class (values[counts] [S, C] rows per class > 0)."""
     return (self.values[counts] > 0) & self.mask[:, None].astype(bool)

@@ -28,6 +28,8 @@ def test_weights_and_holders_leave_empty_slots_out():
   np.testing.assert_array_equal(group0.weights(), [1, 1, 0])
   np.testing.assert_array_equal(group0.weights('rows'), [10, 30, 0])
   np.testing.assert_array_equal(group0.holds(), [[True, False], [True, True], [False, False]])
+  rows = group0._replace(values={'rows': jnp.array([[True, False], [True, True], [True, True]])})
+  np.testing.assert_array_equal(rows.participant_rows('rows'), [[True, False], [True, True], [False, False]])
   with pytest.raises(ValueError, match="weights\\(by='size'\\): choose one of uniform, rows"):
     group0.weights('size')
 

@@ -233,7 +233,7 @@ def server_pass(cfg: FedGKTConfig, optimizer: optax.GradientTransformation, trun
   def group_pass(carry, u, order):
     """One pass over a group's uploaded rows: its slots in order, each slot's rows in `order` [S, n] (a random
     order of its real rows, then padding) in batches."""
-    rows = u.values['rows'] & u.mask[:, None]
+    rows = u.participant_rows('rows')
     slots, n = rows.shape
     steps = math.ceil(n / batch_size)
 
@@ -274,7 +274,7 @@ def server_round(cfg: FedGKTConfig, group_pass, server: dict, uploads, key: jax.
   # client's shuffled extraction pass, in the same order every epoch; a client's stored rows may be sorted by
   # class, and one-class batches would teach the server nothing).
   orders = [jax.vmap(lambda k, valid: shuffled_real_rows(k, valid))(
-      jax.random.split(jax.random.fold_in(key, gi), u.mask.shape[0]), u.values['rows'] & u.mask[:, None])
+      jax.random.split(jax.random.fold_in(key, gi), u.mask.shape[0]), u.participant_rows('rows'))
       for gi, u in enumerate(uploads)]
 
   def epoch(carry, _):

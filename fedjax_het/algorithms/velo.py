@@ -167,7 +167,7 @@ def feature_server(run: FeloRun, server: dict, uploads, key: jax.Array) -> tuple
   warm = warmup_rounds(cfg.warmup, run.rounds)
   u = class_uploads(uploads)
   k, m, d = u.values['rows'].shape
-  valid = u.values['row_valid'] & u.mask[:, None].astype(bool)
+  valid = u.participant_rows('row_valid')
   store = push(server['feature_store'], u.values['rows'].reshape(k * m, d), u.values['row_labels'].reshape(-1),
                valid.reshape(-1))
   cvae = cvae_module(run, d)
