@@ -1,13 +1,13 @@
 """The vocabulary shared by the engine and the algorithms (neither imports the other): client state, what an
-algorithm knows about the federation, and the algorithm API (version 2).
+algorithm knows about the federation, and the algorithm API.
 
 An `Algorithm` is pure functions in optax's style. Its clients run a `ClientProgram` (init / step / final on ONE
 client), built per architecture group, which every executor runs unchanged: vmapped over a group with the local
 steps in a `lax.scan`, or client by client from the host. A run is a sequence of `Phase`s (each with its own
 program, server step, broadcast, rounds and participation); state, round counter, logs and checkpoints continue
 across phase boundaries. Communication is measured from what crosses: the leaf sizes of each participant's upload
-and of the broadcast its group receives (`upload_scalars` / `broadcast_scalars`, overridable where part of a fixed-
-shape array is padding).
+and of the broadcast its group receives (each phase's `Traffic`, overridable where part of a fixed-shape array is
+padding).
 """
 
 from __future__ import annotations
@@ -241,6 +241,27 @@ def for_client(broadcast: Broadcast, i) -> Broadcast:
                                                 broadcast[PER_CLIENT])}
 
 
+def leaf_scalars(tree: Any) -> dict:
+  """Scalars per part: the leaf sizes under each top-level key of a dict (one part 'all' otherwise)."""
+  count = lambda t: sum(math.prod(jnp.shape(a)) for a in jax.tree.leaves(t))
+  if isinstance(tree, dict):
+    return {k: count(v) for k, v in tree.items()}
+  return {'all': count(tree)} if jax.tree.leaves(tree) else {}
+
+
+class Traffic(NamedTuple):
+  """How a phase's communication is counted, per participant and part (`leaf_scalars` by default: every leaf of
+  what crosses; a method overrides where part of a fixed-shape array is padding or a data-dependent size).
+
+  upload(upload) -> {part: scalars} of one client's upload; broadcast(broadcast) -> {part: scalars} of what one
+  participant receives; received(broadcast, upload) -> {part: scalars} that one participant receives when it
+  depends on the participant (FedVTC sends prototype c^y only to holders of y, which its upload shows), None: the
+  broadcast's count. jnp scalars are allowed (data-dependent sizes)."""
+  upload: Callable[[Upload], dict] = leaf_scalars
+  broadcast: Callable[[Broadcast], dict] = leaf_scalars
+  received: Optional[Callable[[Broadcast, Upload], dict]] = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Phase:
   """A stretch of rounds with one client program and server step.
@@ -254,7 +275,7 @@ class Phase:
   server that runs the groups' classifiers (FedDF distils into them); `server_step` gives the step either way.
   runs_without_participants: whether the server step runs in a round whose Poisson draw took nobody (a DP step
   with a fixed denominator, whose release must not tell such a round apart); otherwise such a round leaves the
-  server as it was.
+  server as it was. traffic: how the phase's uploads and broadcasts are counted (`Traffic`).
   """
   name: str
   client: Callable[[GroupSpec], ClientProgram]
@@ -265,6 +286,7 @@ class Phase:
   evaluate: bool = True
   server_of_spec: bool = False
   runs_without_participants: bool = False
+  traffic: Traffic = Traffic()
 
 
 def server_step(phase: Phase, spec: FederationSpec) -> Callable[..., tuple[ServerState, dict]]:
@@ -303,14 +325,6 @@ class UploadPrivacy(NamedTuple):
   hides_participants: bool = False
 
 
-def leaf_scalars(tree: Any) -> dict:
-  """Scalars per part: the leaf sizes under each top-level key of a dict (one part 'all' otherwise)."""
-  count = lambda t: sum(math.prod(jnp.shape(a)) for a in jax.tree.leaves(t))
-  if isinstance(tree, dict):
-    return {k: count(v) for k, v in tree.items()}
-  return {'all': count(tree)} if jax.tree.leaves(tree) else {}
-
-
 def no_client_state(group: GroupSpec, key: jax.Array) -> Any:
   """init_client of methods without per-client algorithm state."""
   return {}
@@ -325,10 +339,6 @@ class Algorithm:
   init_client(group, key) -> the per-client algorithm state (`ClientState.extra`) of one client of the group.
   phases: the run's phases in order (most methods have one, of all rounds).
   evaluation(group) -> the `Evaluation` of that group's clients.
-  upload_scalars(upload) / broadcast_scalars(broadcast) -> {part: scalars} of one client's upload / of what one
-    participant receives (jnp scalars allowed: data-dependent sizes); default `leaf_scalars`.
-  received_scalars(broadcast, upload) -> {part: scalars} that one participant receives when it depends on the
-    participant (FedVTC sends prototype c^y only to holders of y, which its upload shows); None: broadcast_scalars.
   samples(server, spec, key, n) -> images [C, n, H, W, channels] in [-1, 1]: n samples per class from the
     method's generator as the server holds it, for pictures (samples.png); None for methods without one.
   partial_batches: whether its programs weight losses and BatchNorm statistics by `Batch.mask`, so that it can run
@@ -349,9 +359,6 @@ class Algorithm:
   phases: tuple[Phase, ...]
   evaluation: Callable[[GroupSpec], Evaluation]
   init_client: Callable[[GroupSpec, jax.Array], Any] = no_client_state
-  upload_scalars: Callable[[Upload], dict] = leaf_scalars
-  broadcast_scalars: Callable[[Broadcast], dict] = leaf_scalars
-  received_scalars: Optional[Callable[[Broadcast, Upload], dict]] = None
   samples: Optional[Callable[[ServerState, FederationSpec, jax.Array, int], jnp.ndarray]] = None
   partial_batches: bool = False
   shares_representations: bool = True
@@ -360,9 +367,10 @@ class Algorithm:
 
 
 def one_phase(name: str, init_server, client, server_update, evaluation, broadcast=whole_server,
-              **fields) -> Algorithm:
+              traffic: Traffic = Traffic(), **fields) -> Algorithm:
   """An `Algorithm` of a single phase running every round (most methods)."""
-  return Algorithm(name, init_server, (Phase(name, client, server_update, broadcast),), evaluation, **fields)
+  return Algorithm(name, init_server, (Phase(name, client, server_update, broadcast, traffic=traffic),), evaluation,
+                   **fields)
 
 
 def hyperparameter(default: Any, help: str, flag: Optional[str] = None) -> Any:

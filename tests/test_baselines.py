@@ -222,24 +222,24 @@ def test_table11_communication_of_the_cifar_settings():
     protos = lambda k: {'protos': jnp.zeros((c, d)), 'counts': (jnp.arange(c) < k).astype(jnp.float32)}
     global_protos = lambda k: {'protos': jnp.zeros((c, d)), 'present': jnp.ones(c, bool)}
     lg = lg_fedavg(c)
-    assert per_round(lg.upload_scalars, lambda k: {'head': head}, present) == table['lg']
-    assert per_round(lg.broadcast_scalars, lambda k: {'head': head}, present) == table['lg']
+    assert per_round(lg.phases[0].traffic.upload, lambda k: {'head': head}, present) == table['lg']
+    assert per_round(lg.phases[0].traffic.broadcast, lambda k: {'head': head}, present) == table['lg']
     for alg in (fedproto(FedProtoConfig(), c), fedtgp(FedTGPConfig(), c), fedgh(FedGHConfig(), c)):
-      assert per_round(alg.upload_scalars, protos, present) == table['proto_up']
+      assert per_round(alg.phases[0].traffic.upload, protos, present) == table['proto_up']
     for alg in (fedproto(FedProtoConfig(), c), fedtgp(FedTGPConfig(), c)):
-      assert per_round(alg.broadcast_scalars, global_protos, present) == table['proto_down']
-    assert per_round(fedgh(FedGHConfig(), c).broadcast_scalars, lambda k: {'head': head}, present,
+      assert per_round(alg.phases[0].traffic.broadcast, global_protos, present) == table['proto_down']
+    assert per_round(fedgh(FedGHConfig(), c).phases[0].traffic.broadcast, lambda k: {'head': head}, present,
                      {'head_kernel'}) == table['proto_down']
     fedre_upload = lambda k: {'rep': jnp.zeros((1, d)), 'label': jnp.zeros((1, c)), 'weight': jnp.ones(1)}
-    assert per_round(fedre(FedREConfig(), c).upload_scalars, fedre_upload, present,
+    assert per_round(fedre(FedREConfig(), c).phases[0].traffic.upload, fedre_upload, present,
                      {'representation'}) == table['fedre_up']
-    assert per_round(fedre(FedREConfig(), c).broadcast_scalars, lambda k: {'head': head}, present) == \
+    assert per_round(fedre(FedREConfig(), c).phases[0].traffic.broadcast, lambda k: {'head': head}, present) == \
         table['fedre_down']
     # FedGen (model-heterogeneous): Table 11 counts the heads (HtFLlib never sends its generator).
     gen = fedgen(FedGenConfig(), c)
     generator = {'params': {'w': jnp.zeros(3)}}
-    assert per_round(gen.upload_scalars, lambda k: {'head': head}, present) == table['lg']
-    assert per_round(gen.broadcast_scalars, lambda k: {'head': head, 'generator': generator}, present,
+    assert per_round(gen.phases[0].traffic.upload, lambda k: {'head': head}, present) == table['lg']
+    assert per_round(gen.phases[0].traffic.broadcast, lambda k: {'head': head, 'generator': generator}, present,
                      {'head'}) == table['lg']
 
 

@@ -132,5 +132,5 @@ def test_table11_fedmrl_communication(num_classes, table):
   shapes = jax.eval_shape(lambda: build_model('cnn4', num_classes, 128).init(jax.random.PRNGKey(0),
                                                                           jnp.zeros((1, 32, 32, 3))))['params']
   alg = fedmrl(FedMRLConfig(), num_classes, 512)
-  assert round(10 * sum(alg.upload_scalars({'global_model': shapes}).values()) / 1e3, 2) == table
-  assert round(10 * sum(alg.broadcast_scalars({'global_model': shapes}).values()) / 1e3, 2) == table
+  assert round(10 * sum(alg.phases[0].traffic.upload({'global_model': shapes}).values()) / 1e3, 2) == table
+  assert round(10 * sum(alg.phases[0].traffic.broadcast({'global_model': shapes}).values()) / 1e3, 2) == table

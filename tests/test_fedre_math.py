@@ -158,15 +158,17 @@ def test_fedallrep_uploads_every_real_row():
 def test_communication_matches_table_11(num_classes, d, upload_k, broadcast_k):
   alg = fedre(FedREConfig(), num_classes)
   upload = {'rep': jnp.zeros((1, d)), 'label': jnp.zeros((1, num_classes)), 'weight': jnp.ones(1)}
-  up = alg.upload_scalars(upload)
-  down = alg.broadcast_scalars({'head': {'kernel': jnp.zeros((d, num_classes)), 'bias': jnp.zeros(num_classes)}})
+  traffic = alg.phases[0].traffic
+  up = traffic.upload(upload)
+  down = traffic.broadcast({'head': {'kernel': jnp.zeros((d, num_classes)), 'bias': jnp.zeros(num_classes)}})
   # Table 11 counts 10 clients, scalars x 1e3, and leaves the soft label out of the upload.
   assert 10 * int(up['representation']) / 1e3 == pytest.approx(upload_k)
   assert 10 * sum(down.values()) / 1e3 == pytest.approx(broadcast_k)
   assert int(up['label']) == num_classes
   # FedAllRep: d + C per row sent (the rows with weight), none for padding rows.
   rows = {'rep': jnp.zeros((7, d)), 'label': jnp.zeros((7, num_classes)), 'weight': jnp.array([1.] * 5 + [0.] * 2)}
-  assert int(fedre(FedREConfig(all_representations=True), num_classes).upload_scalars(rows)['representation']) == 5 * d
+  all_reps = fedre(FedREConfig(all_representations=True), num_classes).phases[0].traffic
+  assert int(all_reps.upload(rows)['representation']) == 5 * d
 
 
 def test_bad_fedre_settings_raise_clear_errors():

@@ -292,6 +292,6 @@ def test_a_participant_receives_the_prototypes_of_the_classes_it_holds():
   alg = fedvtc(FedVTCConfig(), 3, 2)
   broadcast = {'protos': jnp.ones((3, 4)), 'present': jnp.array([True, True, False]), 'sigma': jnp.ones(4)}
   upload = {'protos': jnp.zeros((3, 4)), 'counts': jnp.array([3.0, 0.0, 5.0]), 'sigma': jnp.ones(4)}
-  got = {k: int(v) for k, v in alg.received_scalars(broadcast, upload).items()}
+  got = {k: int(v) for k, v in alg.phases[0].traffic.received(broadcast, upload).items()}
   assert got == {'prototypes': 4, 'sigma': 4}  # class 0 only: class 1 not held, class 2 has no prototype yet
-  assert alg.received_scalars({}, {'psi': 1}) == {}
+  assert alg.phases[0].traffic.received({}, {'psi': 1}) == {}

@@ -218,7 +218,7 @@ def test_fedhe_sends_no_features():
   server = alg.init_server(jax.random.PRNGKey(0), _spec(10, 16), ())
   assert 'feature_store' not in server
   up = {'logits': jnp.zeros((10, 10)), 'logit_counts': jnp.ones(10), 'model': {'w': jnp.zeros(7)}}
-  assert alg.upload_scalars(up) == {'logits': 100, 'model': 7}
+  assert alg.phases[0].traffic.upload(up) == {'logits': 100, 'model': 7}
 
 
 def test_fedhe_by_default_is_the_papers_logits_only_baseline():
@@ -228,9 +228,9 @@ def test_fedhe_by_default_is_the_papers_logits_only_baseline():
   assert cfg.average_models is False and METHODS['felo'].config().average_models is True
   alg = fedhe(cfg, 10, 10, 4)
   up = {'logits': jnp.zeros((10, 10)), 'logit_counts': jnp.ones(10)}
-  assert alg.upload_scalars(up) == {'logits': 100}
-  assert alg.broadcast_scalars(alg.phases[-1].broadcast(alg.init_server(jax.random.PRNGKey(0), _spec(10, 16), ()),
-                                                        None)).keys() == {'logits'}
+  assert alg.phases[0].traffic.upload(up) == {'logits': 100}
+  server = alg.init_server(jax.random.PRNGKey(0), _spec(10, 16), ())
+  assert alg.phases[0].traffic.broadcast(alg.phases[-1].broadcast(server, None)).keys() == {'logits'}
 
 
 def _spec(num_classes, feature_dim):

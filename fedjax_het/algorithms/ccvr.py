@@ -28,7 +28,7 @@ import optax
 
 from fedjax_het.algorithms.base import Algorithm, ClientState, head_evaluation, one_phase, own_head, sgd_program
 from fedjax_het.algorithms.common import class_prototypes, cross_entropy_loss, head_apply, sgd_on_rows
-from fedjax_het.core import hyperparameter
+from fedjax_het.core import Traffic, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 
 
@@ -146,5 +146,5 @@ def ccvr(cfg: CCVRConfig, num_classes: int, batch_size: int) -> Algorithm:
     """The C global Gaussians (the virtual set is drawn from them with a shared seed)."""
     return {'class_gaussians': num_classes * gaussian_scalars(b['virtual'].shape[-1])}
 
-  return one_phase('ccvr', init_server, client, server_update, evaluation, upload_scalars=upload_scalars,
-                   broadcast_scalars=broadcast_scalars)
+  return one_phase('ccvr', init_server, client, server_update, evaluation,
+                   traffic=Traffic(upload_scalars, broadcast_scalars))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from fedjax_het.algorithms.base import Algorithm, local_head_evaluation, one_phase, sgd_program
 from fedjax_het.algorithms.common import (class_means_from_sums, class_means_privacy, class_sums, cross_entropy,
                                           soft_cross_entropy, train_forward)
-from fedjax_het.core import hyperparameter
+from fedjax_het.core import Traffic, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 
 
@@ -68,6 +68,6 @@ def fd(cfg: FDConfig, num_classes: int) -> Algorithm:
     return {'logits': logits, 'present': present}, {'global_classes': present.sum()}
 
   return one_phase('fd', init_server, client, server_update, local_head_evaluation,
-                   upload_scalars=lambda u: {'logits': jnp.sum(u['counts'] > 0) * num_classes},
-                   broadcast_scalars=lambda b: {'logits': b['logits'].size},
+                   traffic=Traffic(lambda u: {'logits': jnp.sum(u['counts'] > 0) * num_classes},
+                                   lambda b: {'logits': b['logits'].size}),
                    upload_privacy=class_means_privacy('logits'))

@@ -30,7 +30,7 @@ import optax
 from fedjax_het.algorithms.base import Algorithm, global_head_evaluation, one_phase, receive_head, sgd_program
 from fedjax_het.algorithms.common import cross_entropy, cross_entropy_loss, head_apply
 from fedjax_het.algorithms.lg_fedavg import upload_head
-from fedjax_het.core import hyperparameter
+from fedjax_het.core import Traffic, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.init import torch_default_init
 from fedjax_het.models.norm import TorchBatchNorm
@@ -172,4 +172,4 @@ def fedgen(cfg: FedGenConfig, num_classes: int, batch_size: int = 32,
                          label_distribution(num_classes, label_counts))
   return one_phase('fedgen', functools.partial(init_server, draws), functools.partial(client_program, draws),
                    functools.partial(server_update, draws), global_head_evaluation,
-                   broadcast_scalars=broadcast_scalars)
+                   traffic=Traffic(broadcast=broadcast_scalars))

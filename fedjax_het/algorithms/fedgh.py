@@ -17,7 +17,7 @@ from fedjax_het.algorithms.base import (Algorithm, global_head_evaluation, initi
 from fedjax_het.algorithms.common import (check_server_training, class_means_privacy, cross_entropy_loss, head_apply,
                                           sgd_on_rows, soft_cross_entropy)
 from fedjax_het.algorithms.fedproto import prototype_rows, prototype_upload, prototypes_sent
-from fedjax_het.core import hyperparameter
+from fedjax_het.core import Traffic, hyperparameter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,5 +53,5 @@ def fedgh(cfg: FedGHConfig, num_classes: int, batch_size: int = 32) -> Algorithm
     return {'head_kernel': broadcast['head']['kernel'].size, 'head_bias': broadcast['head']['bias'].size}
 
   return one_phase('fedgh', initial_head, client, server_update, global_head_evaluation,
-                   upload_scalars=prototypes_sent, broadcast_scalars=head_sent,
+                   traffic=Traffic(prototypes_sent, head_sent),
                    upload_privacy=class_means_privacy('protos', 'records'))

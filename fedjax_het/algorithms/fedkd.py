@@ -43,7 +43,7 @@ from fedjax_het.algorithms.base import Algorithm, local_head_evaluation, one_pha
 from fedjax_het.algorithms.common import elementwise_kl, train_forward
 from fedjax_het.algorithms.global_model import (check_global_model, global_model_forward, init_global_model,
                                                 initial_global_model, receive_global_model)
-from fedjax_het.core import hyperparameter
+from fedjax_het.core import Traffic, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 
 
@@ -164,5 +164,5 @@ def fedkd(cfg: FedKDConfig, num_classes: int, rounds: int) -> Algorithm:
     return {'global_model': mentee, 'round': server['round'] + 1, 'sent': sent}, {'energy': energy}
 
   return one_phase('fedkd', init_server, client, server_update, local_head_evaluation, broadcast=broadcast,
-                   init_client=init_client, upload_scalars=lambda u: {'global_model': u['sent']},
-                   broadcast_scalars=lambda b: {'global_model': b['sent']})
+                   init_client=init_client, traffic=Traffic(lambda u: {'global_model': u['sent']},
+                                                            lambda b: {'global_model': b['sent']}))

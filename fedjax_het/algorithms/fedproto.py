@@ -21,7 +21,7 @@ from fedjax_het.algorithms.base import (Algorithm, ClientRows, ClientState, Eval
                                         head_evaluation, one_phase, own_head, sgd_program)
 from fedjax_het.algorithms.common import (class_means_from_sums, class_means_privacy, class_prototypes, class_sums,
                                           cross_entropy, nearest_prototype_head, prototype_regularizer, train_forward)
-from fedjax_het.core import hyperparameter
+from fedjax_het.core import Traffic, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 
 
@@ -108,5 +108,5 @@ def fedproto(cfg: FedProtoConfig, num_classes: int) -> Algorithm:
     return {'protos': protos, 'present': present}, {'global_classes': present.sum()}
 
   return one_phase('fedproto', init_server, client, server_update, prototype_evaluation,
-                   upload_scalars=prototypes_sent, broadcast_scalars=global_prototypes_sent,
+                   traffic=Traffic(prototypes_sent, global_prototypes_sent),
                    upload_privacy=class_means_privacy('protos'))

@@ -17,7 +17,7 @@ from fedjax_het.algorithms.base import (Algorithm, ClientProgram, ClientRows, Cl
                                         global_head_evaluation, initial_head, one_phase, receive_head, sgd_program)
 from fedjax_het.algorithms.common import (check_server_training, cross_entropy_loss, head_apply, sgd_on_rows,
                                           soft_cross_entropy)
-from fedjax_het.core import UploadPrivacy, hyperparameter
+from fedjax_het.core import Traffic, UploadPrivacy, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.rows import row_keys, row_uniform
 
@@ -167,6 +167,6 @@ def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
   # weight are private too (`privacy.dp.claims_amplification`). FedAllRep never does: how many rows the server
   # trains on depends on who was drawn.
   return one_phase('fedre', initial_head, client, server_update, global_head_evaluation,
-                   upload_scalars=upload_scalars,
+                   traffic=Traffic(upload=upload_scalars),
                    upload_privacy=UploadPrivacy(public=('label', 'weight'),
                                                 hides_participants=not cfg.all_representations))

@@ -22,7 +22,7 @@ from fedjax_het.algorithms.base import Algorithm, one_phase, sgd_program
 from fedjax_het.algorithms.common import check_server_training, class_means_privacy, sgd_on_rows
 from fedjax_het.algorithms.fedproto import (empty_prototypes, global_prototypes_sent, prototype_evaluation,
                                             prototype_loss, prototype_rows, prototype_upload, prototypes_sent)
-from fedjax_het.core import hyperparameter
+from fedjax_het.core import Traffic, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.init import torch_default_init
 
@@ -122,5 +122,5 @@ def fedtgp(cfg: FedTGPConfig, num_classes: int, batch_size: int = 32, local_lear
             {'server_loss': loss, 'margin': margin})
 
   return one_phase('fedtgp', init_server, client, server_update, prototype_evaluation, broadcast=broadcast,
-                   upload_scalars=prototypes_sent, broadcast_scalars=global_prototypes_sent,
+                   traffic=Traffic(prototypes_sent, global_prototypes_sent),
                    upload_privacy=class_means_privacy('protos', 'records'))

@@ -64,7 +64,7 @@ import optax
 
 from fedjax_het.algorithms.base import keep_server, local_head_evaluation
 from fedjax_het.algorithms.common import class_prototypes, cross_entropy, descend
-from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientRows, GroupSpec, Phase, hyperparameter,
+from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientRows, GroupSpec, Phase, Traffic, hyperparameter,
                              leaf_scalars, single_stage)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
@@ -354,14 +354,14 @@ def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int) -> Algorithm:
   """FedVTC as an `Algorithm` of three phases: 'fl' (`rounds` rounds), 'vtc_exchange' and 'finetune' (one round
   each, every client); under --vtc_every_round psi is already the server's per-round average, and no stale local
   decoders replace it in an exchange."""
+  traffic = Traffic(sent_scalars, sent_scalars, received_scalars)
   fl = Phase('fl', functools.partial(fl_client, cfg, num_classes), functools.partial(fl_server, cfg),
-             functools.partial(fl_broadcast, cfg), rounds=rounds)
+             functools.partial(fl_broadcast, cfg), rounds=rounds, traffic=traffic)
   exchange = Phase('vtc_exchange', exchange_client, exchange_server, lambda server, group: {}, rounds=1,
-                   join_ratio=1.0)
+                   join_ratio=1.0, traffic=traffic)
   finetune = Phase('finetune', functools.partial(finetune_client, cfg, num_classes), keep_server,
-                   finetune_broadcast, rounds=1, join_ratio=1.0)
+                   finetune_broadcast, rounds=1, join_ratio=1.0, traffic=traffic)
   phases = (fl, finetune) if cfg.every_round else (fl, exchange, finetune)
   return Algorithm('fedvtc', functools.partial(init_server, num_classes), phases, local_head_evaluation,
-                   init_client=functools.partial(init_client_extra, cfg), upload_scalars=sent_scalars,
-                   broadcast_scalars=sent_scalars, received_scalars=received_scalars,
+                   init_client=functools.partial(init_client_extra, cfg),
                    samples=functools.partial(decoded_samples, num_classes))

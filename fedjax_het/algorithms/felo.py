@@ -45,8 +45,8 @@ from fedjax_het.algorithms.base import head_evaluation, own_head, zero_params
 from fedjax_het.algorithms.common import (class_means_from_sums, class_sums, cross_entropy, elementwise_kl,
                                           prototype_regularizer)
 from fedjax_het.algorithms.fedavg import receive_group_model
-from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientState, GroupSpec, Phase, RoundUploads, Uploads,
-                             hyperparameter, leaf_scalars, single_stage)
+from fedjax_het.core import (Algorithm, Batch, ClientProgram, ClientState, GroupSpec, Phase, RoundUploads, Traffic,
+                             Uploads, hyperparameter, leaf_scalars, single_stage)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 from fedjax_het.optim import multistep_factor, step_at_rate, torch_adam
@@ -380,10 +380,10 @@ def broadcast_scalars(run: FeloRun, b: dict) -> dict:
 def felo_family(run: FeloRun) -> Algorithm:
   """Felo, FedHe and Velo as one `Algorithm` of one phase over the run's rounds."""
   bind = lambda fn: functools.partial(fn, run)
+  traffic = Traffic(bind(upload_scalars), bind(broadcast_scalars))
   return Algorithm(run.name, bind(init_server), (Phase(run.name, bind(client_program), bind(server_update),
-                                                       bind(broadcast)),),
-                   bind(evaluation), init_client=bind(init_client_extra), upload_scalars=bind(upload_scalars),
-                   broadcast_scalars=bind(broadcast_scalars))
+                                                       bind(broadcast), traffic=traffic),),
+                   bind(evaluation), init_client=bind(init_client_extra))
 
 
 def felo(cfg: FeloConfig, num_classes: int, rounds: int, num_clients: int) -> Algorithm:

@@ -27,7 +27,7 @@ from fedjax_het.algorithms.base import Algorithm, local_head_evaluation, one_pha
 from fedjax_het.algorithms.common import class_means_privacy, cosine_similarity, cross_entropy, train_forward
 from fedjax_het.algorithms.fedproto import prototype_upload, prototypes_sent
 from fedjax_het.algorithms.finch import cluster_means, finch
-from fedjax_het.core import hyperparameter
+from fedjax_het.core import Traffic, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 
 
@@ -105,5 +105,5 @@ def fpl(cfg: FPLConfig, num_classes: int, num_clients: int) -> Algorithm:
     return {'cluster_prototypes': jnp.sum(broadcast['valid']) * broadcast['clusters'].shape[-1]}
 
   return one_phase('fpl', init_server, client, server_update, local_head_evaluation,
-                   upload_scalars=prototypes_sent, broadcast_scalars=clusters_sent,
+                   traffic=Traffic(prototypes_sent, clusters_sent),
                    upload_privacy=class_means_privacy('protos', 'records'))

@@ -51,8 +51,8 @@ import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import head_evaluation, own_head
 from fedjax_het.algorithms.common import cross_entropy, descend
-from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, RoundUploads, Stage, hyperparameter,
-                             leaf_scalars)
+from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, RoundUploads, Stage, Traffic,
+                             hyperparameter, leaf_scalars)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.generators import (GENERATORS, ConditionalGenerator, cvae, dcgan, ddpm, from_generator_range,
                                    to_generator_range)
@@ -325,14 +325,13 @@ def sent_scalars(cfg: GeFLConfig, tree: dict) -> dict:
 
 def gefl(cfg: GeFLConfig, num_classes: int, rounds: int) -> Algorithm:
   """GeFL as an `Algorithm` of two phases: 'knowledge' (cfg.knowledge_rounds rounds) and 'target' (`rounds`)."""
-  knowledge = Phase('knowledge', functools.partial(knowledge_client, cfg, num_classes), knowledge_server,
-                    generator_broadcast, rounds=cfg.knowledge_rounds, evaluate=False)
-  target = Phase('target', functools.partial(target_client, cfg, num_classes), functools.partial(target_server, cfg),
-                 target_broadcast, rounds=rounds)
   scalars = functools.partial(sent_scalars, cfg)
+  knowledge = Phase('knowledge', functools.partial(knowledge_client, cfg, num_classes), knowledge_server,
+                    generator_broadcast, rounds=cfg.knowledge_rounds, evaluate=False, traffic=Traffic(scalars, scalars))
+  target = Phase('target', functools.partial(target_client, cfg, num_classes), functools.partial(target_server, cfg),
+                 target_broadcast, rounds=rounds, traffic=Traffic(scalars, scalars))
   return Algorithm('gefl', init_server, (knowledge, target), evaluation,
                    init_client=functools.partial(init_generator_extra,
                                                  functools.partial(image_generator, cfg, num_classes)),
-                   upload_scalars=scalars, broadcast_scalars=scalars,
                    samples=functools.partial(generated_samples, cfg, num_classes), partial_batches=True,
                    shares_representations=False)

@@ -43,7 +43,7 @@ from fedjax_het.algorithms.common import cross_entropy, descend
 from fedjax_het.algorithms.gefl import (GeFLConfig, average_generators, build_generator, ddpm_lr_scale,
                                         generator_broadcast, generator_step, init_generator_extra, knowledge_server,
                                         receive_generator, upload_generator)
-from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, Stage, hyperparameter,
+from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, Stage, Traffic, hyperparameter,
                              leaf_scalars)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.generators.base import uniform_labels
@@ -182,10 +182,9 @@ def lg_fedavg_first_block(num_classes: int) -> Algorithm:
   LG-FedAvg as HtFLlib runs it (local extractors, one shared head)."""
   return Algorithm('lg_fedavg_fb', shared_block_server,
                    (Phase('lg_fedavg_fb', lambda g: shared_block_program(g, g.training.epochs),
-                          shared_block_update, model_broadcast),),
+                          shared_block_update, model_broadcast, traffic=Traffic(model_scalars, model_scalars)),),
                    lambda group: head_evaluation(group.model, {'group_model': own_head}, receive=receive_model),
-                   upload_scalars=model_scalars, broadcast_scalars=model_scalars, partial_batches=True,
-                   shares_representations=False)
+                   partial_batches=True, shares_representations=False)
 
 
 def extractor_features(module: GeFLCNN, fe: dict, x):
@@ -309,15 +308,15 @@ def sent_scalars(cfg: GeFLFConfig, tree: dict) -> dict:
 
 def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int) -> Algorithm:
   """GeFL-F as an `Algorithm` of three phases: 'warmup' (T_FE), 'knowledge' (T_KA) and 'target' (`rounds`)."""
+  scalars = functools.partial(sent_scalars, cfg)
+  traffic = Traffic(scalars, scalars)
   phases = (Phase('warmup', functools.partial(warmup_client, cfg), shared_block_update, model_broadcast,
-                  rounds=cfg.fe_rounds),
+                  rounds=cfg.fe_rounds, traffic=traffic),
             Phase('knowledge', functools.partial(knowledge_client, cfg, num_classes), knowledge_server,
-                  knowledge_broadcast, rounds=cfg.knowledge_rounds, evaluate=False),
+                  knowledge_broadcast, rounds=cfg.knowledge_rounds, evaluate=False, traffic=traffic),
             Phase('target', functools.partial(target_client, cfg, num_classes),
-                  functools.partial(target_server, cfg), target_broadcast, rounds=rounds))
+                  functools.partial(target_server, cfg), target_broadcast, rounds=rounds, traffic=traffic))
   return Algorithm('gefl_f', init_server, phases, evaluation,
                    init_client=functools.partial(init_generator_extra,
                                                  functools.partial(feature_generator, cfg, num_classes)),
-                   upload_scalars=functools.partial(sent_scalars, cfg),
-                   broadcast_scalars=functools.partial(sent_scalars, cfg), partial_batches=True,
-                   shares_representations=False)
+                   partial_batches=True, shares_representations=False)

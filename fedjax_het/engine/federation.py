@@ -358,15 +358,15 @@ class Federation:
                              None if expected is None else jnp.full(len(slot_idx), expected, jnp.float32)))
       losses.append((result.losses, slot_idx < g.size))
       upload_parts.append(self._fn('count_uploads', (p, gi), lambda: jax.jit(
-          lambda u, m: count_uploads(self.algorithm.upload_scalars, u, m)))(values, real))
-      received = self.algorithm.received_scalars
+          lambda u, m: count_uploads(phase.traffic.upload, u, m)))(values, real))
+      received = phase.traffic.received
       if received is not None:  # what each participant receives depends on it
         broadcast_parts.append((self._fn('count_received', (p, gi), lambda: jax.jit(
             lambda b, u, m: count_uploads(lambda one: received(b, one), u, m)))(broadcast, values, real), 1))
       else:
         receivers = int(np.sum(slot_idx < g.size))
         broadcast_parts.append((self._fn('count_broadcast', (p, gi), lambda: jax.jit(
-            lambda b: {k: jnp.asarray(v, jnp.float32) for k, v in self.algorithm.broadcast_scalars(
+            lambda b: {k: jnp.asarray(v, jnp.float32) for k, v in phase.traffic.broadcast(
                 for_client(b, 0)).items()}))(broadcast), receivers))
     server_update = self._fn('server', p, lambda: jax.jit(self._server_step(phase)))
     server, server_metrics = server_update(state.server, tuple(uploads), server_key, self.constants)
