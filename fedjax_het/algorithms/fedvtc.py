@@ -38,13 +38,11 @@ Loss scale in the paper flag files: --vtc_loss_reduction=mean (below).
 
 Loss scale (--vtc_loss_reduction, a library option; the default 'sum' is the paper's Eq. 3-5). Summed over 784
 pixels and p = 980 dimensions, L_tc outweighs the batch-mean CE by two orders of magnitude, and its KL term pulls
-every z towards the prototypes, which start at 0. Measured on mnist5k with one small_cnn client trained on all
-4,000 rows for 3 epochs of batch 16 (the paper's f-step and psi-step, prototypes refreshed each epoch;
-`python benchmarks/fedvtc_loss_scale.py`): CE alone reaches 56.5 / 85.8 / 94.5 % test accuracy at eta = 1e-4 /
-1e-3 / 1e-2; with L_tc summed 9.7 / 8.7 / 9.9 % (z collapses to norm 0.2-0.5, NaN at 1e-2); with 'mean' (L_rc /
-pixels, KL / p, L_dm / p, what `F.mse_loss` gives in PyTorch) 51.3 / 84.3 / 95.0 %. The paper publishes no code, so which
-reduction its numbers came from is unknown; since only 'mean' trains at the paper's rates (1e-4 MNIST, 1e-2 the
-others), the Table 1 flag files use it. The default stays 'sum', Eq. 3-5 as printed.
+every z towards the prototypes, which start at 0. On mnist5k (docs/methods/fedvtc.md, `python
+benchmarks/fedvtc_loss_scale.py`) a client trained with L_tc summed stays near chance at every rate tried (z
+collapses), while with 'mean' (L_rc / pixels, KL / p, L_dm / p, what `F.mse_loss` gives in PyTorch) it trains as
+well as CE alone. The paper publishes no code, so which reduction its numbers came from is unknown; since only
+'mean' trains at the paper's rates (1e-4 MNIST, 1e-2 the others), the Table 1 flag files use it. The default stays 'sum', Eq. 3-5 as printed.
 
 Communication (scalars; bytes are 4 per scalar): per participant per round up p per class held (prototypes) + p
 (sigma), down p per class it holds that has a global prototype (|Y_k| p: the server sends c^y to holders of y)

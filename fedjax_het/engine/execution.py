@@ -139,8 +139,8 @@ class ExecutionConfig:
     fallback = 'im2col' if strategy == 'vmap' else 'auto'
     wants_onednn = strategy == 'sequential' or self.num_devices == 1
     backend = backend or jax.default_backend()
-    # GPUs run XLA's vmapped (grouped) convolutions slowly: a whole cnn4 step of 256 clients in 187 ms against
-    # 17 ms as im2col on an H100 (benchmarks/results/vmap_conv); TPUs are not measured and keep XLA's.
+    # GPUs run XLA's vmapped (grouped) convolutions several times slower than im2col (docs/performance.md,
+    # benchmarks/vmap_conv.py); TPUs are not measured and keep XLA's.
     accelerator = 'im2col' if backend == 'gpu' and strategy == 'vmap' else 'xla'
     conv = self.conv or (('onednn' if wants_onednn and onednn.unavailable_reason() is None else fallback) if cpu
                          else accelerator)

@@ -167,8 +167,8 @@ CONV_IMPLS: dict[str, ConvFactory] = {  # the formulations a run chooses from (-
     'gemm': functools.partial(nn.Conv, conv_general_dilated=gemm_grad_conv_general_dilated),
 }
 # Eval-mode representation passes of an 'auto' run: im2col up to 32 input channels. Without a backward pass and
-# in 32-row passes its patches stay small, and it is faster there (288 cnn4 rows: 42.7 ms against 53.0 with
-# 'auto'), where in training steps on two client threads it is slower (docs/performance.md).
+# in 32-row passes its patches stay small, and it is faster there than 'auto', where in training steps on two
+# client threads it is slower (docs/performance.md, benchmarks/cpu_kernels.py --parts=represent).
 EVAL_PASS_CONV = {'auto': 'auto_eval_pass'}
 _FORMULATIONS: dict[str, ConvFactory] = {
     **CONV_IMPLS,
