@@ -41,7 +41,7 @@ from absl import flags
 from fedjax_het.cli import app_run
 from jax import lax
 
-from harness import best_seconds, cifar_like, sgd_step_fn, write_results, xla_op_label
+from harness import RESULTS, best_seconds, cifar_like, sgd_step_fn, write_results, xla_op_label
 
 from fedjax_het.algorithms import FedREConfig, fedre
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
@@ -54,7 +54,7 @@ from fedjax_het.models.pooling import max_pool
 flags.DEFINE_list('parts', ['step', 'layers', 'pool', 'threads', 'vmap', 'represent', 'federation_step', 'profile'],
                   'What to measure.')
 flags.DEFINE_integer('batch_size', 32, 'Batch size.')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
+flags.DEFINE_string('out', RESULTS, 'Folder for the results.')
 FLAGS = flags.FLAGS
 B = 32
 DEFAULT = None  # the library's CPU defaults (ExecutionConfig), set in main

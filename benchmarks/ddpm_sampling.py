@@ -14,12 +14,12 @@ from absl import flags
 
 from fedjax_het.cli import app_run
 
-from harness import best_seconds, write_results
+from harness import RESULTS, best_seconds, write_results
 from fedjax_het.generators import ddpm
 
 flags.DEFINE_integer('batch', 64, 'Images per sampler call at the offline size (the target batch).')
 flags.DEFINE_integer('paper_batch', 8, 'Images per sampler call at the paper size (small: it is slow on CPU).')
-flags.DEFINE_string('out', 'benchmarks/results', 'Output folder.')
+flags.DEFINE_string('out', RESULTS, 'Output folder.')
 FLAGS = flags.FLAGS
 
 

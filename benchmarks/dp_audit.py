@@ -35,7 +35,7 @@ from absl import flags
 from fedjax_het.cli import app_run
 
 import dp_accounting
-from harness import write_results
+from harness import RESULTS, write_results
 
 from fedjax_het.algorithms.fedavg import GROUP_MODEL_PRIVACY, average_group_models
 from fedjax_het.core import Algorithm, ClientProgram, Phase, Uploads, single_stage
@@ -55,7 +55,7 @@ flags.DEFINE_float('confidence', 0.95, 'Confidence of the lower bound.')
 flags.DEFINE_integer('seed', 0, 'Seed of the canaries, their inclusion and the noise.')
 flags.DEFINE_float('noise_fraction', 1.0, 'Draw only this fraction of the accounted noise (a deliberately broken '
                    'run: below 1, the audit should find more than the accounted epsilon).')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the JSON/CSV results.')
+flags.DEFINE_string('out', RESULTS, 'Folder for the JSON/CSV results.')
 FLAGS = flags.FLAGS
 
 

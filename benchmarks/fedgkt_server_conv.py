@@ -17,7 +17,7 @@ from absl import flags
 
 from fedjax_het.cli import app_run
 
-from harness import best_seconds, write_results
+from harness import RESULTS, best_seconds, write_results
 
 from fedjax_het.algorithms import FedGKTConfig
 from fedjax_het.algorithms.fedgkt import gkt_optimizer, server_pass
@@ -31,7 +31,7 @@ flags.DEFINE_integer('blocks', 2, 'Bottlenecks per stage of the server ResNet (6
 flags.DEFINE_integer('rows', 200, 'Uploaded rows per client (two clients).')
 flags.DEFINE_integer('batch_size', 50, 'Server batch size.')
 flags.DEFINE_list('convs', ['xla', 'im2col', 'onednn'], 'Convolution formulations.')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
+flags.DEFINE_string('out', RESULTS, 'Folder for the results.')
 FLAGS = flags.FLAGS
 
 

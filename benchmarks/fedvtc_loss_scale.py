@@ -19,7 +19,7 @@ from absl import flags
 
 from fedjax_het.cli import app_run
 
-from harness import write_results
+from harness import RESULTS, write_results
 from fedjax_het.algorithms.common import cross_entropy, descend
 from fedjax_het.algorithms.fedvtc import vtc_steps
 from fedjax_het.core import ClientState
@@ -32,7 +32,7 @@ flags.DEFINE_list('objectives', ['ce', 'sum', 'mean'], "Objectives: 'ce', 'sum',
 flags.DEFINE_list('learning_rates', ['1e-4', '1e-3', '1e-2'], 'Learning rates of f, psi and sigma.')
 flags.DEFINE_integer('epochs', 3, 'Epochs over the 4,000 training digits.')
 flags.DEFINE_float('vtc_lambda', 0.1, 'lambda of L_dm.')
-flags.DEFINE_string('out', 'benchmarks/results', 'Output folder.')
+flags.DEFINE_string('out', RESULTS, 'Output folder.')
 FLAGS = flags.FLAGS
 
 P, BATCH = 980, 16

@@ -48,7 +48,7 @@ from absl import app, flags
 
 from fedjax_het.cli import app_run
 
-from harness import write_results
+from harness import RESULTS, write_results
 
 from fedjax_het.algorithms import FedREConfig, GeFLConfig, fedavg_grouped, fedre
 from fedjax_het.algorithms.gefl import build_generator
@@ -65,7 +65,7 @@ flags.DEFINE_float('bandwidth', 3.35e12, 'Memory bandwidth of the target, bytes/
 flags.DEFINE_float('memory_gb', 80.0, 'Device memory of the target, GB (1e9 bytes).')
 flags.DEFINE_float('launch_seconds', 3e-6, 'Least time of one kernel launch (an assumption: CUDA launches take a '
                    'few microseconds).')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the JSON/CSV results.')
+flags.DEFINE_string('out', RESULTS, 'Folder for the JSON/CSV results.')
 FLAGS = flags.FLAGS
 
 

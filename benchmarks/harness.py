@@ -23,6 +23,9 @@ from fedjax_het.data.datasets import Dataset, normalize_uint8
 from fedjax_het.engine import LocalTraining
 from fedjax_het.workdir import write_atomically
 
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPOSITORY, 'benchmarks', 'results')  # the default --out, wherever a script is started
+
 
 def cifar_like(num_clients: int, samples_per_client: int, seed: int = 0, partition: str = 'iid',
                alpha: float = 0.1) -> FederatedData:
@@ -110,7 +113,7 @@ def command_line() -> str:
   """The command that is running, as typed from the repository's root: '[JAX_PLATFORMS=...] python
   benchmarks/<script> <flags>' (JAX_PLATFORMS where it is set: it decides the backend, and PyTorch's device with
   it)."""
-  script = os.path.relpath(os.path.abspath(sys.argv[0]), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  script = os.path.relpath(os.path.abspath(sys.argv[0]), REPOSITORY)
   platforms = [f'JAX_PLATFORMS={shlex.quote(os.environ["JAX_PLATFORMS"])}'] if os.environ.get('JAX_PLATFORMS') else []
   return ' '.join(platforms + ['python', script] + [shlex.quote(a) for a in sys.argv[1:]])
 

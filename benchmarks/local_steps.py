@@ -15,7 +15,7 @@ from fedjax_het.cli import app_run
 import jax
 import jax.numpy as jnp
 
-from harness import sgd_step_fn, write_results
+from harness import RESULTS, sgd_step_fn, write_results
 
 from fedjax_het.models import build_model
 
@@ -24,7 +24,7 @@ flags.DEFINE_integer('batch_size', 32, 'Batch size.')
 flags.DEFINE_string('model', 'cnn4', 'Architecture.')
 flags.DEFINE_string('conv', 'xla', 'Convolution formulation (xla, im2col, auto).')
 flags.DEFINE_integer('repeats', 3, 'Warm repetitions.')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
+flags.DEFINE_string('out', RESULTS, 'Folder for the results.')
 FLAGS = flags.FLAGS
 
 

@@ -19,7 +19,7 @@ from fedjax_het.cli import app_run
 
 import jax
 
-from harness import write_results
+from harness import RESULTS, write_results
 
 from fedjax_het.data.partition import partition_clients
 from fedjax_het.engine.chunks import padding_waste, plan_chunks
@@ -33,7 +33,7 @@ flags.DEFINE_integer('pool_rows_per_client', 0, 'At least this many pool rows pe
 flags.DEFINE_integer('batch_size', 32, 'Local batch size.')
 flags.DEFINE_integer('max_width', VmapExecutor.DEFAULT_MAX_WIDTH, 'Widest chunk.')
 flags.DEFINE_integer('seed', 0, 'Partition seed.')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
+flags.DEFINE_string('out', RESULTS, 'Folder for the results.')
 FLAGS = flags.FLAGS
 
 

@@ -20,7 +20,7 @@ from fedjax_het.cli import app_run
 
 import jax
 
-from harness import write_results
+from harness import RESULTS, write_results
 
 from fedjax_het.algorithms import FedREConfig, fedre
 from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
@@ -34,7 +34,7 @@ flags.DEFINE_integer('rows_per_client', 32, 'Pool rows per client (75% train).')
 flags.DEFINE_float('memory_budget_mib', 24.0, 'Device memory a vmapped call may use.')
 flags.DEFINE_integer('rounds', 2, 'Rounds per client count.')
 flags.DEFINE_string('compilation_cache', DEFAULT_DIRECTORY, 'XLA\'s persistent compilation cache (empty: off).')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
+flags.DEFINE_string('out', RESULTS, 'Folder for the results.')
 FLAGS = flags.FLAGS
 
 

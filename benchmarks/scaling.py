@@ -28,7 +28,7 @@ from fedjax_het.cli import app_run
 
 import jax
 
-from harness import CompileLog, cifar_like, write_results
+from harness import CompileLog, RESULTS, cifar_like, write_results
 
 from fedjax_het.algorithms import FedREConfig, fedavg_grouped, fedre
 from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
@@ -54,7 +54,7 @@ flags.DEFINE_bool('stream_clients', False, 'Client states and rows on the host, 
 flags.DEFINE_integer('group_threads', None, 'Groups initialised and compiled at once (default: the cores).')
 flags.DEFINE_float('memory_budget_gib', 0.0, 'Device memory a vmapped call may use (0: the backend default).')
 flags.DEFINE_float('learning_rate', 0.01, 'Local learning rate.')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the JSON/CSV results.')
+flags.DEFINE_string('out', RESULTS, 'Folder for the JSON/CSV results.')
 flags.DEFINE_string('compilation_cache', DEFAULT_DIRECTORY, 'XLA\'s persistent compilation cache (as the '
                     'experiments\' flag; empty: off). A first run on a machine measures cold compilations.')
 FLAGS = flags.FLAGS

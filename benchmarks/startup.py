@@ -22,7 +22,7 @@ from fedjax_het.cli import app_run
 flags.DEFINE_string('flagfile_path', None, 'The experiment flag file (its data, models and method).')
 flags.DEFINE_integer('rounds_timed', 1, 'Rounds run and timed after init (0: init only).')
 flags.DEFINE_string('child_cache', None, 'Internal: run one case in this process with this cache folder ("" off).')
-flags.DEFINE_string('out', 'benchmarks/results', 'Output folder.')
+flags.DEFINE_string('out', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results'), 'Output folder.')
 FLAGS = flags.FLAGS
 
 

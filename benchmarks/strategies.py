@@ -17,7 +17,7 @@ from fedjax_het.cli import app_run
 
 import jax
 
-from harness import cifar_like, write_results
+from harness import RESULTS, cifar_like, write_results
 
 from fedjax_het.algorithms import FedREConfig, fedre
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
@@ -30,7 +30,7 @@ flags.DEFINE_list('variants', ['sequential/auto/2', 'vmap/im2col'],
 flags.DEFINE_integer('chunk_size', 0, 'vmap chunk size (0 = whole group).')
 flags.DEFINE_integer('batch_size', 32, 'Local batch size.')
 flags.DEFINE_integer('rounds', 3, 'Warm rounds to time.')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
+flags.DEFINE_string('out', RESULTS, 'Folder for the results.')
 FLAGS = flags.FLAGS
 
 

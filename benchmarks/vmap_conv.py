@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from harness import best_seconds, write_results
+from harness import RESULTS, best_seconds, write_results
 
 from fedjax_het.models import build_model
 from fedjax_het.models.conv import CONV_IMPLS
@@ -37,7 +37,7 @@ flags.DEFINE_list('models', ['cnn4'], 'Whole classifiers whose vmapped SGD step 
 flags.DEFINE_integer('batch_size', 32, 'Rows per client.')
 flags.DEFINE_integer('repeats', 5, 'Timed calls per measurement (the fastest is kept).')
 flags.DEFINE_float('seconds', 0, 'Stop starting new measurements after this many seconds (0: no limit).')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
+flags.DEFINE_string('out', RESULTS, 'Folder for the results.')
 FLAGS = flags.FLAGS
 
 # name: (input H = W, input channels, output channels, kernel, padding)

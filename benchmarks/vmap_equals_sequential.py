@@ -22,7 +22,7 @@ from fedjax_het.cli import app_run
 import jax
 import numpy as np
 
-from harness import write_results
+from harness import RESULTS, write_results
 
 from fedjax_het.algorithms import (CCVRConfig, FedGenConfig, FedKDConfig, FedMRLConfig, FedTGPConfig, FedVTCConfig,
                                    FeloConfig, FMLConfig, GeFLConfig, GeFLFConfig, VeloConfig)
@@ -31,7 +31,7 @@ from fedjax_het.experiment import build_federation
 from fedjax_het.methods import METHODS
 
 flags.DEFINE_list('methods', None, 'Methods to check (default: every registered one).')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the results.')
+flags.DEFINE_string('out', RESULTS, 'Folder for the results.')
 flags.DEFINE_string('out_name', 'vmap_equals_sequential_cpu', 'Results file name (without extension).')
 FLAGS = flags.FLAGS
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from harness import CompileLog, cifar_like, sgd_step_fn, write_results
+from harness import CompileLog, RESULTS, cifar_like, sgd_step_fn, write_results
 from torch_reference import TorchFedRE, client_tensors
 
 from fedjax_het.algorithms import FedREConfig, fedre
@@ -53,7 +53,7 @@ flags.DEFINE_integer('client_threads', None, 'fedjax_het clients at once under t
 flags.DEFINE_integer('torch_eval_batch_size', 144, 'Rows per PyTorch representation pass (144: its fastest in '
                      '`cpu_kernels.py --parts=represent` on the 2-core CPU).')
 flags.DEFINE_bool('disk_io', True, 'Also time the PyTorch loop with HtFLlib\'s per-round model save/load.')
-flags.DEFINE_string('out', 'benchmarks/results', 'Folder for the JSON/CSV results.')
+flags.DEFINE_string('out', RESULTS, 'Folder for the JSON/CSV results.')
 FLAGS = flags.FLAGS
 
 
