@@ -174,6 +174,9 @@ def test_a_damaged_cached_library_is_built_again_never_loaded(tmp_path):
   assert first.returncode == 0 and first.stdout.strip() == 'None', first.stderr[-2000:]
   (library,) = [p for p in folder.iterdir() if p.suffix == '.so']
   whole = library.stat().st_size
+  log = (folder / (library.name + '.log')).read_text()  # the build's command and its warnings (none: -Wall)
+  assert '-Wall' in log and '-w ' not in log and log.strip().count('\n') == 0, log
+  assert 'built with warnings' not in first.stderr
   for damaged in (library.read_bytes()[:whole // 2], b''):
     library.write_bytes(damaged)
     again = subprocess.run(probe, capture_output=True, text=True, env=env, timeout=300)

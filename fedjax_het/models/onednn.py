@@ -79,11 +79,13 @@ def _compiler() -> str:
 def build(include: str, lib: str, cache: str = CACHE) -> str:
   """The shared library of onednn_conv.cc compiled against oneDNN (`include`, `lib`), from `cache` when it was
   built before from the same source, compiler, flags, JAX and oneDNN files and is whole (its size and SHA-256 as
-  written beside it when it was built). A damaged cached library is rebuilt, an unfinished build left by a process
-  that no longer runs is removed, and an unwritable cache folder builds into a temporary folder (`load` removes it
-  once the library is loaded); each says so in one line. Raises OneDNNUnavailable when it fails to build."""
+  written beside it when it was built; the compiler's command and warnings in <library>.log). A damaged cached
+  library is rebuilt, an unfinished build left by a process that no longer runs is removed, and an unwritable
+  cache folder builds into a temporary folder (`load` removes it once the library is loaded); each says so in one
+  line. Raises OneDNNUnavailable when it fails to build."""
   compiler = _compiler()
-  flags = ['-O2', '-std=c++17', '-shared', '-fPIC', '-w', f'-I{jax.ffi.include_dir()}', f'-I{include}']
+  # JAX's and oneDNN's headers as system headers: the warnings of -Wall are then this source's own
+  flags = ['-O2', '-std=c++17', '-shared', '-fPIC', '-Wall', '-isystem', jax.ffi.include_dir(), '-isystem', include]
   with open(SOURCE, 'rb') as f:
     source = f.read()
   found = [os.path.join(include, 'oneapi', 'dnnl', 'dnnl.hpp'), lib]
@@ -113,6 +115,10 @@ def build(include: str, lib: str, cache: str = CACHE) -> str:
       errors = [line for line in lines if 'error' in line][:8] or lines[-8:]
       raise OneDNNUnavailable(f'building the oneDNN convolution handlers failed:\n  {" ".join(command)}\n'
                               + '\n'.join(errors) + f'\nFix: use --conv=auto, or a oneDNN 3.x ({INSTALL}).')
+    with open(target + '.log', 'w') as f:  # the compiler's warnings, if any, beside the library
+      f.write(' '.join(command) + '\n' + done.stderr)
+    if done.stderr.strip():
+      logging.warning('oneDNN: the convolution handlers built with warnings: %s.log', target)
     with open(partial + '.sha256', 'w') as f:
       f.write(_fingerprint(partial))
     # The fingerprint first: a library in place always has one (another process building the same file at once
