@@ -468,7 +468,14 @@ def test_noised_batchnorm_variances_are_clipped_at_zero():
   np.testing.assert_array_equal(out['batch_stats']['bn']['mean'], [-1.0])
 
 
-@pytest.mark.parametrize('name', ['feddf', 'avgkd', 'fedala', 'heterofl', 'fedgkt', 'pfedafm', 'fedtype'])
+# Two in the default run: FedGKT's per-client server logits and kept optimisers, HeteroFL's server round counter
+# (its learning-rate schedule); the others' per-client states checkpoint through the same pytree path.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize('name', [pytest.param('feddf', marks=SLOW), pytest.param('avgkd', marks=SLOW),
+                                  pytest.param('fedala', marks=SLOW), 'heterofl', 'fedgkt',
+                                  pytest.param('pfedafm', marks=SLOW), pytest.param('fedtype', marks=SLOW)])
 def test_resumed_after_round_one_ends_where_the_golden_run_ends(name, tmp_path):
   """Round 1 of the golden run, a checkpoint, a fresh federation restored from it and round 2: the golden run's
   final state and metrics exactly (AvgKD crosses its phase boundary there)."""
