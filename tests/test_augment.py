@@ -94,8 +94,9 @@ def final_state(fed: Federation):
   return [np.asarray(a) for a in jax.tree.leaves(state.groups)]
 
 
+# crop_flip_cutout crops and flips too: the plain crop_flip run only in -m slow
 @pytest.mark.parametrize('augment', [pytest.param('crop_flip', marks=pytest.mark.slow), 'crop_flip_cutout'])
-def test_augmented_runs_are_the_same_under_vmap_and_sequential_and_from_the_same_seed(augment):  # the cutout one crops and flips too
+def test_augmented_runs_are_the_same_under_vmap_and_sequential_and_from_the_same_seed(augment):
   sequential, vmapped = final_state(federation('sequential', augment)), final_state(federation('vmap', augment))
   for a, b in zip(sequential, vmapped):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
