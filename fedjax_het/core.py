@@ -47,7 +47,7 @@ class Batch(NamedTuple):
   """One local step's rows: x [B, ...], y [B], and index [B], the rows' indices in the client's training rows.
   A program that trains on rows it generates (`LocalTraining.rows`) gets x and y None and index its row ids.
   mask [B]: which rows are real when the schedule keeps a partial last batch (`LocalTraining.drop_last` False;
-  None: every row is real). A program that accepts such batches (`Algorithm.partial_batches`) averages its losses
+  None: every row is real). A program that accepts such batches (`Capabilities.partial_batches`) averages its losses
   over the real rows and runs its classifier inside `models.norm.batch_rows(mask)`."""
   x: Optional[jnp.ndarray]
   y: Optional[jnp.ndarray]
@@ -325,6 +325,18 @@ class UploadPrivacy(NamedTuple):
   hides_participants: bool = False
 
 
+class Capabilities(NamedTuple):
+  """What settings a method's programs and server can run with; the engine refuses the others.
+
+  partial_batches: whether its programs weight losses and BatchNorm statistics by `Batch.mask`, so that it can run
+    a schedule that keeps the last partial batch (--nodrop_last).
+  shares_representations: whether anything of the representation width d crosses between architecture groups
+    (prototypes, a shared head, representations); methods that exchange only whole models within groups, or
+    generators, set False and may then run groups of different widths (--rm=none)."""
+  partial_batches: bool = False
+  shares_representations: bool = True
+
+
 def no_client_state(group: GroupSpec, key: jax.Array) -> Any:
   """init_client of methods without per-client algorithm state."""
   return {}
@@ -341,11 +353,7 @@ class Algorithm:
   evaluation(group) -> the `Evaluation` of that group's clients.
   samples(server, spec, key, n) -> images [C, n, H, W, channels] in [-1, 1]: n samples per class from the
     method's generator as the server holds it, for pictures (samples.png); None for methods without one.
-  partial_batches: whether its programs weight losses and BatchNorm statistics by `Batch.mask`, so that it can run
-    a schedule that keeps the last partial batch (--nodrop_last); the engine refuses that schedule otherwise.
-  shares_representations: whether anything of the representation width d crosses between architecture groups
-    (prototypes, a shared head, representations); methods that exchange only whole models within groups, or
-    generators, set False and may then run groups of different widths (--rm=none).
+  capabilities: what settings its programs and server can run with (`Capabilities`).
   upload_privacy: which parts of its uploads carry its clients' data and how its server reads them
     (`UploadPrivacy`), for the DP layer.
   constants: None, or a dict of arrays that programs and server steps read and no round changes (FedMD's and
@@ -360,8 +368,7 @@ class Algorithm:
   evaluation: Callable[[GroupSpec], Evaluation]
   init_client: Callable[[GroupSpec, jax.Array], Any] = no_client_state
   samples: Optional[Callable[[ServerState, FederationSpec, jax.Array, int], jnp.ndarray]] = None
-  partial_batches: bool = False
-  shares_representations: bool = True
+  capabilities: Capabilities = Capabilities()
   upload_privacy: UploadPrivacy = UploadPrivacy()
   constants: Any = None
 

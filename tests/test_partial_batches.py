@@ -12,7 +12,7 @@ from conftest import tree_allclose
 from fedjax_het.algorithms import FedREConfig, fedre, local
 from fedjax_het.algorithms.base import local_head_evaluation
 from fedjax_het.algorithms.common import cross_entropy
-from fedjax_het.core import Algorithm, ClientProgram, Phase, Stage
+from fedjax_het.core import Algorithm, Capabilities, ClientProgram, Phase, Stage
 from fedjax_het.engine.plan import stage_steps_per_epoch
 from fedjax_het.data.datasets import make_synthetic
 from fedjax_het.data.federated import FederatedData
@@ -135,7 +135,8 @@ def counting_algorithm(real_epochs: int = 1) -> Algorithm:
   def server(state, uploads, key):
     return {'rows': jnp.concatenate([u.values['rows'] for u in uploads])}, {}
   return Algorithm('count', lambda key, spec, initial: {'rows': jnp.zeros((2, 2), jnp.int32)},
-                   (Phase('count', program, server),), local_head_evaluation, partial_batches=True)
+                   (Phase('count', program, server),), local_head_evaluation,
+                   capabilities=Capabilities(partial_batches=True))
 
 
 @pytest.mark.parametrize('strategy', ['sequential', 'vmap'])

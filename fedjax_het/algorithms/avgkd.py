@@ -29,8 +29,8 @@ import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import head_evaluation, own_head, sgd_program
 from fedjax_het.algorithms.common import cross_entropy_loss, soft_cross_entropy, train_forward
-from fedjax_het.core import (Algorithm, ClientState, GroupSpec, Phase, Traffic, UploadPrivacy, hyperparameter,
-                             leaf_scalars)
+from fedjax_het.core import (Algorithm, Capabilities, ClientState, GroupSpec, Phase, Traffic, UploadPrivacy,
+                             hyperparameter, leaf_scalars)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 from fedjax_het.rows import batch_mean
@@ -139,5 +139,6 @@ def avgkd(cfg: AvgKDConfig, num_classes: int) -> Algorithm:
   traffic = Traffic(broadcast=broadcast_scalars)
   phases = (Phase('local', local, server_update, own_model, rounds=1, traffic=traffic),
             Phase('distill', distill, server_update, every_model, traffic=traffic))
-  return Algorithm('avgkd', initial_group_states, phases, group_state_evaluation, partial_batches=True,
-                   shares_representations=False, upload_privacy=GROUP_STATE_PRIVACY)
+  return Algorithm('avgkd', initial_group_states, phases, group_state_evaluation,
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False),
+                   upload_privacy=GROUP_STATE_PRIVACY)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from fedjax_het.algorithms.base import local_head_evaluation, sgd_program, zero_params
 from fedjax_het.algorithms.common import cross_entropy, cross_entropy_loss, train_forward
 from fedjax_het.algorithms.fedavg import GROUP_MODEL_PRIVACY, average_group_models
-from fedjax_het.core import Algorithm, ClientRows, ClientState, GroupSpec, hyperparameter, one_phase
+from fedjax_het.core import Algorithm, Capabilities, ClientRows, ClientState, GroupSpec, hyperparameter, one_phase
 from fedjax_het.errors import ConfigError, setting
 
 
@@ -138,5 +138,6 @@ def fedala(cfg: FedALAConfig, num_classes: int, batch_size: int) -> Algorithm:
 
   return one_phase('fedala', init_server, client, server_update, local_head_evaluation,
                    broadcast=lambda server, group: {'model': server['models'][group.index]},
-                   init_client=init_client, partial_batches=True, shares_representations=False,
+                   init_client=init_client,
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False),
                    upload_privacy=GROUP_MODEL_PRIVACY)

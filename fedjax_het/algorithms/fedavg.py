@@ -9,7 +9,7 @@ from __future__ import annotations
 from fedjax_het.algorithms.base import (Algorithm, ClientState, GroupSpec, head_evaluation, one_phase, own_head,
                                         sgd_program)
 from fedjax_het.algorithms.common import cross_entropy_loss
-from fedjax_het.core import UploadPrivacy
+from fedjax_het.core import Capabilities, UploadPrivacy
 
 
 def receive_group_model(client: ClientState, broadcast) -> ClientState:
@@ -44,6 +44,5 @@ def fedavg_grouped(num_classes: int) -> Algorithm:
 
   evaluation = lambda group: head_evaluation(group.model, {'local_head': own_head}, receive=receive_group_model)
   return one_phase('fedavg', init_server, client, server_update, evaluation, broadcast=broadcast,
-                   partial_batches=True,
-                   shares_representations=False,
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False),
                    upload_privacy=GROUP_MODEL_PRIVACY)

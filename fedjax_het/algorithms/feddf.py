@@ -36,7 +36,7 @@ from fedjax_het.algorithms.avgkd import (GROUP_STATE_PRIVACY, average_group_stat
 from fedjax_het.algorithms.base import sgd_program
 from fedjax_het.algorithms.common import cross_entropy_loss, distillation_loss
 from fedjax_het.algorithms.public import PublicRows, public_logits
-from fedjax_het.core import Algorithm, FederationSpec, Phase, hyperparameter
+from fedjax_het.core import Algorithm, Capabilities, FederationSpec, Phase, hyperparameter
 from fedjax_het.data.federated import PublicData
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
@@ -199,6 +199,6 @@ def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
 
   return Algorithm('feddf', initial_group_states,
                    (Phase('feddf', client, server_for, own_model, server_of_spec=True),), group_state_evaluation,
-                   partial_batches=True, shares_representations=False, constants=constants,
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False), constants=constants,
                    # the ensemble reads each uploaded model on its own, not only the groups' means
                    upload_privacy=GROUP_STATE_PRIVACY._replace(aggregate='records'))

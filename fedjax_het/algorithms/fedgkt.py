@@ -52,8 +52,8 @@ import optax
 
 from fedjax_het.algorithms.base import kept_optimizer_step, zero_params
 from fedjax_het.algorithms.common import cross_entropy, distillation_loss, train_forward
-from fedjax_het.core import (Algorithm, ClientProgram, Evaluation, FederationSpec, GroupSpec, PER_CLIENT, Traffic,
-                             hyperparameter, one_phase, single_stage)
+from fedjax_het.core import (Algorithm, Capabilities, ClientProgram, Evaluation, FederationSpec, GroupSpec, PER_CLIENT,
+                             Traffic, hyperparameter, one_phase, single_stage)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.conv import conv_factory
 from fedjax_het.models.norm import batch_rows
@@ -342,7 +342,8 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
 
   algorithm = one_phase('fedgkt', init_server, lambda group: client_program(cfg, optimizer, group), server_for,
                         lambda group: server_evaluation(cfg, num_classes, group), broadcast=broadcast,
-                        init_client=init_client, partial_batches=True, shares_representations=False,
+                        init_client=init_client,
+                        capabilities=Capabilities(partial_batches=True, shares_representations=False),
                         traffic=Traffic(upload=upload_scalars, received=received_scalars))
   phase = dataclasses.replace(algorithm.phases[0], server_of_spec=True)
   return dataclasses.replace(algorithm, phases=(phase,))

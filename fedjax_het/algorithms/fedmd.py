@@ -38,7 +38,8 @@ import jax.numpy as jnp
 from fedjax_het.algorithms.base import kept_optimizer_step, local_head_evaluation, zero_params
 from fedjax_het.algorithms.common import cross_entropy, cross_entropy_loss, train_forward
 from fedjax_het.algorithms.public import PublicRows, mean_of_uploads, public_logits
-from fedjax_het.core import Algorithm, ClientProgram, GroupSpec, Phase, Stage, UploadPrivacy, hyperparameter
+from fedjax_het.core import (Algorithm, Capabilities, ClientProgram, GroupSpec, Phase, Stage, UploadPrivacy,
+                             hyperparameter)
 from fedjax_het.data.federated import PublicData
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.optim import torch_adam
@@ -146,5 +147,6 @@ def fedmd(cfg: FedMDConfig, num_classes: int, batch_size: int, public: PublicDat
             Phase('collaborate', collaborate, server_update))
   return Algorithm('fedmd', lambda key, spec, initial: {'consensus': jnp.zeros((rows.size, num_classes))}, phases,
                    local_head_evaluation, init_client=lambda group, key: {'optimizer': adam.init(zero_params(group))},
-                   partial_batches=True, shares_representations=False, constants=rows.constants,
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False),
+                   constants=rows.constants,
                    upload_privacy=UploadPrivacy(aggregate='sum', hides_participants=True))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from fedjax_het.algorithms.base import Algorithm, GroupSpec, head_evaluation, one_phase, own_head, sgd_program
 from fedjax_het.algorithms.common import cross_entropy_loss
 from fedjax_het.algorithms.fedavg import GROUP_MODEL_PRIVACY, receive_group_model
-from fedjax_het.core import hyperparameter
+from fedjax_het.core import Capabilities, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 
 
@@ -57,6 +57,6 @@ def fedprox(cfg: FedProxConfig, num_classes: int) -> Algorithm:
   return one_phase('fedprox', lambda key, spec, initial: {'models': tuple(s.params for s in initial)}, client,
                    server_update, lambda group: head_evaluation(group.model, {'local_head': own_head},
                                                                 receive=receive_group_model),
-                   broadcast=lambda server, group: {'model': server['models'][group.index]}, partial_batches=True,
-                   shares_representations=False,
+                   broadcast=lambda server, group: {'model': server['models'][group.index]},
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False),
                    upload_privacy=GROUP_MODEL_PRIVACY)

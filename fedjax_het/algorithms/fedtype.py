@@ -53,7 +53,7 @@ from fedjax_het.algorithms.common import batch_mean, cross_entropy, distillation
 from fedjax_het.algorithms.global_model import (GLOBAL_MODEL_PRIVACY, average_global_models, check_global_model,
                                                 global_model_step, init_global_model, initial_global_model,
                                                 receive_global_model, upload_carried_global_model)
-from fedjax_het.core import ClientProgram, GroupSpec, Stage, hyperparameter
+from fedjax_het.core import Capabilities, ClientProgram, GroupSpec, Stage, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 
@@ -258,4 +258,4 @@ def fedtype(cfg: FedTypeConfig, num_classes: int) -> Algorithm:
 
   return one_phase('fedtype', initial_global_model, lambda group: client_program(cfg, num_classes, group),
                    average_global_models, lambda group: proxy_evaluation(cfg, group), init_client=init_client,
-                   partial_batches=True, upload_privacy=GLOBAL_MODEL_PRIVACY)
+                   capabilities=Capabilities(partial_batches=True), upload_privacy=GLOBAL_MODEL_PRIVACY)

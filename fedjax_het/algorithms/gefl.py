@@ -51,8 +51,8 @@ import jax.numpy as jnp
 
 from fedjax_het.algorithms.base import head_evaluation, own_head
 from fedjax_het.algorithms.common import cross_entropy, descend
-from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, RoundUploads, Stage, Traffic,
-                             hyperparameter, leaf_scalars)
+from fedjax_het.core import (Algorithm, Batch, Capabilities, ClientProgram, GroupSpec, Phase, RoundUploads, Stage,
+                             Traffic, hyperparameter, leaf_scalars)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.generators import (GENERATORS, ConditionalGenerator, cvae, dcgan, ddpm, from_generator_range,
                                    to_generator_range)
@@ -333,5 +333,5 @@ def gefl(cfg: GeFLConfig, num_classes: int, rounds: int) -> Algorithm:
   return Algorithm('gefl', init_server, (knowledge, target), evaluation,
                    init_client=functools.partial(init_generator_extra,
                                                  functools.partial(image_generator, cfg, num_classes)),
-                   samples=functools.partial(generated_samples, cfg, num_classes), partial_batches=True,
-                   shares_representations=False)
+                   samples=functools.partial(generated_samples, cfg, num_classes),
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False))

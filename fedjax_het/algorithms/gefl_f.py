@@ -43,8 +43,8 @@ from fedjax_het.algorithms.common import cross_entropy, descend
 from fedjax_het.algorithms.gefl import (GeFLConfig, average_generators, build_generator, ddpm_lr_scale,
                                         generator_broadcast, generator_step, init_generator_extra, knowledge_server,
                                         receive_generator, upload_generator)
-from fedjax_het.core import (Algorithm, Batch, ClientProgram, GroupSpec, Phase, Stage, Traffic, hyperparameter,
-                             leaf_scalars)
+from fedjax_het.core import (Algorithm, Batch, Capabilities, ClientProgram, GroupSpec, Phase, Stage, Traffic,
+                             hyperparameter, leaf_scalars)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.generators.base import uniform_labels
 from fedjax_het.models.forward import forward
@@ -184,7 +184,7 @@ def lg_fedavg_first_block(num_classes: int) -> Algorithm:
                    (Phase('lg_fedavg_fb', lambda g: shared_block_program(g, g.training.epochs),
                           shared_block_update, model_broadcast, traffic=Traffic(model_scalars, model_scalars)),),
                    lambda group: head_evaluation(group.model, {'group_model': own_head}, receive=receive_model),
-                   partial_batches=True, shares_representations=False)
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False))
 
 
 def extractor_features(module: GeFLCNN, fe: dict, x):
@@ -319,4 +319,4 @@ def gefl_f(cfg: GeFLFConfig, num_classes: int, rounds: int) -> Algorithm:
   return Algorithm('gefl_f', init_server, phases, evaluation,
                    init_client=functools.partial(init_generator_extra,
                                                  functools.partial(feature_generator, cfg, num_classes)),
-                   partial_batches=True, shares_representations=False)
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False))

@@ -44,8 +44,8 @@ import optax
 
 from fedjax_het.algorithms.base import sgd_program
 from fedjax_het.algorithms.common import cross_entropy
-from fedjax_het.core import (Algorithm, ClientProgram, ClientState, Evaluation, GroupSpec, Traffic, UploadPrivacy,
-                             hyperparameter, leaf_scalars, one_phase)
+from fedjax_het.core import (Algorithm, Capabilities, ClientProgram, ClientState, Evaluation, GroupSpec, Traffic,
+                             UploadPrivacy, hyperparameter, leaf_scalars, one_phase)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 from fedjax_het.models.norm import batch_statistics
@@ -245,7 +245,7 @@ def heterofl(cfg: HeteroFLConfig, num_classes: int) -> Algorithm:
 
   return one_phase('heterofl', init_server, lambda group: client_program(cfg, num_classes, group),
                    server_update, lambda group: global_model_evaluation(cfg, group), broadcast=broadcast,
-                   init_client=lambda group, key: {'label_mask': jnp.ones(num_classes)}, partial_batches=True,
-                   shares_representations=False,
+                   init_client=lambda group, key: {'label_mask': jnp.ones(num_classes)},
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False),
                    traffic=Traffic(broadcast=lambda b: leaf_scalars({'model': b['model']})),
                    upload_privacy=UploadPrivacy(public=('label_mask',), reference=lambda b: {'model': b['model']}))

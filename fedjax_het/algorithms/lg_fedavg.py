@@ -9,7 +9,7 @@ from __future__ import annotations
 from fedjax_het.algorithms.base import (Algorithm, global_head_evaluation, initial_head, one_phase, receive_head,
                                         sgd_program)
 from fedjax_het.algorithms.common import cross_entropy_loss
-from fedjax_het.core import UploadPrivacy
+from fedjax_het.core import Capabilities, UploadPrivacy
 
 
 def upload_head(client, rows, broadcast, key) -> dict:
@@ -28,6 +28,7 @@ def lg_fedavg(num_classes: int) -> Algorithm:
     return {'head': uploads.mean('head', by='rows', previous=server['head'])}, {}
 
   # DP: the head's delta from the global head is clipped; the server averages the heads of all participants
-  return one_phase('lg_fedavg', initial_head, client, server_update, global_head_evaluation, partial_batches=True,
+  return one_phase('lg_fedavg', initial_head, client, server_update, global_head_evaluation,
+                   capabilities=Capabilities(partial_batches=True),
                    upload_privacy=UploadPrivacy(reference=lambda b: {'head': b['head']}, aggregate='sum',
                                                 hides_participants=True))

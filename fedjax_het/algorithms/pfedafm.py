@@ -41,7 +41,7 @@ from fedjax_het.algorithms.common import cross_entropy, head_apply
 from fedjax_het.algorithms.global_model import (GLOBAL_MODEL_PRIVACY, check_global_model, global_model_step,
                                                 init_global_model, initial_global_model, receive_global_model,
                                                 upload_carried_global_model)
-from fedjax_het.core import ClientProgram, GroupSpec, Stage, hyperparameter
+from fedjax_het.core import Capabilities, ClientProgram, GroupSpec, Stage, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 
@@ -173,4 +173,4 @@ def pfedafm(cfg: PFedAFMConfig) -> Algorithm:
 
   return one_phase('pfedafm', initial_global_model, lambda group: client_program(cfg, group),
                    server_update, lambda group: mixture_evaluation(cfg, group), init_client=init_client,
-                   partial_batches=True, upload_privacy=GLOBAL_MODEL_PRIVACY)
+                   capabilities=Capabilities(partial_batches=True), upload_privacy=GLOBAL_MODEL_PRIVACY)

@@ -69,7 +69,7 @@ def _check_arguments(algorithm: Algorithm, training: LocalTraining, join_ratio: 
     raise ConfigError(f'Federation.join_ratio={join_ratio} must be in (0, 1].')
   if full_participation_rounds < 0:
     raise ConfigError(f'Federation.full_participation_rounds={full_participation_rounds} must be >= 0.')
-  if not training.drop_last and not algorithm.partial_batches:
+  if not training.drop_last and not algorithm.capabilities.partial_batches:
     raise ConfigError(f'LocalTraining.drop_last=False: {algorithm.name} does not weight its losses by the real rows of '
                       f'a partial batch yet, so it only runs with epochs of full batches. Fix: '
                       f'LocalTraining.drop_last=True.')
@@ -113,7 +113,7 @@ class Federation:
     self.groups: list[Group] = build_groups(data, models, training, self.conv, self.num_devices, self.mesh, seed)
     self.architectures, self.group_of = client_index(self.groups, self.num_clients)
     widths = sorted({g.spec.feature_dim for g in self.groups})
-    if len(widths) > 1 and algorithm.shares_representations:
+    if len(widths) > 1 and algorithm.capabilities.shares_representations:
       raise ConfigError(f'ModelConfig.rm={models.rm!r}: the architectures\' features have different widths {widths}, '
                         f'and {algorithm.name} exchanges representations (or heads) between them. Fix: '
                         f'ModelConfig.rm=\'ap\', \'mp\' or \'fc\' with one ModelConfig.feature_dim.')
