@@ -22,8 +22,10 @@ from absl import flags
 
 from fedjax_het.cli import app_run
 
+from harness import RESULTS
+
 flags.DEFINE_string('case', None, 'Internal: run one case in this process and print its figures as JSON.')
-flags.DEFINE_string('out', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results'), 'Output folder.')
+flags.DEFINE_string('out', RESULTS, 'Output folder.')
 FLAGS = flags.FLAGS
 CASES = {'xla': ('xla', ''), 'xla+onednn': ('xla', '--xla_cpu_use_onednn=true'), 'onednn': ('onednn', '')}
 STEPS = 10

@@ -55,7 +55,7 @@ class Uploads(NamedTuple):
 
   def holds(self, counts: str = 'counts') -> jnp.ndarray:
     """[S, C]: whether each slot's participant holds each class (values[counts] [S, C] rows per class > 0)."""
-    return (self.values[counts] > 0) & self.mask[:, None].astype(bool)
+    return holders(self.values[counts], self.mask)
 
 
 def concat_groups(uploads) -> Uploads:
@@ -89,12 +89,17 @@ def participant_average(tree: Any, weights: jnp.ndarray, previous: Any) -> Any:
   return jax.tree.map(lambda m, old: jnp.where(weights.sum() > 0, m, old), mean, previous)
 
 
+def holders(counts: jnp.ndarray, mask: jnp.ndarray) -> jnp.ndarray:
+  """[K, C]: whether each participant (mask [K]) holds each class (counts [K, C] rows per class > 0)."""
+  return (counts > 0) & mask[:, None].astype(bool)
+
+
 def aggregate_class_means(means: jnp.ndarray, counts: jnp.ndarray, mask: jnp.ndarray
                           ) -> tuple[jnp.ndarray, jnp.ndarray]:
   """Server aggregation of per-class means (FedProto Eq. 6, FD's logits): the unweighted mean over the clients
   that hold each class. means [K, C, ...], counts [K, C], mask [K] (participants) -> (global [C, ...] (0 where no
   participant holds the class), present [C] bool)."""
-  holds = (counts > 0) & mask[:, None].astype(bool)
+  holds = holders(counts, mask)
   return masked_mean(means, holds, axis=0), holds.any(0)
 
 
@@ -136,8 +141,7 @@ class RoundUploads(tuple):
     """Per-class means uploaded as values[part] [C, ...] with values[counts] [C] rows per class, averaged without
     weights over the participants that hold each class (`aggregate_class_means`): (means [C, ...], present [C])."""
     u = self.every(lambda values: {part: values[part], counts: values[counts]})
-    holds = u.holds(counts)
-    return masked_mean(u.values[part], holds, axis=0), holds.any(0)
+    return aggregate_class_means(u.values[part], u.values[counts], u.mask)
 
 
 jax.tree_util.register_pytree_node(RoundUploads, lambda r: (tuple(r), None), lambda _, groups: RoundUploads(groups))
