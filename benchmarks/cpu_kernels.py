@@ -38,17 +38,17 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 from jax import lax
 
 from harness import RESULTS, best_seconds, cifar_like, sgd_step_fn, write_results, xla_op_label
 
-from fedjax_het.algorithms import FedREConfig, fedre
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
-from fedjax_het.models.forward import forward
+from fedjax_het.kernels import onednn
+from fedjax_het.methods import FedREConfig, fedre
 from fedjax_het.models import build_model
-from fedjax_het.models import onednn
 from fedjax_het.models.conv import im2col_conv_general_dilated, onednn_conv_general_dilated
+from fedjax_het.models.forward import forward
 from fedjax_het.models.pooling import max_pool
 
 flags.DEFINE_list('parts', ['step', 'layers', 'pool', 'threads', 'vmap', 'represent', 'federation_step', 'profile'],

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from absl import flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 from harness import RESULTS, best_seconds, write_results
 from fedjax_het.generators import ddpm

@@ -32,15 +32,15 @@ import numpy as np
 import scipy.stats
 from absl import flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 import dp_accounting
 from harness import RESULTS, write_results
 
-from fedjax_het.algorithms.fedavg import GROUP_MODEL_PRIVACY, average_group_models
 from fedjax_het.core import Algorithm, ClientProgram, Phase, Uploads, single_stage
 from fedjax_het.engine.schedule import Schedule
 from fedjax_het.local_training import LocalTraining
+from fedjax_het.methods.fedavg import GROUP_MODEL_PRIVACY, average_group_models
 from fedjax_het.privacy.budget import PrivacyBudget, gaussian_epsilon
 from fedjax_het.privacy.dp import DPConfig, privatize
 

@@ -1,5 +1,5 @@
 """FedGKT's server pass on the CPU per convolution formulation: one epoch of the server's stemless ResNet over the
-clients' uploaded maps (`algorithms.fedgkt.server_pass`: a scan of Adam steps, each a train-mode batch of maps),
+clients' uploaded maps (`methods.fedgkt.server_pass`: a scan of Adam steps, each a train-mode batch of maps),
 milliseconds per server step, best of 3 after a warm-up, side by side in one run.
 
   python benchmarks/fedgkt_server_conv.py --map_size=28 --blocks=2 --convs=xla,im2col,onednn
@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 from harness import RESULTS, best_seconds, write_results
 
-from fedjax_het.algorithms import FedGKTConfig
-from fedjax_het.algorithms.fedgkt import gkt_optimizer, server_pass
 from fedjax_het.core import Uploads
-from fedjax_het.models import onednn
+from fedjax_het.kernels import onednn
+from fedjax_het.methods import FedGKTConfig
+from fedjax_het.methods.fedgkt import gkt_optimizer, server_pass
 from fedjax_het.models.conv import conv_factory
 from fedjax_het.models.resnet import StemlessResNet
 

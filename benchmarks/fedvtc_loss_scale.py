@@ -3,7 +3,7 @@
   python benchmarks/fedvtc_loss_scale.py --objectives=ce,sum,mean --learning_rates=1e-4,1e-3,1e-2
 
 One small_cnn (--rm=fc, p = 980) trained on the 4,000 mnist5k training digits for --epochs epochs of batch 16, each
-batch an f-step then a psi-step (`algorithms.fedvtc.vtc_steps`), the prototypes c^y set to 0 in the first epoch (the
+batch an f-step then a psi-step (`methods.fedvtc.vtc_steps`), the prototypes c^y set to 0 in the first epoch (the
 paper's initial value) and to the class means of the eval-mode z after each epoch (what the server would send).
 Objectives: 'ce' (plain SGD on CE, no VTC), 'sum' (the paper's Eq. 3-6), 'mean' (--vtc_loss_reduction=mean).
 Prints test accuracy after each epoch and the final norm of z; writes benchmarks/results/fedvtc_loss_scale.json/.csv.
@@ -17,13 +17,13 @@ import numpy as np
 import optax
 from absl import flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 from harness import RESULTS, write_results
-from fedjax_het.algorithms.common import cross_entropy, descend
-from fedjax_het.algorithms.fedvtc import vtc_steps
 from fedjax_het.core import ClientState
 from fedjax_het.data.datasets import load_mnist5k
+from fedjax_het.methods.fedvtc import vtc_steps
+from fedjax_het.methods.shared.common import cross_entropy, descend
 from fedjax_het.models.forward import forward
 from fedjax_het.models.registry import build_model
 from fedjax_het.models.vtc import VTCDecoder, init_vtc

@@ -46,16 +46,16 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 from harness import RESULTS, write_results
 
-from fedjax_het.algorithms import FedREConfig, GeFLConfig, fedavg_grouped, fedre
-from fedjax_het.algorithms.gefl import build_generator
 from fedjax_het.core import Batch
 from fedjax_het.data import make_federated_data, make_synthetic
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.engine.plan import plan_stages
+from fedjax_het.methods import FedREConfig, GeFLConfig, fedavg_grouped, fedre
+from fedjax_het.methods.gefl import build_generator
 from fedjax_het.models.forward import forward
 
 flags.DEFINE_list('settings', ['quickstart', 'fedre_table1', 'fedre_table1_20', 'fedavg_resnet18', 'gefl_ddpm'],

@@ -15,13 +15,13 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from fedjax_het.algorithms.base import sgd_program
-from fedjax_het.algorithms.common import cross_entropy_loss
 from fedjax_het.core import Batch, ClientState
 from fedjax_het.data import FederatedData, make_federated_data
 from fedjax_het.data.datasets import Dataset, normalize_uint8
 from fedjax_het.engine import LocalTraining
-from fedjax_het.workdir import write_atomically
+from fedjax_het.methods.shared.base import sgd_program
+from fedjax_het.methods.shared.common import cross_entropy_loss
+from fedjax_het.run.workdir import write_atomically
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPOSITORY, 'benchmarks', 'results')  # the default --out, wherever a script is started

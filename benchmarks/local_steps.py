@@ -10,7 +10,7 @@ import time
 
 from absl import flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 import jax
 import jax.numpy as jnp

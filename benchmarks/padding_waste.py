@@ -15,7 +15,7 @@ writes JSON/CSV. No device work: the plans are host arithmetic.
 import numpy as np
 from absl import flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 import jax
 

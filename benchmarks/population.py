@@ -16,18 +16,18 @@ import time
 import numpy as np
 from absl import flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 import jax
 
 from harness import RESULTS, write_results
 
-from fedjax_het.algorithms import FedREConfig, fedre
-from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
 from fedjax_het.data import make_federated_data, make_synthetic
 from fedjax_het.data.datasets import normalize_uint8
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.engine.stores import nbytes
+from fedjax_het.methods import FedREConfig, fedre
+from fedjax_het.run.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
 
 flags.DEFINE_list('num_clients', ['10', '100', '1000', '10000'], 'Client counts.')
 flags.DEFINE_integer('rows_per_client', 32, 'Pool rows per client (75% train).')

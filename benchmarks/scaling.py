@@ -24,16 +24,16 @@ import time
 
 from absl import app, flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 import jax
 
 from harness import CompileLog, RESULTS, cifar_like, write_results
 
-from fedjax_het.algorithms import FedREConfig, fedavg_grouped, fedre
-from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
 from fedjax_het.engine.stores import nbytes
+from fedjax_het.methods import FedREConfig, fedavg_grouped, fedre
+from fedjax_het.run.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
 
 flags.DEFINE_list('algorithms', ['fedre', 'fedavg'], 'fedre and/or fedavg (grouped).')
 flags.DEFINE_list('num_clients', ['10', '20'], 'Client counts.')

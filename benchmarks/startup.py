@@ -17,7 +17,7 @@ import time
 
 from absl import flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 flags.DEFINE_string('flagfile_path', None, 'The experiment flag file (its data, models and method).')
 flags.DEFINE_integer('rounds_timed', 1, 'Rounds run and timed after init (0: init only).')
@@ -30,9 +30,9 @@ def one_case() -> dict:
   """Times init and the first rounds of the flag file's federation in this process."""
   import jax
   from harness import CompileLog
-  from fedjax_het import cli
-  from fedjax_het.compilation_cache import use_compilation_cache
-  from fedjax_het.experiment import build_federation
+  from fedjax_het.run import cli
+  from fedjax_het.run.compilation_cache import use_compilation_cache
+  from fedjax_het.run.experiment import build_federation
   fv = flags.FlagValues()
   cli.define_flags(flag_values=fv)
   cli.parse_flags(['startup', f'--flagfile={FLAGS.flagfile_path}', '--workdir=unused'], fv)

@@ -13,14 +13,14 @@ import time
 
 from absl import flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 import jax
 
 from harness import RESULTS, cifar_like, write_results
 
-from fedjax_het.algorithms import FedREConfig, fedre
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
+from fedjax_het.methods import FedREConfig, fedre
 
 flags.DEFINE_integer('num_clients', 10, 'Clients.')
 flags.DEFINE_integer('samples_per_client', 384, 'Pool samples per client (75% train).')

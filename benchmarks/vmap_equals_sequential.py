@@ -17,18 +17,18 @@ import time
 
 from absl import flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 import jax
 import numpy as np
 
 from harness import RESULTS, write_results
 
-from fedjax_het.algorithms import (CCVRConfig, FedGenConfig, FedKDConfig, FedMRLConfig, FedTGPConfig, FedVTCConfig,
-                                   FeloConfig, FMLConfig, GeFLConfig, GeFLFConfig, VeloConfig)
-from fedjax_het.config import ExperimentConfig
-from fedjax_het.experiment import build_federation
-from fedjax_het.methods import METHODS
+from fedjax_het.methods import (CCVRConfig, FedGenConfig, FedKDConfig, FedMRLConfig, FedTGPConfig, FedVTCConfig,
+                                FeloConfig, FMLConfig, GeFLConfig, GeFLFConfig, VeloConfig)
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import build_federation
+from fedjax_het.run.registry import METHODS
 
 flags.DEFINE_list('methods', None, 'Methods to check (default: every registered one).')
 flags.DEFINE_string('out', RESULTS, 'Folder for the results.')

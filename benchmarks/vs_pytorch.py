@@ -23,7 +23,7 @@ import time
 import numpy as np
 from absl import flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 import jax
 import jax.numpy as jnp
@@ -32,11 +32,11 @@ import torch
 from harness import CompileLog, RESULTS, cifar_like, sgd_step_fn, write_results
 from torch_reference import TorchFedRE, client_tensors
 
-from fedjax_het.algorithms import FedREConfig, fedre
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
+from fedjax_het.methods import FedREConfig, fedre
+from fedjax_het.models import build_model
 from fedjax_het.models.conv import CONV_IMPLS
 from fedjax_het.models.forward import forward
-from fedjax_het.models import build_model
 
 flags.DEFINE_list('num_clients', ['10', '20'], 'Client counts to sweep.')
 flags.DEFINE_integer('samples_per_client', 384, 'Pool rows per client (75% train: 288 rows = 9 steps of 32).')

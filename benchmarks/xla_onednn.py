@@ -8,7 +8,7 @@ Cases, each as 10 steps driven from the host and as 10 steps in one `lax.scan` (
   xla:            --conv=xla, XLA:CPU's own convolutions;
   xla+onednn:     --conv=xla with XLA_FLAGS=--xla_cpu_use_onednn=true (XLA's rewrite of convolutions and matmuls
                   to oneDNN, in the jaxlib at hand);
-  onednn:         --conv=onednn, the library's custom call (models/onednn.py), left out, said so, where the
+  onednn:         --conv=onednn, the library's custom call (kernels/onednn.py), left out, said so, where the
                   `onednn` extra is not installed.
 Prints the table and writes benchmarks/results/xla_onednn.json/.csv.
 """
@@ -20,7 +20,7 @@ import sys
 
 from absl import flags
 
-from fedjax_het.cli import app_run
+from fedjax_het.run.cli import app_run
 
 from harness import RESULTS
 
@@ -59,7 +59,7 @@ def main(_):
     print(json.dumps(one_case(CASES[FLAGS.case][0])))
     return
   from harness import write_results
-  from fedjax_het.models import onednn
+  from fedjax_het.kernels import onednn
   rows = []
   for name, (conv, xla_flags) in CASES.items():
     if conv == 'onednn' and onednn.unavailable_reason() is not None:

@@ -22,7 +22,7 @@ Stopped comparisons continue where they stopped when run again with the same fla
 
 import sys
 
-from fedjax_het import interrupts
+from fedjax_het.run import interrupts
 
 # Ctrl-C or SIGTERM from the first second: a clean stop, or an abort
 interrupts.install(watch=True, abort_message='aborted ({signal}): finished runs are kept; run the same command again '
@@ -30,12 +30,12 @@ interrupts.install(watch=True, abort_message='aborted ({signal}): finished runs 
 
 from absl import app, flags, logging  # noqa: E402
 
-from fedjax_het import cli
-from fedjax_het.compilation_cache import use_compilation_cache
-from fedjax_het.config import flags_named
-from fedjax_het.compare import parse_entry, run_comparison, write_comparison
 from fedjax_het.errors import ConfigError
-from fedjax_het.privacy.tradeoff import run_tradeoff, write_tradeoff
+from fedjax_het.run import cli
+from fedjax_het.run.compare import parse_entry, run_comparison, write_comparison
+from fedjax_het.run.compilation_cache import use_compilation_cache
+from fedjax_het.run.config import flags_named
+from fedjax_het.run.tradeoff import run_tradeoff, write_tradeoff
 
 cli.define_flags(default_algorithm='fedre')
 flags.DEFINE_list('algorithms', ['fedre', 'local', 'fedavg', 'lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd'],

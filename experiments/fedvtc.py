@@ -5,13 +5,13 @@ FedVTC: "Bridging Generalization Gap of Heterogeneous Federated Clients Using Ge
   python experiments/fedvtc.py --flagfile=experiments/flags/fedvtc_mnist5k.flags --workdir=/tmp/fedvtc_mnist5k
 """
 
-from fedjax_het import interrupts
+from fedjax_het.run import interrupts
 
 interrupts.install(watch=True)  # Ctrl-C or SIGTERM from the first second: a clean stop, or an abort
 
 from absl import flags  # noqa: E402
 
-from fedjax_het import cli
+from fedjax_het.run import cli
 
 cli.define_flags(default_algorithm='fedvtc')
 flags.mark_flag_as_required('workdir')

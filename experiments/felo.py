@@ -7,13 +7,13 @@ Every other method: experiments/run.py --algorithm=NAME, with the same flags.
   python experiments/felo.py --flagfile=experiments/flags/felo_mnist5k.flags --workdir=/tmp/felo_mnist5k
 """
 
-from fedjax_het import interrupts
+from fedjax_het.run import interrupts
 
 interrupts.install(watch=True)  # Ctrl-C or SIGTERM from the first second: a clean stop, or an abort
 
 from absl import flags  # noqa: E402
 
-from fedjax_het import cli
+from fedjax_het.run import cli
 
 cli.define_flags(default_algorithm='felo')
 flags.mark_flag_as_required('workdir')

@@ -2,7 +2,8 @@
 Framework for Model-Heterogeneous Federated Learning", Sec. 4 and Appendix C.1).
 
 For every --methods entry and --seeds seed it trains the method for --rounds - 1 rounds, runs the last round's
-client programs on --attack_clients to get their uploads (fedjax_het/privacy/uploads.py, `round_uploads`), inverts up to
+client programs on --attack_clients to get their uploads (fedjax_het/evaluation/upload_attack.py,
+`round_uploads`), inverts up to
 --targets_per_client vectors of each upload through that client's trained extractor (white box; the deep image
 prior by default), and measures PSNR / MSE (0-255 scale) against the image each upload describes (its sample, its
 class's mean image, its soft label's mix of class means), the best-match score, each one's gain over an all-black
@@ -27,7 +28,7 @@ import time
 
 from absl import app, flags, logging
 
-from fedjax_het import cli
+from fedjax_het.run import cli
 
 cli.define_flags(default_algorithm='fedre')
 flags.DEFINE_list('methods', None, 'Methods whose uploads are attacked (default: --algorithm); fedallrep = FedRE '
@@ -66,9 +67,9 @@ def _ints(name: str, values):
 
 def _runs(base):
   """(label, config) of every --methods entry and seed."""
-  from fedjax_het.compare import parse_entry
+  from fedjax_het.run.compare import parse_entry
   from fedjax_het.errors import ConfigError
-  from fedjax_het.methods import METHODS, config_with
+  from fedjax_het.run.registry import METHODS, config_with
   entries = FLAGS.methods or [base.algorithm]
   seeds = _ints('seeds', FLAGS.seeds) if FLAGS.seeds else [base.seed]
   out = []
@@ -86,7 +87,7 @@ def _attack(label, cfg, fed, state, clients, inv_cfg, evaluate):
   """Attacks the uploads of the round after `state`; returns the run's result dict."""
   import jax
   import numpy as np
-  from fedjax_het import privacy as inversion
+  from fedjax_het import evaluation as inversion
   start = time.perf_counter()
   attacked_round = int(state.round) + 1
   uploads = inversion.round_uploads(fed, state, clients)
@@ -123,12 +124,12 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if not FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
-  from fedjax_het.compilation_cache import use_compilation_cache
+  from fedjax_het.run.compilation_cache import use_compilation_cache
   use_compilation_cache(FLAGS.compilation_cache)
   import numpy as np
-  from fedjax_het import privacy as inversion
+  from fedjax_het import evaluation as inversion
   from fedjax_het.errors import ConfigError
-  from fedjax_het.experiment import build_federation
+  from fedjax_het.run.experiment import build_federation
   results = []
   try:
     inv_cfg = inversion.InversionConfig(FLAGS.inversion_steps, FLAGS.inversion_lr, FLAGS.tv_weight, FLAGS.prior,
@@ -141,12 +142,12 @@ def main(argv):
                         f'{FLAGS.figure_columns} must be >= 1.')
     os.makedirs(FLAGS.workdir, exist_ok=True)
     if FLAGS.from_workdir:
-      from fedjax_het.experiment import restore_run
+      from fedjax_het.run.experiment import restore_run
       cfg, fed, state = restore_run(FLAGS.from_workdir, '--from_workdir')
       results.append(_attack(cfg.algorithm, cfg, fed, state, clients, inv_cfg, FLAGS.evaluate))
       setting = cfg
     else:
-      from fedjax_het.methods import METHODS
+      from fedjax_het.run.registry import METHODS
       names = [ALIASES.get(m, m).partition('[')[0] for m in (FLAGS.methods or [FLAGS.algorithm])]
       unknown = [n for n in names if n not in METHODS]
       if unknown:

@@ -2,8 +2,8 @@
 finished run's generator: its latest checkpoint's server generator draws --per_class images per class (S), --points
 random training images x_i of the run's clients are compared with S and with as many held-out test images (V), and
 mean_i min_V d / min_S d is printed and written to <workdir>/mnd.json for each --distances entry
-(fedjax_het/privacy/mnd.py). For GeFL-F, whose generator draws feature maps, S is the images recovered from them by
-inversion through the run's frozen extractor F (`gefl_f.reconstructed_samples`; --inversion_steps, --inversion_lr,
+(fedjax_het/evaluation/mnd.py). For GeFL-F, whose generator draws feature maps, S is the images recovered from them by
+inversion through the run's frozen extractor F (`mnd.gefl_f_synthetic_images`; --inversion_steps, --inversion_lr,
 --tv_weight).
 
   python experiments/mnd.py --workdir=/tmp/gefl_mnist5k --distances=pixel,feature
@@ -13,10 +13,10 @@ import json
 import os
 import sys
 
-from fedjax_het import cli  # noqa: E402
+from fedjax_het.run import cli  # noqa: E402
 from absl import flags
 
-from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
+from fedjax_het.run.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
 
 flags.DEFINE_string('workdir', None, 'A finished (or checkpointed) run of a method with a generator, e.g. GeFL.')
 flags.DEFINE_list('distances', ['pixel', 'feature'], 'Distances d: pixel (L2 of images), feature (L2 of a fixed '
@@ -38,8 +38,8 @@ def main(argv):
   import jax
   import numpy as np
   from fedjax_het.errors import ConfigError
-  from fedjax_het.experiment import restore_run
-  from fedjax_het.privacy import embedding, mnd_ratio
+  from fedjax_het.run.experiment import restore_run
+  from fedjax_het.evaluation import embedding, mnd_ratio
   use_compilation_cache(FLAGS.compilation_cache)
   try:
     cfg, fed, state = restore_run(FLAGS.workdir)
@@ -50,14 +50,14 @@ def main(argv):
     sys.exit(f'error: {e}')
   key = jax.random.PRNGKey(FLAGS.seed)
   if cfg.algorithm == 'gefl_f':
-    from fedjax_het.algorithms.gefl_f import reconstructed_samples
-    from fedjax_het.privacy import InversionConfig
+    from fedjax_het.evaluation.mnd import gefl_f_synthetic_images
+    from fedjax_het.evaluation import InversionConfig
     try:
       inversion = InversionConfig(steps=FLAGS.inversion_steps, learning_rate=FLAGS.inversion_lr,
                                   tv_weight=FLAGS.tv_weight)
     except ConfigError as e:
       sys.exit(f'error: {e}')
-    synthetic = np.asarray(reconstructed_samples(cfg.method_config, fed.spec.num_classes, fed.spec.groups[0],
+    synthetic = np.asarray(gefl_f_synthetic_images(cfg.method_config, fed.spec.num_classes, fed.spec.groups[0],
                                                  state.server, key, FLAGS.per_class, inversion))
   else:
     synthetic = np.asarray(fed.algorithm.samples(state.server, fed.spec, key, FLAGS.per_class))

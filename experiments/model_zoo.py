@@ -12,7 +12,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from fedjax_het import cli  # noqa: E402
+from fedjax_het.run import cli  # noqa: E402
 from absl import flags
 
 from fedjax_het.errors import ConfigError

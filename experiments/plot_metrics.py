@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from fedjax_het import cli  # noqa: E402
+from fedjax_het.run import cli  # noqa: E402
 from absl import flags
 
 flags.DEFINE_list('runs', None, 'Method folders (seed*/metrics.jsonl inside) or run workdirs.')

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_het.data.augment import AUGMENTATIONS
-from fedjax_het.rows import shuffled_real_rows
 from fedjax_het.errors import ConfigError
+from fedjax_het.rows import shuffled_real_rows
 
 
 DATA_ORDERS = ('stored', 'shuffle')

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.algorithms.base import head_evaluation, own_head
-from fedjax_het.algorithms.common import cross_entropy, train_forward
 from fedjax_het.core import Algorithm, Batch, ClientProgram, Phase, single_stage
+from fedjax_het.methods.shared.base import head_evaluation, own_head
+from fedjax_het.methods.shared.common import cross_entropy, train_forward
 
 NOISE = 4
 

@@ -16,10 +16,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import conftest  # noqa: F401,E402 (the test suite's XLA settings and compilation cache)
 
-from fedjax_het.checkpoints import Checkpoints  # noqa: E402
 from fedjax_het.engine.federation import Federation  # noqa: E402
-from fedjax_het.experiment import train_and_evaluate  # noqa: E402
-from fedjax_het.workdir import Workdir  # noqa: E402
+from fedjax_het.run.checkpoints import Checkpoints  # noqa: E402
+from fedjax_het.run.experiment import train_and_evaluate  # noqa: E402
+from fedjax_het.run.workdir import Workdir  # noqa: E402
 from runs import CFG, FAULT_RUNS  # noqa: E402
 
 

@@ -4,14 +4,14 @@ a digest of its final state (sums of absolute values of the client and server le
 import jax
 import numpy as np
 
-from fedjax_het.algorithms import (CCVRConfig, FedDFConfig, FedGenConfig, FedGKTConfig, FedKDConfig, FedMDConfig,
-                                   FedMRLConfig, FedTGPConfig, FedTypeConfig, FedVTCConfig, GeFLConfig, GeFLFConfig,
-                                   PFedAFMConfig, VeloConfig)
-from fedjax_het.algorithms.fml import FMLConfig
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.data import make_federated_data, make_synthetic
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
-from fedjax_het.experiment import make_algorithm
+from fedjax_het.methods import (CCVRConfig, FedDFConfig, FedGenConfig, FedGKTConfig, FedKDConfig, FedMDConfig,
+                                FedMRLConfig, FedTGPConfig, FedTypeConfig, FedVTCConfig, GeFLConfig, GeFLFConfig,
+                                PFedAFMConfig, VeloConfig)
+from fedjax_het.methods.fml import FMLConfig
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import make_algorithm
 
 METHODS = ['fedre', 'local', 'fedavg', 'lg_fedavg', 'fedproto', 'fedgh', 'fedtgp', 'fd', 'fedgen', 'fml', 'fedkd',
            'fedmrl', 'fpl', 'ccvr', 'fedprox', 'fedhe', 'felo', 'velo', 'fedvtc', 'gefl', 'gefl_f', 'lg_fedavg_fb',

@@ -2,7 +2,7 @@
 with FEDJAX_HET_TEST_KILL_AT_ROUND=R, process 1 of a multi-process run kills itself with SIGKILL as round R starts
 (after the checkpoint of round R - 1), as a crashed host would.
 
-  python -m fedjax_het.launch --num_processes=2 --cpu_devices=2 tests/multiprocess_driver.py FLAGS...
+  python -m fedjax_het.run.launch --num_processes=2 --cpu_devices=2 tests/multiprocess_driver.py FLAGS...
 """
 
 import os
@@ -12,14 +12,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import conftest  # noqa: F401,E402 (the test suite's XLA settings and compilation cache)
 
-from fedjax_het import interrupts  # noqa: E402
+from fedjax_het.run import interrupts  # noqa: E402
 
 interrupts.install(watch=True)
 
 from absl import app  # noqa: E402
 
-from fedjax_het import cli  # noqa: E402
 from fedjax_het.engine.federation import Federation  # noqa: E402
+from fedjax_het.run import cli  # noqa: E402
 
 cli.define_flags()
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.config import ExperimentConfig
+from fedjax_het.run.config import ExperimentConfig
 
 CFG = ExperimentConfig(dataset='synthetic:8,8,1', num_clients=4, alpha=0.5, models=('mlp', 'small_cnn_narrow'),
                        feature_dim=16, rounds=4, batch_size=16, local_learning_rate=0.05, checkpoint_every=2,
@@ -18,7 +18,7 @@ CFG = ExperimentConfig(dataset='synthetic:8,8,1', num_clients=4, alpha=0.5, mode
 def _fault_runs() -> dict:
   """name -> (tiny config of a multi-phase method with a checkpoint every round, the round inside which
   tests/fault_driver.py kills it): each kill falls inside a phase, after a checkpoint of that phase."""
-  from fedjax_het.algorithms import FedVTCConfig, FeloConfig, GeFLConfig, GeFLFConfig
+  from fedjax_het.methods import FedVTCConfig, FeloConfig, GeFLConfig, GeFLFConfig
   gefl = ExperimentConfig(algorithm='gefl', dataset='synthetic:32,32,1', data_fraction=0.25, num_clients=4,
                           partition='iid', models=('gefl_mnist_cnn1',), feature_dim=16, rm='fc', rounds=2,
                           batch_size=64, local_learning_rate=0.05, eval_protocol='global', data_order='shuffle',

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from absl import flags
 
-from fedjax_het import cli
-from fedjax_het.algorithms.base import keep_server, local_head_evaluation, no_server, sgd_program
-from fedjax_het.algorithms.common import cross_entropy, train_forward
 from fedjax_het.core import Algorithm, Phase, hyperparameter
-from fedjax_het.methods import METHODS, Method
+from fedjax_het.methods.shared.base import keep_server, local_head_evaluation, no_server, sgd_program
+from fedjax_het.methods.shared.common import cross_entropy, train_forward
+from fedjax_het.run import cli
+from fedjax_het.run.registry import METHODS, Method
 from runs import CFG, record_rounds
 
 
@@ -48,7 +48,7 @@ def test_a_registered_method_gets_its_flag_and_runs_under_both_executors(registe
   cli.parse_flags(['prog', '--algorithm=shrink', '--shrink_weight=2.0', '--dataset=synthetic:8,8,1'], fv)
   assert cli.config_from_flags(fv).method_config == ShrinkConfig(2.0)
 
-  from fedjax_het.experiment import build_federation
+  from fedjax_het.run.experiment import build_federation
   cfg = dataclasses.replace(CFG, algorithm='shrink', models=('mlp',), rounds=1, join_ratio=1.0,
                             methods={'shrink': ShrinkConfig(2.0)})
   runs = {s: record_rounds(fed, fed.init(), 1) for s in ('sequential', 'vmap')
@@ -64,7 +64,7 @@ def test_a_registered_method_gets_its_flag_and_runs_under_both_executors(registe
 
 
 def test_a_factory_gets_its_config_and_the_run_fields_it_names():
-  from fedjax_het.methods import Run
+  from fedjax_het.run.registry import Run
   seen = {}
 
   def factory(cfg, num_classes, rounds, label_counts):

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.data import make_federated_data, make_synthetic
 from fedjax_het.data.augment import augment_batch, crop_and_flip, cutout, random_crop_flip
 from fedjax_het.data.datasets import black_pixel
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import make_algorithm
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import make_algorithm
 
 from golden import TINY
 

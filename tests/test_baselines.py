@@ -11,18 +11,17 @@ import pytest
 
 from conftest import tree_allclose
 from golden import client_state, golden_federation
-from fedjax_het.algorithms import (FDConfig, FedGenConfig, FedGHConfig,
-                                   FedProtoConfig, FedREConfig, FedTGPConfig, fedgen, fedgh, fedproto, fedre, fedtgp,
-                                   lg_fedavg)
-from fedjax_het.algorithms.common import nearest_prototype_head, prototype_regularizer, sgd_on_rows
-from fedjax_het.algorithms.common import elementwise_kl
-from fedjax_het.algorithms.fd import distillation_term
-from fedjax_het.algorithms.fedgen import FeatureGenerator, ensemble_logits
-from fedjax_het.algorithms.fedtgp import adaptive_margin, margin_contrastive_loss
-from fedjax_het.algorithms.fml import FMLConfig, fml, mutual_loss
 from fedjax_het.core import Uploads
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
+from fedjax_het.methods import (FDConfig, FedGenConfig, FedGHConfig, FedProtoConfig, FedREConfig, FedTGPConfig, fedgen,
+                                fedgh, fedproto, fedre, fedtgp, lg_fedavg)
+from fedjax_het.methods.fd import distillation_term
+from fedjax_het.methods.fedgen import FeatureGenerator, ensemble_logits
+from fedjax_het.methods.fedtgp import adaptive_margin, margin_contrastive_loss
+from fedjax_het.methods.fml import FMLConfig, fml, mutual_loss
+from fedjax_het.methods.shared.common import nearest_prototype_head, prototype_regularizer, sgd_on_rows
+from fedjax_het.methods.shared.common import elementwise_kl
 from fedjax_het.uploads import aggregate_class_means
 from fedjax_het.uploads import RoundUploads
 

@@ -1,4 +1,4 @@
-"""XLA's persistent compilation cache of experiment runs (fedjax_het/compilation_cache.py), in fresh processes:
+"""XLA's persistent compilation cache of experiment runs (fedjax_het/run/compilation_cache.py), in fresh processes:
 the flag's folder receives the compiled programs, and a folder configured already (JAX_COMPILATION_CACHE_DIR, as
 this suite sets for its subprocesses) is kept."""
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROGRAM = ('import sys, jax; from fedjax_het.compilation_cache import use_compilation_cache; '
+PROGRAM = ('import sys, jax; from fedjax_het.run.compilation_cache import use_compilation_cache; '
            'used = use_compilation_cache(sys.argv[1]); '
            "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0); "
            'jax.jit(lambda x: x * 3.0)(1.0).block_until_ready(); print(used)')

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from conftest import tree_allclose
-from fedjax_het.models.forward import forward
 from fedjax_het.errors import ConfigError
 from fedjax_het.models import build_model
 from fedjax_het.models.conv import CONV_IMPLS, conv_factory
+from fedjax_het.models.forward import forward
 from fedjax_het.models.pooling import max_pool
 
 

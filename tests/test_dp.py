@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 from dp_accounting import pld, rdp
 
-from fedjax_het.algorithms.common import class_means_privacy
-from fedjax_het.compare import MethodResult
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Algorithm, ClientProgram, Phase, UploadPrivacy, Uploads, single_stage
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.engine.schedule import Schedule
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import make_algorithm, private_algorithm, resumable_fields, train_and_evaluate
-from fedjax_het.methods import Run
+from fedjax_het.methods.shared.common import class_means_privacy
 from fedjax_het.privacy.budget import PrivacyBudget, calibrate
 from fedjax_het.privacy.dp import DPConfig, central_noise, privatize, privatize_upload
-from fedjax_het.privacy.tradeoff import TradeoffPoint, run_tradeoff, write_tradeoff
+from fedjax_het.run.compare import MethodResult
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import make_algorithm, private_algorithm, resumable_fields, train_and_evaluate
+from fedjax_het.run.registry import Run
+from fedjax_het.run.tradeoff import TradeoffPoint, run_tradeoff, write_tradeoff
 
 from golden import TINY, tiny_data
 from runs import CFG, metric_rows
@@ -390,8 +390,8 @@ def test_docs_list_every_methods_public_parts_and_whether_it_is_amplified():
   """docs/privacy.md's table per method against each method's declaration (`Algorithm.upload_privacy`): its public
   parts (what the epsilon does not cover) and whether its central rounds count on the draw, fixed-size or Poisson."""
   import os
-  from fedjax_het.experiment import build_federation
-  from fedjax_het.methods import METHODS
+  from fedjax_het.run.experiment import build_federation
+  from fedjax_het.run.registry import METHODS
   from fedjax_het.privacy.dp import claims_amplification
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   with open(os.path.join(root, 'docs', 'privacy.md')) as f:
@@ -416,7 +416,7 @@ def test_under_dp_the_noise_and_an_amplified_draw_are_secret_unless_asked_to_be_
   """The round keys (every client's and the server's randomness, their DP noise included) and, for amplified rounds,
   the participant draw came from --seed, which Flower sends every node: the server could regenerate a client's
   local noise and subtract it. Under DP they now come from each process's own entropy."""
-  from fedjax_het.experiment import build_federation
+  from fedjax_het.run.experiment import build_federation
   seeded = build_federation(CFG)
   local = dataclasses.replace(CFG, dp_mode='local', dp_noise_multiplier=1.0)
   a, b = build_federation(local), build_federation(local)
@@ -458,7 +458,7 @@ def _upload_parts_under_local_dp(name: str) -> dict:
 
 
 def _check_declaration(name: str) -> None:
-  from fedjax_het.methods import METHODS
+  from fedjax_het.run.registry import METHODS
   try:
     same = _upload_parts_under_local_dp(name)
   except ConfigError as e:  # refused under DP, with the reason (an integer part noise cannot protect)
@@ -482,7 +482,7 @@ def test_every_upload_part_is_noised_or_declared_public(name):
 
 @pytest.mark.slow
 def test_every_methods_upload_parts_are_noised_or_declared_public():
-  from fedjax_het.methods import METHODS
+  from fedjax_het.run.registry import METHODS
   for name in METHODS:
     _check_declaration(name)
 
@@ -492,7 +492,7 @@ def test_a_run_with_secret_noise_resumes_to_the_uninterrupted_numbers(tmp_path, 
   continues the same noise; two runs from the same seed share nothing of it."""
   import os
   import stat
-  from fedjax_het import experiment
+  from fedjax_het.run import experiment
   monkeypatch.setattr(experiment.secrets, 'randbits', lambda bits: 123456789)  # the same entropy for both runs
   cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1.0, dp_parts=('label', 'weight'))
   train_and_evaluate(cfg, str(tmp_path / 'full'), progress=False)
@@ -572,7 +572,7 @@ def test_what_the_server_releases_apart_from_the_noise_is_the_same_for_neighbour
 
 @pytest.mark.slow
 def test_every_method_that_counts_on_the_draw_releases_nothing_else_of_it():
-  from fedjax_het.methods import METHODS
+  from fedjax_het.run.registry import METHODS
   from golden import make_golden_federation
   from fedjax_het.privacy.dp import claims_amplification
   checked = []

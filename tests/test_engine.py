@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 
 from conftest import tree_allclose
-from fedjax_het.algorithms import FedREConfig, fedavg_grouped, fedre, local
 from fedjax_het.core import Uploads
 from fedjax_het.data.federated import ClientArrays
-from fedjax_het.engine import (ExecutionConfig, Federation, LocalTraining, ModelConfig, batch_schedule,
-                               run_client)
+from fedjax_het.engine import (ExecutionConfig, Federation, LocalTraining, ModelConfig, batch_schedule, run_client)
 from fedjax_het.errors import ConfigError
-from fedjax_het.models import onednn
+from fedjax_het.kernels import onednn
+from fedjax_het.methods import FedREConfig, fedavg_grouped, fedre, local
 from fedjax_het.uploads import RoundUploads
 
 TRAINING = LocalTraining(learning_rate=0.05, batch_size=8, epochs=2)
@@ -327,7 +326,7 @@ def staged_algorithm():
   """A program of three stages that records what each one saw: steps of generated stages (and the sum of their
   keys' first words, so both strategies must draw the same keys), real steps and the real rows' label sum."""
   from fedjax_het.core import ClientProgram, Stage
-  from fedjax_het.algorithms.base import local_head_evaluation, no_server, one_phase
+  from fedjax_het.methods.shared.base import local_head_evaluation, no_server, one_phase
 
   def generated(carry, batch, broadcast, key):
     assert batch.x is None and batch.index is None

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import train_and_evaluate
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import train_and_evaluate
 
 from runs import CFG, metric_rows
 
@@ -120,7 +120,7 @@ def test_cli_bad_input_gives_one_clear_error(tmp_path, flags, message):
   """In process: the flags of experiments/fedre.py, parsed and run as its main does; library checks name the
   flags, not the library's argument names."""
   from absl import flags as absl_flags
-  from fedjax_het import cli
+  from fedjax_het.run import cli
   fv = absl_flags.FlagValues()
   cli.define_flags(flag_values=fv)
   args = ['prog', '--dataset=digits', '--rounds=1', '--models=mlp', f'--workdir={tmp_path}', '--progress=false']
@@ -141,8 +141,8 @@ def test_the_entry_point_exits_with_the_error_and_no_traceback(tmp_path):
 
 def test_method_flags_are_derived_from_the_config_dataclasses_and_ignored_ones_are_named():
   from absl import flags
-  from fedjax_het import cli
-  from fedjax_het.algorithms import FDConfig, FedProtoConfig
+  from fedjax_het.run import cli
+  from fedjax_het.methods import FDConfig, FedProtoConfig
   fv = flags.FlagValues()
   cli.define_flags(flag_values=fv)
   cli.parse_flags(['prog', '--algorithm=fedproto', '--lamda=3', '--fml_alpha=0.25', '--workdir=/tmp/x'], fv)
@@ -151,8 +151,8 @@ def test_method_flags_are_derived_from_the_config_dataclasses_and_ignored_ones_a
   assert cfg.methods['fd'] == FDConfig(lamda=3.0) and cfg.methods['fml'].alpha == 0.25
   assert cli.ignored_method_flags(fv, ['fedproto']) == ['fml_alpha']
   assert cli.ignored_method_flags(fv, ['fedproto', 'fml']) == []
-  assert 'lamda' in fv.module_help('fedjax_het.methods (shared)')
-  assert 'fml_alpha' in fv.module_help('fedjax_het.methods.fml')
+  assert 'lamda' in fv.module_help('fedjax_het.run.registry (shared)')
+  assert 'fml_alpha' in fv.module_help('fedjax_het.run.registry.fml')
   with pytest.raises(ConfigError, match='unknown methods'):
     ExperimentConfig(methods={'fedsomething': FDConfig()})
 
@@ -169,7 +169,7 @@ def test_readme_notebook_snippet_runs():
 @pytest.mark.parametrize('flagfile', sorted(os.listdir(os.path.join(ROOT, 'experiments', 'flags'))))
 def test_every_flag_file_parses_into_a_config(flagfile):
   from absl import flags
-  from fedjax_het import cli
+  from fedjax_het.run import cli
   fv = flags.FlagValues()
   cli.define_flags(flag_values=fv)
   fv(['prog', f'--flagfile={os.path.join(ROOT, "experiments", "flags", flagfile)}', '--workdir=/tmp/x'])
@@ -207,7 +207,7 @@ def test_every_flag_file_parses_into_a_config(flagfile):
 
 def test_a_diverged_dp_run_names_the_noise_before_the_learning_rate():
   import types
-  from fedjax_het.experiment import diverged_message
+  from fedjax_het.run.experiment import diverged_message
   cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=1000.0, dp_clip=5.0)
   message = diverged_message(cfg, 2, float('nan'), types.SimpleNamespace(noise_multiplier=1000.0))
   assert message.startswith('training diverged in round 3 (train_loss=nan). Under --dp_mode=central the noise on '
@@ -225,7 +225,7 @@ def test_architecture_that_cannot_take_the_images_fails_clearly():
 
 
 def test_divergence_stops_with_a_clear_error_and_keeps_outputs(tmp_path):
-  from fedjax_het.experiment import TrainingDiverged
+  from fedjax_het.run.experiment import TrainingDiverged
   with pytest.raises(TrainingDiverged, match='--local_learning_rate'):
     train_and_evaluate(dataclasses.replace(CFG, local_learning_rate=1e9), str(tmp_path), progress=False)
   assert os.path.exists(tmp_path / 'summary.json') and metric_rows(tmp_path)
@@ -273,7 +273,7 @@ def test_run_py_names_the_algorithm_flag_on_bad_input(tmp_path):
 
 
 def test_comparison_table_shows_each_phases_accuracy_for_methods_of_several_phases():
-  from fedjax_het.compare import MethodResult, comparison_table
+  from fedjax_het.run.compare import MethodResult, comparison_table
 
   def summary(by_phase):
     return {'final_accuracy': 0.5, 'best_accuracy': 0.5, 'upload_scalars_per_round': 1,
@@ -286,7 +286,7 @@ def test_comparison_table_shows_each_phases_accuracy_for_methods_of_several_phas
 
 
 def test_comparison_runs_every_method_and_seed_then_reuses_finished_runs(tmp_path):
-  from fedjax_het.compare import comparison_table, run_comparison, write_comparison
+  from fedjax_het.run.compare import comparison_table, run_comparison, write_comparison
   cfg = dataclasses.replace(CFG, rounds=2, checkpoint_every=0)
   results = run_comparison(cfg, ['fedre', 'fedproto'], [0, 1], str(tmp_path), progress=False, tensorboard=True)
   assert [r.algorithm for r in results] == ['fedre', 'fedproto']
@@ -338,7 +338,7 @@ def test_comparison_runs_every_method_and_seed_then_reuses_finished_runs(tmp_pat
 def test_a_run_that_diverges_is_recorded_and_the_comparison_goes_on(tmp_path, monkeypatch):
   """A diverged run is an outcome (e.g. a method under strong DP noise): its summary says the round, the table
   counts it, the other runs go on, and running the comparison again reuses it."""
-  from fedjax_het import compare
+  from fedjax_het.run import compare
   cfg = dataclasses.replace(CFG, rounds=3, checkpoint_every=0)
   results = compare.run_comparison(cfg, ['fedre[server_learning_rate=1e30]', 'local'], [0], str(tmp_path),
                                    progress=False)
@@ -351,7 +351,7 @@ def test_a_run_that_diverges_is_recorded_and_the_comparison_goes_on(tmp_path, mo
 
 
 def test_accuracy_plot_draws_one_line_per_architecture(tmp_path, monkeypatch):
-  from fedjax_het import plots
+  from fedjax_het.run import plots
   import matplotlib.axes
   drawn = []
   original = matplotlib.axes.Axes.plot
@@ -364,7 +364,7 @@ def test_accuracy_plot_draws_one_line_per_architecture(tmp_path, monkeypatch):
 
 def test_sample_grid_puts_each_classs_real_images_left_of_its_generated_ones():
   import numpy as np
-  from fedjax_het.plots import sample_canvas
+  from fedjax_het.run.plots import sample_canvas
   real = np.stack([np.full((1, 2, 2, 1), -1.0), np.full((1, 2, 2, 1), 0.0)])        # classes 0, 1: one each
   generated = np.stack([np.full((2, 2, 2, 1), 1.0), np.full((2, 2, 2, 1), -0.5)])  # two each
   canvas = sample_canvas(generated, real)[..., 0]
@@ -377,9 +377,9 @@ def test_sample_grid_puts_each_classs_real_images_left_of_its_generated_ones():
 
 
 def test_a_setting_error_names_the_argument_in_the_library_and_the_flag_on_the_command_line():
-  from fedjax_het.config import FLAGS_OF_ARGUMENTS, flags_named
+  from fedjax_het.run.config import FLAGS_OF_ARGUMENTS, flags_named
   from fedjax_het.errors import naming_flags
-  from fedjax_het.experiment import build_federation
+  from fedjax_het.run.experiment import build_federation
   from fedjax_het.local_training import LocalTraining
   with pytest.raises(ConfigError, match=r'^LocalTraining\.epochs=-1 must be >= 0'):
     LocalTraining(epochs=-1)

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het.algorithms import FedGKTConfig
-from fedjax_het.algorithms.fedgkt import ServerModel, client_kd_loss
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import PER_CLIENT, for_client
 from fedjax_het.engine.executors import vmap_broadcast
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import build_federation
+from fedjax_het.methods import FedGKTConfig
+from fedjax_het.methods.fedgkt import ServerModel, client_kd_loss
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import build_federation
 
 
 def test_client_distillation_loss_by_hand():
@@ -112,7 +112,7 @@ def test_the_codes_client_cuts_after_its_stem_and_the_server_trains_on_full_reso
   the code uploads the stem's map, 16 x H x W. Extractor parameters by hand: stem 3*16*9 + BN 32 = 464; the first
   bottleneck 16*16 + 32 + 16*16*9 + 32 + 16*64 + 128 + projection 16*64 + 128 = 4,928; the second 64*16 + 32 +
   2,304 + 32 + 1,024 + 128 = 4,544: 9,936."""
-  from fedjax_het.algorithms.fedgkt import map_shape
+  from fedjax_het.methods.fedgkt import map_shape
   from fedjax_het.models import build_model
   model = build_model('resnet8_gkt', 10, 64, 'none')
   params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3))))['params']

@@ -10,13 +10,12 @@ import pytest
 
 from conftest import tree_allclose
 from golden import client_state, golden_federation
-from fedjax_het.algorithms import FedKDConfig, FedMRLConfig, fedkd, fedmrl
-from fedjax_het.algorithms.common import elementwise_kl
-from fedjax_het.algorithms.fedkd import (compress_matrix, compress_params, distillation_loss, energy_threshold,
-                                         kept_rank)
-from fedjax_het.algorithms.fedmrl import matryoshka_loss
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
+from fedjax_het.methods import FedKDConfig, FedMRLConfig, fedkd, fedmrl
+from fedjax_het.methods.fedkd import (compress_matrix, compress_params, distillation_loss, energy_threshold, kept_rank)
+from fedjax_het.methods.fedmrl import matryoshka_loss
+from fedjax_het.methods.shared.common import elementwise_kl
 from fedjax_het.models.registry import build_model
 
 
@@ -86,7 +85,7 @@ def test_fedkd_mentee_rate_moves_only_the_mentee_slower(tiny_data):
 
 
 def test_fedmrl_fuses_the_global_and_local_representations(tiny_data):
-  from fedjax_het.algorithms.fedmrl import fused_forward
+  from fedjax_het.methods.fedmrl import fused_forward
   fed, state, _ = golden_federation('fedmrl', data=tiny_data)  # sub_feature_dim 8, d 16, small_cnn_narrow
   client = client_state(fed, state, int(fed.groups[1].clients[0]))  # an 'mlp' client
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 8, 8, 1))

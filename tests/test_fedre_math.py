@@ -3,12 +3,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het.algorithms.common import class_prototypes, soft_cross_entropy
-from fedjax_het.algorithms.fedre import (FedREConfig, entangle, entanglement_weights, fedre, fedre_upload,
-                                         fedre_weights, random_magnitudes, train_head)
 from fedjax_het.core import ClientRows
 from fedjax_het.core import ClientState
 from fedjax_het.errors import ConfigError
+from fedjax_het.methods.fedre import (FedREConfig, entangle, entanglement_weights, fedre, fedre_upload, fedre_weights,
+                                      random_magnitudes, train_head)
+from fedjax_het.methods.shared.common import class_prototypes, soft_cross_entropy
 from fedjax_het.uploads import masked_mean
 
 # Client rows: labels 0, 0, 1, 2 and one padding row; C = 4 (class 3 absent).

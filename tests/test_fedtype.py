@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het.algorithms import FedTypeConfig
-from fedjax_het.algorithms.fedtype import conformal_threshold, consensus, ranking_loss, raps_scores, raps_sets
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Batch, ClientRows
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import build_federation
+from fedjax_het.methods import FedTypeConfig
+from fedjax_het.methods.fedtype import conformal_threshold, consensus, ranking_loss, raps_scores, raps_sets
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import build_federation
 
 # softmax [0.5, 0.3, 0.2] with the classes stored in the order (2, 0, 1): the largest probability is class 2's
 LOGITS = jnp.log(jnp.array([[0.3, 0.2, 0.5]]))
@@ -112,7 +112,7 @@ def test_calibration_then_alternating_passes_each_train_one_model():
   # model's sets of all classes (Qhat 10: consensus 1), its step differs from CE alone.
   tight = carry[0]._replace(extra={**carry[0].extra, 'thresholds': jnp.array([0.0, 10.0])})
   step = lambda fed: fed.programs[0][0].stages[0].step((tight,) + carry[1:], batch, broadcast, jax.random.PRNGKey(1))
-  from fedjax_het.algorithms import fedtype
+  from fedjax_het.methods import fedtype
   without = fedtype(FedTypeConfig(global_model='mlp', learning_rate=0.01, backward='none'), 10)
   ce_step = without.phases[0].client(fed.spec.groups[0]).stages[0].step  # the same group, CE alone
   assert changed(private(step(fed)[0]), private(ce_step((tight,) + carry[1:], batch, broadcast,

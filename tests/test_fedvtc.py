@@ -11,16 +11,16 @@ import numpy as np
 import optax
 import pytest
 
-from fedjax_het.algorithms import FedVTCConfig
-from fedjax_het.algorithms.fedvtc import (finetune_latents, kl_to_prototype, reconstruction_error, sum_of_class_means,
-                                          vtc_objective, vtc_steps)
-from fedjax_het.checkpoints import Checkpoints
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Uploads
 from fedjax_het.engine.groups import count_params
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import build_federation, train_and_evaluate
+from fedjax_het.methods import FedVTCConfig
+from fedjax_het.methods.fedvtc import (finetune_latents, kl_to_prototype, reconstruction_error, sum_of_class_means,
+                                       vtc_objective, vtc_steps)
 from fedjax_het.models.vtc import VTCDecoder, init_vtc
+from fedjax_het.run.checkpoints import Checkpoints
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import build_federation, train_and_evaluate
 from fedjax_het.uploads import RoundUploads
 
 from conftest import tree_allclose
@@ -279,7 +279,7 @@ def test_the_experiment_reports_accuracy_before_and_after_finetuning_and_draws_s
 def test_every_round_ablation_keeps_the_servers_decoder_for_fine_tuning():
   """Table 3 (2): with psi averaged every round, no closing exchange of every client's (mostly stale) local psi
   replaces the server's last average: the run goes from 'fl' straight to 'finetune'."""
-  from fedjax_het.algorithms.fedvtc import FedVTCConfig, fedvtc
+  from fedjax_het.methods.fedvtc import FedVTCConfig, fedvtc
   names = lambda cfg: [p.name for p in fedvtc(cfg, 10, 3).phases]
   assert names(FedVTCConfig(every_round=True)) == ['fl', 'finetune']
   assert names(FedVTCConfig()) == ['fl', 'vtc_exchange', 'finetune']
@@ -288,7 +288,7 @@ def test_every_round_ablation_keeps_the_servers_decoder_for_fine_tuning():
 def test_a_participant_receives_the_prototypes_of_the_classes_it_holds():
   """Down-link per participant: |Y_k| p (c^y only to holders of y, among the classes with a global prototype),
   plus sigma; the exchange round's broadcast is counted as it is."""
-  from fedjax_het.algorithms.fedvtc import fedvtc
+  from fedjax_het.methods.fedvtc import fedvtc
   alg = fedvtc(FedVTCConfig(), 3, 2)
   broadcast = {'protos': jnp.ones((3, 4)), 'present': jnp.array([True, True, False]), 'sigma': jnp.ones(4)}
   upload = {'protos': jnp.zeros((3, 4)), 'counts': jnp.array([3.0, 0.0, 5.0]), 'sigma': jnp.ones(4)}

@@ -14,16 +14,16 @@ import pytest
 
 from conftest import tree_allclose
 from runs import CFG, record_rounds, run_rounds
-from fedjax_het.algorithms import FeloConfig, VeloConfig, fedhe, felo
-from fedjax_het.algorithms.common import elementwise_kl
-from fedjax_het.algorithms.felo import (empty_store, felo_loss, felo_terms, logit_upload, multistep_scale,
-                                        per_class_statistics, push, store_mean, warmup_rounds, window_mean)
-from fedjax_het.algorithms.velo import FeatureCVAE, cvae_loss, generated_features, init_cvae, train_cvae
-from fedjax_het.checkpoints import Checkpoints
 from fedjax_het.core import Uploads
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import build_federation
 from fedjax_het.local_training import LocalTraining
+from fedjax_het.methods import FeloConfig, VeloConfig, fedhe, felo
+from fedjax_het.methods.felo import (empty_store, felo_loss, felo_terms, logit_upload, multistep_scale,
+                                     per_class_statistics, push, store_mean, warmup_rounds, window_mean)
+from fedjax_het.methods.shared.common import elementwise_kl
+from fedjax_het.methods.velo import FeatureCVAE, cvae_loss, generated_features, init_cvae, train_cvae
+from fedjax_het.run.checkpoints import Checkpoints
+from fedjax_het.run.experiment import build_federation
 from fedjax_het.uploads import RoundUploads
 
 
@@ -223,7 +223,7 @@ def test_fedhe_sends_no_features():
 
 def test_fedhe_by_default_is_the_papers_logits_only_baseline():
   """The paper's FedHe shares logits only: no weights cross unless --felo_average_models asks for it."""
-  from fedjax_het.methods import METHODS
+  from fedjax_het.run.registry import METHODS
   cfg = METHODS['fedhe'].config()
   assert cfg.average_models is False and METHODS['felo'].config().average_models is True
   alg = fedhe(cfg, 10, 10, 4)
@@ -239,8 +239,8 @@ def _spec(num_classes, feature_dim):
 
 
 def test_the_papers_number_is_the_mean_accuracy_over_the_second_half_of_the_rounds():
-  from fedjax_het.compare import MethodResult, comparison_table
-  from fedjax_het.experiment import second_half_mean
+  from fedjax_het.run.compare import MethodResult, comparison_table
+  from fedjax_het.run.experiment import second_half_mean
   evals = [{'round': 3, 'accuracy': 0.1}, {'round': 6, 'accuracy': 0.3}, {'round': 9, 'accuracy': 0.5}]
   np.testing.assert_allclose(second_half_mean(evals), 0.4)               # rounds 6 and 9 of 9
   summary = lambda a: {'final_accuracy': a, 'best_accuracy': a, 'upload_scalars_per_round': 1,

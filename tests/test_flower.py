@@ -23,13 +23,13 @@ flwr = pytest.importorskip('flwr')
 from flwr.app import Context, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
-from fedjax_het.config import ExperimentConfig  # noqa: E402
 from fedjax_het.errors import ConfigError  # noqa: E402
-from fedjax_het.experiment import train_and_evaluate  # noqa: E402
 from fedjax_het.flower import client_app  # noqa: E402
 from fedjax_het.flower.node import NodeStates, deployed_config  # noqa: E402
 from fedjax_het.flower.records import tree_from_record, tree_to_record  # noqa: E402
 from fedjax_het.flower.rounds import FlowerRounds  # noqa: E402
+from fedjax_het.run.config import ExperimentConfig  # noqa: E402
+from fedjax_het.run.experiment import train_and_evaluate  # noqa: E402
 
 CFG = deployed_config(ExperimentConfig(algorithm='fedre', dataset='digits', num_clients=4,
                                        models=('mlp', 'small_cnn_narrow'), feature_dim=16, rounds=2,
@@ -232,7 +232,7 @@ def test_a_nodes_local_dp_policy_holds_whatever_config_the_server_sends(tmp_path
 
 
 def test_a_second_node_claiming_a_client_is_refused_and_never_blocks_the_run(tmp_path, caplog):
-  from fedjax_het.experiment import build_federation
+  from fedjax_het.run.experiment import build_federation
   from fedjax_het.flower.rounds import NodesUnavailable, assign_nodes
   grid = InProcessGrid(str(tmp_path / 'nodes'), 4)
   impostor = Context(run_id=1, node_id=99, node_config={'partition-id': 0, 'state-dir': str(tmp_path / 'x')},
@@ -253,9 +253,9 @@ def test_a_second_node_claiming_a_client_is_refused_and_never_blocks_the_run(tmp
 
 
 def test_each_train_message_carries_only_its_clients_slice_of_a_per_client_broadcast():
-  from fedjax_het.algorithms import FedGKTConfig
+  from fedjax_het.methods import FedGKTConfig
   from fedjax_het.core import PER_CLIENT
-  from fedjax_het.experiment import build_federation
+  from fedjax_het.run.experiment import build_federation
   cfg = dataclasses.replace(CFG, algorithm='fedgkt', methods={'fedgkt': FedGKTConfig(server_blocks=1)})
   fed = build_federation(cfg)
   state = fed.init()
@@ -281,7 +281,7 @@ def test_each_train_message_carries_only_its_clients_slice_of_a_per_client_broad
 def test_a_per_client_broadcast_reaches_each_node_alone_and_equals_the_simulation(tmp_path):
   """FedGKT's server sends each client its own rows' logits: every TRAIN message carries one client's slice (not
   the group's), and the rounds equal the simulation's."""
-  from fedjax_het.algorithms import FedGKTConfig
+  from fedjax_het.methods import FedGKTConfig
   cfg = dataclasses.replace(CFG, algorithm='fedgkt', rounds=2, join_ratio=1.0, methods={
       'fedgkt': FedGKTConfig(server_epochs=1, server_blocks=1)})
 
@@ -396,7 +396,7 @@ def test_the_flower_app_lists_a_run_config_key_per_experiment_flag():
   with open(path) as f:
     text = f.read()
   assert run_config.with_block(text, run_config.pyproject_block()) == text, (
-      'experiments/flower/pyproject.toml lists other flags than fedjax_het.cli defines. Fix: python -m '
+      'experiments/flower/pyproject.toml lists other flags than fedjax_het.run.cli defines. Fix: python -m '
       'fedjax_het.flower.run_config')
   keys = tomllib.loads(text)['tool']['flwr']['app']['config']
   assert set(keys) == set(run_config.DEPLOYMENT_KEYS) | set(run_config.experiment_keys())
@@ -445,8 +445,8 @@ def _flower_equals_simulation(tmp_path, algorithm: str, simulation: bool):
 def test_deployment_on_localhost_equals_the_simulation(tmp_path, algorithm):
   """A SuperLink and 4 SuperNodes as processes on localhost (2 architectures), 3 rounds: every round's metrics
   and the final server state equal the in-process simulation's."""
-  from fedjax_het.checkpoints import Checkpoints
-  from fedjax_het.experiment import build_federation
+  from fedjax_het.run.checkpoints import Checkpoints
+  from fedjax_het.run.experiment import build_federation
   template = build_federation(_flower_equals_simulation(tmp_path, algorithm, simulation=False)).init()
   saved = [Checkpoints(str(tmp_path / w / 'checkpoints')).restore_latest(t)[0].server
            for w, t in (('flower', template._replace(groups=())), ('simulation', template))]
@@ -601,7 +601,7 @@ def test_poisson_rounds_over_flower_equal_the_simulation_empty_rounds_and_fixed_
   round, which the server still noises and releases; the Flower server's rows equal the simulation's."""
   cfg = dataclasses.replace(CFG, algorithm='lg_fedavg', participation='poisson', join_ratio=0.3, rounds=4,
                             dp_mode='central', dp_noise_multiplier=2.0, dp_reproducible_noise=True)
-  from fedjax_het.experiment import build_federation_and_budget
+  from fedjax_het.run.experiment import build_federation_and_budget
   fed, _ = build_federation_and_budget(cfg)
   assert 0 in [len(fed.participants(r)) for r in range(4)]
   train_and_evaluate(cfg, str(tmp_path / 'flower'), progress=False, federation=lambda fed: FlowerRounds(

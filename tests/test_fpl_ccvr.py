@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_het.algorithms import CCVRConfig
-from fedjax_het.algorithms.ccvr import calibrate_head, class_statistics, global_gaussians, sample_virtual
-from fedjax_het.algorithms.common import cosine_similarity, head_apply, sgd_on_rows
-from fedjax_het.algorithms.finch import finch, first_neighbor_partition
-from fedjax_het.algorithms.fpl import compact_clusters, fpl_regularizer, unbiased_prototypes
+from fedjax_het.methods import CCVRConfig
+from fedjax_het.methods.ccvr import calibrate_head, class_statistics, global_gaussians, sample_virtual
+from fedjax_het.methods.fpl import compact_clusters, fpl_regularizer, unbiased_prototypes
+from fedjax_het.methods.shared.common import cosine_similarity, head_apply, sgd_on_rows
+from fedjax_het.methods.shared.finch import finch, first_neighbor_partition
 
 
 def test_first_neighbor_links_mutual_and_shared_neighbors():

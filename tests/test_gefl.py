@@ -14,14 +14,14 @@ import pytest
 
 from conftest import tree_allclose
 from runs import record_rounds, run_rounds
-from fedjax_het.algorithms import GeFLConfig, gefl
-from fedjax_het.algorithms.fedprox import proximal_term
-from fedjax_het.algorithms.gefl import build_generator
-from fedjax_het.checkpoints import Checkpoints
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Uploads, leaf_scalars
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import build_federation
+from fedjax_het.methods import GeFLConfig, gefl
+from fedjax_het.methods.fedprox import proximal_term
+from fedjax_het.methods.gefl import build_generator
+from fedjax_het.run.checkpoints import Checkpoints
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import build_federation
 from fedjax_het.uploads import RoundUploads
 
 GEFL = GeFLConfig(generator='dcgan', ka_rounds=2, generator_epochs=1, width=4)
@@ -176,7 +176,7 @@ def test_fedprox_proximal_term_squared_and_the_codes_norm_form():
 
 
 def test_gefls_reported_number_is_the_mean_over_architectures_of_each_ones_best_round():
-  from fedjax_het.experiment import best_per_architecture_mean
+  from fedjax_het.run.experiment import best_per_architecture_mean
   cfg = dataclasses.replace(CFG, models=('mlp', 'gefl_mnist_cnn1'))  # clients 0, 2: mlp; 1, 3: cnn1
   evals = [{'client_accuracy': [0.5, 0.1, 0.7, 0.1]}, {'client_accuracy': [0.2, 0.9, 0.2, 0.7]}]
   # mlp: best of (0.6, 0.2) = 0.6; cnn1: best of (0.1, 0.8) = 0.8 -> 0.7 (the best single round has 0.6 or 0.5)
@@ -187,7 +187,7 @@ def test_gefls_reported_number_is_the_mean_over_architectures_of_each_ones_best_
 def test_shared_first_block_is_the_unweighted_mean_over_all_participants():
   """--gefl_share_first_block (the code's avg_FE = 1): F's parameters and BatchNorm statistics averaged over every
   participant of every architecture; the rest of each model stays its group's average."""
-  from fedjax_het.algorithms.gefl import with_shared_first_block
+  from fedjax_het.methods.gefl import with_shared_first_block
   from fedjax_het.core import Uploads
 
   def model(fe, rest):
@@ -209,7 +209,7 @@ def test_shared_first_block_is_the_unweighted_mean_over_all_participants():
 def test_synthetic_batches_have_uniform_labels_and_the_classifiers_range():
   """Labels uniform over all classes; a [0, 1] generator's samples (CVAE, DDPM) mapped to [-1, 1] with
   --gefl_match_range, left in [0, 1] without (the code's mismatch); DCGAN's [-1, 1] never remapped."""
-  from fedjax_het.algorithms.gefl import synthetic_batch
+  from fedjax_het.methods.gefl import synthetic_batch
   from fedjax_het.generators.base import ConditionalGenerator
   constant = lambda value, unit: ConditionalGenerator('c', None, None, None,
                                                       lambda v, y, k: jnp.full((y.shape[0], 2, 2, 1), value), unit)
@@ -225,7 +225,7 @@ def test_synthetic_batches_have_uniform_labels_and_the_classifiers_range():
 
 def test_ddpm_rate_decays_linearly_over_the_knowledge_rounds():
   """The code: lr = 1e-4 (1 - t / T_KA) in the t-th (1-based) generator round; other generators keep their rate."""
-  from fedjax_het.algorithms.gefl import ddpm_lr_scale
+  from fedjax_het.methods.gefl import ddpm_lr_scale
   scale = ddpm_lr_scale(GeFLConfig(generator='ddpm', ka_rounds=4))
   np.testing.assert_allclose([float(scale({'generator_round': jnp.int32(r)})) for r in range(4)],
                              [0.75, 0.5, 0.25, 0.0])

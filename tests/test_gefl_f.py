@@ -12,13 +12,13 @@ import pytest
 
 from conftest import tree_allclose
 from runs import record_rounds
-from fedjax_het.algorithms import GeFLFConfig
-from fedjax_het.algorithms.gefl_f import join_client, split_client
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import build_federation
+from fedjax_het.methods import GeFLFConfig
+from fedjax_het.methods.gefl_f import join_client, split_client
 from fedjax_het.models.init import init_variables
 from fedjax_het.models.registry import build_model
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import build_federation
 from fedjax_het.uploads import RoundUploads
 
 CFG = ExperimentConfig(algorithm='gefl_f', dataset='synthetic:32,32,1', data_fraction=0.5, num_clients=4,
@@ -101,7 +101,7 @@ def test_gefl_f_refuses_models_without_its_3_channel_extractor_with_the_fix_name
 def test_cifar10_cnns_as_the_code_builds_them_give_f_3x16x16_maps_and_table_xxiii_widths():
   """gefl-cifar10f-10: Table XXIII's CNNs without its conv(10) row (GeFL's code); F emits 3x16x16 maps, the
   flattened features keep the table's fc widths, and the feature generators take Table XV's CIFAR-10 sizes."""
-  from fedjax_het.algorithms.gefl_f import feature_generator
+  from fedjax_het.methods.gefl_f import feature_generator
   from fedjax_het.models.registry import MODEL_FAMILIES
   assert len(MODEL_FAMILIES['gefl-cifar10f-10']) == 10
   x = jnp.zeros((2, 32, 32, 3))
@@ -122,7 +122,7 @@ def test_cifar10_cnns_as_the_code_builds_them_give_f_3x16x16_maps_and_table_xxii
 
 @pytest.mark.parametrize('boundary', [1, 2])  # after warm-up; after knowledge aggregation
 def test_resume_across_each_phase_boundary_equals_the_uninterrupted_run(recorded, boundary, tmp_path):
-  from fedjax_het.checkpoints import Checkpoints
+  from fedjax_het.run.checkpoints import Checkpoints
   from runs import run_rounds
   fed, rec = recorded
   checkpoints = Checkpoints(str(tmp_path / 'ckpt'))
@@ -133,7 +133,7 @@ def test_resume_across_each_phase_boundary_equals_the_uninterrupted_run(recorded
 
 
 def test_lg_fedavg_as_gefl_runs_it_averages_f_over_all_groups_and_the_rest_within_each():
-  from fedjax_het.algorithms.gefl_f import lg_fedavg_first_block
+  from fedjax_het.methods.gefl_f import lg_fedavg_first_block
   from fedjax_het.core import Uploads
   alg = lg_fedavg_first_block(10)
   part = lambda v: {'params': {'w': jnp.asarray(v, jnp.float32)}, 'stats': {}}
@@ -154,15 +154,16 @@ def test_lg_fedavg_as_gefl_runs_it_averages_f_over_all_groups_and_the_rest_withi
 def test_mnd_samples_of_gefl_f_are_images_inverted_from_generated_maps_through_f(recorded):
   """GeFL-F's S for the MND ratio: generated feature maps inverted into images through the frozen F; the
   inversion brings F(image) towards the map it came from (relative error below that of the starting noise)."""
-  from fedjax_het.algorithms.gefl_f import apply_features, features_module, reconstructed_samples
-  from fedjax_het.privacy import InversionConfig
+  from fedjax_het.evaluation.mnd import gefl_f_synthetic_images
+  from fedjax_het.methods.gefl_f import apply_features, features_module
+  from fedjax_het.evaluation import InversionConfig
   fed, rec = recorded
   group, server = fed.spec.groups[0], rec.states[-1].server
   key = jax.random.PRNGKey(3)
-  images = reconstructed_samples(CFG.method_config, 10, group, server, key, 1,
+  images = gefl_f_synthetic_images(CFG.method_config, 10, group, server, key, 1,
                                  InversionConfig(steps=40, learning_rate=0.05, prior='pixel'))
   assert images.shape == (10, 32, 32, 1) and float(jnp.abs(images).max()) <= 1.0
-  from fedjax_het.algorithms.gefl_f import feature_generator
+  from fedjax_het.methods.gefl_f import feature_generator
   maps = feature_generator(CFG.method_config, 10, group).sample(server['generator'], jnp.arange(10),
                                                                 jax.random.split(key)[0])
   f = lambda x: apply_features(features_module(group), server['fe'], x)

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het.algorithms import fedavg_grouped, local
-from fedjax_het.algorithms.fedavg import receive_group_model
 from fedjax_het.core import ClientState
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
+from fedjax_het.methods import fedavg_grouped, local
+from fedjax_het.methods.fedavg import receive_group_model
 from fedjax_het.models.init import torch_default_init
 
 

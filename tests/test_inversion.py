@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het import privacy as inv
+from fedjax_het import evaluation as inv
 from fedjax_het.errors import ConfigError
 
 SHAPE = (8, 8, 1)
@@ -163,10 +163,10 @@ def test_upload_targets_of_each_kind():
 def test_round_uploads_are_the_trained_extractors_representations():
   """FedAllRep's upload of a participant in round 2, recomputed from the state after round 1, is the eval-mode
   representation of its rows by the client as the real round 2 leaves it; the state is not changed."""
-  from fedjax_het.algorithms import FedREConfig
-  from fedjax_het.config import ExperimentConfig
+  from fedjax_het.methods import FedREConfig
+  from fedjax_het.run.config import ExperimentConfig
   from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
-  from fedjax_het.experiment import make_algorithm
+  from fedjax_het.run.experiment import make_algorithm
   from golden import TINY, tiny_data
   data = tiny_data()
   cfg = ExperimentConfig(algorithm='fedre', **{**TINY, 'methods': {'fedre': FedREConfig(all_representations=True)}})

@@ -3,9 +3,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het.models.forward import forward
 from fedjax_het.errors import ConfigError
 from fedjax_het.models import assign_models, build_model, model_names
+from fedjax_het.models.forward import forward
 
 
 @pytest.mark.parametrize('name,shape', [('cnn4', (32, 32, 3)), ('resnet18', (32, 32, 3)), ('small_cnn', (8, 8, 1)),
@@ -145,7 +145,7 @@ def test_rm_none_puts_the_head_straight_on_the_extractor_features():
   """GeFL's CNNs end in one fc (Table XXI: CNN-1 fc(1024 -> 10), 10,250 parameters; CNN-10 fc(80 -> 10)). A method
   that exchanges representations refuses groups of different widths, with the fix named."""
   import numpy as np
-  from fedjax_het.algorithms import FedProtoConfig, fedavg_grouped, fedproto
+  from fedjax_het.methods import FedProtoConfig, fedavg_grouped, fedproto
   from fedjax_het.data.datasets import make_synthetic
   from fedjax_het.data import make_federated_data
   from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig

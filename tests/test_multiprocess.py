@@ -1,4 +1,4 @@
-"""A run over 2 JAX processes (2 CPU devices each, joined by `fedjax_het.launch` through gloo) equals the same run
+"""A run over 2 JAX processes (2 CPU devices each, joined by `fedjax_het.run.launch` through gloo) equals the same run
 in one process on one device: every round's metrics and the final state, with partial and full participation
 and phantom slots padding the group to the 4 devices; a process killed mid-run stops the run, and --resume across
 2 processes ends where the uninterrupted run ends. The launcher itself: environment, signals, failures."""
@@ -30,8 +30,8 @@ def _env(**extra) -> dict:
 def one_process(workdir, algorithm: str) -> None:
   """The same flags in this process, on its one device."""
   from absl import flags
-  from fedjax_het import cli
-  from fedjax_het.experiment import train_and_evaluate
+  from fedjax_het.run import cli
+  from fedjax_het.run.experiment import train_and_evaluate
   fv = flags.FlagValues()
   cli.define_flags(flag_values=fv)
   cli.parse_flags(['test', f'--algorithm={algorithm}'] + FLAGS, fv)
@@ -39,7 +39,7 @@ def one_process(workdir, algorithm: str) -> None:
 
 
 def two_processes(workdir, algorithm: str, *extra: str, **env) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, '-m', 'fedjax_het.launch', '--num_processes=2', '--cpu_devices=2',
+  return subprocess.run([sys.executable, '-m', 'fedjax_het.run.launch', '--num_processes=2', '--cpu_devices=2',
                          f'--log_dir={workdir}_logs', DRIVER, f'--algorithm={algorithm}', f'--workdir={workdir}',
                          *FLAGS, *extra], env=_env(**env), capture_output=True, text=True, timeout=600, cwd=ROOT)
 
@@ -103,7 +103,7 @@ def test_two_processes_equal_one(tmp_path, algorithm):
 
 SCRIPT = '''
 import os, signal, sys, time
-from fedjax_het.distributed import NUM_PROCESSES, PROCESS_ID, COORDINATOR
+from fedjax_het.run.distributed import NUM_PROCESSES, PROCESS_ID, COORDINATOR
 index = os.environ[PROCESS_ID]
 print(f'process {index} of {os.environ[NUM_PROCESSES]} at {os.environ[COORDINATOR]}, argv {sys.argv[1:]}',
       flush=True)
@@ -119,7 +119,7 @@ def _launch(tmp_path, mode: str, interrupt: bool = False) -> subprocess.Complete
   import time
   script = tmp_path / 'script.py'
   script.write_text(SCRIPT)
-  proc = subprocess.Popen([sys.executable, '-m', 'fedjax_het.launch', '--num_processes=2',
+  proc = subprocess.Popen([sys.executable, '-m', 'fedjax_het.run.launch', '--num_processes=2',
                            f'--log_dir={tmp_path / "logs"}', str(script), mode], env=_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
   if interrupt:
@@ -150,7 +150,7 @@ def test_a_run_over_several_processes_lays_groups_over_all_their_devices(monkeyp
   """With several processes the default strategy is vmap over every device; a sequential strategy, a mesh of some
   devices only or a convolution the machine cannot run is refused, naming the flag."""
   import jax
-  from fedjax_het.config import ExperimentConfig
+  from fedjax_het.run.config import ExperimentConfig
   from fedjax_het.errors import ConfigError
   monkeypatch.setattr(jax, 'process_count', lambda: 2)
   execution = ExperimentConfig(models=('mlp',)).execution_config().resolve()
@@ -161,7 +161,7 @@ def test_a_run_over_several_processes_lays_groups_over_all_their_devices(monkeyp
     with pytest.raises(ConfigError, match=r'--num_devices=2: a run of 2 processes'):
       ExperimentConfig(num_devices=2).execution_config()
   # a convolution this machine cannot run is refused here, before any process loads data
-  from fedjax_het.models import onednn
+  from fedjax_het.kernels import onednn
   monkeypatch.setattr(onednn, 'unavailable_reason', lambda: 'oneDNN is not installed. Fix: pip install ...')
   with pytest.raises(ConfigError, match=r"conv='onednn': oneDNN is not installed"):
     ExperimentConfig(conv='onednn').execution_config()
@@ -171,7 +171,7 @@ def test_the_coordinator_listens_on_the_address_it_is_given_only(monkeypatch):
   """JAX's coordination service is unauthenticated and by default listens on every interface; the run binds it to
   the coordinator address the processes are given (or FEDJAX_HET_COORDINATOR_BIND_ADDRESS)."""
   import jax
-  from fedjax_het import distributed
+  from fedjax_het.run import distributed
   calls = []
   monkeypatch.setattr(jax.distributed, 'initialize', lambda *a, **k: calls.append((a, k)))
   monkeypatch.setenv(distributed.COORDINATOR, '127.0.0.1:4321')
@@ -195,7 +195,7 @@ def test_the_processes_end_with_a_killed_launcher_and_its_logs_go_to_the_workdir
   script.write_text(SCRIPT.replace("time.sleep(60)", "open(f'{sys.argv[2]}/pid_{index}', 'w').write(str(os.getpid()))"
                                                        "\ntime.sleep(60)"))
   (tmp_path / 'run').mkdir()
-  launcher = subprocess.Popen([sys.executable, '-m', 'fedjax_het.launch', '--num_processes=2', str(script), 'wait',
+  launcher = subprocess.Popen([sys.executable, '-m', 'fedjax_het.run.launch', '--num_processes=2', str(script), 'wait',
                                str(tmp_path), f'--workdir={tmp_path / "run"}'], env=_env(), cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   pids = [tmp_path / f'pid_{i}' for i in range(2)]
@@ -217,7 +217,7 @@ def test_the_processes_end_with_a_killed_launcher_and_its_logs_go_to_the_workdir
     busy.bind(('127.0.0.1', 0))
     busy.listen()
     port = busy.getsockname()[1]
-    done = subprocess.run([sys.executable, '-m', 'fedjax_het.launch', f'--port={port}', str(script), 'wait'],
+    done = subprocess.run([sys.executable, '-m', 'fedjax_het.run.launch', f'--port={port}', str(script), 'wait'],
                           env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
   assert done.returncode == 2
   assert done.stderr.strip().splitlines()[-1].endswith(

@@ -1,4 +1,4 @@
-"""oneDNN's convolution as XLA custom calls (fedjax_het/models/onednn.py, through models.conv's
+"""oneDNN's convolution as XLA custom calls (fedjax_het/kernels/onednn.py, through models.conv's
 onednn_conv_general_dilated): hand-computed values and gradients, lax's values and derivatives of every order, vmap,
 empty batches, its threads, and the errors without it."""
 
@@ -17,7 +17,7 @@ from conftest import tree_allclose
 from fedjax_het.engine import ExecutionConfig
 from fedjax_het.engine.sharding import CLIENTS_AXIS
 from fedjax_het.errors import ConfigError
-from fedjax_het.models import onednn
+from fedjax_het.kernels import onednn
 from fedjax_het.models.conv import onednn_conv_general_dilated
 
 DN = ('NHWC', 'HWIO', 'NHWC')
@@ -168,7 +168,7 @@ def test_a_damaged_cached_library_is_built_again_never_loaded(tmp_path):
   import subprocess
   home = tmp_path / 'home'
   folder = home / '.cache' / 'fedjax_het' / 'onednn'
-  probe = [sys.executable, '-c', 'from fedjax_het.models import onednn; print(onednn.unavailable_reason())']
+  probe = [sys.executable, '-c', 'from fedjax_het.kernels import onednn; print(onednn.unavailable_reason())']
   env = {**os.environ, 'HOME': str(home)}
   first = subprocess.run(probe, capture_output=True, text=True, env=env, timeout=300)
   assert first.returncode == 0 and first.stdout.strip() == 'None', first.stderr[-2000:]

@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 
 from conftest import tree_allclose
-from fedjax_het.algorithms import FedREConfig, fedre, local
-from fedjax_het.algorithms.base import local_head_evaluation
-from fedjax_het.algorithms.common import cross_entropy
 from fedjax_het.core import Algorithm, Capabilities, ClientProgram, Phase, Stage
-from fedjax_het.engine.plan import stage_steps_per_epoch
 from fedjax_het.data.datasets import make_synthetic
 from fedjax_het.data.federated import FederatedData
 from fedjax_het.data.partition import ClientSplit
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig, batch_schedule
+from fedjax_het.engine.plan import stage_steps_per_epoch
 from fedjax_het.errors import ConfigError
 from fedjax_het.generators.base import bce, gaussian_kl
 from fedjax_het.generators.cvae import cvae_loss
 from fedjax_het.local_training import batch_row_mask
+from fedjax_het.methods import FedREConfig, fedre, local
+from fedjax_het.methods.shared.base import local_head_evaluation
+from fedjax_het.methods.shared.common import cross_entropy
 from fedjax_het.models.forward import forward
 from fedjax_het.models.norm import TorchBatchNorm
 from fedjax_het.models.registry import build_model
@@ -206,9 +206,9 @@ def test_synthetic_only_round_trains_on_no_real_row(strategy):
 
 
 def test_zero_local_epochs_only_for_methods_that_train_on_generated_data():
-  from fedjax_het.algorithms import GeFLConfig
-  from fedjax_het.config import ExperimentConfig
-  from fedjax_het.experiment import validate
+  from fedjax_het.methods import GeFLConfig
+  from fedjax_het.run.config import ExperimentConfig
+  from fedjax_het.run.experiment import validate
   validate(ExperimentConfig(algorithm='gefl', local_epochs=0, methods={'gefl': GeFLConfig(synthetic_epochs=5)}))
   with pytest.raises(ConfigError, match='--local_epochs=0 must be >= 1 .*--gefl_synthetic_epochs'):
     validate(ExperimentConfig(algorithm='fedavg', local_epochs=0))

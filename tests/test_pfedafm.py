@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het.algorithms import PFedAFMConfig
-from fedjax_het.algorithms.pfedafm import mix
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Batch, Uploads
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import build_federation
+from fedjax_het.methods import PFedAFMConfig
+from fedjax_het.methods.pfedafm import mix
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import build_federation
 from fedjax_het.uploads import RoundUploads
 
 
@@ -72,7 +72,7 @@ def test_bad_settings_name_their_fields():
 def test_g_trains_with_the_codes_weight_decay_by_hand():
   """The code steps G by SGD(lr, momentum 0.9, weight_decay=wd) (its optimizer_small): a zero gradient still moves
   G by -lr * wd * G; lr 0.1, wd 1e-3, G = (2, -4): (-2e-4, 4e-4). Its own model's optimiser the same."""
-  from fedjax_het.algorithms.pfedafm import optimizers
+  from fedjax_het.methods.pfedafm import optimizers
   params = jnp.asarray([2.0, -4.0])
   for opt in optimizers(PFedAFMConfig(weight_decay=1e-3), 0.1)[::2]:
     np.testing.assert_allclose(opt.update(jnp.zeros(2), opt.init(params), params)[0], [-2e-4, 4e-4], rtol=1e-6)

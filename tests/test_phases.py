@@ -11,7 +11,7 @@ from cgan_method import cgan
 from conftest import tree_allclose
 from runs import record_rounds, run_rounds
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
-from fedjax_het.checkpoints import Checkpoints
+from fedjax_het.run.checkpoints import Checkpoints
 
 ROUNDS = 4  # 2 GAN rounds, then 2 rounds on generated batches
 

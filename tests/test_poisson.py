@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from dp_accounting import rdp
 
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Algorithm, Phase, UploadPrivacy, Uploads, server_step
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.engine.schedule import Schedule
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import make_algorithm, private_algorithm, train_and_evaluate
 from fedjax_het.privacy.budget import PrivacyBudget, calibrate
 from fedjax_het.privacy.dp import DPConfig, claims_amplification, privatize
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import make_algorithm, private_algorithm, train_and_evaluate
 from fedjax_het.uploads import concat_groups
 from fedjax_het.uploads import participant_average
 

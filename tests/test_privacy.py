@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
-from fedjax_het.privacy.mnd import embedding, mnd_ratio, nearest_distances
+from fedjax_het.evaluation.mnd import embedding, mnd_ratio, nearest_distances
+from fedjax_het.run.config import ExperimentConfig
 
 
 def test_mnd_ratio_on_the_toy_points():
@@ -36,7 +36,7 @@ def test_feature_distance_is_a_fixed_map_and_unknown_distances_are_named():
 
 
 def test_a_config_round_trips_through_its_json_dict():
-  from fedjax_het.algorithms import GeFLConfig
+  from fedjax_het.methods import GeFLConfig
   cfg = ExperimentConfig(algorithm='gefl', models=('mlp', 'cnn4'), image_size=32,
                          methods={'gefl': GeFLConfig(generator='cvae', width=8)})
   assert ExperimentConfig.from_dict(cfg.to_dict()) == cfg

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from conftest import tree_allclose
-from fedjax_het.algorithms import FDConfig, FedKDConfig, FedProtoConfig, FedTGPConfig, fd, fedproto, fedtgp
-from fedjax_het.algorithms.common import class_prototypes
+from fedjax_het.methods import FDConfig, FedKDConfig, FedProtoConfig, FedTGPConfig, fd, fedproto, fedtgp
+from fedjax_het.methods.shared.common import class_prototypes
 from types import SimpleNamespace
 
 from fedjax_het.core import Uploads

@@ -15,12 +15,12 @@ import textwrap
 import numpy as np
 import pytest
 
-from fedjax_het import interrupts
-from fedjax_het.checkpoints import CheckpointError, Checkpoints
 from fedjax_het.data.datasets import load_npz
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import train_and_evaluate
-from fedjax_het.workdir import Workdir
+from fedjax_het.run import interrupts
+from fedjax_het.run.checkpoints import CheckpointError, Checkpoints
+from fedjax_het.run.experiment import train_and_evaluate
+from fedjax_het.run.workdir import Workdir
 
 from runs import CFG, FAULT_RUNS, metric_rows
 
@@ -61,14 +61,14 @@ def test_a_save_that_does_not_land_is_an_error(finished, tmp_path):
 
 
 def _template():
-  from fedjax_het.experiment import build_federation
+  from fedjax_het.run.experiment import build_federation
   return build_federation(CFG).init()
 
 
 def test_rounds_may_change_on_resume_only_when_the_method_ignores_them():
-  from fedjax_het.experiment import _check_identity
+  from fedjax_het.run.experiment import _check_identity
   from fedjax_het.data import PublicData
-  from fedjax_het.methods import METHODS, Run
+  from fedjax_het.run.registry import METHODS, Run
   reads = {}
   for name, m in METHODS.items():
     run = Run(10, 4, 20, 512, 8, 0.05, lambda: np.ones(10),
@@ -244,7 +244,7 @@ def test_a_stray_label_that_adds_classes_is_reported(tmp_path, caplog):
 
 def test_a_resume_with_a_changed_hyperparameter_names_its_flag(finished, tmp_path):
   import shutil
-  from fedjax_het.algorithms import FedREConfig
+  from fedjax_het.methods import FedREConfig
   run = str(tmp_path / 'run')
   shutil.copytree(finished, run)
   with pytest.raises(ConfigError, match=r'different settings for server_epochs \(1 there, 3 now\)\. Fix') as error:
@@ -271,7 +271,7 @@ def test_integer_images_of_any_dtype_in_0_255_read_as_uint8(tmp_path):
     (dict(local_learning_rate=float('nan')), '--local_learning_rate=nan'),
     (dict(feature_dim=10**12), '--feature_dim=1000000000000 must be between 1 and 65536'),  # was blamed on --models
     (dict(local_learning_rate=float('inf')), '--local_learning_rate=inf'),
-    (dict(algorithm='fedtgp', methods={'fedtgp': __import__('fedjax_het.algorithms', fromlist=['x']).FedTGPConfig(
+    (dict(algorithm='fedtgp', methods={'fedtgp': __import__('fedjax_het.methods', fromlist=['x']).FedTGPConfig(
         margin_threshold=float('inf'))}), '--margin_threshold=inf'),
 ])
 def test_bad_settings_fail_before_any_work_with_the_flag_named(tmp_path, changes, message):
@@ -310,7 +310,7 @@ def test_an_unusable_workdir_is_one_clear_error(tmp_path, kind):
 
 def test_clients_that_take_no_step_are_listed(tmp_path):
   from fedjax_het.engine.federation import Federation
-  from fedjax_het.experiment import build_federation
+  from fedjax_het.run.experiment import build_federation
   fed = build_federation(dataclasses.replace(CFG, alpha=0.05, batch_size=400))
   assert isinstance(fed, Federation)
   sizes = fed.train_sizes
@@ -328,7 +328,7 @@ def test_sigterm_and_sigint_request_a_stop_and_a_second_one_aborts():
 
 
 def test_a_signal_during_startup_stops_before_anything_is_written(tmp_path, monkeypatch):
-  import fedjax_het.experiment as experiment
+  import fedjax_het.run.experiment as experiment
   original = experiment.load_dataset
 
   def signalled(*args, **kwargs):
@@ -360,7 +360,7 @@ def test_a_second_signal_aborts_at_once_while_the_main_thread_waits_inside_nativ
   import time
   script = textwrap.dedent('''
       import ctypes, signal, sys
-      from fedjax_het import interrupts
+      from fedjax_het.run import interrupts
       interrupts.install(watch=True)
       # The main thread takes no signal at all, so nothing can wake it from the native call below.
       signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
@@ -421,7 +421,7 @@ def test_run_settings_ignore_other_methods_and_fill_fields_added_since():
   """A finished run or checkpoint written before a method was registered (or before a field existed) still
   matches the same run now; a changed hyperparameter of the run's own method does not."""
   import json
-  from fedjax_het.config import run_settings
+  from fedjax_het.run.config import run_settings
   now = dataclasses.replace(CFG, algorithm='fedproto').to_dict()
   old = json.loads(json.dumps(now))
   del old['methods']['felo'], old['local_steps']

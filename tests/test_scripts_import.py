@@ -29,8 +29,9 @@ def missing_imports(source: str) -> list[str]:
 
 
 def test_a_missing_name_is_found():
-  assert missing_imports('from fedjax_het.algorithms.common import descend, no_such_thing\n'
-                         'from fedjax_het.engine import executors') == ['fedjax_het.algorithms.common.no_such_thing']
+  missing = missing_imports('from fedjax_het.methods.shared.common import descend, no_such_thing\n'
+                            'from fedjax_het.engine import executors')
+  assert missing == ['fedjax_het.methods.shared.common.no_such_thing']
 
 
 @pytest.mark.parametrize('script', SCRIPTS)
@@ -58,7 +59,7 @@ def test_each_runners_help_says_what_it_runs_and_which_flag_file_to_start_from(s
 def test_run_py_help_lists_every_registered_method():
   import subprocess
   import sys
-  from fedjax_het.methods import METHODS
+  from fedjax_het.run.registry import METHODS
   result = subprocess.run([sys.executable, os.path.join(ROOT, 'experiments', 'run.py'), '--help'],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
   listed = result.stdout.split('METHODS): ', 1)[1].split('.', 1)[0]
@@ -88,7 +89,7 @@ def test_a_scripts_own_flags_are_found():
 
 EXPERIMENT_GROUPS = ('Data:', 'Models:', 'Training:', 'Method', 'Execution:', 'Differential privacy:', 'Output:')
 ENTRY_POINTS = [os.path.join('experiments', name) for name in sorted(os.listdir(os.path.join(ROOT, 'experiments')))
-                if name.endswith('.py')] + ['fedjax_het/launch.py', 'fedjax_het/flower/local.py',
+                if name.endswith('.py')] + ['fedjax_het/run/launch.py', 'fedjax_het/flower/local.py',
                                             'fedjax_het/data/prepare.py']
 
 

@@ -9,18 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het.algorithms import FedDFConfig, FedMDConfig, fedmd
-from fedjax_het.algorithms.avgkd import soft_target
-from fedjax_het.algorithms.feddf import distillation_loss, ensemble_logits, feddf
-from fedjax_het.algorithms.fedmd import digest_loss
-from fedjax_het.algorithms.public import mean_of_uploads, public_logits
-from fedjax_het.checkpoints import Checkpoints
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import Uploads, server_step
 from fedjax_het.data import Dataset, make_federated_data, make_synthetic
 from fedjax_het.engine import Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import build_federation
+from fedjax_het.methods import FedDFConfig, FedMDConfig, fedmd
+from fedjax_het.methods.avgkd import soft_target
+from fedjax_het.methods.feddf import distillation_loss, ensemble_logits, feddf
+from fedjax_het.methods.fedmd import digest_loss
+from fedjax_het.methods.shared.public import mean_of_uploads, public_logits
+from fedjax_het.run.checkpoints import Checkpoints
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import build_federation
 from fedjax_het.uploads import RoundUploads
 from conftest import tree_allclose
 from runs import run_rounds
@@ -140,7 +140,7 @@ def test_feddf_stops_each_architecture_patience_steps_after_its_best_and_keeps_t
   every validation and runs to step 60. A stopped student takes no more steps."""
   import importlib
   import types
-  feddf_module = importlib.import_module('fedjax_het.algorithms.feddf')
+  feddf_module = importlib.import_module('fedjax_het.methods.feddf')
   scores = {0: [0.1, 0.3, 0.2, 0.2, 0.25, 0.9], 1: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]}
   table = jnp.asarray([scores[0], scores[1]])
   spec = types.SimpleNamespace(groups=(0, 1))
@@ -215,7 +215,7 @@ def test_fedmd_resumed_at_its_phase_boundary_ends_where_the_uninterrupted_run_en
 
 # ---------------------------------------------------------------------------------------------------- FedALA
 def test_fedala_head_mixing_and_weight_step_by_hand():
-  from fedjax_het.algorithms.fedala import ala_head, ala_weight_step, settled
+  from fedjax_het.methods.fedala import ala_head, ala_weight_step, settled
   local, group = {'k': jnp.array([1.0, 2.0, 3.0])}, {'k': jnp.array([3.0, 2.0, -1.0])}
   np.testing.assert_allclose(ala_head(local, group, {'k': jnp.array([0.5, 1.0, 0.25])})['k'], [2.0, 2.0, 2.0])
   # W - eta * grad * (g - l) = [0.5 - 0.1 * 2 * 2, 0.5, 0.5 - 0.1 * (-3) * (-4)], clipped to [0, 1]
@@ -229,8 +229,8 @@ def test_fedala_head_mixing_and_weight_step_by_hand():
 
 
 def test_fedala_keeps_a_model_equal_to_the_groups_and_mixes_only_the_head_otherwise(tiny_data):
-  from fedjax_het.algorithms import FedALAConfig, fedala
-  from fedjax_het.algorithms.fedala import adaptive_local_aggregation
+  from fedjax_het.methods import FedALAConfig, fedala
+  from fedjax_het.methods.fedala import adaptive_local_aggregation
   from fedjax_het.core import ClientRows
   fed = Federation(fedala(FedALAConfig(max_start_epochs=30), 4, 8), tiny_data,
                    ModelConfig(('small_cnn_narrow',), 16), LocalTraining(0.05, 8))
@@ -260,8 +260,8 @@ def test_heterofl_clips_each_steps_gradient_to_norm_one_before_decay_and_momentu
   adds the decay to the clipped gradient. Gradient (3, 4) at parameters (1, 1): clipped (0.6, 0.8), plus decay
   (0.61, 0.81), first step -0.1 times that; the second step's gradient (0.3, 0) is within the norm: momentum
   0.9 * (0.61, 0.81) + (0.3, 0) + 0.01 * (0.939, 0.919)."""
-  from fedjax_het.algorithms import HeteroFLConfig
-  from fedjax_het.algorithms.heterofl import local_optimizer
+  from fedjax_het.methods import HeteroFLConfig
+  from fedjax_het.methods.heterofl import local_optimizer
   optimizer = local_optimizer(HeteroFLConfig(momentum=0.9, weight_decay=0.01), 0.1)
   params = jnp.asarray([1.0, 1.0])
   state = optimizer.init(params)
@@ -277,7 +277,7 @@ def test_heterofl_clips_each_steps_gradient_to_norm_one_before_decay_and_momentu
 
 
 def test_heterofl_sub_models_are_leading_slices_and_entries_average_over_their_holders():
-  from fedjax_het.algorithms.heterofl import combine, sub_model
+  from fedjax_het.methods.heterofl import combine, sub_model
   w = jnp.arange(9.0).reshape(3, 3)
   glob = {'w': w, 'head': {'kernel': jnp.zeros((3, 2)), 'bias': jnp.zeros(2)}}
   small = sub_model(glob, {'w': jnp.zeros((2, 2)), 'head': {'kernel': jnp.zeros((2, 2)), 'bias': jnp.zeros(2)}})
@@ -337,7 +337,7 @@ def test_heterofl_multisteplr_scales_the_rounds_rate_as_a_lower_rate_would(tiny_
   """torch's MultiStepLR stepped every round: the factor 0.1^k after k milestones (by hand at 149, 150, 249, 250);
   a run whose milestone 0 halves the rate from the first round ends its round where a run at half the rate does,
   and the server's round counter moves the factor."""
-  from fedjax_het.algorithms import HeteroFLConfig, heterofl
+  from fedjax_het.methods import HeteroFLConfig, heterofl
   from fedjax_het.optim import multistep_factor
   assert [float(multistep_factor(r, (150, 250), 0.1)) for r in (149, 150, 249, 250)] == pytest.approx(
       [1.0, 0.1, 0.1, 0.01])
@@ -365,7 +365,7 @@ def test_heterofl_multisteplr_scales_the_rounds_rate_as_a_lower_rate_would(tiny_
 
 
 def test_heterofl_scores_do_not_depend_on_how_the_test_rows_are_padded(tiny_data):
-  from fedjax_het.algorithms import HeteroFLConfig, heterofl
+  from fedjax_het.methods import HeteroFLConfig, heterofl
   from fedjax_het.data.federated import ClientArrays
   from fedjax_het.engine.client import score_client
   fed = Federation(heterofl(HeteroFLConfig(static_bn=False), 4), tiny_data,
@@ -400,7 +400,7 @@ def test_batch_statistics_by_hand():
 def test_heterofl_static_batchnorm_reads_every_clients_training_rows(tiny_data, strategy):
   """sBN: the first BatchNorm's mean is the mean, over every real training row of every client and its positions,
   of the global model's first convolution (a mean of chunk means weighted by their rows is the global mean)."""
-  from fedjax_het.algorithms import HeteroFLConfig, heterofl
+  from fedjax_het.methods import HeteroFLConfig, heterofl
   from fedjax_het.engine import ExecutionConfig
   fed = Federation(heterofl(HeteroFLConfig(), 4), tiny_data,
                    ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.05, 8),
@@ -434,7 +434,7 @@ def test_heterofl_static_batchnorm_reads_every_clients_training_rows(tiny_data, 
 
 def test_heterofl_static_batchnorm_is_refused_over_flower(tiny_data):
   pytest.importorskip('flwr')
-  from fedjax_het.algorithms import HeteroFLConfig, heterofl
+  from fedjax_het.methods import HeteroFLConfig, heterofl
   from fedjax_het.flower.rounds import FlowerRounds
   fed = Federation(heterofl(HeteroFLConfig(), 4), tiny_data,
                    ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.05, 8))
@@ -443,7 +443,7 @@ def test_heterofl_static_batchnorm_is_refused_over_flower(tiny_data):
 
 
 def test_heterofl_refuses_an_rm_that_pools_every_width_to_d(tiny_data):
-  from fedjax_het.algorithms import HeteroFLConfig, heterofl
+  from fedjax_het.methods import HeteroFLConfig, heterofl
   fed = Federation(heterofl(HeteroFLConfig(), 4), tiny_data,
                    ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'ap'), LocalTraining(0.05, 8))
   with pytest.raises(ConfigError, match="rm='ap': HeteroFL slices"):
@@ -461,7 +461,7 @@ def test_public_data_mistakes_are_named():
 
 
 def test_noised_batchnorm_variances_are_clipped_at_zero():
-  from fedjax_het.algorithms.avgkd import nonnegative_variances
+  from fedjax_het.methods.avgkd import nonnegative_variances
   state = {'batch_stats': {'bn': {'mean': jnp.array([-1.0]), 'var': jnp.array([-0.5, 2.0])}}}
   out = nonnegative_variances(state)
   np.testing.assert_array_equal(out['batch_stats']['bn']['var'], [0.0, 2.0])

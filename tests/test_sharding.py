@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELUDE = textwrap.dedent('''
     import jax, numpy as np
     assert len(jax.devices()) == 4, jax.devices()
-    from fedjax_het.algorithms import FedREConfig, fedre
+    from fedjax_het.methods import FedREConfig, fedre
     from fedjax_het.data import make_federated_data, make_synthetic
     from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig, client_mesh
 
@@ -78,9 +78,9 @@ def checkpoint_check(workdir: str) -> str:
   equal, and its next round equals the next round of the state that was saved; --num_devices=0 of the experiment
   layer lays a federation over every device."""
   return textwrap.dedent(f'''
-      from fedjax_het.checkpoints import Checkpoints
-      from fedjax_het.config import ExperimentConfig
-      from fedjax_het.experiment import build_federation
+      from fedjax_het.run.checkpoints import Checkpoints
+      from fedjax_het.run.config import ExperimentConfig
+      from fedjax_het.run.experiment import build_federation
       cfg = ExperimentConfig(dataset='synthetic:8,8,1', num_clients=6, models=('small_cnn_narrow', 'mlp'),
                              strategy='vmap', num_devices=0, feature_dim=16)
       assert build_federation(cfg).execution.num_devices == 4

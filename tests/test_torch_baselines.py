@@ -16,10 +16,10 @@ torch = pytest.importorskip('torch', reason='PyTorch is not installed: the refer
                             '(pip install torch --index-url https://download.pytorch.org/whl/cpu)')
 import torch.nn.functional as F  # noqa: E402
 
-from fedjax_het.algorithms import FedDFConfig, HeteroFLConfig, feddf, heterofl  # noqa: E402
 from fedjax_het.core import Batch, ClientState, Uploads, server_step  # noqa: E402
 from fedjax_het.data import make_federated_data, make_synthetic  # noqa: E402
 from fedjax_het.engine import Federation, LocalTraining, ModelConfig  # noqa: E402
+from fedjax_het.methods import FedDFConfig, HeteroFLConfig, feddf, heterofl  # noqa: E402
 
 t = lambda a: torch.from_numpy(np.array(a, np.float32))
 
@@ -171,7 +171,7 @@ def test_fedmd_digest_then_revisit_equals_the_codes_two_fits():
   """A collaboration round of one client: FedMD's digest (the mean absolute error between its logits and the
   consensus on the public rows, in stored order) then its revisit (CE on its own rows), one Adam kept through
   both (Felo's client objects; torch's defaults), against the same two loops in PyTorch."""
-  from fedjax_het.algorithms import FedMDConfig, fedmd
+  from fedjax_het.methods import FedMDConfig, fedmd
   from fedjax_het.data.federated import ClientArrays
   from fedjax_het.engine.client import run_client
   data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
@@ -207,7 +207,7 @@ def test_fedgkt_client_steps_equal_its_codes_kd_training():
   """FedGKT's client (its GKTClientTrainer): CE + alpha T^2 KL(softmax(z_s / T) || softmax(z_c / T)) batchmean, each
   row against the server's logits of that row, Adam(amsgrad, weight_decay 1e-4) kept by the client; T = 3,
   alpha = 0.7, against the same loop in PyTorch."""
-  from fedjax_het.algorithms import FedGKTConfig, fedgkt
+  from fedjax_het.methods import FedGKTConfig, fedgkt
   from fedjax_het.core import PER_CLIENT, for_client
   from fedjax_het.data.federated import ClientArrays
   from fedjax_het.engine.client import run_client
@@ -248,8 +248,8 @@ def test_fedala_adaptive_aggregation_equals_pfllibs_ala():
   on a contiguous 80 % of the client's rows from a random start, in batches (the last partial one dropped), the temp
   head is local + (group - local) * W, and after each batch W <- clamp(W - eta * grad * (group - local), 0, 1);
   the client ends with local + (group - local) * W. Weights start from a mix of ones and halves."""
-  from fedjax_het.algorithms import FedALAConfig
-  from fedjax_het.algorithms.fedala import adaptive_local_aggregation
+  from fedjax_het.methods import FedALAConfig
+  from fedjax_het.methods.fedala import adaptive_local_aggregation
   from fedjax_het.core import ClientRows
   from fedjax_het.models import build_model
   model = build_model('mlp', 4, 512, 'none')
@@ -322,7 +322,7 @@ def test_fedgkt_server_epochs_equal_its_codes_server_training():
   amsgrad and weight decay 1e-4; the logits of each batch in the last epoch, before its step, go back to the client.
   Two clients' 16 x 8 x 8 stem maps (resnet8_gkt, --gkt_split=stem), padding rows after their real ones, one
   client's last batch partial; T = 3, alpha = 0.7, two epochs, ResNet-11 server (one bottleneck per stage)."""
-  from fedjax_het.algorithms import FedGKTConfig, fedgkt
+  from fedjax_het.methods import FedGKTConfig, fedgkt
   from fedjax_het.rows import shuffled_real_rows
   data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
                                             seed=1), num_clients=4, partition='iid', seed=3)

@@ -13,14 +13,14 @@ torch = pytest.importorskip('torch', reason='PyTorch is not installed: the refer
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks'))
 from torch_reference import TorchCNN4, TorchFedRE, client_tensors, load_flax_params  # noqa: E402
 
-from fedjax_het.algorithms import FedREConfig, fedre  # noqa: E402
-from fedjax_het.algorithms.base import sgd_program  # noqa: E402
-from fedjax_het.algorithms.common import cross_entropy_loss  # noqa: E402
 from fedjax_het.core import Batch, ClientState  # noqa: E402
 from fedjax_het.data import make_federated_data, make_synthetic  # noqa: E402
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, batch_schedule  # noqa: E402
-from fedjax_het.models.forward import forward  # noqa: E402
+from fedjax_het.methods import FedREConfig, fedre  # noqa: E402
+from fedjax_het.methods.shared.base import sgd_program  # noqa: E402
+from fedjax_het.methods.shared.common import cross_entropy_loss  # noqa: E402
 from fedjax_het.models import build_model  # noqa: E402
+from fedjax_het.models.forward import forward  # noqa: E402
 
 
 def shared_model():

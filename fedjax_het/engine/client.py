@@ -13,11 +13,11 @@ import jax.numpy as jnp
 from fedjax_het.core import ClientProgram, ClientRows, ClientState, Evaluation, with_model, without_model
 from fedjax_het.data.federated import ClientArrays
 from fedjax_het.engine.plan import (client_keys, client_rows, correct_counts, count_into, even_chunk, masked,
-                                    pass_window, plan_stages, represent_into, slot_of_step, stage_key,
-                                    statistics_into, step_on_rows, take_step, zero_statistics)
+                                    pass_window, plan_stages, represent_into, slot_of_step, stage_key, statistics_into,
+                                    step_on_rows, take_step, zero_statistics)
 from fedjax_het.engine.stores import DeviceRows, client_view, gather_rows
-from fedjax_het.models.forward import forward
 from fedjax_het.models.classifier import HeteroClassifier
+from fedjax_het.models.forward import forward
 
 
 def represent_rows(model: HeteroClassifier, params: Any, model_state: Any, x: jnp.ndarray, chunk: int

@@ -14,7 +14,7 @@ import jax
 from fedjax_het.engine.executors import STRATEGIES, Executor, SequentialExecutor, VmapExecutor
 from fedjax_het.engine.sharding import CLIENTS_AXIS, place_replicated
 from fedjax_het.errors import ConfigError
-from fedjax_het.models import onednn
+from fedjax_het.kernels import onednn
 from fedjax_het.models.conv import CONV_IMPLS
 
 
@@ -34,7 +34,7 @@ def default_memory_budget(backend: str) -> Optional[int]:
 class ExecutionConfig:
   """strategy: 'vmap' (`VmapExecutor`) or 'sequential' (`SequentialExecutor`); None: sequential on CPU (measured
     faster there, docs/performance.md), vmap on GPU/TPU.
-  conv: 'xla', 'im2col', 'auto', 'gemm' (models/conv.py) or 'onednn' (models/onednn.py, CPU only); None: on CPU
+  conv: 'xla', 'im2col', 'auto', 'gemm' (models/conv.py) or 'onednn' (kernels/onednn.py, CPU only); None: on CPU
     onednn where oneDNN is installed, else im2col under vmap (grouped convolutions are slow there) and auto for
     sequential; im2col on GPU under vmap (measured, benchmarks/vmap_conv.py), xla otherwise.
   client_mesh: a one-axis ('clients') mesh of D > 1 devices over which the vmap executor lays each group's clients
@@ -179,7 +179,7 @@ class ExecutionConfig:
       reason = onednn.unavailable_reason()
       conv += (f' (oneDNN\'s convolutions would be faster: {onednn.INSTALL})' if 'was not found' in reason else
                ' (oneDNN\'s convolutions would be faster but do not load: see '
-               'fedjax_het.models.onednn.unavailable_reason())')
+               'fedjax_het.kernels.onednn.unavailable_reason())')
     how = f'strategy={self.strategy}, conv={conv}, eval_batch_size={self.eval_batch_size}'
     if self.strategy == 'sequential':
       how += f', client_threads={self.client_threads}'

@@ -24,14 +24,13 @@ import numpy as np
 
 from fedjax_het.core import PER_CLIENT, ClientProgram, Evaluation, for_client, with_model, without_model
 from fedjax_het.engine.chunks import Chunk, plan_chunks, width_ladder
-from fedjax_het.engine.client import (RowsOf, client_statistics_rows, run_client_rows, score_client_rows,
-                                      weighted)
+from fedjax_het.engine.client import (RowsOf, client_statistics_rows, run_client_rows, score_client_rows, weighted)
 from fedjax_het.engine.groups import EvalSet, Group, representation_model
-from fedjax_het.engine.stores import DeviceRows, RowStore
-from fedjax_het.engine.sharding import to_host
-from fedjax_het.errors import ConfigError
 from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, plan_stages, represent_into,
                                     stage_key, statistics_into, step_counts, take_step, zero_statistics)
+from fedjax_het.engine.sharding import to_host
+from fedjax_het.engine.stores import DeviceRows, RowStore
+from fedjax_het.errors import ConfigError
 
 STRATEGIES = ('vmap', 'sequential')
 

@@ -16,8 +16,8 @@ from fedjax_het.engine.sharding import place_clients, to_host
 from fedjax_het.engine.stores import RowStore
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
-from fedjax_het.models.conv import EVAL_PASS_CONV
 from fedjax_het.models.classifier import PRECISIONS
+from fedjax_het.models.conv import EVAL_PASS_CONV
 from fedjax_het.models.init import INITS, architecture_key, init_variables
 from fedjax_het.models.registry import assign_models, build_model
 

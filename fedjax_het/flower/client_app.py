@@ -27,13 +27,13 @@ import tempfile
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.errors import ConfigError
-from fedjax_het.experiment import build_federation_and_budget
 from fedjax_het.flower.node import Node, deployed_config
 from fedjax_het.flower.records import tree_from_record, tree_to_record
 from fedjax_het.flower.run_config import run_name
+from fedjax_het.run.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.experiment import build_federation_and_budget
 
 app = ClientApp()
 # The run's federation by (config, data dir): a process that serves several messages (several nodes in one process,

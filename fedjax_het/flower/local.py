@@ -30,9 +30,8 @@ from typing import Any, Mapping, Optional, Sequence
 from absl import flags
 
 from fedjax_het.errors import ConfigError
-from fedjax_het.flower.run_config import (APP_DIR, NOT_KEYS, experiment_flag_values, key_of,
-                                          run_config_argument)
-from fedjax_het.launch import free_port
+from fedjax_het.flower.run_config import (APP_DIR, NOT_KEYS, experiment_flag_values, key_of, run_config_argument)
+from fedjax_het.run.launch import free_port
 
 CONNECTION = 'fedjax-het-local'
 PROG = 'python -m fedjax_het.flower.local'
@@ -382,9 +381,9 @@ def parse_command_line(argv: Sequence[str]) -> LocalRun:
   if not fv.workdir:
     raise ConfigError('--workdir is required: the run\'s outputs, the nodes\' states and the Flower logs go '
                       'there. Fix: --workdir=DIR.')
-  from fedjax_het import cli
-  from fedjax_het.config import flags_named
-  from fedjax_het.experiment import validate
+  from fedjax_het.run import cli
+  from fedjax_het.run.config import flags_named
+  from fedjax_het.run.experiment import validate
   from fedjax_het.flower.node import deployed_config
   config = cli.config_from_flags(fv)
   with flags_named():
@@ -422,7 +421,7 @@ def help_text(argv: Sequence[str] = (), full: bool = False) -> str:
   """What --help prints: the usage, this command's own flags, then the experiment flags by group as the other
   entry points list them (the hyperparameters of the method --algorithm in `argv` names); with `full`
   (--helpfull), every method's hyperparameters too. The flags a Flower run sets itself are left out."""
-  from fedjax_het import cli
+  from fedjax_het.run import cli
   fv = experiment_flag_values()
   define_local_flags(fv)
   for name in set(NOT_KEYS) - set(DEPLOYMENT_FLAGS):
@@ -435,7 +434,7 @@ def help_text(argv: Sequence[str] = (), full: bool = False) -> str:
   if full:
     shown = set(cli.help_text(fv, '', argv).split())
     for module, module_flags in fv.flags_by_module_dict().items():
-      rest = [f for f in module_flags if module.startswith('fedjax_het.methods') and f'--{f.name}' not in shown
+      rest = [f for f in module_flags if module.startswith('fedjax_het.run.registry') and f'--{f.name}' not in shown
               and f'--[no]{f.name}' not in shown]
       if rest:
         text += f'\n\n{module}:\n' + '\n'.join(line for f in rest for line in cli._flag_lines(f))

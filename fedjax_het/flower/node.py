@@ -20,12 +20,12 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from fedjax_het.config import ExperimentConfig
 from fedjax_het.core import for_client
 from fedjax_het.engine.federation import Federation
 from fedjax_het.engine.groups import host_copy
 from fedjax_het.errors import ConfigError
-from fedjax_het.workdir import write_atomically
+from fedjax_het.run.config import ExperimentConfig
+from fedjax_het.run.workdir import write_atomically
 
 _STATE_FILE = re.compile(r'after_round_(\d+)\.npz$')
 

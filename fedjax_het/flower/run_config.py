@@ -2,14 +2,14 @@
 
 The Flower App (experiments/flower/pyproject.toml) has two kinds of run-config keys. The deployment's own
 (`DEPLOYMENT_KEYS`: flagfile, workdir, resume, timeouts, ...), and one key per experiment flag of
-`fedjax_het.cli`: the flag's name with - for _ (`rounds`, `num-clients`, `local-learning-rate`). An experiment
+`fedjax_het.run.cli`: the flag's name with - for _ (`rounds`, `num-clients`, `local-learning-rate`). An experiment
 key left at "" keeps the flag file's value (or the flag's default); any other value overrides it, as a flag given
 after --flagfile does on the command line:
 
   flwr run experiments/flower mine --run-config 'flagfile="/abs/quickstart.flags" workdir="/abs/out" rounds=2'
 
 Flower refuses a `--run-config` key that the app's pyproject.toml does not list, so that file lists every
-experiment flag; `python -m fedjax_het.flower.run_config` rewrites its block of them from `fedjax_het.cli`.
+experiment flag; `python -m fedjax_het.flower.run_config` rewrites its block of them from `fedjax_het.run.cli`.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ APP_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 
 def experiment_flag_values() -> flags.FlagValues:
-  """A fresh FlagValues holding every experiment flag of `fedjax_het.cli` (the experiment entry points' flags)."""
-  from fedjax_het import cli
+  """A fresh FlagValues holding every experiment flag of `fedjax_het.run.cli` (the experiment entry points' flags)."""
+  from fedjax_het.run import cli
   fv = flags.FlagValues()
   cli.define_flags(flag_values=fv)
   return fv
@@ -128,7 +128,7 @@ def run_config_argument(config: Mapping[str, Any]) -> str:
 
 def pyproject_block(fv: Optional[flags.FlagValues] = None) -> str:
   """The lines of experiments/flower/pyproject.toml that list the experiment flags' run-config keys."""
-  lines = [BEGIN + ' (python -m fedjax_het.flower.run_config writes this block from fedjax_het.cli). A key is',
+  lines = [BEGIN + ' (python -m fedjax_het.flower.run_config writes this block from fedjax_het.run.cli). A key is',
            '# the flag\'s name with - for _; "" keeps the flag file\'s value (or the flag\'s default).']
   lines += [f'{key} = ""' for key in experiment_keys(fv)]
   return '\n'.join(lines + [END])
@@ -147,7 +147,7 @@ def main(argv: Iterable[str] = ()) -> int:
   argv = list(argv)
   if any(a in ('-h', '--help', '-help') for a in argv) or len(argv) > 1:
     print('usage: python -m fedjax_het.flower.run_config [PYPROJECT_TOML]\n\nRewrites the block of experiment flags '
-          'of the Flower app\'s pyproject.toml (default: experiments/flower/pyproject.toml) from fedjax_het.cli\'s '
+          'of the Flower app\'s pyproject.toml (default: experiments/flower/pyproject.toml) from fedjax_het.run.cli\'s '
           'flags.', file=sys.stdout if len(argv) == 1 else sys.stderr)
     return 0 if len(argv) == 1 else 2
   path = argv[0] if argv else os.path.join(APP_DIR, 'pyproject.toml')

@@ -22,13 +22,13 @@ from absl import flags, logging
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedjax_het import cli
-from fedjax_het.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
-from fedjax_het.experiment import train_and_evaluate
 from fedjax_het.errors import ConfigError
 from fedjax_het.flower.node import deployed_config
 from fedjax_het.flower.rounds import UPLOAD_BOUND, FlowerRounds
 from fedjax_het.flower.run_config import experiment_flag_values, override_arguments, run_name
+from fedjax_het.run import cli
+from fedjax_het.run.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
+from fedjax_het.run.experiment import train_and_evaluate
 
 app = ServerApp()
 

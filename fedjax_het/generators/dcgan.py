@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_het.generators.base import ConditionalGenerator, bce, uniform_labels
-from fedjax_het.optim import step_at_rate, torch_adam
 from fedjax_het.models.conv import conv_factory, conv_transpose
 from fedjax_het.models.norm import TorchBatchNorm, batch_rows
+from fedjax_het.optim import step_at_rate, torch_adam
 
 NOISE_DIM = 100
 

@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_het.generators.base import ConditionalGenerator
-from fedjax_het.optim import step_at_rate, torch_adam
 from fedjax_het.models.conv import conv_factory, conv_transpose
 from fedjax_het.models.init import torch_default_init
 from fedjax_het.models.norm import TorchBatchNorm, batch_rows
+from fedjax_het.optim import step_at_rate, torch_adam
 from fedjax_het.rows import batch_mean
 
 gelu = lambda x: nn.gelu(x, approximate=False)

@@ -1,5 +1,5 @@
 """Convolution formulations: XLA's native convolution, im2col (image patches times the kernel as a matrix), or
-oneDNN's convolution as a custom call on the CPU (models/onednn.py).
+oneDNN's convolution as a custom call on the CPU (kernels/onednn.py).
 
 All compute `lax.conv_general_dilated` with the same parameters (Flax `nn.Conv`'s 'kernel' [kh, kw, C, O] and
 'bias'); they differ in speed. Under `jax.vmap` over clients each client has its own kernel, so XLA's convolution
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fedjax_het.errors import ConfigError
-from fedjax_het.models import onednn
+from fedjax_het.kernels import onednn
 
 
 IM2COL_MAX_CHANNELS = 8  # 'auto' uses im2col up to this many input channels
@@ -143,7 +143,7 @@ def auto_conv_general_dilated(lhs, rhs, *args, max_channels: int = IM2COL_MAX_CH
 def onednn_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
                                 dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
                                 preferred_element_type=None) -> jax.Array:
-  """`lax.conv_general_dilated` by oneDNN's custom calls (`models.onednn.conv2d`) for 2-D channels-last ungrouped
+  """`lax.conv_general_dilated` by oneDNN's custom calls (`kernels.onednn.conv2d`) for 2-D channels-last ungrouped
   float32 convolutions on the CPU; anything else (other layouts, groups, dtypes, cropping, another backend) by
   `lax.conv_general_dilated`. Raises OneDNNUnavailable (with its fix) when oneDNN cannot be loaded."""
   plain = (lhs.ndim == 4 and jax.default_backend() == 'cpu' and lhs.dtype == jnp.float32

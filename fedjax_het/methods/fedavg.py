@@ -1,0 +1,48 @@
+"""Grouped FedAvg: FedAvg of the parameters within each architecture group (sample-weighted), no cross-group
+exchange. The server keeps one model per group, initialised as the group's clients are (PFLlib broadcasts the
+global model before the first local step); each round a participant starts from its group's model and uploads its
+trained parameters; the server averages them per group. A client is scored with its group's model. As in PFLlib,
+which averages `model.parameters()`, BatchNorm running statistics are not averaged: they stay with each client."""
+
+from __future__ import annotations
+
+from fedjax_het.core import Capabilities, UploadPrivacy
+from fedjax_het.methods.shared.base import (Algorithm, ClientState, GroupSpec, head_evaluation, one_phase, own_head,
+                                            sgd_program)
+from fedjax_het.methods.shared.common import cross_entropy_loss
+
+
+def receive_group_model(client: ClientState, broadcast) -> ClientState:
+  """The client's parameters set to its group's model (its BatchNorm statistics stay its own)."""
+  return client._replace(params=broadcast['model'])
+
+
+# DP-FedAvg's view of a group-model upload: the delta from the group's model is clipped; the server averages per group
+GROUP_MODEL_PRIVACY = UploadPrivacy(reference=lambda b: {'model': b['model']}, aggregate='group_sum')
+
+
+def average_group_models(server: dict, uploads) -> dict:
+  """Per group: sum_k n_k theta_k / sum_k n_k over its participants' uploaded models (kept when it had none)."""
+  return {'models': uploads.group_mean('model', by='rows', previous=server['models'])}
+
+
+def fedavg_grouped(num_classes: int) -> Algorithm:
+  """Grouped FedAvg as an `Algorithm`; each participant uploads and receives its whole model."""
+
+  def init_server(key, spec, initial):
+    return {'models': tuple(state.params for state in initial)}
+
+  def broadcast(server, group: GroupSpec):
+    return {'model': server['models'][group.index]}
+
+  def client(group: GroupSpec):
+    return sgd_program(cross_entropy_loss(group.model), group.training, receive=receive_group_model,
+                       upload=lambda c, rows, b, k: {'model': c.params})
+
+  def server_update(server, uploads, key):
+    return average_group_models(server, uploads), {}
+
+  evaluation = lambda group: head_evaluation(group.model, {'local_head': own_head}, receive=receive_group_model)
+  return one_phase('fedavg', init_server, client, server_update, evaluation, broadcast=broadcast,
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False),
+                   upload_privacy=GROUP_MODEL_PRIVACY)

@@ -1,0 +1,251 @@
+"""HeteroFL (Diao et al., ICLR 2021, "HeteroFL: Computation and communication efficient federated learning for
+heterogeneous clients"), as Felo's Fig. 4 runs it ("Exploiting Features and Logits in Heterogeneous Federated Learning",
+Sec. 4: sub-models of the largest ResNet with smaller widths and the same depth, evaluated on the server).
+
+The architecture groups are one architecture at several width rates, `--models=resnet26@1,resnet26@0.5,...`
+(`models.registry`: every hidden width w becomes ceil(rate * w)). The server holds the global model, the widest
+group's; a participant receives its sub-model, the leading slice of every parameter (the first ceil(rate * w)
+channels of each layer), trains it and uploads it with the classes it holds. The server averages every entry of the
+global model over the participants whose sub-model holds it, unweighted; an entry nobody held keeps its value; the
+output layer's row of class c counts only the participants holding c (HeteroFL's label split, `combine`).
+
+Training: CE with the logits of classes the client does not hold set to 0 (HeteroFL's `masked_fill(label_mask ==
+0, 0)`, --heterofl_mask), SGD at --local_learning_rate with momentum --heterofl_momentum and weight decay
+--heterofl_weight_decay (HeteroFL's 0.9 and 5e-4), each step's gradient first clipped to global norm
+--heterofl_clip_norm (its code's 1), a fresh optimizer every round, its rate multiplied by --heterofl_lr_decay at
+each round of --heterofl_lr_milestones (its code's MultiStepLR, stepped every round; off by default). Its static
+BatchNorm keeps no running statistics for training; every client is scored with the global model (Felo: "evaluated on the server
+side").
+
+Static BatchNorm (sBN, --heterofl_static_bn, the default): before each evaluation the global model runs in train
+mode over every client's training rows (`Evaluation.statistics`: the paper's server querying its clients), and its
+BatchNorm layers are scored with the mean of the batch statistics of its batches of --batch_size rows, each weighted
+by its rows (HeteroFL's `stats` pass averages its train loader's batches equally; the variances are unbiased in
+both; the pass is not counted in the communication); off, the global model
+normalises each test batch by the statistics of its real rows, so a score depends on the batch size. Not over
+Flower: its nodes are not queried for statistics.
+Under DP the classes a client holds (its label mask) are sent in the clear. Its Scaler (1 / rate
+on every conv output during training) is left out: a BatchNorm follows every scaled convolution in both model
+families and removes the factor. Felo's 'dynamic' split (each client draws its rate every round) is not
+reproduced: a client keeps its group's rate ('fix' in HeteroFL's code). The models are HeteroFL's CNN
+(`heterofl_conv`), its pre-activation ResNets with the 3x3 stem (`preact_resnet18`, `preact_resnet26`) and the
+zoo's other ResNets; models that flatten a feature map into a Dense have no channel-sliceable sub-model and are
+refused. Its CIFAR loader's random crop and flip are the run's `--augment=crop_flip`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_het.core import (Algorithm, Capabilities, ClientProgram, ClientState, Evaluation, GroupSpec, Traffic,
+                             UploadPrivacy, hyperparameter, leaf_scalars, one_phase)
+from fedjax_het.errors import ConfigError, setting
+from fedjax_het.methods.shared.base import sgd_program
+from fedjax_het.methods.shared.common import cross_entropy
+from fedjax_het.models.forward import forward
+from fedjax_het.models.norm import batch_statistics
+from fedjax_het.optim import multistep_factor
+
+
+@dataclasses.dataclass(frozen=True)
+class HeteroFLConfig:
+  """HeteroFL's local optimiser and label masking (its code's defaults)."""
+  momentum: float = hyperparameter(0.9, 'HeteroFL: SGD momentum (a fresh optimiser every round).',
+                                   flag='heterofl_momentum')
+  weight_decay: float = hyperparameter(5e-4, 'HeteroFL: SGD weight decay.', flag='heterofl_weight_decay')
+  lr_milestones: str = hyperparameter('', 'HeteroFL: comma-separated rounds (0-based) from which the local rate is '
+                                           'multiplied by --heterofl_lr_decay once more (its code\'s MultiStepLR, '
+                                           'stepped every round: 150,250 for CIFAR-10 IID); empty: a constant rate.',
+                                     flag='heterofl_lr_milestones')
+  lr_decay: float = hyperparameter(0.1, 'HeteroFL: the MultiStepLR factor at each of --heterofl_lr_milestones.',
+                                   flag='heterofl_lr_decay')
+  clip_norm: float = hyperparameter(1.0, 'HeteroFL: clip every local step\'s gradient to this global L2 norm before '
+                                         'weight decay and momentum (its code\'s clip_grad_norm_(..., 1)); 0: none.',
+                                    flag='heterofl_clip_norm')
+  mask: bool = hyperparameter(True, 'HeteroFL: set the logits of classes a client does not hold to 0 in training.',
+                              flag='heterofl_mask')
+  static_bn: bool = hyperparameter(True, 'HeteroFL: score the global model with BatchNorm statistics from a pass over '
+                                         'every client\'s training rows (its sBN); off: each test batch\'s own.',
+                                   flag='heterofl_static_bn')
+
+  def __post_init__(self):
+    if not 0 <= self.momentum < 1 or self.weight_decay < 0:
+      raise ConfigError(f'{setting(self, "momentum")} must be in [0, 1) and {setting(self, "weight_decay")} >= 0.')
+    if not self.clip_norm >= 0:
+      raise ConfigError(f'{setting(self, "clip_norm")} must be >= 0 (0: no clipping).')
+    try:
+      milestones = self.milestones
+    except ValueError:
+      milestones = None
+    if milestones is None or any(m < 0 for m in milestones) or not 0 < self.lr_decay <= 1:
+      raise ConfigError(f'{setting(self, "lr_milestones")} must list rounds >= 0 separated by commas (e.g. 150,250) '
+                        f'and {setting(self, "lr_decay")} be in (0, 1].')
+
+  @property
+  def milestones(self) -> tuple[int, ...]:
+    """The rounds of --heterofl_lr_milestones."""
+    return tuple(int(m) for m in self.lr_milestones.replace(' ', '').split(',') if m)
+
+
+def local_optimizer(cfg: HeteroFLConfig, learning_rate: float) -> optax.GradientTransformation:
+  """HeteroFL's local step (its `Local.train`): the loss's gradient clipped to global L2 norm `clip_norm`, then
+  SGD's weight decay and momentum, as torch's SGD adds them after `clip_grad_norm_`."""
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm) if cfg.clip_norm else optax.identity(),
+                     optax.add_decayed_weights(cfg.weight_decay) if cfg.weight_decay else optax.identity(),
+                     optax.sgd(learning_rate, momentum=cfg.momentum or None))
+
+
+def sub_model(tree: Any, shapes: Any) -> Any:
+  """The leading slice of every leaf of `tree` with the shape of the matching leaf of `shapes` (a sub-model's
+  parameters from the global model's)."""
+  return jax.tree.map(lambda a, s: a[tuple(slice(0, d) for d in s.shape)], tree, shapes)
+
+
+def pad_to(tree: Any, shapes: Any) -> Any:
+  """Every leaf zero-padded at the end of each axis to the shape of the matching leaf of `shapes`."""
+  return jax.tree.map(lambda a, s: jnp.pad(a, [(0, t - d) for d, t in zip(a.shape, s.shape)]), tree, shapes)
+
+
+def class_rows(tree: dict, label_mask: jnp.ndarray) -> dict:
+  """Per-parameter weights [S, ...leaf] of the participants' entries: 1 everywhere except the head, whose class
+  axis (the last) carries each participant's `label_mask` [S, C]."""
+  ones = jax.tree.map(jnp.ones_like, tree)
+  head = jax.tree.map(lambda a: jnp.broadcast_to(label_mask.reshape(label_mask.shape[:1] + (1,) * (a.ndim - 2)
+                                                                    + label_mask.shape[1:]), a.shape),
+                      tree['head'])
+  return {**ones, 'head': head}
+
+
+def combine(global_params: dict, uploads) -> dict:
+  """HeteroFL's aggregation: each entry of the global model the unweighted mean of the participants' values of it
+  (their sub-models' leading slices; the head's class rows only from participants holding the class), kept where
+  no participant held it. `uploads`: per group `Uploads` of {'model', 'label_mask'}."""
+  total = jax.tree.map(jnp.zeros_like, global_params)
+  count = jax.tree.map(jnp.zeros_like, global_params)
+  for u in uploads:
+    weights = class_rows(u.values['model'], u.values['label_mask'])
+    real = lambda w: w * u.mask.astype(w.dtype).reshape((-1,) + (1,) * (w.ndim - 1))
+    held = jax.tree.map(real, weights)
+    total = jax.tree.map(jnp.add, total, pad_to(jax.tree.map(lambda w, v: (w * v).sum(0), held, u.values['model']),
+                                                global_params))
+    count = jax.tree.map(jnp.add, count, pad_to(jax.tree.map(lambda w: w.sum(0), held), global_params))
+  return jax.tree.map(lambda t, c, old: jnp.where(c > 0, t / jnp.maximum(c, 1.0), old), total, count, global_params)
+
+
+def variables(group: GroupSpec, model=None) -> Any:
+  """The shapes of a group's model's variables (of `model`, one of its group's models, where given)."""
+  model = model or group.model
+  return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), group.sample_input(), train=False))
+
+
+def widest(group: GroupSpec) -> int:
+  """The index of the group with the most parameters (the global model's architecture)."""
+  sizes = [sum(leaf.size for leaf in jax.tree.leaves(variables(group, m)['params'])) for m in group.group_models]
+  return max(range(len(sizes)), key=lambda i: sizes[i])
+
+
+def check_sub_models(spec) -> int:
+  """The widest group's index, after checking that every group's model is a leading slice of it (one architecture
+  at several width rates) and that RM keeps the widths apart; a ConfigError naming the setting otherwise."""
+  if spec.groups[0].rm not in ('none', 'fc'):
+    raise ConfigError(f'ModelConfig.rm={spec.groups[0].rm!r}: HeteroFL slices every layer to its width, and '
+                      f'{spec.groups[0].rm!r} pools each width\'s features to the same d, so a narrow model\'s '
+                      f'features would not be the leading slice of the wide one\'s. Fix: ModelConfig.rm=\'none\' '
+                      f'(HeteroFL: the head on the pooled features) or \'fc\'.')
+  top = widest(spec.groups[0])
+  big = variables(spec.groups[top])['params']
+  for g in spec.groups:
+    small = variables(g)['params']
+    if (jax.tree.structure(small) != jax.tree.structure(big) or
+            any(any(d > t for d, t in zip(a.shape, b.shape)) for a, b in zip(jax.tree.leaves(small),
+                                                                              jax.tree.leaves(big)))):
+      raise ConfigError(f'ModelConfig.names: HeteroFL needs one architecture at several width rates (e.g. '
+                        f'resnet26@1,resnet26@0.5); {g.arch!r} is not a sub-model of {spec.groups[top].arch!r}.')
+  return top
+
+
+def client_program(cfg: HeteroFLConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
+  """A client's round: its label mask from its rows, then its sub-model trained on CE with the logits of classes
+  it lacks set to 0 (--heterofl_mask), at the round's rate (`local_optimizer`: the group's local rate,
+  `LocalTraining.learning_rate`, scaled by the broadcast's MultiStepLR factor); it uploads the sub-model and the
+  mask."""
+  optimizer = lambda broadcast: local_optimizer(cfg, group.training.learning_rate * broadcast['lr_scale'])
+
+  def loss(client, batch, broadcast, key):
+    logits, _, model_state = forward(group.model, client.params, client.model_state, batch.x, True, batch.mask)
+    if cfg.mask:
+      logits = jnp.where(client.extra['label_mask'] > 0, logits, 0.0)
+    return cross_entropy(logits, batch.y, batch.mask), client._replace(model_state=model_state)
+
+  def prepare(client, rows, broadcast, key):
+    held = (jnp.arange(rows.x.shape[0]) < rows.num_train)[:, None] & (rows.y[:, None] == jnp.arange(num_classes))
+    return client._replace(extra={**client.extra, 'label_mask': held.any(0).astype(jnp.float32)})
+
+  program = sgd_program(loss, group.training, optimizer=optimizer,
+                        receive=lambda c, b: c._replace(params=b['model']),
+                        upload=lambda c, rows, b, k: {'model': c.params, 'label_mask': c.extra['label_mask']})
+  return program._replace(prepare=prepare)
+
+
+def global_model_evaluation(cfg: HeteroFLConfig, group: GroupSpec) -> Evaluation:
+  """Every client scored with the global model: under sBN with the BatchNorm statistics of a train-mode pass over
+  every client's training rows (each chunk's batch statistics, weighted by its rows), else each test batch's."""
+  model = group.group_models[widest(group)]
+  if not (cfg.static_bn and 'batch_stats' in variables(group, model)):
+    def prepare(client: ClientState, broadcast):
+      return broadcast['global'], broadcast['global_state']
+
+    def batch_logits(evaluated, x, rows):
+      params, state = evaluated
+      return (forward(model, params, state, x, True, rows)[0],)  # BatchNorm on the batch's real test rows
+    return Evaluation(('global_model',), prepare, batch_logits, batch_rows=True)
+
+  def prepare_static(client: ClientState, broadcast):
+    if 'statistics' not in broadcast:  # while the statistics are gathered: nothing to score with yet
+      return broadcast['global'], broadcast['global_state'], None  # (a static marker: None, not gathered)
+    sums = broadcast['statistics']
+    stats = jax.tree.map(lambda a: a / jnp.maximum(sums['rows'], 1.0), sums['weighted'])
+    return broadcast['global'], {**broadcast['global_state'], 'batch_stats': stats}, ()
+
+  def statistics(evaluated, x, rows):
+    params, state, _ = evaluated
+    stats = batch_statistics(model, {'params': params, **state}, x, rows)
+    k = rows.sum().astype(jnp.float32)
+    return {'weighted': jax.tree.map(lambda a: jnp.where(k > 0, a * k, 0.0), stats), 'rows': k}
+
+  def logits(evaluated, x):
+    params, state, gathered = evaluated
+    if gathered is None:
+      raise ConfigError('HeteroFL\'s static BatchNorm scores the global model with statistics gathered over the '
+                        'clients\' training rows, and this evaluation had none (Federation.evaluate gathers '
+                        'them). Fix: score through Federation.evaluate, or --noheterofl_static_bn.')
+    return (forward(model, params, state, x, False)[0],)
+  return Evaluation(('global_model',), prepare_static, logits, statistics=statistics)
+
+
+def heterofl(cfg: HeteroFLConfig, num_classes: int) -> Algorithm:
+  """HeteroFL (fixed rates per group) as an `Algorithm`."""
+
+  def init_server(key, spec, initial):
+    top = check_sub_models(spec)
+    return {'model': initial[top].params, 'state': initial[top].model_state, 'round': jnp.zeros((), jnp.int32)}
+
+  def broadcast(server, group):
+    return {'model': sub_model(server['model'], variables(group)['params']), 'global': server['model'],
+            'global_state': server['state'], 'lr_scale': multistep_factor(server['round'], cfg.milestones,
+                                                                          cfg.lr_decay)}
+
+  def server_update(server, uploads, key):
+    return {**server, 'model': combine(server['model'], uploads), 'round': server['round'] + 1}, {}
+
+  return one_phase('heterofl', init_server, lambda group: client_program(cfg, num_classes, group),
+                   server_update, lambda group: global_model_evaluation(cfg, group), broadcast=broadcast,
+                   init_client=lambda group, key: {'label_mask': jnp.ones(num_classes)},
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False),
+                   traffic=Traffic(broadcast=lambda b: leaf_scalars({'model': b['model']})),
+                   upload_privacy=UploadPrivacy(public=('label_mask',), reference=lambda b: {'model': b['model']}))
