@@ -9,10 +9,9 @@ from fedjax_het.methods import FDConfig, FedKDConfig, FedProtoConfig, FedTGPConf
 from fedjax_het.methods.shared.common import class_prototypes
 from types import SimpleNamespace
 
-from fedjax_het.core import Uploads
+from fedjax_het.core import Uploads, server_step
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig, run_client
 from fedjax_het.models.forward import forward
-from fedjax_het.uploads import RoundUploads
 
 
 def _one_client_round(alg, data, training, strategy='vmap'):
@@ -58,15 +57,15 @@ def test_fedtgp_server_trains_at_the_local_learning_rate_by_default():
   uploads = (Uploads({'protos': jax.random.normal(jax.random.PRNGKey(0), (k, c, d)),
                       'counts': jnp.array([[2., 0., 1., 3.], [1., 1., 0., 0.], [0., 4., 4., 1.]])},
                      jnp.array([True, True, True]), jnp.ones(k)),)
-  spec = SimpleNamespace(feature_dim=d)
-  default = fedtgp(FedTGPConfig(server_epochs=3), c, batch_size=4, local_learning_rate=0.3)
-  explicit = fedtgp(FedTGPConfig(server_epochs=3, server_learning_rate=0.3), c, batch_size=4,
-                    local_learning_rate=0.01)
-  other = fedtgp(FedTGPConfig(server_epochs=3, server_learning_rate=0.01), c, batch_size=4)
+  at = lambda rate: SimpleNamespace(feature_dim=d, training=LocalTraining(rate, 4, 1))
+  runs = ((FedTGPConfig(server_epochs=3), at(0.3)),  # the local rate: 0.3
+          (FedTGPConfig(server_epochs=3, server_learning_rate=0.3), at(0.01)),
+          (FedTGPConfig(server_epochs=3, server_learning_rate=0.01), at(0.3)))
   results = []
-  for alg in (default, explicit, other):
+  for cfg, spec in runs:
+    alg = fedtgp(cfg, c)
     server = alg.init_server(jax.random.PRNGKey(1), spec, None)
-    results.append(alg.phases[0].server_update(server, RoundUploads(uploads), jax.random.PRNGKey(2))[0]['protos'])
+    results.append(server_step(alg.phases[0], spec)(server, uploads, jax.random.PRNGKey(2))[0]['protos'])
   np.testing.assert_array_equal(results[0], results[1])
   assert not np.allclose(results[0], results[2])
 

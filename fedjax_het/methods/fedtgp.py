@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.core import Traffic, hyperparameter
+from fedjax_het.core import FederationSpec, Phase, Traffic, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.methods.fedproto import (empty_prototypes, global_prototypes_sent, prototype_evaluation, prototype_loss,
                                          prototype_rows, prototype_upload, prototypes_sent)
-from fedjax_het.methods.shared.base import Algorithm, one_phase, sgd_program
+from fedjax_het.methods.shared.base import Algorithm, sgd_program
 from fedjax_het.methods.shared.common import check_server_training, class_means_privacy, sgd_on_rows
 from fedjax_het.models.init import torch_default_init
 
@@ -85,12 +85,9 @@ def margin_contrastive_loss(protos: jnp.ndarray, labels: jnp.ndarray, generated:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-def fedtgp(cfg: FedTGPConfig, num_classes: int, batch_size: int = 32, local_learning_rate: float = 0.01
-           ) -> Algorithm:
-  """FedTGP as an `Algorithm` (`batch_size`, `local_learning_rate`: the server's batch and rate when cfg
-  leaves them None)."""
-  server_batch = cfg.server_batch_size or batch_size
-  server_rate = cfg.server_learning_rate or local_learning_rate
+def fedtgp(cfg: FedTGPConfig, num_classes: int) -> Algorithm:
+  """FedTGP as an `Algorithm` (the server trains at the run's local rate and batch size where cfg leaves them
+  None: `FederationSpec.training`)."""
   classes = jnp.arange(num_classes)
 
   def generator(feature_dim: int) -> PrototypeGenerator:
@@ -107,8 +104,13 @@ def fedtgp(cfg: FedTGPConfig, num_classes: int, batch_size: int = 32, local_lear
     return sgd_program(prototype_loss(group.model, cfg.lamda), group.training,
                        upload=prototype_upload(num_classes), representations=True)
 
-  def server_update(server, uploads, key):
+  def server_update(spec: FederationSpec):
     """Trains TGP on the participants' prototypes with the adaptive margin; broadcasts TGP(c) for all c."""
+    server_rate = cfg.server_learning_rate or spec.training.learning_rate
+    server_batch = cfg.server_batch_size or spec.training.batch_size
+    return lambda server, uploads, key: train_generator(server, uploads, key, server_rate, server_batch)
+
+  def train_generator(server, uploads, key, server_rate, server_batch):
     protos, labels, weight = prototype_rows(uploads.every())
     means, present = uploads.class_mean('protos')
     margin = adaptive_margin(means, present, cfg.margin_threshold)
@@ -121,6 +123,7 @@ def fedtgp(cfg: FedTGPConfig, num_classes: int, batch_size: int = 32, local_lear
     return ({'tgp': params, 'protos': generated, 'present': jnp.ones(num_classes, bool)},
             {'server_loss': loss, 'margin': margin})
 
-  return one_phase('fedtgp', init_server, client, server_update, prototype_evaluation, broadcast=broadcast,
-                   traffic=Traffic(prototypes_sent, global_prototypes_sent),
+  phase = Phase('fedtgp', client, server_update, broadcast, server_of_spec=True,
+                traffic=Traffic(prototypes_sent, global_prototypes_sent))
+  return Algorithm('fedtgp', init_server, (phase,), prototype_evaluation,
                    upload_privacy=class_means_privacy('protos', 'records'))

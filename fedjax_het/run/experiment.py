@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import json
 import os
 import secrets
@@ -58,7 +57,7 @@ def make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> Algorithm:
 
 
 def _make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> tuple[Algorithm, Run]:
-  run = Run(data.num_classes, cfg.num_clients, cfg.rounds, cfg.feature_dim, cfg.batch_size, cfg.local_learning_rate,
+  run = Run(data.num_classes, cfg.num_clients, cfg.rounds, cfg.feature_dim, cfg.batch_size,
             lambda: data.loader_label_counts(cfg.batch_size, cfg.data_order == 'stored' and cfg.drop_last),
             data.public)
   with flags_named():
@@ -100,8 +99,7 @@ def _build(cfg: ExperimentConfig, secret: Optional[int] = None) -> tuple[Federat
   dataset = dataset.subsampled(cfg.data_fraction, cfg.seed).resized(cfg.image_size)
   dataset = dataset.normalized(cfg.input_normalization)
   public = None
-  if (cfg.public_size or cfg.public_dataset) and 'public' not in inspect.signature(
-      method(cfg.algorithm).factory).parameters:
+  if (cfg.public_size or cfg.public_dataset) and 'public' not in method(cfg.algorithm).reads:
     logging.warning('--public_size / --public_dataset: %s reads no public data; %s', cfg.algorithm,
                     'the clients still lose the held-out rows.' if cfg.public_size and not cfg.public_dataset
                     else 'the public dataset is not used.')

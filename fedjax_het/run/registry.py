@@ -4,16 +4,15 @@ Adding a method is its module plus one line in `METHODS`. A method's hyperparame
 config dataclass; each field names its command-line flag in its metadata (`hyperparameter`), so the flags of
 experiments/ are derived from the dataclasses (fedjax_het.run.cli) and grouped per method in --helpfull. Methods may
 share a flag (e.g. --lamda) when the field means the same thing in each. A factory returns the method's
-`Algorithm`; its parameters are `cfg` (the method's config; omitted by methods without hyperparameters) and any
-fields of the `Run` it is built for (num_classes, num_clients, rounds, feature_dim, batch_size,
-local_learning_rate, label_counts, public), bound by name (`Method.algorithm`), so a factory keeps the signature a
-notebook calls it with and registers without an adapter.
+`Algorithm`; it takes `cfg` (the method's config; not passed to methods without hyperparameters) and, by keyword,
+the fields of the `Run` it is built for that its entry names in `Method.reads` (default: num_classes), so a factory
+keeps the signature a notebook calls it with and registers without an adapter. The local schedule (learning rate,
+batch size, epochs) reaches programs and server steps as `GroupSpec.training` / `FederationSpec.training`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -50,7 +49,6 @@ class Run:
   total_rounds: int
   feature_dim: int
   batch_size: int
-  local_learning_rate: float
   loader_label_counts: Callable[[], np.ndarray]  # all clients' training labels as their train loaders yield them
   public_data: Optional[PublicData] = None  # the server's public dataset (`FederatedData.public`)
   _reads: set = dataclasses.field(default_factory=set, compare=False, repr=False)
@@ -81,28 +79,28 @@ class Run:
     return 'rounds' in self._reads
 
 
-RUN_FIELDS = ('num_classes', 'num_clients', 'rounds', 'feature_dim', 'batch_size', 'local_learning_rate',
-              'label_counts', 'public')
+RUN_FIELDS = ('num_classes', 'num_clients', 'rounds', 'feature_dim', 'batch_size', 'label_counts', 'public')
 
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """A registered method: its hyperparameter dataclass, its factory (parameters `cfg` and fields of `Run`, see
-  the module docstring) and a one-line summary."""
+  """A registered method: its hyperparameter dataclass, its factory, a one-line summary, and the fields of `Run`
+  the factory takes by keyword (`reads`, see the module docstring)."""
   config: type
   factory: Callable[..., Algorithm]
   summary: str
+  reads: tuple[str, ...] = ('num_classes',)
 
   def __post_init__(self):
-    unknown = [p for p in inspect.signature(self.factory).parameters if p != 'cfg' and p not in RUN_FIELDS]
+    unknown = [name for name in self.reads if name not in RUN_FIELDS]
     if unknown:
-      raise TypeError(f'{self.factory.__name__}: parameters {unknown} are neither cfg nor fields of Run '
-                      f'({", ".join(RUN_FIELDS)}). Fix: rename them after the Run field they take.')
+      raise TypeError(f'{self.factory.__name__}: reads {unknown}, which are not fields of Run '
+                      f'({", ".join(RUN_FIELDS)}).')
 
   def algorithm(self, cfg: Any, run: Run) -> Algorithm:
-    """The factory's `Algorithm` for `cfg` and `run`, each parameter bound by its name."""
-    return self.factory(**{p: cfg if p == 'cfg' else getattr(run, p)
-                           for p in inspect.signature(self.factory).parameters})
+    """The factory's `Algorithm` for `cfg` and `run`."""
+    arguments = {name: getattr(run, name) for name in self.reads}
+    return self.factory(**arguments) if self.config is NoHyperparameters else self.factory(cfg, **arguments)
 
 
 METHODS: dict[str, Method] = {
@@ -112,38 +110,55 @@ METHODS: dict[str, Method] = {
     'fedavg': Method(NoHyperparameters, fedavg_grouped, 'FedAvg within each architecture group'),
     'lg_fedavg': Method(NoHyperparameters, lg_fedavg, 'LG-FedAvg: local extractors, an averaged head'),
     'fedproto': Method(FedProtoConfig, fedproto, 'FedProto: class prototypes'),
-    'fedgh': Method(FedGHConfig, fedgh, 'FedGH: a global head trained on prototypes'),
+    'fedgh': Method(FedGHConfig, fedgh, 'FedGH: a global head trained on prototypes',
+                    reads=('num_classes', 'batch_size')),
     'fedtgp': Method(FedTGPConfig, fedtgp, 'FedTGP: trainable global prototypes with an adaptive margin'),
     'fd': Method(FDConfig, fd, 'FD: per-class mean logits'),
-    'fedgen': Method(FedGenConfig, fedgen, 'FedGen: a server generator in representation space'),
+    'fedgen': Method(FedGenConfig, fedgen, 'FedGen: a server generator in representation space',
+                     reads=('num_classes', 'batch_size', 'label_counts')),
     'fml': Method(FMLConfig, fml, 'FML: mutual learning with a shared model'),
-    'fedkd': Method(FedKDConfig, fedkd, 'FedKD: distillation with an SVD-compressed shared mentee'),
-    'fedmrl': Method(FedMRLConfig, fedmrl, 'FedMRL: a shared model fused with the local one (Matryoshka)'),
-    'fpl': Method(FPLConfig, fpl, 'FPL: clustered prototypes'),
-    'ccvr': Method(CCVRConfig, ccvr, 'CCVR: heads calibrated on virtual representations'),
+    'fedkd': Method(FedKDConfig, fedkd, 'FedKD: distillation with an SVD-compressed shared mentee',
+                    reads=('num_classes', 'rounds')),
+    'fedmrl': Method(FedMRLConfig, fedmrl, 'FedMRL: a shared model fused with the local one (Matryoshka)',
+                     reads=('num_classes', 'feature_dim')),
+    'fpl': Method(FPLConfig, fpl, 'FPL: clustered prototypes',
+                  reads=('num_classes', 'num_clients')),
+    'ccvr': Method(CCVRConfig, ccvr, 'CCVR: heads calibrated on virtual representations',
+                   reads=('num_classes', 'batch_size')),
     'pfedafm': Method(PFedAFMConfig, pfedafm, 'pFedAFM: the client\'s features mixed entry by entry with a shared '
-                                              'small extractor\'s by learned weights'),
+                                              'small extractor\'s by learned weights',
+                      reads=()),
     'fedtype': Method(FedTypeConfig, fedtype, 'FedType: a shared proxy model distilled from each private model, '
                                               'which learns back through conformal prediction sets'),
     'fedvtc': Method(FedVTCConfig, fedvtc,
-                     'FedVTC: prototypes and SDs, a VTC decoder per client, fine-tuning on its samples'),
+                     'FedVTC: prototypes and SDs, a VTC decoder per client, fine-tuning on its samples',
+                     reads=('num_classes', 'rounds')),
     'fedprox': Method(FedProxConfig, fedprox, 'FedProx within each architecture group'),
     'gefl': Method(GeFLConfig, gefl,
-                   'GeFL: a federated conditional generator (DCGAN, CVAE, DDPM) aiding heterogeneous targets'),
-    'gefl_f': Method(GeFLFConfig, gefl_f, 'GeFL-F: GeFL on the features of a shared extractor'),
+                   'GeFL: a federated conditional generator (DCGAN, CVAE, DDPM) aiding heterogeneous targets',
+                   reads=('num_classes', 'rounds')),
+    'gefl_f': Method(GeFLFConfig, gefl_f, 'GeFL-F: GeFL on the features of a shared extractor',
+                     reads=('num_classes', 'rounds')),
     'lg_fedavg_fb': Method(NoHyperparameters, lg_fedavg_first_block,
                            "LG-FedAvg as GeFL runs it: GeFL CNNs' first block shared, the rest within groups"),
-    'felo': Method(FeloConfig, felo, 'Felo: per-class mid-level features and logits, FedAvg within groups'),
-    'velo': Method(VeloConfig, velo, 'Velo: Felo with class features generated by a server CVAE'),
-    'fedhe': Method(FedHeConfig, fedhe, 'FedHe: per-class logits only (Felo without the feature term)'),
+    'felo': Method(FeloConfig, felo, 'Felo: per-class mid-level features and logits, FedAvg within groups',
+                   reads=('num_classes', 'rounds', 'num_clients')),
+    'velo': Method(VeloConfig, velo, 'Velo: Felo with class features generated by a server CVAE',
+                   reads=('num_classes', 'rounds', 'num_clients')),
+    'fedhe': Method(FedHeConfig, fedhe, 'FedHe: per-class logits only (Felo without the feature term)',
+                    reads=('num_classes', 'rounds', 'num_clients')),
     'fedmd': Method(FedMDConfig, fedmd, 'FedMD: transfer learning, then digesting the consensus of logits on '
-                                        'public data'),
+                                        'public data',
+                    reads=('num_classes', 'batch_size', 'public')),
     'feddf': Method(FedDFConfig, feddf, 'FedDF: ensemble distillation into each architecture\'s model on public data '
-                                        'at the server'),
+                                        'at the server',
+                    reads=('num_classes', 'public')),
     'avgkd': Method(AvgKDConfig, avgkd, 'AvgKD: soft targets from the other architectures\' models'),
-    'fedala': Method(FedALAConfig, fedala, 'FedALA within each architecture group: adaptive local aggregation'),
+    'fedala': Method(FedALAConfig, fedala, 'FedALA within each architecture group: adaptive local aggregation',
+                     reads=('num_classes', 'batch_size')),
     'fedgkt': Method(FedGKTConfig, fedgkt, 'FedGKT: small client models, a large server model trained on their '
-                                           'features, distillation both ways'),
+                                           'features, distillation both ways',
+                     reads=('num_classes', 'batch_size')),
     'heterofl': Method(HeteroFLConfig, heterofl, 'HeteroFL: width-scaled sub-models of one global model, averaged '
                                                  'entry by entry'),
 }
