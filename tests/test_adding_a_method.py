@@ -70,7 +70,7 @@ def test_a_factory_gets_its_config_and_the_run_fields_it_names():
   def factory(cfg, num_classes, rounds, label_counts):
     seen.update(cfg=cfg, num_classes=num_classes, rounds=rounds, label_counts=list(label_counts))
     return shrink(cfg, num_classes)
-  run = Run(3, 4, 7, 16, 8, lambda: np.array([1, 2, 3]))
+  run = Run(3, 4, 7, 16, lambda: np.array([1, 2, 3]))
   Method(ShrinkConfig, factory, 'a toy', reads=('num_classes', 'rounds', 'label_counts')).algorithm(
       ShrinkConfig(2.0), run)
   assert seen == dict(cfg=ShrinkConfig(2.0), num_classes=3, rounds=7, label_counts=[1, 2, 3])

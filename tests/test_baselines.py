@@ -11,7 +11,7 @@ import pytest
 
 from conftest import tree_allclose
 from golden import client_state, golden_federation
-from fedjax_het.core import Uploads
+from fedjax_het.core import Uploads, server_step
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
 from fedjax_het.methods import (FDConfig, FedGenConfig, FedGHConfig, FedProtoConfig, FedREConfig, FedTGPConfig, fedgen,
@@ -99,13 +99,28 @@ def test_fedgh_server_is_sgd_on_ce_over_the_uploaded_prototypes():
   head = {'kernel': jnp.array([[1., 0., -1.], [0., 1., 0.]]), 'bias': jnp.zeros(C)}
   uploads = (Uploads({'protos': jnp.array([[[1., 0.], [0., 2.], [0., 0.]]]), 'counts': jnp.array([[3, 1, 0]])},
                      jnp.array([True]), jnp.ones(1)),)
-  server, _ = fedgh(cfg, C).phases[0].server_update({'head': head}, RoundUploads(uploads), jax.random.PRNGKey(0))
+  spec = SimpleNamespace(training=LocalTraining(0.05, 32))  # the server batch is cfg's 10
+  server, _ = server_step(fedgh(cfg, C).phases[0], spec)({'head': head}, uploads, jax.random.PRNGKey(0))
   # One batch holds both real rows (class 2 is absent): one step on their mean CE, computed by hand.
   x = np.array([[1., 0.], [0., 2.]])
   p = jax.nn.softmax(x @ np.asarray(head['kernel']), -1)
   grad_logits = (np.asarray(p) - np.eye(C)[[0, 1]]) / 2
   np.testing.assert_allclose(server['head']['kernel'], head['kernel'] - 0.5 * x.T @ grad_logits, rtol=1e-5)
   np.testing.assert_allclose(server['head']['bias'], -0.5 * grad_logits.sum(0), rtol=1e-5, atol=1e-7)
+
+
+def test_fedgh_server_batches_are_the_runs_local_batch_size_unless_set():
+  """The server's batch comes from the LocalTraining the run trains with (`FederationSpec.training`)."""
+  head = {'kernel': jnp.array([[1., 0., -1.], [0., 1., 0.]]), 'bias': jnp.zeros(C)}
+  uploads = (Uploads({'protos': jnp.array([[[1., 0.], [0., 2.], [0., 0.]]]), 'counts': jnp.array([[3, 1, 0]])},
+                     jnp.array([True]), jnp.ones(1)),)
+  def trained(server_batch_size, local_batch_size):
+    cfg = FedGHConfig(server_learning_rate=0.5, server_batch_size=server_batch_size, server_epochs=1)
+    spec = SimpleNamespace(training=LocalTraining(0.05, local_batch_size))
+    return server_step(fedgh(cfg, C).phases[0], spec)({'head': head}, uploads, jax.random.PRNGKey(0))[0]['head']
+  one_by_one = trained(1, 32)
+  tree_allclose(trained(None, 1), one_by_one)
+  assert not np.allclose(trained(None, 2)['kernel'], one_by_one['kernel'])
 
 
 def test_fedgen_ensemble_is_the_weighted_sum_of_head_logits():
@@ -121,10 +136,11 @@ def test_fedgen_server_trains_the_generator_towards_the_heads_and_averages_heads
   heads = {'kernel': jnp.stack([jnp.eye(d)[:, :c] * 5.0] * 2), 'bias': jnp.zeros((2, c))}
   uploads = (Uploads({'head': heads}, jnp.array([True, True]), jnp.array([10., 30.])),)
   alg = fedgen(FedGenConfig(noise_dim=3, hidden_dim=8, server_epochs=60, generator_learning_rate=0.005), c,
-               batch_size=16, label_counts=np.array([5, 25, 10]))
+               label_counts=np.array([5, 25, 10]))
   initial = [SimpleNamespace(params={'head': jax.tree.map(lambda a: a[0], heads)})]
-  server = alg.init_server(jax.random.PRNGKey(0), SimpleNamespace(feature_dim=d), initial)
-  trained, m = alg.phases[0].server_update(server, RoundUploads(uploads), jax.random.PRNGKey(1))
+  spec = SimpleNamespace(feature_dim=d, training=LocalTraining(0.05, 16))
+  server = alg.init_server(jax.random.PRNGKey(0), spec, initial)
+  trained, m = server_step(alg.phases[0], spec)(server, uploads, jax.random.PRNGKey(1))
   np.testing.assert_allclose(trained['head']['kernel'], heads['kernel'][0], rtol=1e-6)
   # The ensemble's CE on generated features falls: a fresh and the trained generator on the same draws.
   def ensemble_ce(variables):

@@ -261,7 +261,7 @@ def test_a_dp_run_resumes_to_the_uninterrupted_numbers_and_epsilon(tmp_path):
       'mode': 'central', 'epsilon': rows[-1]['dp_epsilon'], 'delta': 1e-5, 'noise_multiplier': 1.0, 'clip': 0.5,
       'accountant': 'rdp'}
   # sigma calibrated to the whole run: its length may not change on resume
-  run = Run(10, 4, 4, 16, 16, None)
+  run = Run(10, 4, 4, 16, None)
   assert 'rounds' in resumable_fields(run, cfg)
   assert 'rounds' not in resumable_fields(run, dataclasses.replace(cfg, dp_noise_multiplier=0.0,
                                                                    dp_target_epsilon=3.0))

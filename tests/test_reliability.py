@@ -71,7 +71,7 @@ def test_rounds_may_change_on_resume_only_when_the_method_ignores_them():
   from fedjax_het.run.registry import METHODS, Run
   reads = {}
   for name, m in METHODS.items():
-    run = Run(10, 4, 20, 512, 8, lambda: np.ones(10),
+    run = Run(10, 4, 20, 512, lambda: np.ones(10),
               PublicData(np.zeros((4, 8, 8, 1), np.float32), np.arange(4) % 10, 'public'))
     m.algorithm(m.config(), run)
     reads[name] = run.depends_on_rounds
@@ -80,7 +80,7 @@ def test_rounds_may_change_on_resume_only_when_the_method_ignores_them():
   # its rate at shares of --rounds
   assert [name for name, read in reads.items() if read] == ['fedkd', 'fedvtc', 'gefl', 'gefl_f', 'felo', 'velo',
                                                             'fedhe']
-  run = Run(10, 4, 20, 16, 8, None)
+  run = Run(10, 4, 20, 16, None)
   run.rounds  # noqa: B018 (the read is the point)
   with pytest.raises(ConfigError, match='--rounds=20'):
     _check_identity({'settings': {'rounds': 10}, 'partition': 'p'}, {'settings': {'rounds': 20}, 'partition': 'p'},

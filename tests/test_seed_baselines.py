@@ -73,7 +73,7 @@ def test_the_consensus_is_the_unweighted_mean_over_the_participants_of_every_gro
 
 
 def test_public_logits_in_passes_equal_one_pass(tiny_data):
-  fed = Federation(fedmd(FedMDConfig(), 4, 8, make_federated_data(
+  fed = Federation(fedmd(FedMDConfig(), 4, make_federated_data(
       make_synthetic(num_samples=120, image_shape=(8, 8, 1), num_classes=4, seed=1), 2, 'iid', 0,
       public_size=7).public), tiny_data, ModelConfig(('small_cnn_narrow',), 16), LocalTraining(0.05, 8))
   client = jax.tree.map(lambda a: a[0], fed.init().groups[0])
@@ -180,7 +180,7 @@ def test_fedmd_stages_run_over_the_public_rows_and_only_the_revisit_is_capped(ti
                                             seed=1), num_clients=6, partition='dirichlet', seed=3, alpha=0.5,
                              public_size=40)
   cfg = FedMDConfig(transfer_public_epochs=2, transfer_private_epochs=1, digest_epochs=1, digest_batch_size=16)
-  fed = Federation(fedmd(cfg, 4, 8, data.public), data, ModelConfig(('small_cnn_narrow', 'mlp'), 16),
+  fed = Federation(fedmd(cfg, 4, data.public), data, ModelConfig(('small_cnn_narrow', 'mlp'), 16),
                    LocalTraining(0.05, 8, max_steps=2), rounds=2, join_ratio=0.5)
   everyone, sizes = fed.participants(0), fed.train_sizes
   assert len(everyone) == 6  # the transfer round trains every client
@@ -198,7 +198,7 @@ def test_fedmd_resumed_at_its_phase_boundary_ends_where_the_uninterrupted_run_en
                                             seed=1), num_clients=4, partition='dirichlet', seed=3, alpha=0.5,
                              public_size=24)
   make = lambda: Federation(fedmd(FedMDConfig(transfer_public_epochs=1, transfer_private_epochs=1,
-                                              digest_batch_size=8), 4, 8, data.public), data,
+                                              digest_batch_size=8), 4, data.public), data,
                             ModelConfig(('mlp',), 16), LocalTraining(0.05, 8), rounds=3, join_ratio=0.5)
   fed = make()
   final, history = run_rounds(fed, fed.init(), 3)
@@ -232,7 +232,7 @@ def test_fedala_keeps_a_model_equal_to_the_groups_and_mixes_only_the_head_otherw
   from fedjax_het.methods import FedALAConfig, fedala
   from fedjax_het.methods.fedala import adaptive_local_aggregation
   from fedjax_het.core import ClientRows
-  fed = Federation(fedala(FedALAConfig(max_start_epochs=30), 4, 8), tiny_data,
+  fed = Federation(fedala(FedALAConfig(max_start_epochs=30), 4), tiny_data,
                    ModelConfig(('small_cnn_narrow',), 16), LocalTraining(0.05, 8))
   state = fed.init()
   client = jax.tree.map(lambda a: a[0], state.groups[0])
@@ -453,7 +453,7 @@ def test_heterofl_refuses_an_rm_that_pools_every_width_to_d(tiny_data):
 def test_public_data_mistakes_are_named():
   from fedjax_het.data import PublicData
   with pytest.raises(ConfigError, match='labels up to 5 where the run has 4 classes'):
-    fedmd(FedMDConfig(), 4, 8, PublicData(np.zeros((2, 8, 8, 1)), np.array([0, 5]), 'other'))
+    fedmd(FedMDConfig(), 4, PublicData(np.zeros((2, 8, 8, 1)), np.array([0, 5]), 'other'))
   cfg = ExperimentConfig(algorithm='feddf', dataset='synthetic:8,8,1', public_dataset='nosuchset', num_clients=4,
                          models=('mlp',), feature_dim=16, rounds=2, batch_size=16)
   with pytest.raises(ConfigError, match="--public_dataset='nosuchset' is unknown"):

@@ -177,7 +177,7 @@ def test_fedmd_digest_then_revisit_equals_the_codes_two_fits():
   data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
                                             seed=1), num_clients=4, partition='iid', seed=3, public_size=40)
   cfg = FedMDConfig(digest='mae', digest_epochs=1, digest_batch_size=8, learning_rate=2e-3)
-  fed = Federation(fedmd(cfg, 4, 8, data.public), data, ModelConfig(('mlp',), 512, 'none'),
+  fed = Federation(fedmd(cfg, 4, data.public), data, ModelConfig(('mlp',), 512, 'none'),
                    LocalTraining(0.05, 8, 1, order='stored'))
   state = fed.init()
   client = jax.tree.map(lambda a: a[0], state.groups[0])
@@ -214,7 +214,7 @@ def test_fedgkt_client_steps_equal_its_codes_kd_training():
   data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
                                             seed=1), num_clients=4, partition='iid', seed=3)
   cfg = FedGKTConfig(temperature=3.0, alpha=0.7, learning_rate=2e-3, server_blocks=1)
-  fed = Federation(fedgkt(cfg, 4, 8), data, ModelConfig(('mlp',), 512, 'none'), LocalTraining(0.05, 8, 1))
+  fed = Federation(fedgkt(cfg, 4), data, ModelConfig(('mlp',), 512, 'none'), LocalTraining(0.05, 8, 1))
   state = fed.init()
   client = jax.tree.map(lambda a: a[0], state.groups[0])
   k = int(fed.groups[0].clients[0])
@@ -328,7 +328,7 @@ def test_fedgkt_server_epochs_equal_its_codes_server_training():
                                             seed=1), num_clients=4, partition='iid', seed=3)
   cfg = FedGKTConfig(temperature=3.0, alpha=0.7, learning_rate=2e-3, server_blocks=1, server_epochs=2,
                      server_distill=True, split='stem')
-  fed = Federation(fedgkt(cfg, 4, 8), data, ModelConfig(('resnet8_gkt',), 512, 'none'), LocalTraining(0.05, 8, 1))
+  fed = Federation(fedgkt(cfg, 4), data, ModelConfig(('resnet8_gkt',), 512, 'none'), LocalTraining(0.05, 8, 1))
   state = fed.init()
   n = fed.spec.groups[0].train_rows
   real = [16, 11]  # two full batches, and one full and one partial; the other rows are padding

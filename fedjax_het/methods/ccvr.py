@@ -105,7 +105,7 @@ def gaussian_scalars(d) -> int:
   return d + d * (d + 1) // 2
 
 
-def ccvr(cfg: CCVRConfig, num_classes: int, batch_size: int) -> Algorithm:
+def ccvr(cfg: CCVRConfig, num_classes: int) -> Algorithm:
   """CCVR as an `Algorithm`."""
 
   def init_server(key, spec, initial):
@@ -127,14 +127,14 @@ def ccvr(cfg: CCVRConfig, num_classes: int, batch_size: int) -> Algorithm:
     return ({'virtual': sample_virtual(sample_key, mu, sigma, cfg.virtual_per_class), 'present': total > 0,
              'key': next_key}, {'global_classes': jnp.sum(total > 0)})
 
-  def calibrated(client: ClientState, broadcast) -> dict:
-    """The client's head calibrated on the virtual set (its own head where no class has one yet)."""
-    return calibrate_head(client.params['head'], broadcast['virtual'], broadcast['present'],
-                          jax.random.fold_in(broadcast['key'], client.key[-1]), cfg, batch_size)
-
   def evaluation(group):
     """Reported: the calibrated head; also logged: the uncalibrated one (calibration runs once per client and
     evaluation, in `Evaluation.prepare`)."""
+    def calibrated(client: ClientState, broadcast) -> dict:
+      """The client's head calibrated on the virtual set in batches of the run's batch size (its own head where
+      no class has one yet)."""
+      return calibrate_head(client.params['head'], broadcast['virtual'], broadcast['present'],
+                            jax.random.fold_in(broadcast['key'], client.key[-1]), cfg, group.training.batch_size)
     return head_evaluation(group.model, {'calibrated': calibrated, 'local_head': own_head})
 
   def upload_scalars(u):

@@ -116,7 +116,7 @@ def adaptive_local_aggregation(model, cfg: FedALAConfig, batch_size: int, client
   return jax.tree.map(lambda kept, new: jnp.where(same, kept, new), client, learned)
 
 
-def fedala(cfg: FedALAConfig, num_classes: int, batch_size: int) -> Algorithm:
+def fedala(cfg: FedALAConfig, num_classes: int) -> Algorithm:
   """FedALA within each architecture group as an `Algorithm`."""
 
   def init_server(key, spec, initial):
@@ -128,7 +128,8 @@ def fedala(cfg: FedALAConfig, num_classes: int, batch_size: int) -> Algorithm:
 
   def client(group: GroupSpec):
     def prepare(client, rows, broadcast, key):
-      return adaptive_local_aggregation(group.model, cfg, batch_size, client, rows, broadcast['model'], key)
+      return adaptive_local_aggregation(group.model, cfg, group.training.batch_size, client, rows,
+                                        broadcast['model'], key)
     program = sgd_program(cross_entropy_loss(group.model), group.training,
                           upload=lambda c, rows, b, k: {'model': c.params})
     return program._replace(prepare=prepare)

@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedjax_het.core import Traffic, hyperparameter
+from fedjax_het.core import FederationSpec, Phase, Traffic, hyperparameter
 from fedjax_het.errors import ConfigError, setting
+from fedjax_het.local_training import LocalTraining
 from fedjax_het.methods.lg_fedavg import upload_head
-from fedjax_het.methods.shared.base import Algorithm, global_head_evaluation, one_phase, receive_head, sgd_program
+from fedjax_het.methods.shared.base import Algorithm, global_head_evaluation, receive_head, sgd_program
 from fedjax_het.methods.shared.common import cross_entropy, cross_entropy_loss, head_apply
 from fedjax_het.models.init import torch_default_init
 from fedjax_het.models.norm import TorchBatchNorm
@@ -74,11 +75,15 @@ def ensemble_logits(heads: dict, weights: jnp.ndarray, z: jnp.ndarray) -> jnp.nd
 
 class GeneratedDraws(NamedTuple):
   """What the server's and the clients' generated batches draw from: `batch_size` labels from `label_probs` [C],
-  and noise of width cfg.noise_dim."""
+  and noise of width cfg.noise_dim (`batch_size` None until `under` sets the run's)."""
   cfg: FedGenConfig
   num_classes: int
-  batch_size: int
   label_probs: jnp.ndarray
+  batch_size: Optional[int] = None
+
+  def under(self, training: LocalTraining) -> 'GeneratedDraws':
+    """These draws in batches of cfg.generator_batch_size, or of the local batch size of `training`."""
+    return self._replace(batch_size=self.cfg.generator_batch_size or training.batch_size)
 
   def labels(self, key: jax.Array) -> jnp.ndarray:
     """[batch_size] labels drawn from the training-label distribution."""
@@ -114,6 +119,8 @@ def init_server(draws: GeneratedDraws, key: jax.Array, spec, initial) -> dict:
 
 def client_program(draws: GeneratedDraws, group):
   """head <- global head; CE(f(x), y) + CE(head(G(eps, y')), y') with G's output a constant; uploads the head."""
+  draws = draws.under(group.training)
+
   def loss(client, batch, broadcast, key):
     value, client = cross_entropy_loss(group.model)(client, batch, broadcast, key)
     label_key, noise_key = jax.random.split(key)
@@ -124,7 +131,12 @@ def client_program(draws: GeneratedDraws, group):
   return sgd_program(loss, group.training, receive=receive_head, upload=upload_head)
 
 
-def server_update(draws: GeneratedDraws, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+def server_update(draws: GeneratedDraws, spec: FederationSpec):
+  """The server step: `train_generator` on batches of the run's size."""
+  return functools.partial(train_generator, draws.under(spec.training))
+
+
+def train_generator(draws: GeneratedDraws, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
   """Trains G for server_epochs Adam steps (fresh state) against the sample-weighted ensemble of the uploaded
   heads, then averages the heads."""
   cfg = draws.cfg
@@ -163,13 +175,11 @@ def broadcast_scalars(b: dict) -> dict:
           'generator': sum(a.size for a in jax.tree.leaves(b['generator']['params']))}
 
 
-def fedgen(cfg: FedGenConfig, num_classes: int, batch_size: int = 32,
-           label_counts: Optional[np.ndarray] = None) -> Algorithm:
-  """FedGen as an `Algorithm` (`batch_size`: generated batch size when cfg.generator_batch_size is None;
-  `label_counts` [C]: all clients' training label counts, whose distribution the generated labels follow; None:
-  uniform)."""
-  draws = GeneratedDraws(cfg, num_classes, cfg.generator_batch_size or batch_size,
-                         label_distribution(num_classes, label_counts))
-  return one_phase('fedgen', functools.partial(init_server, draws), functools.partial(client_program, draws),
-                   functools.partial(server_update, draws), global_head_evaluation,
-                   traffic=Traffic(broadcast=broadcast_scalars))
+def fedgen(cfg: FedGenConfig, num_classes: int, label_counts: Optional[np.ndarray] = None) -> Algorithm:
+  """FedGen as an `Algorithm` (`label_counts` [C]: all clients' training label counts, whose distribution the
+  generated labels follow; None: uniform). Generated batches have cfg.generator_batch_size rows, or the run's local
+  batch size."""
+  draws = GeneratedDraws(cfg, num_classes, label_distribution(num_classes, label_counts))
+  phase = Phase('fedgen', functools.partial(client_program, draws), functools.partial(server_update, draws),
+                server_of_spec=True, traffic=Traffic(broadcast=broadcast_scalars))
+  return Algorithm('fedgen', functools.partial(init_server, draws), (phase,), global_head_evaluation)

@@ -12,10 +12,9 @@ from typing import Optional
 
 import jax
 
-from fedjax_het.core import Traffic, hyperparameter
+from fedjax_het.core import FederationSpec, Phase, Traffic, hyperparameter
 from fedjax_het.methods.fedproto import prototype_rows, prototype_upload, prototypes_sent
-from fedjax_het.methods.shared.base import (Algorithm, global_head_evaluation, initial_head, one_phase, receive_head,
-                                            sgd_program)
+from fedjax_het.methods.shared.base import Algorithm, global_head_evaluation, initial_head, receive_head, sgd_program
 from fedjax_het.methods.shared.common import (check_server_training, class_means_privacy, cross_entropy_loss,
                                               head_apply, sgd_on_rows, soft_cross_entropy)
 
@@ -31,16 +30,20 @@ class FedGHConfig:
     check_server_training(self)
 
 
-def fedgh(cfg: FedGHConfig, num_classes: int, batch_size: int = 32) -> Algorithm:
-  """FedGH as an `Algorithm` (`batch_size`: the server batch when cfg.server_batch_size is None)."""
-  server_batch = cfg.server_batch_size or batch_size
+def fedgh(cfg: FedGHConfig, num_classes: int) -> Algorithm:
+  """FedGH as an `Algorithm` (the server batch is the run's local batch size, `FederationSpec.training`, when
+  cfg.server_batch_size is None)."""
 
   def client(group):
     return sgd_program(cross_entropy_loss(group.model), group.training, receive=receive_head,
                        upload=prototype_upload(num_classes), representations=True)
 
-  def server_update(server, uploads, key):
+  def server_update(spec: FederationSpec):
     """Trains the global head on CE over the participants' (prototype, class) pairs."""
+    server_batch = cfg.server_batch_size or spec.training.batch_size
+    return lambda server, uploads, key: train_head(server, uploads, key, server_batch)
+
+  def train_head(server, uploads, key, server_batch):
     protos, labels, weight = prototype_rows(uploads.every())
     onehot = jax.nn.one_hot(labels, num_classes)
     row_loss = lambda h, idx: soft_cross_entropy(head_apply(h, protos[idx]), onehot[idx])
@@ -52,6 +55,6 @@ def fedgh(cfg: FedGHConfig, num_classes: int, batch_size: int = 32) -> Algorithm
     """The head (FedRE Table 11 counts its kernel only)."""
     return {'head_kernel': broadcast['head']['kernel'].size, 'head_bias': broadcast['head']['bias'].size}
 
-  return one_phase('fedgh', initial_head, client, server_update, global_head_evaluation,
-                   traffic=Traffic(prototypes_sent, head_sent),
+  phase = Phase('fedgh', client, server_update, server_of_spec=True, traffic=Traffic(prototypes_sent, head_sent))
+  return Algorithm('fedgh', initial_head, (phase,), global_head_evaluation,
                    upload_privacy=class_means_privacy('protos', 'records'))

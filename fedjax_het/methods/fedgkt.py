@@ -304,7 +304,7 @@ def server_round(cfg: FedGKTConfig, group_pass, server: dict, uploads, key: jax.
   return new, {'server_loss': total / jnp.maximum(count, 1.0)}
 
 
-def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
+def fedgkt(cfg: FedGKTConfig, num_classes: int) -> Algorithm:
   """FedGKT as an `Algorithm`."""
   optimizer = gkt_optimizer(cfg.optimizer, cfg.learning_rate)
 
@@ -327,7 +327,8 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int, batch_size: int) -> Algorithm:
     return {'optimizer': optimizer.init(zero_params(group))}
 
   def server_for(spec: FederationSpec):
-    group_pass = server_pass(cfg, optimizer, server_trunk(num_classes, cfg.server_blocks, spec.groups[0]), batch_size)
+    group_pass = server_pass(cfg, optimizer, server_trunk(num_classes, cfg.server_blocks, spec.groups[0]),
+                             spec.training.batch_size)
 
     return lambda server, uploads, key: server_round(cfg, group_pass, server, uploads, key)
 

@@ -117,7 +117,7 @@ def logits_program(group: GroupSpec, stages: tuple[Stage, ...]) -> ClientProgram
   return ClientProgram(lambda client, broadcast, key: client, stages, final, group.training)
 
 
-def fedmd(cfg: FedMDConfig, num_classes: int, batch_size: int, public: PublicData) -> Algorithm:
+def fedmd(cfg: FedMDConfig, num_classes: int, public: PublicData) -> Algorithm:
   """FedMD as an `Algorithm` of two phases: 'transfer' (one round, every client) and 'collaborate'."""
   if int(public.y.max(initial=0)) >= num_classes:
     raise ConfigError(f'FedMD trains on the public labels, and {public.source} has labels up to {int(public.y.max())} '
@@ -125,7 +125,7 @@ def fedmd(cfg: FedMDConfig, num_classes: int, batch_size: int, public: PublicDat
                       f'--public_size=N rows held out of the run\'s own data.')
   rows = PublicRows(public)
   adam = torch_adam(cfg.learning_rate)
-  public_schedule = lambda group: rows.training(cfg.digest_batch_size or batch_size, group.training.order)
+  public_schedule = lambda group: rows.training(cfg.digest_batch_size or group.training.batch_size, group.training.order)
 
   def transfer(group):
     whole_epochs = dataclasses.replace(group.training, max_steps=None)

@@ -51,7 +51,7 @@ def make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> Algorithm:
 
 
 def _make_algorithm(cfg: ExperimentConfig, data: FederatedData) -> tuple[Algorithm, Run]:
-  run = Run(data.num_classes, cfg.num_clients, cfg.rounds, cfg.feature_dim, cfg.batch_size,
+  run = Run(data.num_classes, cfg.num_clients, cfg.rounds, cfg.feature_dim,
             lambda: data.loader_label_counts(cfg.batch_size, cfg.data_order == 'stored' and cfg.drop_last),
             data.public)
   with flags_named():

@@ -48,7 +48,6 @@ class Run:
   num_clients: int
   total_rounds: int
   feature_dim: int
-  batch_size: int
   loader_label_counts: Callable[[], np.ndarray]  # all clients' training labels as their train loaders yield them
   public_data: Optional[PublicData] = None  # the server's public dataset (`FederatedData.public`)
   _reads: set = dataclasses.field(default_factory=set, compare=False, repr=False)
@@ -79,7 +78,7 @@ class Run:
     return 'rounds' in self._reads
 
 
-RUN_FIELDS = ('num_classes', 'num_clients', 'rounds', 'feature_dim', 'batch_size', 'label_counts', 'public')
+RUN_FIELDS = ('num_classes', 'num_clients', 'rounds', 'feature_dim', 'label_counts', 'public')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,12 +109,11 @@ METHODS: dict[str, Method] = {
     'fedavg': Method(NoHyperparameters, fedavg_grouped, 'FedAvg within each architecture group'),
     'lg_fedavg': Method(NoHyperparameters, lg_fedavg, 'LG-FedAvg: local extractors, an averaged head'),
     'fedproto': Method(FedProtoConfig, fedproto, 'FedProto: class prototypes'),
-    'fedgh': Method(FedGHConfig, fedgh, 'FedGH: a global head trained on prototypes',
-                    reads=('num_classes', 'batch_size')),
+    'fedgh': Method(FedGHConfig, fedgh, 'FedGH: a global head trained on prototypes'),
     'fedtgp': Method(FedTGPConfig, fedtgp, 'FedTGP: trainable global prototypes with an adaptive margin'),
     'fd': Method(FDConfig, fd, 'FD: per-class mean logits'),
     'fedgen': Method(FedGenConfig, fedgen, 'FedGen: a server generator in representation space',
-                     reads=('num_classes', 'batch_size', 'label_counts')),
+                     reads=('num_classes', 'label_counts')),
     'fml': Method(FMLConfig, fml, 'FML: mutual learning with a shared model'),
     'fedkd': Method(FedKDConfig, fedkd, 'FedKD: distillation with an SVD-compressed shared mentee',
                     reads=('num_classes', 'rounds')),
@@ -123,8 +121,7 @@ METHODS: dict[str, Method] = {
                      reads=('num_classes', 'feature_dim')),
     'fpl': Method(FPLConfig, fpl, 'FPL: clustered prototypes',
                   reads=('num_classes', 'num_clients')),
-    'ccvr': Method(CCVRConfig, ccvr, 'CCVR: heads calibrated on virtual representations',
-                   reads=('num_classes', 'batch_size')),
+    'ccvr': Method(CCVRConfig, ccvr, 'CCVR: heads calibrated on virtual representations'),
     'pfedafm': Method(PFedAFMConfig, pfedafm, 'pFedAFM: the client\'s features mixed entry by entry with a shared '
                                               'small extractor\'s by learned weights',
                       reads=()),
@@ -149,16 +146,14 @@ METHODS: dict[str, Method] = {
                     reads=('num_classes', 'rounds', 'num_clients')),
     'fedmd': Method(FedMDConfig, fedmd, 'FedMD: transfer learning, then digesting the consensus of logits on '
                                         'public data',
-                    reads=('num_classes', 'batch_size', 'public')),
+                    reads=('num_classes', 'public')),
     'feddf': Method(FedDFConfig, feddf, 'FedDF: ensemble distillation into each architecture\'s model on public data '
                                         'at the server',
                     reads=('num_classes', 'public')),
     'avgkd': Method(AvgKDConfig, avgkd, 'AvgKD: soft targets from the other architectures\' models'),
-    'fedala': Method(FedALAConfig, fedala, 'FedALA within each architecture group: adaptive local aggregation',
-                     reads=('num_classes', 'batch_size')),
+    'fedala': Method(FedALAConfig, fedala, 'FedALA within each architecture group: adaptive local aggregation'),
     'fedgkt': Method(FedGKTConfig, fedgkt, 'FedGKT: small client models, a large server model trained on their '
-                                           'features, distillation both ways',
-                     reads=('num_classes', 'batch_size')),
+                                           'features, distillation both ways'),
     'heterofl': Method(HeteroFLConfig, heterofl, 'HeteroFL: width-scaled sub-models of one global model, averaged '
                                                  'entry by entry'),
 }
