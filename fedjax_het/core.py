@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_het.local_training import LocalTraining
-from fedjax_het.uploads import RoundUploads, Uploads  # noqa: F401 (Uploads: part of the API here)
+from fedjax_het.uploads import RoundUploads, Uploads, parts, with_parts  # noqa: F401 (part of the API here)
 
 Broadcast = Any
 Upload = Any
@@ -242,11 +242,13 @@ def for_client(broadcast: Broadcast, i) -> Broadcast:
 
 
 def leaf_scalars(tree: Any) -> dict:
-  """Scalars per part: the leaf sizes under each top-level key of a dict (one part 'all' otherwise)."""
+  """Scalars per part (`parts`: a NamedTuple's fields or a dict's keys; else one part 'all', none without
+  leaves): the sizes of its leaves."""
   count = lambda t: sum(math.prod(jnp.shape(a)) for a in jax.tree.leaves(t))
-  if isinstance(tree, dict):
-    return {k: count(v) for k, v in tree.items()}
-  return {'all': count(tree)} if jax.tree.leaves(tree) else {}
+  named = parts(tree)
+  if 'all' in named and named['all'] is tree and not jax.tree.leaves(tree):
+    return {}
+  return {k: count(v) for k, v in named.items()}
 
 
 class Traffic(NamedTuple):

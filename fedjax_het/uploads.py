@@ -51,11 +51,11 @@ class Uploads(NamedTuple):
   def participant_rows(self, part: str) -> jnp.ndarray:
     """[S, n]: which of each slot's n uploaded rows are real (values[part] [S, n] bool) in a participant's slot;
     False throughout an empty slot."""
-    return self.values[part] & self.mask[:, None].astype(bool)
+    return parts(self.values)[part] & self.mask[:, None].astype(bool)
 
   def holds(self, counts: str = 'counts') -> jnp.ndarray:
     """[S, C]: whether each slot's participant holds each class (values[counts] [S, C] rows per class > 0)."""
-    return holders(self.values[counts], self.mask)
+    return holders(parts(self.values)[counts], self.mask)
 
 
 def concat_groups(uploads) -> Uploads:
@@ -103,10 +103,29 @@ def aggregate_class_means(means: jnp.ndarray, counts: jnp.ndarray, mask: jnp.nda
   return masked_mean(means, holds, axis=0), holds.any(0)
 
 
+def parts(tree: Any) -> dict:
+  """The named top-level parts of what a method sends: a NamedTuple's fields or a dict's keys, in order (one part
+  'all' for anything else). Traffic is counted, and DP declared, per part."""
+  if isinstance(tree, dict):
+    return tree
+  if isinstance(tree, tuple) and hasattr(tree, '_asdict'):
+    return tree._asdict()
+  return {'all': tree}
+
+
+def with_parts(tree: Any, new: dict) -> Any:
+  """`tree` with the parts in `new` replaced (`parts`' inverse)."""
+  if isinstance(tree, dict):
+    return {**tree, **new}
+  if isinstance(tree, tuple) and hasattr(tree, '_replace'):
+    return tree._replace(**new)
+  return new.get('all', tree)
+
+
 def _select(values: Any, part: Part) -> Any:
   if part is None:
     return values
-  return values[part] if isinstance(part, str) else part(values)
+  return parts(values)[part] if isinstance(part, str) else part(values)
 
 
 class RoundUploads(tuple):
@@ -140,7 +159,7 @@ class RoundUploads(tuple):
   def class_mean(self, part: str, counts: str = 'counts') -> tuple[jnp.ndarray, jnp.ndarray]:
     """Per-class means uploaded as values[part] [C, ...] with values[counts] [C] rows per class, averaged without
     weights over the participants that hold each class (`aggregate_class_means`): (means [C, ...], present [C])."""
-    u = self.every(lambda values: {part: values[part], counts: values[counts]})
+    u = self.every(lambda values: {part: parts(values)[part], counts: parts(values)[counts]})
     return aggregate_class_means(u.values[part], u.values[counts], u.mask)
 
 

@@ -17,9 +17,11 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.methods import (FDConfig, FedGenConfig, FedGHConfig, FedProtoConfig, FedREConfig, FedTGPConfig, fedgen,
                                 fedgh, fedproto, fedre, fedtgp, lg_fedavg)
 from fedjax_het.methods.fd import distillation_term
+from fedjax_het.methods.fedproto import PrototypeUpload
 from fedjax_het.methods.fedgen import FeatureGenerator, ensemble_logits
 from fedjax_het.methods.fedtgp import adaptive_margin, margin_contrastive_loss
 from fedjax_het.methods.fml import FMLConfig, fml, mutual_loss
+from fedjax_het.methods.shared.base import HeadServer, HeadUpload
 from fedjax_het.methods.shared.common import nearest_prototype_head, prototype_regularizer, sgd_on_rows
 from fedjax_het.methods.shared.common import elementwise_kl
 from fedjax_het.uploads import aggregate_class_means
@@ -88,36 +90,36 @@ def test_lg_fedavg_server_is_the_sample_weighted_mean_of_participant_heads():
   heads = {'kernel': jnp.stack([jnp.full((D, C), v) for v in (1., 4., 100.)]), 'bias': jnp.array([[1.] * C,
                                                                                                    [4.] * C,
                                                                                                    [100.] * C])}
-  uploads = (Uploads({'head': heads}, jnp.array([True, True, False]), jnp.array([30., 10., 50.])),)
-  server, _ = alg.phases[0].server_update({'head': jax.tree.map(lambda a: a[0], heads)}, RoundUploads(uploads),
+  uploads = (Uploads(HeadUpload(heads), jnp.array([True, True, False]), jnp.array([30., 10., 50.])),)
+  server, _ = alg.phases[0].server_update(HeadServer(jax.tree.map(lambda a: a[0], heads)), RoundUploads(uploads),
                                           jax.random.PRNGKey(0))
-  np.testing.assert_allclose(server['head']['kernel'], np.full((D, C), (30 * 1 + 10 * 4) / 40))
+  np.testing.assert_allclose(server.head['kernel'], np.full((D, C), (30 * 1 + 10 * 4) / 40))
 
 
 def test_fedgh_server_is_sgd_on_ce_over_the_uploaded_prototypes():
   cfg = FedGHConfig(server_learning_rate=0.5, server_batch_size=10, server_epochs=1)
   head = {'kernel': jnp.array([[1., 0., -1.], [0., 1., 0.]]), 'bias': jnp.zeros(C)}
-  uploads = (Uploads({'protos': jnp.array([[[1., 0.], [0., 2.], [0., 0.]]]), 'counts': jnp.array([[3, 1, 0]])},
+  uploads = (Uploads(PrototypeUpload(jnp.array([[[1., 0.], [0., 2.], [0., 0.]]]), jnp.array([[3, 1, 0]])),
                      jnp.array([True]), jnp.ones(1)),)
   spec = SimpleNamespace(training=LocalTraining(0.05, 32))  # the server batch is cfg's 10
-  server, _ = server_step(fedgh(cfg, C).phases[0], spec)({'head': head}, uploads, jax.random.PRNGKey(0))
+  server, _ = server_step(fedgh(cfg, C).phases[0], spec)(HeadServer(head), uploads, jax.random.PRNGKey(0))
   # One batch holds both real rows (class 2 is absent): one step on their mean CE, computed by hand.
   x = np.array([[1., 0.], [0., 2.]])
   p = jax.nn.softmax(x @ np.asarray(head['kernel']), -1)
   grad_logits = (np.asarray(p) - np.eye(C)[[0, 1]]) / 2
-  np.testing.assert_allclose(server['head']['kernel'], head['kernel'] - 0.5 * x.T @ grad_logits, rtol=1e-5)
-  np.testing.assert_allclose(server['head']['bias'], -0.5 * grad_logits.sum(0), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(server.head['kernel'], head['kernel'] - 0.5 * x.T @ grad_logits, rtol=1e-5)
+  np.testing.assert_allclose(server.head['bias'], -0.5 * grad_logits.sum(0), rtol=1e-5, atol=1e-7)
 
 
 def test_fedgh_server_batches_are_the_runs_local_batch_size_unless_set():
   """The server's batch comes from the LocalTraining the run trains with (`FederationSpec.training`)."""
   head = {'kernel': jnp.array([[1., 0., -1.], [0., 1., 0.]]), 'bias': jnp.zeros(C)}
-  uploads = (Uploads({'protos': jnp.array([[[1., 0.], [0., 2.], [0., 0.]]]), 'counts': jnp.array([[3, 1, 0]])},
+  uploads = (Uploads(PrototypeUpload(jnp.array([[[1., 0.], [0., 2.], [0., 0.]]]), jnp.array([[3, 1, 0]])),
                      jnp.array([True]), jnp.ones(1)),)
   def trained(server_batch_size, local_batch_size):
     cfg = FedGHConfig(server_learning_rate=0.5, server_batch_size=server_batch_size, server_epochs=1)
     spec = SimpleNamespace(training=LocalTraining(0.05, local_batch_size))
-    return server_step(fedgh(cfg, C).phases[0], spec)({'head': head}, uploads, jax.random.PRNGKey(0))[0]['head']
+    return server_step(fedgh(cfg, C).phases[0], spec)(HeadServer(head), uploads, jax.random.PRNGKey(0))[0].head
   one_by_one = trained(1, 32)
   tree_allclose(trained(None, 1), one_by_one)
   assert not np.allclose(trained(None, 2)['kernel'], one_by_one['kernel'])
@@ -134,14 +136,14 @@ def test_fedgen_ensemble_is_the_weighted_sum_of_head_logits():
 def test_fedgen_server_trains_the_generator_towards_the_heads_and_averages_heads():
   d, c = 4, 3
   heads = {'kernel': jnp.stack([jnp.eye(d)[:, :c] * 5.0] * 2), 'bias': jnp.zeros((2, c))}
-  uploads = (Uploads({'head': heads}, jnp.array([True, True]), jnp.array([10., 30.])),)
+  uploads = (Uploads(HeadUpload(heads), jnp.array([True, True]), jnp.array([10., 30.])),)
   alg = fedgen(FedGenConfig(noise_dim=3, hidden_dim=8, server_epochs=60, generator_learning_rate=0.005), c,
                label_counts=np.array([5, 25, 10]))
   initial = [SimpleNamespace(params={'head': jax.tree.map(lambda a: a[0], heads)})]
   spec = SimpleNamespace(feature_dim=d, training=LocalTraining(0.05, 16))
   server = alg.init_server(jax.random.PRNGKey(0), spec, initial)
   trained, m = server_step(alg.phases[0], spec)(server, uploads, jax.random.PRNGKey(1))
-  np.testing.assert_allclose(trained['head']['kernel'], heads['kernel'][0], rtol=1e-6)
+  np.testing.assert_allclose(trained.head['kernel'], heads['kernel'][0], rtol=1e-6)
   # The ensemble's CE on generated features falls: a fresh and the trained generator on the same draws.
   def ensemble_ce(variables):
     labels = jnp.array([0, 1, 2] * 20)
@@ -149,7 +151,7 @@ def test_fedgen_server_trains_the_generator_towards_the_heads_and_averages_heads
     z, _ = FeatureGenerator(c, d, 8).apply(variables, noise, labels, mutable=['batch_stats'])
     logits = ensemble_logits(heads, jnp.array([0.25, 0.75]), z)
     return float(-jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(60), labels]))
-  assert ensemble_ce(trained['generator']) < 0.5 * ensemble_ce(server['generator'])
+  assert ensemble_ce(trained.generator) < 0.5 * ensemble_ce(server.generator)
 
 
 def test_fedgen_label_distribution_is_all_clients_loader_labels():

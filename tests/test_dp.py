@@ -16,6 +16,7 @@ from fedjax_het.core import Algorithm, ClientProgram, Phase, UploadPrivacy, Uplo
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.engine.schedule import Schedule
 from fedjax_het.errors import ConfigError
+from fedjax_het.methods.fedre import FedREUpload
 from fedjax_het.methods.shared.common import class_means_privacy
 from fedjax_het.privacy.budget import PrivacyBudget, calibrate
 from fedjax_het.privacy.dp import DPConfig, central_noise, privatize, privatize_upload
@@ -210,10 +211,11 @@ def test_settings_the_accountant_cannot_bound_or_lacking_noise_are_refused_namin
     privatize_upload({'rows': jnp.ones(2), 'row_labels': jnp.ones(2, jnp.int32)}, None, UploadPrivacy(),
                      DPConfig('local', 1.0, 1.0), KEY, 'velo')
   # --dp_parts adds a public part to the private ones: FedRE's label is clipped with its representation
-  both = privatize_upload({'rep': jnp.array([3., 0.]), 'label': jnp.array([0., 4.]), 'weight': jnp.ones(1)}, None,
+  both = privatize_upload(FedREUpload(jnp.array([3., 0.]), jnp.array([0., 4.]), jnp.ones(1)), None,
                           UploadPrivacy(public=('label', 'weight')), DPConfig('central', 1.0, 1.0, parts=('label',)),
                           KEY, 'fedre')
-  np.testing.assert_allclose(jnp.concatenate([both['rep'], both['label']]), [0.6, 0., 0., 0.8], rtol=1e-6)
+  assert isinstance(both, FedREUpload)
+  np.testing.assert_allclose(jnp.concatenate([both.rep, both.label]), [0.6, 0., 0., 0.8], rtol=1e-6)
 
 
 # ---------------------------------------------------------------- runs

@@ -6,8 +6,9 @@ import pytest
 from fedjax_het.core import ClientRows
 from fedjax_het.core import ClientState
 from fedjax_het.errors import ConfigError
-from fedjax_het.methods.fedre import (FedREConfig, entangle, entanglement_weights, fedre, fedre_upload, fedre_weights,
-                                      random_magnitudes, train_head)
+from fedjax_het.methods.fedre import (FedREConfig, FedREUpload, entangle, entanglement_weights, fedre, fedre_upload,
+                                      fedre_weights, random_magnitudes, train_head)
+from fedjax_het.methods.shared.base import HeadServer
 from fedjax_het.methods.shared.common import class_prototypes, soft_cross_entropy
 from fedjax_het.uploads import masked_mean
 
@@ -136,18 +137,18 @@ def test_fixed_sampling_reuses_weights_and_resampling_changes_them():
     # the engine hands the upload sum_i w_i r_i, with the weights of the same key
     entangled = lambda key: upload(client, rows._replace(reps=weights(client, rows, {}, key).T @ reps), {}, key)
     a, b = entangled(jax.random.PRNGKey(1)), entangled(jax.random.PRNGKey(2))
-    assert np.allclose(a['rep'], b['rep']) == same and np.allclose(a['label'], b['label']) == same
+    assert np.allclose(a.rep, b.rep) == same and np.allclose(a.label, b.label) == same
     w = weights(client, rows, {}, jax.random.PRNGKey(1))[:, 0]
-    np.testing.assert_allclose(a['rep'][0], w @ reps, rtol=1e-6)  # Eq. 6
-    np.testing.assert_allclose(a['label'][0], w @ jax.nn.one_hot(Y, C), rtol=1e-6)
+    np.testing.assert_allclose(a.rep[0], w @ reps, rtol=1e-6)  # Eq. 6
+    np.testing.assert_allclose(a.label[0], w @ jax.nn.one_hot(Y, C), rtol=1e-6)
 
 
 def test_fedallrep_uploads_every_real_row():
   reps = jnp.ones((5, 8))
   up = fedre_upload(FedREConfig(all_representations=True), C)(ClientState({}, {}, {}, KEY),
                                                               ClientRows(None, Y, 4, 5, reps), {}, KEY)
-  assert up['rep'].shape == (5, 8) and up['label'].shape == (5, C)
-  np.testing.assert_allclose(up['weight'], VALID)
+  assert up.rep.shape == (5, 8) and up.label.shape == (5, C)
+  np.testing.assert_allclose(up.weight, VALID)
 
 
 @pytest.mark.parametrize('num_classes,d,upload_k,broadcast_k', [
@@ -157,16 +158,16 @@ def test_fedallrep_uploads_every_real_row():
 ])
 def test_communication_matches_table_11(num_classes, d, upload_k, broadcast_k):
   alg = fedre(FedREConfig(), num_classes)
-  upload = {'rep': jnp.zeros((1, d)), 'label': jnp.zeros((1, num_classes)), 'weight': jnp.ones(1)}
+  upload = FedREUpload(jnp.zeros((1, d)), jnp.zeros((1, num_classes)), jnp.ones(1))
   traffic = alg.phases[0].traffic
   up = traffic.upload(upload)
-  down = traffic.broadcast({'head': {'kernel': jnp.zeros((d, num_classes)), 'bias': jnp.zeros(num_classes)}})
+  down = traffic.broadcast(HeadServer({'kernel': jnp.zeros((d, num_classes)), 'bias': jnp.zeros(num_classes)}))
   # Table 11 counts 10 clients, scalars x 1e3, and leaves the soft label out of the upload.
   assert 10 * int(up['representation']) / 1e3 == pytest.approx(upload_k)
   assert 10 * sum(down.values()) / 1e3 == pytest.approx(broadcast_k)
   assert int(up['label']) == num_classes
   # FedAllRep: d + C per row sent (the rows with weight), none for padding rows.
-  rows = {'rep': jnp.zeros((7, d)), 'label': jnp.zeros((7, num_classes)), 'weight': jnp.array([1.] * 5 + [0.] * 2)}
+  rows = FedREUpload(jnp.zeros((7, d)), jnp.zeros((7, num_classes)), jnp.array([1.] * 5 + [0.] * 2))
   all_reps = fedre(FedREConfig(all_representations=True), num_classes).phases[0].traffic
   assert int(all_reps.upload(rows)['representation']) == 5 * d
 

@@ -6,10 +6,11 @@ import numpy as np
 
 from conftest import tree_allclose
 from fedjax_het.methods import FDConfig, FedKDConfig, FedProtoConfig, FedTGPConfig, fd, fedproto, fedtgp
+from fedjax_het.methods.fedproto import PrototypeUpload
 from fedjax_het.methods.shared.common import class_prototypes
 from types import SimpleNamespace
 
-from fedjax_het.core import Uploads, server_step
+from fedjax_het.core import Uploads, parts, server_step
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig, run_client
 from fedjax_het.models.forward import forward
 
@@ -36,8 +37,8 @@ def test_fedproto_and_fd_gather_statistics_over_the_training_passes(tiny_data):
     logits, reps, _ = forward(model, client.params, client.model_state, data.x, False)
     used = jnp.arange(data.y.shape[0]) < int(data.n) // 8 * 8
     means, counts = class_prototypes(reps if which == 'protos' else logits, data.y, used, 4)
-    np.testing.assert_allclose(upload[which], means, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(upload['counts'], 2 * counts)  # every row once per epoch
+    np.testing.assert_allclose(parts(upload)[which], means, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(parts(upload)['counts'], 2 * counts)  # every row once per epoch
 
 
 def test_fedproto_upload_equals_in_both_strategies(tiny_data):
@@ -54,8 +55,8 @@ def test_fedproto_upload_equals_in_both_strategies(tiny_data):
 
 def test_fedtgp_server_trains_at_the_local_learning_rate_by_default():
   k, c, d = 3, 4, 6
-  uploads = (Uploads({'protos': jax.random.normal(jax.random.PRNGKey(0), (k, c, d)),
-                      'counts': jnp.array([[2., 0., 1., 3.], [1., 1., 0., 0.], [0., 4., 4., 1.]])},
+  uploads = (Uploads(PrototypeUpload(jax.random.normal(jax.random.PRNGKey(0), (k, c, d)),
+                                     jnp.array([[2., 0., 1., 3.], [1., 1., 0., 0.], [0., 4., 4., 1.]])),
                      jnp.array([True, True, True]), jnp.ones(k)),)
   at = lambda rate: SimpleNamespace(feature_dim=d, training=LocalTraining(rate, 4, 1))
   runs = ((FedTGPConfig(server_epochs=3), at(0.3)),  # the local rate: 0.3
@@ -65,7 +66,7 @@ def test_fedtgp_server_trains_at_the_local_learning_rate_by_default():
   for cfg, spec in runs:
     alg = fedtgp(cfg, c)
     server = alg.init_server(jax.random.PRNGKey(1), spec, None)
-    results.append(server_step(alg.phases[0], spec)(server, uploads, jax.random.PRNGKey(2))[0]['protos'])
+    results.append(server_step(alg.phases[0], spec)(server, uploads, jax.random.PRNGKey(2))[0].prototypes.protos)
   np.testing.assert_array_equal(results[0], results[1])
   assert not np.allclose(results[0], results[2])
 

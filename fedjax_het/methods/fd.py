@@ -15,6 +15,7 @@ averaged output as a distribution.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,31 +44,43 @@ def distillation_term(logits: jnp.ndarray, labels: jnp.ndarray, global_logits: j
   return jnp.mean(present[labels] * soft_cross_entropy(logits, target))
 
 
+class ClassLogits(NamedTuple):
+  """FD's global logits as the server holds and broadcasts them: logits [C, C], row c the mean logit vector of
+  class c; present [C], whether class c has one."""
+  logits: jnp.ndarray
+  present: jnp.ndarray
+
+
+class LogitUpload(NamedTuple):
+  """A client's per-class mean logits [C, C] and its rows per class, counts [C]."""
+  logits: jnp.ndarray
+  counts: jnp.ndarray
+
+
 def fd(cfg: FDConfig, num_classes: int) -> Algorithm:
   """FD as an `Algorithm`."""
 
   def init_server(key, spec, initial):
-    return {'logits': jnp.zeros((num_classes, num_classes)), 'present': jnp.zeros(num_classes, bool)}
+    return ClassLogits(jnp.zeros((num_classes, num_classes)), jnp.zeros(num_classes, bool))
 
   def client(group):
     def loss(client, batch, broadcast, key):
       logits, _, client = train_forward(group.model, client, batch.x)
-      value = cross_entropy(logits, batch.y) + cfg.lamda * distillation_term(logits, batch.y, broadcast['logits'],
-                                                                             broadcast['present'])
+      value = cross_entropy(logits, batch.y) + cfg.lamda * distillation_term(logits, batch.y, broadcast.logits,
+                                                                             broadcast.present)
       return value, (client, class_sums(logits, batch.y, num_classes))
 
     def upload(client, rows, broadcast, key):
-      means, counts = class_means_from_sums(rows.statistics)
-      return {'logits': means, 'counts': counts}
+      return LogitUpload(*class_means_from_sums(rows.statistics))
 
     zeros = lambda c: (jnp.zeros((num_classes, num_classes)), jnp.zeros(num_classes))
     return sgd_program(loss, group.training, upload=upload, statistics=zeros)
 
   def server_update(server, uploads, key):
     logits, present = uploads.class_mean('logits')
-    return {'logits': logits, 'present': present}, {'global_classes': present.sum()}
+    return ClassLogits(logits, present), {'global_classes': present.sum()}
 
   return one_phase('fd', init_server, client, server_update, local_head_evaluation,
-                   traffic=Traffic(lambda u: {'logits': jnp.sum(u['counts'] > 0) * num_classes},
-                                   lambda b: {'logits': b['logits'].size}),
+                   traffic=Traffic(lambda u: {'logits': jnp.sum(u.counts > 0) * num_classes},
+                                   lambda b: {'logits': b.logits.size}),
                    upload_privacy=class_means_privacy('logits'))

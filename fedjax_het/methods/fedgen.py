@@ -98,6 +98,12 @@ class GeneratedDraws(NamedTuple):
     return self.generator(feature_dim).apply(variables, noise, labels, mutable=['batch_stats'])
 
 
+class FedGenServer(NamedTuple):
+  """FedGen's server state, and broadcast: the global head's params and G's variables ({'params', 'batch_stats'})."""
+  head: dict
+  generator: dict
+
+
 def label_distribution(num_classes: int, label_counts: Optional[np.ndarray]) -> jnp.ndarray:
   """[C] the distribution of generated labels: the counts normalised, uniform for None."""
   if label_counts is None:
@@ -109,12 +115,12 @@ def label_distribution(num_classes: int, label_counts: Optional[np.ndarray]) -> 
   return jnp.asarray(label_counts / label_counts.sum(), jnp.float32)
 
 
-def init_server(draws: GeneratedDraws, key: jax.Array, spec, initial) -> dict:
+def init_server(draws: GeneratedDraws, key: jax.Array, spec, initial) -> FedGenServer:
   """The first client's head and G with PyTorch's default initialisation."""
   generator = draws.generator(spec.feature_dim)
   variables = generator.init(key, jnp.zeros((2, draws.cfg.noise_dim)), jnp.zeros(2, jnp.int32))
   variables = {**variables, 'params': torch_default_init(variables['params'], key)}
-  return {'head': initial[0].params['head'], 'generator': variables}
+  return FedGenServer(initial[0].params['head'], variables)
 
 
 def client_program(draws: GeneratedDraws, group):
@@ -125,7 +131,7 @@ def client_program(draws: GeneratedDraws, group):
     value, client = cross_entropy_loss(group.model)(client, batch, broadcast, key)
     label_key, noise_key = jax.random.split(key)
     labels = draws.labels(label_key)
-    z, _ = draws.generate(broadcast['generator'], group.feature_dim, labels, noise_key)
+    z, _ = draws.generate(broadcast.generator, group.feature_dim, labels, noise_key)
     logits = head_apply(client.params['head'], jax.lax.stop_gradient(z))
     return value + cross_entropy(logits, labels), client
   return sgd_program(loss, group.training, receive=receive_head, upload=upload_head)
@@ -136,14 +142,14 @@ def server_update(draws: GeneratedDraws, spec: FederationSpec):
   return functools.partial(train_generator, draws.under(spec.training))
 
 
-def train_generator(draws: GeneratedDraws, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+def train_generator(draws: GeneratedDraws, server: FedGenServer, uploads, key: jax.Array) -> tuple[FedGenServer, dict]:
   """Trains G for server_epochs Adam steps (fresh state) against the sample-weighted ensemble of the uploaded
   heads, then averages the heads."""
   cfg = draws.cfg
   u = uploads.every()
   weights = u.weights('rows')
   w = weights / jnp.maximum(weights.sum(), 1e-12)
-  d = server['head']['kernel'].shape[0]
+  d = server.head['kernel'].shape[0]
   optimizer = optax.adam(cfg.generator_learning_rate, b1=0.9, b2=0.999, eps=1e-8)
 
   def step(carry, step_key):
@@ -153,26 +159,26 @@ def train_generator(draws: GeneratedDraws, server: dict, uploads, key: jax.Array
 
     def loss_fn(params):
       z, updated = draws.generate({**variables, 'params': params}, d, labels, noise_key)
-      return cross_entropy(ensemble_logits(u.values['head'], w, z), labels), updated
+      return cross_entropy(ensemble_logits(u.values.head, w, z), labels), updated
     (loss, updated), grads = jax.value_and_grad(loss_fn, has_aux=True)(variables['params'])
     updates, opt_state = optimizer.update(grads, opt_state, variables['params'])
     variables = {**variables, **updated, 'params': optax.apply_updates(variables['params'], updates)}
     return (variables, opt_state), loss
 
-  variables = server['generator']
+  variables = server.generator
   (variables, _), losses = jax.lax.scan(step, (variables, optimizer.init(variables['params'])),
                                         jax.random.split(key, cfg.server_epochs))
-  head = participant_average(u.values['head'], weights, server['head'])
-  return ({'head': head, 'generator': variables},
+  head = participant_average(u.values.head, weights, server.head)
+  return (FedGenServer(head, variables),
           {'generator_loss': losses.mean() if cfg.server_epochs else jnp.asarray(0.0)})
 
 
-def broadcast_scalars(b: dict) -> dict:
+def broadcast_scalars(b: FedGenServer) -> dict:
   """The head and G's parameters (FedRE Table 11 counts the heads only: HtFLlib never sends G; G's BatchNorm
   running statistics are not sent: clients run G in training mode). The label distribution is fixed at
   construction and not counted per round."""
-  return {'head': b['head']['kernel'].size + b['head']['bias'].size,
-          'generator': sum(a.size for a in jax.tree.leaves(b['generator']['params']))}
+  return {'head': b.head['kernel'].size + b.head['bias'].size,
+          'generator': sum(a.size for a in jax.tree.leaves(b.generator['params']))}
 
 
 def fedgen(cfg: FedGenConfig, num_classes: int, label_counts: Optional[np.ndarray] = None) -> Algorithm:

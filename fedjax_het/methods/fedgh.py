@@ -14,7 +14,8 @@ import jax
 
 from fedjax_het.core import FederationSpec, Phase, Traffic, hyperparameter
 from fedjax_het.methods.fedproto import prototype_rows, prototype_upload, prototypes_sent
-from fedjax_het.methods.shared.base import Algorithm, global_head_evaluation, initial_head, receive_head, sgd_program
+from fedjax_het.methods.shared.base import (Algorithm, HeadServer, global_head_evaluation, initial_head, receive_head,
+                                            sgd_program)
 from fedjax_het.methods.shared.common import (check_server_training, class_means_privacy, cross_entropy_loss,
                                               head_apply, sgd_on_rows, soft_cross_entropy)
 
@@ -47,13 +48,13 @@ def fedgh(cfg: FedGHConfig, num_classes: int) -> Algorithm:
     protos, labels, weight = prototype_rows(uploads.every())
     onehot = jax.nn.one_hot(labels, num_classes)
     row_loss = lambda h, idx: soft_cross_entropy(head_apply(h, protos[idx]), onehot[idx])
-    head, loss = sgd_on_rows(server['head'], row_loss, weight, key, cfg.server_learning_rate,
+    head, loss = sgd_on_rows(server.head, row_loss, weight, key, cfg.server_learning_rate,
                              server_batch, cfg.server_epochs, 'mean')
-    return {'head': head}, {'server_loss': loss}
+    return HeadServer(head), {'server_loss': loss}
 
   def head_sent(broadcast):
     """The head (FedRE Table 11 counts its kernel only)."""
-    return {'head_kernel': broadcast['head']['kernel'].size, 'head_bias': broadcast['head']['bias'].size}
+    return {'head_kernel': broadcast.head['kernel'].size, 'head_bias': broadcast.head['bias'].size}
 
   phase = Phase('fedgh', client, server_update, server_of_spec=True, traffic=Traffic(prototypes_sent, head_sent))
   return Algorithm('fedgh', initial_head, (phase,), global_head_evaluation,

@@ -125,7 +125,8 @@ def fedmd(cfg: FedMDConfig, num_classes: int, public: PublicData) -> Algorithm:
                       f'--public_size=N rows held out of the run\'s own data.')
   rows = PublicRows(public)
   adam = torch_adam(cfg.learning_rate)
-  public_schedule = lambda group: rows.training(cfg.digest_batch_size or group.training.batch_size, group.training.order)
+  public_schedule = lambda group: rows.training(cfg.digest_batch_size or group.training.batch_size,
+                                                group.training.order)
 
   def transfer(group):
     whole_epochs = dataclasses.replace(group.training, max_steps=None)

@@ -10,12 +10,14 @@ server trains omega on sum_k CE_soft(f(omega; r~_k), y~_k) (Eq. 3) and broadcast
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from fedjax_het.core import Traffic, UploadPrivacy, hyperparameter
 from fedjax_het.errors import ConfigError, setting
-from fedjax_het.methods.shared.base import (Algorithm, ClientProgram, ClientRows, ClientState, GroupSpec,
+from fedjax_het.methods.shared.base import (Algorithm, ClientProgram, ClientRows, ClientState, GroupSpec, HeadServer,
                                             global_head_evaluation, initial_head, one_phase, receive_head, sgd_program)
 from fedjax_het.methods.shared.common import (check_server_training, cross_entropy_loss, head_apply, sgd_on_rows,
                                               soft_cross_entropy)
@@ -56,6 +58,15 @@ class FedREConfig:
     if self.server_loss_reduction not in ('sum', 'mean'):
       raise ConfigError(f'{setting(self, "server_loss_reduction")}: choose sum or mean.')
     check_server_training(self)
+
+
+class FedREUpload(NamedTuple):
+  """A client's upload (Eq. 2): rep [rows, d], the entangled representation r~ as one row (every r_i for
+  FedAllRep); label [rows, C], its soft label y~ (every one-hot label); weight [rows], 1 for a row sent (the
+  server's bookkeeping of which rows are real)."""
+  rep: jnp.ndarray
+  label: jnp.ndarray
+  weight: jnp.ndarray
 
 
 def random_magnitudes(key: jax.Array, num: int, distribution: str) -> jnp.ndarray:
@@ -124,14 +135,14 @@ def fedre_upload(cfg: FedREConfig, num_classes: int):
   'weight' marks the rows sent."""
   weights = fedre_weights(cfg, num_classes)
 
-  def upload(client: ClientState, rows: ClientRows, broadcast, key):
+  def upload(client: ClientState, rows: ClientRows, broadcast, key) -> FedREUpload:
     reps, y, n = rows.reps, rows.y, rows.n
     if cfg.all_representations:
       valid = (jnp.arange(y.shape[0]) < n).astype(reps.dtype)
-      return {'rep': reps, 'label': jax.nn.one_hot(y, num_classes, dtype=reps.dtype), 'weight': valid}
+      return FedREUpload(reps, jax.nn.one_hot(y, num_classes, dtype=reps.dtype), valid)
     w = weights(client, rows, broadcast, key)[:, 0]
     soft = w @ jax.nn.one_hot(y, num_classes, dtype=reps.dtype)
-    return {'rep': reps, 'label': soft[None], 'weight': jnp.minimum(n, 1).astype(reps.dtype)[None]}
+    return FedREUpload(reps, soft[None], jnp.minimum(n, 1).astype(reps.dtype)[None])
   return upload
 
 
@@ -149,18 +160,17 @@ def fedre(cfg: FedREConfig, num_classes: int) -> Algorithm:
   def server_update(server, uploads, key):
     """Trains omega on the participants' rows (Eq. 3)."""
     u = uploads.every()
-    rep = u.values['rep']
+    rep = u.values.rep
     rows = rep.shape[0] * rep.shape[1]
-    weight = (u.values['weight'] * u.weights().astype(rep.dtype)[:, None]).reshape(rows)
-    head, loss = train_head(server['head'], rep.reshape(rows, -1), u.values['label'].reshape(rows, -1), weight,
-                            key, cfg)
-    return {'head': head}, {'server_loss': loss}
+    weight = (u.values.weight * u.weights().astype(rep.dtype)[:, None]).reshape(rows)
+    head, loss = train_head(server.head, rep.reshape(rows, -1), u.values.label.reshape(rows, -1), weight, key, cfg)
+    return HeadServer(head), {'server_loss': loss}
 
   def upload_scalars(upload):
     """d + C scalars per row sent: one row, or every training row for FedAllRep (Table 11); the row weights are
     the server's bookkeeping of which rows are real, not sent."""
-    sent = jnp.sum(upload['weight'] > 0)
-    return {'representation': sent * upload['rep'].shape[-1], 'label': sent * num_classes}
+    sent = jnp.sum(upload.weight > 0)
+    return {'representation': sent * upload.rep.shape[-1], 'label': sent * num_classes}
 
   # DP: the representation is the client's contribution; its label encoding too with --dp_parts=label; the server
   # trains its head on each of a fixed number of uploads ('records'), which hides who took part once the label and

@@ -11,7 +11,7 @@ It broadcasts TGP(c) for every class, as HtFLlib does.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -20,8 +20,8 @@ import optax
 
 from fedjax_het.core import FederationSpec, Phase, Traffic, hyperparameter
 from fedjax_het.errors import ConfigError, setting
-from fedjax_het.methods.fedproto import (empty_prototypes, global_prototypes_sent, prototype_evaluation, prototype_loss,
-                                         prototype_rows, prototype_upload, prototypes_sent)
+from fedjax_het.methods.fedproto import (Prototypes, empty_prototypes, global_prototypes_sent, prototype_evaluation,
+                                         prototype_loss, prototype_rows, prototype_upload, prototypes_sent)
 from fedjax_het.methods.shared.base import Algorithm, sgd_program
 from fedjax_het.methods.shared.common import check_server_training, class_means_privacy, sgd_on_rows
 from fedjax_het.models.init import torch_default_init
@@ -85,6 +85,13 @@ def margin_contrastive_loss(protos: jnp.ndarray, labels: jnp.ndarray, generated:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
+class FedTGPServer(NamedTuple):
+  """FedTGP's server: tgp, the prototype generator's params; the global prototypes it broadcasts
+  (`fedproto.Prototypes`)."""
+  tgp: dict
+  prototypes: Prototypes
+
+
 def fedtgp(cfg: FedTGPConfig, num_classes: int) -> Algorithm:
   """FedTGP as an `Algorithm` (the server trains at the run's local rate and batch size where cfg leaves them
   None: `FederationSpec.training`)."""
@@ -95,10 +102,10 @@ def fedtgp(cfg: FedTGPConfig, num_classes: int) -> Algorithm:
 
   def init_server(key, spec, initial):
     params = generator(spec.feature_dim).init(key, classes)['params']
-    return {'tgp': torch_default_init(params, key), **empty_prototypes(num_classes, spec.feature_dim)}
+    return FedTGPServer(torch_default_init(params, key), empty_prototypes(num_classes, spec.feature_dim))
 
-  def broadcast(server, group):
-    return {'protos': server['protos'], 'present': server['present']}
+  def broadcast(server: FedTGPServer, group) -> Prototypes:
+    return server.prototypes
 
   def client(group):
     return sgd_program(prototype_loss(group.model, cfg.lamda), group.training,
@@ -117,11 +124,10 @@ def fedtgp(cfg: FedTGPConfig, num_classes: int) -> Algorithm:
     tgp = generator(protos.shape[-1])
     row_loss = lambda p, idx: margin_contrastive_loss(protos[idx], labels[idx], tgp.apply({'params': p}, classes),
                                                       margin)
-    params, loss = sgd_on_rows(server['tgp'], row_loss, weight, key, server_rate,
-                               server_batch, cfg.server_epochs, 'mean')
-    generated = tgp.apply({'params': params}, classes)
-    return ({'tgp': params, 'protos': generated, 'present': jnp.ones(num_classes, bool)},
-            {'server_loss': loss, 'margin': margin})
+    params, loss = sgd_on_rows(server.tgp, row_loss, weight, key, server_rate, server_batch, cfg.server_epochs,
+                               'mean')
+    generated = Prototypes(tgp.apply({'params': params}, classes), jnp.ones(num_classes, bool))
+    return FedTGPServer(params, generated), {'server_loss': loss, 'margin': margin}
 
   phase = Phase('fedtgp', client, server_update, broadcast, server_of_spec=True,
                 traffic=Traffic(prototypes_sent, global_prototypes_sent))

@@ -19,6 +19,7 @@ FPL this way).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,31 +79,38 @@ def compact_clusters(clusters: jnp.ndarray, valid: jnp.ndarray, size: int) -> tu
   return clusters[order], valid[order]
 
 
+class ClusterPrototypes(NamedTuple):
+  """FPL's server state, and broadcast: clusters [C, slots, d], each class's cluster prototypes in its first
+  slots; valid [C, slots], which slots hold one."""
+  clusters: jnp.ndarray
+  valid: jnp.ndarray
+
+
 def fpl(cfg: FPLConfig, num_classes: int, num_clients: int) -> Algorithm:
   """FPL as an `Algorithm`; a class has at most one cluster per client, so the server keeps num_clients slots
   per class."""
 
   def init_server(key, spec, initial):
-    return {'clusters': jnp.zeros((num_classes, num_clients, spec.feature_dim)),
-            'valid': jnp.zeros((num_classes, num_clients), bool)}
+    return ClusterPrototypes(jnp.zeros((num_classes, num_clients, spec.feature_dim)),
+                             jnp.zeros((num_classes, num_clients), bool))
 
   def client(group):
     def loss(client, batch, broadcast, key):
       logits, reps, client = train_forward(group.model, client, batch.x)
-      reg = fpl_regularizer(reps, batch.y, broadcast['clusters'], broadcast['valid'], cfg.temperature)
+      reg = fpl_regularizer(reps, batch.y, broadcast.clusters, broadcast.valid, cfg.temperature)
       return cross_entropy(logits, batch.y) + reg, client
     return sgd_program(loss, group.training, upload=prototype_upload(num_classes), representations=True)
 
   def server_update(server, uploads, key):
     u = uploads.every()
     holds = u.holds()  # [K, C]
-    clusters, valid = jax.vmap(cluster_prototypes, in_axes=(1, 1))(u.values['protos'], holds)  # [C, K, ...]
+    clusters, valid = jax.vmap(cluster_prototypes, in_axes=(1, 1))(u.values.protos, holds)  # [C, K, ...]
     clusters, valid = jax.vmap(lambda c, v: compact_clusters(c, v, num_clients))(clusters, valid)
-    return {'clusters': clusters, 'valid': valid}, {'cluster_prototypes': valid.sum()}
+    return ClusterPrototypes(clusters, valid), {'cluster_prototypes': valid.sum()}
 
   def clusters_sent(broadcast):
     """The valid cluster prototypes, d scalars each."""
-    return {'cluster_prototypes': jnp.sum(broadcast['valid']) * broadcast['clusters'].shape[-1]}
+    return {'cluster_prototypes': jnp.sum(broadcast.valid) * broadcast.clusters.shape[-1]}
 
   return one_phase('fpl', init_server, client, server_update, local_head_evaluation,
                    traffic=Traffic(prototypes_sent, clusters_sent),

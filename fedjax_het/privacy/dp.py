@@ -39,7 +39,7 @@ import optax
 
 from fedjax_het.core import Algorithm, Phase, UploadPrivacy, Uploads
 from fedjax_het.errors import ConfigError
-from fedjax_het.uploads import RoundUploads
+from fedjax_het.uploads import RoundUploads, parts as parts_of, with_parts
 
 MODES = ('off', 'central', 'local')
 AGGREGATES = ('records', 'sum', 'group_sum')
@@ -81,7 +81,7 @@ def private_parts(upload: Any, declared: UploadPrivacy, dp: DPConfig, where: str
   """The top-level parts of `upload` that are a client's contribution: every part but the method's public ones,
   and the public ones `dp.parts` adds (the whole upload, ('all',), when it is not a dict). A ConfigError for one
   that is not floating point (labels, counts): Gaussian noise cannot protect it."""
-  parts = upload if isinstance(upload, dict) else {'all': upload}
+  parts = _as_parts(upload)
   names = tuple(k for k, v in parts.items()
                 if (k not in declared.public or k in dp.parts) and jax.tree.leaves(v))
   for k in names:
@@ -96,11 +96,11 @@ def private_parts(upload: Any, declared: UploadPrivacy, dp: DPConfig, where: str
 
 
 def _as_parts(upload: Any) -> dict:
-  return upload if isinstance(upload, dict) else {'all': upload}
+  return dict(parts_of(upload))
 
 
-def _from_parts(upload: Any, parts: dict) -> Any:
-  return {**upload, **parts} if isinstance(upload, dict) else parts['all']
+def _from_parts(upload: Any, new: dict) -> Any:
+  return with_parts(upload, new)
 
 
 def clip_contribution(contribution: dict, dp: DPConfig) -> dict:

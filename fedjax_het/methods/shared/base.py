@@ -3,7 +3,7 @@ client's representations, and the one-liners simple methods share. The API itsel
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ from fedjax_het.models.forward import forward
 __all__ = ['Algorithm', 'Batch', 'ClientProgram', 'ClientRows', 'ClientState', 'Evaluation', 'FederationSpec',
            'GroupSpec', 'Phase', 'Uploads', 'leaf_scalars', 'one_phase', 'sgd_program', 'head_evaluation',
            'local_head_evaluation', 'trainable', 'with_trainable', 'no_upload', 'no_server', 'keep_server',
-           'receive_head', 'initial_head', 'zero_params']
+           'receive_head', 'initial_head', 'zero_params', 'HeadServer', 'HeadUpload']
 
 Loss = Callable[[ClientState, Batch, Broadcast, jax.Array], tuple[jnp.ndarray, Any]]
 
@@ -124,6 +124,17 @@ def head_evaluation(model: HeteroClassifier, heads: dict[str, Callable[[ClientSt
   return Evaluation(tuple(heads), prepare, logits)
 
 
+class HeadServer(NamedTuple):
+  """The server state, and broadcast, of a method whose server keeps one global head (FedRE's omega, LG-FedAvg's
+  averaged head, FedGH's head trained on prototypes): its params {'kernel' [d, C], 'bias' [C]}."""
+  head: dict
+
+
+class HeadUpload(NamedTuple):
+  """A client's trained head (LG-FedAvg, FedGen)."""
+  head: dict
+
+
 def own_head(client: ClientState, broadcast: Broadcast) -> dict:
   """The client's own head."""
   return client.params['head']
@@ -131,7 +142,7 @@ def own_head(client: ClientState, broadcast: Broadcast) -> dict:
 
 def global_head(client: ClientState, broadcast: Broadcast) -> dict:
   """The broadcast global head."""
-  return broadcast['head']
+  return broadcast.head
 
 
 def local_head_evaluation(group: GroupSpec) -> Evaluation:
@@ -146,12 +157,12 @@ def global_head_evaluation(group: GroupSpec) -> Evaluation:
 
 def receive_head(client: ClientState, broadcast: Broadcast) -> ClientState:
   """The client's head set to the broadcast global head (FedRE Alg. 1 line 6, LG-FedAvg, FedGH, FedGen)."""
-  return client._replace(params={**client.params, 'head': broadcast['head']})
+  return client._replace(params={**client.params, 'head': broadcast.head})
 
 
-def initial_head(key: jax.Array, spec: FederationSpec, initial) -> dict:
+def initial_head(key: jax.Array, spec: FederationSpec, initial) -> HeadServer:
   """init_server of global-head methods: the first group's initial head (HtFLlib builds it from the same seed)."""
-  return {'head': initial[0].params['head']}
+  return HeadServer(initial[0].params['head'])
 
 
 def zero_params(group: GroupSpec) -> Any:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.core import UploadPrivacy
+from fedjax_het.core import UploadPrivacy, parts
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.models.forward import forward
 from fedjax_het.rows import batch_mean, shuffled_real_rows
@@ -197,4 +197,5 @@ def class_means_privacy(part: str, aggregate: str = 'sum') -> UploadPrivacy:
   client's contribution; a client contributes to the classes it holds (counts > 0), each averaged over its holders
   by the server ('sum'; 'records' for a server that trains on each upload). The counts are public: they leak which
   classes a client holds, and how many rows of each (docs/privacy.md)."""
-  return UploadPrivacy(public=('counts',), holds=lambda u: {part: (u['counts'] > 0)[:, None]}, aggregate=aggregate)
+  return UploadPrivacy(public=('counts',), holds=lambda u: {part: (parts(u)['counts'] > 0)[:, None]},
+                       aggregate=aggregate)
