@@ -4,6 +4,7 @@ a digest of its final state (sums of absolute values of the client and server le
 import jax
 import numpy as np
 
+from fedjax_het.core import parts
 from fedjax_het.data import make_federated_data, make_synthetic
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.methods import (CCVRConfig, FedDFConfig, FedGenConfig, FedGKTConfig, FedKDConfig, FedMDConfig,
@@ -120,7 +121,7 @@ def golden_run(name: str, strategy: str = 'sequential', data=None) -> dict:
   rounds = [{k: v for k, v in h.items() if isinstance(v, (int, float)) and not k.endswith('seconds')}
             for h in history]
   # Parameters of the client's own model and of its extra modules (a companion held in its per-client state).
-  params = [digest(g.params) + digest(g.extra.get('params', {}) if isinstance(g.extra, dict) else {})
+  params = [digest(g.params) + digest(parts(g.extra).get('params', {}))
             for g in state.groups]
   return {'rounds': rounds, 'client_params': params, 'eval_head': m['eval_head'],
           'client_accuracy': m['client_accuracy']}

@@ -17,8 +17,9 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.methods import (FDConfig, FedGenConfig, FedGHConfig, FedProtoConfig, FedREConfig, FedTGPConfig, fedgen,
                                 fedgh, fedproto, fedre, fedtgp, lg_fedavg)
 from fedjax_het.methods.fd import distillation_term
-from fedjax_het.methods.fedproto import PrototypeUpload
-from fedjax_het.methods.fedgen import FeatureGenerator, ensemble_logits
+from fedjax_het.methods.fedproto import PrototypeUpload, Prototypes
+from fedjax_het.methods.fedre import FedREUpload
+from fedjax_het.methods.fedgen import FedGenServer, FeatureGenerator, ensemble_logits
 from fedjax_het.methods.fedtgp import adaptive_margin, margin_contrastive_loss
 from fedjax_het.methods.fml import FMLConfig, fml, mutual_loss
 from fedjax_het.methods.shared.base import HeadServer, HeadUpload
@@ -185,13 +186,13 @@ def test_fml_kl_is_torch_kldivloss_mean_over_batch_and_classes():
 
 def test_fml_server_averages_the_global_models_and_clients_carry_them(tiny_data):
   fed, state, history = golden_federation('fml', data=tiny_data)
-  size = sum(a.size for a in jax.tree.leaves(state.server['global_model']))
+  size = sum(a.size for a in jax.tree.leaves(state.server.global_model))
   participants = fed.participants(1)
   assert history[-1]['upload_scalars'] == history[-1]['broadcast_scalars'] == len(participants) * size > 0
   # HtFLlib's serverfml.py: the unweighted mean of the participants' global models.
-  copies = [client_state(fed, state, k).extra['params']['companion'] for k in participants]
+  copies = [client_state(fed, state, k).extra.params['companion'] for k in participants]
   expected = jax.tree.map(lambda *a: np.mean(np.stack(a), 0), *copies)
-  tree_allclose(state.server['global_model'], expected, rtol=1e-5, atol=1e-6)
+  tree_allclose(state.server.global_model, expected, rtol=1e-5, atol=1e-6)
   with pytest.raises(ConfigError, match="^FMLConfig.global_model='vgg99'"):
     fml(FMLConfig(global_model='vgg99'), 4)
 
@@ -200,7 +201,7 @@ def test_fml_companion_with_batchnorm_updates_its_statistics(tiny_data):
   alg = fml(FMLConfig(global_model='resnet4'), tiny_data.num_classes)
   fed = Federation(alg, tiny_data, ModelConfig(['mlp'], feature_dim=16), LocalTraining(0.05, 8, 1),
                    ExecutionConfig(strategy='sequential', conv='xla', eval_batch_size=16))
-  stats = lambda st: [np.asarray(a) for a in jax.tree.leaves(st.groups[0].extra['state']['companion'])]
+  stats = lambda st: [np.asarray(a) for a in jax.tree.leaves(st.groups[0].extra.state['companion'])]
   state = fed.init()
   before = stats(state)  # rounds donate their input state
   state, m = fed.round(state)
@@ -236,27 +237,27 @@ def test_table11_communication_of_the_cifar_settings():
                                                        'fedre_up': 5.12, 'fedre_down': 513.00})]:
     assert sum(present) == (61 if c == 10 else 502)
     head = {'kernel': jnp.zeros((d, c)), 'bias': jnp.zeros(c)}
-    protos = lambda k: {'protos': jnp.zeros((c, d)), 'counts': (jnp.arange(c) < k).astype(jnp.float32)}
-    global_protos = lambda k: {'protos': jnp.zeros((c, d)), 'present': jnp.ones(c, bool)}
+    protos = lambda k: PrototypeUpload(jnp.zeros((c, d)), (jnp.arange(c) < k).astype(jnp.float32))
+    global_protos = lambda k: Prototypes(jnp.zeros((c, d)), jnp.ones(c, bool))
     lg = lg_fedavg(c)
-    assert per_round(lg.phases[0].traffic.upload, lambda k: {'head': head}, present) == table['lg']
-    assert per_round(lg.phases[0].traffic.broadcast, lambda k: {'head': head}, present) == table['lg']
+    assert per_round(lg.phases[0].traffic.upload, lambda k: HeadUpload(head), present) == table['lg']
+    assert per_round(lg.phases[0].traffic.broadcast, lambda k: HeadServer(head), present) == table['lg']
     for alg in (fedproto(FedProtoConfig(), c), fedtgp(FedTGPConfig(), c), fedgh(FedGHConfig(), c)):
       assert per_round(alg.phases[0].traffic.upload, protos, present) == table['proto_up']
     for alg in (fedproto(FedProtoConfig(), c), fedtgp(FedTGPConfig(), c)):
       assert per_round(alg.phases[0].traffic.broadcast, global_protos, present) == table['proto_down']
-    assert per_round(fedgh(FedGHConfig(), c).phases[0].traffic.broadcast, lambda k: {'head': head}, present,
+    assert per_round(fedgh(FedGHConfig(), c).phases[0].traffic.broadcast, lambda k: HeadServer(head), present,
                      {'head_kernel'}) == table['proto_down']
-    fedre_upload = lambda k: {'rep': jnp.zeros((1, d)), 'label': jnp.zeros((1, c)), 'weight': jnp.ones(1)}
+    fedre_upload = lambda k: FedREUpload(jnp.zeros((1, d)), jnp.zeros((1, c)), jnp.ones(1))
     assert per_round(fedre(FedREConfig(), c).phases[0].traffic.upload, fedre_upload, present,
                      {'representation'}) == table['fedre_up']
-    assert per_round(fedre(FedREConfig(), c).phases[0].traffic.broadcast, lambda k: {'head': head}, present) == \
+    assert per_round(fedre(FedREConfig(), c).phases[0].traffic.broadcast, lambda k: HeadServer(head), present) == \
         table['fedre_down']
     # FedGen (model-heterogeneous): Table 11 counts the heads (HtFLlib never sends its generator).
     gen = fedgen(FedGenConfig(), c)
     generator = {'params': {'w': jnp.zeros(3)}}
-    assert per_round(gen.phases[0].traffic.upload, lambda k: {'head': head}, present) == table['lg']
-    assert per_round(gen.phases[0].traffic.broadcast, lambda k: {'head': head, 'generator': generator}, present,
+    assert per_round(gen.phases[0].traffic.upload, lambda k: HeadUpload(head), present) == table['lg']
+    assert per_round(gen.phases[0].traffic.broadcast, lambda k: FedGenServer(head, generator), present,
                      {'head'}) == table['lg']
 
 

@@ -15,6 +15,7 @@ from fedjax_het.engine import (ExecutionConfig, Federation, LocalTraining, Model
 from fedjax_het.errors import ConfigError
 from fedjax_het.kernels import onednn
 from fedjax_het.methods import FedREConfig, fedavg_grouped, fedre, local
+from fedjax_het.methods.fedavg import GroupModel, GroupModels
 from fedjax_het.uploads import RoundUploads
 
 TRAINING = LocalTraining(learning_rate=0.05, batch_size=8, epochs=2)
@@ -79,7 +80,7 @@ def test_stored_order_statistics_pass_leaves_out_the_last_partial_batch(tiny_dat
     _, upload, _ = jax.jit(jax.vmap(update))(state.groups[0], g.train, rngs)
     n = np.asarray(g.train.n)
     expected = n // 8 * 8 if order == 'stored' else n
-    np.testing.assert_array_equal(np.asarray(upload['weight']).sum(1), expected)
+    np.testing.assert_array_equal(np.asarray(upload.weight).sum(1), expected)
 
 
 def test_vmapped_group_equals_per_client_loop(tiny_data):
@@ -272,12 +273,12 @@ def test_later_rounds_do_not_recompile(tiny_data, strategy):
 def test_grouped_fedavg_server_is_the_sample_weighted_mean_of_participants_per_group():
   alg = fedavg_grouped(2)
   models = ({'w': jnp.zeros(2)}, {'w': jnp.full(3, 9.)})
-  uploads = (Uploads({'model': {'w': jnp.array([[1., 1.], [3., 5.], [100., 100.]])}}, jnp.array([True, True, False]),
+  uploads = (Uploads(GroupModel({'w': jnp.array([[1., 1.], [3., 5.], [100., 100.]])}), jnp.array([True, True, False]),
                      jnp.array([1., 3., 50.])),
-             Uploads({'model': {'w': jnp.ones((1, 3))}}, jnp.array([False]), jnp.array([4.])))
-  server, _ = alg.phases[0].server_update({'models': models}, RoundUploads(uploads), jax.random.PRNGKey(0))
-  np.testing.assert_allclose(server['models'][0]['w'], [2.5, 4.0])  # (1*1 + 3*3)/4, (1*1 + 3*5)/4
-  np.testing.assert_allclose(server['models'][1]['w'], [9., 9., 9.])  # no participant: kept
+             Uploads(GroupModel({'w': jnp.ones((1, 3))}), jnp.array([False]), jnp.array([4.])))
+  server, _ = alg.phases[0].server_update(GroupModels(models), RoundUploads(uploads), jax.random.PRNGKey(0))
+  np.testing.assert_allclose(server.models[0]['w'], [2.5, 4.0])  # (1*1 + 3*3)/4, (1*1 + 3*5)/4
+  np.testing.assert_allclose(server.models[1]['w'], [9., 9., 9.])  # no participant: kept
 
 
 def test_grouped_fedavg_scores_every_member_with_its_group_model(tiny_data):
@@ -286,7 +287,7 @@ def test_grouped_fedavg_scores_every_member_with_its_group_model(tiny_data):
   for gi, stacked in enumerate(state.groups):
     weights = fed.groups[gi].train_sizes / fed.groups[gi].train_sizes.sum()
     expected = jax.tree.map(lambda a: np.tensordot(weights, np.asarray(a), 1), stacked.params)
-    tree_allclose(state.server['models'][gi], expected, rtol=1e-5, atol=1e-6)
+    tree_allclose(state.server.models[gi], expected, rtol=1e-5, atol=1e-6)
   params = sum(g.num_params for g in fed.groups for _ in g.clients)
   assert history[0]['upload_scalars'] == history[0]['broadcast_scalars'] == params
 

@@ -69,9 +69,9 @@ def test_fedkd_mentee_rate_moves_only_the_mentee_slower(tiny_data):
     fed = Federation(alg, tiny_data, ModelConfig(['mlp'], feature_dim=16), LocalTraining(0.05, 8, 1),
                      ExecutionConfig(strategy='sequential', conv='xla', eval_batch_size=16))
     state = fed.init()
-    parts = lambda st: jax.tree.map(np.asarray, {'own': st.groups[0].params, **st.groups[0].extra['params']})
+    parts = lambda st: jax.tree.map(np.asarray, {'own': st.groups[0].params, **st.groups[0].extra.params})
     before = parts(state)
-    mentee = sum(a.size for a in jax.tree.leaves(state.server['global_model']))
+    mentee = sum(a.size for a in jax.tree.leaves(state.server.global_model))
     state, m = fed.round(state)
     assert 0 < m['upload_scalars'] <= 6 * mentee  # SVD-compressed: at most the whole mentee per client
     assert m['broadcast_scalars'] == 6 * mentee   # round 1: the uncompressed initial mentee to each participant
@@ -92,9 +92,9 @@ def test_fedmrl_fuses_the_global_and_local_representations(tiny_data):
   model, global_model = fed.groups[1].model, build_model('small_cnn_narrow', 4, 8, conv='xla')
   logits, fused, _ = fused_forward(model, global_model, client, x, False)
   own = model.apply({'params': client.params}, x, method=model.represent)
-  _, global_rep = global_model.apply({'params': client.extra['params']['companion']}, x)
+  _, global_rep = global_model.apply({'params': client.extra.params['companion']}, x)
   assert global_rep.shape == (3, 8) and fused.shape == (3, 16)
-  proj = client.extra['params']['fusion']
+  proj = client.extra.params['fusion']
   assert proj['kernel'].shape == (8 + 16, 16)
   np.testing.assert_allclose(fused, jnp.concatenate([global_rep, own], -1) @ proj['kernel'] + proj['bias'],
                              rtol=1e-5, atol=1e-6)
@@ -111,13 +111,13 @@ def test_fedmrl_loss_is_the_sum_of_both_heads_ce():
 def test_fedmrl_server_averages_unweighted_and_clients_keep_proj(tiny_data):
   fed, state, _ = golden_federation('fedmrl', data=tiny_data)
   participants = fed.participants(1)
-  copies = [client_state(fed, state, k).extra['params']['companion'] for k in participants]
-  tree_allclose(state.server['global_model'], jax.tree.map(lambda *a: np.mean(np.stack(a), 0), *copies),
+  copies = [client_state(fed, state, k).extra.params['companion'] for k in participants]
+  tree_allclose(state.server.global_model, jax.tree.map(lambda *a: np.mean(np.stack(a), 0), *copies),
                 rtol=1e-5, atol=1e-6)
   initial = fed.init()
   for k in set(fed.participants(0)) | set(participants):  # proj is trained on and kept, not reset
-    before = client_state(fed, initial, k).extra['params']['fusion']['kernel']
-    assert not np.allclose(before, client_state(fed, state, k).extra['params']['fusion']['kernel'])
+    before = client_state(fed, initial, k).extra.params['fusion']['kernel']
+    assert not np.allclose(before, client_state(fed, state, k).extra.params['fusion']['kernel'])
   with pytest.raises(ConfigError, match='^FedMRLConfig.sub_feature_dim=32 must be <= ModelConfig.feature_dim=16'):
     fedmrl(FedMRLConfig(sub_feature_dim=32), 4, 16)
   with pytest.raises(ConfigError, match="^FedKDConfig.global_model='vgg99' is not a registered model"):

@@ -18,8 +18,9 @@ from fedjax_het.core import Uploads
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
 from fedjax_het.methods import FeloConfig, VeloConfig, fedhe, felo
-from fedjax_het.methods.felo import (empty_store, felo_loss, felo_terms, logit_upload, multistep_scale,
-                                     per_class_statistics, push, store_mean, warmup_rounds, window_mean)
+from fedjax_het.methods.felo import (FeaturePairs, FeloBroadcast, FeloUpload, empty_store, felo_loss, felo_terms,
+                                     logit_upload, multistep_scale, per_class_statistics, push, store_mean,
+                                     warmup_rounds, window_mean)
 from fedjax_het.methods.shared.common import elementwise_kl
 from fedjax_het.methods.velo import FeatureCVAE, cvae_loss, generated_features, init_cvae, train_cvae
 from fedjax_het.run.checkpoints import Checkpoints
@@ -37,9 +38,9 @@ def test_per_class_means_of_the_training_steps_with_absent_classes():
   logits = jnp.asarray([[1.0, 2.0, 0.0], [3.0, 4.0, 0.0], [5.0, 6.0, 0.0]])
   stats = gather(empty(), logits, logits[:, :2], jnp.asarray([0, 0, 1]))
   up = logit_upload(stats)
-  np.testing.assert_allclose(up['logits'][:, :2], [[2.0, 3.0], [5.0, 6.0], [0.0, 0.0]])
-  np.testing.assert_allclose(up['logit_counts'], [2, 1, 0])
-  np.testing.assert_allclose(stats['features'][0], [[4.0, 6.0], [5.0, 6.0], [0.0, 0.0]])  # sums, uploaded as such
+  np.testing.assert_allclose(up.logits[:, :2], [[2.0, 3.0], [5.0, 6.0], [0.0, 0.0]])
+  np.testing.assert_allclose(up.logit_counts, [2, 1, 0])
+  np.testing.assert_allclose(stats.features[0], [[4.0, 6.0], [5.0, 6.0], [0.0, 0.0]])  # sums, uploaded as such
 
 
 def test_kl_term_of_the_spec_and_the_codes_reduction():
@@ -54,18 +55,17 @@ def test_felo_loss_is_ce_plus_half_mse_plus_kl_and_warmup_is_ce_only():
   logits = jnp.asarray([[math.log(2.0), 0.0]])
   features = jnp.asarray([[1.0, 3.0]])
   labels = jnp.asarray([0])
-  broadcast = {'logits': jnp.zeros((2, 2)), 'logit_present': jnp.asarray([True, True]),
-               'features': jnp.asarray([[0.0, 1.0], [9.0, 9.0]]), 'feature_present': jnp.asarray([True, True]),
-               'distill': jnp.asarray(1.0)}
+  broadcast = FeloBroadcast(jnp.zeros((2, 2)), jnp.asarray([True, True]), jnp.asarray([[0.0, 1.0], [9.0, 9.0]]),
+                            jnp.asarray([True, True]), distill=jnp.asarray(1.0), lr_scale=jnp.asarray(1.0))
   ce = -math.log(2.0 / 3.0)
   mse = (1.0 + 4.0) / 2                                         # mean over B x d
   np.testing.assert_allclose(felo_loss(logits, features, labels, broadcast, 0.5, True), ce + 0.5 * (mse + 0.029446),
                              rtol=1e-6)
   np.testing.assert_allclose(felo_loss(logits, features, labels, broadcast, 0.5, False), ce + 0.5 * 0.029446,
                              rtol=1e-6)                         # FedHe: no feature term
-  warm = {**broadcast, 'distill': jnp.asarray(0.0)}
+  warm = broadcast._replace(distill=jnp.asarray(0.0))
   np.testing.assert_allclose(felo_loss(logits, features, labels, warm, 0.5, True), ce, rtol=1e-6)
-  absent = {**broadcast, 'logit_present': jnp.asarray([False, True]), 'feature_present': jnp.asarray([False, True])}
+  absent = broadcast._replace(logit_present=jnp.asarray([False, True]), feature_present=jnp.asarray([False, True]))
   np.testing.assert_allclose(felo_loss(logits, features, labels, absent, 0.5, True), ce, rtol=1e-6)
   # the terms the server logs per round (client_ce, client_alpha_mse, client_alpha_kl)
   np.testing.assert_allclose(felo_terms(logits, features, labels, broadcast, 0.5, True),
@@ -85,22 +85,22 @@ def test_schedules_warmup_rounds_and_multistep_lr():
 def test_server_logit_mean_is_per_upload_and_feature_mean_is_per_sample():
   alg = felo(FeloConfig(average_models=False), 2, 10, 4)
   server = alg.init_server(jax.random.PRNGKey(0), _spec(2, 2), ())
-  values = {'logits': jnp.asarray([[[2.0, 3.0], [0.0, 0.0]], [[4.0, 5.0], [0.0, 0.0]]]),
-            'logit_counts': jnp.asarray([[1.0, 0.0], [9.0, 0.0]]),
-            'feature_sums': jnp.asarray([[[2.0, 3.0], [0.0, 0.0]], [[36.0, 45.0], [0.0, 0.0]]]),
-            'feature_counts': jnp.asarray([[1.0, 0.0], [9.0, 0.0]]),
-            'loss_terms': jnp.asarray([[2.0, 0.5, 0.1], [4.0, 1.5, 0.3]])}
+  values = FeloUpload(jnp.asarray([[[2.0, 3.0], [0.0, 0.0]], [[4.0, 5.0], [0.0, 0.0]]]),
+                      jnp.asarray([[1.0, 0.0], [9.0, 0.0]]),
+                      FeaturePairs(jnp.asarray([[[2.0, 3.0], [0.0, 0.0]], [[36.0, 45.0], [0.0, 0.0]]]),
+                                   jnp.asarray([[1.0, 0.0], [9.0, 0.0]])),
+                      loss_terms=jnp.asarray([[2.0, 0.5, 0.1], [4.0, 1.5, 0.3]]))
   new, metrics = alg.phases[0].server_update(server, RoundUploads((uploads(values, [True, True], [1, 9]),)),
                                              jax.random.PRNGKey(0))
   np.testing.assert_allclose([metrics[k] for k in ('client_ce', 'client_alpha_mse', 'client_alpha_kl')],
                              [3.0, 1.0, 0.2], rtol=1e-6)  # the participants' mean, logged per round
-  np.testing.assert_allclose(new['logits'][0], [3.0, 4.0])      # every client-round counts once
-  np.testing.assert_allclose(new['features'][0], [3.8, 4.8])    # (2 + 36) / 10, (3 + 45) / 10
-  assert new['logit_present'].tolist() == [True, False] and new['feature_present'].tolist() == [True, False]
+  np.testing.assert_allclose(new.logits[0], [3.0, 4.0])      # every client-round counts once
+  np.testing.assert_allclose(new.features[0], [3.8, 4.8])    # (2 + 36) / 10, (3 + 45) / 10
+  assert new.logit_present.tolist() == [True, False] and new.feature_present.tolist() == [True, False]
   later, _ = alg.phases[0].server_update(new, RoundUploads((uploads(values, [True, False], [1, 9]),)),
                                          jax.random.PRNGKey(0))
-  np.testing.assert_allclose(later['logits'][0], [(2 + 4 + 2) / 3, (3 + 5 + 3) / 3])   # the store spans rounds
-  assert int(later['round']) == 2
+  np.testing.assert_allclose(later.logits[0], [(2 + 4 + 2) / 3, (3 + 5 + 3) / 3])   # the store spans rounds
+  assert int(later.round) == 2
 
 
 def test_fifo_the_5001st_feature_evicts_the_oldest():
@@ -193,11 +193,11 @@ def test_velo_run_warmup_cvae_adam_states_and_traffic(fed, recorded):
   # one generated feature per class, broadcast as the server drew it (one broadcast per group: every client gets
   # it), new each round
   b = fed.algorithm.phases[0].broadcast(states[1].server, fed.groups[0].spec)
-  np.testing.assert_array_equal(b['features'], states[1].server['features'])
-  assert b['features'].shape == (10, RUN.feature_dim) and b['feature_present'].all()
-  assert not np.allclose(states[1].server['features'], states[2].server['features'])
+  np.testing.assert_array_equal(b.features, states[1].server.features)
+  assert b.features.shape == (10, RUN.feature_dim) and b.feature_present.all()
+  assert not np.allclose(states[1].server.features, states[2].server.features)
   # each client's Adam state persists: the step counters add up to every round's local steps
-  counts = np.concatenate([np.asarray(st.extra['optimizer'].count)[:len(g.clients)]
+  counts = np.concatenate([np.asarray(st.extra.optimizer.count)[:len(g.clients)]
                            for st, g in zip(states[-1].groups, fed.groups)])
   assert counts.sum() == sum(m['local_steps'] for m in h) > counts.max()
   # Velo counts every feature row it sends (d each), the model and C logits per class held
@@ -216,8 +216,8 @@ def test_velo_resume_equals_the_uninterrupted_run(fed, recorded, tmp_path):
 def test_fedhe_sends_no_features():
   alg = fedhe(FeloConfig(), 10, 10, 4)
   server = alg.init_server(jax.random.PRNGKey(0), _spec(10, 16), ())
-  assert 'feature_store' not in server
-  up = {'logits': jnp.zeros((10, 10)), 'logit_counts': jnp.ones(10), 'model': {'w': jnp.zeros(7)}}
+  assert server.channel is None
+  up = FeloUpload(jnp.zeros((10, 10)), jnp.ones(10), model={'w': jnp.zeros(7)})
   assert alg.phases[0].traffic.upload(up) == {'logits': 100, 'model': 7}
 
 
@@ -227,7 +227,7 @@ def test_fedhe_by_default_is_the_papers_logits_only_baseline():
   cfg = METHODS['fedhe'].config()
   assert cfg.average_models is False and METHODS['felo'].config().average_models is True
   alg = fedhe(cfg, 10, 10, 4)
-  up = {'logits': jnp.zeros((10, 10)), 'logit_counts': jnp.ones(10)}
+  up = FeloUpload(jnp.zeros((10, 10)), jnp.ones(10))
   assert alg.phases[0].traffic.upload(up) == {'logits': 100}
   server = alg.init_server(jax.random.PRNGKey(0), _spec(10, 16), ())
   assert alg.phases[0].traffic.broadcast(alg.phases[-1].broadcast(server, None)).keys() == {'logits'}

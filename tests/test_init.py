@@ -12,7 +12,7 @@ from fedjax_het.core import ClientState
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
 from fedjax_het.methods import fedavg_grouped, local
-from fedjax_het.methods.fedavg import receive_group_model
+from fedjax_het.methods.fedavg import GroupModel, receive_group_model
 from fedjax_het.models.init import torch_default_init
 
 
@@ -96,7 +96,7 @@ def test_clients_of_one_architecture_start_identical_unless_asked_otherwise(tiny
   avg = Federation(fedavg_grouped(4), tiny_data, ModelConfig(['small_cnn_narrow', 'mlp'], 16, shared_init=False),
                    training, **kw)
   state = avg.init()
-  assert all(np.array_equal(a, b[0]) for a, b in zip(jax.tree.leaves(state.server['models'][1]),
+  assert all(np.array_equal(a, b[0]) for a, b in zip(jax.tree.leaves(state.server.models[1]),
                                                      jax.tree.leaves(state.groups[1].params)))
   with pytest.raises(ConfigError, match="ModelConfig.init='xavier'"):
     Federation(local(4), tiny_data, ModelConfig(['mlp'], 16, init='xavier'), training, **kw)
@@ -104,6 +104,6 @@ def test_clients_of_one_architecture_start_identical_unless_asked_otherwise(tiny
 
 def test_grouped_fedavg_sends_parameters_and_keeps_batchnorm_statistics_local():
   client = ClientState({'w': jnp.array([1., 2.])}, {'batch_stats': {'mean': jnp.array([5.])}}, {}, jnp.zeros(2))
-  received = receive_group_model(client, {'model': {'w': jnp.array([2.5, 3.5])}})
+  received = receive_group_model(client, GroupModel({'w': jnp.array([2.5, 3.5])}))
   np.testing.assert_allclose(received.params['w'], [2.5, 3.5])
   np.testing.assert_array_equal(received.model_state['batch_stats']['mean'], [5.])

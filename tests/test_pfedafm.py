@@ -11,6 +11,7 @@ from fedjax_het.core import Batch, Uploads
 from fedjax_het.errors import ConfigError
 from fedjax_het.methods import PFedAFMConfig
 from fedjax_het.methods.pfedafm import mix
+from fedjax_het.methods.shared.global_model import GlobalModel
 from fedjax_het.run.config import ExperimentConfig
 from fedjax_het.run.experiment import build_federation
 from fedjax_het.uploads import RoundUploads
@@ -42,8 +43,8 @@ def test_stage_one_trains_the_own_model_and_alpha_stage_two_only_g():
   one, _ = program.stages[0].step(carry, batch, broadcast, jax.random.PRNGKey(1))
   two, _ = program.stages[1].step(one, batch, broadcast, jax.random.PRNGKey(2))
   changed = lambda a, b: any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  own, alpha, shared = (lambda c: c[0].params), (lambda c: c[0].extra['alpha']), (
-      lambda c: c[0].extra['params']['companion'])
+  own, alpha, shared = (lambda c: c[0].params), (lambda c: c[0].extra.alpha), (
+      lambda c: c[0].extra.params['companion'])
   assert changed(own(carry), own(one)) and changed(alpha(carry), alpha(one)) and not changed(shared(carry), shared(one))
   assert changed(shared(one), shared(two)) and not changed(own(one), own(two)) and not changed(alpha(one), alpha(two))
   assert float(alpha(one).min()) >= 0.0 and float(alpha(one).max()) <= 1.0
@@ -53,12 +54,12 @@ def test_stage_one_trains_the_own_model_and_alpha_stage_two_only_g():
 def test_the_server_averages_g_weighted_by_training_rows():
   fed = _federation()
   state = fed.init()
-  template = state.server['global_model']
+  template = state.server.global_model
   copies = jax.tree.map(lambda a: jnp.stack([jnp.full_like(a, 1.0), jnp.full_like(a, 3.0), jnp.full_like(a, 9.0)]),
                         template)
-  uploads = (Uploads({'global_model': copies}, jnp.array([True, True, False]), jnp.array([30.0, 10.0, 50.0])),)
+  uploads = (Uploads(GlobalModel(copies), jnp.array([True, True, False]), jnp.array([30.0, 10.0, 50.0])),)
   new, _ = fed.algorithm.phases[0].server_update(state.server, RoundUploads(uploads), jax.random.PRNGKey(0))
-  for leaf in jax.tree.leaves(new['global_model']):  # (30 * 1 + 10 * 3) / 40; the absent slot not counted
+  for leaf in jax.tree.leaves(new.global_model):  # (30 * 1 + 10 * 3) / 40; the absent slot not counted
     np.testing.assert_allclose(leaf, 1.5, rtol=1e-6)
 
 

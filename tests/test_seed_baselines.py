@@ -245,8 +245,8 @@ def test_fedala_keeps_a_model_equal_to_the_groups_and_mixes_only_the_head_otherw
   group = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.PRNGKey(1), a.shape), client.params)
   out = ala(client, group, jax.random.PRNGKey(0))
   tree_allclose(out.params['extractor'], group['extractor'], rtol=0, atol=0)  # lower layers: the group's
-  weights = out.extra['ala_weights']
-  assert bool(out.extra['ala_started'])
+  weights = out.extra.weights
+  assert bool(out.extra.started)
   for w, l, gp, h in zip(*(jax.tree.leaves(t) for t in (weights, client.params['head'], group['head'],
                                                         out.params['head']))):
     assert float(w.min()) >= 0 and float(w.max()) <= 1

@@ -249,7 +249,7 @@ def test_fedala_adaptive_aggregation_equals_pfllibs_ala():
   head is local + (group - local) * W, and after each batch W <- clamp(W - eta * grad * (group - local), 0, 1);
   the client ends with local + (group - local) * W. Weights start from a mix of ones and halves."""
   from fedjax_het.methods import FedALAConfig
-  from fedjax_het.methods.fedala import adaptive_local_aggregation
+  from fedjax_het.methods.fedala import ALAState, adaptive_local_aggregation
   from fedjax_het.core import ClientRows
   from fedjax_het.models import build_model
   model = build_model('mlp', 4, 512, 'none')
@@ -260,7 +260,7 @@ def test_fedala_adaptive_aggregation_equals_pfllibs_ala():
   x = rng.normal(size=(45, 8, 8, 1)).astype(np.float32)
   y = rng.integers(0, 4, 45).astype(np.int32)
   cfg = FedALAConfig(eta=1.0, rand_percent=80)
-  client = ClientState(local, {}, {'ala_weights': weights, 'ala_started': jnp.asarray(True)}, jax.random.PRNGKey(0))
+  client = ClientState(local, {}, ALAState(weights, jnp.asarray(True)), jax.random.PRNGKey(0))
   key = jax.random.PRNGKey(4)
   out = adaptive_local_aggregation(model, cfg, 8, client, ClientRows(jnp.asarray(x), jnp.asarray(y), jnp.asarray(45),
                                                                      jnp.asarray(45)), group, key)
@@ -282,7 +282,7 @@ def test_fedala_adaptive_aggregation_equals_pfllibs_ala():
                     torch.from_numpy(y[rows].astype(np.int64))).backward()
     grads = {'kernel': net[5].weight.grad.T, 'bias': net[5].bias.grad}
     w = {k: torch.clamp(w[k] - cfg.eta * grads[k] * (head_group[k] - head_local[k]), 0, 1) for k in w}
-  np.testing.assert_allclose(np.asarray(out.extra['ala_weights']['kernel']), w['kernel'].numpy(), rtol=1e-5,
+  np.testing.assert_allclose(np.asarray(out.extra.weights['kernel']), w['kernel'].numpy(), rtol=1e-5,
                              atol=1e-6)
   np.testing.assert_allclose(np.asarray(out.params['head']['kernel']), mixed('kernel').numpy(), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(out.params['extractor']['Dense_0']['kernel'], group['extractor']['Dense_0']['kernel'])

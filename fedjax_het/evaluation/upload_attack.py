@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_het.core import parts
 from fedjax_het.errors import ConfigError
 from fedjax_het.evaluation.attack import InversionConfig, invert_padded, inverter
 from fedjax_het.evaluation.metrics import (NULL_IMAGE, candidate_mask, leakage, mse_255, psnr_255, psnr_from_mse,
@@ -50,7 +51,7 @@ def upload_targets(upload: dict, limit: int = 0, min_class_samples: int = 1) -> 
   are prototypes, the most populated first (a prototype of a few samples is nearly a representation). Anything
   else is a ConfigError: the method uploads no d-vectors to invert. The result may hold no target.
   """
-  upload = {k: np.asarray(v) for k, v in upload.items()} if isinstance(upload, dict) else {}
+  upload = {k: np.asarray(v) for k, v in parts(upload).items() if k != 'all' and hasattr(v, 'shape')}
   if 'rep' in upload and 'weight' in upload:
     sent = np.flatnonzero(upload['weight'] > 0)
     kind = 'representation' if upload['rep'].shape[0] > 1 else 'entangled'

@@ -30,13 +30,15 @@ training, as the paper says of its grouped baselines there.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedjax_het.core import Algorithm, Capabilities, ClientRows, ClientState, GroupSpec, hyperparameter, one_phase
 from fedjax_het.errors import ConfigError, setting
-from fedjax_het.methods.fedavg import GROUP_MODEL_PRIVACY, average_group_models
+from fedjax_het.methods.fedavg import (GROUP_MODEL_PRIVACY, average_group_models, group_model, initial_group_models,
+                                       upload_model)
 from fedjax_het.methods.shared.base import local_head_evaluation, sgd_program, zero_params
 from fedjax_het.methods.shared.common import cross_entropy, cross_entropy_loss, train_forward
 
@@ -79,6 +81,13 @@ def settled(losses: jnp.ndarray, epochs: jnp.ndarray, threshold: float) -> jnp.n
   return (epochs > losses.shape[0]) & (jnp.std(losses) < threshold)
 
 
+class ALAState(NamedTuple):
+  """A client's ALA state, kept across rounds: weights, the learned element-wise weights W of its head;
+  started, whether its first (multi-epoch) ALA has run."""
+  weights: dict
+  started: jnp.ndarray
+
+
 def adaptive_local_aggregation(model, cfg: FedALAConfig, batch_size: int, client: ClientState, rows: ClientRows,
                                group_params: dict, key: jax.Array) -> ClientState:
   """The client after ALA of the group model `group_params` into its own (module docstring)."""
@@ -106,39 +115,34 @@ def adaptive_local_aggregation(model, cfg: FedALAConfig, batch_size: int, client
     weights, last = jax.lax.fori_loop(0, steps, batch_step, (weights, jnp.zeros(())))
     losses = jnp.roll(losses, -1).at[-1].set(last)
     epochs = epochs + 1
-    done = client.extra['ala_started'] | settled(losses, epochs, cfg.threshold) | (epochs >= cfg.max_start_epochs)
+    done = client.extra.started | settled(losses, epochs, cfg.threshold) | (epochs >= cfg.max_start_epochs)
     return weights, losses, epochs, done
 
-  weights, _, _, _ = jax.lax.while_loop(lambda c: ~c[3], epoch, (client.extra['ala_weights'],
+  weights, _, _, _ = jax.lax.while_loop(lambda c: ~c[3], epoch, (client.extra.weights,
                                                                     jnp.zeros(cfg.num_pre_loss), 0, steps == 0))
   learned = client._replace(params={**lower, 'head': ala_head(local['head'], group_params['head'], weights)},
-                            extra={**client.extra, 'ala_weights': weights, 'ala_started': jnp.asarray(True)})
+                            extra=ALAState(weights, jnp.asarray(True)))
   return jax.tree.map(lambda kept, new: jnp.where(same, kept, new), client, learned)
 
 
 def fedala(cfg: FedALAConfig, num_classes: int) -> Algorithm:
   """FedALA within each architecture group as an `Algorithm`."""
 
-  def init_server(key, spec, initial):
-    return {'models': tuple(s.params for s in initial)}
-
-  def init_client(group: GroupSpec, key):
-    return {'ala_weights': jax.tree.map(jnp.ones_like, zero_params(group)['head']),
-            'ala_started': jnp.asarray(False)}
+  def init_client(group: GroupSpec, key) -> ALAState:
+    return ALAState(jax.tree.map(jnp.ones_like, zero_params(group)['head']), jnp.asarray(False))
 
   def client(group: GroupSpec):
     def prepare(client, rows, broadcast, key):
       return adaptive_local_aggregation(group.model, cfg, group.training.batch_size, client, rows,
-                                        broadcast['model'], key)
-    program = sgd_program(cross_entropy_loss(group.model), group.training,
-                          upload=lambda c, rows, b, k: {'model': c.params})
+                                        broadcast.model, key)
+    program = sgd_program(cross_entropy_loss(group.model), group.training, upload=upload_model)
     return program._replace(prepare=prepare)
 
   def server_update(server, uploads, key):
     return average_group_models(server, uploads), {}
 
-  return one_phase('fedala', init_server, client, server_update, local_head_evaluation,
-                   broadcast=lambda server, group: {'model': server['models'][group.index]},
+  return one_phase('fedala', initial_group_models, client, server_update, local_head_evaluation,
+                   broadcast=group_model,
                    init_client=init_client,
                    capabilities=Capabilities(partial_batches=True, shares_representations=False),
                    upload_privacy=GROUP_MODEL_PRIVACY)

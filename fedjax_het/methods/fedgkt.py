@@ -53,7 +53,7 @@ import optax
 from fedjax_het.core import (Algorithm, Capabilities, ClientProgram, Evaluation, FederationSpec, GroupSpec, PER_CLIENT,
                              Traffic, hyperparameter, one_phase, single_stage)
 from fedjax_het.errors import ConfigError, setting
-from fedjax_het.methods.shared.base import kept_optimizer_step, zero_params
+from fedjax_het.methods.shared.base import KeptOptimizer, kept_optimizer_step, zero_params
 from fedjax_het.methods.shared.common import cross_entropy, distillation_loss, train_forward
 from fedjax_het.models.conv import conv_factory
 from fedjax_het.models.norm import batch_rows
@@ -324,7 +324,7 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int) -> Algorithm:
             PER_CLIENT: {'logits': server['logits'][gi], 'has': server['has'][gi]}}
 
   def init_client(group, key):
-    return {'optimizer': optimizer.init(zero_params(group))}
+    return KeptOptimizer(optimizer.init(zero_params(group)))
 
   def server_for(spec: FederationSpec):
     group_pass = server_pass(cfg, optimizer, server_trunk(num_classes, cfg.server_blocks, spec.groups[0]),

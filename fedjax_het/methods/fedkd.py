@@ -31,6 +31,7 @@ first round's is the uncompressed initial model, later ones the compressed avera
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 import math
 from typing import Any, Optional
 
@@ -117,6 +118,27 @@ def distillation_loss(logits, global_logits, rep, mapped_global_rep, y) -> jnp.n
   return mentor + mentee
 
 
+class FedKDServer(NamedTuple):
+  """FedKD's server: global_model, the mentee as last compressed (SVD at the round's energy); round, the rounds
+  done; sent, the scalars of the compressed mentee (its factors)."""
+  global_model: dict
+  round: jnp.ndarray
+  sent: jnp.ndarray
+
+
+class FedKDBroadcast(NamedTuple):
+  """What clients receive: the compressed mentee, its scalars, and the round's energy threshold."""
+  global_model: dict
+  sent: jnp.ndarray
+  energy: jnp.ndarray
+
+
+class MenteeUpload(NamedTuple):
+  """A client's mentee compressed at the round's energy, and the scalars its factors take."""
+  global_model: dict
+  sent: jnp.ndarray
+
+
 def fedkd(cfg: FedKDConfig, num_classes: int, rounds: int) -> Algorithm:
   """FedKD as an `Algorithm` (the mentee and W_h live in each client's per-client state)."""
   check_global_model(cfg)
@@ -125,16 +147,15 @@ def fedkd(cfg: FedKDConfig, num_classes: int, rounds: int) -> Algorithm:
     extra = init_global_model(group, group.build_model(cfg.global_model), key)
     hidden_map = group.init_module(nn.Dense(group.feature_dim, use_bias=False), key,
                                    jnp.zeros((1, group.feature_dim)), name='hidden_map')['params']
-    return {**extra, 'params': {**extra['params'], 'hidden_map': hidden_map}}
+    return extra._replace(params={**extra.params, 'hidden_map': hidden_map})
 
   def init_server(key, spec, initial):
-    server = initial_global_model(key, spec, initial)
-    sent = sum(a.size for a in jax.tree.leaves(server['global_model']))
-    return {**server, 'round': jnp.asarray(0, jnp.int32), 'sent': jnp.asarray(sent, jnp.int32)}
+    mentee = initial_global_model(key, spec, initial).global_model
+    sent = sum(a.size for a in jax.tree.leaves(mentee))
+    return FedKDServer(mentee, jnp.asarray(0, jnp.int32), jnp.asarray(sent, jnp.int32))
 
-  def broadcast(server, group):
-    return {'global_model': server['global_model'], 'sent': server['sent'],
-            'energy': energy_threshold(cfg, server['round'], rounds)}
+  def broadcast(server: FedKDServer, group) -> FedKDBroadcast:
+    return FedKDBroadcast(server.global_model, server.sent, energy_threshold(cfg, server.round, rounds))
 
   def client(group):
     mentee = group.build_model(cfg.global_model)
@@ -149,20 +170,19 @@ def fedkd(cfg: FedKDConfig, num_classes: int, rounds: int) -> Algorithm:
     def loss(client, batch, broadcast, key):
       logits, rep, client = train_forward(group.model, client, batch.x)
       global_logits, global_rep, client = global_model_forward(mentee, client, batch.x)
-      mapped = global_rep @ client.extra['params']['hidden_map']['kernel']
+      mapped = global_rep @ client.extra.params['hidden_map']['kernel']
       return distillation_loss(logits, global_logits, rep, mapped, batch.y), client
 
     def upload(client, rows, broadcast, key):
-      compressed, sent = compress_params(client.extra['params']['companion'], broadcast['energy'])
-      return {'global_model': compressed, 'sent': sent}
+      return MenteeUpload(*compress_params(client.extra.params['companion'], broadcast.energy))
     return sgd_program(loss, group.training, receive=receive_global_model, upload=upload, optimizer=optimizer)
 
   def server_update(server, uploads, key):
-    energy = energy_threshold(cfg, server['round'], rounds)
-    average = uploads.mean('global_model', previous=server['global_model'])
+    energy = energy_threshold(cfg, server.round, rounds)
+    average = uploads.mean('global_model', previous=server.global_model)
     mentee, sent = compress_params(average, energy)
-    return {'global_model': mentee, 'round': server['round'] + 1, 'sent': sent}, {'energy': energy}
+    return FedKDServer(mentee, server.round + 1, sent), {'energy': energy}
 
   return one_phase('fedkd', init_server, client, server_update, local_head_evaluation, broadcast=broadcast,
-                   init_client=init_client, traffic=Traffic(lambda u: {'global_model': u['sent']},
-                                                            lambda b: {'global_model': b['sent']}))
+                   init_client=init_client, traffic=Traffic(lambda u: {'global_model': u.sent},
+                                                            lambda b: {'global_model': b.sent}))

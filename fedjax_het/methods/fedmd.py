@@ -39,7 +39,7 @@ from fedjax_het.core import (Algorithm, Capabilities, ClientProgram, GroupSpec, 
                              hyperparameter)
 from fedjax_het.data.federated import PublicData
 from fedjax_het.errors import ConfigError, setting
-from fedjax_het.methods.shared.base import kept_optimizer_step, local_head_evaluation, zero_params
+from fedjax_het.methods.shared.base import KeptOptimizer, kept_optimizer_step, local_head_evaluation, zero_params
 from fedjax_het.methods.shared.common import cross_entropy, cross_entropy_loss, train_forward
 from fedjax_het.methods.shared.public import PublicRows, mean_of_uploads, public_logits
 from fedjax_het.optim import torch_adam
@@ -147,7 +147,7 @@ def fedmd(cfg: FedMDConfig, num_classes: int, public: PublicData) -> Algorithm:
   phases = (Phase('transfer', transfer, server_update, broadcast=lambda server, group: {}, rounds=1, join_ratio=1.0),
             Phase('collaborate', collaborate, server_update))
   return Algorithm('fedmd', lambda key, spec, initial: {'consensus': jnp.zeros((rows.size, num_classes))}, phases,
-                   local_head_evaluation, init_client=lambda group, key: {'optimizer': adam.init(zero_params(group))},
+                   local_head_evaluation, init_client=lambda group, key: KeptOptimizer(adam.init(zero_params(group))),
                    capabilities=Capabilities(partial_batches=True, shares_representations=False),
                    constants=rows.constants,
                    upload_privacy=UploadPrivacy(aggregate='sum', hides_participants=True))

@@ -63,7 +63,7 @@ def fused_forward(model: HeteroClassifier, global_model: HeteroClassifier, clien
   else:
     own = model.apply(variables, x, train=train, method=HeteroClassifier.represent)
   _, shared, client = global_model_forward(global_model, client, x, train)
-  proj = client.extra['params']['fusion']
+  proj = client.extra.params['fusion']
   fused = jnp.concatenate([shared, own], axis=-1) @ proj['kernel'] + proj['bias']
   return head_apply(client.params['head'], fused), fused, client
 
@@ -79,14 +79,14 @@ def fedmrl(cfg: FedMRLConfig, num_classes: int, feature_dim: int) -> Algorithm:
     extra = init_global_model(group, group.build_model(cfg.global_model, cfg.sub_feature_dim), key)
     fusion = group.init_module(nn.Dense(group.feature_dim), key,
                                jnp.zeros((1, cfg.sub_feature_dim + group.feature_dim)), name='fusion')['params']
-    return {**extra, 'params': {**extra['params'], 'fusion': fusion}}
+    return extra._replace(params={**extra.params, 'fusion': fusion})
 
   def client(group):
     global_model = group.build_model(cfg.global_model, cfg.sub_feature_dim)
 
     def loss(client, batch, broadcast, key):
       logits, fused, client = fused_forward(group.model, global_model, client, batch.x, True)
-      global_logits = head_apply(client.extra['params']['companion']['head'], fused[:, :cfg.sub_feature_dim])
+      global_logits = head_apply(client.extra.params['companion']['head'], fused[:, :cfg.sub_feature_dim])
       return matryoshka_loss(logits, global_logits, batch.y), client
     return sgd_program(loss, group.training, receive=receive_global_model, upload=upload_global_model)
 

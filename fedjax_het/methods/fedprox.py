@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from fedjax_het.core import Capabilities, hyperparameter
 from fedjax_het.errors import ConfigError, setting
-from fedjax_het.methods.fedavg import GROUP_MODEL_PRIVACY, receive_group_model
+from fedjax_het.methods.fedavg import (GROUP_MODEL_PRIVACY, average_group_models, group_model, initial_group_models,
+                                       receive_group_model, upload_model)
 from fedjax_het.methods.shared.base import Algorithm, GroupSpec, head_evaluation, one_phase, own_head, sgd_program
 from fedjax_het.methods.shared.common import cross_entropy_loss
 
@@ -46,17 +47,14 @@ def fedprox(cfg: FedProxConfig, num_classes: int) -> Algorithm:
 
     def loss(client, batch, broadcast, key):
       value, updated = ce(client, batch, broadcast, key)
-      return value + cfg.mu / 2 * proximal_term(client.params, broadcast['model'], cfg.norm), updated
-    return sgd_program(loss, group.training, receive=receive_group_model,
-                       upload=lambda c, rows, b, k: {'model': c.params})
+      return value + cfg.mu / 2 * proximal_term(client.params, broadcast.model, cfg.norm), updated
+    return sgd_program(loss, group.training, receive=receive_group_model, upload=upload_model)
 
   def server_update(server, uploads, key):
-    models = uploads.group_mean('model', by='rows', previous=server['models'])
-    return {'models': models}, {}
+    return average_group_models(server, uploads), {}
 
-  return one_phase('fedprox', lambda key, spec, initial: {'models': tuple(s.params for s in initial)}, client,
-                   server_update, lambda group: head_evaluation(group.model, {'local_head': own_head},
-                                                                receive=receive_group_model),
-                   broadcast=lambda server, group: {'model': server['models'][group.index]},
+  return one_phase('fedprox', initial_group_models, client, server_update,
+                   lambda group: head_evaluation(group.model, {'local_head': own_head}, receive=receive_group_model),
+                   broadcast=group_model,
                    capabilities=Capabilities(partial_batches=True, shares_representations=False),
                    upload_privacy=GROUP_MODEL_PRIVACY)

@@ -43,6 +43,7 @@ library's has torchvision's stem.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +153,14 @@ def ranking_loss(logits: jnp.ndarray, sets: jnp.ndarray, mask=None) -> jnp.ndarr
   return per_row.mean() if mask is None else batch_mean(per_row, mask)
 
 
+class FedTypeClient(NamedTuple):
+  """A client's extra state: params and state of its copy of the proxy (`global_model.Companion`'s fields) and
+  thresholds [2], Qhat of the proxy and of the private model (set each round)."""
+  params: dict
+  state: dict
+  thresholds: jnp.ndarray
+
+
 def adam(cfg: FedTypeConfig) -> optax.GradientTransformation:
   """torch's Adam(lr, weight_decay): the decay added to the gradient before the moments."""
   return optax.chain(optax.add_decayed_weights(cfg.weight_decay), optax.adam(cfg.learning_rate))
@@ -160,8 +169,8 @@ def adam(cfg: FedTypeConfig) -> optax.GradientTransformation:
 def eval_logits(proxy_model, group: GroupSpec) -> tuple:
   """(proxy_logits(client, x), private_logits(client, x)): eval-mode logits of the client's copy of the proxy and of
   its private model."""
-  proxy = lambda client, x: forward(proxy_model, client.extra['params']['companion'],
-                                    client.extra['state']['companion'], x, False)[0]
+  proxy = lambda client, x: forward(proxy_model, client.extra.params['companion'],
+                                    client.extra.state['companion'], x, False)[0]
   private = lambda client, x: forward(group.model, client.params, client.model_state, x, False)[0]
   return proxy, private
 
@@ -177,7 +186,7 @@ def calibrate(cfg: FedTypeConfig, group: GroupSpec, proxy_model, client: ClientS
     logits = jax.lax.map(lambda x: logits_of(client, x[None])[0], rows.x, batch_size=group.training.batch_size)
     u = jax.random.uniform(k, rows.y.shape)
     thresholds.append(conformal_threshold(raps_scores(logits, rows.y, u, RAPS_KREG, lam), real, cfg.alpha))
-  return client._replace(extra={**client.extra, 'thresholds': jnp.stack(thresholds)})
+  return client._replace(extra=client.extra._replace(thresholds=jnp.stack(thresholds)))
 
 
 def client_program(cfg: FedTypeConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
@@ -194,7 +203,7 @@ def client_program(cfg: FedTypeConfig, num_classes: int, group: GroupSpec) -> Cl
     if ranking:
       proxy_key, private_key = jax.random.split(key)
       u = lambda k: jax.random.uniform(k, batch.y.shape)
-      qhat = client.extra['thresholds']
+      qhat = client.extra.thresholds
       proxy_sets = raps_sets(proxy_logits(client, batch.x), qhat[0], u(proxy_key), RAPS_KREG, PROXY_LAMBDA)
 
     def loss(params):
@@ -217,7 +226,7 @@ def client_program(cfg: FedTypeConfig, num_classes: int, group: GroupSpec) -> Cl
     teacher = private_logits(client, batch.x)
 
     def loss(params):
-      logits, _, state = forward(proxy_model, params, client.extra['state']['companion'], batch.x, True,
+      logits, _, state = forward(proxy_model, params, client.extra.state['companion'], batch.x, True,
                                  batch.mask)
       kd = distillation_loss(logits, teacher, cfg.temperature, batch.mask) / num_classes  # KLDivLoss's mean
       return cross_entropy(logits, batch.y, batch.mask) + kd, state
@@ -226,7 +235,7 @@ def client_program(cfg: FedTypeConfig, num_classes: int, group: GroupSpec) -> Cl
 
   def init(client, broadcast, key):
     client = receive_global_model(client, broadcast)
-    return client, optimizer.init(client.params), optimizer.init(client.extra['params']['companion'])
+    return client, optimizer.init(client.params), optimizer.init(client.extra.params['companion'])
 
   stages = (Stage(private_step, 1), Stage(proxy_step, 1)) * group.training.epochs  # alternating per epoch
   return ClientProgram(init, stages, upload_carried_global_model, group.training,
@@ -243,7 +252,7 @@ def proxy_evaluation(cfg: FedTypeConfig, group: GroupSpec) -> Evaluation:
 
   def logits(client, x):
     own = forward(group.model, client.params, client.model_state, x, False)[0]
-    return own, forward(proxy_model, client.extra['params']['companion'], client.extra['state']['companion'], x,
+    return own, forward(proxy_model, client.extra.params['companion'], client.extra.state['companion'], x,
                         False)[0]
   return Evaluation(('private', 'proxy'), prepare, logits)
 
@@ -254,7 +263,7 @@ def fedtype(cfg: FedTypeConfig, num_classes: int) -> Algorithm:
 
   def init_client(group: GroupSpec, key):
     extra = init_global_model(group, group.build_model(cfg.global_model), key)
-    return {**extra, 'thresholds': jnp.zeros(2)}  # Qhat of the proxy and of the private model, set each round
+    return FedTypeClient(extra.params, extra.state, jnp.zeros(2))
 
   return one_phase('fedtype', initial_global_model, lambda group: client_program(cfg, num_classes, group),
                    average_global_models, lambda group: proxy_evaluation(cfg, group), init_client=init_client,

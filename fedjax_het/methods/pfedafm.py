@@ -31,6 +31,7 @@ alpha_k is the client's own, and so is the library's.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,15 @@ def alpha_optimizer(cfg: PFedAFMConfig) -> optax.GradientTransformation:
                      optax.sgd(cfg.alpha_learning_rate, momentum=cfg.momentum or None))
 
 
+class PFedAFMClient(NamedTuple):
+  """A client's extra state: params and state of its copy of G (`global_model.Companion`'s fields), alpha [d],
+  its mixing weights, and alpha_optimizer, their optimizer's state (both kept across rounds)."""
+  params: dict
+  state: dict
+  alpha: jnp.ndarray
+  alpha_optimizer: Any
+
+
 def optimizers(cfg: PFedAFMConfig, learning_rate: float) -> tuple[optax.GradientTransformation, ...]:
   """(the client's own model's, alpha's, G's) optimisers, as the code builds them: torch SGD with momentum and
   weight decay for all three (its optimizer_large, optimizer_alpha, optimizer_small), the two models' gradients
@@ -105,20 +115,20 @@ def client_program(cfg: PFedAFMConfig, group: GroupSpec) -> ClientProgram:
     """Step 1: F_k, h_k and alpha on CE(h_k(o), y), G frozen."""
     client, own_state, shared_state = carry
     extra = client.extra
-    _, shared, _ = forward(shared_model, extra['params']['companion'], extra['state']['companion'], batch.x, False)
+    _, shared, _ = forward(shared_model, extra.params['companion'], extra.state['companion'], batch.x, False)
 
     def loss(values):
       params, alpha = values
       _, own, model_state = forward(group.model, params, client.model_state, batch.x, True, batch.mask)
       logits = head_apply(params['head'], mix(alpha, own, shared))
       return cross_entropy(logits, batch.y, batch.mask), model_state
-    alpha = clamp(extra['alpha'])
+    alpha = clamp(extra.alpha)
     (value, model_state), (g_params, g_alpha) = jax.value_and_grad(loss, has_aux=True)((client.params, alpha))
     updates, own_state = own_opt.update(g_params, own_state, client.params)
-    a_updates, alpha_state = alpha_opt.update(g_alpha, extra['alpha_optimizer'], alpha)
+    a_updates, alpha_state = alpha_opt.update(g_alpha, extra.alpha_optimizer, alpha)
     client = client._replace(params=optax.apply_updates(client.params, updates), model_state=model_state,
-                             extra={**extra, 'alpha': clamp(optax.apply_updates(alpha, a_updates)),
-                                    'alpha_optimizer': alpha_state})
+                             extra=extra._replace(alpha=clamp(optax.apply_updates(alpha, a_updates)),
+                                                  alpha_optimizer=alpha_state))
     return (client, own_state, shared_state), value
 
   def shared_step(carry, batch, broadcast, key):
@@ -126,7 +136,7 @@ def client_program(cfg: PFedAFMConfig, group: GroupSpec) -> ClientProgram:
     client, own_state, shared_state = carry
 
     def loss(params):
-      _, shared, state = forward(shared_model, params, client.extra['state']['companion'], batch.x, True,
+      _, shared, state = forward(shared_model, params, client.extra.state['companion'], batch.x, True,
                                  batch.mask)
       return cross_entropy(head_apply(client.params['head'], shared), batch.y, batch.mask), state
     client, shared_state, value = global_model_step(client, loss, shared_opt, shared_state)
@@ -134,7 +144,7 @@ def client_program(cfg: PFedAFMConfig, group: GroupSpec) -> ClientProgram:
 
   def init(client, broadcast, key):
     client = receive_global_model(client, broadcast)
-    return client, own_opt.init(client.params), shared_opt.init(client.extra['params']['companion'])
+    return client, own_opt.init(client.params), shared_opt.init(client.extra.params['companion'])
 
   epochs = group.training.epochs
   return ClientProgram(init, (Stage(mixture_step, epochs), Stage(shared_step, epochs)), upload_carried_global_model,
@@ -150,10 +160,10 @@ def mixture_evaluation(cfg: PFedAFMConfig, group: GroupSpec) -> Evaluation:
 
   def logits(client, x):
     _, own, _ = forward(group.model, client.params, client.model_state, x, False)
-    _, shared, _ = forward(shared_model, client.extra['params']['companion'], client.extra['state']['companion'],
+    _, shared, _ = forward(shared_model, client.extra.params['companion'], client.extra.state['companion'],
                            x, False)
     head = client.params['head']
-    return head_apply(head, mix(clamp(client.extra['alpha']), own, shared)), head_apply(head, shared)
+    return head_apply(head, mix(clamp(client.extra.alpha), own, shared)), head_apply(head, shared)
   return Evaluation(('mixed', 'global_extractor'), prepare, logits)
 
 
@@ -165,11 +175,11 @@ def pfedafm(cfg: PFedAFMConfig) -> Algorithm:
   def init_client(group: GroupSpec, key):
     extra = init_global_model(group, group.build_model(cfg.global_model, group.feature_dim), key)
     alpha = jnp.ones(group.feature_dim)
-    return {**extra, 'alpha': alpha, 'alpha_optimizer': alpha_opt.init(alpha)}
+    return PFedAFMClient(extra.params, extra.state, alpha, alpha_opt.init(alpha))
 
   def server_update(server, uploads, key):
     """G averaged over the participants, weighted by their training rows."""
-    return {**server, 'global_model': uploads.mean('global_model', by='rows', previous=server['global_model'])}, {}
+    return server._replace(global_model=uploads.mean('global_model', by='rows', previous=server.global_model)), {}
 
   return one_phase('pfedafm', initial_global_model, lambda group: client_program(cfg, group),
                    server_update, lambda group: mixture_evaluation(cfg, group), init_client=init_client,

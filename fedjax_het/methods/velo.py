@@ -24,6 +24,7 @@ int(0.01 x iterations) iterations: set --velo_interval to that.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -33,8 +34,8 @@ import optax
 from fedjax_het.core import Algorithm, hyperparameter
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.generators.base import gaussian_kl
-from fedjax_het.methods.felo import (FeatureChannel, FeloConfig, FeloRun, class_uploads, empty_store, felo_family, push,
-                                     store_mean, warmup_rounds)
+from fedjax_het.methods.felo import (FeatureChannel, FeloConfig, FeloRun, FeloServer, FIFOStore, class_uploads,
+                                     empty_store, felo_family, push, store_mean, warmup_rounds)
 from fedjax_het.methods.shared.common import fit_rows
 from fedjax_het.models.init import torch_default_init
 
@@ -106,13 +107,13 @@ def init_cvae(module: FeatureCVAE, key: jax.Array) -> dict:
   return {**variables, 'params': torch_default_init(variables['params'], jax.random.fold_in(key, 1))}
 
 
-def train_cvae(module: FeatureCVAE, variables: dict, store: dict, key: jax.Array, cfg: VeloConfig
+def train_cvae(module: FeatureCVAE, variables: dict, store: FIFOStore, key: jax.Array, cfg: VeloConfig
                ) -> tuple[dict, jnp.ndarray]:
   """`cfg.epochs` epochs of a fresh Adam over every stored feature: (variables, mean per-row loss)."""
-  num_classes, capacity, d = store['values'].shape
-  rows = store['values'].reshape(num_classes * capacity, d)
+  num_classes, capacity, d = store.values.shape
+  rows = store.values.reshape(num_classes * capacity, d)
   labels = jnp.repeat(jnp.arange(num_classes), capacity)
-  filled = (jnp.arange(capacity)[None, :] < jnp.minimum(store['pushed'], capacity)[:, None]).reshape(-1)
+  filled = (jnp.arange(capacity)[None, :] < jnp.minimum(store.pushed, capacity)[:, None]).reshape(-1)
 
   def batch_loss(params, batch_stats, idx, weight, key):
     eps = jax.random.normal(key, (idx.shape[0], module.latent))
@@ -133,17 +134,32 @@ def generated_features(module: FeatureCVAE, variables: dict, key: jax.Array) -> 
   return module.apply(variables, z, jnp.arange(module.num_classes), method=FeatureCVAE.decode)
 
 
+class FeatureRows(NamedTuple):
+  """Velo's feature upload: rows [m, d], the client's first m training-mode feature rows, their labels [m] and
+  valid [m] (whether the slot holds a row)."""
+  rows: jnp.ndarray
+  labels: jnp.ndarray
+  valid: jnp.ndarray
+
+
+class RowBuffer(NamedTuple):
+  """What a Velo client gathers over its steps: the rows to upload and seen, how many rows its steps produced."""
+  rows: FeatureRows
+  seen: jnp.ndarray
+
+
 def feature_rows(upload_rows: int, feature_dim: int):
   """(empty, gather) of the client's first `upload_rows` training-mode feature rows with their labels."""
   def empty():
-    return {'rows': jnp.zeros((upload_rows, feature_dim)), 'row_labels': jnp.zeros(upload_rows, jnp.int32),
-            'row_valid': jnp.zeros(upload_rows, bool), 'seen': jnp.zeros((), jnp.int32)}
+    return RowBuffer(FeatureRows(jnp.zeros((upload_rows, feature_dim)), jnp.zeros(upload_rows, jnp.int32),
+                                 jnp.zeros(upload_rows, bool)), jnp.zeros((), jnp.int32))
 
-  def gather(stats, logits, features, labels):
-    at = stats['seen'] + jnp.arange(labels.shape[0])
-    put = lambda buffer, values: buffer.at[at].set(values, mode='drop')  # rows past the buffer are not sent
-    return {'rows': put(stats['rows'], jax.lax.stop_gradient(features)), 'row_labels': put(stats['row_labels'], labels),
-            'row_valid': put(stats['row_valid'], jnp.ones(labels.shape, bool)), 'seen': stats['seen'] + labels.shape[0]}
+  def gather(buffer: RowBuffer, logits, features, labels):
+    at = buffer.seen + jnp.arange(labels.shape[0])
+    put = lambda slots, values: slots.at[at].set(values, mode='drop')  # rows past the buffer are not sent
+    rows = buffer.rows
+    return RowBuffer(FeatureRows(put(rows.rows, jax.lax.stop_gradient(features)), put(rows.labels, labels),
+                                 put(rows.valid, jnp.ones(labels.shape, bool))), buffer.seen + labels.shape[0])
   return empty, gather
 
 
@@ -153,43 +169,50 @@ def cvae_module(run: FeloRun, feature_dim: int) -> FeatureCVAE:
   return FeatureCVAE(run.num_classes, feature_dim, cfg.hidden, cfg.latent, cfg.embedding)
 
 
-def init_feature_server(run: FeloRun, spec, key: jax.Array) -> dict:
+class VeloChannel(NamedTuple):
+  """Velo's feature channel on the server: store, a FIFO per class of uploaded feature rows; cvae, the CVAE's
+  variables; trained, whether it has been trained yet."""
+  store: FIFOStore
+  cvae: dict
+  trained: jnp.ndarray
+
+
+def init_feature_server(run: FeloRun, spec, key: jax.Array) -> VeloChannel:
   """A FIFO per class of uploaded feature rows and an untrained CVAE."""
-  return {'feature_store': empty_store(run.num_classes, run.cfg.feature_store, spec.feature_dim),
-          'cvae': init_cvae(cvae_module(run, spec.feature_dim), jax.random.fold_in(key, 7)),
-          'cvae_trained': jnp.zeros((), bool)}
+  return VeloChannel(empty_store(run.num_classes, run.cfg.feature_store, spec.feature_dim),
+                     init_cvae(cvae_module(run, spec.feature_dim), jax.random.fold_in(key, 7)), jnp.zeros((), bool))
 
 
-def feature_server(run: FeloRun, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+def feature_server(run: FeloRun, server: FeloServer, uploads, key: jax.Array) -> tuple[FeloServer, dict]:
   """Pushes the uploaded rows; after warm-up, every --velo_interval rounds, trains the CVAE on the store; once
   trained, the class features are its decodings (the stores' means before)."""
   cfg = run.cfg
   warm = warmup_rounds(cfg.warmup, run.rounds)
   u = class_uploads(uploads)
-  k, m, d = u.values['rows'].shape
-  valid = u.participant_rows('row_valid')
-  store = push(server['feature_store'], u.values['rows'].reshape(k * m, d), u.values['row_labels'].reshape(-1),
-               valid.reshape(-1))
+  rows = u.values.features
+  k, m, d = rows.rows.shape
+  valid = rows.valid & u.mask[:, None].astype(bool)
+  store = push(server.channel.store, rows.rows.reshape(k * m, d), rows.labels.reshape(-1), valid.reshape(-1))
   cvae = cvae_module(run, d)
   train_key, draw_key = jax.random.split(key)
-  done = server['round'] + 1                                   # rounds whose uploads the store now holds
+  done = server.round + 1                                      # rounds whose uploads the store now holds
   train = (done >= warm) & ((done - warm) % cfg.interval == 0)
   variables, loss = jax.lax.cond(train, lambda v: train_cvae(cvae, v, store, train_key, cfg),
-                                 lambda v: (v, jnp.zeros(())), server['cvae'])
-  trained = server['cvae_trained'] | train
+                                 lambda v: (v, jnp.zeros(())), server.channel.cvae)
+  trained = server.channel.trained | train
   means, present = store_mean(store)
   features = jnp.where(trained, generated_features(cvae, variables, draw_key), means)
-  server = {**server, 'feature_store': store, 'cvae': variables, 'cvae_trained': trained, 'features': features,
-            'feature_present': jnp.where(trained, True, present)}
+  server = server._replace(channel=VeloChannel(store, variables, trained), features=features,
+                           feature_present=jnp.where(trained, True, present))
   return server, {'cvae_loss': loss, 'cvae_trained': train.astype(jnp.float32)}
 
 
 VELO_FEATURES = FeatureChannel(
     init_feature_server,
     lambda run, group: feature_rows(run.cfg.upload_rows, group.feature_dim),
-    lambda stats: {k: stats[k] for k in ('rows', 'row_labels', 'row_valid')},
+    lambda stats: stats.channel.rows,
     feature_server,
-    lambda upload: jnp.sum(upload['row_valid']) * upload['rows'].shape[-1])
+    lambda rows: jnp.sum(rows.valid) * rows.rows.shape[-1])
 
 
 def velo(cfg: VeloConfig, num_classes: int, rounds: int, num_clients: int) -> Algorithm:

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_het.core import (Algorithm, Batch, Broadcast, ClientProgram, ClientRows, ClientState, Evaluation,
-                             FederationSpec, GroupSpec, Phase, Upload, Uploads, leaf_scalars, one_phase, single_stage)
+                             FederationSpec, GroupSpec, Phase, Upload, Uploads, leaf_scalars, one_phase, parts, single_stage,
+                             with_parts)
 from fedjax_het.local_training import LocalTraining
 from fedjax_het.methods.shared.common import head_apply
 from fedjax_het.models.classifier import HeteroClassifier
@@ -19,23 +20,22 @@ from fedjax_het.models.forward import forward
 __all__ = ['Algorithm', 'Batch', 'ClientProgram', 'ClientRows', 'ClientState', 'Evaluation', 'FederationSpec',
            'GroupSpec', 'Phase', 'Uploads', 'leaf_scalars', 'one_phase', 'sgd_program', 'head_evaluation',
            'local_head_evaluation', 'trainable', 'with_trainable', 'no_upload', 'no_server', 'keep_server',
-           'receive_head', 'initial_head', 'zero_params', 'HeadServer', 'HeadUpload']
+           'receive_head', 'initial_head', 'zero_params', 'HeadServer', 'HeadUpload', 'KeptOptimizer']
 
 Loss = Callable[[ClientState, Batch, Broadcast, jax.Array], tuple[jnp.ndarray, Any]]
 
 
 def trainable(client: ClientState) -> tuple[Any, Any]:
   """What a client's optimizer trains: (its classifier's params, the params of its extra modules, held under
-  client.extra['params'] ({} when it has none))."""
-  extra = client.extra.get('params', {}) if isinstance(client.extra, dict) else {}
-  return client.params, extra
+  client.extra.params ({} when it has none: `methods.shared.global_model.Companion`))."""
+  return client.params, parts(client.extra).get('params', {})
 
 
 def with_trainable(client: ClientState, values: tuple[Any, Any]) -> ClientState:
   """The client with its `trainable` parts replaced."""
   params, extra = values
-  if isinstance(client.extra, dict) and 'params' in client.extra:
-    return client._replace(params=params, extra={**client.extra, 'params': extra})
+  if 'params' in parts(client.extra):
+    return client._replace(params=params, extra=with_parts(client.extra, {'params': extra}))
   return client._replace(params=params)
 
 
@@ -95,15 +95,21 @@ def sgd_program(loss: Loss, training: LocalTraining, *, receive: Optional[Callab
                        representation_weights=weights)
 
 
+class KeptOptimizer(NamedTuple):
+  """The per-client state (`ClientState.extra`) of a method whose clients keep their optimizer's state across
+  rounds (FedMD's, FedGKT's and Felo's Adam): the state of an optimizer over the classifier's params."""
+  optimizer: Any
+
+
 def kept_optimizer_step(optimizer: optax.GradientTransformation, loss):
   """A local step on `loss(client, batch, broadcast) -> (value, client with new BatchNorm statistics)` with the
-  client's own optimizer state kept across rounds (`ClientState.extra['optimizer']`: FedMD's and FedGKT's Adam)."""
+  client's own optimizer state kept across rounds (`KeptOptimizer`: FedMD's and FedGKT's Adam)."""
   def step(client: ClientState, batch, broadcast, key):
     objective = lambda params: loss(client._replace(params=params), batch, broadcast)
     (value, updated), grads = jax.value_and_grad(objective, has_aux=True)(client.params)
-    updates, opt_state = optimizer.update(grads, client.extra['optimizer'], client.params)
+    updates, opt_state = optimizer.update(grads, client.extra.optimizer, client.params)
     return updated._replace(params=optax.apply_updates(client.params, updates),
-                            extra={**client.extra, 'optimizer': opt_state}), value
+                            extra=KeptOptimizer(opt_state)), value
   return step
 
 

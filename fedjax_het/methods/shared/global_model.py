@@ -1,11 +1,13 @@
-"""The pieces shared by methods whose clients train a small global model beside their own (FML, FedKD, FedMRL):
-each client holds its copy in `ClientState.extra` (parameters under extra['params']['companion'], BatchNorm
-statistics under extra['state']['companion']), the server keeps and broadcasts one copy, every participant
-starts its round from it, and the server averages the participants' copies, unweighted (HtFLlib)."""
+"""The pieces shared by methods whose clients train a small global model beside their own (FML, FedKD, FedMRL,
+pFedAFM, FedType): each client holds its copy in `ClientState.extra` (a `Companion`, or a method's own record
+with the same params and state fields: parameters under params['companion'], BatchNorm statistics under
+state['companion']), the server keeps and broadcasts one copy (`GlobalModel`, or a method's record with a
+global_model field), every participant starts its round from it, and the server averages the participants'
+copies, unweighted (HtFLlib)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,19 @@ from fedjax_het.models.forward import forward
 from fedjax_het.models.registry import model_names
 
 
+class Companion(NamedTuple):
+  """A client's extra modules: params and state, each a dict by module name ('companion', the copy of the global
+  model; FedKD's 'hidden_map'; FedMRL's 'fusion') of its params and of its non-trainable collections. The
+  optimizer of a client that trains them reads params (`base.trainable`)."""
+  params: dict
+  state: dict
+
+
+class GlobalModel(NamedTuple):
+  """The server state, broadcast and upload of a method that shares a small global model: its params."""
+  global_model: dict
+
+
 def check_global_model(cfg) -> None:
   """A clear error when the method config's `global_model` names no registered architecture."""
   if cfg.global_model not in model_names():
@@ -26,12 +41,12 @@ def check_global_model(cfg) -> None:
                       f'{", ".join(model_names())}.')
 
 
-def init_global_model(group: GroupSpec, model: HeteroClassifier, key: jax.Array) -> dict:
-  """A client's per-client state holding its copy of the global model: {'params': {'companion': ...},
-  'state': {'companion': its non-trainable collections}}, initialised as the run initialises clients."""
+def init_global_model(group: GroupSpec, model: HeteroClassifier, key: jax.Array) -> Companion:
+  """A client's per-client state holding its copy of the global model, initialised as the run initialises
+  clients."""
   variables = group.init_module(model, key, group.sample_input(), name='companion')
   params = variables.pop('params')
-  return {'params': {'companion': params}, 'state': {'companion': variables}}
+  return Companion({'companion': params}, {'companion': variables})
 
 
 def global_model_forward(model: HeteroClassifier, client: ClientState, x: jnp.ndarray, train: bool = True
@@ -39,25 +54,25 @@ def global_model_forward(model: HeteroClassifier, client: ClientState, x: jnp.nd
   """(logits, representation, client with the global model's BatchNorm statistics updated when `train`) of the
   client's copy of the global model."""
   extra = client.extra
-  logits, reps, state = forward(model, extra['params']['companion'], extra['state']['companion'], x, train)
-  return logits, reps, client._replace(extra={**extra, 'state': {**extra['state'], 'companion': state}})
+  logits, reps, state = forward(model, extra.params['companion'], extra.state['companion'], x, train)
+  return logits, reps, client._replace(extra=extra._replace(state={**extra.state, 'companion': state}))
 
 
-def initial_global_model(key: jax.Array, spec, initial) -> dict:
+def initial_global_model(key: jax.Array, spec, initial) -> GlobalModel:
   """init_server: the global model every client starts from (the first group's initial copy)."""
-  return {'global_model': initial[0].extra['params']['companion']}
+  return GlobalModel(initial[0].extra.params['companion'])
 
 
 def receive_global_model(client: ClientState, broadcast: Any) -> ClientState:
   """The client's copy of the global model replaced by the broadcast one (its BatchNorm statistics stay the
   client's own, as HtFLlib sends parameters only)."""
   extra = client.extra
-  return client._replace(extra={**extra, 'params': {**extra['params'], 'companion': broadcast['global_model']}})
+  return client._replace(extra=extra._replace(params={**extra.params, 'companion': broadcast.global_model}))
 
 
-def upload_global_model(client: ClientState, rows, broadcast, key) -> dict:
+def upload_global_model(client: ClientState, rows, broadcast, key) -> GlobalModel:
   """The client's trained copy of the global model."""
-  return {'global_model': client.extra['params']['companion']}
+  return GlobalModel(client.extra.params['companion'])
 
 
 def upload_carried_global_model(carry: tuple, rows, broadcast, key) -> tuple[ClientState, dict]:
@@ -72,20 +87,20 @@ def global_model_step(client: ClientState, loss, optimizer: optax.GradientTransf
   statistics after a training-mode pass): (the client with the stepped copy and statistics, the optimizer state,
   the loss value)."""
   extra = client.extra
-  params = extra['params']['companion']
+  params = extra.params['companion']
   (value, state), grads = jax.value_and_grad(loss, has_aux=True)(params)
   updates, opt_state = optimizer.update(grads, opt_state, params)
-  extra = {**extra, 'params': {**extra['params'], 'companion': optax.apply_updates(params, updates)},
-           'state': {**extra['state'], 'companion': state}}
+  extra = extra._replace(params={**extra.params, 'companion': optax.apply_updates(params, updates)},
+                         state={**extra.state, 'companion': state})
   return client._replace(extra=extra), opt_state, value
 
 
 # DP's view of a global-model upload: the delta from the broadcast global model is clipped; the server averages
 # the copies of all participants
-GLOBAL_MODEL_PRIVACY = UploadPrivacy(reference=lambda b: {'global_model': b['global_model']}, aggregate='sum',
+GLOBAL_MODEL_PRIVACY = UploadPrivacy(reference=lambda b: {'global_model': b.global_model}, aggregate='sum',
                                      hides_participants=True)
 
 
 def average_global_models(server, uploads, key):
   """The unweighted mean of the participants' global models (kept when nobody participated)."""
-  return {**server, 'global_model': uploads.mean('global_model', previous=server['global_model'])}, {}
+  return server._replace(global_model=uploads.mean('global_model', previous=server.global_model)), {}
