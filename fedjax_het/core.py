@@ -227,18 +227,42 @@ def whole_server(server: ServerState, group: GroupSpec) -> Broadcast:
   return server
 
 
-PER_CLIENT = 'per_client'
+class PerClient(NamedTuple):
+  """A part of a broadcast that the server sends each client alone (FedGKT's server logits of the client's rows):
+  values, whose leaves carry a leading axis over the group's clients in group order. A client reads its own
+  slice, still wrapped (`for_client`); a method declares one by placing it in its broadcast record."""
+  values: Any
+
+
+def _is_per_client(node: Any) -> bool:
+  return isinstance(node, PerClient)
+
+
+def has_per_client(broadcast: Broadcast) -> bool:
+  """Whether `broadcast` holds a `PerClient` part."""
+  return any(_is_per_client(n) for n in jax.tree.leaves(broadcast, is_leaf=_is_per_client))
+
+
+def map_per_client(fn: Callable[[Any], Any], broadcast: Broadcast) -> Broadcast:
+  """`broadcast` with every `PerClient` part's values replaced by fn(values)."""
+  return jax.tree.map(lambda n: PerClient(fn(n.values)) if _is_per_client(n) else n, broadcast,
+                      is_leaf=_is_per_client)
+
+
+def per_client_axes(broadcast: Broadcast) -> Any:
+  """vmap's in_axes for `broadcast` with its `PerClient` parts gathered per slot: 0 on their leaves, None (shared)
+  elsewhere."""
+  return jax.tree.map(lambda n: jax.tree.map(lambda _: 0, n) if _is_per_client(n) else None, broadcast,
+                      is_leaf=_is_per_client)
 
 
 def for_client(broadcast: Broadcast, i) -> Broadcast:
-  """What client i (its index in its group) reads of its group's `broadcast`: the broadcast itself, except that a
-  dict's PER_CLIENT part, whose leaves carry a leading axis over the group's clients in group order (what the
-  server sends each client alone: FedGKT's server logits of its rows), becomes client i's slice. Every executor
-  and the Flower server hand programs and evaluations this, never the others' slices."""
-  if not isinstance(broadcast, dict) or PER_CLIENT not in broadcast:
+  """What client i (its index in its group) reads of its group's `broadcast`: the broadcast itself, with every
+  `PerClient` part cut to client i's slice. Every executor and the Flower server hand programs and evaluations
+  this, never the others' slices."""
+  if not has_per_client(broadcast):
     return broadcast
-  return {**broadcast, PER_CLIENT: jax.tree.map(lambda a: jnp.take(a, i, axis=0, mode='clip'),
-                                                broadcast[PER_CLIENT])}
+  return map_per_client(lambda v: jax.tree.map(lambda a: jnp.take(a, i, axis=0, mode='clip'), v), broadcast)
 
 
 def leaf_scalars(tree: Any) -> dict:
@@ -270,8 +294,8 @@ class Phase:
 
   client(group) -> the `ClientProgram` of that group's clients; server_update(server, uploads, key) -> (server,
   metrics), uploads the round's `RoundUploads` (one `Uploads` per group, with reductions over the participants:
-  `server_step` gathers them); broadcast(server, group) -> what that group's participants receive (a dict may
-  carry a PER_CLIENT part, one slice per client of the group: `for_client`). rounds: how many (None: the rest of
+  `server_step` gathers them); broadcast(server, group) -> what that group's participants receive (a `PerClient`
+  part in it reaches each client of the group as its own slice: `for_client`). rounds: how many (None: the rest of
   the run); join_ratio: participation (None: the run's); evaluate: whether the run's evaluation schedule applies
   in this phase. server_of_spec: server_update is (spec: FederationSpec) -> the server step, for a
   server that runs the groups' classifiers (FedDF distils into them); `server_step` gives the step either way.

@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_het.core import PER_CLIENT, for_client
+from fedjax_het.core import PerClient, for_client
 from fedjax_het.engine.executors import vmap_broadcast
 from fedjax_het.errors import ConfigError
 from fedjax_het.methods import FedGKTConfig
-from fedjax_het.methods.fedgkt import ServerModel, client_kd_loss
+from fedjax_het.methods.fedgkt import FedGKTUpload, ServerModel, client_kd_loss
 from fedjax_het.run.config import ExperimentConfig
 from fedjax_het.run.experiment import build_federation
 
@@ -32,12 +32,12 @@ def test_client_distillation_loss_by_hand():
 
 
 def test_each_client_reads_only_its_own_slice_of_a_per_client_broadcast():
-  b = {'model': jnp.array([7.0]), PER_CLIENT: {'logits': jnp.array([[1.0], [2.0], [3.0]])}}
-  assert float(for_client(b, 2)[PER_CLIENT]['logits'][0]) == 3.0
+  b = {'model': jnp.array([7.0]), 'own': PerClient({'logits': jnp.array([[1.0], [2.0], [3.0]])})}
+  assert float(for_client(b, 2)['own'].values['logits'][0]) == 3.0
   assert float(for_client(b, 2)['model'][0]) == 7.0
   assert for_client({'model': 1}, 0) == {'model': 1}  # nothing per client: the broadcast itself
   # The vmap executor's slots [2, 0, past the group] read clients 2, 0 and (clipped, an empty slot) the last.
-  read = vmap_broadcast(lambda x, b: x + b[PER_CLIENT]['logits'][0] + b['model'][0], b, jnp.array([2, 0, 5]))
+  read = vmap_broadcast(lambda x, b: x + b['own'].values['logits'][0] + b['model'][0], b, jnp.array([2, 0, 5]))
   np.testing.assert_allclose(read(jnp.zeros(3)), [10.0, 8.0, 10.0])
 
 
@@ -53,8 +53,8 @@ def test_server_logits_go_to_the_clients_that_sent_the_rows_and_are_kept():
   fed = _federation()
   state = fed.init()
   g = fed.groups[0]
-  logits0 = np.asarray(state.server['logits'][0])
-  assert logits0.shape == (4, g.train.x.shape[1], 10) and not np.asarray(state.server['has'][0]).any()
+  logits0 = np.asarray(state.server.logits[0])
+  assert logits0.shape == (4, g.train.x.shape[1], 10) and not np.asarray(state.server.has[0]).any()
   seen = set()
   for r in range(3):
     joined = set(fed.participants(r).tolist())
@@ -68,13 +68,13 @@ def test_server_logits_go_to_the_clients_that_sent_the_rows_and_are_kept():
     assert m['upload_scalars'] == sum(int(sizes[k]) * (512 + 10 + 1) for k in joined)
     for k in range(4):
       if k in joined:  # new logits for its real rows, zeros past them
-        assert after['has'][0][k]
-        assert not np.allclose(after['logits'][0][k][:sizes[k]], before['logits'][0][k][:sizes[k]])
-        assert (np.abs(after['logits'][0][k][:sizes[k]]).sum(-1) > 0).all()  # every real row has its logits
-        np.testing.assert_array_equal(after['logits'][0][k][sizes[k]:], 0.0)
+        assert after.has[0][k]
+        assert not np.allclose(after.logits[0][k][:sizes[k]], before.logits[0][k][:sizes[k]])
+        assert (np.abs(after.logits[0][k][:sizes[k]]).sum(-1) > 0).all()  # every real row has its logits
+        np.testing.assert_array_equal(after.logits[0][k][sizes[k]:], 0.0)
       else:  # a client not drawn keeps what it had
-        np.testing.assert_array_equal(after['logits'][0][k], before['logits'][0][k])
-        assert after['has'][0][k] == before['has'][0][k]
+        np.testing.assert_array_equal(after.logits[0][k], before.logits[0][k])
+        assert after.has[0][k] == before.has[0][k]
     seen |= joined
 
 
@@ -124,7 +124,7 @@ def test_the_codes_client_cuts_after_its_stem_and_the_server_trains_on_full_reso
   assert map_shape(fed.groups[0].spec, 'stem') == (4, 4, 16) and map_shape(fed.groups[0].spec) == (4, 4, 64)
   state, row = fed.round(fed.init())
   assert row['upload_features_scalars'] == fed.train_sizes.sum() * 4 * 4 * 16
-  assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(state.server['model']))
+  assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(state.server.model))
   with pytest.raises(ConfigError, match="split='stem': this client's architecture has no ResNet stem"):
     build_federation(dataclasses.replace(cfg, dataset='synthetic:4,4,1', models=('mlp',), rm='ap')).init()
 
@@ -150,10 +150,10 @@ def test_a_last_batch_of_one_row_keeps_the_deep_server_finite():
   n_max = fed.groups[0].train.x.shape[1]
   rows = jnp.zeros((2, n_max), bool).at[0, :9].set(True)
   features = jnp.where(rows[..., None], jax.random.normal(jax.random.PRNGKey(0), (2, n_max, 512)) * 3, 0.0)
-  values = {'features': features, 'logits': jax.random.normal(jax.random.PRNGKey(1), (2, n_max, 10)),
-            'y': jnp.zeros((2, n_max), jnp.int32), 'rows': rows, 'received': jnp.zeros(2, bool)}
+  values = FedGKTUpload(features, jax.random.normal(jax.random.PRNGKey(1), (2, n_max, 10)),
+                        jnp.zeros((2, n_max), jnp.int32), rows, jnp.zeros(2, bool))
   uploads = (Uploads(values, jnp.array([True, False]), jnp.array([9.0, 0.0]), jnp.array([0, 4])),)
   new, metrics = jax.jit(server_step(fed.algorithm.phases[0], fed.spec))(state.server, uploads, jax.random.PRNGKey(2))
   assert np.isfinite(float(metrics['server_loss']))
-  assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(new['model']))
+  assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(new.model))
   assert np.isfinite(np.asarray(new['logits'][0][0, :9])).all() and new['has'][0][0] and not new['has'][0][1:].any()

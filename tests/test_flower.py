@@ -254,7 +254,7 @@ def test_a_second_node_claiming_a_client_is_refused_and_never_blocks_the_run(tmp
 
 def test_each_train_message_carries_only_its_clients_slice_of_a_per_client_broadcast():
   from fedjax_het.methods import FedGKTConfig
-  from fedjax_het.core import PER_CLIENT
+  from fedjax_het.core import PerClient
   from fedjax_het.run.experiment import build_federation
   cfg = dataclasses.replace(CFG, algorithm='fedgkt', methods={'fedgkt': FedGKTConfig(server_blocks=1)})
   fed = build_federation(cfg)
@@ -264,9 +264,10 @@ def test_each_train_message_carries_only_its_clients_slice_of_a_per_client_broad
   TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1  # what Flower's runtime sets
   broadcasts = [fed.sent(state.server, gi, 0) for gi in range(len(fed.groups))]
   for gi, b in enumerate(broadcasts):  # client i of each group: logits all equal to 10 * group + i
-    n = b[PER_CLIENT]['logits'].shape[0]
-    b[PER_CLIENT]['logits'] = jnp.broadcast_to((10.0 * gi + jnp.arange(n))[:, None, None],
-                                               b[PER_CLIENT]['logits'].shape)
+    own = b.own.values
+    n = own.logits.shape[0]
+    logits = jnp.broadcast_to((10.0 * gi + jnp.arange(n))[:, None, None], own.logits.shape)
+    broadcasts[gi] = b._replace(own=PerClient(own._replace(logits=logits)))
   for m in rounds._messages(range(4), broadcasts, 0, 'train'):
     k = m.metadata.dst_node_id - 100
     gi = int(fed.group_of[k])

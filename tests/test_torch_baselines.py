@@ -208,7 +208,8 @@ def test_fedgkt_client_steps_equal_its_codes_kd_training():
   row against the server's logits of that row, Adam(amsgrad, weight_decay 1e-4) kept by the client; T = 3,
   alpha = 0.7, against the same loop in PyTorch."""
   from fedjax_het.methods import FedGKTConfig, fedgkt
-  from fedjax_het.core import PER_CLIENT, for_client
+  from fedjax_het.core import PerClient, for_client
+  from fedjax_het.methods.fedgkt import ServerLogits
   from fedjax_het.data.federated import ClientArrays
   from fedjax_het.engine.client import run_client
   data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
@@ -222,8 +223,8 @@ def test_fedgkt_client_steps_equal_its_codes_kd_training():
   y = np.asarray(data.dataset.y[data.split.train_indices[k]], np.int32)
   server_logits = np.array(jax.random.normal(jax.random.PRNGKey(7), (fed.groups[0].spec.train_rows, 4)) * 2)
   broadcast = fed.sent(state.server, 0, 1)
-  broadcast = for_client({**broadcast, PER_CLIENT: {'logits': jnp.asarray(server_logits)[None],
-                                                    'has': jnp.asarray([True])}}, 0)
+  broadcast = for_client(broadcast._replace(own=PerClient(ServerLogits(jnp.asarray(server_logits)[None],
+                                                                       jnp.asarray([True])))), 0)
   out, _, _ = run_client(fed.programs[0][0], fed.groups[0].model, client,
                          ClientArrays(jnp.asarray(x), jnp.asarray(y), jnp.asarray(len(y))), broadcast,
                          jax.random.PRNGKey(0))
@@ -337,8 +338,9 @@ def test_fedgkt_server_epochs_equal_its_codes_server_training():
   logits = (rng.normal(size=(2, n, 4)) * 2).astype(np.float32)
   y = rng.integers(0, 4, (2, n)).astype(np.int32)
   rows = np.arange(n)[None] < np.array(real)[:, None]
-  uploads = (Uploads({'features': jnp.asarray(features), 'logits': jnp.asarray(logits), 'y': jnp.asarray(y),
-                      'rows': jnp.asarray(rows), 'received': jnp.ones(2, bool)},
+  from fedjax_het.methods.fedgkt import FedGKTUpload
+  uploads = (Uploads(FedGKTUpload(jnp.asarray(features), jnp.asarray(logits), jnp.asarray(y), jnp.asarray(rows),
+                                  jnp.ones(2, bool)),
                      jnp.array([True, True]), jnp.asarray(real, jnp.float32), jnp.array([2, 0])),)
   key = jax.random.PRNGKey(5)
   new, _ = server_step(fed.algorithm.phases[0], fed.spec)(state.server, uploads, key)

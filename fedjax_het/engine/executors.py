@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_het.core import PER_CLIENT, ClientProgram, Evaluation, for_client, with_model, without_model
+from fedjax_het.core import (ClientProgram, Evaluation, for_client, has_per_client, map_per_client, per_client_axes,
+                             with_model, without_model)
 from fedjax_het.engine.chunks import Chunk, plan_chunks, width_ladder
 from fedjax_het.engine.client import (RowsOf, client_statistics_rows, run_client_rows, score_client_rows, weighted)
 from fedjax_het.engine.groups import EvalSet, Group, representation_model
@@ -42,12 +43,13 @@ def take(tree: Any, idx) -> Any:
 
 def vmap_broadcast(fn: Callable, broadcast: Any, idx) -> Callable:
   """`fn(*args, broadcast)` vmapped over the leading axis of args, each call reading `for_client(broadcast, i)` for
-  its slot's client i (idx [S]): the broadcast's PER_CLIENT part is gathered at idx and vmapped with the slots."""
-  if not isinstance(broadcast, dict) or PER_CLIENT not in broadcast:
+  its slot's client i (idx [S]): the broadcast's `PerClient` parts are gathered at idx and vmapped with the slots,
+  the rest shared."""
+  if not has_per_client(broadcast):
     return lambda *args: jax.vmap(lambda *a: fn(*a, broadcast))(*args)
-  shared = {k: v for k, v in broadcast.items() if k != PER_CLIENT}
-  per = take(broadcast[PER_CLIENT], idx)
-  return lambda *args: jax.vmap(lambda p, *a: fn(*a, {**shared, PER_CLIENT: p}))(per, *args)
+  gathered = map_per_client(lambda v: take(v, idx), broadcast)
+  return lambda *args: jax.vmap(lambda b, *a: fn(*a, b), in_axes=(per_client_axes(broadcast),) + (0,) * len(args))(
+      gathered, *args)
 
 
 def host_states(stacked: Any, copy: bool = True) -> Any:

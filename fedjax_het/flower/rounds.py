@@ -32,7 +32,7 @@ import numpy as np
 from absl import logging
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from fedjax_het.core import PER_CLIENT, for_client
+from fedjax_het.core import for_client, has_per_client
 from fedjax_het.engine.federation import Federation, FederationState, GroupRound
 from fedjax_het.engine.groups import slot_indices
 from fedjax_het.errors import ConfigError
@@ -142,13 +142,13 @@ class FlowerRounds:
 
   def _messages(self, clients, broadcasts: list, round_index: int, message_type: str) -> list[Message]:
     """One message per client: what it reads of its group's broadcast (`for_client`: its own slice of a
-    PER_CLIENT part, never the others') and the run's config."""
+    `PerClient` part, never the others') and the run's config."""
     by_group = {}
 
     def record(k: int):
       gi = int(self.fed.group_of[k])
       b = broadcasts[gi]
-      if isinstance(b, dict) and PER_CLIENT in b:
+      if has_per_client(b):
         return tree_to_record(for_client(b, int(np.flatnonzero(self.fed.groups[gi].clients == k)[0])))
       if gi not in by_group:
         by_group[gi] = tree_to_record(b)

@@ -19,7 +19,7 @@ clients in order, each client's rows in batches of --batch_size in one random or
 the batches of the client's shuffled extraction pass in the same order every epoch), with CE(z_s, y) (the code's
 default, whether_distill_on_the_server=0), or with --gkt_server_distill T^2 KL(softmax(z_c / T) || softmax(z_s / T))
 + alpha * CE (the code's weighting when it distils). Its logits of each row in the last epoch (training mode, before
-that batch's step, as the code takes them) go back to that client alone (`core.PER_CLIENT`). Optimizers
+that batch's step, as the code takes them) go back to that client alone (`core.PerClient`). Optimizers
 (--gkt_optimizer, one kept by each client and one by the server, both at --gkt_learning_rate, the code's one
 --lr; --local_learning_rate is not read): 'adam', the code's Adam (amsgrad, L2 1e-4), which its README run uses
 at 1e-3; 'sgd', momentum 0.9 Nesterov, L2 5e-4 (its default optimizer).
@@ -43,14 +43,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_het.core import (Algorithm, Capabilities, ClientProgram, Evaluation, FederationSpec, GroupSpec, PER_CLIENT,
+from fedjax_het.core import (Algorithm, Capabilities, ClientProgram, Evaluation, FederationSpec, GroupSpec, PerClient,
                              Traffic, hyperparameter, one_phase, single_stage)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.methods.shared.base import KeptOptimizer, kept_optimizer_step, zero_params
@@ -180,6 +180,41 @@ def map_shape(group: GroupSpec, split: str = 'extractor') -> tuple[int, ...]:
   return tuple(out[0].shape[1:])
 
 
+class ServerLogits(NamedTuple):
+  """The server's logits of one client's training rows [n, C] and whether it has sent any yet (has)."""
+  logits: jnp.ndarray
+  has: jnp.ndarray
+
+
+class FedGKTBroadcast(NamedTuple):
+  """What a group's clients receive: model, the server model's trunk and the group's adapter; state, its BatchNorm
+  statistics; own, each client's `ServerLogits` (a `PerClient` part: a client reads its own)."""
+  model: dict
+  state: dict
+  own: PerClient
+
+
+class FedGKTUpload(NamedTuple):
+  """A client's upload: features [n, ...], its maps of every training row; logits [n, C], its own logits; y [n];
+  rows [n], which rows are real; received, whether it had server logits this round (for the traffic count)."""
+  features: jnp.ndarray
+  logits: jnp.ndarray
+  y: jnp.ndarray
+  rows: jnp.ndarray
+  received: jnp.ndarray
+
+
+class FedGKTServer(NamedTuple):
+  """The server: model ({'trunk', 'adapters': one per group}) and state, the large model's params and BatchNorm
+  statistics; optimizer, their optimizer states (kept across rounds); logits and has, per group [clients, n, C]
+  and [clients], its logits of each client's rows and whether it has any."""
+  model: dict
+  state: dict
+  optimizer: dict
+  logits: tuple
+  has: tuple
+
+
 def client_program(cfg: FedGKTConfig, optimizer: optax.GradientTransformation, group: GroupSpec) -> ClientProgram:
   """A client's round: CE plus the distillation term towards the server's logits of each row (once it has any),
   its optimiser kept; it uploads every training row's map (`extract`), logits and label."""
@@ -187,17 +222,16 @@ def client_program(cfg: FedGKTConfig, optimizer: optax.GradientTransformation, g
 
   def loss(client, batch, broadcast):
     logits, _, client = train_forward(group.model, client, batch.x, batch.mask)
-    mine = broadcast[PER_CLIENT]
-    kd = client_kd_loss(logits, mine['logits'][batch.index], T, batch.mask)
-    return cross_entropy(logits, batch.y, batch.mask) + cfg.alpha * jnp.where(mine['has'], kd, 0.0), client
+    mine = broadcast.own.values
+    kd = client_kd_loss(logits, mine.logits[batch.index], T, batch.mask)
+    return cross_entropy(logits, batch.y, batch.mask) + cfg.alpha * jnp.where(mine.has, kd, 0.0), client
 
   def final(client, rows, broadcast, key):
     real = jnp.arange(rows.x.shape[0]) < rows.num_train
     h, logits = jax.lax.map(lambda x: jax.tree.map(lambda a: a[0], extract(
         group.model, client.params, client.model_state, x[None], cfg.split)), rows.x, batch_size=64)
     zero = lambda a: jnp.where(real.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0)
-    return client, {'features': zero(h), 'logits': zero(logits), 'y': zero(rows.y), 'rows': real,
-                    'received': broadcast[PER_CLIENT]['has']}
+    return client, FedGKTUpload(zero(h), zero(logits), zero(rows.y), real, broadcast.own.values.has)
 
   return ClientProgram(lambda client, broadcast, key: client, single_stage(kept_optimizer_step(optimizer, loss),
                                                                           group.training),
@@ -209,7 +243,7 @@ def server_evaluation(cfg: FedGKTConfig, num_classes: int, group: GroupSpec) -> 
   trunk_net = server_trunk(num_classes, cfg.server_blocks, group)
 
   def prepare(client, broadcast):
-    return client.params, client.model_state, broadcast['model'], broadcast['state']
+    return client.params, client.model_state, broadcast.model, broadcast.state
 
   def logits(evaluated, x):
     params, model_state, server_model, server_state = evaluated
@@ -248,7 +282,7 @@ def server_pass(cfg: FedGKTConfig, optimizer: optax.GradientTransformation, trun
       # is NaN. Its output is never counted (the loss and the statistics read only the real rows).
       picked = jnp.where(valid, rc, rc[jnp.argmax(valid)])
       (value, (z_s, new_state)), grads = jax.value_and_grad(objective, has_aux=True)(
-          params, state, u.values['features'][s, picked], u.values['logits'][s, picked], u.values['y'][s, picked],
+          params, state, u.values.features[s, picked], u.values.logits[s, picked], u.values.y[s, picked],
           valid)
       # The trunk and the group's adapter keep optimizer states of their own (torch's Adam counts steps per
       # parameter, and the other groups' adapters take no step here).
@@ -267,7 +301,8 @@ def server_pass(cfg: FedGKTConfig, optimizer: optax.GradientTransformation, trun
   return group_pass
 
 
-def server_round(cfg: FedGKTConfig, group_pass, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+def server_round(cfg: FedGKTConfig, group_pass, server: FedGKTServer, uploads, key: jax.Array
+                 ) -> tuple[FedGKTServer, dict]:
   """The server's round: --gkt_server_epochs passes over every group's uploaded rows (`server_pass`), then each
   participant's rows' logits of the last pass kept for it."""
   # Each client's rows in one random order for the round (the code's server replays the batches of the
@@ -289,18 +324,18 @@ def server_round(cfg: FedGKTConfig, group_pass, server: dict, uploads, key: jax.
                                                           opts['adapter'])
     return (trunk, tuple(adapters), state, trunk_opt, tuple(adapter_opts), tuple(outs), total, count), None
 
-  start = (server['model']['trunk'], server['model']['adapters'], server['state'], server['optimizer']['trunk'],
-           server['optimizer']['adapters'], tuple(jnp.zeros(u.values['logits'].shape) for u in uploads),
+  start = (server.model['trunk'], server.model['adapters'], server.state, server.optimizer['trunk'],
+           server.optimizer['adapters'], tuple(jnp.zeros(u.values.logits.shape) for u in uploads),
            jnp.float32(0), jnp.float32(0))
   (trunk, adapters, state, trunk_opt, adapter_opts, outs, total, count), _ = jax.lax.scan(
       epoch, start, None, length=cfg.server_epochs)
-  logits, has = list(server['logits']), list(server['has'])
+  logits, has = list(server.logits), list(server.has)
   for gi, u in enumerate(uploads):
     who = jnp.where(u.mask, u.client, logits[gi].shape[0])  # absent slots write nothing
     logits[gi] = logits[gi].at[who].set(outs[gi], mode='drop')
     has[gi] = has[gi].at[who].set(cfg.server_epochs > 0, mode='drop')
-  new = {'model': {'trunk': trunk, 'adapters': adapters}, 'state': state,
-         'optimizer': {'trunk': trunk_opt, 'adapters': adapter_opts}, 'logits': tuple(logits), 'has': tuple(has)}
+  new = FedGKTServer({'trunk': trunk, 'adapters': adapters}, state, {'trunk': trunk_opt, 'adapters': adapter_opts},
+                     tuple(logits), tuple(has))
   return new, {'server_loss': total / jnp.maximum(count, 1.0)}
 
 
@@ -308,20 +343,18 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int) -> Algorithm:
   """FedGKT as an `Algorithm`."""
   optimizer = gkt_optimizer(cfg.optimizer, cfg.learning_rate)
 
-  def init_server(key, spec: FederationSpec, initial):
+  def init_server(key, spec: FederationSpec, initial) -> FedGKTServer:
     net = ServerModel(spec, num_classes, cfg.server_blocks, cfg.split)
     params, state = net.init(spec.groups[0].maker.shared_key('fedgkt_server'))
-    return {'model': params, 'state': state,
-            'optimizer': {'trunk': optimizer.init(params['trunk']),
-                          'adapters': tuple(optimizer.init(a) for a in params['adapters'])},
-            'logits': tuple(jnp.zeros((len(g.clients), g.train_rows, num_classes)) for g in spec.groups),
-            'has': tuple(jnp.zeros(len(g.clients), bool) for g in spec.groups)}
+    return FedGKTServer(params, state, {'trunk': optimizer.init(params['trunk']),
+                                        'adapters': tuple(optimizer.init(a) for a in params['adapters'])},
+                        tuple(jnp.zeros((len(g.clients), g.train_rows, num_classes)) for g in spec.groups),
+                        tuple(jnp.zeros(len(g.clients), bool) for g in spec.groups))
 
-  def broadcast(server, group: GroupSpec):
+  def broadcast(server: FedGKTServer, group: GroupSpec) -> FedGKTBroadcast:
     gi = group.index
-    return {'model': {'trunk': server['model']['trunk'], 'adapter': server['model']['adapters'][gi]},
-            'state': server['state'],
-            PER_CLIENT: {'logits': server['logits'][gi], 'has': server['has'][gi]}}
+    return FedGKTBroadcast({'trunk': server.model['trunk'], 'adapter': server.model['adapters'][gi]}, server.state,
+                           PerClient(ServerLogits(server.logits[gi], server.has[gi])))
 
   def init_client(group, key):
     return KeptOptimizer(optimizer.init(zero_params(group)))
@@ -332,14 +365,14 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int) -> Algorithm:
 
     return lambda server, uploads, key: server_round(cfg, group_pass, server, uploads, key)
 
-  def upload_scalars(upload):
-    real = upload['rows'].sum()
-    return {'features': real * math.prod(upload['features'].shape[1:]), 'logits': real * num_classes,
+  def upload_scalars(upload: FedGKTUpload):
+    real = upload.rows.sum()
+    return {'features': real * math.prod(upload.features.shape[1:]), 'logits': real * num_classes,
             'labels': real}
 
-  def received_scalars(broadcast, upload):
-    """The server's logits of the client's rows, once the server has sent any (`upload['received']`)."""
-    return {'server_logits': upload['rows'].sum() * num_classes * upload['received']}
+  def received_scalars(broadcast, upload: FedGKTUpload):
+    """The server's logits of the client's rows, once the server has sent any (`FedGKTUpload.received`)."""
+    return {'server_logits': upload.rows.sum() * num_classes * upload.received}
 
   algorithm = one_phase('fedgkt', init_server, lambda group: client_program(cfg, optimizer, group), server_for,
                         lambda group: server_evaluation(cfg, num_classes, group), broadcast=broadcast,
