@@ -156,4 +156,4 @@ def test_a_last_batch_of_one_row_keeps_the_deep_server_finite():
   new, metrics = jax.jit(server_step(fed.algorithm.phases[0], fed.spec))(state.server, uploads, jax.random.PRNGKey(2))
   assert np.isfinite(float(metrics['server_loss']))
   assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(new.model))
-  assert np.isfinite(np.asarray(new['logits'][0][0, :9])).all() and new['has'][0][0] and not new['has'][0][1:].any()
+  assert np.isfinite(np.asarray(new.logits[0][0, :9])).all() and new.has[0][0] and not new.has[0][1:].any()

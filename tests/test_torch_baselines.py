@@ -345,7 +345,7 @@ def test_fedgkt_server_epochs_equal_its_codes_server_training():
   key = jax.random.PRNGKey(5)
   new, _ = server_step(fed.algorithm.phases[0], fed.spec)(state.server, uploads, key)
 
-  trunk = state.server['model']['trunk']
+  trunk = state.server.model['trunk']
   blocks = torch.nn.Sequential(*[TorchBottleneck(trunk[f'Bottleneck_{i}'], 1 if i == 0 else 2) for i in range(3)])
   dense = torch.nn.Linear(256, 4)
   with torch.no_grad():
@@ -374,7 +374,7 @@ def test_fedgkt_server_epochs_equal_its_codes_server_training():
         if epoch == cfg.server_epochs - 1:
           sent[s, r] = out.detach().numpy()
 
-  ours = new['model']['trunk']
+  ours = new.model['trunk']
   # Adam's near-zero gradients, as for FedDF above; through eleven BatchNorms a few of a deep kernel's entries move
   # by a little more (up to 5 % of a step has been seen over 28 steps): all within 10 % of the rate, 95 % within 2 %.
   tolerance = 0.02 * cfg.learning_rate
@@ -382,13 +382,13 @@ def test_fedgkt_server_epochs_equal_its_codes_server_training():
   deep = np.abs(blocks[1].convs[1].weight.detach().numpy().transpose(2, 3, 1, 0)
                 - np.asarray(ours['Bottleneck_1']['Conv_1']['kernel']))
   assert deep.max() < 5 * tolerance and np.quantile(deep, 0.95) < tolerance, (deep.max(), np.quantile(deep, 0.95))
-  stats = new['state']['batch_stats']['Bottleneck_2']['BatchNorm_3']
+  stats = new.state['batch_stats']['Bottleneck_2']['BatchNorm_3']
   np.testing.assert_allclose(blocks[2].norms[3].running_mean.numpy(), stats['mean'], rtol=1e-3, atol=1e-4)
   np.testing.assert_allclose(blocks[2].norms[3].running_var.numpy(), stats['var'], rtol=1e-3, atol=1e-4)
   # each slot's logits go to its client (slot 0 holds client 2, slot 1 client 0), real rows only
-  back = np.asarray(new['logits'][0])
+  back = np.asarray(new.logits[0])
   np.testing.assert_allclose(back[2], sent[0], rtol=0, atol=5e-3)
   np.testing.assert_allclose(back[0][:real[1]], sent[1][:real[1]], rtol=0, atol=5e-3)
-  assert np.abs(back[0][real[1]:]).max() == 0 and np.abs(back[1]).max() == 0 and np.asarray(new['has'][0]).tolist() \
+  assert np.abs(back[0][real[1]:]).max() == 0 and np.abs(back[1]).max() == 0 and np.asarray(new.has[0]).tolist() \
       == [True, False, True, False]
   assert np.abs(np.asarray(ours['Dense_0']['kernel']) - np.asarray(trunk['Dense_0']['kernel'])).max() > 1e-3
