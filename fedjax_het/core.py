@@ -148,13 +148,31 @@ class Evaluation(NamedTuple):
 
   statistics(evaluated, x, rows) -> a pytree of sums over a batch x of one client's training rows (rows [B]: the
   real ones; batches of the run's batch size from the client's first row); where set, the engine adds them up over
-  every client's training rows before scoring (the server querying each client: HeteroFL's static BatchNorm) and
-  prepare then finds the totals in broadcast['statistics'] (absent while the statistics themselves are gathered)."""
+  every client's training rows before scoring (the server querying each client: HeteroFL's static BatchNorm), and
+  prepare takes them as a third argument: prepare(client, broadcast, totals), totals None while the statistics
+  themselves are gathered (`prepare_evaluation`)."""
   names: tuple[str, ...]
   prepare: Callable[[ClientState, Broadcast], Any]
   logits: Callable[..., tuple[jnp.ndarray, ...]]
   batch_rows: bool = False
   statistics: Optional[Callable[[Any, jnp.ndarray, jnp.ndarray], Any]] = None
+
+
+class Gathered(NamedTuple):
+  """A group's broadcast with the totals of its evaluation's statistics (`Evaluation.statistics`), as the engine
+  hands it to the executors that score the clients."""
+  broadcast: Any
+  statistics: Any
+
+
+def prepare_evaluation(evaluation: Evaluation, client: ClientState, broadcast: Any) -> Any:
+  """`evaluation.prepare` of the client: prepare(client, broadcast), or for an evaluation with statistics
+  prepare(client, broadcast, totals), the totals those of a `Gathered` broadcast (None while they are gathered)."""
+  if evaluation.statistics is None:
+    return evaluation.prepare(client, broadcast)
+  if isinstance(broadcast, Gathered):
+    return evaluation.prepare(client, broadcast.broadcast, broadcast.statistics)
+  return evaluation.prepare(client, broadcast, None)
 
 
 class ModelMaker(Protocol):

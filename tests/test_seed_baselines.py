@@ -277,20 +277,21 @@ def test_heterofl_clips_each_steps_gradient_to_norm_one_before_decay_and_momentu
 
 
 def test_heterofl_sub_models_are_leading_slices_and_entries_average_over_their_holders():
-  from fedjax_het.methods.heterofl import combine, sub_model
+  from fedjax_het.methods.heterofl import HeteroFLUpload, combine, sub_model
   w = jnp.arange(9.0).reshape(3, 3)
   glob = {'w': w, 'head': {'kernel': jnp.zeros((3, 2)), 'bias': jnp.zeros(2)}}
   small = sub_model(glob, {'w': jnp.zeros((2, 2)), 'head': {'kernel': jnp.zeros((2, 2)), 'bias': jnp.zeros(2)}})
   np.testing.assert_array_equal(small['w'], [[0.0, 1.0], [3.0, 4.0]])
   # width 3: one participant (all ones); width 2: two participants (2s and 4s) and an empty slot (100s)
-  wide = Uploads({'model': {'w': jnp.ones((1, 3, 3)),
-                            'head': {'kernel': jnp.ones((1, 3, 2)), 'bias': jnp.ones((1, 2))}},
-                  'label_mask': jnp.array([[1.0, 1.0]])}, jnp.array([True]), jnp.ones(1))
-  narrow = Uploads({'model': {'w': jnp.stack([jnp.full((2, 2), 2.0), jnp.full((2, 2), 4.0), jnp.full((2, 2), 100.0)]),
-                              'head': {'kernel': jnp.stack([jnp.full((2, 2), 2.0), jnp.full((2, 2), 4.0),
-                                                            jnp.full((2, 2), 100.0)]),
-                                       'bias': jnp.stack([jnp.full(2, 2.0), jnp.full(2, 4.0), jnp.full(2, 100.0)])}},
-                    'label_mask': jnp.array([[1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])},
+  wide = Uploads(HeteroFLUpload({'w': jnp.ones((1, 3, 3)),
+                                 'head': {'kernel': jnp.ones((1, 3, 2)), 'bias': jnp.ones((1, 2))}},
+                                jnp.array([[1.0, 1.0]])), jnp.array([True]), jnp.ones(1))
+  narrow = Uploads(HeteroFLUpload({'w': jnp.stack([jnp.full((2, 2), 2.0), jnp.full((2, 2), 4.0), jnp.full((2, 2), 100.0)]),
+                                   'head': {'kernel': jnp.stack([jnp.full((2, 2), 2.0), jnp.full((2, 2), 4.0),
+                                                                 jnp.full((2, 2), 100.0)]),
+                                            'bias': jnp.stack([jnp.full(2, 2.0), jnp.full(2, 4.0),
+                                                               jnp.full(2, 100.0)])}},
+                                  jnp.array([[1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])),
                    jnp.array([True, True, False]), jnp.ones(3))
   out = combine(glob, (wide, narrow))
   # top-left 2x2: (1 + 2 + 4) / 3; the rest only the wide participant's 1
@@ -349,15 +350,15 @@ def test_heterofl_multisteplr_scales_the_rounds_rate_as_a_lower_rate_would(tiny_
     return fed, state
   fed, halved = one_round(HeteroFLConfig(lr_milestones='0', lr_decay=0.5), 0.1)
   _, slower = one_round(HeteroFLConfig(), 0.05)
-  for a, b in zip(jax.tree.leaves(halved.server['model']), jax.tree.leaves(slower.server['model'])):
+  for a, b in zip(jax.tree.leaves(halved.server.model), jax.tree.leaves(slower.server.model)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  assert float(fed.sent(halved.server, 0, 1)['lr_scale']) == 0.5
+  assert float(fed.sent(halved.server, 0, 1).lr_scale) == 0.5
   later = Federation(heterofl(HeteroFLConfig(lr_milestones='1,3', lr_decay=0.5), 4), tiny_data,
                      ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.1, 8))
   state = later.init()
   scales = []
   for r in range(4):
-    scales.append(float(later.sent(state.server, 0, r)['lr_scale']))
+    scales.append(float(later.sent(state.server, 0, r).lr_scale))
     state, _ = later.round(state)
   assert scales == [1.0, 0.5, 0.5, 0.25]
   with pytest.raises(ConfigError, match='lr_milestones=.150,x. must list rounds'):
@@ -409,7 +410,7 @@ def test_heterofl_static_batchnorm_reads_every_clients_training_rows(tiny_data, 
   totals = fed.evaluation_statistics(state, 0)
   first = jax.tree.map(lambda a: a / totals['rows'], totals['weighted'])
   first = first['extractor']['BatchNorm_0']  # HeteroFLConv's first BatchNorm, after its first convolution
-  kernel = state.server['model']['extractor']['Conv_0']
+  kernel = state.server.model['extractor']['Conv_0']
   rows = np.concatenate([np.asarray(g.train.x[i, :g.train_sizes[i]]) for g in fed.groups for i in range(g.size)])
   assert float(totals['rows']) == len(rows) == sum(int(g.train_sizes.sum()) for g in fed.groups)
   conv = jax.lax.conv_general_dilated(jnp.asarray(rows), kernel['kernel'], (1, 1), 'SAME',

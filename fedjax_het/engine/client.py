@@ -10,7 +10,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.core import ClientProgram, ClientRows, ClientState, Evaluation, with_model, without_model
+from fedjax_het.core import (ClientProgram, ClientRows, ClientState, Evaluation, prepare_evaluation, with_model,
+                             without_model)
 from fedjax_het.data.federated import ClientArrays
 from fedjax_het.engine.plan import (client_keys, client_rows, correct_counts, count_into, even_chunk, masked,
                                     pass_window, plan_stages, represent_into, slot_of_step, stage_key, statistics_into,
@@ -69,7 +70,7 @@ def score_client(evaluation: Evaluation, client: ClientState, broadcast: Any, te
                  ) -> jnp.ndarray:
   """Correct predictions [len(names)] of one client on its padded test rows, in passes of at most `chunk` rows
   (`count_into`). Pure."""
-  evaluated = evaluation.prepare(client, broadcast)
+  evaluated = prepare_evaluation(evaluation, client, broadcast)
   n_max = test.x.shape[0]
   chunk = even_chunk(n_max, chunk)
   counts = jnp.zeros(len(evaluation.names), jnp.int32)
@@ -81,7 +82,7 @@ def client_statistics(evaluation: Evaluation, client: ClientState, broadcast: An
                       ) -> Any:
   """The evaluation's statistics (`Evaluation.statistics`) summed over one client's training rows, in batches of
   `chunk` rows from its first (the last one shorter), whatever the group's padding. Pure."""
-  evaluated = evaluation.prepare(client, broadcast)
+  evaluated = prepare_evaluation(evaluation, client, broadcast)
   n_max = train.x.shape[0]
   chunk = min(chunk, n_max)
   return jax.lax.fori_loop(0, -(-n_max // chunk), lambda c, sums: statistics_into(
@@ -191,7 +192,7 @@ def score_client_rows(evaluation: Evaluation, client: ClientState, broadcast: An
                       chunk: int) -> jnp.ndarray:
   """Correct predictions [len(names)] of one client on its test rows in a flat store, in `passes` (traced)
   passes of `chunk` rows (`score_client`)."""
-  evaluated = evaluation.prepare(client, broadcast)
+  evaluated = prepare_evaluation(evaluation, client, broadcast)
 
   def one(p, counts):
     row, valid = pass_window(p * chunk, chunk, rows.num_rows, rows.n)
@@ -204,7 +205,7 @@ def client_statistics_rows(evaluation: Evaluation, client: ClientState, broadcas
                            chunk: int) -> Any:
   """The evaluation's statistics summed over one client's training rows in a flat store, in batches of `chunk`
   rows from its first, `passes` (traced) of them (`client_statistics`)."""
-  evaluated = evaluation.prepare(client, broadcast)
+  evaluated = prepare_evaluation(evaluation, client, broadcast)
 
   def one(p, sums):
     row, valid = pass_window(p * chunk, chunk, rows.num_rows, rows.n)

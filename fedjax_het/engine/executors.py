@@ -15,6 +15,7 @@ Executors cache their compiled functions per (name, group, phase); `compiled_fun
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from typing import Any, Callable, Optional
 
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_het.core import (ClientProgram, Evaluation, for_client, has_per_client, map_per_client, per_client_axes,
-                             with_model, without_model)
+                             prepare_evaluation, with_model, without_model)
 from fedjax_het.engine.chunks import Chunk, plan_chunks, width_ladder
 from fedjax_het.engine.client import (RowsOf, client_statistics_rows, run_client_rows, score_client_rows, weighted)
 from fedjax_het.engine.groups import EvalSet, Group, representation_model
@@ -595,7 +596,7 @@ class SequentialExecutor(Executor):
     into = lambda sums, evaluated, x_all, i, start, n: statistics_into(evaluation, sums, evaluated, x_all[i], start,
                                                                        chunk, n)
     fns = self.compiled('sequential_statistics', g.spec.index, phase, make=lambda: {
-        'prepare': jax.jit(evaluation.prepare), 'into': jax.jit(into)})
+        'prepare': jax.jit(functools.partial(prepare_evaluation, evaluation)), 'into': jax.jit(into)})
     total = None
     for i in range(g.size):
       evaluated = fns['prepare'](take_one(stacked, i), for_client(broadcast, i))
@@ -613,7 +614,7 @@ class SequentialExecutor(Executor):
     count = lambda counts, evaluated, x_all, y_all, j, start, n: count_into(
         evaluation, counts, evaluated, x_all[j], y_all[j], start, chunk, n)
     fns = self.compiled(f'sequential_eval_{which}', g.spec.index, phase, make=lambda: {
-        'prepare': jax.jit(evaluation.prepare), 'count_into': jax.jit(count)})
+        'prepare': jax.jit(functools.partial(prepare_evaluation, evaluation)), 'count_into': jax.jit(count)})
     evaluated = fns['prepare'](client, broadcast)
     j = test.index(i)
     counts = jnp.zeros(len(evaluation.names), jnp.int32)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from fedjax_het.core import Algorithm, FederationSpec, Phase, Uploads, for_client, server_step
+from fedjax_het.core import Algorithm, FederationSpec, Gathered, Phase, Uploads, for_client, server_step
 from fedjax_het.data.federated import FederatedData
 from fedjax_het.engine.accounting import accuracy_metrics, communication_metrics, count_uploads
 from fedjax_het.engine.execution import ExecutionConfig
@@ -456,7 +456,7 @@ class Federation:
       es = g.test if which == 'local' else self.global_test
       broadcast = self.broadcast(state.server, gi, round_index)
       if statistics is not None:
-        broadcast = {**broadcast, 'statistics': statistics}
+        broadcast = Gathered(broadcast, statistics)
       return self.executor.correct(g, self.evaluations[gi], p, state.groups[gi], broadcast, es, which)
     part = ('eval', p, which)
     scores = self.each_group(score, 'evaluate', compiles=part not in self._compiled_parts)

@@ -36,7 +36,7 @@ refused. Its CIFAR loader's random crop and flip are the run's `--augment=crop_f
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -124,14 +124,14 @@ def class_rows(tree: dict, label_mask: jnp.ndarray) -> dict:
 def combine(global_params: dict, uploads) -> dict:
   """HeteroFL's aggregation: each entry of the global model the unweighted mean of the participants' values of it
   (their sub-models' leading slices; the head's class rows only from participants holding the class), kept where
-  no participant held it. `uploads`: per group `Uploads` of {'model', 'label_mask'}."""
+  no participant held it. `uploads`: per group `Uploads` of `HeteroFLUpload`s."""
   total = jax.tree.map(jnp.zeros_like, global_params)
   count = jax.tree.map(jnp.zeros_like, global_params)
   for u in uploads:
-    weights = class_rows(u.values['model'], u.values['label_mask'])
+    weights = class_rows(u.values.model, u.values.label_mask)
     real = lambda w: w * u.mask.astype(w.dtype).reshape((-1,) + (1,) * (w.ndim - 1))
     held = jax.tree.map(real, weights)
-    total = jax.tree.map(jnp.add, total, pad_to(jax.tree.map(lambda w, v: (w * v).sum(0), held, u.values['model']),
+    total = jax.tree.map(jnp.add, total, pad_to(jax.tree.map(lambda w, v: (w * v).sum(0), held, u.values.model),
                                                 global_params))
     count = jax.tree.map(jnp.add, count, pad_to(jax.tree.map(lambda w: w.sum(0), held), global_params))
   return jax.tree.map(lambda t, c, old: jnp.where(c > 0, t / jnp.maximum(c, 1.0), old), total, count, global_params)
@@ -169,26 +169,53 @@ def check_sub_models(spec) -> int:
   return top
 
 
+class HeteroFLServer(NamedTuple):
+  """The server: model and state, the global model's params and BatchNorm statistics; round, the rounds done."""
+  model: dict
+  state: dict
+  round: jnp.ndarray
+
+
+class HeteroFLBroadcast(NamedTuple):
+  """What a group's clients receive: model, the group's sub-model (the global model's leading slices); the global
+  model (global_model, global_state) every client is scored with; lr_scale, the round's MultiStepLR factor."""
+  model: dict
+  global_model: dict
+  global_state: dict
+  lr_scale: jnp.ndarray
+
+
+class LabelMask(NamedTuple):
+  """A client's extra state: label_mask [C], 1 for the classes its training rows hold."""
+  label_mask: jnp.ndarray
+
+
+class HeteroFLUpload(NamedTuple):
+  """A client's trained sub-model and its label mask."""
+  model: dict
+  label_mask: jnp.ndarray
+
+
 def client_program(cfg: HeteroFLConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
   """A client's round: its label mask from its rows, then its sub-model trained on CE with the logits of classes
   it lacks set to 0 (--heterofl_mask), at the round's rate (`local_optimizer`: the group's local rate,
   `LocalTraining.learning_rate`, scaled by the broadcast's MultiStepLR factor); it uploads the sub-model and the
   mask."""
-  optimizer = lambda broadcast: local_optimizer(cfg, group.training.learning_rate * broadcast['lr_scale'])
+  optimizer = lambda broadcast: local_optimizer(cfg, group.training.learning_rate * broadcast.lr_scale)
 
   def loss(client, batch, broadcast, key):
     logits, _, model_state = forward(group.model, client.params, client.model_state, batch.x, True, batch.mask)
     if cfg.mask:
-      logits = jnp.where(client.extra['label_mask'] > 0, logits, 0.0)
+      logits = jnp.where(client.extra.label_mask > 0, logits, 0.0)
     return cross_entropy(logits, batch.y, batch.mask), client._replace(model_state=model_state)
 
   def prepare(client, rows, broadcast, key):
     held = (jnp.arange(rows.x.shape[0]) < rows.num_train)[:, None] & (rows.y[:, None] == jnp.arange(num_classes))
-    return client._replace(extra={**client.extra, 'label_mask': held.any(0).astype(jnp.float32)})
+    return client._replace(extra=LabelMask(held.any(0).astype(jnp.float32)))
 
   program = sgd_program(loss, group.training, optimizer=optimizer,
-                        receive=lambda c, b: c._replace(params=b['model']),
-                        upload=lambda c, rows, b, k: {'model': c.params, 'label_mask': c.extra['label_mask']})
+                        receive=lambda c, b: c._replace(params=b.model),
+                        upload=lambda c, rows, b, k: HeteroFLUpload(c.params, c.extra.label_mask))
   return program._replace(prepare=prepare)
 
 
@@ -198,19 +225,18 @@ def global_model_evaluation(cfg: HeteroFLConfig, group: GroupSpec) -> Evaluation
   model = group.group_models[widest(group)]
   if not (cfg.static_bn and 'batch_stats' in variables(group, model)):
     def prepare(client: ClientState, broadcast):
-      return broadcast['global'], broadcast['global_state']
+      return broadcast.global_model, broadcast.global_state
 
     def batch_logits(evaluated, x, rows):
       params, state = evaluated
       return (forward(model, params, state, x, True, rows)[0],)  # BatchNorm on the batch's real test rows
     return Evaluation(('global_model',), prepare, batch_logits, batch_rows=True)
 
-  def prepare_static(client: ClientState, broadcast):
-    if 'statistics' not in broadcast:  # while the statistics are gathered: nothing to score with yet
-      return broadcast['global'], broadcast['global_state'], None  # (a static marker: None, not gathered)
-    sums = broadcast['statistics']
+  def prepare_static(client: ClientState, broadcast, sums: Optional[dict]):
+    if sums is None:  # while the statistics are gathered: nothing to score with yet
+      return broadcast.global_model, broadcast.global_state, None  # (a static marker: None, not gathered)
     stats = jax.tree.map(lambda a: a / jnp.maximum(sums['rows'], 1.0), sums['weighted'])
-    return broadcast['global'], {**broadcast['global_state'], 'batch_stats': stats}, ()
+    return broadcast.global_model, {**broadcast.global_state, 'batch_stats': stats}, ()
 
   def statistics(evaluated, x, rows):
     params, state, _ = evaluated
@@ -233,19 +259,18 @@ def heterofl(cfg: HeteroFLConfig, num_classes: int) -> Algorithm:
 
   def init_server(key, spec, initial):
     top = check_sub_models(spec)
-    return {'model': initial[top].params, 'state': initial[top].model_state, 'round': jnp.zeros((), jnp.int32)}
+    return HeteroFLServer(initial[top].params, initial[top].model_state, jnp.zeros((), jnp.int32))
 
-  def broadcast(server, group):
-    return {'model': sub_model(server['model'], variables(group)['params']), 'global': server['model'],
-            'global_state': server['state'], 'lr_scale': multistep_factor(server['round'], cfg.milestones,
-                                                                          cfg.lr_decay)}
+  def broadcast(server: HeteroFLServer, group) -> HeteroFLBroadcast:
+    return HeteroFLBroadcast(sub_model(server.model, variables(group)['params']), server.model, server.state,
+                             multistep_factor(server.round, cfg.milestones, cfg.lr_decay))
 
   def server_update(server, uploads, key):
-    return {**server, 'model': combine(server['model'], uploads), 'round': server['round'] + 1}, {}
+    return server._replace(model=combine(server.model, uploads), round=server.round + 1), {}
 
   return one_phase('heterofl', init_server, lambda group: client_program(cfg, num_classes, group),
                    server_update, lambda group: global_model_evaluation(cfg, group), broadcast=broadcast,
-                   init_client=lambda group, key: {'label_mask': jnp.ones(num_classes)},
+                   init_client=lambda group, key: LabelMask(jnp.ones(num_classes)),
                    capabilities=Capabilities(partial_batches=True, shares_representations=False),
-                   traffic=Traffic(broadcast=lambda b: leaf_scalars({'model': b['model']})),
-                   upload_privacy=UploadPrivacy(public=('label_mask',), reference=lambda b: {'model': b['model']}))
+                   traffic=Traffic(broadcast=lambda b: leaf_scalars({'model': b.model})),
+                   upload_privacy=UploadPrivacy(public=('label_mask',), reference=lambda b: {'model': b.model}))
