@@ -320,6 +320,9 @@ class Phase:
   runs_without_participants: whether the server step runs in a round whose Poisson draw took nobody (a DP step
   with a fixed denominator, whose release must not tell such a round apart); otherwise such a round leaves the
   server as it was. traffic: how the phase's uploads and broadcasts are counted (`Traffic`).
+  with_constants(broadcast, constants) -> what the group's programs and evaluation read: the broadcast with what
+  they need of the algorithm's constants (`Algorithm.constants`: FedMD's public rows), which every client holds
+  and nobody sends (traffic counts the broadcast alone); None: the broadcast as sent.
   """
   name: str
   client: Callable[[GroupSpec], ClientProgram]
@@ -331,13 +334,15 @@ class Phase:
   server_of_spec: bool = False
   runs_without_participants: bool = False
   traffic: Traffic = Traffic()
+  with_constants: Optional[Callable[[Broadcast, Any], Broadcast]] = None
 
 
 def server_step(phase: Phase, spec: FederationSpec) -> Callable[..., tuple[ServerState, dict]]:
-  """The phase's server step (server, uploads, key) -> (server, metrics) in the federation `spec`; uploads, one
-  `Uploads` per group, reach the method as `RoundUploads` (with its reductions over the participants)."""
+  """The phase's server step (server, uploads, key[, constants]) -> (server, metrics) in the federation `spec`;
+  uploads, one `Uploads` per group, reach the method as `RoundUploads` (with its reductions over the
+  participants); the algorithm's constants, where it has any, as a fourth argument."""
   step = phase.server_update(spec) if phase.server_of_spec else phase.server_update
-  return lambda server, uploads, key: step(server, RoundUploads(uploads), key)
+  return lambda server, uploads, key, *constants: step(server, RoundUploads(uploads), key, *constants)
 
 
 class UploadPrivacy(NamedTuple):
@@ -400,11 +405,11 @@ class Algorithm:
   capabilities: what settings its programs and server can run with (`Capabilities`).
   upload_privacy: which parts of its uploads carry its clients' data and how its server reads them
     (`UploadPrivacy`), for the DP layer.
-  constants: None, or a dict of arrays that programs and server steps read and no round changes (FedMD's and
+  constants: None, or a pytree of arrays that programs and server steps read and no round changes (FedMD's and
     FedDF's public images): the engine keeps them on device once and passes them to every jitted function as an
-    argument (an array a function closes over would be compiled into it as a constant), handing them to the method
-    as broadcast['constants'] (a dict broadcast) and server['constants'] (a dict server state; the step's input
-    only, never stored, checkpointed or counted as traffic).
+    argument (an array a function closes over would be compiled into it as a constant): to each server step as its
+    fourth argument, server_update(server, uploads, key, constants), and to programs through each phase's
+    `Phase.with_constants`; never stored, checkpointed or counted as traffic.
   """
   name: str
   init_server: Callable[[jax.Array, FederationSpec, Sequence[ClientState]], ServerState]

@@ -14,7 +14,7 @@ from fedjax_het.data import Dataset, make_federated_data, make_synthetic
 from fedjax_het.engine import Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
 from fedjax_het.methods import FedDFConfig, FedMDConfig, fedmd
-from fedjax_het.methods.avgkd import soft_target
+from fedjax_het.methods.avgkd import GroupState, GroupStates, soft_target
 from fedjax_het.methods.feddf import distillation_loss, ensemble_logits, feddf
 from fedjax_het.methods.fedmd import digest_loss
 from fedjax_het.methods.shared.public import mean_of_uploads, public_logits
@@ -120,16 +120,16 @@ def test_feddf_teachers_are_every_participant_and_an_absent_architecture_keeps_i
   x = fed.data.public.x[:5]
   one = lambda gi, s: fed.groups[gi].model.apply({'params': jax.tree.map(lambda a: a[s], models[gi]),
                                                   **jax.tree.map(lambda a: a[s], stats[gi])}, x, train=False)[0]
-  uploads = (Uploads({'model': models[0], 'model_state': stats[0]}, jnp.array([True, True]), jnp.ones(2)),
-             Uploads({'model': models[1], 'model_state': stats[1]}, jnp.array([True, False]), jnp.ones(2)))
+  uploads = (Uploads(GroupState(models[0], stats[0]), jnp.array([True, True]), jnp.ones(2)),
+             Uploads(GroupState(models[1], stats[1]), jnp.array([True, False]), jnp.ones(2)))
   np.testing.assert_allclose(ensemble_logits(fed.spec, uploads, x), (one(0, 0) + one(0, 1) + one(1, 0)) / 3,
                              rtol=1e-5, atol=1e-6)
   nobody = uploads[1]._replace(mask=jnp.array([False, False]))
-  new, _ = server_step(fed.algorithm.phases[0], fed.spec)({**state.server, 'constants': fed.constants},
-                                                          (uploads[0], nobody), jax.random.PRNGKey(0))
-  tree_allclose(new['models'][1], state.server['models'][1], rtol=0, atol=0)       # no participant: kept
+  new, _ = server_step(fed.algorithm.phases[0], fed.spec)(state.server, (uploads[0], nobody), jax.random.PRNGKey(0),
+                                                          fed.constants)
+  tree_allclose(new.models[1], state.server.models[1], rtol=0, atol=0)       # no participant: kept
   mean = jax.tree.map(lambda a: a.mean(0), models[0])
-  moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(new['models'][0]), jax.tree.leaves(mean)))
+  moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(new.models[0]), jax.tree.leaves(mean)))
   assert moved > 0  # the group's mean, then distilled
 
 
@@ -324,14 +324,14 @@ def test_public_images_reach_the_programs_as_arguments_not_compiled_constants(fe
   state = fed.init()
   shape = 'x'.join(str(d) for d in fed.data.public.x.shape)
   step = jax.jit(fed._server_step(fed.algorithm.phases[0]))
-  uploads = tuple(Uploads({'model': g.params, 'model_state': g.model_state}, jnp.ones(g.params['head']['bias'].shape[0],
-                                                                                      bool), jnp.ones(2))
+  uploads = tuple(Uploads(GroupState(g.params, g.model_state), jnp.ones(g.params['head']['bias'].shape[0], bool),
+                          jnp.ones(2))
                   for g in state.groups)
   text = step.lower(state.server, uploads, jax.random.PRNGKey(0), fed.constants).as_text()
   assert not [line for line in text.splitlines() if 'constant' in line and f'tensor<{shape}xf32>' in line]
-  assert 'constants' not in step(state.server, uploads, jax.random.PRNGKey(0), fed.constants)[0]
-  assert fed.broadcast(state.server, 0, 0)['constants'] is fed.constants and 'constants' not in fed.sent(
-      state.server, 0, 0)
+  assert isinstance(step(state.server, uploads, jax.random.PRNGKey(0), fed.constants)[0], GroupStates)
+  public = lambda tree: [a for a in jax.tree.leaves(tree) if a.shape == fed.data.public.x.shape]
+  assert public(fed.constants) and not public(fed.sent(state.server, 0, 0))  # never sent
 
 
 def test_heterofl_multisteplr_scales_the_rounds_rate_as_a_lower_rate_would(tiny_data):

@@ -20,6 +20,7 @@ from fedjax_het.core import Batch, ClientState, Uploads, server_step  # noqa: E4
 from fedjax_het.data import make_federated_data, make_synthetic  # noqa: E402
 from fedjax_het.engine import Federation, LocalTraining, ModelConfig  # noqa: E402
 from fedjax_het.methods import FedDFConfig, HeteroFLConfig, feddf, heterofl  # noqa: E402
+from fedjax_het.methods.avgkd import GroupState  # noqa: E402
 
 t = lambda a: torch.from_numpy(np.array(a, np.float32))
 
@@ -64,11 +65,11 @@ def test_feddf_server_distillation_equals_the_codes_loop():
   # two participants with different models: the teacher is their logits' mean, the student their mean
   models = jax.tree.map(lambda a: a[:2], state.groups[0].params)
   models = jax.tree.map(lambda a: a.at[1].set(a[1] * -0.5 + 0.01), models)
-  uploads = (Uploads({'model': models, 'model_state': {}}, jnp.array([True, True]), jnp.ones(2)),)
+  uploads = (Uploads(GroupState(models, {}), jnp.array([True, True]), jnp.ones(2)),)
   key = jax.random.PRNGKey(5)
-  new, _ = server_step(fed.algorithm.phases[0], fed.spec)({**state.server, 'constants': fed.constants}, uploads, key)
+  new, _ = server_step(fed.algorithm.phases[0], fed.spec)(state.server, uploads, key, fed.constants)
 
-  x = np.asarray(fed.constants['public_x'])
+  x = np.asarray(fed.constants.public.x)
   teachers = [torch_mlp(jax.tree.map(lambda a, i=i: a[i], models)) for i in range(2)]
   student = torch_mlp(jax.tree.map(lambda a: a.mean(0), models))
   optimizer = torch.optim.Adam(student.parameters(), lr=cfg.server_learning_rate, eps=1e-8)
@@ -86,7 +87,7 @@ def test_feddf_server_distillation_equals_the_codes_loop():
     torch.nn.utils.clip_grad_norm_(student.parameters(), 5)
     optimizer.step()
     scheduler.step()
-  ours = new['models'][0]
+  ours = new.models[0]
   # Adam divides by the root of the squared gradients, so float32 rounding in an entry whose gradient is near zero
   # moves that entry by up to a few hundredths of one step (the rate, 3e-3): the tolerance is 2 % of it.
   tolerance = 0.02 * cfg.server_learning_rate
@@ -143,14 +144,14 @@ def test_heterofl_local_steps_equal_its_codes_local_train(tiny_data):
   x = rng.normal(size=(32, 8, 8, 1)).astype(np.float32)
   y = rng.choice([0, 2], 32).astype(np.int32)
   key = jax.random.PRNGKey(0)
-  client = client._replace(extra={**client.extra, 'label_mask': jnp.asarray([1.0, 0.0, 1.0, 0.0])})
+  client = client._replace(extra=client.extra._replace(label_mask=jnp.asarray([1.0, 0.0, 1.0, 0.0])))
   carry = program.init(client, broadcast, key)
   step = jax.jit(lambda c, xb, yb: program.stages[0].step(c, Batch(xb, yb), broadcast, key))
   for b in range(4):
     carry, _ = step(carry, x[b * 8:(b + 1) * 8], y[b * 8:(b + 1) * 8])
   ours = carry[0].params
 
-  net = TorchHeteroFLConv([8, 16, 32, 64], 4).load(broadcast['model'])
+  net = TorchHeteroFLConv([8, 16, 32, 64], 4).load(broadcast.model)
   optimizer = torch.optim.SGD(net.parameters(), lr=rate, momentum=0.9, weight_decay=5e-4)
   norms = []
   for b in range(4):
@@ -182,7 +183,7 @@ def test_fedmd_digest_then_revisit_equals_the_codes_two_fits():
   state = fed.init()
   client = jax.tree.map(lambda a: a[0], state.groups[0])
   consensus = jax.random.normal(jax.random.PRNGKey(7), (40, 4))
-  broadcast = {**fed.sent(state.server, 0, 1), 'consensus': consensus, 'constants': fed.constants}
+  broadcast = fed.received(fed.sent(state.server, 0, 1)._replace(consensus=consensus), 1)
   k = int(fed.groups[0].clients[0])
   x = np.asarray(data.dataset.x[data.split.train_indices[k]])
   y = np.asarray(data.dataset.y[data.split.train_indices[k]], np.int32)
@@ -192,7 +193,7 @@ def test_fedmd_digest_then_revisit_equals_the_codes_two_fits():
 
   net = torch_mlp(client.params)
   optimizer = torch.optim.Adam(net.parameters(), lr=cfg.learning_rate, eps=1e-8)
-  public_x = np.asarray(fed.constants['public_x'])
+  public_x = np.asarray(fed.constants.x)
   digest = [(public_x[b * 8:(b + 1) * 8], torch.from_numpy(np.array(consensus[b * 8:(b + 1) * 8]))) for b in range(5)]
   torch_steps(net, optimizer, digest, F.l1_loss)
   revisit = [(x[b * 8:(b + 1) * 8], torch.from_numpy(y[b * 8:(b + 1) * 8].astype(np.int64)))

@@ -253,17 +253,16 @@ class Federation:
 
   def broadcast(self, server: Any, gi: int, round_index: int) -> Any:
     """What group gi's programs and evaluation read in round `round_index`: what the server sends, with the
-    algorithm's constants (`with_constants`)."""
-    return self.with_constants(self.sent(server, gi, round_index))
+    algorithm's constants where the phase reads them (`received`)."""
+    return self.received(self.sent(server, gi, round_index), round_index)
 
-  def with_constants(self, broadcast: Any) -> Any:
-    """`broadcast` with the algorithm's constants under 'constants' (`Algorithm.constants`); as is without any."""
-    if self.constants is None:
+  def received(self, broadcast: Any, round_index: int) -> Any:
+    """A sent `broadcast` as the programs of round `round_index` read it: with the constants the clients hold
+    (`Phase.with_constants`); as sent where the phase reads none."""
+    phase = self.algorithm.phases[self.phase_index(round_index)]
+    if phase.with_constants is None or self.constants is None:
       return broadcast
-    if not isinstance(broadcast, dict):
-      raise TypeError(f'{self.algorithm.name}: an algorithm with constants must broadcast a dict, not '
-                      f'{type(broadcast).__name__}.')
-    return {**broadcast, 'constants': self.constants}
+    return phase.with_constants(broadcast, self.constants)
 
   def round_keys(self, round_index: int) -> tuple[jax.Array, jax.Array]:
     """(clients' key, server's key) of round `round_index` (from `secret` where one is set, else the seed); client
@@ -387,16 +386,12 @@ class Federation:
     return new_state, metrics
 
   def _server_step(self, phase: Phase):
-    """The phase's server step (server, uploads, key, constants) -> (server, metrics), the constants handed to it
-    as server['constants'] and dropped from the state it returns."""
+    """The phase's server step (server, uploads, key, constants) -> (server, metrics); the constants reach a step
+    of an algorithm that has some (`Algorithm.constants`)."""
     step = server_step(phase, self.spec)
     if self.constants is None:
       return lambda server, uploads, key, constants: step(server, uploads, key)
-
-    def with_constants(server, uploads, key, constants):
-      new, metrics = step({**server, 'constants': constants}, uploads, key)
-      return {k: v for k, v in new.items() if k != 'constants'}, metrics
-    return with_constants
+    return step
 
   # ---------------------------------------------------------------- evaluation
   def evaluate(self, state: FederationState) -> dict:

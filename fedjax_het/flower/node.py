@@ -125,8 +125,8 @@ class Node:
     p = self.fed.phase_index(round_index)
     key, _ = self.fed.round_keys(round_index)
     program = self.fed.programs[p][self.group_index]
-    client, upload, loss = self.fed.executor.run_one(self.group, program, p, self.index,
-                                                     self.state(round_index), self.fed.with_constants(broadcast), key)
+    client, upload, loss = self.fed.executor.run_one(self.group, program, p, self.index, self.state(round_index),
+                                                     self.fed.received(broadcast, round_index), key)
     self.states.save(round_index + 1, client)
     return upload, float(loss)
 
@@ -140,7 +140,7 @@ class Node:
     sets = {'local': self.group.test if self.fed.has_local_test else None, 'global': self.fed.global_test}
     for which, es in sets.items():
       if es is not None:
-        correct = self.fed.executor.correct_one(self.group, evaluation, p, client, self.fed.with_constants(broadcast),
-                                                es, which, self.index)
+        correct = self.fed.executor.correct_one(self.group, evaluation, p, client,
+                                                self.fed.received(broadcast, round_index), es, which, self.index)
         out[which] = (correct, int(es.sizes[es.index(self.index)]))
     return out

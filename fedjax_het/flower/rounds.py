@@ -197,7 +197,7 @@ class FlowerRounds:
     taken, rejected = {}, []
     for k, reply in sorted(replies.items()):
       gi = int(fed.group_of[k])
-      template = self._upload_template(gi, p, for_client(fed.with_constants(broadcasts[gi]), 0))
+      template = self._upload_template(gi, p, for_client(fed.received(broadcasts[gi], r), 0))
       try:
         taken[k] = check_upload(reply.content, template, self.upload_bound)
       except ReplyRejected as e:
@@ -217,7 +217,7 @@ class FlowerRounds:
     results = []
     for gi, (g, slots) in enumerate(zip(fed.groups, fed.slots(r))):
       slot_idx = slot_indices(g, answered, slots)
-      template = self._upload_template(gi, p, for_client(fed.with_constants(broadcasts[gi]), 0))
+      template = self._upload_template(gi, p, for_client(fed.received(broadcasts[gi], r), 0))
       uploads, losses = [], []
       for i in slot_idx.tolist():
         upload, loss = taken[int(g.clients[i])] if i < g.size else (template, 0.0)

@@ -22,7 +22,7 @@ summary's best accuracy is that figure.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,10 +60,32 @@ def soft_target(labels: jnp.ndarray, peer_probabilities: jnp.ndarray, num_classe
   return jax.nn.softmax(total, axis=-1)
 
 
+class GroupStates(NamedTuple):
+  """The server of AvgKD and FedDF: each architecture's model, params (models) and BatchNorm statistics
+  (model_states), in group order."""
+  models: tuple
+  model_states: tuple
+
+
+class GroupState(NamedTuple):
+  """A group's model as its participants receive it and each uploads its trained one: params and BatchNorm
+  statistics."""
+  model: dict
+  model_state: dict
+
+
+class EveryGroupState(NamedTuple):
+  """What AvgKD's distillation rounds send: the group's own model and every architecture's (the teachers)."""
+  model: dict
+  model_state: dict
+  models: tuple
+  model_states: tuple
+
+
 def receive_group_state(client: ClientState, broadcast) -> ClientState:
   """The client set to its group's model: parameters and BatchNorm statistics (GeFL's code loads the group's whole
   state dict)."""
-  return client._replace(params=broadcast['model'], model_state=broadcast['model_state'])
+  return client._replace(params=broadcast.model, model_state=broadcast.model_state)
 
 
 def group_state_evaluation(group: GroupSpec):
@@ -78,26 +100,31 @@ def nonnegative_variances(model_state: Any) -> Any:
       lambda path, a: jnp.maximum(a, 0.0) if getattr(path[-1], 'key', None) == 'var' else a, model_state)
 
 
-def average_group_states(server: dict, uploads: RoundUploads, by: str = 'rows') -> dict:
+def average_group_states(server: GroupStates, uploads: RoundUploads, by: str = 'rows') -> GroupStates:
   """Per architecture, the mean of its participants' parameters and BatchNorm statistics weighted `by` their
   training rows ('rows') or equally ('uniform'); kept when it had none."""
-  models = uploads.group_mean('model', by=by, previous=server['models'])
+  models = uploads.group_mean('model', by=by, previous=server.models)
   states = tuple(nonnegative_variances(s)
-                 for s in uploads.group_mean('model_state', by=by, previous=server['model_states']))
-  return {'models': models, 'model_states': states}
+                 for s in uploads.group_mean('model_state', by=by, previous=server.model_states))
+  return GroupStates(models, states)
 
 
-def initial_group_states(key, spec, initial) -> dict:
+def initial_group_states(key, spec, initial) -> GroupStates:
   """Each architecture's initial model (its clients' shared initialisation)."""
-  return {'models': tuple(s.params for s in initial), 'model_states': tuple(s.model_state for s in initial)}
+  return GroupStates(tuple(s.params for s in initial), tuple(s.model_state for s in initial))
 
 
-def model_upload(client, rows, broadcast, key) -> dict:
+def own_group_state(server: GroupStates, group: GroupSpec) -> GroupState:
+  """The broadcast of a group's own model."""
+  return GroupState(server.models[group.index], server.model_states[group.index])
+
+
+def model_upload(client, rows, broadcast, key) -> GroupState:
   """The client's trained parameters and BatchNorm statistics."""
-  return {'model': client.params, 'model_state': client.model_state}
+  return GroupState(client.params, client.model_state)
 
 
-GROUP_STATE_PRIVACY = UploadPrivacy(reference=lambda b: {'model': b['model'], 'model_state': b['model_state']},
+GROUP_STATE_PRIVACY = UploadPrivacy(reference=lambda b: {'model': b.model, 'model_state': b.model_state},
                                     aggregate='group_sum')
 
 
@@ -114,8 +141,8 @@ def avgkd(cfg: AvgKDConfig, num_classes: int) -> Algorithm:
 
     def loss(client, batch, broadcast, key):
       logits, _, client = train_forward(group.model, client, batch.x, batch.mask)
-      probabilities = jnp.stack([jax.nn.softmax(forward(group.group_models[j], broadcast['models'][j],
-                                                        broadcast['model_states'][j], batch.x, False)[0], -1)
+      probabilities = jnp.stack([jax.nn.softmax(forward(group.group_models[j], broadcast.models[j],
+                                                        broadcast.model_states[j], batch.x, False)[0], -1)
                                  for j in peers]) if peers else jnp.zeros((0,) + logits.shape)
       target = jax.lax.stop_gradient(soft_target(batch.y, probabilities, num_classes, cfg.target))
       return batch_mean(soft_cross_entropy(logits, target), batch.mask), client
@@ -124,20 +151,17 @@ def avgkd(cfg: AvgKDConfig, num_classes: int) -> Algorithm:
   def server_update(server, uploads, key):
     return average_group_states(server, uploads), {}
 
-  def own_model(server, group):
-    return {'model': server['models'][group.index], 'model_state': server['model_states'][group.index]}
-
-  def every_model(server, group):
-    return {**own_model(server, group), 'models': server['models'], 'model_states': server['model_states']}
+  def every_model(server: GroupStates, group) -> EveryGroupState:
+    return EveryGroupState(*own_group_state(server, group), server.models, server.model_states)
 
   def broadcast_scalars(broadcast):
     """What a participant receives: its architecture's model, or in distillation rounds every architecture's
     (its own among them, counted once)."""
-    received = ('models', 'model_states') if 'models' in broadcast else ('model', 'model_state')
-    return leaf_scalars({k: broadcast[k] for k in received})
+    received = ('models', 'model_states') if isinstance(broadcast, EveryGroupState) else ('model', 'model_state')
+    return leaf_scalars({k: getattr(broadcast, k) for k in received})
 
   traffic = Traffic(broadcast=broadcast_scalars)
-  phases = (Phase('local', local, server_update, own_model, rounds=1, traffic=traffic),
+  phases = (Phase('local', local, server_update, own_group_state, rounds=1, traffic=traffic),
             Phase('distill', distill, server_update, every_model, traffic=traffic))
   return Algorithm('avgkd', initial_group_states, phases, group_state_evaluation,
                    capabilities=Capabilities(partial_batches=True, shares_representations=False),

@@ -21,6 +21,7 @@ the broadcast Gaussians with a shared seed.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,27 +106,41 @@ def gaussian_scalars(d) -> int:
   return d + d * (d + 1) // 2
 
 
+class ClassGaussians(NamedTuple):
+  """A client's upload: per-class means [C, d] and covariances [C, d, d] of its representations, and counts [C]."""
+  means: jnp.ndarray
+  covs: jnp.ndarray
+  counts: jnp.ndarray
+
+
+class VirtualSet(NamedTuple):
+  """The server state, and broadcast: virtual [C, M, d], M virtual representations per class drawn from the global
+  Gaussians; present [C], the classes that have one; key, whose fold with a client's key draws its calibration."""
+  virtual: jnp.ndarray
+  present: jnp.ndarray
+  key: jax.Array
+
+
 def ccvr(cfg: CCVRConfig, num_classes: int) -> Algorithm:
   """CCVR as an `Algorithm`."""
 
   def init_server(key, spec, initial):
-    return {'virtual': jnp.zeros((num_classes, cfg.virtual_per_class, spec.feature_dim)),
-            'present': jnp.zeros(num_classes, bool), 'key': key}
+    return VirtualSet(jnp.zeros((num_classes, cfg.virtual_per_class, spec.feature_dim)),
+                      jnp.zeros(num_classes, bool), key)
 
-  def upload(client: ClientState, rows, broadcast, key):
-    means, covs, counts = class_statistics(rows.reps, rows.y, jnp.arange(rows.y.shape[0]) < rows.n, num_classes)
-    return {'means': means, 'covs': covs, 'counts': counts}
+  def upload(client: ClientState, rows, broadcast, key) -> ClassGaussians:
+    return ClassGaussians(*class_statistics(rows.reps, rows.y, jnp.arange(rows.y.shape[0]) < rows.n, num_classes))
 
   def client(group):
     return sgd_program(cross_entropy_loss(group.model), group.training, upload=upload, representations=True)
 
   def server_update(server, uploads, key):
     u = uploads.every()
-    counts = u.values['counts'] * u.weights()[:, None]
-    mu, sigma, total = global_gaussians(u.values['means'], u.values['covs'], counts)
+    counts = u.values.counts * u.weights()[:, None]
+    mu, sigma, total = global_gaussians(u.values.means, u.values.covs, counts)
     sample_key, next_key = jax.random.split(key)
-    return ({'virtual': sample_virtual(sample_key, mu, sigma, cfg.virtual_per_class), 'present': total > 0,
-             'key': next_key}, {'global_classes': jnp.sum(total > 0)})
+    return (VirtualSet(sample_virtual(sample_key, mu, sigma, cfg.virtual_per_class), total > 0, next_key),
+            {'global_classes': jnp.sum(total > 0)})
 
   def evaluation(group):
     """Reported: the calibrated head; also logged: the uncalibrated one (calibration runs once per client and
@@ -133,18 +148,18 @@ def ccvr(cfg: CCVRConfig, num_classes: int) -> Algorithm:
     def calibrated(client: ClientState, broadcast) -> dict:
       """The client's head calibrated on the virtual set in batches of the run's batch size (its own head where
       no class has one yet)."""
-      return calibrate_head(client.params['head'], broadcast['virtual'], broadcast['present'],
-                            jax.random.fold_in(broadcast['key'], client.key[-1]), cfg, group.training.batch_size)
+      return calibrate_head(client.params['head'], broadcast.virtual, broadcast.present,
+                            jax.random.fold_in(broadcast.key, client.key[-1]), cfg, group.training.batch_size)
     return head_evaluation(group.model, {'calibrated': calibrated, 'local_head': own_head})
 
   def upload_scalars(u):
     """A Gaussian per class held, plus the C counts."""
-    d = u['means'].shape[-1]
-    return {'class_gaussians': jnp.sum(u['counts'] > 0) * gaussian_scalars(d), 'class_counts': u['counts'].size}
+    d = u.means.shape[-1]
+    return {'class_gaussians': jnp.sum(u.counts > 0) * gaussian_scalars(d), 'class_counts': u.counts.size}
 
   def broadcast_scalars(b):
     """The C global Gaussians (the virtual set is drawn from them with a shared seed)."""
-    return {'class_gaussians': num_classes * gaussian_scalars(b['virtual'].shape[-1])}
+    return {'class_gaussians': num_classes * gaussian_scalars(b.virtual.shape[-1])}
 
   return one_phase('ccvr', init_server, client, server_update, evaluation,
                    traffic=Traffic(upload_scalars, broadcast_scalars))

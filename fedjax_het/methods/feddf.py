@@ -25,7 +25,7 @@ fixed (default 500) and the last student is kept.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +34,11 @@ import optax
 from fedjax_het.core import Algorithm, Capabilities, FederationSpec, Phase, hyperparameter
 from fedjax_het.data.federated import PublicData
 from fedjax_het.errors import ConfigError, setting
-from fedjax_het.methods.avgkd import (GROUP_STATE_PRIVACY, average_group_states, group_state_evaluation,
-                                      initial_group_states, model_upload, receive_group_state)
+from fedjax_het.methods.avgkd import (GROUP_STATE_PRIVACY, GroupStates, average_group_states, group_state_evaluation,
+                                      initial_group_states, model_upload, own_group_state, receive_group_state)
 from fedjax_het.methods.shared.base import sgd_program
 from fedjax_het.methods.shared.common import cross_entropy_loss, distillation_loss
-from fedjax_het.methods.shared.public import PublicRows, public_logits
+from fedjax_het.methods.shared.public import PublicRows, PublicSet, public_logits
 from fedjax_het.models.forward import forward
 
 CLIP_NORM = 5.0  # the paper's code clips the student's gradients to this norm
@@ -75,26 +75,25 @@ def ensemble_logits(spec: FederationSpec, uploads, x: jnp.ndarray) -> jnp.ndarra
   """[B, C] the mean over every participant of every group of its uploaded model's eval-mode logits on x."""
   total, count = 0.0, 0.0
   for group, u in zip(spec.groups, uploads):
-    logits = jax.vmap(lambda p, s: forward(group.model, p, s, x, False)[0])(u.values['model'],
-                                                                            u.values['model_state'])
+    logits = jax.vmap(lambda p, s: forward(group.model, p, s, x, False)[0])(u.values.model, u.values.model_state)
     mask = u.mask.astype(logits.dtype)
     total, count = total + jnp.einsum('s,sbc->bc', mask, logits), count + mask.sum()
   return total / jnp.maximum(count, 1.0)
 
 
-def validation_accuracy(group, params: Any, state: Any, constants: dict) -> jnp.ndarray:
+def validation_accuracy(group, params: Any, state: Any, validation: PublicSet) -> jnp.ndarray:
   """Top-1 accuracy of a group's model (eval mode) on the server's labelled validation rows."""
-  logits = public_logits(group.model, params, state, constants['validation_x'])
-  return jnp.mean((jnp.argmax(logits, -1) == constants['validation_y']).astype(jnp.float32))
+  logits = public_logits(group.model, params, state, validation.x)
+  return jnp.mean((jnp.argmax(logits, -1) == validation.y).astype(jnp.float32))
 
 
-def early_stopped(cfg: FedDFConfig, spec: FederationSpec, step, init: tuple, constants: dict) -> tuple:
+def early_stopped(cfg: FedDFConfig, spec: FederationSpec, step, init: tuple, validation: PublicSet) -> tuple:
   """(params, BatchNorm states) per group after distilling from `init` = (params, states, optimizer states) with
   `step(t, carry, active)` the code's way: after every `eval_every`-th step each still active student is scored on
   the validation rows, its best kept; a group stops once `patience` steps have passed since its best, or at
   `server_steps`; each ends with its best student (the initial one if it was never scored)."""
   groups = len(spec.groups)
-  score = lambda params, states: jnp.stack([validation_accuracy(g, p, s, constants)
+  score = lambda params, states: jnp.stack([validation_accuracy(g, p, s, validation)
                                             for g, p, s in zip(spec.groups, params, states)])
 
   def chunk(loop):
@@ -153,17 +152,24 @@ def distillation_step(cfg: FedDFConfig, spec: FederationSpec, uploads, public_x:
   return step
 
 
-def server_constants(cfg: FedDFConfig, public: PublicData) -> dict:
+class ServerRows(NamedTuple):
+  """FedDF's constants: the public rows it distils on and, under early stopping, its labelled validation rows
+  (else None)."""
+  public: PublicSet
+  validation: Optional[PublicSet] = None
+
+
+def server_constants(cfg: FedDFConfig, public: PublicData) -> ServerRows:
   """The server's arrays: the public images, and under early stopping the labelled validation rows."""
-  constants = dict(PublicRows(public).constants)
+  rows = ServerRows(PublicRows(public).constants)
   if cfg.patience:
     if public.validation_x is None:
       raise ConfigError(f'{setting(cfg, "patience")}: FedDF stops early on the server\'s labelled '
                         f'validation rows, and this run holds none. Fix: --server_validation_size=N (the code: 10 % '
                         f'of the training rows), or no early stopping (patience 0).')
-    constants.update(validation_x=jnp.asarray(public.validation_x),
-                     validation_y=jnp.asarray(public.validation_y, jnp.int32))
-  return constants
+    rows = rows._replace(validation=PublicSet(jnp.asarray(public.validation_x),
+                                              jnp.asarray(public.validation_y, jnp.int32)))
+  return rows
 
 
 def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
@@ -178,27 +184,23 @@ def feddf(cfg: FedDFConfig, num_classes: int, public: PublicData) -> Algorithm:
                        upload=model_upload)
 
   def server_for(spec: FederationSpec):
-    def server_update(server, uploads, key):
-      means = average_group_states(server, uploads, by='uniform')
-      averaged, states = means['models'], means['model_states']
+    def server_update(server: GroupStates, uploads, key, rows: ServerRows):
+      averaged, states = average_group_states(server, uploads, by='uniform')
       present = tuple(u.mask.any() for u in uploads)
-      step = distillation_step(cfg, spec, uploads, server['constants']['public_x'], key, batch)
+      step = distillation_step(cfg, spec, uploads, rows.public.x, key, batch)
       init = (averaged, states, tuple(optimizer.init(p) for p in averaged))
       if cfg.patience:
-        distilled, new_states = early_stopped(cfg, spec, step, init, server['constants'])
+        distilled, new_states = early_stopped(cfg, spec, step, init, rows.validation)
       else:
         distilled, new_states, _ = jax.lax.fori_loop(0, cfg.server_steps, step, init)
       keep = lambda flag, new, old: jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
       models = tuple(keep(f, d, a) for f, d, a in zip(present, distilled, averaged))
       model_states = tuple(keep(f, d, a) for f, d, a in zip(present, new_states, states))
-      return {'models': models, 'model_states': model_states}, {}
+      return GroupStates(models, model_states), {}
     return server_update
 
-  def own_model(server, group):
-    return {'model': server['models'][group.index], 'model_state': server['model_states'][group.index]}
-
   return Algorithm('feddf', initial_group_states,
-                   (Phase('feddf', client, server_for, own_model, server_of_spec=True),), group_state_evaluation,
+                   (Phase('feddf', client, server_for, own_group_state, server_of_spec=True),), group_state_evaluation,
                    capabilities=Capabilities(partial_batches=True, shares_representations=False), constants=constants,
                    # the ensemble reads each uploaded model on its own, not only the groups' means
                    upload_privacy=GROUP_STATE_PRIVACY._replace(aggregate='records'))

@@ -31,17 +31,18 @@ paper's early stopping in transfer learning.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from fedjax_het.core import (Algorithm, Capabilities, ClientProgram, GroupSpec, Phase, Stage, UploadPrivacy,
+from fedjax_het.core import (Algorithm, Capabilities, ClientProgram, GroupSpec, Phase, Stage, Traffic, UploadPrivacy,
                              hyperparameter)
 from fedjax_het.data.federated import PublicData
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.methods.shared.base import KeptOptimizer, kept_optimizer_step, local_head_evaluation, zero_params
 from fedjax_het.methods.shared.common import cross_entropy, cross_entropy_loss, train_forward
-from fedjax_het.methods.shared.public import PublicRows, mean_of_uploads, public_logits
+from fedjax_het.methods.shared.public import PublicRows, PublicSet, mean_of_uploads, public_logits
 from fedjax_het.optim import torch_adam
 
 DIGESTS = ('mae', 'felo')
@@ -75,6 +76,23 @@ class FedMDConfig:
         raise ConfigError(f'{setting(self, name)} must be >= 0.')
 
 
+class Consensus(NamedTuple):
+  """FedMD's server state, and what it sends: the consensus logits [P, C] on the public rows (None in the transfer
+  round, which sends nothing)."""
+  consensus: Any
+
+
+class FedMDBroadcast(NamedTuple):
+  """What a client's program reads: the consensus and the public rows it holds (`PublicSet`, not sent)."""
+  consensus: Any
+  public: PublicSet
+
+
+class PublicLogits(NamedTuple):
+  """A client's upload: its eval-mode logits [P, C] on every public row."""
+  logits: jnp.ndarray
+
+
 def digest_loss(logits: jnp.ndarray, labels: jnp.ndarray, consensus: jnp.ndarray, kind: str, alpha: float
                 ) -> jnp.ndarray:
   """The digest loss on a public batch: 'mae', mean over B x C of |z - consensus|; 'felo', CE(z, y) + alpha *
@@ -88,7 +106,7 @@ def digest_loss(logits: jnp.ndarray, labels: jnp.ndarray, consensus: jnp.ndarray
 def public_ce(group: GroupSpec):
   """The transfer round's loss: CE on a batch of the labelled public rows."""
   def loss(client, batch, broadcast):
-    x, y = PublicRows.batch(broadcast['constants'], batch.index)
+    x, y = PublicRows.batch(broadcast.public, batch.index)
     logits, _, client = train_forward(group.model, client, x)
     return cross_entropy(logits, y), client
   return loss
@@ -97,9 +115,9 @@ def public_ce(group: GroupSpec):
 def digest(cfg: FedMDConfig, group: GroupSpec):
   """The digest's loss on a batch of public rows towards their consensus logits (`digest_loss`)."""
   def loss(client, batch, broadcast):
-    x, y = PublicRows.batch(broadcast['constants'], batch.index)
+    x, y = PublicRows.batch(broadcast.public, batch.index)
     logits, _, client = train_forward(group.model, client, x)
-    return digest_loss(logits, y, broadcast['consensus'][batch.index], cfg.digest, cfg.alpha), client
+    return digest_loss(logits, y, broadcast.consensus[batch.index], cfg.digest, cfg.alpha), client
   return loss
 
 
@@ -112,8 +130,7 @@ def private_ce(group: GroupSpec):
 def logits_program(group: GroupSpec, stages: tuple[Stage, ...]) -> ClientProgram:
   """A client program of `stages` that uploads its eval-mode logits on every public row."""
   def final(client, client_rows, broadcast, key):
-    return client, {'logits': public_logits(group.model, client.params, client.model_state,
-                                            broadcast['constants']['public_x'])}
+    return client, PublicLogits(public_logits(group.model, client.params, client.model_state, broadcast.public.x))
   return ClientProgram(lambda client, broadcast, key: client, stages, final, group.training)
 
 
@@ -140,13 +157,15 @@ def fedmd(cfg: FedMDConfig, num_classes: int, public: PublicData) -> Algorithm:
                                         training=public_schedule(group)),
                                   Stage(kept_optimizer_step(adam, private_ce(group)), group.training.epochs)))
 
-  def server_update(server, uploads, key):
+  def server_update(server, uploads, key, public):
     """The consensus: the unweighted mean of the participants' public logits."""
-    return {'consensus': mean_of_uploads(uploads, 'logits')}, {}
+    return Consensus(mean_of_uploads(uploads, 'logits')), {}
 
-  phases = (Phase('transfer', transfer, server_update, broadcast=lambda server, group: {}, rounds=1, join_ratio=1.0),
-            Phase('collaborate', collaborate, server_update))
-  return Algorithm('fedmd', lambda key, spec, initial: {'consensus': jnp.zeros((rows.size, num_classes))}, phases,
+  with_public = lambda broadcast, public: FedMDBroadcast(broadcast.consensus, public)
+  phases = (Phase('transfer', transfer, server_update, broadcast=lambda server, group: Consensus(None), rounds=1,
+                  join_ratio=1.0, traffic=Traffic(broadcast=lambda b: {}), with_constants=with_public),
+            Phase('collaborate', collaborate, server_update, with_constants=with_public))
+  return Algorithm('fedmd', lambda key, spec, initial: Consensus(jnp.zeros((rows.size, num_classes))), phases,
                    local_head_evaluation, init_client=lambda group, key: KeptOptimizer(adam.init(zero_params(group))),
                    capabilities=Capabilities(partial_batches=True, shares_representations=False),
                    constants=rows.constants,

@@ -225,7 +225,7 @@ def _private_phase(phase: Phase, algorithm: Algorithm, dp: DPConfig) -> Phase:
     return program._replace(final=final)
 
   def private_step(step, spec=None):
-    def server_update(server, uploads, key):
+    def server_update(server, uploads, key, *constants):
       uploads = tuple(u._replace(num_train=u.mask.astype(jnp.float32)) for u in uploads)  # equal weights
       noise_key = jax.random.fold_in(key, _DP_STREAM)
       if dp.mode == 'central':
@@ -235,7 +235,7 @@ def _private_phase(phase: Phase, algorithm: Algorithm, dp: DPConfig) -> Phase:
         reference = (declared.reference(phase.broadcast(server, spec.groups[0])) if declared.reference is not None
                      else {})
         uploads = fixed_denominator(uploads, reference, names, dp, jax.random.fold_in(noise_key, 1))
-      return step(server, RoundUploads(u._replace(expected=None) for u in uploads), key)
+      return step(server, RoundUploads(u._replace(expected=None) for u in uploads), key, *constants)
     return server_update
 
   if dp.mode == 'central' and dp.fixed_denominator:  # the step reads the broadcast, and runs in every round

@@ -1,15 +1,15 @@
 """Distillation on the server's public dataset (FedMD, FedDF): its rows as a local stage's schedule, a model's
 logits over all of them, and the mean of the participants' logits (the consensus, or ensemble target).
 
-The public images are the algorithm's constants (`Algorithm.constants`): the engine keeps them on device once and
-passes them to every compiled program as an argument (a closed-over array would be compiled into each program as
-a constant), and a program reads them as broadcast['constants'] (a server step: server['constants']); a stage over
-them names rows by `Batch.index`.
+The public images are the algorithm's constants (`Algorithm.constants`, a `PublicSet`): the engine keeps them on
+device once and passes them to every compiled program as an argument (a closed-over array would be compiled into
+each program as a constant): a server step takes them as its fourth argument, and a program reads them where its
+phase's `Phase.with_constants` puts them in its broadcast; a stage over them names rows by `Batch.index`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +20,18 @@ from fedjax_het.models.forward import forward
 from fedjax_het.uploads import RoundUploads, masked_mean
 
 
+class PublicSet(NamedTuple):
+  """The server's public rows as arrays on device: images x [P, H, W, c] and labels y [P]."""
+  x: jnp.ndarray
+  y: jnp.ndarray
+
+
 class PublicRows:
   """The server's public dataset as an algorithm's constants, and the schedule of a stage over its rows."""
 
   def __init__(self, public: PublicData):
     self.source, self.size = public.source, int(public.y.shape[0])
-    self.constants = {'public_x': jnp.asarray(public.x), 'public_y': jnp.asarray(public.y, jnp.int32)}
+    self.constants = PublicSet(jnp.asarray(public.x), jnp.asarray(public.y, jnp.int32))
 
   def training(self, batch_size: int, order: str) -> LocalTraining:
     """A stage's schedule over the P public rows (`Stage.training`; the stage sets the epochs): P // B batches an
@@ -34,9 +40,9 @@ class PublicRows:
     return LocalTraining(batch_size=min(batch_size, self.size), order=order, rows=self.size)
 
   @staticmethod
-  def batch(constants: dict, index: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """(images, labels) of the public rows `index` [B] from the constants a program receives."""
-    return constants['public_x'][index], constants['public_y'][index]
+  def batch(public: PublicSet, index: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(images, labels) of the public rows `index` [B]."""
+    return public.x[index], public.y[index]
 
 
 def public_logits(model, params: Any, model_state: Any, x: jnp.ndarray, chunk: int = 500) -> jnp.ndarray:
