@@ -40,7 +40,7 @@ from harness import RESULTS, write_results
 from fedjax_het.core import Algorithm, ClientProgram, Phase, Uploads, single_stage
 from fedjax_het.engine.schedule import Schedule
 from fedjax_het.local_training import LocalTraining
-from fedjax_het.methods.fedavg import GROUP_MODEL_PRIVACY, average_group_models
+from fedjax_het.methods.fedavg import GROUP_MODEL_PRIVACY, GroupModel, GroupModels, average_group_models
 from fedjax_het.privacy.budget import PrivacyBudget, gaussian_epsilon
 from fedjax_het.privacy.dp import DPConfig, privatize
 
@@ -88,7 +88,7 @@ def canary_federation(sigma: float, clip: float):
   """Grouped FedAvg's server step and DP declaration on a flat model, with clients that upload their broadcast
   model plus their canary direction: (client final, server update) of the privatized method."""
   def final(carry, rows, broadcast, key):
-    return carry, {'model': broadcast['model'] + carry}  # carry: the canary's direction, norm 2C
+    return carry, GroupModel(broadcast.model + carry)  # carry: the canary's direction, norm 2C
   program = ClientProgram(lambda c, b, k: c, single_stage(lambda c, b, bc, k: (c, 0.0), LocalTraining(0.1, 1, 1)),
                           final, LocalTraining(0.1, 1, 1))
   method = Algorithm('fedavg_canaries', None, (Phase('round', lambda g: program,
@@ -106,15 +106,15 @@ def audit(sigma: float, rng: np.random.Generator, key: jax.Array) -> dict:
   final, server_update = canary_federation(sigma * FLAGS.noise_fraction, clip)
   send = jax.jit(jax.vmap(lambda u, b, k: final(u, None, b, k)[1], in_axes=(0, None, 0)))
   step = jax.jit(server_update)
-  server = {'models': (jnp.zeros(d, jnp.float32),)}
+  server = GroupModels((jnp.zeros(d, jnp.float32),))
   members = jnp.asarray(2 * clip * directions[included])
   for r in range(FLAGS.rounds):
     key, upload_key, server_key = jax.random.split(key, 3)
-    broadcast = {'model': server['models'][0]}
+    broadcast = GroupModel(server.models[0])
     sent = send(members, broadcast, jax.random.split(upload_key, len(members)))
     uploads = Uploads(sent, jnp.ones(len(members), bool), jnp.ones(len(members), jnp.float32))
     server, _ = step(server, (uploads,), server_key)
-  change = np.asarray(server['models'][0])
+  change = np.asarray(server.models[0])
   scores = directions @ change
   k = FLAGS.guesses or m // 10
   order = np.argsort(scores)

@@ -18,7 +18,7 @@ from fedjax_het.core import Uploads, leaf_scalars
 from fedjax_het.errors import ConfigError
 from fedjax_het.methods import GeFLConfig, gefl
 from fedjax_het.methods.fedprox import proximal_term
-from fedjax_het.methods.gefl import build_generator
+from fedjax_het.methods.gefl import GeFLBroadcast, GeFLServer, GeFLUpload, TargetModel, build_generator
 from fedjax_het.run.checkpoints import Checkpoints
 from fedjax_het.run.config import ExperimentConfig
 from fedjax_het.run.experiment import build_federation
@@ -41,29 +41,30 @@ def uploads(values, mask, num_train=None):
 # ------------------------------------------------------------------ the servers
 def test_knowledge_server_averages_the_generator_over_all_participants_of_all_groups_unweighted():
   alg = gefl(GEFL, 10, 2)
-  server = {'generator': {'w': jnp.full(2, -7.0)}, 'generator_round': jnp.asarray(0), 'models': ({}, {})}
-  group0 = uploads({'generator': {'w': jnp.asarray([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]])}}, [1, 1, 0], [10, 90, 0])
-  group1 = uploads({'generator': {'w': jnp.asarray([[5.0, 6.0]])}}, [1], [1000])
+  server = GeFLServer({'w': jnp.full(2, -7.0)}, jnp.asarray(0), ({}, {}))
+  group0 = uploads(GeFLUpload(generator={'w': jnp.asarray([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]])}), [1, 1, 0],
+                   [10, 90, 0])
+  group1 = uploads(GeFLUpload(generator={'w': jnp.asarray([[5.0, 6.0]])}), [1], [1000])
   new, _ = alg.phases[0].server_update(server, RoundUploads((group0, group1)), jax.random.PRNGKey(0))
-  np.testing.assert_allclose(new['generator']['w'], [3.0, 4.0])  # (1 + 3 + 5) / 3, sample sizes ignored
-  assert int(new['generator_round']) == 1
-  nobody = uploads({'generator': {'w': jnp.ones((1, 2))}}, [0])
+  np.testing.assert_allclose(new.generator['w'], [3.0, 4.0])  # (1 + 3 + 5) / 3, sample sizes ignored
+  assert int(new.generator_round) == 1
+  nobody = uploads(GeFLUpload(generator={'w': jnp.ones((1, 2))}), [0])
   kept, _ = alg.phases[0].server_update(server, RoundUploads((nobody, nobody)), jax.random.PRNGKey(0))
-  np.testing.assert_allclose(kept['generator']['w'], [-7.0, -7.0])
+  np.testing.assert_allclose(kept.generator['w'], [-7.0, -7.0])
 
 
 def test_target_server_averages_each_group_within_itself_with_equal_weights():
   alg = gefl(GEFL, 10, 2)
-  model = lambda v: {'params': {'w': jnp.asarray(v, jnp.float32)}, 'model_state': {'s': jnp.asarray(v, jnp.float32)}}
-  server = {'generator': {'w': jnp.zeros(1)}, 'generator_round': jnp.asarray(2), 'models': (model([0.0]), model([9.0]))}
+  model = lambda v: TargetModel({'w': jnp.asarray(v, jnp.float32)}, {'s': jnp.asarray(v, jnp.float32)})
+  server = GeFLServer({'w': jnp.zeros(1)}, jnp.asarray(2), (model([0.0]), model([9.0])))
   stack = lambda *ms: jax.tree.map(lambda *a: jnp.stack(a), *ms)
-  group0 = uploads({'model': stack(model([1.0]), model([5.0]))}, [1, 1], [10, 1000])
-  group1 = uploads({'model': stack(model([100.0]))}, [0])
+  group0 = uploads(GeFLUpload(stack(model([1.0]), model([5.0]))), [1, 1], [10, 1000])
+  group1 = uploads(GeFLUpload(stack(model([100.0]))), [0])
   new, _ = alg.phases[1].server_update(server, RoundUploads((group0, group1)), jax.random.PRNGKey(0))
-  np.testing.assert_allclose(new['models'][0]['params']['w'], [3.0])      # BN statistics averaged too
-  np.testing.assert_allclose(new['models'][0]['model_state']['s'], [3.0])
-  np.testing.assert_allclose(new['models'][1]['params']['w'], [9.0])      # nobody in group 1: kept
-  assert int(new['generator_round']) == 2                                  # freeze: the generator stays
+  np.testing.assert_allclose(new.models[0].params['w'], [3.0])      # BN statistics averaged too
+  np.testing.assert_allclose(new.models[0].model_state['s'], [3.0])
+  np.testing.assert_allclose(new.models[1].params['w'], [9.0])      # nobody in group 1: kept
+  assert int(new.generator_round) == 2                               # freeze: the generator stays
 
 
 def test_update_mode_target_server_averages_models_within_and_the_generator_across_architectures():
@@ -71,17 +72,17 @@ def test_update_mode_target_server_averages_models_within_and_the_generator_acro
   over every participant of every group."""
   alg = gefl(dataclasses.replace(GEFL, mode='update'), 10, 2)
   stack = lambda *ts: jax.tree.map(lambda *a: jnp.stack(a), *ts)
-  small = lambda v: {'params': {'w': jnp.full(1, v)}, 'model_state': {}}
-  large = lambda v: {'params': {'w': jnp.full(1, v), 'extra': jnp.full(3, v)}, 'model_state': {}}
+  small = lambda v: TargetModel({'w': jnp.full(1, v)}, {})
+  large = lambda v: TargetModel({'w': jnp.full(1, v), 'extra': jnp.full(3, v)}, {})
   gen = lambda v: {'w': jnp.full(2, v)}
-  server = {'generator': gen(0.0), 'generator_round': jnp.asarray(1), 'models': (small(0.0), large(0.0))}
-  group0 = uploads({'model': stack(small(1.0), small(3.0)), 'generator': stack(gen(1.0), gen(3.0))}, [1, 1])
-  group1 = uploads({'model': stack(large(8.0)), 'generator': stack(gen(8.0))}, [1])
+  server = GeFLServer(gen(0.0), jnp.asarray(1), (small(0.0), large(0.0)))
+  group0 = uploads(GeFLUpload(stack(small(1.0), small(3.0)), stack(gen(1.0), gen(3.0))), [1, 1])
+  group1 = uploads(GeFLUpload(stack(large(8.0)), stack(gen(8.0))), [1])
   new, _ = alg.phases[1].server_update(server, RoundUploads((group0, group1)), jax.random.PRNGKey(0))
-  np.testing.assert_allclose(new['models'][0]['params']['w'], [2.0])
-  np.testing.assert_allclose(new['models'][1]['params']['extra'], [8.0, 8.0, 8.0])
-  np.testing.assert_allclose(new['generator']['w'], [4.0, 4.0])  # (1 + 3 + 8) / 3
-  assert int(new['generator_round']) == 2
+  np.testing.assert_allclose(new.models[0].params['w'], [2.0])
+  np.testing.assert_allclose(new.models[1].params['extra'], [8.0, 8.0, 8.0])
+  np.testing.assert_allclose(new.generator['w'], [4.0, 4.0])  # (1 + 3 + 8) / 3
+  assert int(new.generator_round) == 2
 
 
 # ------------------------------------------------------------------ the run
@@ -103,7 +104,7 @@ def test_the_run_is_knowledge_then_target_rounds_with_their_steps_and_traffic(fe
   steps = fed.train_sizes // 64
   assert h[0]['local_steps'] == steps.sum()                                 # T_g = 1 epoch of real batches
   assert h[2]['local_steps'] == np.maximum(1, steps).sum() + steps.sum()    # T_s = 1 generated + T_r = 1 real
-  generator = sum(leaf_scalars(fed.init().server['generator']).values())
+  generator = sum(leaf_scalars(fed.init().server.generator).values())
   assert h[0]['upload_generator_scalars'] == h[0]['broadcast_generator_scalars'] == 4 * generator
   assert 'upload_generator_scalars' not in h[2] and 'broadcast_generator_scalars' not in h[2]
   assert h[2]['upload_model_scalars'] == h[2]['broadcast_model_scalars'] > 0
@@ -115,13 +116,13 @@ def test_each_client_keeps_its_own_optimizer_state_across_the_broadcast(fed, rec
   the next round's start; after round 2 each Adam step counter holds both rounds' steps."""
   steps = fed.train_sizes // 64
   first, second = recorded.states[0], recorded.states[1]
-  counts = lambda st: np.concatenate([np.asarray(g.extra['optimizer']['G'].count) for g in st.groups])
+  counts = lambda st: np.concatenate([np.asarray(g.extra.optimizer['G'].count) for g in st.groups])
   order = np.concatenate([g.clients for g in fed.groups])
   np.testing.assert_array_equal(counts(first), steps[order])
   np.testing.assert_array_equal(counts(second), 2 * steps[order])
-  mu = np.asarray(jax.tree.leaves(optax.tree_utils.tree_get(first.groups[0].extra['optimizer']['D'], 'mu'))[0])
+  mu = np.asarray(jax.tree.leaves(optax.tree_utils.tree_get(first.groups[0].extra.optimizer['D'], 'mu'))[0])
   assert not np.allclose(mu[0], mu[1])
-  server_gen = jax.tree.leaves(second.server['generator'])[0]
+  server_gen = jax.tree.leaves(second.server.generator)[0]
   assert np.isfinite(np.asarray(server_gen)).all()
 
 
@@ -141,12 +142,12 @@ def test_update_mode_runs_half_the_knowledge_rounds_and_keeps_training_the_gener
   fed = build_federation(cfg)
   rec = record_rounds(fed, fed.init(), fed.total_rounds)
   assert [m['phase'] for m in rec.history] == ['knowledge', 'target']
-  assert [int(s.server['generator_round']) for s in rec.states] == [1, 2]
+  assert [int(s.server.generator_round) for s in rec.states] == [1, 2]
   assert rec.history[1]['upload_generator_scalars'] == rec.history[1]['broadcast_generator_scalars'] > 0
   steps = fed.train_sizes // 64
   assert rec.history[1]['local_steps'] == np.maximum(1, steps).sum() + 2 * steps.sum()  # T_s + T_r + T_g
-  assert not np.allclose(jax.tree.leaves(rec.states[1].server['generator'])[0],
-                         jax.tree.leaves(rec.states[0].server['generator'])[0])
+  assert not np.allclose(jax.tree.leaves(rec.states[1].server.generator)[0],
+                         jax.tree.leaves(rec.states[0].server.generator)[0])
 
 
 # ------------------------------------------------------------------ accounting, inputs, outputs
@@ -191,19 +192,19 @@ def test_shared_first_block_is_the_unweighted_mean_over_all_participants():
   from fedjax_het.core import Uploads
 
   def model(fe, rest):
-    return {'params': {'extractor': {'fe_conv': {'kernel': fe}, 'conv0': {'kernel': rest}}, 'head': {'bias': rest}},
-            'model_state': {'batch_stats': {'extractor': {'fe_bn': {'mean': 10 * fe}}}}}
+    return TargetModel({'extractor': {'fe_conv': {'kernel': fe}, 'conv0': {'kernel': rest}}, 'head': {'bias': rest}},
+                       {'batch_stats': {'extractor': {'fe_bn': {'mean': 10 * fe}}}})
   arr = lambda *v: jnp.asarray(v, jnp.float32)
-  uploads = RoundUploads((Uploads({'model': model(arr(1., 3.), arr(0., 0.))}, jnp.array([True, True]), arr(1., 1.)),
-                          Uploads({'model': model(arr(5., 7.), arr(0., 0.))}, jnp.array([True, False]),
+  uploads = RoundUploads((Uploads(GeFLUpload(model(arr(1., 3.), arr(0., 0.))), jnp.array([True, True]), arr(1., 1.)),
+                          Uploads(GeFLUpload(model(arr(5., 7.), arr(0., 0.))), jnp.array([True, False]),
                                   arr(1., 1.))))
   group_means = (model(jnp.float32(2.), jnp.float32(-1.)), model(jnp.float32(5.), jnp.float32(-2.)))
   out = with_shared_first_block(group_means, uploads)
   for g, rest in zip(out, (-1., -2.)):
-    np.testing.assert_allclose(g['params']['extractor']['fe_conv']['kernel'], 3.0)  # (1 + 3 + 5) / 3
-    np.testing.assert_allclose(g['model_state']['batch_stats']['extractor']['fe_bn']['mean'], 30.0)
-    np.testing.assert_allclose(g['params']['extractor']['conv0']['kernel'], rest)
-    np.testing.assert_allclose(g['params']['head']['bias'], rest)
+    np.testing.assert_allclose(g.params['extractor']['fe_conv']['kernel'], 3.0)  # (1 + 3 + 5) / 3
+    np.testing.assert_allclose(g.model_state['batch_stats']['extractor']['fe_bn']['mean'], 30.0)
+    np.testing.assert_allclose(g.params['extractor']['conv0']['kernel'], rest)
+    np.testing.assert_allclose(g.params['head']['bias'], rest)
 
 
 def test_synthetic_batches_have_uniform_labels_and_the_classifiers_range():
@@ -227,6 +228,6 @@ def test_ddpm_rate_decays_linearly_over_the_knowledge_rounds():
   """The code: lr = 1e-4 (1 - t / T_KA) in the t-th (1-based) generator round; other generators keep their rate."""
   from fedjax_het.methods.gefl import ddpm_lr_scale
   scale = ddpm_lr_scale(GeFLConfig(generator='ddpm', ka_rounds=4))
-  np.testing.assert_allclose([float(scale({'generator_round': jnp.int32(r)})) for r in range(4)],
-                             [0.75, 0.5, 0.25, 0.0])
-  assert ddpm_lr_scale(GeFLConfig(generator='cvae', ka_rounds=4))({'generator_round': jnp.int32(0)}) == 1.0
+  at = lambda r: GeFLBroadcast({}, jnp.int32(r))
+  np.testing.assert_allclose([float(scale(at(r))) for r in range(4)], [0.75, 0.5, 0.25, 0.0])
+  assert ddpm_lr_scale(GeFLConfig(generator='cvae', ka_rounds=4))(at(0)) == 1.0

@@ -56,22 +56,22 @@ def test_warmup_shares_f_over_all_groups_then_only_headers_and_the_generator_mov
   fed, rec = recorded
   assert [m['phase'] for m in rec.history] == ['warmup', 'knowledge', 'target']
   fe = lambda state, gi: split_client(state.groups[gi].params, state.groups[gi].model_state)[0]
-  server_fe = rec.states[0].server['fe']
+  server_fe = rec.states[0].server.fe
   # After warm-up, the server's F is the mean of all four clients' F, whatever their architecture.
   stacked = jax.tree.map(lambda *a: jnp.concatenate(a), *[fe(rec.states[0], gi) for gi in range(2)])
   tree_allclose(server_fe, jax.tree.map(lambda a: a.mean(0), stacked), rtol=1e-5, atol=1e-6)
   # Knowledge rounds (T_KA / 2 = 1 in update mode) leave every classifier as it was; they train and average the
   # generator.
   tree_allclose(rec.states[1].groups[0].params, rec.states[0].groups[0].params, rtol=0, atol=0)
-  assert int(rec.states[1].server['generator_round']) == 1
+  assert int(rec.states[1].server.generator_round) == 1
   # Target rounds: every client's F is the shared one, unchanged; headers are averaged within each group only.
   for gi in range(2):
     for k in range(2):
       tree_allclose(jax.tree.map(lambda a: a[k], fe(rec.states[2], gi)), server_fe, rtol=0, atol=0)
-  tree_allclose(rec.states[2].server['fe'], server_fe, rtol=0, atol=0)
+  tree_allclose(rec.states[2].server.fe, server_fe, rtol=0, atol=0)
   header = lambda state, gi: split_client(state.groups[gi].params, state.groups[gi].model_state)[1]
   for gi in range(2):  # each group's header: the mean of its own two clients' trained headers
-    tree_allclose(rec.states[2].server['headers'][gi], jax.tree.map(lambda a: a.mean(0), header(rec.states[2], gi)),
+    tree_allclose(rec.states[2].server.headers[gi], jax.tree.map(lambda a: a.mean(0), header(rec.states[2], gi)),
                   rtol=1e-5, atol=1e-6)
     assert not np.allclose(*[jax.tree.leaves(header(rec.states[2], gi))[-1][k] for k in range(2)])  # they differ
   assert rec.history[2]['upload_header_scalars'] > 0 and 'upload_extractor_scalars' not in rec.history[2]
@@ -79,9 +79,9 @@ def test_warmup_shares_f_over_all_groups_then_only_headers_and_the_generator_mov
   assert all(np.isfinite(m['train_loss']) for m in rec.history)
   # Update mode: the target round trains the generator T_g epochs after the headers' T_s + T_r, on F's maps, and
   # the server averages it over all four clients of both groups.
-  generator = lambda state: state.server['generator']
-  assert int(rec.states[2].server['generator_round']) == 2
-  stacked = jax.tree.map(lambda *a: jnp.concatenate(a), *[g.extra['generator'] for g in rec.states[2].groups])
+  generator = lambda state: state.server.generator
+  assert int(rec.states[2].server.generator_round) == 2
+  stacked = jax.tree.map(lambda *a: jnp.concatenate(a), *[g.extra.generator for g in rec.states[2].groups])
   tree_allclose(generator(rec.states[2]), jax.tree.map(lambda a: a.mean(0), stacked), rtol=1e-5, atol=1e-6)
   assert not np.allclose(jax.tree.leaves(generator(rec.states[2]))[0], jax.tree.leaves(generator(rec.states[1]))[0])
   size = sum(a.size for a in jax.tree.leaves(generator(rec.states[2])))
@@ -133,19 +133,19 @@ def test_resume_across_each_phase_boundary_equals_the_uninterrupted_run(recorded
 
 
 def test_lg_fedavg_as_gefl_runs_it_averages_f_over_all_groups_and_the_rest_within_each():
-  from fedjax_het.methods.gefl_f import lg_fedavg_first_block
+  from fedjax_het.methods.gefl_f import GeFLFUpload, SharedBlock, lg_fedavg_first_block
   from fedjax_het.core import Uploads
   alg = lg_fedavg_first_block(10)
   part = lambda v: {'params': {'w': jnp.asarray(v, jnp.float32)}, 'stats': {}}
   stack = lambda *ps: jax.tree.map(lambda *a: jnp.stack(a), *ps)
-  server = {'fe': part([0.0]), 'headers': (part([0.0, 0.0]), part([-1.0]))}
-  group0 = Uploads({'fe': stack(part([1.0]), part([3.0])), 'header': stack(part([1.0, 2.0]), part([3.0, 4.0]))},
+  server = SharedBlock(part([0.0]), (part([0.0, 0.0]), part([-1.0])))
+  group0 = Uploads(GeFLFUpload(stack(part([1.0]), part([3.0])), stack(part([1.0, 2.0]), part([3.0, 4.0]))),
                    jnp.asarray([True, True]), jnp.asarray([10.0, 90.0]))
-  group1 = Uploads({'fe': stack(part([8.0])), 'header': stack(part([5.0]))}, jnp.asarray([True]), jnp.asarray([1.0]))
+  group1 = Uploads(GeFLFUpload(stack(part([8.0])), stack(part([5.0]))), jnp.asarray([True]), jnp.asarray([1.0]))
   new, _ = alg.phases[0].server_update(server, RoundUploads((group0, group1)), jax.random.PRNGKey(0))
-  np.testing.assert_allclose(new['fe']['params']['w'], [4.0])              # (1 + 3 + 8) / 3 over all groups
-  np.testing.assert_allclose(new['headers'][0]['params']['w'], [2.0, 3.0])  # within group 0
-  np.testing.assert_allclose(new['headers'][1]['params']['w'], [5.0])
+  np.testing.assert_allclose(new.fe['params']['w'], [4.0])              # (1 + 3 + 8) / 3 over all groups
+  np.testing.assert_allclose(new.headers[0]['params']['w'], [2.0, 3.0])  # within group 0
+  np.testing.assert_allclose(new.headers[1]['params']['w'], [5.0])
   assert alg.phases[0].rounds is None
   with pytest.raises(ConfigError, match='--models=gefl-mnist-10'):
     build_federation(dataclasses.replace(CFG, algorithm='lg_fedavg_fb', models=('mlp',), methods={}))
@@ -164,9 +164,9 @@ def test_mnd_samples_of_gefl_f_are_images_inverted_from_generated_maps_through_f
                                  InversionConfig(steps=40, learning_rate=0.05, prior='pixel'))
   assert images.shape == (10, 32, 32, 1) and float(jnp.abs(images).max()) <= 1.0
   from fedjax_het.methods.gefl_f import feature_generator
-  maps = feature_generator(CFG.method_config, 10, group).sample(server['generator'], jnp.arange(10),
+  maps = feature_generator(CFG.method_config, 10, group).sample(server.generator, jnp.arange(10),
                                                                 jax.random.split(key)[0])
-  f = lambda x: apply_features(features_module(group), server['fe'], x)
+  f = lambda x: apply_features(features_module(group), server.fe, x)
   error = lambda x: float(jnp.mean(jnp.sum((f(x) - maps) ** 2, (1, 2, 3)) / jnp.sum(maps ** 2, (1, 2, 3))))
   noise = 0.1 * jax.random.normal(jax.random.PRNGKey(0), images.shape)
   assert error(images) < 0.5 * error(jnp.tanh(noise))

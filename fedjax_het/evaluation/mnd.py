@@ -75,9 +75,9 @@ def gefl_f_synthetic_images(cfg: GeFLFConfig, num_classes: int, group: GroupSpec
   + TV; the paper's inversion method [52] is unspecified). Returns images [C * n, H, W, c] in [-1, 1]."""
   sample_key, invert_key = jax.random.split(key)
   labels = jnp.repeat(jnp.arange(num_classes), n)
-  maps = feature_generator(cfg, num_classes, group).sample(server['generator'], labels, sample_key)
+  maps = feature_generator(cfg, num_classes, group).sample(server.generator, labels, sample_key)
   module = features_module(group)
-  rep = lambda x: apply_features(module, server['fe'], x).reshape(x.shape[0], -1)
+  rep = lambda x: apply_features(module, server.fe, x).reshape(x.shape[0], -1)
   images, _ = jax.jit(lambda t: invert(rep, t, tuple(group.input_shape), inversion, invert_key))(
       maps.reshape(maps.shape[0], -1))
   return images

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +137,40 @@ def build_generator(cfg: GeFLConfig, num_classes: int, input_shape, conv: str = 
   return ddpm(num_classes, c, h, cfg.width or 128, cfg.diffusion_steps, cfg.guidance, conv=conv)
 
 
+class GeneratorState(NamedTuple):
+  """A client's extra state: its copy of the generator's variables and its own optimizer state."""
+  generator: dict
+  optimizer: Any
+
+
+class TargetModel(NamedTuple):
+  """A target network as it crosses: params and BatchNorm statistics (GeFL's code loads the whole state dict)."""
+  params: dict
+  model_state: dict
+
+
+class GeFLServer(NamedTuple):
+  """The server: the generator, its round count (generator rounds done) and each group's `TargetModel`."""
+  generator: dict
+  generator_round: jnp.ndarray
+  models: tuple
+
+
+class GeFLBroadcast(NamedTuple):
+  """What a group's clients receive: the generator and its round count, and in target rounds the group's model
+  (None in knowledge rounds)."""
+  generator: dict
+  generator_round: jnp.ndarray
+  model: Any = None
+
+
+class GeFLUpload(NamedTuple):
+  """A client's upload: its trained target model (target rounds) and its generator (knowledge rounds, and target
+  rounds in update mode); None where not sent."""
+  model: Any = None
+  generator: Any = None
+
+
 def generator_step(gen: ConditionalGenerator, lr_scale, inputs=None):
   """(client, batch, broadcast, key) -> (client, loss): one generator update on a real batch with the client's own
   optimizer state; inputs(x, broadcast) -> what the generator learns (default: the images mapped into its range;
@@ -144,9 +178,9 @@ def generator_step(gen: ConditionalGenerator, lr_scale, inputs=None):
   inputs = inputs or (lambda x, broadcast: to_generator_range(x, gen.unit_range))
 
   def step(client, batch: Batch, broadcast, key):
-    variables, opt, loss = gen.step(client.extra['generator'], client.extra['optimizer'],
+    variables, opt, loss = gen.step(client.extra.generator, client.extra.optimizer,
                                     inputs(batch.x, broadcast), batch.y, key, lr_scale(broadcast), batch.mask)
-    return client._replace(extra={**client.extra, 'generator': variables, 'optimizer': opt}), loss
+    return client._replace(extra=GeneratorState(variables, opt)), loss
   return step
 
 
@@ -169,20 +203,19 @@ def ddpm_lr_scale(cfg: GeFLConfig):
   def scale(broadcast):
     if cfg.generator != 'ddpm':
       return 1.0
-    return jnp.maximum(1.0 - (broadcast['generator_round'] + 1) / cfg.ka_rounds, 0.0)
+    return jnp.maximum(1.0 - (broadcast.generator_round + 1) / cfg.ka_rounds, 0.0)
   return scale
 
 
 def with_shared_first_block(models: tuple, uploads: RoundUploads) -> tuple:
   """Each group's averaged model with its first block F replaced by F's unweighted mean over all participants of
   all groups (parameters and BatchNorm statistics; the code's `LGFedAvg` under avg_FE = 1)."""
-  fe = lambda model: split_client(model['params'], model['model_state'])[0]
-  shared = uploads.mean(lambda values: jax.vmap(fe)(values['model']), previous=fe(models[0]))
+  fe = lambda model: split_client(model.params, model.model_state)[0]
+  shared = uploads.mean(lambda values: jax.vmap(fe)(values.model), previous=fe(models[0]))
   out = []
   for model in models:
-    params, model_state = join_client(shared, split_client(model['params'], model['model_state'])[1],
-                                      model['model_state'])
-    out.append({'params': params, 'model_state': model_state})
+    params, model_state = join_client(shared, split_client(model.params, model.model_state)[1], model.model_state)
+    out.append(TargetModel(params, model_state))
   return tuple(out)
 
 
@@ -192,44 +225,44 @@ def image_generator(cfg: GeFLConfig, num_classes: int, group: GroupSpec) -> Cond
 
 
 def init_generator_extra(make_generator: Callable[[GroupSpec], ConditionalGenerator], group: GroupSpec,
-                         key: jax.Array) -> dict:
+                         key: jax.Array) -> GeneratorState:
   """A client's generator (the same initialisation on every client) and its own optimizer state."""
   gen = make_generator(group)
   variables = gen.init(group.shared_key('gefl_generator'))
-  return {'generator': variables, 'optimizer': gen.init_optimizer(variables)}
+  return GeneratorState(variables, gen.init_optimizer(variables))
 
 
-def init_server(key: jax.Array, spec, initial) -> dict:
+def init_server(key: jax.Array, spec, initial) -> GeFLServer:
   """The first client's generator, the generator's round count, and each group's first model."""
-  return {'generator': initial[0].extra['generator'], 'generator_round': jnp.zeros((), jnp.int32),
-          'models': tuple({'params': s.params, 'model_state': s.model_state} for s in initial)}
+  return GeFLServer(initial[0].extra.generator, jnp.zeros((), jnp.int32),
+                    tuple(TargetModel(s.params, s.model_state) for s in initial))
 
 
-def average_generators(server: dict, uploads) -> dict:
+def average_generators(server, uploads):
   """The generator <- the unweighted mean of the participants' generators over all groups; its round count + 1.
   Only the generator crosses groups (target models differ in shape between architectures)."""
-  generator = uploads.mean('generator', previous=server['generator'])
-  return {**server, 'generator': generator, 'generator_round': server['generator_round'] + 1}
+  generator = uploads.mean('generator', previous=server.generator)
+  return server._replace(generator=generator, generator_round=server.generator_round + 1)
 
 
-def knowledge_server(server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+def knowledge_server(server, uploads, key: jax.Array) -> tuple[Any, dict]:
   """Knowledge aggregation (Alg. 1): the generators averaged."""
   return average_generators(server, uploads), {}
 
 
-def receive_generator(client, broadcast: dict):
+def receive_generator(client, broadcast):
   """The client's generator <- the server's (its optimizer state stays its own)."""
-  return client._replace(extra={**client.extra, 'generator': broadcast['generator']})
+  return client._replace(extra=client.extra._replace(generator=broadcast.generator))
 
 
-def generator_broadcast(server: dict, group) -> dict:
+def generator_broadcast(server: GeFLServer, group) -> GeFLBroadcast:
   """The generator and its round count (the DDPM rate schedule reads the count)."""
-  return {'generator': server['generator'], 'generator_round': server['generator_round']}
+  return GeFLBroadcast(server.generator, server.generator_round)
 
 
 def upload_generator(client, rows, broadcast, key):
   """Uploads the client's generator (every variable: BatchNorm statistics and DCGAN's D too)."""
-  return client, {'generator': client.extra['generator']}
+  return client, GeFLUpload(generator=client.extra.generator)
 
 
 # ---------------------------------------------------------------- phase 'knowledge'
@@ -244,14 +277,14 @@ def knowledge_client(cfg: GeFLConfig, num_classes: int, group: GroupSpec) -> Cli
 
 
 # ---------------------------------------------------------------- phase 'target'
-def target_broadcast(server: dict, group) -> dict:
+def target_broadcast(server: GeFLServer, group) -> GeFLBroadcast:
   """The generator and the group's model."""
-  return {**generator_broadcast(server, group), 'model': server['models'][group.index]}
+  return generator_broadcast(server, group)._replace(model=server.models[group.index])
 
 
-def receive_group_model(client, broadcast: dict):
+def receive_group_model(client, broadcast: GeFLBroadcast):
   """The client's target network <- its group's model."""
-  return client._replace(params=broadcast['model']['params'], model_state=broadcast['model']['model_state'])
+  return client._replace(params=broadcast.model.params, model_state=broadcast.model.model_state)
 
 
 def target_client(cfg: GeFLConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
@@ -268,7 +301,7 @@ def target_client(cfg: GeFLConfig, num_classes: int, group: GroupSpec) -> Client
     return client._replace(params=descend(optimizer, client.params, grads), model_state=state), value
 
   def synthetic_step(client, batch: Batch, broadcast, key):
-    images, labels = synthetic_batch(gen, broadcast['generator'], key, group.training.batch_size, num_classes,
+    images, labels = synthetic_batch(gen, broadcast.generator, key, group.training.batch_size, num_classes,
                                      cfg.match_range)
     return sgd_on(client, images, labels, batch.mask)
 
@@ -280,8 +313,8 @@ def target_client(cfg: GeFLConfig, num_classes: int, group: GroupSpec) -> Client
     return receive_generator(client, broadcast) if update else client
 
   def final(client, rows, broadcast, key):
-    upload = {'model': {'params': client.params, 'model_state': client.model_state}}
-    return client, ({**upload, 'generator': client.extra['generator']} if update else upload)
+    return client, GeFLUpload(TargetModel(client.params, client.model_state),
+                              client.extra.generator if update else None)
 
   stages = (Stage(synthetic_step, cfg.synthetic_epochs, generated=True), Stage(real_step, group.training.epochs))
   if update:
@@ -289,37 +322,39 @@ def target_client(cfg: GeFLConfig, num_classes: int, group: GroupSpec) -> Client
   return ClientProgram(init, stages, final, group.training)
 
 
-def target_server(cfg: GeFLConfig, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+def target_server(cfg: GeFLConfig, server: GeFLServer, uploads, key: jax.Array) -> tuple[GeFLServer, dict]:
   """Each group's model <- the unweighted mean of its participants' (Alg. 2; the first block over all clients
   under --gefl_share_first_block); the generators averaged too in update mode."""
-  models = uploads.group_mean('model', previous=server['models'])
+  models = uploads.group_mean('model', previous=server.models)
   if cfg.share_first_block:
     models = with_shared_first_block(models, uploads)
-  server = {**server, 'models': models}
+  server = server._replace(models=models)
   return (average_generators(server, uploads) if cfg.mode == 'update' else server), {}
 
 
 def evaluation(group: GroupSpec):
   """Every client scored with its group's model. Knowledge rounds broadcast no target model: scored there (only
   when a caller asks), a client is its own."""
-  receive = lambda client, broadcast: receive_group_model(client, broadcast) if 'model' in broadcast else client
+  receive = lambda client, broadcast: receive_group_model(client, broadcast) if broadcast.model is not None else client
   return head_evaluation(group.model, {'group_model': own_head}, receive=receive)
 
 
-def generated_samples(cfg: GeFLConfig, num_classes: int, server: dict, spec, key: jax.Array, n: int):
+def generated_samples(cfg: GeFLConfig, num_classes: int, server: GeFLServer, spec, key: jax.Array, n: int):
   """[C, n, H, W, c]: n samples per class from the server's generator, in [-1, 1]."""
   gen = image_generator(cfg, num_classes, spec.groups[0])
   labels = jnp.repeat(jnp.arange(num_classes), n)
-  images = from_generator_range(gen.sample(server['generator'], labels, key), gen.unit_range)
+  images = from_generator_range(gen.sample(server.generator, labels, key), gen.unit_range)
   return jnp.clip(images, -1.0, 1.0).reshape((num_classes, n) + images.shape[1:])
 
 
-def sent_scalars(cfg: GeFLConfig, tree: dict) -> dict:
-  """The models and generators that cross; in freeze mode a target round's broadcast carries the generator only
-  for the engine (clients hold the final one from the last knowledge round: not counted again)."""
-  out = {'model': sum(leaf_scalars(tree['model']).values())} if 'model' in tree else {}
-  if 'generator' in tree and (cfg.mode == 'update' or 'model' not in tree):
-    out['generator'] = sum(leaf_scalars(tree['generator']).values())
+def sent_scalars(cfg: GeFLConfig, tree) -> dict:
+  """The models and generators that cross (an upload or broadcast's parts that are not None); in freeze mode a
+  target round's broadcast carries the generator only for the engine (clients hold the final one from the last
+  knowledge round: not counted again)."""
+  model, generator = tree.model, tree.generator
+  out = {'model': sum(leaf_scalars(model).values())} if model is not None else {}
+  if generator is not None and (cfg.mode == 'update' or model is None):
+    out['generator'] = sum(leaf_scalars(generator).values())
   return out
 
 

@@ -34,17 +34,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from fedjax_het.core import (Algorithm, Batch, Capabilities, ClientProgram, GroupSpec, Phase, Stage, Traffic,
-                             hyperparameter, leaf_scalars)
+                             hyperparameter, leaf_scalars, parts)
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.generators.base import uniform_labels
-from fedjax_het.methods.gefl import (GeFLConfig, average_generators, build_generator, ddpm_lr_scale,
-                                     generator_broadcast, generator_step, init_generator_extra, knowledge_server,
-                                     receive_generator, upload_generator)
+from fedjax_het.methods.gefl import (GeFLConfig, average_generators, build_generator, ddpm_lr_scale, generator_step,
+                                     init_generator_extra, knowledge_server, receive_generator, upload_generator)
 from fedjax_het.methods.shared.base import head_evaluation, own_head
 from fedjax_het.methods.shared.common import cross_entropy, descend
 from fedjax_het.models.forward import forward
@@ -101,28 +101,59 @@ def feature_generator(cfg: GeFLFConfig, num_classes: int, group: GroupSpec):
                          cifar10_sizes=extractor_of(group, 'features').dataset == 'cifar10f')
 
 
+class SharedBlock(NamedTuple):
+  """The server of GeFL's LG-FedAvg baseline: fe, the shared first block F; headers, each group's header."""
+  fe: dict
+  headers: tuple
+
+
+class GeFLFServer(NamedTuple):
+  """GeFL-F's server: F and the headers (`SharedBlock`'s fields), the feature generator and its round count."""
+  fe: dict
+  headers: tuple
+  generator: dict
+  generator_round: jnp.ndarray
+
+
+class GeFLFBroadcast(NamedTuple):
+  """What a group's clients receive: F; the group's header (warm-up and target rounds); the generator and its round
+  count (knowledge and target rounds); None where not sent."""
+  fe: dict
+  header: Any = None
+  generator: Any = None
+  generator_round: Any = None
+
+
+class GeFLFUpload(NamedTuple):
+  """A client's upload: F (warm-up), its header (warm-up and target), its generator (knowledge; target in update
+  mode); None where not sent."""
+  fe: Any = None
+  header: Any = None
+  generator: Any = None
+
+
 def receive_model(client, broadcast):
   """The client's classifier set to the broadcast F and its group's header (unchanged without a header)."""
-  if 'header' not in broadcast:
+  if broadcast.header is None:
     return client
-  params, model_state = join_client(broadcast['fe'], broadcast['header'], client.model_state)
+  params, model_state = join_client(broadcast.fe, broadcast.header, client.model_state)
   return client._replace(params=params, model_state=model_state)
 
 
-def model_broadcast(server, group):
+def model_broadcast(server, group) -> GeFLFBroadcast:
   """F and the group's header."""
-  return {'fe': server['fe'], 'header': server['headers'][group.index]}
+  return GeFLFBroadcast(server.fe, server.headers[group.index])
 
 
 def average_headers(server, uploads):
   """Each group's header averaged over its participants with equal weights (kept without any)."""
-  return uploads.group_mean('header', previous=server['headers'])
+  return uploads.group_mean('header', previous=server.headers)
 
 
-def shared_block_server(key, spec, initial) -> dict:
-  """{'fe': F of the first group's initial model, 'headers': each group's initial header}."""
+def shared_block_server(key, spec, initial) -> SharedBlock:
+  """F of the first group's initial model, and each group's initial header."""
   fe, _ = split_client(initial[0].params, initial[0].model_state)
-  return {'fe': fe, 'headers': tuple(split_client(s.params, s.model_state)[1] for s in initial)}
+  return SharedBlock(fe, tuple(split_client(s.params, s.model_state)[1] for s in initial))
 
 
 def shared_block_program(group: GroupSpec, epochs: int) -> ClientProgram:
@@ -138,8 +169,7 @@ def shared_block_program(group: GroupSpec, epochs: int) -> ClientProgram:
     return client._replace(params=descend(optimizer, client.params, grads), model_state=state), value
 
   def final(client, rows, broadcast, key):
-    fe, header = split_client(client.params, client.model_state)
-    return client, {'fe': fe, 'header': header}
+    return client, GeFLFUpload(*split_client(client.params, client.model_state))
   extractor_of(group, 'features')  # a ConfigError for architectures without F
   return ClientProgram(lambda client, broadcast, key: receive_model(client, broadcast), (Stage(step, epochs),),
                        final, group.training)
@@ -148,14 +178,14 @@ def shared_block_program(group: GroupSpec, epochs: int) -> ClientProgram:
 def shared_block_update(server, uploads, key):
   """F averaged over all participants of all groups, each header within its group (equal weights, BatchNorm
   statistics included)."""
-  fe = uploads.mean('fe', previous=server['fe'])  # headers differ by group
-  return {**server, 'fe': fe, 'headers': average_headers(server, uploads)}, {}
+  fe = uploads.mean('fe', previous=server.fe)  # headers differ by group
+  return server._replace(fe=fe, headers=average_headers(server, uploads)), {}
 
 
 def model_scalars(tree) -> dict:
   """F and the header where they cross (GeFL's LG-FedAvg baseline: every round, both ways)."""
   count = lambda t: sum(leaf_scalars(t).values())
-  return {'extractor': count(tree['fe']), 'header': count(tree['header'])}
+  return {'extractor': count(tree.fe), 'header': count(tree.header)}
 
 
 def lg_fedavg_first_block(num_classes: int) -> Algorithm:
@@ -180,10 +210,9 @@ def header_model(group: GroupSpec):
   return group.model.clone(extractor=extractor_of(group, 'header'), parent=None)
 
 
-def init_server(key: jax.Array, spec, initial) -> dict:
+def init_server(key: jax.Array, spec, initial) -> GeFLFServer:
   """F and the headers of `shared_block_server`, the first client's generator and its round count."""
-  return {**shared_block_server(key, spec, initial), 'generator': initial[0].extra['generator'],
-          'generator_round': jnp.zeros((), jnp.int32)}
+  return GeFLFServer(*shared_block_server(key, spec, initial), initial[0].extra.generator, jnp.zeros((), jnp.int32))
 
 
 # ---------------------------------------------------------------- phase 'warmup'
@@ -199,16 +228,16 @@ def knowledge_client(cfg: GeFLFConfig, num_classes: int, group: GroupSpec) -> Cl
   it once."""
   module = features_module(group)
   gen = feature_generator(cfg, num_classes, group)
-  step = generator_step(gen, ddpm_lr_scale(cfg), lambda x, broadcast: extractor_features(module, broadcast['fe'], x))
+  step = generator_step(gen, ddpm_lr_scale(cfg), lambda x, broadcast: extractor_features(module, broadcast.fe, x))
   return ClientProgram(lambda client, broadcast, key: receive_generator(client, broadcast),
                        (Stage(step, cfg.generator_epochs),), upload_generator, group.training,
                        identity=('gefl_f.knowledge', module, feature_map_shape(group), group.conv,
                                  group.training))
 
 
-def knowledge_broadcast(server: dict, group) -> dict:
+def knowledge_broadcast(server: GeFLFServer, group) -> GeFLFBroadcast:
   """F, the generator and its round count."""
-  return {'fe': server['fe'], **generator_broadcast(server, group)}
+  return GeFLFBroadcast(server.fe, None, server.generator, server.generator_round)
 
 
 # ---------------------------------------------------------------- phase 'target'
@@ -237,37 +266,37 @@ def target_client(cfg: GeFLFConfig, num_classes: int, group: GroupSpec) -> Clien
   def synthetic_step(client, batch: Batch, broadcast, key):
     label_key, sample_key = jax.random.split(key)
     labels = uniform_labels(label_key, group.training.batch_size, num_classes)
-    maps = jax.lax.stop_gradient(gen.sample(broadcast['generator'], labels, sample_key))
+    maps = jax.lax.stop_gradient(gen.sample(broadcast.generator, labels, sample_key))
     return sgd_on_header(client, maps, labels, batch.mask)
 
   def real_step(client, batch: Batch, broadcast, key):
-    return sgd_on_header(client, extractor_features(module, broadcast['fe'], batch.x), batch.y, batch.mask)
+    return sgd_on_header(client, extractor_features(module, broadcast.fe, batch.x), batch.y, batch.mask)
 
   def init(client, broadcast, key):
     client = receive_model(client, broadcast)
     return receive_generator(client, broadcast) if update else client
 
   def final(client, rows, broadcast, key):
-    upload = {'header': split_client(client.params, client.model_state)[1]}
-    return client, ({**upload, 'generator': client.extra['generator']} if update else upload)
+    return client, GeFLFUpload(header=split_client(client.params, client.model_state)[1],
+                               generator=client.extra.generator if update else None)
 
   stages = (Stage(synthetic_step, cfg.synthetic_epochs, generated=True), Stage(real_step, group.training.epochs))
   if update:
-    learn_maps = lambda x, broadcast: extractor_features(module, broadcast['fe'], x)
+    learn_maps = lambda x, broadcast: extractor_features(module, broadcast.fe, x)
     stages += (Stage(generator_step(gen, ddpm_lr_scale(cfg), learn_maps), cfg.generator_epochs),)
   return ClientProgram(init, stages, final, group.training)
 
 
-def target_server(cfg: GeFLFConfig, server: dict, uploads, key: jax.Array) -> tuple[dict, dict]:
+def target_server(cfg: GeFLFConfig, server: GeFLFServer, uploads, key: jax.Array) -> tuple[GeFLFServer, dict]:
   """Each group's header <- the mean of its participants' (`average_headers`); in update mode the generator
   <- the mean over all participants of all groups."""
-  server = {**server, 'headers': average_headers(server, uploads)}
+  server = server._replace(headers=average_headers(server, uploads))
   return (average_generators(server, uploads) if cfg.mode == 'update' else server), {}
 
 
-def target_broadcast(server: dict, group) -> dict:
+def target_broadcast(server: GeFLFServer, group) -> GeFLFBroadcast:
   """F, the group's header, the generator and its round count."""
-  return {**model_broadcast(server, group), **generator_broadcast(server, group)}
+  return model_broadcast(server, group)._replace(generator=server.generator, generator_round=server.generator_round)
 
 
 def evaluation(group: GroupSpec):
@@ -281,11 +310,12 @@ def sent_scalars(cfg: GeFLFConfig, tree: dict) -> dict:
   the engine: clients already hold them, except F's last average, which reaches them once at the start of
   knowledge aggregation (42 scalars at MNIST size with its BatchNorm statistics; not counted)."""
   count = lambda t: sum(leaf_scalars(t).values())
-  out = {'header': count(tree['header'])} if 'header' in tree else {}
-  if 'fe' in tree and 'generator' not in tree:
-    out['extractor'] = count(tree['fe'])
-  if 'generator' in tree and ('header' not in tree or cfg.mode == 'update'):
-    out['generator'] = count(tree['generator'])
+  sent = {k: v for k, v in parts(tree).items() if v is not None}  # a phase's broadcast or upload: what it holds
+  out = {'header': count(sent['header'])} if 'header' in sent else {}
+  if 'fe' in sent and 'generator' not in sent:
+    out['extractor'] = count(sent['fe'])
+  if 'generator' in sent and ('header' not in sent or cfg.mode == 'update'):
+    out['generator'] = count(sent['generator'])
   return out
 
 
