@@ -15,8 +15,8 @@ from fedjax_het.core import Uploads
 from fedjax_het.engine.groups import count_params
 from fedjax_het.errors import ConfigError
 from fedjax_het.methods import FedVTCConfig
-from fedjax_het.methods.fedvtc import (finetune_latents, kl_to_prototype, reconstruction_error, sum_of_class_means,
-                                       vtc_objective, vtc_steps)
+from fedjax_het.methods.fedvtc import (FedVTCServer, VTCUpload, finetune_latents, kl_to_prototype, reconstruction_error,
+                                       sum_of_class_means, vtc_objective, vtc_steps)
 from fedjax_het.models.vtc import VTCDecoder, init_vtc
 from fedjax_het.run.checkpoints import Checkpoints
 from fedjax_het.run.config import ExperimentConfig
@@ -143,9 +143,9 @@ def test_the_f_step_leaves_psi_and_sigma_and_the_psi_step_leaves_f_unchanged(fed
   assert not np.allclose(after_f.params['head']['kernel'], client.params['head']['kernel'])
   after_psi, _ = psi_step(after_f, x, y, protos, eps)
   tree_allclose((after_psi.params, after_psi.model_state), (after_f.params, after_f.model_state), rtol=0, atol=0)
-  assert not np.allclose(after_psi.extra['sigma'], after_f.extra['sigma'])
-  assert not np.allclose(after_psi.extra['psi']['params']['convt0']['kernel'],
-                         after_f.extra['psi']['params']['convt0']['kernel'])
+  assert not np.allclose(after_psi.extra.sigma, after_f.extra.sigma)
+  assert not np.allclose(after_psi.extra.psi['params']['convt0']['kernel'],
+                         after_f.extra.psi['params']['convt0']['kernel'])
 
 
 def test_the_f_step_trains_g_through_the_decoder_and_through_g_of_the_decoded_images(fed):
@@ -159,9 +159,9 @@ def test_the_f_step_trains_g_through_the_decoder_and_through_g_of_the_decoded_im
   step = lambda lam, c: jax.jit(vtc_steps(g.model, decoder, 10, lam, optax.sgd(0.05))[0])(c, x, y, protos, eps)[0]
   extractor = lambda c: np.concatenate([np.ravel(a) for a in jax.tree.leaves(c.params['extractor'])])
   base = extractor(step(0.1, client))
-  psi = client.extra['psi']
+  psi = client.extra.psi
   scaled = {**psi, 'params': jax.tree.map(lambda a: 1.5 * a, psi['params'])}
-  other_psi = extractor(step(0.1, client._replace(extra={**client.extra, 'psi': scaled})))
+  other_psi = extractor(step(0.1, client._replace(extra=client.extra._replace(psi=scaled))))
   no_dm = extractor(step(0.0, client))
   start = extractor(client)
   assert np.abs(other_psi - base).max() > 1e-3 * np.abs(base - start).max()
@@ -174,11 +174,11 @@ def test_mean_reduction_divides_l_rc_by_the_pixels_and_kl_and_l_dm_by_p(fed):
   client, g = _client(fed)
   decoder = VTCDecoder(g.spec.input_shape, 80)
   x, y = g.train.x[0, :16], g.train.y[0, :16]
-  sigma, protos = client.extra['sigma'] * 0.5, jnp.ones((10, 80))
+  sigma, protos = client.extra.sigma * 0.5, jnp.ones((10, 80))
   eps = jax.random.normal(jax.random.PRNGKey(1), (16, 80))
-  args = (client.params, client.model_state, client.extra['psi'], sigma, x, y, protos, eps)
+  args = (client.params, client.model_state, client.extra.psi, sigma, x, y, protos, eps)
   _, z, _ = forward(g.model, client.params, client.model_state, x, True)
-  decoded = decoder.apply(client.extra['psi'], z + sigma * eps, True, mutable=['batch_stats'])[0]
+  decoded = decoder.apply(client.extra.psi, z + sigma * eps, True, mutable=['batch_stats'])[0]
   _, z_dec, _ = forward(g.model, client.params, client.model_state, 2.0 * decoded - 1.0, True)
   z, decoded, z_dec, yv, sig = (np.asarray(a, np.float64) for a in (z, decoded, z_dec, y, sigma))
   per_row = {'rc': ((decoded - (np.asarray(x) + 1) / 2) ** 2).reshape(16, -1).sum(1),
@@ -197,25 +197,24 @@ def test_mean_reduction_divides_l_rc_by_the_pixels_and_kl_and_l_dm_by_p(fed):
 # ------------------------------------------------------------------ the server
 def test_server_averages_prototypes_over_holders_keeps_unheld_classes_and_averages_sigma(fed):
   server = fed.algorithm.init_server(None, fed.spec, [jax.tree.map(lambda a: a[0], s) for s in fed.init().groups])
-  server = {**server, 'protos': server['protos'].at[2].set(7.0), 'present': server['present'].at[2].set(True)}
+  server = server._replace(protos=server.protos.at[2].set(7.0), present=server.present.at[2].set(True))
   protos = jnp.zeros((3, 10, 80)).at[0, 0].set(1.0).at[1, 0].set(3.0).at[1, 1].set(5.0).at[2].set(100.0)
   counts = jnp.zeros((3, 10)).at[0, 0].set(4).at[1, :2].set(2).at[2].set(9)
   sigma = jnp.stack([jnp.full(80, 1.0), jnp.full(80, 3.0), jnp.full(80, 50.0)])
-  uploads = (Uploads({'protos': protos, 'counts': counts, 'sigma': sigma}, jnp.array([True, True, False]),
-                     jnp.ones(3)),)
+  uploads = (Uploads(VTCUpload(protos, counts, sigma), jnp.array([True, True, False]), jnp.ones(3)),)
   new, _ = fed.algorithm.phases[0].server_update(server, RoundUploads(uploads), None)
-  np.testing.assert_allclose(new['protos'][:3, 0], [2.0, 5.0, 7.0])  # holders only; class 2 kept
-  np.testing.assert_array_equal(new['present'][:3], [True, True, True])
-  assert not new['present'][3]
-  np.testing.assert_allclose(new['sigma'], 2.0)  # unweighted over the participants
+  np.testing.assert_allclose(new.protos[:3, 0], [2.0, 5.0, 7.0])  # holders only; class 2 kept
+  np.testing.assert_array_equal(new.present[:3], [True, True, True])
+  assert not new.present[3]
+  np.testing.assert_allclose(new.sigma, 2.0)  # unweighted over the participants
 
 
 def test_the_final_psi_is_the_mean_of_every_clients_psi(fed):
-  server = {'psi': {'w': jnp.zeros(2)}}
+  server = FedVTCServer(None, None, None, {'w': jnp.zeros(2)})
   psi = {'w': jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 9.0]])}
-  uploads = RoundUploads((Uploads({'psi': psi}, jnp.ones(3, bool), jnp.ones(3)),))
+  uploads = RoundUploads((Uploads(VTCUpload(psi=psi), jnp.ones(3, bool), jnp.ones(3)),))
   new, _ = fed.algorithm.phases[1].server_update(server, uploads, None)
-  np.testing.assert_allclose(new['psi']['w'], [3.0, 5.0])
+  np.testing.assert_allclose(new.psi['w'], [3.0, 5.0])
 
 
 def test_generated_latents_have_mean_c_and_sd_sigma_and_the_right_labels():
@@ -249,7 +248,7 @@ def uninterrupted(recorded):
 def test_the_run_has_its_three_phases_and_the_finetune_trains_on_s_times_c_rows(fed, uninterrupted):
   _, history = uninterrupted
   assert fed.total_rounds == 3 and [m['phase'] for m in history] == ['fl', 'vtc_exchange', 'finetune']
-  psi = sum(x.size for x in jax.tree.leaves(fed.init().groups[0].extra['psi'])) // 4  # per client
+  psi = sum(x.size for x in jax.tree.leaves(fed.init().groups[0].extra.psi)) // 4  # per client
   assert history[1]['upload_scalars'] == 4 * psi and history[1]['broadcast_scalars'] == 0
   assert history[2]['upload_scalars'] == 0 and history[2]['local_steps'] == 4 * (8 * 10 // 32) * 2
   assert history[0]['upload_sigma_scalars'] == 2 * 80  # two participants (join ratio 0.5); then all four
@@ -288,10 +287,10 @@ def test_every_round_ablation_keeps_the_servers_decoder_for_fine_tuning():
 def test_a_participant_receives_the_prototypes_of_the_classes_it_holds():
   """Down-link per participant: |Y_k| p (c^y only to holders of y, among the classes with a global prototype),
   plus sigma; the exchange round's broadcast is counted as it is."""
-  from fedjax_het.methods.fedvtc import fedvtc
+  from fedjax_het.methods.fedvtc import VTCMessage, fedvtc
   alg = fedvtc(FedVTCConfig(), 3, 2)
-  broadcast = {'protos': jnp.ones((3, 4)), 'present': jnp.array([True, True, False]), 'sigma': jnp.ones(4)}
-  upload = {'protos': jnp.zeros((3, 4)), 'counts': jnp.array([3.0, 0.0, 5.0]), 'sigma': jnp.ones(4)}
+  broadcast = VTCMessage(jnp.ones((3, 4)), jnp.array([True, True, False]), jnp.ones(4))
+  upload = VTCUpload(jnp.zeros((3, 4)), jnp.array([3.0, 0.0, 5.0]), jnp.ones(4))
   got = {k: int(v) for k, v in alg.phases[0].traffic.received(broadcast, upload).items()}
   assert got == {'prototypes': 4, 'sigma': 4}  # class 0 only: class 1 not held, class 2 has no prototype yet
-  assert alg.phases[0].traffic.received({}, {'psi': 1}) == {}
+  assert alg.phases[0].traffic.received(VTCMessage(), VTCUpload(psi={'w': jnp.ones(1)})) == {}

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 import math
 
 import jax
@@ -159,7 +160,7 @@ def vtc_steps(model, decoder: VTCDecoder, num_classes: int, lamda: float, optimi
   objective = vtc_objective(model, decoder, num_classes, lamda, reduction)
 
   def f_step(client, x, y, protos, eps):
-    psi, sigma = client.extra['psi'], client.extra['sigma']
+    psi, sigma = client.extra.psi, client.extra.sigma
 
     def loss(f_params):
       ce, tc, aux = objective(f_params, client.model_state, psi, sigma, x, y, protos, eps)
@@ -168,17 +169,48 @@ def vtc_steps(model, decoder: VTCDecoder, num_classes: int, lamda: float, optimi
     return client._replace(params=descend(optimizer, client.params, grads), model_state=model_state), value
 
   def psi_step(client, x, y, protos, eps):
-    psi = client.extra['psi']
+    psi = client.extra.psi
 
     def loss(trained):
       _, tc, aux = objective(client.params, client.model_state, {**psi, 'params': trained[0]}, trained[1], x, y,
                              protos, eps)
       return tc, aux
-    (value, (_, psi_stats)), grads = jax.value_and_grad(loss, has_aux=True)((psi['params'], client.extra['sigma']))
-    psi_params, sigma = descend(optimizer, (psi['params'], client.extra['sigma']), grads)
-    extra = {**client.extra, 'psi': {'params': psi_params, 'batch_stats': psi_stats}, 'sigma': sigma}
-    return client._replace(extra=extra), value
+    (value, (_, psi_stats)), grads = jax.value_and_grad(loss, has_aux=True)((psi['params'], client.extra.sigma))
+    psi_params, sigma = descend(optimizer, (psi['params'], client.extra.sigma), grads)
+    return client._replace(extra=VTCClient({'params': psi_params, 'batch_stats': psi_stats}, sigma)), value
   return f_step, psi_step
+
+
+class VTCClient(NamedTuple):
+  """A client's extra state: its decoder psi_k's variables and its SDs sigma_k [p]."""
+  psi: dict
+  sigma: jnp.ndarray
+
+
+class FedVTCServer(NamedTuple):
+  """The server: protos [C, p] and present [C], the global prototypes; sigma [p]; psi, the averaged decoder."""
+  protos: jnp.ndarray
+  present: jnp.ndarray
+  sigma: jnp.ndarray
+  psi: dict
+
+
+class VTCMessage(NamedTuple):
+  """What a group's clients receive (None where a phase does not send it): 'fl', the prototypes, which classes have
+  one and sigma (psi too under --vtc_every_round); 'vtc_exchange', nothing; 'finetune', all four."""
+  protos: Any = None
+  present: Any = None
+  sigma: Any = None
+  psi: Any = None
+
+
+class VTCUpload(NamedTuple):
+  """A client's upload: 'fl', its class prototypes [C, p], counts [C] and sigma_k (psi_k too under
+  --vtc_every_round); 'vtc_exchange', psi_k alone; None where not sent."""
+  protos: Any = None
+  counts: Any = None
+  sigma: Any = None
+  psi: Any = None
 
 
 def decode_latents(decoder: VTCDecoder, psi: dict, protos: jnp.ndarray, sigma: jnp.ndarray, labels: jnp.ndarray,
@@ -208,23 +240,22 @@ def vtc_decoder(group: GroupSpec) -> VTCDecoder:
   return VTCDecoder(tuple(group.input_shape), group.feature_dim, group.conv)
 
 
-def init_client_extra(cfg: FedVTCConfig, group: GroupSpec, key: jax.Array) -> dict:
+def init_client_extra(cfg: FedVTCConfig, group: GroupSpec, key: jax.Array) -> VTCClient:
   """A client's psi_k (the same initialisation on every client) and sigma_k = --vtc_sigma_init."""
-  return {'psi': init_vtc(vtc_decoder(group), group.shared_key('fedvtc_psi')),
-          'sigma': jnp.full(group.feature_dim, cfg.sigma_init, jnp.float32)}
+  return VTCClient(init_vtc(vtc_decoder(group), group.shared_key('fedvtc_psi')),
+                   jnp.full(group.feature_dim, cfg.sigma_init, jnp.float32))
 
 
-def init_server(num_classes: int, key: jax.Array, spec, initial) -> dict:
+def init_server(num_classes: int, key: jax.Array, spec, initial) -> FedVTCServer:
   """Prototypes 0 (no class present yet), and the clients' initial sigma and psi."""
-  return {'protos': jnp.zeros((num_classes, spec.feature_dim)), 'present': jnp.zeros(num_classes, bool),
-          'sigma': initial[0].extra['sigma'], 'psi': initial[0].extra['psi']}
+  return FedVTCServer(jnp.zeros((num_classes, spec.feature_dim)), jnp.zeros(num_classes, bool),
+                      initial[0].extra.sigma, initial[0].extra.psi)
 
 
 # ---------------------------------------------------------------- phase 'fl'
-def fl_broadcast(cfg: FedVTCConfig, server: dict, group) -> dict:
+def fl_broadcast(cfg: FedVTCConfig, server: FedVTCServer, group) -> VTCMessage:
   """The global prototypes, which classes have one, sigma; psi too under --vtc_every_round."""
-  out = {k: server[k] for k in ('protos', 'present', 'sigma')}
-  return {**out, 'psi': server['psi']} if cfg.every_round else out
+  return VTCMessage(server.protos, server.present, server.sigma, server.psi if cfg.every_round else None)
 
 
 def fl_client(cfg: FedVTCConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
@@ -234,52 +265,48 @@ def fl_client(cfg: FedVTCConfig, num_classes: int, group: GroupSpec) -> ClientPr
                                group.training.optimizer(), cfg.loss_reduction)
 
   def init(client, broadcast, key):
-    extra = {**client.extra, 'sigma': broadcast['sigma']}
-    if cfg.every_round:
-      extra['psi'] = broadcast['psi']
-    return client._replace(extra=extra)
+    psi = broadcast.psi if cfg.every_round else client.extra.psi
+    return client._replace(extra=VTCClient(psi, broadcast.sigma))
 
   def step(client, batch: Batch, broadcast, key):
-    args = (batch.x, batch.y, broadcast['protos'], jax.random.normal(key, (batch.x.shape[0], group.feature_dim)))
+    args = (batch.x, batch.y, broadcast.protos, jax.random.normal(key, (batch.x.shape[0], group.feature_dim)))
     client, loss = f_step(client, *args)
     return psi_step(client, *args)[0], loss
 
   def final(client, rows: ClientRows, broadcast, key):
     protos, counts = class_prototypes(rows.reps, rows.y, jnp.arange(rows.y.shape[0]) < rows.num_train,
                                       num_classes)
-    upload = {'protos': protos, 'counts': counts, 'sigma': client.extra['sigma']}
-    return client, ({**upload, 'psi': client.extra['psi']} if cfg.every_round else upload)
+    return client, VTCUpload(protos, counts, client.extra.sigma, client.extra.psi if cfg.every_round else None)
   return ClientProgram(init, single_stage(step, group.training), final, group.training,
                        trained=lambda client: client)
 
 
-def fl_server(cfg: FedVTCConfig, server: dict, uploads, key) -> tuple[dict, dict]:
+def fl_server(cfg: FedVTCConfig, server: FedVTCServer, uploads, key) -> tuple[FedVTCServer, dict]:
   """Each class's prototype averaged over the participants holding it (a class nobody held keeps its value),
   sigma (and psi under --vtc_every_round) over all participants, unweighted."""
   protos, present = uploads.class_mean('protos')
-  new = {'protos': jnp.where(present[:, None], protos, server['protos']), 'present': present | server['present'],
-         'sigma': uploads.mean('sigma', previous=server['sigma']), 'psi': server['psi']}
-  if cfg.every_round:
-    new['psi'] = uploads.mean('psi', previous=server['psi'])
-  return new, {'global_classes': new['present'].sum(), 'sigma_rms': jnp.sqrt(jnp.mean(new['sigma'] ** 2))}
+  new = FedVTCServer(jnp.where(present[:, None], protos, server.protos), present | server.present,
+                     uploads.mean('sigma', previous=server.sigma),
+                     uploads.mean('psi', previous=server.psi) if cfg.every_round else server.psi)
+  return new, {'global_classes': new.present.sum(), 'sigma_rms': jnp.sqrt(jnp.mean(new.sigma ** 2))}
 
 
 # ---------------------------------------------------------------- phase 'vtc_exchange'
 def exchange_client(group: GroupSpec) -> ClientProgram:
   """No training; uploads psi_k."""
   return ClientProgram(lambda client, broadcast, key: client, (),
-                       lambda client, rows, broadcast, key: (client, {'psi': client.extra['psi']}), group.training)
+                       lambda client, rows, broadcast, key: (client, VTCUpload(psi=client.extra.psi)), group.training)
 
 
-def exchange_server(server: dict, uploads, key) -> tuple[dict, dict]:
+def exchange_server(server: FedVTCServer, uploads, key) -> tuple[FedVTCServer, dict]:
   """psi <- the average of every client's psi_k."""
-  return {**server, 'psi': uploads.mean('psi', previous=server['psi'])}, {}
+  return server._replace(psi=uploads.mean('psi', previous=server.psi)), {}
 
 
 # ---------------------------------------------------------------- phase 'finetune'
-def finetune_broadcast(server: dict, group) -> dict:
+def finetune_broadcast(server: FedVTCServer, group) -> VTCMessage:
   """Everything the server holds: prototypes, which classes have one, sigma, the averaged psi."""
-  return {k: server[k] for k in ('protos', 'present', 'sigma', 'psi')}
+  return VTCMessage(*server)
 
 
 def finetune_client(cfg: FedVTCConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
@@ -296,9 +323,9 @@ def finetune_client(cfg: FedVTCConfig, num_classes: int, group: GroupSpec) -> Cl
 
   def step(carry, batch: Batch, broadcast, key):
     client, sample_key = carry
-    latents, labels = finetune_latents(sample_key, batch.index, S, broadcast['protos'], broadcast['sigma'])
-    x = 2.0 * decoder.apply(broadcast['psi'], latents, False) - 1.0
-    weight = broadcast['present'][labels]  # classes without a global prototype get no samples
+    latents, labels = finetune_latents(sample_key, batch.index, S, broadcast.protos, broadcast.sigma)
+    x = 2.0 * decoder.apply(broadcast.psi, latents, False) - 1.0
+    weight = broadcast.present[labels]  # classes without a global prototype get no samples
 
     def loss(f_params):
       logits, _, model_state = forward(group.model, f_params, client.model_state, x, True)
@@ -308,43 +335,43 @@ def finetune_client(cfg: FedVTCConfig, num_classes: int, group: GroupSpec) -> Cl
     return (client._replace(params=descend(optimizer, client.params, grads), model_state=model_state),
             sample_key), value
 
-  return ClientProgram(init, single_stage(step, training), lambda carry, rows, broadcast, key: (carry[0], {}),
+  return ClientProgram(init, single_stage(step, training), lambda carry, rows, broadcast, key: (carry[0], VTCUpload()),
                        training)
 
 
 # ---------------------------------------------------------------- traffic and samples
-def sent_scalars(tree: dict) -> dict:
-  """Scalars of an upload or broadcast: p per class held (prototypes), sigma's p, psi's parameters and statistics."""
+def sent_scalars(tree) -> dict:
+  """Scalars of an upload (`VTCUpload`) or broadcast (`VTCMessage`): p per class held (prototypes), sigma's p,
+  psi's parameters and statistics, where sent."""
   out = {}
-  if 'protos' in tree:
-    held = tree['counts'] > 0 if 'counts' in tree else tree['present']
-    out['prototypes'] = jnp.sum(held) * tree['protos'].shape[-1]
-    out['sigma'] = tree['sigma'].size
-  if 'psi' in tree:
-    out['psi'] = sum(leaf_scalars(tree['psi']).values())
+  if tree.protos is not None:
+    held = tree.counts > 0 if isinstance(tree, VTCUpload) else tree.present
+    out['prototypes'] = jnp.sum(held) * tree.protos.shape[-1]
+    out['sigma'] = tree.sigma.size
+  if tree.psi is not None:
+    out['psi'] = sum(leaf_scalars(tree.psi).values())
   return out
 
 
-def received_scalars(broadcast: dict, upload: dict) -> dict:
+def received_scalars(broadcast: VTCMessage, upload: VTCUpload) -> dict:
   """A participant of the 'fl' phase receives the global prototypes of the classes it holds (|Y_k| p: the paper
   sends c^y only to holders of y), sigma, and psi in the per-round ablation; other phases as broadcast."""
-  if 'protos' not in broadcast or 'counts' not in upload:
+  if broadcast.protos is None or upload.counts is None:
     return sent_scalars(broadcast)
-  out = {'prototypes': jnp.sum((upload['counts'] > 0) & broadcast['present']) * broadcast['protos'].shape[-1],
-         'sigma': broadcast['sigma'].size}
-  if 'psi' in broadcast:
-    out['psi'] = sum(leaf_scalars(broadcast['psi']).values())
+  out = {'prototypes': jnp.sum((upload.counts > 0) & broadcast.present) * broadcast.protos.shape[-1],
+         'sigma': broadcast.sigma.size}
+  if broadcast.psi is not None:
+    out['psi'] = sum(leaf_scalars(broadcast.psi).values())
   return out
 
 
-def decoded_samples(num_classes: int, server: dict, spec, key: jax.Array, n: int) -> jnp.ndarray:
+def decoded_samples(num_classes: int, server: FedVTCServer, spec, key: jax.Array, n: int) -> jnp.ndarray:
   """[C, n, H, W, c]: n images per class decoded by the server's psi (the averaged one after 'vtc_exchange');
   black for classes without a global prototype."""
   labels = jnp.repeat(jnp.arange(num_classes), n)
   eps = jax.random.normal(key, (num_classes * n, spec.feature_dim))
-  images = decode_latents(vtc_decoder(spec.groups[0]), server['psi'], server['protos'], server['sigma'], labels,
-                          eps)
-  images = jnp.where(server['present'][labels][:, None, None, None], images, -1.0)
+  images = decode_latents(vtc_decoder(spec.groups[0]), server.psi, server.protos, server.sigma, labels, eps)
+  images = jnp.where(server.present[labels][:, None, None, None], images, -1.0)
   return images.reshape((num_classes, n) + images.shape[1:])
 
 
@@ -355,7 +382,7 @@ def fedvtc(cfg: FedVTCConfig, num_classes: int, rounds: int) -> Algorithm:
   traffic = Traffic(sent_scalars, sent_scalars, received_scalars)
   fl = Phase('fl', functools.partial(fl_client, cfg, num_classes), functools.partial(fl_server, cfg),
              functools.partial(fl_broadcast, cfg), rounds=rounds, traffic=traffic)
-  exchange = Phase('vtc_exchange', exchange_client, exchange_server, lambda server, group: {}, rounds=1,
+  exchange = Phase('vtc_exchange', exchange_client, exchange_server, lambda server, group: VTCMessage(), rounds=1,
                    join_ratio=1.0, traffic=traffic)
   finetune = Phase('finetune', functools.partial(finetune_client, cfg, num_classes), keep_server,
                    finetune_broadcast, rounds=1, join_ratio=1.0, traffic=traffic)
