@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from fedjax_het.local_training import LocalTraining
 from fedjax_het.uploads import RoundUploads, Uploads, parts, with_parts  # noqa: F401 (part of the API here)
 
+# A method's own records (NamedTuples declared in its module, one field per part; see `parts`): its broadcast, its
+# clients' upload, its server state and a program's carry.
 Broadcast = Any
 Upload = Any
 ServerState = Any

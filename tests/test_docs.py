@@ -105,3 +105,31 @@ def test_nothing_points_outside_the_repository(path):
 def test_user_pages_say_nothing_of_the_build_process(page):
   with open(os.path.join(ROOT, page)) as f:
     assert BUILD_PROCESS.findall(f.read()) == []
+
+
+def documented_records(text: str) -> dict[str, tuple[str, list[str]]]:
+  """design.md's records table: record -> (module under fedjax_het, fields)."""
+  rows = re.findall(r'^\| `(\w+)` \| `([\w.]+)` \| ([\w, ]+) \|$', text, re.M)
+  return {name: (module, [f.strip() for f in fields.split(',')]) for name, module, fields in rows}
+
+
+def record_fields(module: str, name: str) -> list[str]:
+  import dataclasses
+  import importlib
+  record = getattr(importlib.import_module(f'fedjax_het.{module}'), name)
+  if hasattr(record, '_fields'):
+    return list(record._fields)
+  return [f.name for f in dataclasses.fields(record) if not f.name.startswith('_')]
+
+
+def test_design_md_lists_every_records_fields_as_built():
+  with open(os.path.join(ROOT, 'docs', 'design.md')) as f:
+    records = documented_records(f.read())
+  assert {'ClientState', 'ClientProgram', 'Phase', 'Algorithm', 'Uploads', 'LocalTraining', 'Method'} <= set(records)
+  for name, (module, fields) in records.items():
+    assert record_fields(module, name) == fields, f'docs/design.md: the fields of {name}'
+
+
+def test_the_records_check_finds_a_stale_row():
+  stale = documented_records('| `Batch` | `core` | x, y, index |\n')
+  assert record_fields('core', 'Batch') != stale['Batch'][1]

@@ -80,3 +80,25 @@ def test_server_step_hands_the_method_the_rounds_uploads_and_they_cross_jit():
   np.testing.assert_allclose(new['mean'], 5.8)
   doubled = jax.jit(lambda u: jax.tree.map(lambda a: 2 * a, u))(round_uploads())  # a pytree of its groups
   assert isinstance(doubled, RoundUploads) and float(doubled.mean('x')) == 2 * 4.0
+
+
+def test_a_records_fields_are_its_parts_for_traffic_and_reductions():
+  from typing import NamedTuple
+
+  from fedjax_het.core import leaf_scalars
+  from fedjax_het.uploads import parts, with_parts
+
+  class Upload(NamedTuple):
+    protos: jnp.ndarray
+    counts: jnp.ndarray
+
+  up = Upload(jnp.zeros((3, 4)), jnp.ones(3))
+  assert list(parts(up)) == ['protos', 'counts'] and parts({'a': 1}) == {'a': 1}
+  assert list(parts(jnp.ones(2))) == ['all']
+  assert leaf_scalars(up) == {'protos': 12, 'counts': 3} and leaf_scalars(jnp.ones(2)) == {'all': 2}
+  replaced = with_parts(up, {'counts': jnp.zeros(3)})
+  assert isinstance(replaced, Upload) and float(replaced.counts.sum()) == 0.0
+  # a reduction names a record's field as it names a dict's key
+  uploads = RoundUploads((Uploads(Upload(jnp.stack([jnp.ones((3, 4)), 3 * jnp.ones((3, 4))]), jnp.ones((2, 3))),
+                                  jnp.array([True, True]), jnp.ones(2)),))
+  np.testing.assert_allclose(uploads.mean('protos'), 2.0)
