@@ -426,7 +426,7 @@ def test_sample_grid_puts_each_classs_real_images_left_of_its_generated_ones():
 
 
 def test_a_setting_error_names_the_argument_in_the_library_and_the_flag_on_the_command_line():
-  from fedjax_het.run.config import FLAGS_OF_ARGUMENTS, flags_named
+  from fedjax_het.run.config import flags_named, flags_of_arguments
   from fedjax_het.errors import naming_flags
   from fedjax_het.run.experiment import build_federation
   from fedjax_het.local_training import LocalTraining
@@ -438,5 +438,8 @@ def test_a_setting_error_names_the_argument_in_the_library_and_the_flag_on_the_c
   with pytest.raises(ConfigError, match=r'^--join_ratio=0\.0 must be in \(0, 1\]'):  # raised by Federation
     build_federation(dataclasses.replace(CFG, join_ratio=0.0))
   message = naming_flags(ConfigError("ModelConfig.rm='none': widths differ. Fix: ModelConfig.rm='ap' with one "
-                                     "ModelConfig.feature_dim, or LocalTraining.drop_last=False."), FLAGS_OF_ARGUMENTS)
+                                     "ModelConfig.feature_dim, or LocalTraining.drop_last=False."), flags_of_arguments())
   assert str(message) == "--rm='none': widths differ. Fix: --rm='ap' with one --feature_dim, or --nodrop_last."
+  # an argument that one setting sets is named by that setting's flag (its `setting(argument=...)`)
+  assert str(naming_flags(ConfigError('DPConfig.clip=0 and DPConfig.clip_parts=x'), flags_of_arguments())) == \
+      '--dp_clip=0 and --dp_clip_parts=x'

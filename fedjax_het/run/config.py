@@ -19,34 +19,30 @@ from fedjax_het.local_training import LocalTraining
 from fedjax_het.models.conv import CONV_IMPLS
 
 
-# The command-line flag of each library argument a ConfigError may name (`errors.naming_flags`).
-FLAGS_OF_ARGUMENTS = {
-    'LocalTraining.learning_rate': '--local_learning_rate', 'LocalTraining.batch_size': '--batch_size',
-    'LocalTraining.epochs': '--local_epochs', 'LocalTraining.order': '--data_order',
-    'LocalTraining.max_steps': '--local_steps', 'LocalTraining.augment': '--augment',
-    'LocalTraining.drop_last=True': '--drop_last',
-    'LocalTraining.drop_last=False': '--nodrop_last', 'LocalTraining.drop_last': '--drop_last',
-    'ModelConfig.names': '--models', 'ModelConfig.precision': '--precision', 'ModelConfig.*': '',
-    'Dataset.resized(32)': '--image_size=32',
-    'Federation.*': '', 'make_federated_data.num_clients': '--num_clients', 'make_federated_data.*': '',
-    'ExecutionConfig.client_mesh=None': '--num_devices=1', 'ExecutionConfig.client_mesh=': '--num_devices=',
-    'client_mesh.num_devices': '--num_devices',
-    "ExecutionConfig.strategy='vmap'": '--strategy=vmap', 'ExecutionConfig.*': '',
-    'Dataset.matching': '--public_dataset',
-    'DPConfig.mode': '--dp_mode', 'DPConfig.clip_parts': '--dp_clip_parts', 'DPConfig.clip': '--dp_clip',
-    'DPConfig.noise_multiplier': '--dp_noise_multiplier', 'DPConfig.parts': '--dp_parts',
-    'PrivacyBudget.accountant': '--dp_accountant', 'PrivacyBudget.delta': '--dp_delta',
-    'PrivacyBudget.allow_large_delta=True': '--dp_allow_large_delta',
+# How a ConfigError may phrase a setting that no one flag names, and the flag to say instead (`errors.naming_flags`):
+# a value written out, or a whole class whose fields are flags of the same names ('Class.*'). The arguments that
+# one flag sets come from the settings' own metadata (`setting(argument=...)`).
+PHRASINGS_OF_FLAGS = {
+    'LocalTraining.drop_last=True': '--drop_last', 'LocalTraining.drop_last=False': '--nodrop_last',
+    'ModelConfig.*': '', 'Dataset.resized(32)': '--image_size=32', 'Federation.*': '',
+    'make_federated_data.*': '', 'ExecutionConfig.client_mesh=None': '--num_devices=1',
+    'ExecutionConfig.client_mesh=': '--num_devices=', "ExecutionConfig.strategy='vmap'": '--strategy=vmap',
+    'ExecutionConfig.*': '', 'PrivacyBudget.allow_large_delta=True': '--dp_allow_large_delta',
 }
 
 
 def flags_of_arguments() -> dict[str, str]:
-  """`FLAGS_OF_ARGUMENTS` and, for every registered method, each field of its config ('FMLConfig.alpha') with
-  its command-line flag ('--fml_alpha')."""
+  """Library argument -> command-line flag, specific ones first: each setting's argument
+  ('LocalTraining.epochs' -> '--local_epochs', `setting(argument=...)`), each registered method's config field
+  ('FMLConfig.alpha' -> '--fml_alpha'), then `PHRASINGS_OF_FLAGS`."""
   from fedjax_het.run.registry import METHODS, config_flags
   own = {f'{m.config.__name__}.{field}': f'--{flag}' for name, m in METHODS.items()
          for field, flag in config_flags(name).items()}
-  return {**own, **FLAGS_OF_ARGUMENTS}
+  settings = {f.metadata['argument']: f'--{f.name}' for f in dataclasses.fields(ExperimentConfig)
+              if f.metadata.get('argument')}
+  phrased = dict(PHRASINGS_OF_FLAGS)
+  ordered = {k: phrased.pop(k) for k in list(phrased) if '=' in k}  # a value written out before its bare name
+  return {**own, **ordered, **settings, **phrased}
 
 
 # The groups of the run's settings, in the order --help lists them.
@@ -54,13 +50,15 @@ SETTING_GROUPS = ('data', 'models', 'training', 'method', 'execution', 'differen
 
 
 def setting(default: Any, group: str, help: str, *, choices: Optional[Sequence[str]] = None,
-            resumable: bool = False) -> Any:
+            resumable: bool = False, argument: Optional[str] = None) -> Any:
   """A field of `ExperimentConfig`: its default, its group of SETTING_GROUPS, its help text, the values it may
-  take (a --flag of choices) and whether a resumed run may change it (`resumable_settings`: it changes no number
-  of a completed round). Its command-line flag has the field's name (`fedjax_het.run.cli`)."""
+  take (a --flag of choices), whether a resumed run may change it (`resumable_settings`: it changes no number
+  of a completed round) and the library argument it sets ('LocalTraining.epochs'), which a library error names
+  and the command line calls by the flag (`flags_of_arguments`). Its command-line flag has the field's name
+  (`fedjax_het.run.cli`)."""
   assert group in SETTING_GROUPS, group
   metadata = {'group': group, 'help': help, 'choices': None if choices is None else tuple(choices),
-              'resumable': resumable}
+              'resumable': resumable, 'argument': argument}
   return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -96,7 +94,7 @@ class ExperimentConfig:
   public_dataset: str = setting('', 'data',
       "Another dataset as the public one (a --dataset name; GeFL's FedDF: svhn_cropped for MNIST, cifar10 for FMNIST,"
       " cifar100 for CIFAR-10), resized and its channels matched to the clients' images. Empty: held out of --dataset"
-      ' (--public_size).')
+      ' (--public_size).', argument='Dataset.matching')
   server_validation_size: int = setting(0, 'data',
       "Labelled training rows held out of every client's data for the server's validation (FedDF's early stopping, "
       "its code's val_data_ratio split: 10 % of the training rows); 0: none.")
@@ -106,7 +104,7 @@ class ExperimentConfig:
   train_fraction: Optional[float] = setting(None, 'data',
       "Share of each client's samples used for training, the rest its local test split (default: 0.75 pooled, 1.0 "
       'global; below 1 with global, both test sets are scored).')
-  num_clients: int = setting(10, 'data', 'Number of clients K.')
+  num_clients: int = setting(10, 'data', 'Number of clients K.', argument='make_federated_data.num_clients')
   join_ratio: float = setting(1.0, 'data', 'Fraction of clients that train each round.')
   full_participation_rounds: int = setting(0, 'data',
       "The run's last N rounds train every client whatever --join_ratio (FedVTC gives its baselines 5 such extra "
@@ -115,28 +113,31 @@ class ExperimentConfig:
       "fixed: --join_ratio of the clients each round, drawn without replacement (the papers' protocol); poisson: each"
       " client joins each round with probability --join_ratio, independently (the DP literature's draw; "
       'docs/privacy.md).', choices=('fixed', 'poisson'))
-  models: tuple[str, ...] = setting(('cnn4',), 'models', 'Architectures; client k gets models[k % len(models)].')
+  models: tuple[str, ...] = setting(('cnn4',), 'models', 'Architectures; client k gets models[k % len(models)].',
+      argument='ModelConfig.names')
   feature_dim: int = setting(512, 'models', 'Representation width d after RM.')
   rm: str = setting('ap', 'models',
       "Representation mapping to width d (none: the extractor's own features, the head straight on them, as GeFL's "
       'CNNs; --feature_dim unused).', choices=('ap', 'mp', 'fc', 'none'))
   rounds: int = setting(100, 'training', 'Communication rounds.', resumable=True)
-  local_epochs: int = setting(1, 'training', 'Local epochs per round.')
+  local_epochs: int = setting(1, 'training', 'Local epochs per round.', argument='LocalTraining.epochs')
   local_steps: int = setting(0, 'training',
       "At most this many local steps per round (per stage), the first of the epochs' schedule; 0: every step (Felo's "
-      'code: 10).')
-  batch_size: int = setting(32, 'training', 'Local batch size.')
-  local_learning_rate: float = setting(0.06, 'training', 'Local SGD learning rate.')
+      'code: 10).', argument='LocalTraining.max_steps')
+  batch_size: int = setting(32, 'training', 'Local batch size.', argument='LocalTraining.batch_size')
+  local_learning_rate: float = setting(0.06, 'training',
+      'Local SGD learning rate.', argument='LocalTraining.learning_rate')
   data_order: str = setting('stored', 'training',
       "Order of local batches: stored (HtFLlib: each client's rows in stored order every epoch, the last n mod B "
-      'never used) or shuffle (PFLlib: reshuffled every epoch).', choices=('stored', 'shuffle'))
+      'never used) or shuffle (PFLlib: reshuffled every epoch).', choices=('stored', 'shuffle'),
+      argument='LocalTraining.order')
   drop_last: bool = setting(True, 'training',
       "An epoch drops the last partial batch (HtFLlib's loader: FedRE and its baselines); --nodrop_last trains on it "
-      "(PyTorch's default loader: GeFL's code).")
+      "(PyTorch's default loader: GeFL's code).", argument='LocalTraining.drop_last')
   augment: str = setting('none', 'training',
       'Augmentation of every local batch, on device: none, crop_flip (random crop with padding 4 and horizontal flip,'
       " as the CIFAR references' loaders) or crop_flip_cutout (then Cutout(16), as FedGKT's loader).",
-      choices=AUGMENTATIONS)
+      choices=AUGMENTATIONS, argument='LocalTraining.augment')
   init: str = setting('torch', 'training',
       "Initialisation of Conv/Dense layers: torch (PyTorch's default U(+-1/sqrt(fan_in)), as HtFLlib) or flax (Flax's"
       ' defaults).', choices=('torch', 'flax'))
@@ -145,7 +146,8 @@ class ExperimentConfig:
       'own.')
   precision: str = setting('float32', 'training',
       'Compute type of the classifiers: float32, or bfloat16 from float32 parameters (the master copy the optimizer '
-      'updates; uploads stay float32). Changes the numbers; off by default.', choices=('float32', 'bfloat16'))
+      'updates; uploads stay float32). Changes the numbers; off by default.', choices=('float32', 'bfloat16'),
+      argument='ModelConfig.precision')
   # Every registered method's hyperparameters by name (its config dataclass, `fedjax_het.run.registry`); methods left
   # out take their defaults, e.g. methods={'fedproto': FedProtoConfig(lamda=5.0)}. Their flags come from the
   # dataclasses' fields (`core.hyperparameter`).
@@ -164,7 +166,7 @@ class ExperimentConfig:
       "vmap strategy: local SGD steps per iteration of a chunk's loop over its busiest client's steps.", resumable=True)
   num_devices: int = setting(0, 'execution',
       "vmap strategy: shard each group's clients over this many devices (0: all devices; 1: no sharding).",
-      resumable=True)
+      resumable=True, argument='client_mesh.num_devices')
   client_threads: Optional[int] = setting(None, 'execution',
       'sequential strategy: clients updated at once, one host thread each (default: 2, at most the core count).',
       resumable=True)
@@ -189,22 +191,23 @@ class ExperimentConfig:
   dp_mode: str = setting('off', 'differential privacy',
       'Client-level DP of every upload: central (a trusted server adds noise once to each sum of clipped '
       'contributions, or to each upload where its server reads them one by one) or local (each client noises its own '
-      'upload).', choices=('off', 'central', 'local'))
+      'upload).', choices=('off', 'central', 'local'), argument='DPConfig.mode')
   dp_clip: float = setting(1.0, 'differential privacy',
-      "DP: the L2 bound C of a client's contribution (its upload, or model delta).")
+      "DP: the L2 bound C of a client's contribution (its upload, or model delta).", argument='DPConfig.clip')
   dp_noise_multiplier: float = setting(0.0, 'differential privacy',
-      'DP: sigma, noise N(0, sigma^2 C^2); or --dp_target_epsilon.')
+      'DP: sigma, noise N(0, sigma^2 C^2); or --dp_target_epsilon.', argument='DPConfig.noise_multiplier')
   dp_target_epsilon: float = setting(0.0, 'differential privacy',
       'DP: calibrate sigma so the whole run spends this epsilon at --dp_delta (0: use --dp_noise_multiplier).')
   dp_delta: float = setting(1e-05, 'differential privacy',
-      'DP: the delta at which epsilon is reported (below 1 / clients).')
+      'DP: the delta at which epsilon is reported (below 1 / clients).', argument='PrivacyBudget.delta')
   dp_clip_parts: str = setting('whole', 'differential privacy',
       'DP: clip the contribution as one vector, or each private part of the upload to C / sqrt(parts).',
-      choices=('whole', 'each'))
+      choices=('whole', 'each'), argument='DPConfig.clip_parts')
   dp_parts: tuple[str, ...] = setting((), 'differential privacy',
       "DP: public parts of the method's upload to privatise too (every other part is private; e.g. FedRE: label, its "
-      'label encoding).')
-  dp_accountant: str = setting('rdp', 'differential privacy', "DP: dp-accounting's accountant.", choices=('rdp', 'pld'))
+      'label encoding).', argument='DPConfig.parts')
+  dp_accountant: str = setting('rdp', 'differential privacy',
+      "DP: dp-accounting's accountant.", choices=('rdp', 'pld'), argument='PrivacyBudget.accountant')
   dp_allow_large_delta: bool = setting(False, 'differential privacy',
       "DP: report epsilon at a --dp_delta >= 1 / clients (refused otherwise: a mechanism that publishes one client's "
       'data outright meets such a delta).')
