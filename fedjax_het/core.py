@@ -289,10 +289,9 @@ def leaf_scalars(tree: Any) -> dict:
   """Scalars per part (`parts`: a NamedTuple's fields or a dict's keys; else one part 'all', none without
   leaves): the sizes of its leaves."""
   count = lambda t: sum(math.prod(jnp.shape(a)) for a in jax.tree.leaves(t))
-  named = parts(tree)
-  if 'all' in named and named['all'] is tree and not jax.tree.leaves(tree):
-    return {}
-  return {k: count(v) for k, v in named.items()}
+  if isinstance(tree, dict) or hasattr(tree, '_asdict'):
+    return {k: count(v) for k, v in parts(tree).items()}
+  return {'all': count(tree)} if jax.tree.leaves(tree) else {}
 
 
 class Traffic(NamedTuple):

@@ -314,23 +314,22 @@ class ExperimentConfig:
   def _execution_config(self):
     from fedjax_het.engine.execution import ExecutionConfig
     from fedjax_het.engine.sharding import client_mesh
-    with flags_named():
-      if jax.process_count() > 1:  # every process computes its share of each group: the mesh spans them all
-        strategy, mesh = self._distributed_strategy(), client_mesh(0)
-      else:
-        strategy = ExecutionConfig(self.strategy or None, 'xla').resolve().strategy  # conv: not needed to decide it
-        every_device_under_vmap = self.num_devices == 0 and strategy == 'vmap'
-        # a count other than 0 and 1 always goes to client_mesh, which refuses one it cannot give
-        mesh = client_mesh(self.num_devices) if self.num_devices not in (0, 1) or every_device_under_vmap else None
-        strategy = self.strategy or None
-      execution = ExecutionConfig(strategy, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
-                                  self.client_threads, self.eval_batch_size or None, self.onednn_threads,
-                                  self.memory_budget_bytes, self.stream_clients, self.group_threads)
-      resolved = execution.resolve()  # e.g. --conv=onednn where it cannot run: refused now, before any data is read
-      if self.onednn_threads is not None and resolved.conv != 'onednn':
-        logging.warning('--onednn_threads=%d is ignored: it sets the threads of oneDNN\'s convolutions, and this '
-                        'run computes them with --conv=%s.', self.onednn_threads, resolved.conv)
-      return execution
+    if jax.process_count() > 1:  # every process computes its share of each group: the mesh spans them all
+      strategy, mesh = self._distributed_strategy(), client_mesh(0)
+    else:
+      strategy = ExecutionConfig(self.strategy or None, 'xla').resolve().strategy  # conv: not needed to decide it
+      every_device_under_vmap = self.num_devices == 0 and strategy == 'vmap'
+      # a count other than 0 and 1 always goes to client_mesh, which refuses one it cannot give
+      mesh = client_mesh(self.num_devices) if self.num_devices not in (0, 1) or every_device_under_vmap else None
+      strategy = self.strategy or None
+    execution = ExecutionConfig(strategy, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
+                                self.client_threads, self.eval_batch_size or None, self.onednn_threads,
+                                self.memory_budget_bytes, self.stream_clients, self.group_threads)
+    resolved = execution.resolve()  # e.g. --conv=onednn where it cannot run: refused now, before any data is read
+    if self.onednn_threads is not None and resolved.conv != 'onednn':
+      logging.warning('--onednn_threads=%d is ignored: it sets the threads of oneDNN\'s convolutions, and this '
+                      'run computes them with --conv=%s.', self.onednn_threads, resolved.conv)
+    return execution
 
   @property
   def memory_budget_bytes(self) -> Optional[int]:
