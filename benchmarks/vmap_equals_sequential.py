@@ -24,8 +24,9 @@ import numpy as np
 
 from harness import RESULTS, write_results
 
-from fedjax_het.methods import (CCVRConfig, FedGenConfig, FedKDConfig, FedMRLConfig, FedTGPConfig, FedVTCConfig,
-                                FeloConfig, FMLConfig, GeFLConfig, GeFLFConfig, VeloConfig)
+from fedjax_het.methods import (CCVRConfig, FedDFConfig, FedGenConfig, FedGKTConfig, FedKDConfig, FedMDConfig,
+                                FedMRLConfig, FedTGPConfig, FedVTCConfig, FeloConfig, FMLConfig, GeFLConfig, GeFLFConfig,
+                                VeloConfig)
 from fedjax_het.run.config import ExperimentConfig
 from fedjax_het.run.experiment import build_federation
 from fedjax_het.run.registry import METHODS
@@ -60,6 +61,13 @@ SPECIAL = {
     'velo': dict(rounds=4, methods={'velo': VeloConfig(warmup=0.25, feature_store=16, hidden=16, latent=8,
                                                        embedding=8, upload_rows=24, epochs=1, batch_size=8)}),
     'fedhe': dict(rounds=4),
+    'fedmd': dict(public_size=40, methods={'fedmd': FedMDConfig(transfer_public_epochs=1, transfer_private_epochs=1,
+                                                                digest_batch_size=8)}),
+    'feddf': dict(public_size=40, methods={'feddf': FedDFConfig(server_steps=4, server_batch_size=8)}),
+    # HeteroFL's momentum SGD diverges on these images after some 60 local steps, where the executors' float
+    # differences then grow chaotically (equal to 1e-5 at 20 steps): its check stops at 20.
+    'heterofl': dict(models=('heterofl_conv@0.125', 'heterofl_conv@0.0625'), rm='none', local_steps=20),
+    'fedgkt': dict(models=('mlp',), methods={'fedgkt': FedGKTConfig(server_epochs=1, server_blocks=1)}),
 }
 
 
