@@ -81,7 +81,7 @@ def private_parts(upload: Any, declared: UploadPrivacy, dp: DPConfig, where: str
   """The top-level parts of `upload` that are a client's contribution: every part but the method's public ones,
   and the public ones `dp.parts` adds (the whole upload, ('all',), when it is not a dict). A ConfigError for one
   that is not floating point (labels, counts): Gaussian noise cannot protect it."""
-  parts = _as_parts(upload)
+  parts = parts_of(upload)
   names = tuple(k for k, v in parts.items()
                 if (k not in declared.public or k in dp.parts) and jax.tree.leaves(v))
   for k in names:
@@ -93,14 +93,6 @@ def private_parts(upload: Any, declared: UploadPrivacy, dp: DPConfig, where: str
                         f'DPConfig.mode=\'off\' (or, where that part carries no data, declare it public in the '
                         f'method\'s UploadPrivacy).')
   return names
-
-
-def _as_parts(upload: Any) -> dict:
-  return dict(parts_of(upload))
-
-
-def _from_parts(upload: Any, new: dict) -> Any:
-  return with_parts(upload, new)
 
 
 def clip_contribution(contribution: dict, dp: DPConfig) -> dict:
@@ -130,14 +122,14 @@ def privatize_upload(upload: Any, broadcast: Any, declared: UploadPrivacy, dp: D
   names = private_parts(upload, declared, dp, where)
   if not names:
     return upload
-  parts = _as_parts(upload)
+  parts = parts_of(upload)
   reference = declared.reference(broadcast) if declared.reference is not None else {}
   delta = {k: (jax.tree.map(jnp.subtract, parts[k], reference[k]) if k in reference else parts[k]) for k in names}
   delta = clip_contribution(delta, dp)
   if dp.mode == 'local':
     delta = _tree_add(delta, gaussian_noise(delta, key, dp.noise_std))
   sent = {k: (_tree_add(delta[k], reference[k]) if k in reference else delta[k]) for k in names}
-  return _from_parts(upload, sent)
+  return with_parts(upload, sent)
 
 
 def central_noise(uploads: tuple, declared: UploadPrivacy, dp: DPConfig, key: jax.Array, where: str) -> tuple:
@@ -152,7 +144,7 @@ def central_noise(uploads: tuple, declared: UploadPrivacy, dp: DPConfig, key: ja
 
   def holders(u: Uploads) -> dict:
     """[S, ...] per private part: 1 where a participant holds the entry."""
-    parts = _as_parts(u.values)
+    parts = parts_of(u.values)
     held = jax.vmap(declared.holds)(u.values) if declared.holds is not None else {}
     out = {}
     for k in names:
@@ -173,11 +165,11 @@ def central_noise(uploads: tuple, declared: UploadPrivacy, dp: DPConfig, key: ja
     counts = [total] * len(held)
   out = []
   for gi, (u, h, c) in enumerate(zip(uploads, held, counts)):
-    parts = _as_parts(u.values)
+    parts = parts_of(u.values)
     private = {k: parts[k] for k in names}
     noise = gaussian_noise(private, jax.random.fold_in(key, gi), dp.noise_std)
     shares = jax.tree.map(lambda z, hk, ck: z * hk / jnp.sqrt(jnp.maximum(ck, 1.0)), noise, h, c)
-    out.append(u._replace(values=_from_parts(u.values, _tree_add(private, shares))))
+    out.append(u._replace(values=with_parts(u.values, _tree_add(private, shares))))
   return tuple(out)
 
 
@@ -198,7 +190,7 @@ def fixed_denominator(uploads: tuple, reference: dict, names: Sequence[str], dp:
     return jax.tree.map(f, tree)
   out = []
   for gi, u in enumerate(uploads):
-    parts = _as_parts(u.values)
+    parts = parts_of(u.values)
     scaled = {n: around(n, parts[n], lambda x: (drawn / expected) * x) for n in names}
     mask = u.mask
     if gi == 0:
@@ -207,7 +199,7 @@ def fixed_denominator(uploads: tuple, reference: dict, names: Sequence[str], dp:
       alone = {n: shift(n) if n in reference else jax.tree.map(lambda z: z / expected, noise[n]) for n in names}
       scaled = jax.tree.map(lambda a, z: a.at[0].set(jnp.where(nobody, z, a[0])), scaled, alone)
       mask = mask.at[0].set(mask[0] | nobody)
-    out.append(u._replace(values=_from_parts(u.values, scaled), mask=mask, num_train=mask.astype(jnp.float32)))
+    out.append(u._replace(values=with_parts(u.values, scaled), mask=mask, num_train=mask.astype(jnp.float32)))
   return tuple(out)
 
 
