@@ -12,6 +12,7 @@ one-device run.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import math
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -34,6 +35,18 @@ from fedjax_het.engine.sharding import place_replicated, to_host
 from fedjax_het.engine.stores import RowStore
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
+
+
+def secret_key(secret: int, purpose: str) -> jax.Array:
+  """A JAX key (threefry's uint32[2]) for `purpose` (e.g. 'clients, round 3') from a DP run's secret: the first 64
+  bits of BLAKE2b keyed with the whole secret (up to 512 bits; a run's is 128, `run.experiment.dp_secret`) over the
+  purpose. Each key is unpredictable without the whole secret, however many other keys of the run are known, and
+  keys of different purposes or rounds are independent; `jax.random.PRNGKey(secret)` would keep its low 32 bits."""
+  if not 0 <= secret < 2 ** 512:
+    raise ConfigError(f'the DP secret must be a non-negative integer of at most 512 bits, not {secret!r}.')
+  digest = hashlib.blake2b(purpose.encode(), key=secret.to_bytes(64, 'little'), digest_size=8,
+                           person=b'fedjax_het key').digest()
+  return jnp.asarray(np.frombuffer(digest, '<u4'), jnp.uint32)
 
 
 def client_index(groups: Sequence[Group], num_clients: int) -> tuple[list, np.ndarray]:
@@ -87,10 +100,11 @@ class Federation:
   length take the rounds left); join_ratio: the share of clients in each round; full_participation_rounds: the
   run's last rounds in which every client joins; participation: 'fixed' (that share of the clients, drawn without
   replacement) or 'poisson' (each client with that probability; `engine.schedule`); seed: the run's seed. secret:
-  under differential privacy, the
-  root of the round keys in place of the seed (the clients' and the server's randomness, their DP noise included),
-  so that nobody who knows the seed can regenerate the noise; with secret_draw, the participant draw too (what
-  amplification by sampling assumes).
+  under differential privacy, a
+  secret integer (128 bits of the operating system's entropy) from which the round keys are derived in place of the
+  seed (the clients' and the server's randomness, their DP noise included; `secret_key`), so that nobody who knows
+  the seed can regenerate the noise; with secret_draw, the participant draw too (what amplification by sampling
+  assumes).
   """
 
   def __init__(self, algorithm: Algorithm, data: FederatedData, models: ModelConfig | Sequence[str],
@@ -265,9 +279,13 @@ class Federation:
     return phase.with_constants(broadcast, self.constants)
 
   def round_keys(self, round_index: int) -> tuple[jax.Array, jax.Array]:
-    """(clients' key, server's key) of round `round_index` (from `secret` where one is set, else the seed); client
-    k trains with fold_in(clients' key, k)."""
-    root = jax.random.PRNGKey(self.seed if self.secret is None else self.secret)
+    """(clients' key, server's key) of round `round_index`; client k trains with fold_in(clients' key, k). From the
+    seed without a `secret`; with one, each key is `secret_key(secret, purpose)`, a keyed hash of the whole secret,
+    so that no key can be found without all of its bits."""
+    if self.secret is not None:
+      return (secret_key(self.secret, f'clients, round {round_index + 1}'),
+              secret_key(self.secret, f'server, round {round_index + 1}'))
+    root = jax.random.PRNGKey(self.seed)
     key, server_key = jax.random.split(jax.random.fold_in(root, round_index + 1))
     return key, server_key
 

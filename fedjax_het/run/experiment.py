@@ -78,10 +78,10 @@ def dp_secret(cfg: ExperimentConfig, wd: Optional[Workdir] = None, resume: bool 
   if cfg.dp_mode == 'off' or cfg.dp_reproducible_noise:
     return None
   if wd is None:
-    return secrets.randbits(62)
+    return secrets.randbits(SECRET_BITS)
   path = wd.file(DP_SECRET_FILE)
   if wd.writes and not (resume and os.path.exists(path)):
-    write_atomically(path, lambda f: f.write(str(secrets.randbits(62))), mode=0o600)
+    write_atomically(path, lambda f: f.write(str(secrets.randbits(SECRET_BITS))), mode=0o600)
   distributed.barrier('dp secret written')
   with open(path) as f:
     return int(f.read())
@@ -163,6 +163,7 @@ def released_metrics(metrics: dict, budget: 'PrivacyBudget') -> dict:
 
 
 DP_SECRET_FILE = '.dp_secret'
+SECRET_BITS = 128  # of the operating system's entropy; every key is derived from all of them (`federation.secret_key`)
 
 
 class TrainingDiverged(ConfigError):
