@@ -36,3 +36,43 @@ def test_the_noise_depends_on_every_bit_of_a_128_bit_secret(monkeypatch):
   monkeypatch.setattr(experiment.secrets, 'randbits', lambda bits: asked.append(bits) or 7)
   experiment.dp_secret(dataclasses.replace(CFG, dp_mode='local', dp_noise_multiplier=1.0))
   assert asked == [128]
+
+
+# ---------------------------------------------------------------- 4. resuming needs the run's own secret
+def _files(folder) -> dict:
+  """Every file under `folder` (but the lock) and its bytes."""
+  return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob('*'))
+          if p.is_file() and p.name != '.lock'}
+
+
+def test_a_dp_run_whose_secret_is_missing_or_unreadable_is_refused_and_left_untouched(tmp_path):
+  """A resumed DP run whose `.dp_secret` is missing, empty, not a number or a folder stops with one line saying so
+  and what to do, and changes nothing in its workdir (a new secret would draw other noise and participants, and
+  account the rounds that ran from a draw that never happened); with the secret back it resumes."""
+  from fedjax_het.errors import ConfigError
+  cfg = dataclasses.replace(CFG, rounds=2, dp_mode='central', dp_noise_multiplier=1.0)
+  experiment.train_and_evaluate(cfg, str(tmp_path), progress=False)
+  secret = tmp_path / '.dp_secret'
+  original = secret.read_text()
+  assert len(original) > 30  # 128 bits in decimal
+
+  def refused(match):
+    before = _files(tmp_path)
+    with pytest.raises(ConfigError, match=match) as e:
+      experiment.train_and_evaluate(dataclasses.replace(cfg, rounds=3), str(tmp_path), resume=True, progress=False)
+    assert '\n' not in str(e.value) and 'Fix: put back' in str(e.value), str(e.value)
+    assert _files(tmp_path) == before
+  secret.unlink()
+  refused(r"^--resume: this DP run's secret .*\.dp_secret is missing")
+  secret.write_text('')
+  refused(r'\.dp_secret is empty')
+  secret.write_text('not a number\n')
+  refused(r'\.dp_secret holds no secret')
+  secret.unlink()
+  secret.mkdir()
+  refused(r'\.dp_secret cannot be read \(Is a directory\)')
+  secret.rmdir()
+  secret.write_text(original)
+  summary = experiment.train_and_evaluate(dataclasses.replace(cfg, rounds=3), str(tmp_path), resume=True,
+                                          progress=False)
+  assert summary['rounds'] == 3 and secret.read_text() == original

@@ -80,11 +80,41 @@ def dp_secret(cfg: ExperimentConfig, wd: Optional[Workdir] = None, resume: bool 
   if wd is None:
     return secrets.randbits(SECRET_BITS)
   path = wd.file(DP_SECRET_FILE)
-  if wd.writes and not (resume and os.path.exists(path)):
-    write_atomically(path, lambda f: f.write(str(secrets.randbits(SECRET_BITS))), mode=0o600)
+  if resume and not os.path.lexists(path):  # never a new one: the rounds that ran drew from the lost one
+    if not wd.has_checkpoints():
+      raise ConfigError(_no_checkpoint_message(wd))
+    raise ConfigError(f'--resume: this DP run\'s secret {path} is missing. The noise and the participant draws of its '
+                      f'rounds come from it, and the accounting of the rounds that ran reads their draw from it, so '
+                      f'the run cannot go on with another (nothing was changed). Fix: put back the {DP_SECRET_FILE} '
+                      f'file of this run, or start the run again in a new --workdir.')
+  if wd.writes and not resume:
+    try:
+      write_atomically(path, lambda f: f.write(str(secrets.randbits(SECRET_BITS))), mode=0o600)
+    except OSError as e:
+      raise ConfigError(f'--workdir: the DP secret could not be written to {path} ({e.strerror or e}). Fix: remove '
+                        f'what is at that path, or use a new --workdir.') from None
   distributed.barrier('dp secret written')
-  with open(path) as f:
-    return int(f.read())
+  return read_dp_secret(path)
+
+
+def read_dp_secret(path: str) -> int:
+  """The secret in a run's `.dp_secret` file, or a ConfigError saying why it cannot be read (a folder, no
+  permission, empty, not a non-negative integer)."""
+  fix = (f'Fix: put back the {DP_SECRET_FILE} file of this run (a non-negative integer, readable by its owner), '
+         f'or start the run again in a new --workdir.')
+  try:
+    with open(path) as f:
+      text = f.read(4096).strip()
+  except OSError as e:
+    raise ConfigError(f'this DP run\'s secret {path} cannot be read ({e.strerror or e}). {fix}') from None
+  except UnicodeDecodeError:
+    text = '\ufffd'
+  if not text:
+    raise ConfigError(f'this DP run\'s secret {path} is empty. {fix}')
+  if not (text.isascii() and text.isdigit()) or int(text) >= 2 ** 512:
+    raise ConfigError(f'this DP run\'s secret {path} holds no secret (not a non-negative integer of at most '
+                      f'512 bits). {fix}')
+  return int(text)
 
 
 def _build(cfg: ExperimentConfig, secret: Optional[int] = None) -> tuple[Federation, Run, Optional['PrivacyBudget']]:
