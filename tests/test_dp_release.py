@@ -2,6 +2,7 @@
 `.dp_secret` on resume, and rows, logs and Flower messages that carry nothing the accounting assumes hidden."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -10,8 +11,8 @@ import pytest
 from fedjax_het.privacy.dp import gaussian_noise
 from fedjax_het.run import experiment
 
-from golden import make_golden_federation
-from runs import CFG
+from golden import TINY, make_golden_federation
+from runs import CFG, metric_rows
 
 
 # ---------------------------------------------------------------- 1. the secret behind the noise
@@ -76,3 +77,35 @@ def test_a_dp_run_whose_secret_is_missing_or_unreadable_is_refused_and_left_unto
   summary = experiment.train_and_evaluate(dataclasses.replace(cfg, rounds=3), str(tmp_path), resume=True,
                                           progress=False)
   assert summary['rounds'] == 3 and secret.read_text() == original
+
+
+# ---------------------------------------------------------------- 3, 5. rows that keep the draw secret
+def test_where_the_accounting_counts_on_a_secret_draw_no_per_client_accuracy_is_released(tmp_path):
+  """Central FML, half the clients a round, amplified by the draw: a client's accuracy moves only where its own
+  model trained, so per-client accuracies would name the drawn clients. The rows carry the aggregates alone, and
+  summary.json's dp block says so; a method whose accounting takes the draw as public keeps them."""
+  cfg = dataclasses.replace(CFG, algorithm='fml', rounds=2, dp_mode='central', dp_noise_multiplier=1.0,
+                            methods={'fml': TINY['methods']['fml']})
+  summary = experiment.train_and_evaluate(cfg, str(tmp_path / 'fml'), progress=False)
+  rows = metric_rows(tmp_path / 'fml')
+  assert summary['dp']['amplified_by_sampling'] and [r['round'] for r in rows] == [1, 2]
+  assert all('accuracy' in r and 'client_accuracy_mean' in r and 'client_accuracy' not in r for r in rows)
+  assert summary['dp']['evaluation'].startswith('aggregates over every client only')
+  assert 'client_accuracy' in summary['dp']['withheld']
+  public = dataclasses.replace(cfg, algorithm='fedavg', rounds=1)
+  summary = experiment.train_and_evaluate(public, str(tmp_path / 'fedavg'), progress=False)
+  assert not summary['dp']['amplified_by_sampling'] and 'client_accuracy' in metric_rows(tmp_path / 'fedavg')[-1]
+
+
+def test_under_dp_no_per_round_timing_is_released_in_rows_or_tensorboard(tmp_path):
+  """An amplified Poisson run (LG-FedAvg, q = 0.3: some rounds draw nobody and take a fraction of the time of the
+  others): no row and no TensorBoard scalar holds a round's timing; summary.json keeps the run's total."""
+  from test_experiment import tensorboard_scalars
+  cfg = dataclasses.replace(CFG, algorithm='lg_fedavg', participation='poisson', join_ratio=0.3, rounds=4,
+                            dp_mode='central', dp_noise_multiplier=2.0, dp_reproducible_noise=True)
+  summary = experiment.train_and_evaluate(cfg, str(tmp_path), progress=False, tensorboard=True)
+  with open(tmp_path / 'metrics.jsonl') as f:
+    rows = [json.loads(line) for line in f]
+  assert len(rows) == 4 and not [k for r in rows for k in r if k.endswith('_seconds')]
+  assert not [tag for tag, _ in tensorboard_scalars(tmp_path / 'tensorboard') if tag.endswith('_seconds')]
+  assert summary['seconds'] > 0 and 'per-round timings withheld' in summary['dp']['timings']

@@ -26,6 +26,7 @@ from fedjax_het.data.federated import FederatedData, make_federated_data
 from fedjax_het.engine.federation import Federation
 from fedjax_het.engine.schedule import Schedule
 from fedjax_het.errors import ConfigError
+from fedjax_het.robust import robust_aggregation
 from fedjax_het.run import distributed
 from fedjax_het.run.checkpoints import Checkpoints
 from fedjax_het.run.config import ExperimentConfig, flags_named, resumable_settings, run_settings
@@ -140,6 +141,8 @@ def _build(cfg: ExperimentConfig, secret: Optional[int] = None) -> tuple[Federat
                                public_size=cfg.public_size, public_dataset=public,
                                validation_size=cfg.server_validation_size)
   algorithm, run = _make_algorithm(cfg, data)
+  with flags_named():  # the server's robust aggregation (--robust_aggregation), inside the DP layer
+    algorithm = robust_aggregation(algorithm, cfg.robust_config())
   # Under DP the noise, and for amplified rounds the draw, come from a secret (`dp_secret`), not the seed.
   secret = secret if secret is not None else dp_secret(cfg)
   algorithm, budget = private_algorithm(cfg, algorithm, data.num_clients, secret)
@@ -179,17 +182,37 @@ def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: 
 
 
 # Under DP, round metrics computed from the participants' data or telling which clients took part, which no noise
-# covers: not written (the run still stops when the loss is NaN/inf, a one-bit release).
-WITHHELD_UNDER_DP = ('train_loss', 'local_steps', 'local_samples', 'missing_clients', 'rejected_clients')
+# covers: not written (the run still stops when the loss is NaN/inf, a one-bit release). Flower's counts of the nodes
+# that answered an evaluation, and which were left out, likewise.
+WITHHELD_UNDER_DP = ('train_loss', 'local_steps', 'local_samples', 'missing_clients', 'rejected_clients',
+                     'evaluated_clients', 'rejected_scores')
+# Where the accounting counts on a secret draw: each client's own accuracy, which changes where its model trained,
+# so that the clients whose accuracy moved are among those drawn.
+PER_CLIENT_EVALUATION = ('client_accuracy',)
 
 
 def released_metrics(metrics: dict, budget: 'PrivacyBudget') -> dict:
-  """A round's metrics as a DP run writes them: without `WITHHELD_UNDER_DP`, and, where the accounting counts on
-  a Poisson draw staying secret (`PrivacyBudget.hides_count`), without the participant count and what crossed,
-  which tell how many clients were drawn."""
+  """A round's metrics as a DP run writes them (rows, TensorBoard, checkpoints' copies): without
+  `WITHHELD_UNDER_DP` and without per-round timings (`*_seconds`: how long the participants' local work took, a
+  proxy of their data and of how many were drawn; summary.json keeps the run's total); where the accounting counts
+  on the draw staying secret (`PrivacyBudget.sampled`), without `PER_CLIENT_EVALUATION`; and where it counts on a
+  Poisson draw staying secret (`PrivacyBudget.hides_count`), without the participant count and what crossed, which
+  tell how many clients were drawn."""
   counts = lambda k: k == 'participants' or k.startswith(('upload_', 'broadcast_'))
   return {k: v for k, v in metrics.items()
-          if k not in WITHHELD_UNDER_DP and not (budget.hides_count and counts(k))}
+          if k not in WITHHELD_UNDER_DP and not k.endswith('_seconds')
+          and not (budget.sampled and k in PER_CLIENT_EVALUATION) and not (budget.hides_count and counts(k))}
+
+
+def release_policy(budget: 'PrivacyBudget') -> dict:
+  """What the rows of a DP run leave out (`released_metrics`), for summary.json's dp block."""
+  return {'evaluation': ('aggregates over every client only (accuracy, client_accuracy_mean, client_accuracy_std): '
+                         'per-client accuracies are withheld, since the accounting counts on the draw staying secret '
+                         'and a client\'s accuracy moves where its model trained' if budget.sampled else
+                         'per client and aggregated (the accounting takes the draw as public)'),
+          'timings': 'the run\'s total only (summary seconds); per-round timings withheld',
+          'withheld': sorted(set(WITHHELD_UNDER_DP) | (set(PER_CLIENT_EVALUATION) if budget.sampled else set()))
+                      + (['participants', 'upload_*', 'broadcast_*'] if budget.hides_count else [])}
 
 
 DP_SECRET_FILE = '.dp_secret'
@@ -461,13 +484,15 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
   ends."""
   total = fed.total_rounds
   start_round = int(state.round)
-  start = time.perf_counter() - (rows[-1]['elapsed_seconds'] if rows else 0.0)
+  start = time.perf_counter() - (rows[-1].get('elapsed_seconds', 0.0) if rows else 0.0)
   saved_round = checkpoints.latest_round() if checkpoints is not None else None
   idle = fed.clients_without_steps
   bar = sampler = None
   if progress:
     from tqdm.auto import tqdm
-    bar = tqdm(total=total, initial=start_round, desc=f'{cfg.algorithm}', unit='round')
+    bar = tqdm(total=total, initial=start_round, desc=f'{cfg.algorithm}', unit='round',
+               # under DP no per-round timing in what the run prints either (`released_metrics`)
+               bar_format=None if budget is None else '{desc}: {n_fmt}/{total_fmt} rounds{postfix}')
   try:
     for r in range(start_round, total):
       if startup is not None:
@@ -476,9 +501,6 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
       if startup is not None:
         startup.after_round()
       loss = metrics.get('train_loss', 0.0)  # none in a round that drew nobody
-      if budget is not None:
-        metrics = released_metrics(metrics, budget)
-        metrics.update(budget.metrics(r + 1))
       if fed.evaluates_after(r, cfg.eval_every):
         t0 = time.perf_counter()
         metrics.update(fed.evaluate(state))
@@ -490,6 +512,9 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
             plot_samples(samples, real_examples(fed.data.dataset, SAMPLES_PER_CLASS), wd.file('samples.png'),
                          f'{cfg.algorithm} on {cfg.dataset}, round {r + 1}')
       metrics['elapsed_seconds'] = time.perf_counter() - start
+      if budget is not None:
+        metrics = released_metrics(metrics, budget)
+        metrics.update(budget.metrics(r + 1))
       rows.append(metrics)
       wd.append_metrics(metrics)
       if scalars is not None:
@@ -605,7 +630,8 @@ def _finish(cfg: ExperimentConfig, wd: Workdir, rows: list[dict], start: float, 
   """Writes summary.json and accuracy.png for the rounds done so far (`diverged_round`: the round whose loss became
   NaN/inf, which ended the run); returns the summary. A failure to write (a full disk) is logged, never allowed to
   hide the error that ended the run."""
-  summary = summarize(cfg, rows, time.perf_counter() - start, budget.describe() if budget is not None else None)
+  summary = summarize(cfg, rows, time.perf_counter() - start,
+                      {**budget.describe(), **release_policy(budget)} if budget is not None else None)
   summary['clients_without_local_steps'] = idle
   summary['finished'] = bool(rows) and rows[-1]['round'] == total
   summary['diverged_round'] = diverged_round
