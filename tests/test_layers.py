@@ -12,7 +12,7 @@ FLOORS = (
     ('fedjax_het', 'fedjax_het.errors', 'fedjax_het.rows'),
     ('fedjax_het.data', 'fedjax_het.kernels'),
     ('fedjax_het.models',),
-    ('fedjax_het.local_training', 'fedjax_het.optim', 'fedjax_het.uploads', 'fedjax_het.core'),
+    ('fedjax_het.local_training', 'fedjax_het.optim', 'fedjax_het.uploads', 'fedjax_het.core', 'fedjax_het.robust'),
     ('fedjax_het.generators',),
     ('fedjax_het.engine',),
     ('fedjax_het.methods',),

@@ -17,6 +17,7 @@ from fedjax_het.engine.executors import STRATEGIES
 from fedjax_het.errors import ConfigError, naming_flags
 from fedjax_het.local_training import LocalTraining
 from fedjax_het.models.conv import CONV_IMPLS
+from fedjax_het.robust import MODES as ROBUST_MODES
 
 
 # How a ConfigError may phrase a setting that no one flag names, and the flag to say instead (`errors.naming_flags`):
@@ -148,6 +149,20 @@ class ExperimentConfig:
       'Compute type of the classifiers: float32, or bfloat16 from float32 parameters (the master copy the optimizer '
       'updates; uploads stay float32). Changes the numbers; off by default.', choices=('float32', 'bfloat16'),
       argument='ModelConfig.precision')
+  robust_aggregation: str = setting('none', 'method',
+      "How the server of a method that averages its clients' models (fedavg, fedprox, fedala, lg_fedavg, avgkd, fml, "
+      'fedmrl, fedtype, pfedafm) combines them over the participants of each group (of all groups where it averages '
+      "across them): none (the method's own mean), median (coordinate-wise), trimmed_mean (--robust_trim of them "
+      'dropped at each end of every coordinate) or norm_bound (each update scaled to at most --robust_norm_multiplier '
+      "times the round's median update norm). Refused for other methods and under --dp_mode=central "
+      '(docs/distributed.md).', choices=ROBUST_MODES, argument='RobustConfig.mode')
+  robust_trim: float = setting(0.2, 'method',
+      '--robust_aggregation=trimmed_mean: the share of the participants dropped at each end of every coordinate '
+      "(floor(share x participants) each side; in [0, 0.5); Flower's FedTrimmedAvg: 0.2).",
+      argument='RobustConfig.trim')
+  robust_norm_multiplier: float = setting(2.0, 'method',
+      "--robust_aggregation=norm_bound: an update's L2 norm (its upload minus the model it received) is bounded by "
+      "this times the median of the round's update norms.", argument='RobustConfig.multiplier')
   # Every registered method's hyperparameters by name (its config dataclass, `fedjax_het.run.registry`); methods left
   # out take their defaults, e.g. methods={'fedproto': FedProtoConfig(lamda=5.0)}. Their flags come from the
   # dataclasses' fields (`core.hyperparameter`).
@@ -253,6 +268,13 @@ class ExperimentConfig:
       raise ConfigError(f'--data_fraction={self.data_fraction} must be in (0, 1] and --image_size={self.image_size} '
                         f'>= 0 (0 keeps the dataset\'s size).')
     self.dp_config()  # its own checks, naming the flags
+    self.robust_config()  # its own checks, naming the flags
+    if self.robust_aggregation != 'none' and self.dp_mode == 'central':
+      raise ConfigError(f'--robust_aggregation={self.robust_aggregation} under --dp_mode=central: the trusted '
+                        f'server\'s noise is added once to each sum of the clipped uploads, and a median, a trimmed '
+                        f'mean or a bound relative to the other uploads would cut or rescale it, so the release would '
+                        f'no longer carry the noise its epsilon accounts for. Fix: --dp_mode=local (each node noises '
+                        f'its own upload; robust aggregation is then post-processing), or --robust_aggregation=none.')
     if self.dp_mode == 'off' and (self.dp_noise_multiplier > 0 or self.dp_target_epsilon > 0 or self.dp_parts):
       raise ConfigError('--dp_noise_multiplier, --dp_target_epsilon and --dp_parts act only under DP, and '
                         '--dp_mode=off. Fix: --dp_mode=central or --dp_mode=local (docs/privacy.md), or drop them.')
@@ -297,6 +319,12 @@ class ExperimentConfig:
     with flags_named():
       return DPConfig(self.dp_mode, self.dp_clip, self.dp_noise_multiplier if noise_multiplier is None
                       else noise_multiplier, self.dp_clip_parts, self.dp_parts, fixed_denominator)
+
+  def robust_config(self):
+    """The server's robust aggregation (`fedjax_het.robust.RobustConfig`) of this config."""
+    from fedjax_het.robust import RobustConfig
+    with flags_named():
+      return RobustConfig(self.robust_aggregation, self.robust_trim, self.robust_norm_multiplier)
 
   def model_config(self):
     """The clients' classifiers of this config (`engine.ModelConfig`)."""
