@@ -109,3 +109,70 @@ def test_under_dp_no_per_round_timing_is_released_in_rows_or_tensorboard(tmp_pat
   assert len(rows) == 4 and not [k for r in rows for k in r if k.endswith('_seconds')]
   assert not [tag for tag, _ in tensorboard_scalars(tmp_path / 'tensorboard') if tag.endswith('_seconds')]
   assert summary['seconds'] > 0 and 'per-round timings withheld' in summary['dp']['timings']
+
+
+# ---------------------------------------------------------------- 2, 6. Flower under DP
+@pytest.fixture(scope='module')
+def flower_dp_run(tmp_path_factory):
+  """A local-DP run over Flower messages delivered in process (tests/test_flower.py's grid), 2 of 4 clients a
+  round, the node of a participant of round 2 silent from then on: every message and reply, the server's log lines
+  and log records, the rows and the summary."""
+  import logging
+  from fedjax_het.flower.rounds import FlowerRounds
+  from test_flower import InProcessGrid
+
+  class Recording(InProcessGrid):
+    def send_and_receive(self, messages, timeout=None):
+      replies = super().send_and_receive(messages, timeout)
+      self.seen.extend((m.metadata.message_type, r) for m, r in zip(messages, replies))  # one type per call
+      return replies
+
+  class Records(logging.Handler):
+    def emit(self, record):
+      said.append(record.getMessage())
+  tmp = tmp_path_factory.mktemp('flower_dp')
+  cfg = dataclasses.replace(CFG, rounds=2, dp_mode='local', dp_noise_multiplier=1.0)
+  silent = int(experiment.build_federation(cfg).participants(1)[0])  # local DP: the seed's draw
+  grid = Recording(str(tmp / 'nodes'), 4, silent={silent: 1})
+  grid.seen, lines, said = [], [], []
+  handler, root = Records(logging.INFO), logging.getLogger()
+  level = root.level
+  root.addHandler(handler)
+  root.setLevel(logging.INFO)
+  try:
+    summary = experiment.train_and_evaluate(cfg, str(tmp / 'run'), progress=False, federation=lambda fed: (
+        FlowerRounds(fed, grid, json.dumps(cfg.to_dict()), round_timeout=5, connect_timeout=5, log=lines.append)))
+  finally:
+    root.removeHandler(handler)
+    root.setLevel(level)
+  with open(tmp / 'run' / 'metrics.jsonl') as f:
+    text = f.read()
+  return dict(cfg=cfg, silent=silent, seen=grid.seen, lines=lines, said=said, summary=summary, text=text,
+              rows=[json.loads(line) for line in text.splitlines()])
+
+
+def test_a_flower_dp_run_sends_and_logs_nothing_per_client_beyond_the_noised_uploads(flower_dp_run):
+  """Every TRAIN reply holds the node's upload alone (no loss), no QUERY reply the size of its data, no node is
+  asked for scores (local DP); the server's log lines name no client and count or time nothing; the rows hold no
+  loss, missing client, count of evaluated nodes, accuracy or timing."""
+  from flwr.app import MessageType
+  run = flower_dp_run
+  kinds = [kind for kind, _ in run['seen']]
+  assert kinds.count(MessageType.TRAIN) == 3 and MessageType.EVALUATE not in kinds
+  for kind, reply in run['seen']:
+    if kind == MessageType.TRAIN:
+      assert list(reply.content.keys()) == ['upload']
+    else:
+      assert set(reply.content['node'].keys()) == {'client', 'architecture'}
+  assert run['lines'] == ['round 1/2: trained', 'round 1/2: no evaluation (under local DP the nodes send no scores)',
+                          'round 2/2: trained', 'round 2/2: no evaluation (under local DP the nodes send no scores)']
+  silent = run['silent']
+  assert run['said'] and not [m for m in run['said'] if f'client {silent}' in m or 'did not answer' in m
+                              or 'left out' in m]
+  for row in run['rows']:
+    assert not {'train_loss', 'missing_clients', 'rejected_clients', 'evaluated_clients', 'client_accuracy',
+                'accuracy'} & set(row)
+  assert '_seconds' not in run['text']
+  assert run['summary']['finished'] and run['summary']['final_accuracy'] is None
+  assert run['summary']['dp']['epsilon'] > 0
+

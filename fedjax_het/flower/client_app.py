@@ -94,6 +94,7 @@ def node_of(message: Message, context: Context) -> tuple[Node, int]:
   if (client, run_dir) not in _nodes:
     _nodes[(client, run_dir)] = Node(fed, client, run_dir)
   node = _nodes[(client, run_dir)]
+  node.dp_mode = cfg.dp_mode if budget is not None else 'off'  # what its replies may carry (`train`, `evaluate`)
   if node_config.get('architecture') and node_config['architecture'] != node.architecture:
     raise ConfigError(f'node config architecture={node_config["architecture"]!r}: client {client} of this run has '
                       f'{node.architecture!r} (the flags\' --models, client k taking models[k % len(models)]). Fix: '
@@ -103,27 +104,36 @@ def node_of(message: Message, context: Context) -> tuple[Node, int]:
 
 @app.query()
 def query(message: Message, context: Context) -> Message:
-  """Which client this node holds; forgets the states saved after the round the run starts from."""
+  """Which client this node holds (and, without DP, how many training rows); forgets the states saved after the
+  round the run starts from."""
   node, start_round = node_of(message, context)
   node.states.forget_after(start_round)
-  return Message(RecordDict({'node': ConfigRecord({'client': node.client_id, 'architecture': node.architecture,
-                                                   'num_train': node.num_train})}), reply_to=message)
+  held = {'client': node.client_id, 'architecture': node.architecture}
+  if node.dp_mode == 'off':  # the size of its data: under DP nothing of it leaves the node
+    held['num_train'] = node.num_train
+  return Message(RecordDict({'node': ConfigRecord(held)}), reply_to=message)
 
 
 @app.train()
 def train(message: Message, context: Context) -> Message:
-  """The client's round under the broadcast it received: its upload and its mean local loss."""
+  """The client's round under the broadcast it received: its upload and its mean local loss; under DP its upload
+alone (clipped, and noised in local mode): the loss is a function of its data that no noise covers."""
   node, r = node_of(message, context)
   broadcast = tree_from_record(message.content['broadcast'], node.broadcast_template(r), 'the broadcast')
   upload, loss = node.train(r, broadcast)
+  if node.dp_mode != 'off':
+    return Message(RecordDict({'upload': tree_to_record(upload)}), reply_to=message)
   return Message(RecordDict({'upload': tree_to_record(upload), 'metrics': MetricRecord({'loss': loss})}),
                  reply_to=message)
 
 
 @app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
-  """The client's correct predictions and test rows after the round, under the evaluation's broadcast."""
+  """The client's correct predictions and test rows after the round, under the evaluation's broadcast; under local
+DP nothing (the server, which local DP does not trust, learns nothing of the client beyond its noised uploads)."""
   node, r = node_of(message, context)
+  if node.dp_mode == 'local':
+    return Message(RecordDict({'metrics': MetricRecord({})}), reply_to=message)
   broadcast = tree_from_record(message.content['broadcast'], node.broadcast_template(r), 'the broadcast')
   scores = {}
   for which, (correct, rows) in node.evaluate(r, broadcast).items():

@@ -18,6 +18,11 @@ finite number; an evaluation's test rows those the server's own split gives the 
 predictions integers between 0 and them. A reply that fails is logged with its client and node and left out as
 a missing one would be ('rejected_clients' in the round's metrics): it never reaches the server step or a
 metric, and never ends the run.
+
+Under DP (`--dp_mode`) a node's TRAIN reply holds its upload alone, and under local DP its EVALUATE reply holds
+nothing (the server is not trusted with anything of the client beyond its noised uploads, so such a run writes no
+accuracy); the server's log lines say that a round trained or an evaluation ended, with no client, count, loss or
+timing, and its rows go through the release rule of every DP run (`run.experiment.released_metrics`).
 """
 
 from __future__ import annotations
@@ -50,12 +55,13 @@ class ReplyRejected(ValueError):
 UPLOAD_BOUND = 1e6  # the largest absolute value an upload's array may hold (run config: upload-bound)
 
 
-def check_upload(content: RecordDict, template: Any, bound: float) -> tuple[Any, float]:
+def check_upload(content: RecordDict, template: Any, bound: float, with_loss: bool = True) -> tuple[Any, float]:
   """(upload in `template`'s structure, loss) of a TRAIN reply's content, or ReplyRejected saying what is wrong:
   missing parts, other arrays than the template's (count, shape, dtype), NaN or infinite values or values beyond
-  `bound` in absolute value in a floating-point array, a loss that is not a finite number."""
+  `bound` in absolute value in a floating-point array, a loss that is not a finite number. Without `with_loss` (a DP
+  run, whose nodes send their upload alone) no loss is read, and 0.0 stands for it."""
   try:
-    record, loss = content['upload'], content['metrics']['loss']
+    record, loss = content['upload'], (content['metrics']['loss'] if with_loss else 0.0)
   except (KeyError, TypeError) as e:
     raise ReplyRejected(f'no {e} in the reply') from None
   expected = jax.tree.structure(template).num_leaves
@@ -123,6 +129,9 @@ class FlowerRounds:
     self.round_timeout, self.connect_timeout, self.log = round_timeout, connect_timeout, log
     self.upload_bound, self.registered = upload_bound, registered
     self.nodes: Optional[dict[int, int]] = None  # client id -> node id, asked as the first round starts
+    # Under DP the nodes send their uploads alone, and the server's log lines name no client, count no participant
+    # and time no round (the release rule of the rows, `run.experiment.released_metrics`).
+    self.dp_mode = json.loads(cfg_json).get('dp_mode', 'off')
     self._templates: dict = {}
     self._initial_groups = None
 
@@ -166,8 +175,9 @@ class FlowerRounds:
       if k is None:
         continue
       if reply.has_error():
-        logging.warning('client %d (node %d) replied with an error: %s', k, reply.metadata.src_node_id,
-                        reply.error.reason)
+        if self.dp_mode == 'off':
+          logging.warning('client %d (node %d) replied with an error: %s', k, reply.metadata.src_node_id,
+                          reply.error.reason)
         continue
       out[k] = reply
     return out
@@ -191,6 +201,8 @@ class FlowerRounds:
     participants = fed.participants(r)
     if not len(participants) and not fed.phase(r).runs_without_participants:
       new_state, metrics = fed.empty_round(state, start)
+      if self.log is not None and self.dp_mode != 'off':  # the same line as every other round's
+        self.log(f'round {r + 1}/{fed.total_rounds}: trained')
       return new_state._replace(groups=()), {**metrics, 'missing_clients': [], 'rejected_clients': []}
     broadcasts = [fed.sent(state.server, gi, r) for gi in range(len(fed.groups))]
     replies = self._send(self._messages(participants.tolist(), broadcasts, r, MessageType.TRAIN))
@@ -199,16 +211,21 @@ class FlowerRounds:
       gi = int(fed.group_of[k])
       template = self._upload_template(gi, p, for_client(fed.received(broadcasts[gi], r), 0))
       try:
-        taken[k] = check_upload(reply.content, template, self.upload_bound)
+        taken[k] = check_upload(reply.content, template, self.upload_bound, with_loss=self.dp_mode == 'off')
       except ReplyRejected as e:
-        logging.warning('round %d: the upload of client %d (node %d) is left out: %s.', r + 1, k,
-                        reply.metadata.src_node_id, e)
+        if self.dp_mode == 'off':
+          logging.warning('round %d: the upload of client %d (node %d) is left out: %s.', r + 1, k,
+                          reply.metadata.src_node_id, e)
         rejected.append(k)
     missing = sorted(set(participants.tolist()) - set(taken))
-    if missing:
+    if missing and self.dp_mode == 'off':
       logging.warning('round %d: clients %s did not answer or were left out; the round goes on without them.',
                       r + 1, missing)
     if not taken and len(participants):
+      if self.dp_mode != 'off':
+        raise NodesUnavailable(f'round {r + 1}: no participant answered within {self.round_timeout:g} s with an '
+                               f'upload the server takes. Fix: bring the nodes back (or raise round-timeout), then '
+                               f'run again with resume=true to continue from the last checkpoint.')
       raise NodesUnavailable(f'round {r + 1}: none of the {len(participants)} participants answered within '
                              f'{self.round_timeout:g} s with an upload the server takes ({len(rejected)} left out). '
                              f'Fix: bring the nodes back (or raise round-timeout), then run again with resume=true '
@@ -227,7 +244,9 @@ class FlowerRounds:
       results.append(GroupRound(slot_idx, None, stacked, jnp.asarray(losses, jnp.float32)))
     new_state, metrics = fed.finish_round(state, results, answered, start)
     metrics['missing_clients'], metrics['rejected_clients'] = missing, rejected
-    if self.log is not None:
+    if self.log is not None and self.dp_mode != 'off':
+      self.log(f'round {r + 1}/{fed.total_rounds}: trained')
+    elif self.log is not None:
       self.log(f'round {r + 1}/{fed.total_rounds}: {len(answered)} clients trained in '
                f'{time.perf_counter() - start:.1f} s'
                + (f', train_loss {float(metrics["train_loss"]):.4f}' if 'train_loss' in metrics else '')
@@ -240,6 +259,10 @@ class FlowerRounds:
     fed = self.fed
     start = time.perf_counter()
     r = max(int(state.round) - 1, 0)
+    if self.dp_mode == 'local':  # the nodes send nothing of their data but their noised uploads
+      if self.log is not None:
+        self.log(f'round {r + 1}/{fed.total_rounds}: no evaluation (under local DP the nodes send no scores)')
+      return {}
     self._connect(int(state.round))
     broadcasts = [fed.sent(state.server, gi, r) for gi in range(len(fed.groups))]
     replies = self._send(self._messages(range(fed.num_clients), broadcasts, r, MessageType.EVALUATE))
@@ -258,8 +281,9 @@ class FlowerRounds:
         scores = reply.content['metrics']
         scored[k] = {which: check_scores(scores, which, rows[k], len(names)) for which, rows in expected.items()}
       except (ReplyRejected, KeyError) as e:
-        logging.warning('the evaluation after round %d: the scores of client %d (node %d) are left out: %s.', r + 1,
-                        k, reply.metadata.src_node_id, e)
+        if self.dp_mode == 'off':
+          logging.warning('the evaluation after round %d: the scores of client %d (node %d) are left out: %s.',
+                          r + 1, k, reply.metadata.src_node_id, e)
         rejected.append(k)
     if not scored:
       raise NodesUnavailable(f'the evaluation after round {r + 1}: no node answered within {self.round_timeout:g} s '
@@ -275,7 +299,9 @@ class FlowerRounds:
     out['evaluated_clients'] = len(scored)
     if rejected:
       out['rejected_scores'] = rejected
-    if self.log is not None:
+    if self.log is not None and self.dp_mode != 'off':
+      self.log(f'round {r + 1}/{fed.total_rounds}: evaluated, accuracy {float(out["accuracy"]):.4f}')
+    elif self.log is not None:
       accuracy = f', accuracy {float(out["accuracy"]):.4f}' if 'accuracy' in out else ''
       self.log(f'round {r + 1}/{fed.total_rounds}: {len(scored)} clients evaluated in '
                f'{time.perf_counter() - start:.1f} s{accuracy}')
