@@ -176,3 +176,15 @@ def test_a_flower_dp_run_sends_and_logs_nothing_per_client_beyond_the_noised_upl
   assert run['summary']['finished'] and run['summary']['final_accuracy'] is None
   assert run['summary']['dp']['epsilon'] > 0
 
+
+
+def test_a_resumed_flower_run_accounts_the_draw_that_was_made_not_the_clients_that_answered(flower_dp_run):
+  """Round 2 drew 2 clients and 1 answered: the rows record the draw (`drawn`), so the accounting of a resumed run
+  draws the same clients again for the rounds that ran (a draw of 1 of 4 would be another client set)."""
+  run = flower_dp_run
+  fed, budget = experiment.build_federation_and_budget(run['cfg'])
+  assert [r['participants'] for r in run['rows']] == [2, 1] and [r['drawn'] for r in run['rows']] == [2, 2]
+  resumed = budget.after(run['rows'])
+  assert [resumed.schedule.participants(r).tolist() for r in range(2)] == [fed.participants(r).tolist()
+                                                                            for r in range(2)]
+  assert resumed.epsilon(2) == budget.epsilon(2)

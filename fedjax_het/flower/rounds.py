@@ -3,7 +3,8 @@
 `FlowerRounds` stands in for a `Federation` in `experiment.train_and_evaluate`: it samples the same participants,
 sends each what it reads of its group's broadcast (a TRAIN message), lays the uploads that come back in the
 simulation's slots and hands them to the same `Federation.finish_round` (server step, communication counts,
-metrics); `evaluate` asks every node for its scores (EVALUATE messages) and reduces them as the simulation does.
+metrics; `participants` counts the clients whose upload was taken, `drawn` those the round drew); `evaluate` asks
+every node for its scores (EVALUATE messages) and reduces them as the simulation does.
 With every reply in, its numbers are the simulation's.
 
 A node that does not answer within `round_timeout` seconds (it died, it lost its connection) or answers with an
@@ -203,7 +204,7 @@ class FlowerRounds:
       new_state, metrics = fed.empty_round(state, start)
       if self.log is not None and self.dp_mode != 'off':  # the same line as every other round's
         self.log(f'round {r + 1}/{fed.total_rounds}: trained')
-      return new_state._replace(groups=()), {**metrics, 'missing_clients': [], 'rejected_clients': []}
+      return new_state._replace(groups=()), {**metrics, 'missing_clients': [], 'rejected_clients': [], 'drawn': 0}
     broadcasts = [fed.sent(state.server, gi, r) for gi in range(len(fed.groups))]
     replies = self._send(self._messages(participants.tolist(), broadcasts, r, MessageType.TRAIN))
     taken, rejected = {}, []
@@ -244,6 +245,7 @@ class FlowerRounds:
       results.append(GroupRound(slot_idx, None, stacked, jnp.asarray(losses, jnp.float32)))
     new_state, metrics = fed.finish_round(state, results, answered, start)
     metrics['missing_clients'], metrics['rejected_clients'] = missing, rejected
+    metrics['drawn'] = len(participants)  # what a resumed run's accounting draws again (`PrivacyBudget.after`)
     if self.log is not None and self.dp_mode != 'off':
       self.log(f'round {r + 1}/{fed.total_rounds}: trained')
     elif self.log is not None:

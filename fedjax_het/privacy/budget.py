@@ -216,7 +216,8 @@ class PrivacyBudget:
     if self.schedule.poisson:
       ran = {'rates_ran': tuple(float(r['sampling_rate']) for r in rows)}
     else:
-      ran = {'joined': tuple(int(r['participants']) for r in rows)}
+      # the clients drawn, not those that answered (a Flower row's `drawn`): the draw of n of N is seeded by n
+      ran = {'joined': tuple(int(r.get('drawn', r['participants'])) for r in rows)}
     return dataclasses.replace(self, schedule=dataclasses.replace(self.schedule, **ran))
 
   def describe(self) -> dict:

@@ -198,7 +198,7 @@ def released_metrics(metrics: dict, budget: 'PrivacyBudget') -> dict:
   on the draw staying secret (`PrivacyBudget.sampled`), without `PER_CLIENT_EVALUATION`; and where it counts on a
   Poisson draw staying secret (`PrivacyBudget.hides_count`), without the participant count and what crossed, which
   tell how many clients were drawn."""
-  counts = lambda k: k == 'participants' or k.startswith(('upload_', 'broadcast_'))
+  counts = lambda k: k in ('participants', 'drawn') or k.startswith(('upload_', 'broadcast_'))
   return {k: v for k, v in metrics.items()
           if k not in WITHHELD_UNDER_DP and not k.endswith('_seconds')
           and not (budget.sampled and k in PER_CLIENT_EVALUATION) and not (budget.hides_count and counts(k))}
@@ -212,7 +212,7 @@ def release_policy(budget: 'PrivacyBudget') -> dict:
                          'per client and aggregated (the accounting takes the draw as public)'),
           'timings': 'the run\'s total only (summary seconds); per-round timings withheld',
           'withheld': sorted(set(WITHHELD_UNDER_DP) | (set(PER_CLIENT_EVALUATION) if budget.sampled else set()))
-                      + (['participants', 'upload_*', 'broadcast_*'] if budget.hides_count else [])}
+                      + (['participants', 'drawn', 'upload_*', 'broadcast_*'] if budget.hides_count else [])}
 
 
 DP_SECRET_FILE = '.dp_secret'
