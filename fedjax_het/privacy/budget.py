@@ -176,10 +176,11 @@ class PrivacyBudget:
     return {'counts': np.zeros(self.schedule.num_clients, int), 'most': [0]}
 
   def epsilon(self, rounds: int) -> float:
-    """Epsilon at `delta` after the first `rounds` rounds. For rounds amplified by the draw, the smaller of two valid
-    bounds: the subsampled Gaussian's composition, and the composition over the client that joined most often of
-    the draw as it is (`realised_epsilon`), which is the smaller where clients are few; under Poisson sampling the
-    first alone."""
+    """Epsilon at `delta` after the first `rounds` rounds. For rounds amplified by the draw, the subsampled
+    Gaussian's composition alone: a bound that does not depend on which clients the secret draw took. (The
+    composition over the client that joined most often, `realised_epsilon`, also bounds the run and is sometimes
+    smaller, but choosing it, printing it each round and calibrating on it would release how often the most
+    frequent client was drawn, which the amplification assumes hidden.)"""
     if rounds == 0:
       return 0.0
     if not self.sampled:
@@ -192,8 +193,7 @@ class PrivacyBudget:
                                                                    curve, self.delta)[0])
     else:
       amplified = self._epsilon(self.event(rounds), replace_one=not poisson)
-    # Under Poisson sampling no realised bound: a client added to the federation joins rounds this draw never saw.
-    return amplified if poisson else min(amplified, self.realised_epsilon(rounds))
+    return amplified
 
   def realised_epsilon(self, rounds: int) -> float:
     """Epsilon after the first `rounds` rounds counting nothing for the sampling: the client that joined most often
@@ -268,7 +268,7 @@ def _round_rdp(num_clients: int, draw: float, noise_multiplier: float, poisson: 
 
 def calibrate(budget: PrivacyBudget, target_epsilon: float) -> float:
   """The noise multiplier sigma for which `budget`'s whole run spends `target_epsilon` at its delta: for rounds
-  amplified by the draw, a bisection on the epsilon it reports (the smaller of its two bounds, `epsilon`);
+  amplified by the draw, a bisection on the epsilon it reports (the subsampled Gaussian's, `epsilon`);
   otherwise dp-accounting's `calibrate_dp_mechanism` (a bisection) over its RDP accountant, or, for a run that
   composes only Gaussians under the PLD accountant, its exact `get_sigma_gaussian` for the one Gaussian they
   compose into."""
