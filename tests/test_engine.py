@@ -190,8 +190,9 @@ def test_the_memory_budget_picks_the_widest_chunk_that_fits_and_changes_no_numbe
   again = make_fed(tiny_data, 'vmap', memory_budget=budget, **one_group)
   again.round(again.init())
   assert again.executor.widest == narrow_fed.executor.widest and peaks[2:4] == peaks[4:6]
-  with pytest.raises(ConfigError, match=r"^ExecutionConfig.memory_budget=\d+ bytes: a round of group 'mlp' needs "
-                                        r"\d+ bytes .* Fix: a larger memory_budget"):
+  with pytest.raises(ConfigError, match=r"^ExecutionConfig.memory_budget=[\d.e-]+ GiB \(\d+ bytes\): a round of group "
+                                        r"'mlp' needs [\d.e-]+ GiB \(\d+ bytes\) .* Fix: a larger "
+                                        r"ExecutionConfig.memory_budget"):
     tight = make_fed(tiny_data, 'vmap', memory_budget=peaks[0] // 2, **one_group)
     tight.round(tight.init())
 

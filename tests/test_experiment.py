@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -129,6 +130,46 @@ def test_cli_bad_input_gives_one_clear_error(tmp_path, flags, message):
     cli.run(fv)
   assert message in str(error.value)
   assert 'Config.' not in str(error.value)
+
+
+def cli_error(tmp_path, flags: str) -> str:
+  """The ConfigError message of experiments/fedre.py's flags (digits, one round of mlp) plus `flags`, in process."""
+  from absl import flags as absl_flags
+  from fedjax_het.run import cli
+  fv = absl_flags.FlagValues()
+  cli.define_flags(flag_values=fv)
+  args = ['prog', '--dataset=digits', '--rounds=1', '--models=mlp', f'--workdir={tmp_path}', '--progress=false']
+  with pytest.raises(ConfigError) as error:
+    cli.parse_flags(args + flags.split(), fv)
+    cli.run(fv)
+  return str(error.value)
+
+
+def test_a_memory_budget_that_no_call_fits_is_refused_in_gib_before_anything_compiles(tmp_path, monkeypatch):
+  """nan and inf were tracebacks; 1e-9 GiB (1 byte) was refused only after the first round compiled, as
+  '--memory_budget=1 bytes'. Now a value that is not a finite number of GiB fails as the config is made, and a
+  budget below what every vmapped call of a group holds (its client states and rows) fails before anything
+  compiles, naming --memory_budget_gib in GiB; the executor's own refusal, after XLA's analysis, names it so too."""
+  from fedjax_het.engine.federation import Federation
+  from fedjax_het.errors import naming_flags
+  from fedjax_het.run.config import flags_of_arguments
+  monkeypatch.setattr(Federation, 'init', lambda self: pytest.fail('compiled before the budget was checked'))
+  for value in ('nan', 'inf'):
+    assert re.match(rf'--memory_budget_gib={value} must be a finite number of GiB\. Fix: .*--memory_budget_gib=40',
+                    cli_error(tmp_path, f'--memory_budget_gib={value} --strategy=vmap'))
+  for extra in ('', ' --stream_clients'):
+    message = cli_error(tmp_path, '--memory_budget_gib=1e-9 --strategy=vmap' + extra)
+    assert re.match(r"--memory_budget_gib=1e-09 \(1 bytes\) is less than what every vmapped call of group 'mlp' "
+                    r'holds on the device: .* GiB before any activation\. Fix: a --memory_budget_gib well above ',
+                    message), message
+    assert ('--stream_clients' in message) == (not extra)  # streaming is the way out of a resident population
+  assert os.listdir(tmp_path) == ['.lock']
+  late = ConfigError("ExecutionConfig.memory_budget=0.001 GiB (1073741 bytes): a round of group 'mlp' needs 0.002 GiB "
+                     '(2147483 bytes) on the device with 1 client(s) per call. Fix: a larger '
+                     'ExecutionConfig.memory_budget, or fewer clients or a smaller model in that group.')
+  named = str(naming_flags(late, flags_of_arguments()))
+  assert named.startswith('--memory_budget_gib=0.001 GiB (1073741 bytes): ') and '--memory_budget=' not in named
+  assert 'Fix: a larger --memory_budget_gib,' in named
 
 
 def test_the_entry_point_exits_with_the_error_and_no_traceback(tmp_path):

@@ -236,10 +236,12 @@ class VmapExecutor(Executor):
     fits = narrow + int((self.memory_budget - peaks[0]) // per_client)
     self.analysis[g.spec.index] = {'widths': (narrow, next_up), 'peaks': tuple(peaks), 'per_client': per_client}
     if fits < narrow:
+      gib = lambda b: f'{b / 2**30:.4g} GiB ({b} bytes)'  # the command line names the budget in GiB
       raise ConfigError(
-          f'ExecutionConfig.memory_budget={self.memory_budget} bytes: a round of group {g.arch!r} needs '
-          f'{peaks[0]} bytes on the device with {narrow} client(s) per call (its clients\' states and rows '
-          f'included). Fix: a larger memory_budget, or fewer clients or a smaller model in that group.')
+          f'ExecutionConfig.memory_budget={gib(self.memory_budget)}: a round of group {g.arch!r} needs '
+          f'{gib(peaks[0])} on the device with {narrow} client(s) per call (its clients\' states and rows '
+          f'included). Fix: a larger ExecutionConfig.memory_budget, or fewer clients or a smaller model in that '
+          f'group.')
     return max(w for w in ladder if w <= fits)
 
   def pass_rows(self, width: int) -> int:

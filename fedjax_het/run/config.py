@@ -197,7 +197,8 @@ class ExperimentConfig:
   memory_budget_gib: float = setting(0.0, 'execution',
       "vmap strategy: GiB of device memory a vmapped call may use, the clients' states and rows included; each "
       "group's widest chunk is the widest whose compiled call fits (XLA's memory analysis). 0: 75% of the device's "
-      'memory on a GPU, no bound elsewhere. Ignored with --chunk_size.', resumable=True)
+      'memory on a GPU, no bound elsewhere. Ignored with --chunk_size.', resumable=True,
+      argument='ExecutionConfig.memory_budget')
   stream_clients: bool = setting(False, 'execution',
       "vmap strategy: keep the client states and rows on the host and copy each chunk's to the device for its call "
       "(the next chunk's while it computes): the device then holds one chunk, not the population (same numbers).",
@@ -264,6 +265,10 @@ class ExperimentConfig:
     for name in ('alpha', 'join_ratio', 'imbalance_factor'):
       if not math.isfinite(getattr(self, name)):
         raise ConfigError(f'--{name}={getattr(self, name)} must be a finite number.')
+    if not math.isfinite(self.memory_budget_gib):
+      raise ConfigError(f'--memory_budget_gib={self.memory_budget_gib} must be a finite number of GiB. Fix: the device '
+                        f'memory a vmapped call may use, e.g. --memory_budget_gib=40, or 0 (75% of a GPU\'s memory, '
+                        f'no bound elsewhere).')
     if not 0 < self.data_fraction <= 1 or self.image_size < 0:
       raise ConfigError(f'--data_fraction={self.data_fraction} must be in (0, 1] and --image_size={self.image_size} '
                         f'>= 0 (0 keeps the dataset\'s size).')
@@ -362,7 +367,7 @@ class ExperimentConfig:
   @property
   def memory_budget_bytes(self) -> Optional[int]:
     """--memory_budget_gib in bytes (None: the backend's default)."""
-    return int(self.memory_budget_gib * 2**30) if self.memory_budget_gib else None
+    return max(1, int(self.memory_budget_gib * 2**30)) if self.memory_budget_gib else None
 
   def _distributed_strategy(self) -> str:
     """'vmap', the strategy of a run over several processes; a ConfigError for settings that cannot be one."""

@@ -151,7 +151,35 @@ def _build(cfg: ExperimentConfig, secret: Optional[int] = None) -> tuple[Federat
                      rounds=cfg.rounds, join_ratio=cfg.join_ratio,
                      full_participation_rounds=cfg.full_participation_rounds, seed=cfg.seed, secret=secret,
                      secret_draw=budget is not None and budget.sampled, participation=cfg.participation)
+  check_memory_budget(cfg, fed)
   return fed, run, budget
+
+
+def check_memory_budget(cfg: ExperimentConfig, fed: Federation) -> None:
+  """Refuses a --memory_budget_gib below what every vmapped call of some group holds on the device, known before
+  anything compiles: with the clients resident, the group's client states (each at least its classifier's
+  float32 parameters; a client mesh splits them over its devices) and its training rows; streamed
+  (--stream_clients), one client's parameters. XLA's analysis of the compiled calls then picks the widest chunk
+  that fits (`VmapExecutor.budget_width`)."""
+  execution = fed.execution
+  if not cfg.memory_budget_gib or execution.strategy != 'vmap' or execution.chunk_size:
+    return  # no budget set, or none applies (the sequential strategy, a fixed --chunk_size)
+  budget = cfg.memory_budget_bytes
+  for g in fed.groups:
+    params = 4 * g.num_params
+    if execution.stream_clients:
+      need, what = params, f'one client\'s parameters ({g.num_params:,} float32 scalars)'
+    else:
+      held = -(-g.stacked_size // max(execution.num_devices, 1))
+      need = held * params + g.rows.nbytes()
+      what = (f'its {held} client states on a device (each at least {g.num_params:,} float32 parameters) and its '
+              f'training rows ({g.rows.nbytes():,} bytes)')
+    if need > budget:
+      stream = '' if execution.stream_clients else ', or --stream_clients (only a chunk\'s clients on the device)'
+      raise ConfigError(f'--memory_budget_gib={cfg.memory_budget_gib:g} ({budget:,} bytes) is less than what every '
+                        f'vmapped call of group {g.arch!r} holds on the device: {what}, {need / 2**30:.4g} GiB '
+                        f'before any activation. Fix: a --memory_budget_gib well above {need / 2**30:.4g} (activations '
+                        f'come on top), 0 (75% of a GPU\'s memory, no bound elsewhere){stream}.')
 
 
 def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: int, secret: Optional[int] = None
