@@ -10,12 +10,15 @@ every executor (vmap or sequential) and on resume; a run without augmentation dr
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from fedjax_het.errors import ConfigError
+
 AUGMENTATIONS = ('none', 'crop_flip', 'crop_flip_cutout')
+CROP_PADDING = 4  # the CIFAR references' RandomCrop(32, padding=4)
 CUTOUT_LENGTH = 16  # FedGKT's CIFAR loader: Cutout(16)
 _AUGMENT_STREAM = 0x415547  # folded into a step's key: draws that change no other draw of the step
 
@@ -62,6 +65,34 @@ def random_cutout(x: jnp.ndarray, key: jax.Array, length: int = CUTOUT_LENGTH) -
                 jax.random.randint(k_col, x.shape[:1], 0, x.shape[2]), length)
 
 
+def check_augmentation(kind: str, image_shape: Sequence[int]) -> Optional[str]:
+  """Refuses augmentation `kind` on images of `image_shape` (H, W, ...) where it can leave nothing of an image: a
+  crop whose padding (CROP_PADDING) is not smaller than a side of the image (a window can then lie wholly in the
+  padding), or a Cutout square (CUTOUT_LENGTH) not smaller than the image (a cut can then erase all of it; on 8 x 8
+  images every cut does). A ConfigError naming the size and the fix. Returns a caution where the crop's shift is a
+  quarter of the image's side or more (on such small images training can stay near chance), else None."""
+  if kind == 'none':
+    return None
+  h, w = int(image_shape[0]), int(image_shape[1])
+  resize = 'or images resized to 32 x 32 first (Dataset.resized(32)), the size the CIFAR references augment'
+  if CROP_PADDING >= min(h, w):
+    raise ConfigError(f'LocalTraining.augment={kind!r} on {h}x{w} images: its random crop pads them by {CROP_PADDING} '
+                      f'pixels, not less than the image\'s side, so a crop can hold no pixel of the image. Fix: '
+                      f'LocalTraining.augment=\'none\', {resize}.')
+  half = CUTOUT_LENGTH // 2
+  if kind == 'crop_flip_cutout' and 2 * half >= max(h, w):
+    erased = 'every cut erases the whole image' if half >= max(h, w) else 'a cut can erase the whole image'
+    raise ConfigError(f'LocalTraining.augment={kind!r} on {h}x{w} images: its {CUTOUT_LENGTH}x{CUTOUT_LENGTH} Cutout '
+                      f'square is not smaller than the image, so {erased}. Fix: LocalTraining.augment=\'none\', '
+                      f'{resize}.')
+  if 4 * CROP_PADDING >= min(h, w):
+    return (f'LocalTraining.augment={kind!r} on {h}x{w} images: its crops shift an image by up to {CROP_PADDING} '
+            f'pixels, a quarter of its side or more (the CIFAR references shift 32x32 images by up to an eighth); on '
+            f'such small images training can stay near chance accuracy. Images resized first (Dataset.resized(32)) '
+            f'avoid it.')
+  return None
+
+
 def augment_batch(x: jnp.ndarray, key: jax.Array, kind: str, fill: Sequence[float]) -> jnp.ndarray:
   """A training batch x [B, H, W, C] under augmentation `kind` ('none': as it is; 'crop_flip': `random_crop_flip`
   with padding 4 of `fill`, the value of a black pixel in the run's normalisation; 'crop_flip_cutout': then
@@ -69,5 +100,5 @@ def augment_batch(x: jnp.ndarray, key: jax.Array, kind: str, fill: Sequence[floa
   if kind == 'none':
     return x
   key = jax.random.fold_in(key, _AUGMENT_STREAM)
-  x = random_crop_flip(x, key, 4, fill)
+  x = random_crop_flip(x, key, CROP_PADDING, fill)
   return random_cutout(x, jax.random.fold_in(key, 1)) if kind == 'crop_flip_cutout' else x

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 import jax
 from absl import logging
 
-from fedjax_het.data.augment import AUGMENTATIONS
+from fedjax_het.data.augment import AUGMENTATIONS, check_augmentation
 from fedjax_het.data.datasets import black_pixel
 from fedjax_het.engine.executors import STRATEGIES
 from fedjax_het.errors import ConfigError, naming_flags
@@ -137,7 +137,8 @@ class ExperimentConfig:
       "(PyTorch's default loader: GeFL's code).", argument='LocalTraining.drop_last')
   augment: str = setting('none', 'training',
       'Augmentation of every local batch, on device: none, crop_flip (random crop with padding 4 and horizontal flip,'
-      " as the CIFAR references' loaders) or crop_flip_cutout (then Cutout(16), as FedGKT's loader).",
+      " as the CIFAR references' loaders) or crop_flip_cutout (then Cutout(16), as FedGKT's loader); refused on images "
+      'too small for them (docs/usage.md).',
       choices=AUGMENTATIONS, argument='LocalTraining.augment')
   init: str = setting('torch', 'training',
       "Initialisation of Conv/Dense layers: torch (PyTorch's default U(+-1/sqrt(fan_in)), as HtFLlib) or flax (Flax's"
@@ -272,6 +273,8 @@ class ExperimentConfig:
     if not 0 < self.data_fraction <= 1 or self.image_size < 0:
       raise ConfigError(f'--data_fraction={self.data_fraction} must be in (0, 1] and --image_size={self.image_size} '
                         f'>= 0 (0 keeps the dataset\'s size).')
+    if self.image_size:  # the images' size is the flag's: an augmentation that would erase them fails now
+      self.check_augmentation((self.image_size, self.image_size))
     self.dp_config()  # its own checks, naming the flags
     self.robust_config()  # its own checks, naming the flags
     if self.robust_aggregation != 'none' and self.dp_mode == 'central':
@@ -315,6 +318,14 @@ class ExperimentConfig:
     return LocalTraining(self.local_learning_rate, self.batch_size, self.local_epochs, self.data_order,
                          max_steps=self.local_steps if self.local_steps != 0 else None, drop_last=self.drop_last,
                          augment=self.augment, augment_fill=black_pixel(self.input_normalization))
+
+  def check_augmentation(self, image_shape: Sequence[int]) -> Optional[str]:
+    """--augment on images of `image_shape` (`data.augment.check_augmentation`): a ConfigError naming the flags
+    where it can leave nothing of an image; else a caution in the flags' words where it shifts them by a quarter of
+    their side or more, or None."""
+    with flags_named():
+      caution = check_augmentation(self.augment, image_shape)
+    return None if caution is None else str(naming_flags(ConfigError(caution), flags_of_arguments()))
 
   def dp_config(self, noise_multiplier: Optional[float] = None, fixed_denominator: bool = False):
     """The DP layer's settings (`privacy.dp.DPConfig`), with `noise_multiplier` (a calibrated sigma) in place of

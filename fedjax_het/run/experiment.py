@@ -123,6 +123,9 @@ def _build(cfg: ExperimentConfig, secret: Optional[int] = None) -> tuple[Federat
   dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
   dataset = dataset.subsampled(cfg.data_fraction, cfg.seed).resized(cfg.image_size)
   dataset = dataset.normalized(cfg.input_normalization)
+  caution = cfg.check_augmentation(dataset.image_shape)  # refused here where it would erase the images
+  if caution is not None:
+    logging.warning('%s', caution)
   public = None
   if (cfg.public_size or cfg.public_dataset) and 'public' not in method(cfg.algorithm).reads:
     logging.warning('--public_size / --public_dataset: %s reads no public data; %s', cfg.algorithm,
