@@ -2,9 +2,10 @@
 one chosen point, for the fault-injection test (kill -9 cannot be caught, so only a real process shows what it
 leaves behind).
 
-  python tests/fault_driver.py WORKDIR POINT ROUND [--resume] [--run=NAME]
+  python tests/fault_driver.py WORKDIR POINT ROUND [--resume] [--run=NAME] [--stream]
 
-NAME: one of tests/runs.py's FAULT_RUNS (a multi-phase method) instead of the tiny FedAvg run.
+NAME: one of tests/runs.py's FAULT_RUNS (a multi-phase method) instead of the tiny FedAvg run. --stream: the vmap
+strategy with client states kept on the host (`stream_clients`).
 POINT: 'checkpoint' (inside the checkpoint write of ROUND: its files written, not yet committed), 'metrics' (halfway
 through appending ROUND's line of metrics.jsonl), 'round' (inside ROUND's computation), 'none' (run to the end).
 """
@@ -62,4 +63,7 @@ def main(workdir: str, point: str, round_: int, resume: bool, cfg=CFG) -> None:
 
 if __name__ == '__main__':
   run = [a.split('=', 1)[1] for a in sys.argv if a.startswith('--run=')]
-  main(sys.argv[1], sys.argv[2], int(sys.argv[3]), '--resume' in sys.argv, FAULT_RUNS[run[0]][0] if run else CFG)
+  cfg = FAULT_RUNS[run[0]][0] if run else CFG
+  if '--stream' in sys.argv:
+    cfg = __import__('dataclasses').replace(cfg, strategy='vmap', stream_clients=True)
+  main(sys.argv[1], sys.argv[2], int(sys.argv[3]), '--resume' in sys.argv, cfg)

@@ -108,22 +108,47 @@ def test_resume_falls_back_past_an_unreadable_checkpoint_and_a_torn_metrics_line
                "4489216 bytes to file 19: No space left on device [os_error_code='28']"),  # orbax's tensorstore
 ])
 def test_a_full_disk_during_a_checkpoint_is_one_clear_error_and_keeps_the_summary(tmp_path, monkeypatch, error):
+  """As orbax fails on a full disk: it raises while tensorstore's writes are still in flight, which go on writing
+  into the temporary folder and then call back into orbax's closed event loop ('Event loop is closed', printed as a
+  traceback each by Python's unraisable hook)."""
+  import threading
+  import time
   import orbax.checkpoint as ocp
   cfg = dataclasses.replace(CFG, rounds=4)
   original = ocp.CheckpointManager.save
 
+  class LateCallback:
+    def __del__(self):
+      raise RuntimeError('Event loop is closed')
+
+  def writes_in_flight(folder):
+    for i in range(6):
+      time.sleep(0.05)
+      LateCallback()  # unraisable, as tensorstore's callbacks are
+      try:
+        os.makedirs(os.path.join(folder, 'state', 'd'), exist_ok=True)
+        open(os.path.join(folder, 'state', 'd', str(i)), 'w').close()
+      except OSError:  # removed meanwhile, between two of the folders made
+        pass
+
   def no_space(self, step, *args, **kwargs):
     if step < 4:
       return original(self, step, *args, **kwargs)
-    os.makedirs(os.path.join(self.directory, f'{step}.orbax-checkpoint-tmp', 'state'))  # the write had begun
+    folder = os.path.join(self.directory, f'{step}.orbax-checkpoint-tmp')
+    os.makedirs(os.path.join(folder, 'state'))  # the write had begun
+    threading.Thread(target=writes_in_flight, args=(folder,)).start()
     raise error
   monkeypatch.setattr(ocp.CheckpointManager, 'save', no_space)
+  printed = []  # what Python's unraisable hook would print, a traceback each
+  monkeypatch.setattr(sys, 'unraisablehook', lambda unraisable: printed.append(str(unraisable.exc_value)))
   with pytest.raises(CheckpointError, match=r'round 4 could not be written .*\(No space left on device\)\. Fix the '
                                             r'cause \(free disk space\), then continue from the checkpoint of round 2 '
                                             r'with --resume'):
     train_and_evaluate(cfg, str(tmp_path), progress=False)
   assert json.load(open(tmp_path / 'summary.json'))['rounds'] == 4
-  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2']  # the partial write is gone
+  time.sleep(0.5)  # past the writes in flight
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2']  # the partial write is gone, and stays gone
+  assert printed == []
 
 
 def test_a_checkpoint_folder_that_cannot_be_written_fails_at_once(tmp_path):
@@ -415,6 +440,95 @@ def test_kill_9_inside_a_phase_of_a_multi_phase_method_then_resume_gives_the_uni
     if point == 'round':
       assert len(metric_rows(killed)) == kill_round - 1  # it died inside the round, after the rows before
   assert metric_rows(killed) == metric_rows(whole)
+
+
+STREAMED = {'fedre': (CFG, 4), 'felo': FAULT_RUNS['felo']}
+
+
+@pytest.mark.parametrize('name', [pytest.param('felo', marks=pytest.mark.slow), 'fedre'])
+def test_a_streamed_run_resumes_after_kill_9_and_sigint_as_if_uninterrupted(tmp_path, monkeypatch, name):
+  """Client states kept on the host (`--stream_clients`) are restored as host arrays: killed with SIGKILL inside a
+  round, resumed and stopped by SIGINT inside the first resumed round, resumed again, the run's metrics equal the
+  uninterrupted run's and no checkpoint is set aside (one-phase FedRE; Felo, whose resume crosses its phase
+  boundary)."""
+  import dataclasses
+  from fedjax_het.engine.federation import Federation
+  cfg, kill_round = STREAMED[name]
+  cfg = dataclasses.replace(cfg, strategy='vmap', stream_clients=True)
+  whole, killed = str(tmp_path / 'whole'), str(tmp_path / 'killed')
+  train_and_evaluate(cfg, whole, progress=False)
+  driver = os.path.join(ROOT, 'tests', 'fault_driver.py')
+  result = subprocess.run([sys.executable, driver, killed, 'round', str(kill_round), '--stream'] +
+                          ([f'--run={name}'] if name != 'fedre' else []), cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+  assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+  original, resumed = Federation.round, []
+
+  def interrupted_round(self, state):  # SIGINT inside the first resumed round: it ends, checkpoints and stops
+    if not resumed:
+      resumed.append(int(state.round))
+      os.kill(os.getpid(), signal.SIGINT)
+    return original(self, state)
+  monkeypatch.setattr(Federation, 'round', interrupted_round)
+  with pytest.raises(interrupts.Interrupted) as stopped:
+    train_and_evaluate(cfg, killed, resume=True, progress=False)
+  assert stopped.value.resumable and stopped.value.rounds_done == resumed[0] + 1 < cfg.rounds
+  monkeypatch.setattr(Federation, 'round', original)
+  train_and_evaluate(cfg, killed, resume=True, progress=False)
+  assert metric_rows(killed) == metric_rows(whole)
+  assert not os.path.exists(os.path.join(killed, 'checkpoints.unreadable'))
+
+
+def test_stream_clients_may_be_added_on_resume_without_setting_checkpoints_aside(finished, tmp_path):
+  """A checkpoint of device-resident states restores into a run that keeps them on the host."""
+  import dataclasses
+  import shutil
+  run = str(tmp_path / 'run')
+  shutil.copytree(finished, run)
+  train_and_evaluate(dataclasses.replace(CFG, rounds=5, strategy='vmap', stream_clients=True), run, resume=True,
+                     progress=False)
+  assert [r['round'] for r in metric_rows(run)] == [1, 2, 3, 4, 5]
+  assert metric_rows(run)[:4] == metric_rows(finished)
+  assert not os.path.exists(os.path.join(run, 'checkpoints.unreadable'))
+
+
+def _damage_one_array_file(checkpoint: str) -> str:
+  """Overwrites 64 bytes in the middle of the largest data file of a checkpoint's state; returns its path."""
+  files = [os.path.join(root, name) for root, _, names in os.walk(os.path.join(checkpoint, 'state'))
+           for name in names if os.sep + 'd' + os.sep in os.path.join(root, name)]
+  target = max(files, key=os.path.getsize)
+  with open(target, 'r+b') as f:
+    f.seek(os.path.getsize(target) // 2)
+    f.write(bytes(range(64)))
+  return target
+
+
+def test_a_checkpoint_whose_bytes_were_damaged_is_set_aside_and_the_one_before_used(finished, tmp_path, caplog):
+  """Bytes changed on disk that orbax reads without complaint: the digests written with the checkpoint differ, so
+  it is moved aside and the run continues from the one before, equal to the uninterrupted run."""
+  import shutil
+  run = str(tmp_path / 'run')
+  shutil.copytree(finished, run)
+  _damage_one_array_file(os.path.join(run, 'checkpoints', '4'))
+  with open(os.path.join(run, 'metrics.jsonl')) as f:
+    rows = f.readlines()
+  with open(os.path.join(run, 'metrics.jsonl'), 'w') as f:
+    f.writelines(rows[:2])
+  train_and_evaluate(CFG, run, resume=True, progress=False)
+  assert metric_rows(run) == metric_rows(finished)
+  assert os.listdir(os.path.join(run, 'checkpoints.unreadable')) == ['4']
+  assert 'checkpoint of round 4 is damaged' in caplog.text
+
+
+def test_a_state_of_another_structure_is_refused_without_moving_the_checkpoint(finished, tmp_path):
+  """A reader whose state has other arrays than the checkpoint (another version's state) is not damage."""
+  import jax.numpy as jnp
+  checkpoints = Checkpoints(os.path.join(finished, 'checkpoints'))
+  template = {'a': jnp.zeros(3), 'b': jnp.zeros((2, 2), jnp.int32)}
+  with pytest.raises(CheckpointError, match='holds a state of .* arrays, and this run.s state has 2 .* left as it '
+                                            'is'):
+    checkpoints.restore_latest(template)
+  assert sorted(os.listdir(os.path.join(finished, 'checkpoints'))) == ['2', '4']
 
 
 def test_run_settings_ignore_other_methods_and_fill_fields_added_since():
