@@ -2,6 +2,7 @@
 and its accounting under add/remove adjacency, and what a run under it writes."""
 
 import dataclasses
+import os
 import types
 
 import dp_accounting
@@ -222,3 +223,25 @@ def test_an_amplified_poisson_run_writes_nothing_that_counts_the_draw_and_resume
   algorithm, budget = private_algorithm(plain, make_algorithm(plain, tiny_data()), 6)
   assert not budget.sampled and not budget.hides_count
   assert budget.describe()['adjacency'].startswith('replace-one')
+
+
+def test_a_dp_server_dividing_by_an_expected_count_below_one_is_refused_and_empty_rounds_warned_of(tmp_path,
+                                                                                                  caplog):
+  """--join_ratio=1e-9 under central DP divided every noised mean by q N = 4e-9 (the noise x2.5e8): the model was
+  wrecked and the run said finished. Refused before anything runs, naming the flags; at q N = 1 it runs. Where nothing
+  divides by q N (no DP, or local DP) the run goes on with a warning that most rounds draw nobody."""
+  from fedjax_het.run.experiment import build_federation
+  cfg = dataclasses.replace(CFG, algorithm='lg_fedavg', participation='poisson', join_ratio=1e-9, dp_mode='central',
+                            dp_noise_multiplier=1.0)
+  with pytest.raises(ConfigError, match=r'^--participation=poisson --join_ratio=1e-09 with --num_clients=4: a round '
+                                        r'expects q x N = 4e-09 clients, and under --dp_mode=central lg_fedavg\'s '
+                                        r'server divides each noised sum by that expected count .* multiplies the '
+                                        r'noise 2\.5e\+08-fold\. Fix: --join_ratio of at least 0\.25 \(1 / '
+                                        r'--num_clients\), more --num_clients, or --participation=fixed\.$'):
+    train_and_evaluate(cfg, str(tmp_path / 'run'), progress=False)
+  assert not {'config.json', 'metrics.jsonl', 'checkpoints'} & set(os.listdir(tmp_path / 'run'))
+  assert build_federation(dataclasses.replace(cfg, join_ratio=0.25)).schedule.expected_count() == 1.0
+  for other in (dict(dp_mode='local'), dict(dp_mode='off', dp_noise_multiplier=0.0)):
+    caplog.clear()
+    build_federation(dataclasses.replace(cfg, **other))
+    assert 'a round expects 4e-09 clients, so most rounds draw nobody and train nothing' in caplog.text

@@ -155,6 +155,7 @@ def _build(cfg: ExperimentConfig, secret: Optional[int] = None) -> tuple[Federat
                      full_participation_rounds=cfg.full_participation_rounds, seed=cfg.seed, secret=secret,
                      secret_draw=budget is not None and budget.sampled, participation=cfg.participation)
   check_memory_budget(cfg, fed)
+  warn_of_empty_rounds(fed.schedule)  # refused instead where a DP server divides by the expected count
   return fed, run, budget
 
 
@@ -185,6 +186,38 @@ def check_memory_budget(cfg: ExperimentConfig, fed: Federation) -> None:
                         f'come on top), 0 (75% of a GPU\'s memory, no bound elsewhere){stream}.')
 
 
+def lowest_expected_count(schedule: Schedule) -> float:
+  """The fewest participants any round of a Poisson `schedule` expects, q N (its phases' rates; a round every
+  client joins expects them all)."""
+  partial = [s for s in schedule.phase_starts if s < schedule.total_rounds - schedule.full_participation_rounds]
+  return min((schedule.expected_count(s) for s in partial), default=float(schedule.num_clients))
+
+
+def check_expected_count(schedule: Schedule, name: str) -> None:
+  """Refuses a DP run under Poisson sampling whose server divides each noised sum by an expected count q N below 1
+  (the fixed denominator of an amplified run, `privacy.dp`): that multiplies the noise, and the sums, by 1 / (q N)
+  (x1e8 at --join_ratio=1e-9 of 10 clients) and wrecks the model while the run finishes."""
+  expected = lowest_expected_count(schedule)
+  if expected < 1:
+    n = schedule.num_clients
+    raise ConfigError(f'--participation=poisson --join_ratio={expected / n:g} with --num_clients={n}: a round expects '
+                      f'q x N = {expected:.3g} clients, and under --dp_mode=central {name}\'s server divides each '
+                      f'noised sum by that expected count (the fixed-denominator mean its privacy accounting assumes, '
+                      f'docs/privacy.md), which multiplies the noise {1 / expected:.3g}-fold. Fix: --join_ratio of at '
+                      f'least {1 / n:.3g} (1 / --num_clients), more --num_clients, or --participation=fixed.')
+
+
+def warn_of_empty_rounds(schedule: Schedule) -> None:
+  """A warning where Poisson sampling expects fewer than one participant a round (no DP, or a DP run whose
+  server does not divide by the expected count): most rounds then draw nobody and train nothing."""
+  expected = lowest_expected_count(schedule) if schedule.poisson else float('inf')
+  if expected < 1:
+    logging.warning('--participation=poisson --join_ratio=%g with --num_clients=%d: a round expects %.3g clients, so '
+                    'most rounds draw nobody and train nothing. A --join_ratio of at least %.3g (1 / --num_clients) '
+                    'expects one.', expected / schedule.num_clients, schedule.num_clients, expected,
+                    1 / schedule.num_clients)
+
+
 def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: int, secret: Optional[int] = None
                       ) -> tuple[Algorithm, Optional['PrivacyBudget']]:
   """`algorithm` under --dp_mode (`privacy.dp.privatize`) and the privacy its run spends, with sigma calibrated
@@ -204,6 +237,8 @@ def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: 
   with flags_named():
     budget = PrivacyBudget(schedule, cfg.dp_mode, cfg.dp_noise_multiplier, cfg.dp_delta, cfg.dp_accountant,
                            amplified, cfg.dp_allow_large_delta, public, 'seed' if secret is None else 'secret')
+    if budget.hides_count:  # the fixed denominator: each mean is a noised sum over the expected count qN
+      check_expected_count(schedule, algorithm.name)
     if cfg.dp_target_epsilon > 0:
       budget = dataclasses.replace(budget, noise_multiplier=calibrate(budget, cfg.dp_target_epsilon))
       logging.info('--dp_target_epsilon=%g: noise multiplier %.4f over %d rounds.', cfg.dp_target_epsilon,
