@@ -33,6 +33,63 @@ def broken_references(page: str, text: str) -> list[str]:
   return sorted(set(broken))
 
 
+FENCE = re.compile(r'^(```|~~~).*?^\1', re.M | re.S)
+HEADING = re.compile(r'^#{1,6}[ \t]+(.+?)[ \t#]*$', re.M)
+
+
+def github_slug(heading: str) -> str:
+  """The anchor GitHub gives a heading: its rendered text (a link's text, code without backticks, no emphasis
+  marks) lower-cased, every character but letters, digits, '_', '-' and spaces dropped, each space a '-'."""
+  text = re.sub(r'!?\[([^\]]*)\]\([^)]*\)', r'\1', heading)
+  text = re.sub(r'<[^>]+>', '', text)
+  return re.sub(r'[^\w\- ]', '', text.strip().lower()).replace(' ', '-')
+
+
+def anchors(text: str) -> set[str]:
+  """The anchors of a Markdown page's headings (outside code blocks), a repeated one numbered -1, -2, ... as
+  GitHub numbers them."""
+  seen, found = {}, set()
+  for heading in HEADING.findall(FENCE.sub('', text)):
+    slug = github_slug(heading)
+    found.add(slug if slug not in seen else f'{slug}-{seen[slug]}')
+    seen[slug] = seen.get(slug, 0) + 1
+  return found
+
+
+def broken_anchors(page: str, text: str) -> list[str]:
+  """The links of `text` (a page at `page`) to a heading, '#anchor' or 'page.md#anchor', that no heading of
+  that page has."""
+  here = os.path.dirname(os.path.join(ROOT, page))
+  broken = []
+  for target in LINK.findall(text):
+    if re.match(r'[a-z]+:', target) or '#' not in target:
+      continue
+    path, anchor = target.split('#', 1)
+    file = os.path.join(here, path) if path else os.path.join(ROOT, page)
+    if not file.endswith('.md') or not os.path.exists(file):
+      continue  # a missing file is `broken_references`'s finding
+    with open(file) as f:
+      if anchor not in anchors(f.read()):
+        broken.append(target)
+  return sorted(set(broken))
+
+
+def test_github_slugs_and_a_broken_anchor_are_found():
+  assert github_slug("FedMD, FedDF and `pFedAFM`: the seed tables' baselines") == (
+      'fedmd-feddf-and-pfedafm-the-seed-tables-baselines')
+  assert github_slug('On a GPU: the H100 sweep') == 'on-a-gpu-the-h100-sweep'
+  assert github_slug('GeFL-F (the [paper](x.md))  and 8x8') == 'gefl-f-the-paper--and-8x8'
+  assert anchors('# A\n```\n# not a heading\n```\n## A\n### b_c\n') == {'a', 'a-1', 'b_c'}
+  assert broken_anchors('docs/usage.md', '[a](#no-such-heading) [b](../README.md#install) '
+                        '[c](../README.md#instal) [d](design.md)') == ['#no-such-heading', '../README.md#instal']
+
+
+@pytest.mark.parametrize('page', PAGES)
+def test_every_anchor_names_a_heading(page):
+  with open(os.path.join(ROOT, page)) as f:
+    assert broken_anchors(page, f.read()) == []
+
+
 def test_a_broken_link_and_a_missing_file_are_found():
   text = '[a](docs/no_such.md), [b](README.md), [c](https://x.org), see fedjax_het/no_such.py and fedjax_het/core.py'
   assert broken_references('README.md', text) == ['docs/no_such.md', 'fedjax_het/no_such.py']
