@@ -382,9 +382,14 @@ class Capabilities(NamedTuple):
     a schedule that keeps the last partial batch (--nodrop_last).
   shares_representations: whether anything of the representation width d crosses between architecture groups
     (prototypes, a shared head, representations); methods that exchange only whole models within groups, or
-    generators, set False and may then run groups of different widths (--rm=none)."""
+    generators, set False and may then run groups of different widths (--rm=none).
+  server_model_evaluation: whether its evaluation scores a client with the model the server holds and broadcasts
+    (the client's parameters replaced by it: grouped FedAvg), so that the server can score that model itself on
+    rows it holds (the Flower server's 'server_accuracy', which no node's reply reaches); a model's BatchNorm
+    statistics stay the client's unless the broadcast carries them."""
   partial_batches: bool = False
   shares_representations: bool = True
+  server_model_evaluation: bool = False
 
 
 def no_client_state(group: GroupSpec, key: jax.Array) -> Any:

@@ -164,5 +164,6 @@ def avgkd(cfg: AvgKDConfig, num_classes: int) -> Algorithm:
   phases = (Phase('local', local, server_update, own_group_state, rounds=1, traffic=traffic),
             Phase('distill', distill, server_update, every_model, traffic=traffic))
   return Algorithm('avgkd', initial_group_states, phases, group_state_evaluation,
-                   capabilities=Capabilities(partial_batches=True, shares_representations=False),
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False,
+                                             server_model_evaluation=True),
                    upload_privacy=GROUP_STATE_PRIVACY)

@@ -68,5 +68,6 @@ def fedavg_grouped(num_classes: int) -> Algorithm:
 
   evaluation = lambda group: head_evaluation(group.model, {'local_head': own_head}, receive=receive_group_model)
   return one_phase('fedavg', initial_group_models, client, server_update, evaluation, broadcast=group_model,
-                   capabilities=Capabilities(partial_batches=True, shares_representations=False),
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False,
+                                             server_model_evaluation=True),
                    upload_privacy=GROUP_MODEL_PRIVACY)

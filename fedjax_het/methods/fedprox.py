@@ -56,5 +56,6 @@ def fedprox(cfg: FedProxConfig, num_classes: int) -> Algorithm:
   return one_phase('fedprox', initial_group_models, client, server_update,
                    lambda group: head_evaluation(group.model, {'local_head': own_head}, receive=receive_group_model),
                    broadcast=group_model,
-                   capabilities=Capabilities(partial_batches=True, shares_representations=False),
+                   capabilities=Capabilities(partial_batches=True, shares_representations=False,
+                                             server_model_evaluation=True),
                    upload_privacy=GROUP_MODEL_PRIVACY)
