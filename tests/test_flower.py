@@ -92,9 +92,10 @@ def _rows(workdir):
 
 def test_rounds_over_flower_messages_equal_the_simulation_and_go_on_without_a_silent_node(tmp_path):
   cfg_json = json.dumps(CFG.to_dict())
-  over = lambda grid: (lambda fed: FlowerRounds(fed, grid, cfg_json, round_timeout=5, connect_timeout=5))
+  over = lambda grid, workdir=None: (lambda fed: FlowerRounds(fed, grid, cfg_json, round_timeout=5,
+                                                                connect_timeout=5, workdir=workdir))
   train_and_evaluate(CFG, str(tmp_path / 'flower'), progress=False,
-                     federation=over(InProcessGrid(str(tmp_path / 'nodes'), 4)))
+                     federation=over(InProcessGrid(str(tmp_path / 'nodes'), 4), str(tmp_path / 'flower')))
   train_and_evaluate(CFG, str(tmp_path / 'simulation'), progress=False)
   flower, simulation = _rows(tmp_path / 'flower'), _rows(tmp_path / 'simulation')
   assert len(flower) == len(simulation) == 2
@@ -108,7 +109,7 @@ def test_rounds_over_flower_messages_equal_the_simulation_and_go_on_without_a_si
   import shutil
   shutil.rmtree(tmp_path / 'flower' / 'checkpoints' / '2')
   train_and_evaluate(CFG, str(tmp_path / 'flower'), resume=True, progress=False,
-                     federation=over(InProcessGrid(str(tmp_path / 'nodes'), 4)))
+                     federation=over(InProcessGrid(str(tmp_path / 'nodes'), 4), str(tmp_path / 'flower')))
   resumed = _rows(tmp_path / 'flower')
   assert [r['round'] for r in resumed] == [1, 2]
   assert {k: v for k, v in resumed[1].items() if 'seconds' not in k} == {

@@ -35,7 +35,31 @@ from fedjax_het.run.compilation_cache import DEFAULT_DIRECTORY, use_compilation_
 from fedjax_het.run.config import ExperimentConfig
 from fedjax_het.run.experiment import build_federation_and_budget
 
-app = ClientApp()
+
+
+def bind_reply(message: Message, context: Context, call_next) -> Message:
+  """A ClientApp mod: every reply to a TRAIN or EVALUATE message carries the round and the run token of the
+  message it answers ('reply': {'round', 'run'}), which the server checks (`rounds.check_binding`), so that a reply
+  of another round or run (a stale or replayed one) is refused."""
+  reply = call_next(message, context)
+  config = message.content['config'] if 'config' in message.content else None
+  if config is not None and not reply.has_error():
+    reply.content['reply'] = ConfigRecord({'round': int(config['round']), 'run': str(config.get('run', ''))})
+  return reply
+
+
+def state_round(message: Message) -> int:
+  """The server's word in a TRAIN or EVALUATE message: the round after which the client's state is the one to
+  start from (the last round whose upload from it the server took; 0: its initial state), `node.NodeStates.settle`."""
+  config = message.content['config']
+  if 'state-round' not in config:
+    raise ConfigError('the server\'s message says nothing of the state this client starts from (no state-round): '
+                      'it runs another fedjax_het version. Fix: run the server and every node with the same '
+                      'fedjax_het version.')
+  return int(config['state-round'])
+
+
+app = ClientApp(mods=[bind_reply])
 # The run's federation by (config, data dir): a process that serves several messages (several nodes in one process,
 # as the tests deliver them) builds it once.
 _federations: dict = {}
@@ -120,7 +144,7 @@ def train(message: Message, context: Context) -> Message:
 alone (clipped, and noised in local mode): the loss is a function of its data that no noise covers."""
   node, r = node_of(message, context)
   broadcast = tree_from_record(message.content['broadcast'], node.broadcast_template(r), 'the broadcast')
-  upload, loss = node.train(r, broadcast)
+  upload, loss = node.train(r, broadcast, state_round(message))
   if node.dp_mode != 'off':
     return Message(RecordDict({'upload': tree_to_record(upload)}), reply_to=message)
   return Message(RecordDict({'upload': tree_to_record(upload), 'metrics': MetricRecord({'loss': loss})}),
@@ -136,7 +160,7 @@ DP nothing (the server, which local DP does not trust, learns nothing of the cli
     return Message(RecordDict({'metrics': MetricRecord({})}), reply_to=message)
   broadcast = tree_from_record(message.content['broadcast'], node.broadcast_template(r), 'the broadcast')
   scores = {}
-  for which, (correct, rows) in node.evaluate(r, broadcast).items():
+  for which, (correct, rows) in node.evaluate(r, broadcast, state_round(message)).items():
     scores[f'{which}_correct'] = [int(c) for c in correct]
     scores[f'{which}_rows'] = rows
   return Message(RecordDict({'metrics': MetricRecord(scores)}), reply_to=message)

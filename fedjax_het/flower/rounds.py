@@ -20,6 +20,14 @@ predictions integers between 0 and them. A reply that fails is logged with its c
 a missing one would be ('rejected_clients' in the round's metrics): it never reaches the server step or a
 metric, and never ends the run.
 
+Every TRAIN and EVALUATE message carries its round, a token the server draws as it starts (the run's identity
+for the nodes) and the round after which its client's state is the one to start from: its 'state-round', the
+last round whose upload from that client the server took (`node.NodeStates.settle`), so that a node's state
+moves on only for a reply the server took. A reply must carry back the round and the token of its message
+(`check_binding`): a reply of another round or run, a stale or a replayed one, is rejected as any other bad
+reply. Which uploads the server took is written to the workdir each round (`LEDGER`), so that a server that
+resumes from a checkpoint tells the nodes the states that belong to it.
+
 Under DP (`--dp_mode`) a node's TRAIN reply holds its upload alone, and under local DP its EVALUATE reply holds
 nothing (the server is not trusted with anything of the client beyond its noised uploads, so such a run writes no
 accuracy); the server's log lines say that a round trained or an evaluation ended, with no client, count, loss or
@@ -29,6 +37,8 @@ timing, and its rows go through the release rule of every DP run (`run.experimen
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import time
 from typing import Any, Callable, Optional
 
@@ -43,6 +53,7 @@ from fedjax_het.engine.federation import Federation, FederationState, GroupRound
 from fedjax_het.engine.groups import slot_indices
 from fedjax_het.errors import ConfigError
 from fedjax_het.flower.records import tree_from_record, tree_to_record
+from fedjax_het.run.workdir import write_atomically
 
 
 class NodesUnavailable(ConfigError):
@@ -54,6 +65,7 @@ class ReplyRejected(ValueError):
 
 
 UPLOAD_BOUND = 1e6  # the largest absolute value an upload's array may hold (run config: upload-bound)
+LEDGER = 'flower_taken.json'  # in the workdir: {round (1-based): the clients whose upload the server took}
 
 
 def check_upload(content: RecordDict, template: Any, bound: float, with_loss: bool = True) -> tuple[Any, float]:
@@ -102,6 +114,19 @@ def check_scores(scores: Any, which: str, rows: int, predictions: int) -> np.nda
   return correct
 
 
+def check_binding(content: RecordDict, round_index: int, run: str) -> None:
+  """ReplyRejected unless a reply's content carries back the round and the run token of the message it answers
+  (`client_app.bind_reply`): a reply of another round or run (stale, or replayed) is refused."""
+  try:
+    bound = content['reply']
+    got_round, got_run = int(bound['round']), str(bound['run'])
+  except (KeyError, TypeError, ValueError):
+    raise ReplyRejected('the reply does not say which round and run it answers') from None
+  if (got_round, got_run) != (round_index, run):
+    what = 'another run\'s' if got_run != run else f'round {got_round + 1}\'s'
+    raise ReplyRejected(f'the reply is {what}, not this run\'s round {round_index + 1} (stale or replayed)')
+
+
 def message_config(cfg_json: str, round_index: int, **extra) -> ConfigRecord:
   """The ConfigRecord every message carries: the run's config (each node rebuilds the run from it) and the round."""
   return ConfigRecord({'experiment': cfg_json, 'round': round_index, **extra})
@@ -115,11 +140,13 @@ class FlowerRounds:
   connect_timeout: seconds the first round waits for the nodes to connect (`assign_nodes`); log: called with a
   line as each round's training and each evaluation ends (how long it took), or None; upload_bound: the largest
   absolute value an upload may hold (`check_upload`); registered: client id -> the node id of its registered
-  SuperNode key, where the deployment authenticates nodes (`assign_nodes` takes no other node's claim)."""
+  SuperNode key, where the deployment authenticates nodes (`assign_nodes` takes no other node's claim); workdir:
+  the run's folder, where the record of the uploads the server took is kept (`LEDGER`; None: in memory only, and
+  such a server cannot resume)."""
 
   def __init__(self, fed: Federation, grid, cfg_json: str, round_timeout: float, connect_timeout: float,
                log: Optional[Callable[[str], None]] = None, upload_bound: float = UPLOAD_BOUND,
-               registered: Optional[dict[int, int]] = None):
+               registered: Optional[dict[int, int]] = None, workdir: Optional[str] = None):
     if any(e.statistics is not None for e in fed.evaluations):
       heterofl = fed.algorithm.name == 'heterofl'
       instead = ' --noheterofl_static_bn (each test batch\'s statistics), or' if heterofl else ''
@@ -130,6 +157,9 @@ class FlowerRounds:
     self.round_timeout, self.connect_timeout, self.log = round_timeout, connect_timeout, log
     self.upload_bound, self.registered = upload_bound, registered
     self.nodes: Optional[dict[int, int]] = None  # client id -> node id, asked as the first round starts
+    self.workdir = workdir
+    self.run_token = secrets.token_hex(16)  # every reply carries it back (`check_binding`)
+    self.taken: Optional[dict[int, list[int]]] = None  # round (1-based) -> the clients whose upload was taken
     # Under DP the nodes send their uploads alone, and the server's log lines name no client, count no participant
     # and time no round (the release rule of the rows, `run.experiment.released_metrics`).
     self.dp_mode = json.loads(cfg_json).get('dp_mode', 'off')
@@ -137,9 +167,38 @@ class FlowerRounds:
     self._initial_groups = None
 
   def _connect(self, round_index: int) -> None:
+    if self.taken is None:
+      self.taken = self._read_ledger(round_index)
     if self.nodes is None:
       self.nodes = assign_nodes(self.grid, self.fed, self.cfg_json, round_index, self.connect_timeout,
                                 registered=self.registered)
+
+  def _read_ledger(self, start_round: int) -> dict[int, list[int]]:
+    """The uploads taken in the rounds up to `start_round` (the round the run starts from), as the workdir's
+    `LEDGER` records them; a ConfigError where a resumed run has no record (the nodes could not be told which state
+    to start from)."""
+    path = os.path.join(self.workdir, LEDGER) if self.workdir else None
+    if start_round == 0:
+      return {}
+    try:
+      with open(path) as f:
+        taken = {int(r): [int(k) for k in clients] for r, clients in json.load(f).items()}
+    except (OSError, TypeError, ValueError, AttributeError):
+      raise ConfigError(f'the Flower server resumes from round {start_round} without a readable record of the '
+                        f'uploads it took ({path or "no workdir given"}), so it cannot tell the nodes which state to '
+                        f'start from. Fix: resume with the workdir the run wrote (FlowerRounds(workdir=...)), or start '
+                        f'the run again.') from None
+    return {r: clients for r, clients in taken.items() if r <= start_round}
+
+  def _write_ledger(self) -> None:
+    if self.workdir:
+      write_atomically(os.path.join(self.workdir, LEDGER), lambda f: json.dump(
+          {str(r): clients for r, clients in sorted(self.taken.items())}, f))
+
+  def state_round(self, k: int) -> int:
+    """The last round (1-based) whose upload from client k the server took, 0 for none: the state it starts
+    from."""
+    return max((r for r, clients in (self.taken or {}).items() if k in clients), default=0)
 
   def __getattr__(self, name: str) -> Any:
     return getattr(self.fed, name)
@@ -163,7 +222,8 @@ class FlowerRounds:
       if gi not in by_group:
         by_group[gi] = tree_to_record(b)
       return by_group[gi]
-    return [Message(RecordDict({'broadcast': record(k), 'config': message_config(self.cfg_json, round_index)}),
+    return [Message(RecordDict({'broadcast': record(k), 'config': message_config(
+        self.cfg_json, round_index, **{'run': self.run_token, 'state-round': self.state_round(k)})}),
                     dst_node_id=self.nodes[k], message_type=message_type) for k in clients]
 
   def _send(self, messages: list[Message]) -> dict[int, Message]:
@@ -212,6 +272,7 @@ class FlowerRounds:
       gi = int(fed.group_of[k])
       template = self._upload_template(gi, p, for_client(fed.received(broadcasts[gi], r), 0))
       try:
+        check_binding(reply.content, r, self.run_token)
         taken[k] = check_upload(reply.content, template, self.upload_bound, with_loss=self.dp_mode == 'off')
       except ReplyRejected as e:
         if self.dp_mode == 'off':
@@ -245,6 +306,8 @@ class FlowerRounds:
       results.append(GroupRound(slot_idx, None, stacked, jnp.asarray(losses, jnp.float32)))
     new_state, metrics = fed.finish_round(state, results, answered, start)
     metrics['missing_clients'], metrics['rejected_clients'] = missing, rejected
+    self.taken[r + 1] = sorted(taken)  # the nodes' states move on for these uploads alone
+    self._write_ledger()
     metrics['drawn'] = len(participants)  # what a resumed run's accounting draws again (`PrivacyBudget.after`)
     if self.log is not None and self.dp_mode != 'off':
       self.log(f'round {r + 1}/{fed.total_rounds}: trained')
@@ -280,6 +343,7 @@ class FlowerRounds:
     scored, rejected = {}, []
     for k, reply in sorted(replies.items()):
       try:
+        check_binding(reply.content, r, self.run_token)
         scores = reply.content['metrics']
         scored[k] = {which: check_scores(scores, which, rows[k], len(names)) for which, rows in expected.items()}
       except (ReplyRejected, KeyError) as e:
@@ -299,6 +363,12 @@ class FlowerRounds:
       sets[which] = (correct, counts)
     out = fed.accuracy(sets['local'], sets['global'])
     out['evaluated_clients'] = len(scored)
+    primary = 'global' if fed.data.protocol == 'global' else 'local'
+    if primary in expected and self.dp_mode == 'off':  # beside the per-client scores, an aggregate one node moves
+      # by one rank at most (not under DP: a median is one client's accuracy, `experiment.PER_CLIENT_EVALUATION`)
+      rows = expected[primary]
+      out['client_accuracy_median'] = float(np.median([scored[k][primary][0] / rows[k] for k in scored if rows[k]]))
+    out.update(self.server_scores(state))
     if rejected:
       out['rejected_scores'] = rejected
     if self.log is not None and self.dp_mode != 'off':
@@ -308,6 +378,22 @@ class FlowerRounds:
       self.log(f'round {r + 1}/{fed.total_rounds}: {len(scored)} clients evaluated in '
                f'{time.perf_counter() - start:.1f} s{accuracy}')
     return out
+
+  def scores_server_model(self) -> bool:
+    """Whether the server can score the model it holds itself: the method scores each client with the model the
+    server broadcasts (`Capabilities.server_model_evaluation`), and no group's model keeps BatchNorm statistics,
+    which stay on the nodes."""
+    return (self.fed.algorithm.capabilities.server_model_evaluation and self._initial_groups is not None
+            and not any(jax.tree.leaves(g.model_state) for g in self._initial_groups))
+
+  def server_scores(self, state: FederationState) -> dict:
+    """Where `scores_server_model`, the server's own evaluation of the model it holds on every client's test rows
+    of its copy of the seeded split ('server_accuracy', 'server_client_accuracy_mean', ...), which no node's reply
+    reaches; {} elsewhere."""
+    if not self.scores_server_model():
+      return {}
+    own = self.fed.evaluate(FederationState(self._initial_groups, state.server, state.round))
+    return {f'server_{k}': v for k, v in own.items() if isinstance(v, float)}
 
 
 def assign_nodes(grid, fed: Federation, cfg_json: str, start_round: int, connect_timeout: float,

@@ -95,11 +95,12 @@ def main(grid: Grid, context: Context) -> None:
   registered = node_ids(run_config)
   run_name(run_config.get('run-name', 'default'))  # the nodes refuse a name that is no plain folder name: say so now
 
-  summary = train_and_evaluate(cfg, str(run_config_value(run_config, 'workdir')), resume=resume, progress=False,
+  workdir = str(run_config_value(run_config, 'workdir'))
+  summary = train_and_evaluate(cfg, workdir, resume=resume, progress=False,
                                tensorboard=fv.tensorboard,
                                federation=lambda fed: FlowerRounds(fed, grid, cfg_json, round_timeout,
                                                                    connect_timeout, log=_log,
                                                                    upload_bound=upload_bound,
-                                                                   registered=registered))
+                                                                   registered=registered, workdir=workdir))
   print(json.dumps({k: v for k, v in summary.items() if k != 'config'}, indent=2), flush=True)
 
