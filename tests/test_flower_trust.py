@@ -76,6 +76,35 @@ def test_a_late_nodes_state_stays_as_it_was_and_its_next_round_starts_from_it(tm
     np.testing.assert_array_equal(again.content['upload'][key].numpy(), reply.content['upload'][key].numpy())
 
 
+def test_a_pending_state_is_kept_only_for_the_round_the_server_names(tmp_path):
+  from fedjax_het.flower.node import NodeStates
+  states = NodeStates(str(tmp_path / 'client_0'))
+  template = {'a': np.zeros(2)}
+  states.save(1, {'a': np.ones(2)}, pending=True)
+  states.settle(1)  # the server took round 1's upload
+  assert states.rounds() == [1] and states.rounds(pending=True) == []
+  states.save(3, {'a': np.full(2, 3.0)}, pending=True)
+  states.settle(1)  # round 3's reply was not taken: the state after round 1 stands
+  assert states.rounds() == [1] and states.rounds(pending=True) == []
+  np.testing.assert_array_equal(states.load(1, template, exact=True)['a'], [1, 1])
+  assert states.load(3, template, exact=True) is None
+  states.save(4, {'a': np.full(2, 4.0)}, pending=True)
+  states.forget_after(2)  # a server resumed from round 2 starts over from there
+  assert states.rounds() == [1] and states.rounds(pending=True) == []
+
+
+def test_a_server_resumed_without_its_record_of_taken_uploads_refuses_to_start(tmp_path):
+  from fedjax_het.errors import ConfigError
+  from fedjax_het.run.experiment import build_federation
+  rounds = FlowerRounds(build_federation(CFG), None, json.dumps(CFG.to_dict()), 1, 1, workdir=str(tmp_path))
+  with pytest.raises(ConfigError, match=r'resumes from round 2 without a readable record of the uploads it took '
+                                        r'.* Fix: resume with the workdir the run wrote'):
+    rounds._connect(2)
+  (tmp_path / 'flower_taken.json').write_text('{"1": [0, 1], "2": [1], "3": [0]}')
+  rounds.taken = rounds._read_ledger(2)  # a round after the checkpoint resumed from is forgotten
+  assert [rounds.state_round(k) for k in range(4)] == [1, 2, 0, 0]
+
+
 class ReplayingGrid(RecordingGrid):
   """From round 2 on, client 1's node answers each message with its reply of round 1 (replayed whole, its binding
   included), and client 3's node with its own fresh reply bound to another run's token."""
