@@ -15,7 +15,11 @@ LINK = re.compile(r'\]\(([^)\s]+)\)')
 REFERENCE = re.compile(r'(?<![\w/.])((?:fedjax_het|experiments|benchmarks|tests|docs|examples)/[\w/.\-]+\.'
                        r'(?:py|md|flags|png|ipynb|json))\b')
 MACHINE_PATH = re.compile(r'/(?:work|root|home/\w+)/')
-WORK_HISTORY = re.compile(r'\b(?:issue \d+|stop \d+|this session|previous session|before this change)\b', re.I)
+WORK_HISTORY = re.compile(r'\b(?:issue \d+|stop \d+|this session|previous session|before this change|'
+                          r'(?<!is )(?<!are )(?<!be )(?<!was )used to (?!\w+ing)\w+)\b', re.I)
+# The machine the writer happened to use, where a figure should name its hardware.
+WRITERS_MACHINE = re.compile(r'\bthis (?:machine|CPU|GPU|host|computer|laptop|\d+-core)\b|\b(?:installs|measured|run|'
+                             r'made|read) here\b', re.I)
 
 
 def broken_references(page: str, text: str) -> list[str]:
@@ -106,6 +110,14 @@ def test_pages_name_no_machine_path_and_no_work_history(page):
   with open(os.path.join(ROOT, page)) as f:
     text = f.read()
   assert MACHINE_PATH.findall(text) == [] and WORK_HISTORY.findall(text) == []
+  assert WRITERS_MACHINE.findall(text) == []
+
+
+def test_the_writers_machine_and_history_are_found():
+  text = ('measured on this CPU; Ray, which installs here; on this 2-core CPU; a half-written one used to crash '
+          'every run; the mask is used to pick rows; this machine')
+  assert WRITERS_MACHINE.findall(text) == ['this CPU', 'installs here', 'this 2-core', 'this machine']
+  assert WORK_HISTORY.findall(text) == ['used to crash']
 
 
 def test_the_readme_is_a_front_door():
