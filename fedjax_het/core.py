@@ -149,7 +149,8 @@ class Evaluation(NamedTuple):
   own statistics, HeteroFL's, must not count padding). Evaluation never trains.
 
   statistics(evaluated, x, rows) -> a pytree of sums over a batch x of one client's training rows (rows [B]: the
-  real ones; batches of the run's batch size from the client's first row); where set, the engine adds them up over
+  real ones; batches of the run's batch size of the client's rows shuffled, augmented as its training batches, a
+  train loader's, drawn from the round's key: `engine.plan.statistics_key`); where set, the engine adds them up over
   every client's training rows before scoring (the server querying each client: HeteroFL's static BatchNorm), and
   prepare takes them as a third argument: prepare(client, broadcast, totals), totals None while the statistics
   themselves are gathered (`prepare_evaluation`)."""

@@ -418,7 +418,7 @@ def test_heterofl_static_batchnorm_reads_every_clients_training_rows(tiny_data, 
   np.testing.assert_allclose(first['mean'], conv.mean(axis=(0, 1, 2)), rtol=2e-4, atol=1e-6)
   metrics = fed.evaluate(state)
   assert 0.0 <= metrics['accuracy'] <= 1.0
-  # A client's statistics do not depend on how far its group pads the rows (batches from its first row).
+  # A client's statistics do not depend on how far its group pads the rows (its shuffled order is of its real rows).
   from fedjax_het.data.federated import ClientArrays
   from fedjax_het.engine.client import client_statistics
   g = fed.groups[0]
@@ -426,11 +426,104 @@ def test_heterofl_static_batchnorm_reads_every_clients_training_rows(tiny_data, 
   rows = lambda pad: ClientArrays(jnp.pad(g.train.x[0, :n], [(0, pad)] + [(0, 0)] * 3), jnp.zeros(n + pad, jnp.int32),
                                   jnp.asarray(n))
   client = jax.tree.map(lambda a: a[0], state.groups[0])
-  gather = lambda pad: client_statistics(fed.evaluations[0], client, fed.broadcast(state.server, 0, 0), rows(pad), 64)
+  gather = lambda pad: client_statistics(fed.evaluations[0], g.spec.training, client,
+                                         fed.broadcast(state.server, 0, 0), rows(pad), 8, jax.random.PRNGKey(5))
   tree_allclose(gather(0), gather(13), rtol=1e-6, atol=1e-6)
   with pytest.raises(ConfigError, match='--noheterofl_static_bn'):  # scored without gathering: refused
     fed.executor.correct(g, fed.evaluations[0], 0, state.groups[0], fed.broadcast(state.server, 0, 0),
                          fed.global_test if fed.global_test is not None else g.test, 'global')
+
+
+def _first_conv_by_hand(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray) -> np.ndarray:
+  """HeteroFL's CNN's first 3x3 convolution (padding 1) in numpy: [B, H, W, C] -> [B, H, W, O]."""
+  b, h, w, _ = x.shape
+  padded = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+  out = np.zeros((b, h, w, kernel.shape[-1]))
+  for dh in range(3):
+    for dw in range(3):
+      out += padded[:, dh:dh + h, dw:dw + w] @ kernel[dh, dw]
+  return out + bias
+
+
+def _pass_by_hand(outputs, orders, batch):
+  """The row-weighted mean over every client's batches (each client's rows in `orders`, batches of `batch`) of
+  each batch's per-channel unbiased variance: what the statistics pass gives a BatchNorm's 'var'."""
+  total, rows = 0.0, 0
+  for out, order in zip(outputs, orders):
+    for start in range(0, len(order), batch):
+      part = out[order[start:start + batch]].reshape(-1, out.shape[-1])
+      total, rows = total + part.var(0, ddof=1) * len(order[start:start + batch]), rows + len(order[start:start + batch])
+  return total / rows
+
+
+@pytest.mark.parametrize('strategy', ['sequential', 'vmap'])
+def test_heterofl_static_batchnorm_shuffles_class_sorted_rows(strategy):
+  """HeteroFL's `stats` pass reads a shuffled train loader: on clients whose rows are stored class by class (the
+  global protocol's partition), the variance of sBN's first BatchNorm is the rows-weighted mean of the variances of
+  shuffled batches of 8 (numpy, on the rows in the order the client's statistics key draws), close to numpy's own
+  shuffles' average and far above the stored order's, whose batches hold one class."""
+  from fedjax_het.methods import HeteroFLConfig, heterofl
+  from fedjax_het.engine import ExecutionConfig
+  from fedjax_het.rows import shuffled_real_rows
+  data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.1,
+                                            seed=1), num_clients=4, partition='iid', seed=3, protocol='global')
+  fed = Federation(heterofl(HeteroFLConfig(), 4), data,
+                   ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.05, 8),
+                   ExecutionConfig(strategy=strategy, eval_batch_size=16))
+  state = fed.init()
+  var = np.asarray(jax.tree.map(lambda a: a / fed.evaluation_statistics(state, 0)['rows'], fed.evaluation_statistics(
+      state, 0)['weighted'])['extractor']['BatchNorm_0']['var'])
+  kernel = {k: np.asarray(v, np.float64) for k, v in state.server.model['extractor']['Conv_0'].items()}
+  clients = [(g, i) for g in fed.groups for i in range(g.size)]
+  labels = [np.asarray(g.train.y[i, :g.train_sizes[i]]) for g, i in clients]
+  stored_batches = [lab[s:s + 8] for lab in labels for s in range(0, len(lab), 8)]
+  assert np.mean([len(set(b.tolist())) == 1 for b in stored_batches]) > 0.6  # stored class by class
+  outputs = [_first_conv_by_hand(np.asarray(g.train.x[i, :g.train_sizes[i]], np.float64), kernel['kernel'],
+                                 kernel['bias']) for g, i in clients]
+  clients_key = fed.round_keys(0)[0]
+  orders = []
+  for (g, i), out in zip(clients, outputs):  # the documented draw: fold_in(fold_in(round key, 'STA'), client id), 0
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(clients_key, 0x535441), int(g.clients[i])), 0)
+    orders.append(np.asarray(shuffled_real_rows(key, jnp.ones(len(out), bool))))
+    assert sorted(orders[-1].tolist()) == list(range(len(out)))
+  np.testing.assert_allclose(var, _pass_by_hand(outputs, orders, 8), rtol=1e-4, atol=1e-7)
+  rng = np.random.default_rng(0)
+  shuffled = np.mean([_pass_by_hand(outputs, [rng.permutation(len(o)) for o in outputs], 8) for _ in range(50)], 0)
+  stored = _pass_by_hand(outputs, [np.arange(len(o)) for o in outputs], 8)
+  np.testing.assert_allclose(var, shuffled, rtol=0.05)
+  assert var.sum() > 1.1 * stored.sum(), (var, stored)  # one-class batches miss the spread between classes
+
+
+def test_heterofl_static_batchnorm_augments_as_training_does():
+  """With --augment the statistics pass reads each batch cropped and flipped as a training batch is (HeteroFL's
+  `stats` reads its train loader's transforms): the first BatchNorm's mean equals numpy's over the rows of each
+  shuffled batch through `augment_batch` with the batch's key, and differs from the unaugmented pass."""
+  from fedjax_het.methods import HeteroFLConfig, heterofl
+  from fedjax_het.data.augment import augment_batch
+  from fedjax_het.rows import shuffled_real_rows
+  data = make_federated_data(make_synthetic(num_samples=120, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
+                                            seed=1), num_clients=2, partition='iid', seed=3, protocol='global')
+  models = ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none')
+  means = {}
+  for augment in ('none', 'crop_flip'):
+    fed = Federation(heterofl(HeteroFLConfig(), 4), data, models, LocalTraining(0.05, 8, augment=augment))
+    state = fed.init()
+    totals = fed.evaluation_statistics(state, 0)
+    means[augment] = np.asarray(totals['weighted']['extractor']['BatchNorm_0']['mean'] / totals['rows'])
+  kernel = {k: np.asarray(v, np.float64) for k, v in state.server.model['extractor']['Conv_0'].items()}
+  total, rows = 0.0, 0
+  for g in fed.groups:
+    for i in range(g.size):
+      x, n = np.asarray(g.train.x[i]), int(g.train_sizes[i])
+      key = jax.random.fold_in(jax.random.fold_in(fed.round_keys(0)[0], 0x535441), int(g.clients[i]))
+      order = np.asarray(shuffled_real_rows(jax.random.fold_in(key, 0), jnp.arange(x.shape[0]) < n))
+      for p, start in enumerate(range(0, n, 8)):
+        batch = np.asarray(augment_batch(jnp.asarray(x[order[start:start + 8]]), jax.random.fold_in(key, p + 1),
+                                         'crop_flip', (-1.0,)), np.float64)
+        out = _first_conv_by_hand(batch, kernel['kernel'], kernel['bias'])
+        total, rows = total + out.sum((0, 1, 2)), rows + out.shape[0] * out.shape[1] * out.shape[2]
+  np.testing.assert_allclose(means['crop_flip'], total / rows, rtol=1e-4, atol=1e-6)
+  assert np.abs(means['crop_flip'] - means['none']).max() > 1e-3
 
 
 def test_heterofl_static_batchnorm_is_refused_over_flower(tiny_data):

@@ -13,9 +13,11 @@ import jax.numpy as jnp
 from fedjax_het.core import (ClientProgram, ClientRows, ClientState, Evaluation, prepare_evaluation, with_model,
                              without_model)
 from fedjax_het.data.federated import ClientArrays
+from fedjax_het.local_training import LocalTraining
 from fedjax_het.engine.plan import (client_keys, client_rows, correct_counts, count_into, even_chunk, masked,
-                                    pass_window, plan_stages, represent_into, slot_of_step, stage_key, statistics_into,
-                                    step_on_rows, take_step, zero_statistics)
+                                    pass_window, plan_stages, represent_into, slot_of_step, stage_key,
+                                    statistics_batch, statistics_of_batch, statistics_order, step_on_rows, take_step,
+                                    zero_statistics)
 from fedjax_het.engine.stores import DeviceRows, client_view, gather_rows
 from fedjax_het.models.classifier import HeteroClassifier
 from fedjax_het.models.forward import forward
@@ -78,16 +80,20 @@ def score_client(evaluation: Evaluation, client: ClientState, broadcast: Any, te
       evaluation, counts, evaluated, test.x, test.y, c * chunk, chunk, test.n), counts)
 
 
-def client_statistics(evaluation: Evaluation, client: ClientState, broadcast: Any, train: ClientArrays, chunk: int
-                      ) -> Any:
+def client_statistics(evaluation: Evaluation, training: LocalTraining, client: ClientState, broadcast: Any,
+                      train: ClientArrays, chunk: int, key: jax.Array) -> Any:
   """The evaluation's statistics (`Evaluation.statistics`) summed over one client's training rows, in batches of
-  `chunk` rows from its first (the last one shorter), whatever the group's padding. Pure."""
+  `chunk` rows of a shuffled order (the last one shorter) augmented as its training batches, from the client's
+  `key` (`plan.statistics_key`), whatever the group's padding. Pure."""
   evaluated = prepare_evaluation(evaluation, client, broadcast)
   n_max = train.x.shape[0]
   chunk = min(chunk, n_max)
-  return jax.lax.fori_loop(0, -(-n_max // chunk), lambda c, sums: statistics_into(
-      evaluation, sums, evaluated, train.x, c * chunk, chunk, train.n), zero_statistics(evaluation, evaluated,
-                                                                                        train.x, chunk))
+  order = statistics_order(key, train.n, n_max)
+
+  def one(p, sums):
+    row, valid = statistics_batch(order, p, chunk, train.n)
+    return statistics_of_batch(evaluation, training, sums, evaluated, train.x[row], valid, key, p)
+  return jax.lax.fori_loop(0, -(-n_max // chunk), one, zero_statistics(evaluation, evaluated, train.x, chunk))
 
 
 def weighted(reps: jnp.ndarray, weights: Optional[jnp.ndarray]) -> jnp.ndarray:
@@ -201,15 +207,17 @@ def score_client_rows(evaluation: Evaluation, client: ClientState, broadcast: An
   return jax.lax.fori_loop(0, passes, one, jnp.zeros(len(evaluation.names), jnp.int32))
 
 
-def client_statistics_rows(evaluation: Evaluation, client: ClientState, broadcast: Any, rows: RowsOf, passes,
-                           chunk: int) -> Any:
-  """The evaluation's statistics summed over one client's training rows in a flat store, in batches of `chunk`
-  rows from its first, `passes` (traced) of them (`client_statistics`)."""
+def client_statistics_rows(evaluation: Evaluation, training: LocalTraining, client: ClientState, broadcast: Any,
+                           rows: RowsOf, passes, chunk: int, key: jax.Array) -> Any:
+  """The evaluation's statistics summed over one client's training rows in a flat store, in `passes` (traced)
+  batches of `chunk` rows of its shuffled, augmented order (`client_statistics`; passes past its rows add
+  nothing)."""
   evaluated = prepare_evaluation(evaluation, client, broadcast)
+  order = statistics_order(key, rows.n, rows.num_rows)
 
   def one(p, sums):
-    row, valid = pass_window(p * chunk, chunk, rows.num_rows, rows.n)
-    return jax.tree.map(jnp.add, sums, evaluation.statistics(evaluated, rows.pick(row)[0], valid))
+    row, valid = statistics_batch(order, p, chunk, rows.n)
+    return statistics_of_batch(evaluation, training, sums, evaluated, rows.pick(row)[0], valid, key, p)
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
       evaluation.statistics, evaluated, rows.pick(jnp.arange(chunk))[0], jnp.ones(chunk, bool)))
   return jax.lax.fori_loop(0, passes, one, zeros)

@@ -29,7 +29,8 @@ from fedjax_het.engine.chunks import Chunk, plan_chunks, width_ladder
 from fedjax_het.engine.client import (RowsOf, client_statistics_rows, run_client_rows, score_client_rows, weighted)
 from fedjax_het.engine.groups import EvalSet, Group, representation_model
 from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, plan_stages, represent_into,
-                                    stage_key, statistics_into, step_counts, take_step, zero_statistics)
+                                    stage_key, statistics_batch, statistics_key, statistics_of_batch,
+                                    statistics_order, step_counts, take_step, zero_statistics)
 from fedjax_het.engine.sharding import to_host
 from fedjax_het.engine.stores import DeviceRows, RowStore
 from fedjax_het.errors import ConfigError
@@ -172,9 +173,10 @@ class Executor:
     """Correct predictions [group size, len(evaluation.names)] of every client of the group on its test rows."""
     raise NotImplementedError
 
-  def statistics(self, g: Group, evaluation: Evaluation, phase: int, stacked, broadcast) -> Any:
+  def statistics(self, g: Group, evaluation: Evaluation, phase: int, stacked, broadcast, key: jax.Array) -> Any:
     """The evaluation's statistics (`Evaluation.statistics`) summed over the training rows of every client of the
-    group, in batches of the run's batch size (a train loader's, as HeteroFL's statistics pass)."""
+    group, in batches of the run's batch size of each client's rows shuffled and augmented as its training batches
+    (a train loader's, as HeteroFL's statistics pass), client k's from `plan.statistics_key(key, k)`."""
     raise NotImplementedError
 
 
@@ -392,7 +394,7 @@ class VmapExecutor(Executor):
       return vmap_broadcast(one, broadcast, slot_idx)(clients, offsets, counts)
     return evaluate
 
-  def statistics(self, g, evaluation, phase, stacked, broadcast):
+  def statistics(self, g, evaluation, phase, stacked, broadcast, key):
     batch = min(g.spec.training.batch_size, g.rows.n_max)
     source = (StreamedClients(g, g.rows, host_states(stacked, copy=False), self.placement) if self.stream
               else ResidentClients(g, g.rows, stacked, self.placement))
@@ -401,7 +403,7 @@ class VmapExecutor(Executor):
     def args(positions, width):
       idx = self._slots(positions, width, g.stacked_size)
       states, store, offsets, counts = source.inputs(idx, width)
-      return (store, offsets, counts, jnp.asarray(idx), broadcast, states)
+      return (store, offsets, counts, jnp.asarray(idx), g.stacked_ids, broadcast, key, states)
 
     shapes = jax.eval_shape(lambda *a: core(a[-1], *a[:-1], jnp.int32(0)), *args(np.zeros(0, np.int32), 1))
     total = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -415,18 +417,20 @@ class VmapExecutor(Executor):
 
   @staticmethod
   def _sum_into(core: Callable) -> Callable:
-    def into(total, store, offsets, counts, slot_idx, broadcast, stacked, passes):
-      return jax.tree.map(jnp.add, total, core(stacked, store, offsets, counts, slot_idx, broadcast, passes))
+    def into(total, store, offsets, counts, slot_idx, client_ids, broadcast, key, stacked, passes):
+      return jax.tree.map(jnp.add, total, core(stacked, store, offsets, counts, slot_idx, client_ids, broadcast, key,
+                                               passes))
     return into
 
   def _make_statistics(self, g: Group, evaluation: Evaluation, batch: int):
-    num_rows, stream = g.rows.n_max, self.stream
+    num_rows, stream, training = g.rows.n_max, self.stream, g.spec.training
 
-    def gather(states, store, offsets, counts, slot_idx, broadcast, passes):
-      one = lambda c, off, cnt, b: client_statistics_rows(evaluation, c, b, RowsOf(store, off, cnt, num_rows),
-                                                          passes, batch)
+    def gather(states, store, offsets, counts, slot_idx, client_ids, broadcast, key, passes):
+      keys = jax.vmap(lambda c: statistics_key(key, c))(jnp.take(client_ids, slot_idx, mode='clip'))
+      one = lambda c, off, cnt, k, b: client_statistics_rows(evaluation, training, c, b,
+                                                             RowsOf(store, off, cnt, num_rows), passes, batch, k)
       clients = states if stream else take(states, slot_idx)
-      per = vmap_broadcast(one, broadcast, slot_idx)(clients, offsets, counts)
+      per = vmap_broadcast(one, broadcast, slot_idx)(clients, offsets, counts, keys)
       real = slot_idx < g.size
       return jax.tree.map(lambda a: jnp.sum(jnp.where(real.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0), 0), per)
     return gather
@@ -592,20 +596,25 @@ class SequentialExecutor(Executor):
            for i in range(g.size)]
     return np.stack(out) if out else np.zeros((0, len(evaluation.names)))
 
-  def statistics(self, g, evaluation, phase, stacked, broadcast):
+  def statistics(self, g, evaluation, phase, stacked, broadcast, key):
     take_one = self.stack_functions()['take']
-    chunk = min(g.spec.training.batch_size, g.train.x.shape[1])
-    into = lambda sums, evaluated, x_all, i, start, n: statistics_into(evaluation, sums, evaluated, x_all[i], start,
-                                                                       chunk, n)
+    chunk, training = min(g.spec.training.batch_size, g.train.x.shape[1]), g.spec.training
+
+    def into(sums, evaluated, x_all, i, order, p, n, client_key):
+      row, valid = statistics_batch(order, p, chunk, n)
+      return statistics_of_batch(evaluation, training, sums, evaluated, x_all[i, row], valid, client_key, p)
     fns = self.compiled('sequential_statistics', g.spec.index, phase, make=lambda: {
-        'prepare': jax.jit(functools.partial(prepare_evaluation, evaluation)), 'into': jax.jit(into)})
+        'prepare': jax.jit(functools.partial(prepare_evaluation, evaluation)), 'into': jax.jit(into),
+        'order': jax.jit(statistics_order, static_argnums=2)})
     total = None
     for i in range(g.size):
       evaluated = fns['prepare'](take_one(stacked, i), for_client(broadcast, i))
       if total is None:
         total = zero_statistics(evaluation, evaluated, g.train.x[0], chunk)
-      for start in range(0, max(int(g.train_sizes[i]), 1), chunk):
-        total = fns['into'](total, evaluated, g.train.x, i, start, g.train.n[i])
+      client_key = statistics_key(key, int(g.clients[i]))
+      order = fns['order'](client_key, g.train.n[i], g.train.x.shape[1])
+      for p in range(-(-max(int(g.train_sizes[i]), 1) // chunk)):
+        total = fns['into'](total, evaluated, g.train.x, i, order, jnp.int32(p), g.train.n[i], client_key)
     return total
 
   def correct_one(self, g: Group, evaluation: Evaluation, phase: int, client, broadcast, test: EvalSet, which: str,

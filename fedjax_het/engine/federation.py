@@ -433,8 +433,9 @@ class Federation:
     if all(e.statistics is None for e in self.evaluations):
       return None
     p = self.phase_index(round_index)
+    key, _ = self.round_keys(round_index)  # each client's pass shuffles and augments from it (`statistics_key`)
     parts = [self.executor.statistics(g, self.evaluations[gi], p, state.groups[gi],
-                                      self.broadcast(state.server, gi, round_index))
+                                      self.broadcast(state.server, gi, round_index), key)
              for gi, g in enumerate(self.groups) if self.evaluations[gi].statistics is not None]
     return jax.tree.map(lambda *a: sum(a), *parts)
 

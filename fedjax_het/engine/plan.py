@@ -21,6 +21,7 @@ from fedjax_het.core import Batch, ClientProgram, ClientRows, Evaluation, Stage
 from fedjax_het.data.augment import augment_batch
 from fedjax_het.local_training import LocalTraining, batch_row_mask, batch_schedule, step_key
 from fedjax_het.models.forward import forward
+from fedjax_het.rows import shuffled_real_rows
 
 
 def client_keys(rng: jax.Array) -> dict:
@@ -198,21 +199,44 @@ def represent_into(model, buf: jnp.ndarray, params: Any, model_state: Any, x: jn
   return jax.lax.dynamic_update_slice_in_dim(buf, reps.astype(buf.dtype), start, 0)
 
 
+STATISTICS_STREAM = 0x535441  # folded into a round's clients' key for the statistics pass (`statistics_key`)
+
+
+def statistics_key(clients_key: jax.Array, client_id) -> jax.Array:
+  """The key of one client's statistics pass (`Evaluation.statistics`) after a round: fold_in(fold_in(the round's
+  clients' key, STATISTICS_STREAM), client id), so the pass draws nothing that the client's training draws."""
+  return jax.random.fold_in(jax.random.fold_in(clients_key, STATISTICS_STREAM), client_id)
+
+
+def statistics_order(key: jax.Array, n, num_rows: int) -> jnp.ndarray:
+  """[num_rows] the order in which a statistics pass visits a client's rows: its n real rows shuffled by
+  fold_in(key, 0), padding last (a shuffled train loader's, as HeteroFL's `stats` pass; in stored order the rows of
+  a client are often grouped by class, and batches of one class leave the between-class spread out of every batch
+  variance)."""
+  return shuffled_real_rows(jax.random.fold_in(key, 0), jnp.arange(num_rows) < n)
+
+
+def statistics_batch(order: jnp.ndarray, p, chunk: int, n) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """(row ids [chunk], which of them count) of batch p of a statistics pass over a client's rows in `order`
+  (`statistics_order`): positions p * chunk ... of the order, counted while < n (the last batch shorter)."""
+  position = p * chunk + jnp.arange(chunk)
+  return order[jnp.minimum(position, order.shape[0] - 1)], position < n
+
+
+def statistics_of_batch(evaluation: Evaluation, training: LocalTraining, sums: Any, evaluated: Any,
+                        x: jnp.ndarray, valid: jnp.ndarray, key: jax.Array, p) -> Any:
+  """sums plus the evaluation's statistics of batch p, x [chunk, ...] with its real rows `valid`, augmented as the
+  client's training batches are (`LocalTraining.augment`, from fold_in(key, p + 1): HeteroFL's `stats` reads its
+  train loader, crop and flip included)."""
+  x = augment_batch(x, jax.random.fold_in(key, p + 1), training.augment, training.augment_fill)
+  return jax.tree.map(jnp.add, sums, evaluation.statistics(evaluated, x, valid))
+
+
 def zero_statistics(evaluation: Evaluation, evaluated: Any, x: jnp.ndarray, chunk: int) -> Any:
   """Zeros shaped like the evaluation's statistics of a batch of `chunk` rows of x (what `statistics_into` adds
   to)."""
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
       evaluation.statistics, evaluated, x[:chunk], jnp.ones(chunk, bool)))
-
-
-def statistics_into(evaluation: Evaluation, sums: Any, evaluated: Any, x: jnp.ndarray, start, chunk: int, n) -> Any:
-  """sums plus the evaluation's statistics of training rows [start, start + chunk) of x among the first n (a
-  clamped last chunk counts only its new rows, as `count_into`)."""
-  first = jnp.minimum(start, x.shape[0] - chunk)
-  row = first + jnp.arange(chunk)
-  valid = (row >= start) & (row < n)
-  return jax.tree.map(jnp.add, sums, evaluation.statistics(evaluated, jax.lax.dynamic_slice_in_dim(x, first, chunk),
-                                                           valid))
 
 
 def count_into(evaluation: Evaluation, counts: jnp.ndarray, evaluated: Any, x: jnp.ndarray, y: jnp.ndarray, start,

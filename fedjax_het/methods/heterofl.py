@@ -21,7 +21,12 @@ Static BatchNorm (sBN, --heterofl_static_bn, the default): before each evaluatio
 mode over every client's training rows (`Evaluation.statistics`: the paper's server querying its clients), and its
 BatchNorm layers are scored with the mean of the batch statistics of its batches of --batch_size rows, each weighted
 by its rows (HeteroFL's `stats` pass averages its train loader's batches equally; the variances are unbiased in
-both; the pass is not counted in the communication); off, the global model
+both; the pass is not counted in the communication). As HeteroFL's `stats` reads its shuffled train loader with its
+crop and flip, each client's rows are visited in a random order drawn from the round's key and each batch is
+augmented as a training batch is (--augment): in stored order a client's rows can be grouped by class (the global
+protocol's partition), and batches of one class leave the spread between classes out of every variance. The code's
+pass shuffles the whole training set, so its batches mix clients; here each batch is one client's. Off, the global
+model
 normalises each test batch by the statistics of its real rows, so a score depends on the batch size. Not over
 Flower: its nodes are not queried for statistics.
 Under DP the classes a client holds (its label mask) are sent in the clear. Its Scaler (1 / rate
