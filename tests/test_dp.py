@@ -190,6 +190,55 @@ def test_calibration_reaches_the_target_epsilon():
     calibrate(PrivacyBudget(schedule(rounds=0), 'central', 1.0, 1e-5), 3.0)
 
 
+def test_a_calibration_beyond_what_the_accountant_computes_in_bounded_time_is_refused_and_draws_once(monkeypatch):
+  """--dp_target_epsilon with --rounds=100000000 printed nothing for hours: the calibration drew every round's
+  participants again for every sigma it tried. Refused as the config is made (and by `calibrate` itself) beyond
+  MAX_CALIBRATED_ROUNDS; below it the participants are drawn once, whatever the sigmas tried."""
+  from fedjax_het.privacy.budget import MAX_CALIBRATED_ROUNDS
+  for mode in ('local', 'central'):
+    with pytest.raises(ConfigError, match=r'^--dp_target_epsilon=3 with --rounds=100000000: calibrating the noise .*'
+                                          r'takes minutes to hours before the first round\. Fix: set the noise with '
+                                          r'--dp_noise_multiplier instead .*, or at most --rounds=100000\.$'):
+      dataclasses.replace(CFG, dp_mode=mode, dp_target_epsilon=3.0, rounds=10**8)
+  dataclasses.replace(CFG, dp_mode='local', dp_noise_multiplier=1.0, rounds=10**8)  # a set sigma: no calibration
+  drawn = []
+  original = Schedule.participants
+  monkeypatch.setattr(Schedule, 'participants', lambda self, r: drawn.append(r) or original(self, r))
+  with pytest.raises(ConfigError, match=r'^--dp_target_epsilon=3 with --rounds=100001: '):
+    calibrate(PrivacyBudget(schedule(rounds=MAX_CALIBRATED_ROUNDS + 1), 'local', 1.0, 1e-5), 3.0)
+  assert drawn == []  # refused before any draw
+  budget = PrivacyBudget(schedule(rounds=2000), 'local', 1.0, 1e-5)
+  sigma = calibrate(budget, 3.0)
+  assert sorted(drawn) == list(range(2000))  # each round drawn once
+  assert dataclasses.replace(budget, noise_multiplier=sigma).epsilon(2000) == pytest.approx(3.0, rel=1e-3)
+
+
+def test_a_signal_during_the_calibration_stops_it_before_anything_is_written(tmp_path, monkeypatch, capsys):
+  """The calibration, Python work of seconds before the first round, now reads the stop request between its steps:
+  a SIGTERM stops it within a few thousand rounds drawn (Interrupted: exit 143 from the entry points), where it
+  used to be acknowledged and then ignored until the calibration ended."""
+  import os
+  import signal
+  from fedjax_het.run.interrupts import Interrupted
+  drawn = []
+  original = Schedule.participants
+
+  def participants(self, r):
+    drawn.append(r)
+    if len(drawn) == 10:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return original(self, r)
+  monkeypatch.setattr(Schedule, 'participants', participants)
+  cfg = dataclasses.replace(CFG, dp_mode='local', dp_target_epsilon=3.0, rounds=20000)
+  with pytest.raises(Interrupted) as stopped:
+    train_and_evaluate(cfg, str(tmp_path / 'run'), progress=True)
+  assert (stopped.value.signal_name, stopped.value.rounds_done, stopped.value.resumable) == ('SIGTERM', 0, False)
+  assert len(drawn) <= 5000 + 10  # the draws of one step, not the run's 20,000 for each sigma tried
+  assert not {'config.json', 'metrics.jsonl', 'checkpoints', 'summary.json'} & set(os.listdir(tmp_path / 'run'))
+  err = capsys.readouterr().err
+  assert 'then calibrating the DP noise to --dp_target_epsilon=3' in err and 'SIGTERM: finishing this round' in err
+
+
 def test_settings_the_accountant_cannot_bound_or_lacking_noise_are_refused_naming_the_flag():
   with pytest.raises(ConfigError, match='exactly one of --dp_noise_multiplier'):
     dataclasses.replace(CFG, dp_mode='central')

@@ -292,6 +292,9 @@ class ExperimentConfig:
     if not (math.isfinite(self.dp_target_epsilon) and self.dp_target_epsilon >= 0):
       raise ConfigError(f'--dp_target_epsilon={self.dp_target_epsilon} must be a number >= 0 (0: use '
                         f'--dp_noise_multiplier).')
+    if self.dp_mode != 'off' and self.dp_target_epsilon > 0:  # a calibration that would take hours: refused now
+      from fedjax_het.privacy.budget import check_calibration_rounds  # dp-accounting, for such runs only
+      check_calibration_rounds(self.rounds, self.dp_target_epsilon)
     from fedjax_het.run.registry import config_flags
     for field, flag in config_flags(self.algorithm).items():
       value = getattr(self.method_config, field)

@@ -118,7 +118,8 @@ def read_dp_secret(path: str) -> int:
   return int(text)
 
 
-def _build(cfg: ExperimentConfig, secret: Optional[int] = None) -> tuple[Federation, Run, Optional['PrivacyBudget']]:
+def _build(cfg: ExperimentConfig, secret: Optional[int] = None, check: Callable[[], None] = lambda: None
+           ) -> tuple[Federation, Run, Optional['PrivacyBudget']]:
   validate(cfg)
   dataset = load_dataset(cfg.dataset, cfg.data_dir, seed=cfg.seed)
   dataset = dataset.subsampled(cfg.data_fraction, cfg.seed).resized(cfg.image_size)
@@ -148,7 +149,7 @@ def _build(cfg: ExperimentConfig, secret: Optional[int] = None) -> tuple[Federat
     algorithm = robust_aggregation(algorithm, cfg.robust_config())
   # Under DP the noise, and for amplified rounds the draw, come from a secret (`dp_secret`), not the seed.
   secret = secret if secret is not None else dp_secret(cfg)
-  algorithm, budget = private_algorithm(cfg, algorithm, data.num_clients, secret)
+  algorithm, budget = private_algorithm(cfg, algorithm, data.num_clients, secret, check)
   with flags_named():
     fed = Federation(algorithm, data, cfg.model_config(), cfg.local_training(), cfg.execution_config(),
                      rounds=cfg.rounds, join_ratio=cfg.join_ratio,
@@ -218,11 +219,12 @@ def warn_of_empty_rounds(schedule: Schedule) -> None:
                     1 / schedule.num_clients)
 
 
-def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: int, secret: Optional[int] = None
-                      ) -> tuple[Algorithm, Optional['PrivacyBudget']]:
+def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: int, secret: Optional[int] = None,
+                      check: Callable[[], None] = lambda: None) -> tuple[Algorithm, Optional['PrivacyBudget']]:
   """`algorithm` under --dp_mode (`privacy.dp.privatize`) and the privacy its run spends, with sigma calibrated
   to --dp_target_epsilon over the run's schedule when that is set; (algorithm, None) without DP. `secret`: the
-  run's secret (`dp_secret`), from which the participants of amplified rounds are drawn."""
+  run's secret (`dp_secret`), from which the participants of amplified rounds are drawn. `check`: called while
+  the calibration works (`privacy.budget.calibrate`), to stop it by raising (a stop signal)."""
   if cfg.dp_mode == 'off':
     return algorithm, None
   from fedjax_het.privacy.budget import PrivacyBudget, calibrate  # dp-accounting, only for DP runs
@@ -240,7 +242,7 @@ def private_algorithm(cfg: ExperimentConfig, algorithm: Algorithm, num_clients: 
     if budget.hides_count:  # the fixed denominator: each mean is a noised sum over the expected count qN
       check_expected_count(schedule, algorithm.name)
     if cfg.dp_target_epsilon > 0:
-      budget = dataclasses.replace(budget, noise_multiplier=calibrate(budget, cfg.dp_target_epsilon))
+      budget = budget.with_noise(calibrate(budget, cfg.dp_target_epsilon, check))
       logging.info('--dp_target_epsilon=%g: noise multiplier %.4f over %d rounds.', cfg.dp_target_epsilon,
                    budget.noise_multiplier, schedule.total_rounds)
     fixed_denominator = amplified and schedule.poisson
@@ -474,8 +476,10 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
       raise Interrupted(stop.requested or 'SIGTERM', resume, 0)
     say = (lambda text: sys.stderr.write(f'{cfg.algorithm}: {text}\n')) if progress and distributed.is_writer() else (
         lambda text: None)
-    say(f'loading {cfg.dataset} and splitting it over {cfg.num_clients} clients ({cfg.partition})')
-    fed, run, budget = _build(cfg, dp_secret(cfg, wd, resume))
+    calibrating = (f', then calibrating the DP noise to --dp_target_epsilon={cfg.dp_target_epsilon:g}'
+                   if cfg.dp_mode != 'off' and cfg.dp_target_epsilon > 0 else '')
+    say(f'loading {cfg.dataset} and splitting it over {cfg.num_clients} clients ({cfg.partition}){calibrating}')
+    fed, run, budget = _build(cfg, dp_secret(cfg, wd, resume), _startup_check(stop, resume))
     say(f'running on {fed.execution.describe()}')  # the defaults are the backend's where a flag leaves them unset
     startup = StartupDisplay(fed, say) if progress and distributed.is_writer() else None
     if federation is not None:
@@ -511,6 +515,17 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
       budget = budget.after(rows)
     return _train(cfg, fed, state, rows, wd, checkpoints if cfg.checkpoint_every else None, identity, stop,
                   progress, scalars, budget, startup)
+
+
+def _startup_check(stop: StopAtRoundEnd, resume: bool) -> Callable[[], None]:
+  """What the startup's long Python work (the DP noise's calibration) calls between its steps: a stop request
+  ends it there with `Interrupted`, before anything is written, as one during the rest of the startup does once
+  the federation is built. In a run over several processes it does nothing: they stop together after the build
+  (`_stopping`), so that none waits in a collective for one that left."""
+  def check() -> None:
+    if stop.requested is not None and jax.process_count() == 1:
+      raise Interrupted(stop.requested, resume, 0)
+  return check
 
 
 def _stopping(stop: StopAtRoundEnd) -> bool:
