@@ -152,16 +152,18 @@ def flower_dp_run(tmp_path_factory):
 
 
 def test_a_flower_dp_run_sends_and_logs_nothing_per_client_beyond_the_noised_uploads(flower_dp_run):
-  """Every TRAIN reply holds the node's upload alone (no loss), no QUERY reply the size of its data, no node is
-  asked for scores (local DP); the server's log lines name no client and count or time nothing; the rows hold no
-  loss, missing client, count of evaluated nodes, accuracy or timing."""
+  """Every TRAIN reply holds the node's upload alone (no loss; beside it only the round and run token it answers,
+  the server's own), no QUERY reply the size of its data, no node is asked for scores (local DP); the server's log
+  lines name no client and count or time nothing; the rows hold no loss, missing client, count of evaluated nodes,
+  accuracy or timing."""
   from flwr.app import MessageType
   run = flower_dp_run
   kinds = [kind for kind, _ in run['seen']]
   assert kinds.count(MessageType.TRAIN) == 3 and MessageType.EVALUATE not in kinds
   for kind, reply in run['seen']:
     if kind == MessageType.TRAIN:
-      assert list(reply.content.keys()) == ['upload']
+      assert list(reply.content.keys()) == ['upload', 'reply']  # and the round and run token it answers
+      assert set(reply.content['reply'].keys()) == {'round', 'run'}  # (the server's own, `rounds.check_binding`)
     else:
       assert set(reply.content['node'].keys()) == {'client', 'architecture'}
   assert run['lines'] == ['round 1/2: trained', 'round 1/2: no evaluation (under local DP the nodes send no scores)',
