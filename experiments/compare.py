@@ -20,7 +20,6 @@ entry NAME[flag=value;flag=value] is a variant of a method's hyperparameters, e.
 Stopped comparisons continue where they stopped when run again with the same flags.
 """
 
-import sys
 
 from fedjax_het.run import interrupts
 
@@ -57,15 +56,15 @@ def main(argv):
     seeds = [int(s) for s in FLAGS.seeds]
     epsilons = [float(e) for e in FLAGS.epsilons]
   except ValueError:
-    sys.exit(f'error: --seeds={",".join(FLAGS.seeds)} must be integers and --epsilons={",".join(FLAGS.epsilons)} '
-             f'numbers (inf: without DP), e.g. --seeds=0,1,2 --epsilons=1,3,8,inf.')
+    raise ConfigError(f'--seeds={",".join(FLAGS.seeds)} must be integers and --epsilons={",".join(FLAGS.epsilons)} '
+                      f'numbers (inf: without DP). Fix: e.g. --seeds=0,1,2 --epsilons=1,3,8,inf.') from None
   use_compilation_cache(FLAGS.compilation_cache)
   names = [parse_entry(a)[0] for a in FLAGS.algorithms + FLAGS.baselines]
   try:
     with flags_named():  # errors raised while the runs build or trace name the flags
       print(_tradeoff(epsilons, seeds, names) if epsilons else _comparison(seeds, names))
   except ConfigError as e:
-    sys.exit(f'error: {e}')
+    raise
   except KeyboardInterrupt:
     interrupts.exit_now(f'interrupted: finished runs are kept in {FLAGS.workdir}; run the same command again to '
                         f'continue.', interrupts.exit_code())

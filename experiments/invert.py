@@ -23,7 +23,6 @@ the uploads of the round after it. Every other flag is the experiment's (experim
 import dataclasses
 import json
 import os
-import sys
 import time
 
 from absl import app, flags, logging
@@ -163,7 +162,7 @@ def main(argv):
           state, _ = fed.round(state)
         results.append(_attack(label, cfg, fed, state, clients, inv_cfg, FLAGS.evaluate))
   except ConfigError as e:
-    sys.exit(f'error: {e}')
+    raise
   title = (f'Representation inversion on {setting.dataset} ({setting.num_clients} clients, models '
            f'{",".join(setting.models)}, d={setting.feature_dim}), round {results[0]["round"]}, clients '
            f'{",".join(map(str, clients))}; {inv_cfg.prior} prior, {inv_cfg.steps} Adam steps, lr '

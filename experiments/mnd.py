@@ -11,7 +11,6 @@ inversion through the run's frozen extractor F (`mnd.gefl_f_synthetic_images`; -
 
 import json
 import os
-import sys
 
 from fedjax_het.run import cli  # noqa: E402
 from absl import flags
@@ -47,7 +46,7 @@ def main(argv):
       raise ConfigError(f'--workdir: {cfg.algorithm} has no generator to sample from (GeFL, GeFL-F, FedVTC have '
                         f'one).')
   except ConfigError as e:
-    sys.exit(f'error: {e}')
+    raise
   key = jax.random.PRNGKey(FLAGS.seed)
   if cfg.algorithm == 'gefl_f':
     from fedjax_het.evaluation.mnd import gefl_f_synthetic_images
@@ -56,7 +55,7 @@ def main(argv):
       inversion = InversionConfig(steps=FLAGS.inversion_steps, learning_rate=FLAGS.inversion_lr,
                                   tv_weight=FLAGS.tv_weight)
     except ConfigError as e:
-      sys.exit(f'error: {e}')
+      raise
     synthetic = np.asarray(gefl_f_synthetic_images(cfg.method_config, fed.spec.num_classes, fed.spec.groups[0],
                                                  state.server, key, FLAGS.per_class, inversion))
   else:
@@ -74,7 +73,7 @@ def main(argv):
     try:
       embed = embedding(distance, points.shape[1:])
     except ConfigError as e:
-      sys.exit(f'error: {e}')
+      raise
     out[f'mnd_{distance}'], _ = mnd_ratio(points, validation, synthetic, embed)
     print(f'MND ratio ({distance} L2) of {cfg.algorithm} at round {out["round"]}: {out[f"mnd_{distance}"]:.4f}')
   with open(os.path.join(FLAGS.workdir, 'mnd.json'), 'w') as f:

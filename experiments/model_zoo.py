@@ -7,7 +7,6 @@ Columns: total (extractor + RM + head), extractor (the torchvision/HtFLlib backb
 head (d -> C), and the extractor's output width L before RM.
 """
 
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ from fedjax_het.run import cli  # noqa: E402
 from absl import flags
 
 from fedjax_het.errors import ConfigError
-from fedjax_het.models.registry import MODEL_FAMILIES, build_model, expand_models, model_names
+from fedjax_het.models.registry import build_model, expand_models, model_names
 
 flags.DEFINE_list('models', None, 'Architectures or families (default: every registered architecture).')
 flags.DEFINE_integer('image_size', 32, 'Square input size.')
@@ -40,7 +39,7 @@ def main(argv):
       params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), x))['params']
       width = jax.eval_shape(lambda: model.extractor.init_with_output(jax.random.PRNGKey(0), x))[0].shape[-1]
     except ConfigError as e:
-      sys.exit(f'error: {e} (families: {", ".join(MODEL_FAMILIES)})')
+      raise
     except Exception as e:  # an architecture that cannot take this image size
       print(f'{name:<18} cannot take {FLAGS.image_size}x{FLAGS.image_size}x{FLAGS.channels} images '
             f'({type(e).__name__})')

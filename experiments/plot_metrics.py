@@ -12,7 +12,6 @@ OUT.md.
 import glob
 import json
 import os
-import sys
 
 from fedjax_het.run import cli  # noqa: E402
 from absl import flags
@@ -43,7 +42,9 @@ def main(argv):
   runs = {os.path.basename(os.path.normpath(r)): seed_histories(r) for r in FLAGS.runs}
   missing = [name for name, h in runs.items() if not h]
   if missing:
-    sys.exit(f'error: --runs: no metrics.jsonl under {", ".join(missing)}.')
+    from fedjax_het.errors import ConfigError
+    raise ConfigError(f'--runs: no metrics.jsonl under {", ".join(missing)}. Fix: the workdirs of finished or '
+                      f'started runs (or their seed_N folders\' parent, as experiments/compare.py writes them).')
   fig, axes = plt.subplots(1, len(FLAGS.metrics), figsize=(4.2 * len(FLAGS.metrics), 3.4), squeeze=False)
   lines = ['| run | metric | seeds | first half of the rounds | second half |', '|---|---|---|---|---|']
   for ax, metric in zip(axes[0], FLAGS.metrics):

@@ -358,7 +358,7 @@ def test_the_tradeoff_refuses_a_noise_it_would_ignore(tmp_path):
   done = subprocess.run([sys.executable, os.path.join(root, 'experiments', 'compare.py'), '--algorithms=fedre',
                          '--dataset=digits', '--epsilons=1,inf', '--dp_mode=central', '--dp_noise_multiplier=2',
                          f'--workdir={tmp_path}'], capture_output=True, text=True, timeout=300)
-  assert done.returncode == 1
+  assert done.returncode == 2
   assert done.stderr.strip().splitlines()[-1] == (
       'error: --dp_noise_multiplier=2.0 with --epsilons: each point of the trade-off calibrates its noise to its own '
       'epsilon, so this value would be ignored. Fix: leave --dp_noise_multiplier out (or drop --epsilons to compare '

@@ -130,7 +130,7 @@ def test_command_line_parsing(monkeypatch, tmp_path, capsys):
 
 def test_an_unknown_name_is_one_error_naming_the_accepted_ones(monkeypatch, capsys):
   monkeypatch.setattr(tfds, 'builder', lambda *a, **k: pytest.fail('nothing is built when a name is unknown'))
-  assert prepare.main(['mnist', 'cifar', 'imagenet']) == 1
+  assert prepare.main(['mnist', 'cifar', 'imagenet']) == 2
   err = capsys.readouterr().err
   assert len(err.strip().splitlines()) == 1 and err.startswith('error: ')
   assert "'cifar' (did you mean cifar10 or cifar100?), 'imagenet'" in err

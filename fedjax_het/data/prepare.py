@@ -37,7 +37,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from fedjax_het.data.datasets import OFFLINE_DATASETS, PREPARE_COMMAND, TFDS_DATASETS
-from fedjax_het.errors import ConfigError, DatasetUnavailableError
+from fedjax_het.errors import (EXIT_FAILED, EXIT_USAGE, ConfigError, DatasetUnavailableError, argument_parser,
+                               error_line)
 
 MIB = 2 ** 20
 GIB = 2 ** 30
@@ -483,9 +484,17 @@ def _help_table() -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """The command line; returns the exit status (0, or 1 with one line on stderr for a bad name or a failed
-  download)."""
-  parser = argparse.ArgumentParser(prog=PREPARE_COMMAND, description=__doc__.split('\n\n', 1)[1],
+  """The command line; returns the exit status: 0; `EXIT_USAGE` (2) with one line on stderr for a bad option or an
+  unknown name, before anything is fetched; `EXIT_FAILED` (1) with one line for a failed preparation."""
+  try:
+    return _main(argv)
+  except ConfigError as e:  # the command line: an option, a value or a name
+    sys.stderr.write(error_line(e) + '\n')
+    return EXIT_USAGE
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+  parser = argument_parser(prog=PREPARE_COMMAND, description=__doc__.split('\n\n', 1)[1],
                                    epilog=_help_table(), formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('names', nargs='*', metavar='NAME', help='datasets to prepare (listed below)')
   parser.add_argument('--data_dir', default=None, help=f'where the data go (default: $TFDS_DATA_DIR, else '
@@ -495,18 +504,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       '(no download)')
   args = parser.parse_args(argv)
   data_dir = os.path.abspath(os.path.expanduser(args.data_dir or default_data_dir()))
+  if not args.list:
+    if not args.names:
+      raise ConfigError(f'name one or more datasets: {", ".join(SOURCES)}. Fix: {PREPARE_COMMAND} NAME ...; --help '
+                        f'shows their sizes.')
+    resolve_names(args.names)  # an unknown name: the command line's error, before anything is fetched
   try:
     if args.list:
       list_prepared(data_dir)
       return 0
-    if not args.names:
-      parser.print_usage(sys.stderr)
-      sys.stderr.write(f'error: name one or more datasets: {", ".join(SOURCES)} (--help shows their sizes).\n')
-      return 2
     prepare(args.names, data_dir, args.archive)
   except ConfigError as e:
-    sys.stderr.write(f'error: {e}\n')
-    return 1
+    sys.stderr.write(error_line(e) + '\n')
+    return EXIT_FAILED
   return 0
 
 

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from absl import flags
 
-from fedjax_het.errors import ConfigError
+from fedjax_het.errors import EXIT_FAILED, EXIT_USAGE, ConfigError, error_line
 from fedjax_het.flower.run_config import (APP_DIR, NOT_KEYS, experiment_flag_values, key_of, run_config_argument)
 from fedjax_het.run.launch import free_port
 
@@ -333,13 +333,8 @@ def _parse(argv: Sequence[str]) -> flags.FlagValues:
   try:
     rest = fv([PROG] + list(argv))
   except flags.Error as e:
-    message = str(e)
-    if isinstance(e, flags.UnrecognizedFlagError):
-      message += f' Fix: {PROG} --helpfull lists the flags.'
-    elif isinstance(e, flags.CantOpenFlagFileError):
-      message = (message.replace('ERROR:: ', '').rstrip('.') + '. Fix: the path of a flag file (the project\'s '
-                 'are in experiments/flags/).')
-    raise ConfigError(message) from None
+    from fedjax_het.run import cli
+    raise cli.flag_error(e, fv) from None
   if len(rest) > 1:
     raise ConfigError(f'unexpected arguments {rest[1:]}. Fix: give every setting as --flag=value.')
   return fv
@@ -453,8 +448,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run = parse_command_line(argv)
     find_flower_commands()
   except ConfigError as e:
-    sys.stderr.write(f'error: {e}\n')
-    return 2
+    sys.stderr.write(error_line(e) + '\n')
+    return EXIT_USAGE
   fv, cfg = run.flags, run.config
   simulation = fv.engine == 'simulation'
   cache = run.overrides.get('compilation-cache')  # the SuperNodes' too
@@ -468,10 +463,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       status = deployment.run(run.flagfile, fv.resume, fv.round_timeout, fv.connect_timeout, overrides=run.overrides)
       if deployment.failure:
         reason = deployment.failure.replace('ServerApp failed with exception: ', '')
-        resume = (f' The last checkpoint in {deployment.workdir} stands: continue with --resume.'
-                  if os.path.isdir(os.path.join(deployment.workdir, 'checkpoints')) else '')
-        sys.stderr.write(f'error: {reason} (the run\'s log: the ServerApp\'s output above; the nodes\': '
-                         f'{deployment.logs}).{resume}\n')
+        resume = (f'the last checkpoint in {deployment.workdir} stands: continue with --resume'
+                  if os.path.isdir(os.path.join(deployment.workdir, 'checkpoints')) else 'run the command again')
+        fix = '' if 'Fix:' in reason else f' Fix: what the ServerApp\'s output above says; then {resume}.'
+        sys.stderr.write(error_line(f'{reason.rstrip().rstrip(".")} (the run\'s log: the ServerApp\'s output above; '
+                                    f'the nodes\': {deployment.logs}).{fix}') + '\n')
+        return EXIT_FAILED
       return status
     except KeyboardInterrupt:
       sys.stderr.write(f'stopped: the last checkpoint in {deployment.workdir} stands; continue with --resume.\n')

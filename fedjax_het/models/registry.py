@@ -79,10 +79,21 @@ def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = '
     raise ConfigError(f'ModelConfig.precision={precision!r} is unknown; choose one of {", ".join(PRECISIONS)}.')
   base, rate = width_rate(name)
   if base not in _EXTRACTORS:
-    raise ConfigError(f'ModelConfig.names: unknown model {name!r}; registered models are {", ".join(model_names())}.')
+    raise ConfigError(unknown_model(name))
   extractor = (_WIDTH_SCALED[base](conv_factory(conv), rate) if '@' in name
                else _EXTRACTORS[name](conv_factory(conv)))
   return HeteroClassifier(extractor, num_classes, feature_dim, rm, precision)
+
+
+def unknown_model(name: str) -> str:
+  """The error of an unknown model name: the closest registered names and families, and where all are listed (there
+  are over a hundred)."""
+  from fedjax_het.errors import closest
+  base = name.split('@', 1)[0]
+  close = closest(base, model_names() + list(MODEL_FAMILIES))
+  near = f'; the closest are {", ".join(close)}' if close else ''
+  return (f'ModelConfig.names: unknown model {name!r}{near}. Fix: a registered model or family; '
+          f'`python experiments/model_zoo.py` lists every model, docs/usage.md#models the families.')
 
 
 def assign_models(models: Sequence[str], num_clients: int) -> list[str]:
@@ -92,8 +103,7 @@ def assign_models(models: Sequence[str], num_clients: int) -> list[str]:
   models = expand_models(models)
   for m in models:
     if width_rate(m)[0] not in _EXTRACTORS:
-      raise ConfigError(f'ModelConfig.names: unknown model {m!r}; registered models are {", ".join(model_names())}; '
-                        f'families: {", ".join(MODEL_FAMILIES)}.')
+      raise ConfigError(unknown_model(m))
   return [models[k % len(models)] for k in range(num_clients)]
 
 

@@ -136,6 +136,8 @@ def config_from_flags(fv=None, algorithms=None, **overrides) -> ExperimentConfig
   with flags_named():  # a method config's check names its flag; the config checks --algorithm
     config = ExperimentConfig(**general, models=tuple(fv.models),
                               methods={name: config_with(name, values) for name in METHODS})
+    from fedjax_het.models.registry import assign_models
+    assign_models(config.models, 1)  # an unknown model's name, before any data is loaded
   algorithms = algorithms or [config.algorithm]  # a sweep's own names are its to check (`compare.run_comparison`)
   ignored = ignored_method_flags(fv, algorithms)
   if ignored:
@@ -205,25 +207,116 @@ def help_text(fv, usage: str, argv: Sequence[str] = ()) -> str:
 
 
 def app_run(main, usage: Optional[str] = None) -> None:
-  """absl's `app.run(main)`, except that -h / --help / --helpshort print this entry point's own flags on stdout
-  and exit 0 (absl prints the flags of the main module and exits 1). `usage`: the text above the flags
-  (default: the __main__ module's docstring)."""
+  """absl's `app.run(main)` in the library's voice: -h / --help / --helpshort print this entry point's own flags on
+  stdout and exit 0 (absl prints the flags of the main module and exits 1); a bad flag, value or name, whether the
+  flags' parser or `main` finds it, prints one line, `error: WHAT. Fix: HOW.`, and exits with `EXIT_USAGE` (absl:
+  'FATAL Flags parsing error' and 1). `usage`: the text above the flags (default: the __main__ module's
+  docstring)."""
   argv = sys.argv[1:]
   if any(arg in HELP_ARGS for arg in argv):
     usage = usage if usage is not None else (sys.modules['__main__'].__doc__ or '')
     fv = flags.FLAGS
     print(help_text(fv, usage, argv))
     sys.exit(0)
-  app.run(main)
+  app.run(lambda rest: call_main(main, rest, flags.FLAGS),
+          flags_parser=lambda args: parse_flags_or_exit(args, flags.FLAGS))
 
 
-def parse_flags(argv: list[str], fv) -> None:
-  """Parses argv into `fv`, a bad flag or flag file turned into one ConfigError naming it."""
+def exit_with_error(error, status: Optional[int] = None, distributed: bool = False) -> None:
+  """Exits with `status` (default `EXIT_USAGE`) after the one line of `error` on stderr (`errors.error_line`); in a
+  run of several processes without JAX's shutdown, which waits minutes for processes that may never get there."""
+  from fedjax_het.errors import EXIT_USAGE, error_line
+  status = EXIT_USAGE if status is None else status
+  if distributed:
+    from fedjax_het.run import interrupts
+    interrupts.exit_now(error_line(error), status)
+  sys.stderr.write(error_line(error) + '\n')
+  sys.stderr.flush()
+  sys.exit(status)
+
+
+def flag_error(error: 'flags.Error', fv) -> 'ConfigError':
+  """absl's error for a command line, as the library says it: the flag named as given, the closest flags of a
+  misspelt one, and the fix."""
+  import re
+  from fedjax_het.errors import ConfigError, closest, did_you_mean
+  message = str(error).strip()
+  if isinstance(error, flags.UnrecognizedFlagError):
+    name = error.flagname
+    given = (error.flagvalue or f'--{name}').split('=', 1)[0]
+    names = [n for n in fv if not n.startswith('help')]
+    negated = name[2:] if name.startswith('no') and name[2:] in fv else None
+    if negated:  # --nofoo of a flag that is not boolean
+      return ConfigError(f'{given}: --{negated} is not a yes/no flag. Fix: --{negated}=VALUE (--help describes it).')
+    close = closest(name, names)
+    fix = f'--{close[0]}, if that is the one meant; ' if close else ''
+    return ConfigError(f'{given} is not a flag of this command{did_you_mean(name, names, "--")}. Fix: {fix}--help '
+                       f'lists this command\'s flags, --helpfull every flag.')
+  if isinstance(error, flags.CantOpenFlagFileError):
+    reason = re.sub(r'^(ERROR:+\s*)', '', message).rstrip('.')
+    return ConfigError(f'--flagfile: {reason}. Fix: the path of a flag file (the project\'s are in experiments/flags/).')
+  m = re.match(r'flag --(\w+)=(.*?): (.*)$', message, re.S)
+  if m and m[1] in fv:
+    name, value, reason = m[1], m[2], m[3].rstrip('.')
+    flag = fv[name]
+    if 'must have a value other than None' in reason:
+      return ConfigError(f'--{name} is required. Fix: --{name}=VALUE ({flag.help.rstrip(".")}).')
+    kind = flag.flag_type()
+    if kind in ('int', 'float') and re.search(r'invalid literal|could not convert', reason):
+      reason = 'not an integer' if kind == 'int' else 'not a number'
+    choices = getattr(flag.parser, 'enum_values', None)
+    if choices:
+      reason = 'not one of its values'
+    takes = ('one of ' + ', '.join(choices) if choices else
+             {'int': 'an integer', 'float': 'a number', 'bool': f'true or false (or --{name}, --no{name})',
+              'list': 'a comma-separated list'}.get(kind, 'a value as --help describes it'))
+    return ConfigError(f'--{name}={value}: {reason}. Fix: --{name} takes {takes}.')
+  return ConfigError(message)
+
+
+def parse_flags(argv: list[str], fv) -> list[str]:
+  """Parses argv (program name first) into `fv`; returns the arguments left over (the program name first). A bad
+  flag, value or flag file is one ConfigError naming it (`flag_error`)."""
+  try:
+    return fv(argv)
+  except flags.Error as e:
+    raise flag_error(e, fv) from None
+
+
+def parse_flags_or_exit(argv: list[str], fv) -> list[str]:
+  """`parse_flags`, a bad command line exiting with its one error line (`exit_with_error`)."""
   from fedjax_het.errors import ConfigError
   try:
-    fv(argv)
-  except flags.Error as e:
-    raise ConfigError(str(e)) from None
+    return parse_flags(argv, fv)
+  except ConfigError as e:
+    exit_with_error(e)
+
+
+def call_main(main, argv: Sequence[str], fv) -> None:
+  """`main(argv)`, a ConfigError or absl's UsageError it raises leaving as one error line (`exit_with_error`)."""
+  from fedjax_het.errors import ConfigError
+  distributed = 'distributed' in fv and fv.is_parsed() and fv['distributed'].value
+  try:
+    main(argv)
+  except ConfigError as e:
+    exit_with_error(e, distributed=distributed)
+  except app.UsageError as e:
+    exit_with_error(f'{str(e).rstrip(".")}. Fix: give every setting as --flag=value (--help lists them).',
+                    distributed=distributed)
+
+
+def command(main, argv: Sequence[str], fv) -> int:
+  """An entry point's command line `argv` (program name first) in process, as `app_run` runs it less absl's
+  setup: parsed into `fv`, then `main(rest)`; returns the exit status (a bad input: `EXIT_USAGE`, its line on
+  stderr)."""
+  try:
+    call_main(main, parse_flags_or_exit(list(argv), fv), fv)
+  except SystemExit as e:
+    if e.code is None or isinstance(e.code, int):
+      return e.code or 0
+    sys.stderr.write(f'{e.code}\n')
+    return 1
+  return 0
 
 
 def run(fv) -> dict:
@@ -253,24 +346,24 @@ def _exit_interrupted(e, workdir: str) -> None:
   sys.exit(143 if e.signal_name == 'SIGTERM' else 130)
 
 
-def main(argv) -> None:
-  """The body of the experiment entry points: parsed flags -> `train_and_evaluate`, the summary printed as JSON.
+def main(argv, fv=None) -> None:
+  """The body of the experiment entry points: parsed flags (default: absl's FLAGS) -> `train_and_evaluate`, the
+  summary printed as JSON.
 
-  A `ConfigError` (bad input) exits with its one-line message; an interrupt exits saying how to resume."""
+  A `ConfigError` (bad input) exits with its one line, `error: ... Fix: ...`, and `EXIT_USAGE`; an interrupt exits
+  saying how to resume."""
   from fedjax_het.errors import ConfigError
   from fedjax_het.run import interrupts
   from fedjax_het.run.interrupts import Interrupted
-  fv = flags.FLAGS
+  fv = fv or flags.FLAGS
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  if not fv['verbosity'].present:
+    raise ConfigError(f'unexpected arguments {argv[1:]}. Fix: give every setting as --flag=value (--help lists them).')
+  if 'verbosity' not in fv or not fv['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO.
   try:
     summary = run(fv)
   except ConfigError as e:
-    if fv.distributed:  # not through JAX's shutdown, which waits minutes for processes that may never get there
-      interrupts.exit_now(f'error: {e}', 1)
-    sys.exit(f'error: {e}')
+    exit_with_error(e, distributed=fv.distributed)
   except Interrupted as e:
     _exit_interrupted(e, fv.workdir)
   except KeyboardInterrupt:  # a second signal: aborted mid-round

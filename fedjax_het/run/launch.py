@@ -141,7 +141,8 @@ def launch(command: Sequence[str], num_processes: int, cpu_devices: int = 0, log
         p.kill()
         p.wait()
     code = procs[first].returncode
-    if code not in (130, 143):
+    from fedjax_het.errors import EXIT_USAGE
+    if code not in (130, 143) and not (first == 0 and code == EXIT_USAGE):  # process 0's error line says it
       where = 'its output is above' if first == 0 else f'the end of its log ({logs[first].name}):'
       sys.stderr.write(f'\nfedjax_het.launch: process {first} of {num_processes} exited with status {code}; '
                        f'stopped the others. {where}\n')
@@ -157,7 +158,19 @@ def launch(command: Sequence[str], num_processes: int, cpu_devices: int = 0, log
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  parser = argparse.ArgumentParser(prog='python -m fedjax_het.run.launch', description=__doc__.split('\n\n')[0],
+  """The command line; the exit status: 0, the first failed process's, or `EXIT_USAGE` (2) with one line on stderr
+  for a bad option, value or entry point, before any process starts."""
+  from fedjax_het.errors import EXIT_USAGE, ConfigError, error_line
+  try:
+    return _main(argv)
+  except (ConfigError, LaunchError) as e:
+    sys.stderr.write(error_line(e) + '\n')
+    return EXIT_USAGE
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+  from fedjax_het.errors import argument_parser, did_you_mean
+  parser = argument_parser(prog='python -m fedjax_het.run.launch', description=__doc__.split('\n\n')[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--num_processes', type=int, default=2, help='Processes to start (default 2).')
   parser.add_argument('--cpu_devices', type=int, default=0, help='Run JAX on this many CPU devices per process '
@@ -170,15 +183,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       'experiments/fedre.py --flagfile=...')
   args = parser.parse_args(argv)
   if args.num_processes < 1:
-    parser.error(f'--num_processes={args.num_processes} must be >= 1.')
+    raise LaunchError(f'--num_processes={args.num_processes} must be >= 1. Fix: --num_processes=1 or more.')
   if args.cpu_devices < 0:
-    parser.error(f'--cpu_devices={args.cpu_devices} must be >= 0.')
+    raise LaunchError(f'--cpu_devices={args.cpu_devices} must be >= 0. Fix: --cpu_devices=0 (the platform\'s own '
+                      f'devices) or more.')
   if not args.command:
-    parser.error('give the entry point to run, e.g. experiments/fedre.py --flagfile=... --workdir=...')
-  try:
-    return launch(args.command, args.num_processes, args.cpu_devices, args.log_dir, args.port)
-  except LaunchError as e:
-    parser.error(str(e))
+    raise LaunchError('no entry point to run. Fix: name it after the options, e.g. experiments/fedre.py '
+                      '--flagfile=... --workdir=...')
+  entry = args.command[0]
+  if entry.endswith('.py') and not os.path.isfile(entry):
+    scripts = [os.path.join('experiments', f) for f in sorted(os.listdir('experiments'))
+               if f.endswith('.py')] if os.path.isdir('experiments') else []
+    raise LaunchError(f'{entry}: no such file{did_you_mean(entry, scripts)}. Fix: the path of an entry point '
+                      f'(experiments/fedre.py, experiments/run.py, ...), from the folder it is relative to.')
+  return launch(args.command, args.num_processes, args.cpu_devices, args.log_dir, args.port)
 
 
 if __name__ == '__main__':
