@@ -123,12 +123,17 @@ def load_tfds(name: str, data_dir: Optional[str] = None) -> Dataset:
   """Loads a prepared tfds dataset ('train' and 'test' splits) without TensorFlow, via `tfds.data_source`."""
   import tensorflow_datasets as tfds  # Imported lazily: it is slow to import and only this loader needs it.
 
+  from absl import logging as absl_logging
   splits = {}
   for split in ('train', 'test'):
+    verbosity = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)  # tfds's warnings of a missing build: the error below says it
     try:
       source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
     except Exception as e:  # tfds raises several types (DatasetNotFoundError, AssertionError, FileNotFoundError).
       raise DatasetUnavailableError(_tfds_missing_message(name, data_dir, e)) from e
+    finally:
+      absl_logging.set_verbosity(verbosity)
     records = [source[i] for i in range(len(source))]
     images = np.stack([np.asarray(r['image']) for r in records]) if records else np.zeros((0, 1, 1, 1), np.uint8)
     labels = np.asarray([r['label'] for r in records], dtype=np.int32)
