@@ -134,3 +134,14 @@ def test_absls_app_run_path_is_the_same_line():
   assert [p.returncode for p in runs] == [EXIT_USAGE, EXIT_USAGE], (fedre_err, compare_err)
   assert 'did you mean --rounds?' in one_error_line(fedre_err)
   assert 'Fix: e.g. --seeds=0,1,2' in one_error_line(compare_err)
+
+
+def test_a_resume_says_from_which_round_and_what_changed(tmp_path, capsys):
+  import dataclasses
+  from runs import CFG
+  from fedjax_het.run.experiment import train_and_evaluate
+  train_and_evaluate(dataclasses.replace(CFG, rounds=2), str(tmp_path), progress=False)
+  train_and_evaluate(dataclasses.replace(CFG, rounds=3, checkpoint_every=1), str(tmp_path), resume=True,
+                     progress=True)
+  assert (f'fedre: resumed {tmp_path} from its checkpoint of round 2; changed since config.json: --rounds=2 -> 3, '
+          f'--checkpoint_every=2 -> 1\n') in capsys.readouterr().err

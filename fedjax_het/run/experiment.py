@@ -367,6 +367,18 @@ def _check_config_json(workdir: Workdir, cfg: ExperimentConfig) -> None:
   _refuse_changed(fixed(saved), fixed(now), workdir.file('config.json'))
 
 
+def resumed_changes(workdir: Workdir, cfg: ExperimentConfig) -> list[str]:
+  """The settings a resume changes against the run's config.json, as '--flag=old -> new' (only the resumable ones
+  can differ: the others are refused)."""
+  saved = workdir.read_json('config.json')
+  if saved is None:
+    return []
+  before, now = run_settings(saved), run_settings(json.loads(json.dumps(cfg.to_dict())))
+  show = lambda v: ','.join(map(str, v)) if isinstance(v, list) else v
+  return [f'--{k}={show(before.get(k))} -> {show(now.get(k))}' for k in resumable_settings()
+          if before.get(k) != now.get(k)]
+
+
 def best_per_architecture_mean(cfg: ExperimentConfig, evals: list[dict]) -> Optional[float]:
   """The mean over architectures of each architecture's best (over the evaluation rounds) mean accuracy of its
   clients ("GeFL: Model-Agnostic Federated Learning with Generative Models", Sec. V: every architecture's model,
@@ -470,8 +482,10 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
     if tensorboard and os.path.lexists(events) and not os.path.isdir(events):
       raise ConfigError(f'--tensorboard: {events} exists and is not a folder, so the events cannot go there. Fix: '
                         f'move that file away, or leave --tensorboard off.')
+    changes = []
     if resume:
       _check_config_json(wd, cfg)
+      changes = resumed_changes(wd, cfg)
     if _stopping(stop):
       raise Interrupted(stop.requested or 'SIGTERM', resume, 0)
     say = (lambda text: sys.stderr.write(f'{cfg.algorithm}: {text}\n')) if progress and distributed.is_writer() else (
@@ -498,6 +512,8 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
       where = f'the checkpoint under {wd.checkpoints}'
       state, _ = checkpoints.restore_latest(state, lambda saved: _check_identity(saved, identity, where, run))
       rows = _resumed_rows(wd, checkpoints, int(state.round))
+      say(f'resumed {wd.path} from its checkpoint of round {int(state.round)}; '
+          + (f'changed since config.json: {", ".join(changes)}' if changes else 'no setting changed'))
     if _stopping(stop):  # stopped while restoring: nothing new written
       raise Interrupted(stop.requested or 'SIGTERM', resume, int(state.round))
     wd.write_json('config.json', cfg.to_dict())
