@@ -23,7 +23,7 @@ from harness import RESULTS, write_results
 
 from fedjax_het.data.partition import partition_clients
 from fedjax_het.engine.chunks import padding_waste, plan_chunks
-from fedjax_het.engine.executors import VmapExecutor
+from fedjax_het.engine.vmap_executor import VmapExecutor
 from fedjax_het.errors import ConfigError
 
 flags.DEFINE_list('num_clients', ['10', '100', '1000'], 'Client counts.')

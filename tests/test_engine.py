@@ -164,10 +164,10 @@ ONE_GROUP = dict(models=('mlp',), training=LocalTraining(learning_rate=0.05, bat
 @pytest.fixture
 def peaks(monkeypatch):
   """The peaks XLA's memory analysis gives the executor's budget calls, in the order it asks for them."""
-  from fedjax_het.engine import executors
+  from fedjax_het.engine import vmap_executor
   recorded = []
-  analysed = executors.compiled_peak
-  monkeypatch.setattr(executors, 'compiled_peak', lambda lowered: recorded.append(analysed(lowered)) or recorded[-1])
+  analysed = vmap_executor.compiled_peak
+  monkeypatch.setattr(vmap_executor, 'compiled_peak', lambda lowered: recorded.append(analysed(lowered)) or recorded[-1])
   return recorded
 
 

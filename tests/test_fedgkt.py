@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fedjax_het.core import PerClient, for_client
-from fedjax_het.engine.executors import vmap_broadcast
+from fedjax_het.engine.vmap_executor import vmap_broadcast
 from fedjax_het.errors import ConfigError
 from fedjax_het.methods import FedGKTConfig
 from fedjax_het.methods.fedgkt import FedGKTUpload, ServerModel, client_kd_loss
@@ -157,3 +157,97 @@ def test_a_last_batch_of_one_row_keeps_the_deep_server_finite():
   assert np.isfinite(float(metrics['server_loss']))
   assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(new.model))
   assert np.isfinite(np.asarray(new.logits[0][0, :9])).all() and new.has[0][0] and not new.has[0][1:].any()
+
+
+def test_the_server_plateau_schedule_is_torchs_reduce_lr_on_plateau():
+  """`plateau_step` against torch's ReduceLROnPlateau('max', factor, patience) (the code's server scheduler) on a
+  sequence of accuracies that improves, stalls, improves by less than the 1e-4 threshold and stalls again; the scale
+  at each step is the torch optimizer's rate over the initial rate."""
+  from fedjax_het.methods.fedgkt import plateau_init, plateau_step
+  metrics = [0.1, 0.2, 0.2, 0.19, 0.2, 0.20001, 0.3, 0.3, 0.3, 0.3, 0.25, 0.3, 0.3, 0.3, 0.3]
+  expected = {}
+  try:
+    import torch
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, 'max', factor=0.5, patience=2)
+    for m in metrics:
+      scheduler.step(m)
+      expected.setdefault('torch', []).append(opt.param_groups[0]['lr'] / 1e-3)
+  except ImportError:
+    pass
+  # By hand (patience 2: a third step without an improvement of more than 1e-4 relative halves the rate):
+  # 0.1 best, 0.2 best, then 0.2 / 0.19 / 0.2 bad (3 > 2: halve), 0.20001 not above 0.2 * 1.0001: bad 1, 0.3 best,
+  # 0.3 x 3 bad (halve), 0.25 bad 1, 0.3 bad 2, 0.3 bad 3 (halve), 0.3 bad 1, 0.3 bad 2.
+  by_hand = [1, 1, 1, 1, 0.5, 0.5, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.125, 0.125, 0.125]
+  plateau, got = plateau_init(), []
+  for m in metrics:
+    plateau = plateau_step(plateau, jnp.float32(m), 0.5, 2, 1e-3)
+    got.append(float(plateau.scale))
+  assert got == by_hand
+  if 'torch' in expected:
+    np.testing.assert_allclose(got, expected['torch'], rtol=1e-6)
+
+
+def test_the_server_steps_at_its_plateau_scale_and_reports_it():
+  """The server's steps are scaled by its plateau's factor (a scale of 0 leaves its parameters where they were), and
+  every round's scale and accuracy are reported; with patience 0 a round without a better accuracy halves it."""
+  fed = _federation(join_ratio=1.0, plateau_factor=0.5, plateau_patience=0)
+  start = jax.device_get(fed.init().server.model)  # a round donates the states it is given: each runs on its own
+  frozen = fed.init()
+  frozen = frozen._replace(server=frozen.server._replace(plateau=frozen.server.plateau._replace(
+      scale=jnp.float32(0.0))))
+  after, m = fed.round(frozen)
+  for a, b in zip(jax.tree.leaves(after.server.model), jax.tree.leaves(start)):
+    np.testing.assert_array_equal(a, b)
+  moved, m = fed.round(fed.init())
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(moved.server.model), jax.tree.leaves(start)))
+  assert m['server_lr_scale'] == 1.0 and 0.0 <= m['server_train_accuracy'] <= 1.0
+  best, scale = m['server_train_accuracy'], 1.0
+  for _ in range(2):
+    moved, m = fed.round(moved)
+    if not m['server_train_accuracy'] > best * (1 + 1e-4):
+      scale *= 0.5
+    best = max(best, m['server_train_accuracy'])
+    assert m['server_lr_scale'] == pytest.approx(scale)
+
+
+def test_the_uploaded_maps_are_extracted_from_augmented_rows():
+  """FedGKT's code extracts the uploaded maps through its training loader (crop, flip, Cutout): with --augment each
+  row's upload is its extractor's output on the row augmented by fold_in(the final key, row), one draw per row."""
+  from fedjax_het.core import ClientRows
+  from fedjax_het.data.augment import augment_batch
+  from fedjax_het.methods.fedgkt import extract
+  results = {}
+  for augment in ('none', 'crop_flip'):
+    cfg = ExperimentConfig(algorithm='fedgkt', dataset='synthetic:8,8,1', data_fraction=0.1, num_clients=4,
+                           models=('mlp',), feature_dim=16, rounds=1, batch_size=8, partition='iid', augment=augment,
+                           methods={'fedgkt': FedGKTConfig(server_epochs=1, server_blocks=1)})
+    fed = build_federation(cfg)
+    state = fed.init()
+    g, program = fed.groups[0], fed.programs[0][0]
+    client = jax.tree.map(lambda a: a[0], state.groups[0])
+    n = int(g.train_sizes[0])
+    rows = ClientRows(g.train.x[0], g.train.y[0], jnp.asarray(n), jnp.asarray(n), None)
+    key = jax.random.PRNGKey(7)
+    _, upload = program.final(client, rows, for_client(fed.broadcast(state.server, 0, 0), 0), key)
+    model = g.spec.model
+    by_hand = [extract(model, client.params, client.model_state, augment_batch(
+        g.train.x[0, r][None], jax.random.fold_in(key, r), augment, g.spec.training.augment_fill))[0][0]
+        for r in range(n)]
+    np.testing.assert_allclose(upload.features[:n], np.stack(by_hand), rtol=1e-5, atol=1e-5)
+    results[augment] = np.asarray(upload.features[:n])
+  assert not np.allclose(results['none'], results['crop_flip'])
+
+
+def test_fedml_normalisations_are_fedgkts_codes():
+  """--input_normalization=cifar10_fedml / cinic10_fedml: (x/255 - mean) / std with FedML's loaders' statistics
+  (FedGKT's code: CIFAR-10's std (0.2470, 0.2435, 0.2616), not the (0.2023, 0.1994, 0.2010) of other codes), and
+  a crop's padding is the raw black pixel under them."""
+  from fedjax_het.data.datasets import Dataset, black_pixel
+  raw = np.array([0.0, 128.0, 255.0], np.float32)  # one pixel's R, G, B
+  ds = Dataset('one', (raw / 255 * 2 - 1).reshape(1, 1, 1, 3), np.zeros(1, np.int32), 2)
+  for kind, mean, std in (('cifar10_fedml', (0.49139968, 0.48215827, 0.44653124), (0.24703233, 0.24348505, 0.26158768)),
+                          ('cinic10_fedml', (0.47889522, 0.47227842, 0.43047404), (0.24205776, 0.23828046, 0.25874835))):
+    expected = (raw / 255 - np.array(mean)) / np.array(std)
+    np.testing.assert_allclose(ds.normalized(kind).x[0, 0, 0], expected, rtol=1e-5)
+    np.testing.assert_allclose(black_pixel(kind), -np.array(mean) / np.array(std), rtol=1e-6)

@@ -30,7 +30,7 @@ def missing_imports(source: str) -> list[str]:
 
 def test_a_missing_name_is_found():
   missing = missing_imports('from fedjax_het.methods.shared.common import descend, no_such_thing\n'
-                            'from fedjax_het.engine import executors')
+                            'from fedjax_het.engine import vmap_executor')
   assert missing == ['fedjax_het.methods.shared.common.no_such_thing']
 
 

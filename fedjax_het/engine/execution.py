@@ -11,7 +11,9 @@ from typing import Optional
 
 import jax
 
-from fedjax_het.engine.executors import STRATEGIES, Executor, SequentialExecutor, VmapExecutor
+from fedjax_het.engine.executor import STRATEGIES, Executor
+from fedjax_het.engine.sequential_executor import SequentialExecutor
+from fedjax_het.engine.vmap_executor import VmapExecutor
 from fedjax_het.engine.sharding import CLIENTS_AXIS, place_replicated
 from fedjax_het.errors import ConfigError
 from fedjax_het.kernels import onednn

@@ -26,7 +26,8 @@ from fedjax_het.core import Algorithm, FederationSpec, Gathered, Phase, Uploads,
 from fedjax_het.data.federated import FederatedData
 from fedjax_het.engine.accounting import accuracy_metrics, communication_metrics, count_uploads
 from fedjax_het.engine.execution import ExecutionConfig
-from fedjax_het.engine.executors import Executor, host_states
+from fedjax_het.engine.executor import Executor
+from fedjax_het.engine.streaming import host_states
 from fedjax_het.engine.groups import (EvalSet, Group, ModelConfig, build_groups, clients_without_steps, host_copy,
                                       init_group, slot_indices)
 from fedjax_het.engine.plan import plan_stages

@@ -12,8 +12,8 @@ import jax
 from absl import logging
 
 from fedjax_het.data.augment import AUGMENTATIONS, check_augmentation
-from fedjax_het.data.datasets import black_pixel
-from fedjax_het.engine.executors import STRATEGIES
+from fedjax_het.data.datasets import NORMALIZATIONS, black_pixel
+from fedjax_het.engine.executor import STRATEGIES
 from fedjax_het.errors import ConfigError, naming_flags
 from fedjax_het.local_training import LocalTraining
 from fedjax_het.models.conv import CONV_IMPLS
@@ -76,8 +76,10 @@ class ExperimentConfig:
   image_size: int = setting(0, 'data',
       "Resize every image to S x S (bilinear; 0: keep the dataset's size). GeFL resizes MNIST 28 -> 32.")
   input_normalization: str = setting('symmetric', 'data',
-      'Image scaling: symmetric ((x/255 - 0.5) / 0.5, in [-1, 1]) or cifar10 (per channel (x/255 - mean) / std with '
-      "CIFAR-10's statistics, as the Felo/Velo and GeFL codes normalise CIFAR-10).", choices=('symmetric', 'cifar10'))
+      'Image scaling: symmetric ((x/255 - 0.5) / 0.5, in [-1, 1]), cifar10 (per channel (x/255 - mean) / std with '
+      "CIFAR-10's statistics, as the Felo/Velo and GeFL codes normalise CIFAR-10), cifar10_fedml or cinic10_fedml "
+      "(the statistics of FedML's loaders, FedGKT's code: CIFAR-10's true std (0.247, 0.243, 0.262), CINIC-10's own).",
+      choices=NORMALIZATIONS)
   data_fraction: float = setting(1.0, 'data',
       'Share of the training set used (a seeded subsample drawn before partitioning; the test set is kept whole). '
       'GeFL Table XIV: 0.1 MNIST/FMNIST, 0.5 CIFAR-10.')
