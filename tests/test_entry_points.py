@@ -145,3 +145,14 @@ def test_a_resume_says_from_which_round_and_what_changed(tmp_path, capsys):
                      progress=True)
   assert (f'fedre: resumed {tmp_path} from its checkpoint of round 2; changed since config.json: --rounds=2 -> 3, '
           f'--checkpoint_every=2 -> 1\n') in capsys.readouterr().err
+
+
+def test_a_comparison_says_which_runs_it_reused(tmp_path, capsys):
+  import dataclasses
+  from runs import CFG
+  from fedjax_het.run.compare import run_comparison
+  base = dataclasses.replace(CFG, rounds=1)
+  run_comparison(base, ['fedre'], [0], str(tmp_path))
+  assert f'compare: 1/1 fedre, seed 0: running in {tmp_path}/fedre/seed0\n' in capsys.readouterr().err
+  run_comparison(base, ['fedre'], [0], str(tmp_path))
+  assert f'compare: 1/1 fedre, seed 0: reused the finished run in {tmp_path}/fedre/seed0\n' in capsys.readouterr().err

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -110,7 +111,8 @@ def run_comparison(base: ExperimentConfig, algorithms: Sequence[str], seeds: Seq
                       f'{", ".join(METHODS)}.')
   if not seeds:
     raise ConfigError('--seeds is empty; give at least one seed, e.g. --seeds=0,1,2.')
-  results = []
+  results, total = [], len(algorithms) * len(seeds)
+  say = (lambda text: sys.stderr.write(f'compare: {text}\n')) if progress else (lambda text: None)
   for algorithm in algorithms:
     summaries, curves = [], []
     name, values = parse_entry(algorithm)
@@ -119,8 +121,12 @@ def run_comparison(base: ExperimentConfig, algorithms: Sequence[str], seeds: Seq
       cfg = dataclasses.replace(base, algorithm=name, seed=int(seed), methods=methods)
       run_dir = os.path.join(workdir, algorithm.replace('[', '_').replace(']', '').replace(';', '_'), f'seed{seed}')
       summary = _finished_summary(run_dir, cfg)
+      done = len(results) * len(seeds) + len(summaries) + 1
+      if summary is not None:
+        say(f'{done}/{total} {algorithm}, seed {seed}: reused the finished run in {run_dir}')
       if summary is None:
         resume = Workdir(run_dir).has_checkpoints()
+        say(f'{done}/{total} {algorithm}, seed {seed}: {"resuming" if resume else "running"} in {run_dir}')
         if not resume and Workdir(run_dir).holds_run():
           _refuse_other_run(run_dir, cfg)
           shutil.rmtree(run_dir)  # this comparison's own run, stopped before its first checkpoint: start it again
