@@ -270,7 +270,10 @@ def test_every_flag_file_parses_into_a_config(flagfile):
   assert cfg.rounds > 0 and cfg.num_clients == (100 if flagfile.startswith('fedvtc_table1') else 20 if twenty else 10)
   if felo:  # one library round per code iteration: 100 paper-rounds of K x 0.2 (x 1.0); FedMD's transfer round
     assert cfg.rounds == 100 * round(cfg.num_clients * cfg.join_ratio) + (cfg.algorithm == 'fedmd')
-    assert cfg.input_normalization == ('cifar10' if 'cifar10' in flagfile else 'symmetric')  # the code's CIFAR-10
+    if cfg.algorithm == 'fedgkt':  # FedGKT's code (FedML's loaders): CIFAR-10's true std, CINIC-10's statistics
+      assert cfg.input_normalization == ('cifar10_fedml' if 'cifar10' in flagfile else 'cinic10_fedml')
+    else:
+      assert cfg.input_normalization == ('cifar10' if 'cifar10' in flagfile else 'symmetric')  # the code's CIFAR-10
   if flagfile.startswith('gefl'):  # GeFL's loaders keep the last partial batch; its CNNs end in one fc
     assert not cfg.drop_last and cfg.rm == 'none'
     if cfg.algorithm in ('gefl', 'gefl_f'):

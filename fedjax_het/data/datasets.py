@@ -21,15 +21,22 @@ OFFLINE_DATASETS = ('digits', 'mnist5k', 'synthetic')
 # The command that downloads and prepares the tfds datasets and the .npz files named here (fedjax_het.data.prepare).
 PREPARE_COMMAND = 'python -m fedjax_het.data.prepare'
 PREPARED_NPZ = ('tinyimagenet', 'cinic10')
-NORMALIZATIONS = ('symmetric', 'cifar10')
+NORMALIZATIONS = ('symmetric', 'cifar10', 'cifar10_fedml', 'cinic10_fedml')
 CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010))
+# Per-channel (mean, std) of each per-channel normalisation: 'cifar10' as the Felo/Velo and GeFL codes normalise
+# CIFAR-10; FedML's loaders (FedGKT's code) normalise CIFAR-10 with its pixels' true std and CINIC-10 with its own.
+CHANNEL_STATISTICS = {
+    'cifar10': CIFAR10_MEAN_STD,
+    'cifar10_fedml': ((0.49139968, 0.48215827, 0.44653124), (0.24703233, 0.24348505, 0.26158768)),
+    'cinic10_fedml': ((0.47889522, 0.47227842, 0.43047404), (0.24205776, 0.23828046, 0.25874835)),
+}
 
 
 def black_pixel(kind: str) -> tuple[float, ...]:
   """The value a raw black pixel (0) takes under input normalisation `kind`: -1 ('symmetric'), or -mean / std per
-  channel ('cifar10'). What a random crop pads with, as torchvision pads the raw image before `Normalize`."""
-  if kind == 'cifar10':
-    return tuple(-m / s for m, s in zip(*CIFAR10_MEAN_STD))
+  channel (the others). What a random crop pads with, as torchvision pads the raw image before `Normalize`."""
+  if kind in CHANNEL_STATISTICS:
+    return tuple(-m / s for m, s in zip(*CHANNEL_STATISTICS[kind]))
   return (-1.0,)
 
 
@@ -81,7 +88,9 @@ class Dataset:
   def normalized(self, kind: str) -> 'Dataset':
     """The images (in the library's [-1, 1], (x/255 - 0.5) / 0.5) renormalised: 'symmetric' keeps them;
     'cifar10' maps them to (x/255 - mean) / std per channel with CIFAR-10's statistics, mean (0.4914, 0.4822,
-    0.4465) and std (0.2023, 0.1994, 0.2010), as the Felo/Velo and GeFL codes normalise CIFAR-10."""
+    0.4465) and std (0.2023, 0.1994, 0.2010), as the Felo/Velo and GeFL codes normalise CIFAR-10;
+    'cifar10_fedml' with mean (0.4914, 0.4822, 0.4465) and std (0.2470, 0.2435, 0.2616), and 'cinic10_fedml'
+    with CINIC-10's (0.4789, 0.4723, 0.4305) and (0.2421, 0.2383, 0.2587), as FedML's loaders (FedGKT's code)."""
     if kind not in NORMALIZATIONS:
       raise ConfigError(f'--input_normalization={kind!r} is unknown; choose one of {", ".join(NORMALIZATIONS)}.')
     if kind == 'symmetric':
@@ -89,7 +98,7 @@ class Dataset:
     if self.x.shape[-1] != 3:
       raise ConfigError(f'--input_normalization={kind}: per-channel statistics of 3-channel images, and '
                         f'{self.name} has {self.x.shape[-1]} channel(s). Fix: --input_normalization=symmetric.')
-    mean, std = (np.asarray(v, np.float32) for v in CIFAR10_MEAN_STD)
+    mean, std = (np.asarray(v, np.float32) for v in CHANNEL_STATISTICS[kind])
     renorm = lambda a: None if a is None else (((a + 1.0) / 2.0 - mean) / std).astype(np.float32)
     return dataclasses.replace(self, x=renorm(self.x), x_test=renorm(self.x_test))
 

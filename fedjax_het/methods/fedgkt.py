@@ -33,8 +33,12 @@ distilled towards another row's logits; here each row gets its own (keyed by the
 uploaded (the code's pass drops the last partial batch). Groups whose extractors end in different channel counts
 (heterogeneous clients; the code's clients are all ResNet-8) each get a learned Dense (a 1x1 convolution) to the
 largest count at the server, trained with the server model; groups with equal counts get none. The server's
-ReduceLROnPlateau and the ImageNet-pretrained client start are not reproduced; its CIFAR loaders' augmentation is
---augment=crop_flip_cutout. Its KL_Loss adds 1e-7 to the teacher's probabilities, left out here (one server round
+ReduceLROnPlateau('max') (factor 0.1, patience 10, its other defaults; --gkt_plateau_factor, --gkt_plateau_patience) is
+stepped every round, on the server's accuracy over the uploaded training rows in its last epoch (the code steps it on
+its best accuracy on the clients' uploaded test features, which this server does not hold). The client's pretrained
+start (the code loads a ResNet-8 trained beforehand) is not reproduced. Its CIFAR loaders' augmentation is
+--augment=crop_flip_cutout; as the code extracts the uploaded maps through its training loader, each uploaded row is
+augmented too (one draw per row and round, from the round's key). Its KL_Loss adds 1e-7 to the teacher's probabilities, left out here (one server round
 against a PyTorch loop of its code, with it, agrees within float32 tolerance: tests/test_torch_baselines.py).
 Uploads hold per-row labels, so FedGKT is refused under DP (labels are not floating point).
 """
@@ -52,6 +56,7 @@ import optax
 
 from fedjax_het.core import (Algorithm, Capabilities, ClientProgram, Evaluation, FederationSpec, GroupSpec, PerClient,
                              Traffic, hyperparameter, one_phase, single_stage)
+from fedjax_het.data.augment import augment_batch
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.methods.shared.base import KeptOptimizer, kept_optimizer_step, zero_params
 from fedjax_het.methods.shared.common import cross_entropy, distillation_loss, train_forward
@@ -86,6 +91,12 @@ class FedGKTConfig:
                                            "output (the map before RM); 'stem', a ResNet's stem output, where its "
                                            "code cuts the client (resnet8_gkt: 16 x 32 x 32 on CIFAR).",
                               flag='gkt_split')
+  plateau_factor: float = hyperparameter(0.1, 'FedGKT: the server\'s ReduceLROnPlateau(\'max\') factor on its learning '
+                                              'rate, stepped every round on its accuracy (its code\'s default 0.1; 1: '
+                                              'off).', flag='gkt_plateau_factor')
+  plateau_patience: int = hyperparameter(10, 'FedGKT: rounds without a better server accuracy before the rate is '
+                                             'multiplied by --gkt_plateau_factor (ReduceLROnPlateau\'s default 10).',
+                                         flag='gkt_plateau_patience')
 
   def __post_init__(self):
     if self.optimizer not in OPTIMIZERS:
@@ -95,6 +106,9 @@ class FedGKTConfig:
     if self.temperature <= 0 or self.alpha < 0 or self.learning_rate <= 0:
       raise ConfigError(f'{setting(self, "temperature")} and {setting(self, "learning_rate")} must be > 0 and '
                         f'{setting(self, "alpha")} >= 0.')
+    if not 0 < self.plateau_factor <= 1 or self.plateau_patience < 0:
+      raise ConfigError(f'{setting(self, "plateau_factor")} must be in (0, 1] (1: no plateau schedule) and '
+                        f'{setting(self, "plateau_patience")} >= 0.')
     if self.server_epochs < 0 or self.server_blocks < 1:
       raise ConfigError(f'{setting(self, "server_epochs")} must be >= 0 and {setting(self, "server_blocks")} >= 1.')
 
@@ -105,6 +119,35 @@ def gkt_optimizer(kind: str, learning_rate: float) -> optax.GradientTransformati
   if kind == 'adam':
     return optax.chain(optax.add_decayed_weights(1e-4), torch_amsgrad(learning_rate))
   return optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(learning_rate, momentum=0.9, nesterov=True))
+
+
+PLATEAU_THRESHOLD = 1e-4  # torch's ReduceLROnPlateau defaults: threshold 1e-4 ('rel'), cooldown 0, min_lr 0, eps 1e-8
+PLATEAU_EPS = 1e-8
+
+
+class Plateau(NamedTuple):
+  """torch's ReduceLROnPlateau(mode='max') over the server's optimiser: scale, the factor its learning rate is at;
+  best, the best metric seen (-inf at first); bad, the steps since it last improved by more than the threshold."""
+  scale: jnp.ndarray
+  best: jnp.ndarray
+  bad: jnp.ndarray
+
+
+def plateau_init() -> Plateau:
+  return Plateau(jnp.float32(1.0), jnp.float32(-jnp.inf), jnp.int32(0))
+
+
+def plateau_step(plateau: Plateau, metric, factor: float, patience: int, learning_rate: float) -> Plateau:
+  """One `scheduler.step(metric)` of torch's ReduceLROnPlateau('max', factor, patience) with its other defaults: a
+  metric above best * (1 + 1e-4) is an improvement; after more than `patience` steps without one the rate is
+  multiplied by `factor` (unless that changes it by no more than eps = 1e-8) and the count starts again."""
+  better = metric > plateau.best * (1.0 + PLATEAU_THRESHOLD)
+  best = jnp.where(better, metric, plateau.best)
+  bad = jnp.where(better, 0, plateau.bad + 1)
+  reduce = bad > patience
+  lowered = plateau.scale * factor
+  scale = jnp.where(reduce & (learning_rate * (plateau.scale - lowered) > PLATEAU_EPS), lowered, plateau.scale)
+  return Plateau(scale.astype(jnp.float32), best.astype(jnp.float32), jnp.where(reduce, 0, bad).astype(jnp.int32))
 
 
 def client_kd_loss(client_logits: jnp.ndarray, server_logits: jnp.ndarray, temperature: float,
@@ -207,12 +250,14 @@ class FedGKTUpload(NamedTuple):
 class FedGKTServer(NamedTuple):
   """The server: model ({'trunk', 'adapters': one per group}) and state, the large model's params and BatchNorm
   statistics; optimizer, their optimizer states (kept across rounds); logits and has, per group [clients, n, C]
-  and [clients], its logits of each client's rows and whether it has any."""
+  and [clients], its logits of each client's rows and whether it has any; plateau, its learning rate's
+  ReduceLROnPlateau."""
   model: dict
   state: dict
   optimizer: dict
   logits: tuple
   has: tuple
+  plateau: Plateau
 
 
 def client_program(cfg: FedGKTConfig, optimizer: optax.GradientTransformation, group: GroupSpec) -> ClientProgram:
@@ -226,10 +271,15 @@ def client_program(cfg: FedGKTConfig, optimizer: optax.GradientTransformation, g
     kd = client_kd_loss(logits, mine.logits[batch.index], T, batch.mask)
     return cross_entropy(logits, batch.y, batch.mask) + cfg.alpha * jnp.where(mine.has, kd, 0.0), client
 
+  training = group.training
+
   def final(client, rows, broadcast, key):
     real = jnp.arange(rows.x.shape[0]) < rows.num_train
-    h, logits = jax.lax.map(lambda x: jax.tree.map(lambda a: a[0], extract(
-        group.model, client.params, client.model_state, x[None], cfg.split)), rows.x, batch_size=64)
+
+    def one(x, row):  # the code extracts through its training loader: each row augmented as in training
+      x = augment_batch(x[None], jax.random.fold_in(key, row), training.augment, training.augment_fill)
+      return jax.tree.map(lambda a: a[0], extract(group.model, client.params, client.model_state, x, cfg.split))
+    h, logits = jax.lax.map(lambda a: one(*a), (rows.x, jnp.arange(rows.x.shape[0])), batch_size=64)
     zero = lambda a: jnp.where(real.reshape((-1,) + (1,) * (a.ndim - 1)), a, 0)
     return client, FedGKTUpload(zero(h), zero(logits), zero(rows.y), real, broadcast.own.values.has)
 
@@ -254,8 +304,9 @@ def server_evaluation(cfg: FedGKTConfig, num_classes: int, group: GroupSpec) -> 
 
 def server_pass(cfg: FedGKTConfig, optimizer: optax.GradientTransformation, trunk_net: StemlessResNet,
                 batch_size: int):
-  """group_pass(carry, u, order): one pass of the server model over a group's uploaded rows (its slots in order,
-  each slot's rows in `order`) in batches, its trunk and the group's adapter stepped on each."""
+  """group_pass(carry, u, order, scale): one pass of the server model over a group's uploaded rows (its slots in
+  order, each slot's rows in `order`) in batches, its trunk and the group's adapter stepped on each at `scale`
+  times the learning rate (torch's rate multiplies the whole step, in Adam and in SGD with momentum)."""
   T = cfg.temperature
 
   def objective(params, state, h, z_c, y, valid):
@@ -264,7 +315,7 @@ def server_pass(cfg: FedGKTConfig, optimizer: optax.GradientTransformation, trun
     value = (client_kd_loss(z_s, z_c, T, valid) + cfg.alpha * ce) if cfg.server_distill else ce
     return value, (z_s, state)
 
-  def group_pass(carry, u, order):
+  def group_pass(carry, u, order, scale):
     """One pass over a group's uploaded rows: its slots in order, each slot's rows in `order` [S, n] (a random
     order of its real rows, then padding) in batches."""
     rows = u.participant_rows('rows')
@@ -287,7 +338,8 @@ def server_pass(cfg: FedGKTConfig, optimizer: optax.GradientTransformation, trun
       # The trunk and the group's adapter keep optimizer states of their own (torch's Adam counts steps per
       # parameter, and the other groups' adapters take no step here).
       updated = {part: optimizer.update(grads[part], opts[part], params[part]) for part in params}
-      new = ({part: optax.apply_updates(params[part], updated[part][0]) for part in params}, new_state,
+      new = ({part: optax.apply_updates(params[part], jax.tree.map(lambda d: d * scale, updated[part][0]))
+              for part in params}, new_state,
              {part: updated[part][1] for part in params})
       # A batch without real rows is no step (momentum and weight decay would still move the parameters).
       any_row = valid.any()
@@ -319,7 +371,7 @@ def server_round(cfg: FedGKTConfig, group_pass, server: FedGKTServer, uploads, k
       params = {'trunk': trunk, 'adapter': adapters[gi]}
       opts = {'trunk': trunk_opt, 'adapter': adapter_opts[gi]}
       (params, state, opts, outs[gi], total, count) = group_pass((params, state, opts, outs[gi], total, count),
-                                                                 u, orders[gi])
+                                                                 u, orders[gi], server.plateau.scale)
       trunk, adapters[gi], trunk_opt, adapter_opts[gi] = (params['trunk'], params['adapter'], opts['trunk'],
                                                           opts['adapter'])
     return (trunk, tuple(adapters), state, trunk_opt, tuple(adapter_opts), tuple(outs), total, count), None
@@ -330,13 +382,23 @@ def server_round(cfg: FedGKTConfig, group_pass, server: FedGKTServer, uploads, k
   (trunk, adapters, state, trunk_opt, adapter_opts, outs, total, count), _ = jax.lax.scan(
       epoch, start, None, length=cfg.server_epochs)
   logits, has = list(server.logits), list(server.has)
+  # The code steps its ReduceLROnPlateau every round on the server model's best test accuracy so far (on the
+  # clients' uploaded test features); this server holds no test rows, and steps it on its accuracy on the uploaded
+  # training rows in the round's last epoch (the code's train_accTop1).
+  right = sum(((jnp.argmax(o, -1) == u.values.y) & u.participant_rows('rows')).sum() for o, u in zip(outs, uploads))
+  seen = sum(u.participant_rows('rows').sum() for u in uploads)
+  accuracy = right / jnp.maximum(seen, 1)
+  plateau = server.plateau
+  if cfg.server_epochs > 0:
+    plateau = plateau_step(plateau, accuracy, cfg.plateau_factor, cfg.plateau_patience, cfg.learning_rate)
   for gi, u in enumerate(uploads):
     who = jnp.where(u.mask, u.client, logits[gi].shape[0])  # absent slots write nothing
     logits[gi] = logits[gi].at[who].set(outs[gi], mode='drop')
     has[gi] = has[gi].at[who].set(cfg.server_epochs > 0, mode='drop')
   new = FedGKTServer({'trunk': trunk, 'adapters': adapters}, state, {'trunk': trunk_opt, 'adapters': adapter_opts},
-                     tuple(logits), tuple(has))
-  return new, {'server_loss': total / jnp.maximum(count, 1.0)}
+                     tuple(logits), tuple(has), plateau)
+  return new, {'server_loss': total / jnp.maximum(count, 1.0), 'server_train_accuracy': accuracy,
+               'server_lr_scale': plateau.scale}
 
 
 def fedgkt(cfg: FedGKTConfig, num_classes: int) -> Algorithm:
@@ -349,7 +411,7 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int) -> Algorithm:
     return FedGKTServer(params, state, {'trunk': optimizer.init(params['trunk']),
                                         'adapters': tuple(optimizer.init(a) for a in params['adapters'])},
                         tuple(jnp.zeros((len(g.clients), g.train_rows, num_classes)) for g in spec.groups),
-                        tuple(jnp.zeros(len(g.clients), bool) for g in spec.groups))
+                        tuple(jnp.zeros(len(g.clients), bool) for g in spec.groups), plateau_init())
 
   def broadcast(server: FedGKTServer, group: GroupSpec) -> FedGKTBroadcast:
     gi = group.index
