@@ -223,11 +223,11 @@ def test_a_deployment_with_an_inflating_node_under_the_median(tmp_path):
       'local_learning_rate': 0.5, 'checkpoint_every': 1, 'robust_aggregation': 'median'}.items()))
   fixture = os.path.join(os.path.dirname(__file__), 'fixtures', 'inflating_node')
   deployment = LocalDeployment(6, str(tmp_path / 'flower'))
+  honest_start = deployment.start_supernode
+  lying = {'PYTHONPATH': os.pathsep.join([fixture, os.environ.get('PYTHONPATH', '')])}
+  deployment.start_supernode = lambda k, env=None, identity=None: honest_start(k, lying if k == 2 else env, identity)
   try:
-    deployment.start()
-    deployment.supernodes[2].kill()
-    deployment.supernodes[2].wait()
-    deployment.start_supernode(2, env={'PYTHONPATH': os.pathsep.join([fixture, os.environ.get('PYTHONPATH', '')])})
+    deployment.start()  # client 2's SuperNode lies from its start
     with open(tmp_path / 'flwr_run.log', 'w') as log:
       status = deployment.run(str(flagfile), round_timeout=300, stdout=log)
   finally:
