@@ -57,8 +57,7 @@ class RecordingGrid(InProcessGrid):
 
 def test_a_late_nodes_state_stays_as_it_was_and_its_next_round_starts_from_it(tmp_path):
   """Client 2's reply of round 1 comes after the timeout: the server counts it missing, so the node keeps no state
-  after round 1 (before, it wrote after_round_000001.npz and trained round 2 from it), and its round-2 upload is
-  what a node that never trained computes from the same message."""
+  after round 1, and its round-2 upload is what a node that never trained computes from the same message."""
   grid = RecordingGrid(str(tmp_path / 'nodes'), 4, late=[(2, 0)])
   train_and_evaluate(CFG, str(tmp_path / 'run'), progress=False, federation=_over(grid, CFG, tmp_path / 'run'))
   rows = _rows(tmp_path / 'run')
@@ -126,8 +125,8 @@ class ReplayingGrid(RecordingGrid):
 
 
 def test_a_replayed_reply_and_one_of_another_run_are_rejected(tmp_path):
-  """Client 1 replays its round-1 upload and scores in round 2 (once accepted silently: they have every shape the
-  server checks), client 3 answers for another run: both are left out as the other bad replies are."""
+  """Client 1 replays its round-1 upload and scores in round 2 (every shape and bound the server checks holds),
+  client 3 answers for another run: both are left out as the other bad replies are."""
   grid = ReplayingGrid(str(tmp_path / 'nodes'), 4)
   train_and_evaluate(CFG, str(tmp_path / 'run'), progress=False, federation=_over(grid, CFG, tmp_path / 'run'))
   rows = _rows(tmp_path / 'run')
