@@ -223,3 +223,27 @@ def test_the_processes_end_with_a_killed_launcher_and_its_logs_go_to_the_workdir
   assert done.stderr.strip().splitlines()[-1].endswith(
       f'error: --port={port}: something on this machine listens on 127.0.0.1:{port} already. Fix: another --port, '
       f'or leave it out (a free one is chosen).')
+
+
+JOINED = '''
+from fedjax_het.run import distributed
+distributed.initialize()
+distributed.barrier('joined')  # the first collective: gloo connects the processes and prints its report
+import jax
+print(f'process {jax.process_index()} joined', flush=True)
+'''
+
+
+def test_the_launchers_terminal_holds_the_runs_lines_and_gloos_report_goes_to_the_log(tmp_path, monkeypatch, capfd):
+  """gloo prints '[Gloo] Rank 0 is connected to 1 peer ranks...' on stdout from C++ as the processes first
+  connect; the launcher keeps that line to process 0's log and relays the rest of process 0's output."""
+  from fedjax_het.run import launch
+  script = tmp_path / 'joined.py'
+  script.write_text(JOINED)
+  monkeypatch.setenv('PYTHONPATH', ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  assert launch.launch([str(script)], 2, cpu_devices=1, log_dir=str(tmp_path / 'logs')) == 0
+  out, err = capfd.readouterr()
+  assert 'process 0 joined' in out
+  assert '[Gloo]' not in out + err, out + err
+  log = (tmp_path / 'logs' / 'process_0.log').read_text()
+  assert '[Gloo] Rank 0 is connected to 1 peer ranks' in log and 'process 0 joined' in log

@@ -5,9 +5,11 @@
 
 Each process runs the entry point with the same flags plus --distributed, and the variables
 `fedjax_het.run.distributed.initialize` reads (the coordinator on a free localhost port, the process count and its
-index); with --cpu_devices each process gets that many CPU devices. Process 0's output is this command's; the
-others' goes to a log each (--log_dir; default WORKDIR/process_logs for a command with --workdir, else a temporary
-folder removed when the run succeeds), shown when one of them fails. The processes end with the launcher, however
+index); with --cpu_devices each process gets that many CPU devices. Process 0's output is this command's, less
+the lines the libraries under it print on their own (gloo's '[Gloo] Rank 0 is connected to 1 peer ranks', written
+to stdout from C++ by JAX's CPU collectives), which go to process_0.log with the rest of its stdout; the others' output goes
+to a log each (--log_dir; default WORKDIR/process_logs for a command with --workdir, else a temporary folder
+removed when the run succeeds), shown when one of them fails. The processes end with the launcher, however
 it ends (even kill -9: the kernel sends them SIGTERM, and they checkpoint and stop).
 
 Ctrl-C or SIGTERM is passed to every process once (each finishes the round, they checkpoint together and stop); a
@@ -31,6 +33,21 @@ from typing import Optional, Sequence
 from fedjax_het.run.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID
 
 LOG_TAIL_LINES = 30
+# Lines that libraries print on their own into a process's stdout: gloo's connection report (C++ std::cout, from
+# JAX's CPU collectives, once per communicator it opens), which the launcher keeps to process 0's log.
+LIBRARY_LINES = ('[Gloo] ',)
+
+
+def relay_output(source, terminal, log) -> None:
+  """Copies process 0's stdout (`source`, a binary pipe) as it comes: every line to `log`, and every line but
+  the libraries' own (`LIBRARY_LINES`) to `terminal` (a text stream); until `source` ends."""
+  for line in iter(source.readline, b''):
+    log.write(line)
+    log.flush()
+    text = line.decode(errors='replace')
+    if not text.startswith(LIBRARY_LINES):
+      terminal.write(text)
+      terminal.flush()
 
 
 def free_port() -> int:
@@ -109,11 +126,17 @@ def launch(command: Sequence[str], num_processes: int, cpu_devices: int = 0, log
   procs, logs = [], []
   for i in range(num_processes):
     env = process_environment(i, num_processes, coordinator, cpu_devices)
-    log = None if i == 0 else open(os.path.join(log_dir, f'process_{i}.log'), 'w')
+    log = open(os.path.join(log_dir, f'process_{i}.log'), 'wb' if i == 0 else 'w')
     logs.append(log)
+    if i == 0:  # its stdout through the launcher (libraries' own lines to its log), its stderr the terminal's
+      env['PYTHONUNBUFFERED'] = '1'  # each line as it is printed
     # Own sessions: a Ctrl-C in the terminal reaches the launcher alone, which passes it on once to each.
-    procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
+    procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE if i == 0 else log,
+                                  stderr=None if i == 0 else subprocess.STDOUT,
                                   start_new_session=True, preexec_fn=_end_with_parent))
+  import threading
+  relay = threading.Thread(target=relay_output, args=(procs[0].stdout, sys.stdout, logs[0]), daemon=True)
+  relay.start()
 
   def forward(signum, frame):
     for p in procs:
@@ -127,6 +150,7 @@ def launch(command: Sequence[str], num_processes: int, cpu_devices: int = 0, log
       if failed:
         break
       if all(c == 0 for c in codes):
+        relay.join(timeout=10)
         if temporary:
           shutil.rmtree(log_dir, ignore_errors=True)
         return 0
@@ -152,9 +176,9 @@ def launch(command: Sequence[str], num_processes: int, cpu_devices: int = 0, log
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
+    relay.join(timeout=10)  # process 0's last lines (it has ended, or was killed: its pipe is closed)
     for log in logs:
-      if log is not None:
-        log.close()
+      log.close()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
