@@ -253,6 +253,39 @@ def test_a_second_node_claiming_a_client_is_refused_and_never_blocks_the_run(tmp
     assign_nodes(grid, fed, cfg_json, 0, 0.2, poll_seconds=0.01, registered=registered)
 
 
+def test_a_node_whose_first_query_was_not_delivered_is_asked_again(tmp_path):
+  """A node restarting as the run starts: its first QUERY comes back 'node unavailable' and the next gets no reply;
+  it is asked again at each poll and holds its client once it answers. A ClientApp's own refusal stands."""
+  from flwr.app import Error, Message
+  from flwr.common.constant import ErrorCode
+  from fedjax_het.run.experiment import build_federation
+  from fedjax_het.flower.rounds import NodesUnavailable, assign_nodes
+
+  class Restarting(InProcessGrid):
+    def __init__(self, *args, failures=2):
+      super().__init__(*args)
+      self.failures, self.asked = failures, []
+
+    def send_and_receive(self, messages, timeout=None):
+      replies = []
+      for m in messages:
+        self.asked.append(m.metadata.dst_node_id)
+        if m.metadata.dst_node_id == 101 and self.failures:
+          self.failures -= 1
+          if self.failures:  # the first: not delivered; the second: no reply at all
+            replies.append(Message(error=Error(ErrorCode.NODE_UNAVAILABLE, 'Node Unavailable'), reply_to=m))
+          continue
+        replies.extend(super().send_and_receive([m], timeout))
+      return replies
+  fed, cfg_json = build_federation(CFG), json.dumps(CFG.to_dict())
+  grid = Restarting(str(tmp_path / 'nodes'), 4)
+  assert assign_nodes(grid, fed, cfg_json, 0, 5, poll_seconds=0.01) == {0: 100, 1: 101, 2: 102, 3: 103}
+  assert grid.asked.count(101) == 3 and grid.asked.count(100) == 1
+  grid = Restarting(str(tmp_path / 'nodes'), 4, failures=10**6)  # it never comes back
+  with pytest.raises(NodesUnavailable, match=r'no SuperNode holds clients \[1\] .* Not answering: SuperNode 101 '):
+    assign_nodes(grid, fed, cfg_json, 0, 0.2, poll_seconds=0.01)
+
+
 def test_each_train_message_carries_only_its_clients_slice_of_a_per_client_broadcast():
   from fedjax_het.methods import FedGKTConfig
   from fedjax_het.core import PerClient

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 
 from fedjax_het.core import for_client, has_per_client
 from fedjax_het.engine.federation import Federation, FederationState, GroupRound
@@ -396,6 +397,12 @@ class FlowerRounds:
     return {f'server_{k}': v for k, v in own.items() if isinstance(v, float)}
 
 
+# Errors of a QUERY that never reached a node's ClientApp (a node restarting, a message lost): the node is asked
+# again at the next poll, while a ClientApp's own refusal (its DP policy, say) stands.
+_NOT_DELIVERED = (ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE, ErrorCode.NODE_UNAVAILABLE,
+                  ErrorCode.UNKNOWN)
+
+
 def assign_nodes(grid, fed: Federation, cfg_json: str, start_round: int, connect_timeout: float,
                  poll_seconds: float = 1.0, registered: Optional[dict[int, int]] = None) -> dict[int, int]:
   """client id -> node id: asks each connected node which client it holds (a QUERY message; the node also forgets
@@ -409,28 +416,40 @@ def assign_nodes(grid, fed: Federation, cfg_json: str, start_round: int, connect
   deadline = time.monotonic() + connect_timeout
   config = message_config(cfg_json, start_round)
   nodes: dict[int, int] = {}
-  asked: set = set()
+  settled: set = set()  # nodes whose answer was taken or refused; the others are asked again
+  waiting: dict[int, str] = {}  # node -> why it gave no answer yet (no reply, or its message did not reach it)
   refusals: list[str] = []
   while True:
-    new = [n for n in grid.get_node_ids() if n not in asked]
+    new = [n for n in grid.get_node_ids() if n not in settled]
     if registered is not None:
       new = sorted(new, key=lambda n: n not in registered.values())  # the registered nodes' answers first
     if new:
-      asked.update(new)
       messages = [Message(RecordDict({'config': config}), dst_node_id=n, message_type=MessageType.QUERY) for n in new]
+      answered = set()
       for reply in grid.send_and_receive(messages, timeout=max(deadline - time.monotonic(), poll_seconds)):
+        node = reply.metadata.src_node_id
+        answered.add(node)
+        if reply.has_error() and reply.error.code in _NOT_DELIVERED:
+          waiting[node] = reply.error.reason or 'its message was not delivered'
+          continue
+        settled.add(node)
+        waiting.pop(node, None)
         why = _claim(reply, nodes, registered, fed.num_clients)
         if why:
           refusals.append(why)
           logging.warning('%s', why)
+      for node in set(new) - answered:
+        waiting.setdefault(node, 'no reply')
     if len(nodes) == fed.num_clients or time.monotonic() >= deadline:
       break
     time.sleep(poll_seconds)
   absent = sorted(set(range(fed.num_clients)) - set(nodes))
   if absent:
     said = f' Refused: {"; ".join(refusals[:5])}.' if refusals else ''
-    raise NodesUnavailable(f'no SuperNode holds clients {absent} after {connect_timeout:g} s ({len(asked)} '
-                           f'connected).{said} Fix: start a SuperNode with --node-config "partition-id=K" for each of '
+    quiet = (f' Not answering: {"; ".join(f"SuperNode {n} ({why})" for n, why in sorted(waiting.items())[:5])}.'
+             if waiting else '')
+    raise NodesUnavailable(f'no SuperNode holds clients {absent} after {connect_timeout:g} s '
+                           f'({len(settled) + len(waiting)} connected).{said}{quiet} Fix: start a SuperNode with --node-config "partition-id=K" for each of '
                            f'them (or raise connect-timeout).')
   logging.info('nodes by client: %s', json.dumps(nodes))
   return nodes
