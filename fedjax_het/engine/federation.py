@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import math
+import sys
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -57,6 +58,30 @@ def client_index(groups: Sequence[Group], num_clients: int) -> tuple[list, np.nd
     for k in g.clients:
       architectures[k], group_of[k] = g.arch, gi
   return architectures, group_of
+
+
+def wants_progress_bar() -> bool:
+  """Whether a `Federation` shows its bar by default: where stderr is a terminal, or in a Jupyter kernel (whose
+  stderr is no terminal, and whose reader sits waiting at the cell)."""
+  try:
+    if sys.stderr.isatty():
+      return True
+  except (AttributeError, ValueError):
+    pass
+  ipython = sys.modules.get('IPython')
+  shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, 'get_ipython') else None
+  return type(shell).__name__ == 'ZMQInteractiveShell'
+
+
+def progress_bar_class():
+  """tqdm's bar: its notebook widget where ipywidgets is installed (tqdm.auto's choice in a notebook), its text
+  bar elsewhere (without ipywidgets tqdm.auto warns in a notebook, and the text bar works there)."""
+  import importlib.util
+  if importlib.util.find_spec('ipywidgets') is not None:
+    from tqdm.auto import tqdm
+  else:
+    from tqdm.std import tqdm
+  return tqdm
 
 
 class FederationState(NamedTuple):
@@ -105,13 +130,16 @@ class Federation:
   secret integer (128 bits of the operating system's entropy) from which the round keys are derived in place of the
   seed (the clients' and the server's randomness, their DP noise included; `secret_key`), so that nobody who knows
   the seed can regenerate the noise; with secret_draw, the participant draw too (what amplification by sampling
-  assumes).
+  assumes). progress_bar: a bar on stderr while a call compiles (`init`, the first round of each phase, the first
+  `evaluate`), over the groups and the server step, since such a call can take a minute; None (the default) shows
+  it where stderr is a terminal or the code runs in a Jupyter notebook, True always, False never.
   """
 
   def __init__(self, algorithm: Algorithm, data: FederatedData, models: ModelConfig | Sequence[str],
                training: LocalTraining, execution: ExecutionConfig = ExecutionConfig(), *, rounds: int = 0,
                join_ratio: float = 1.0, full_participation_rounds: int = 0, seed: int = 0,
-               secret: Optional[int] = None, secret_draw: bool = False, participation: str = 'fixed'):
+               secret: Optional[int] = None, secret_draw: bool = False, participation: str = 'fixed',
+               progress_bar: Optional[bool] = None):
     if not isinstance(models, ModelConfig):
       models = ModelConfig(tuple(models))
     _check_arguments(algorithm, training, join_ratio, full_participation_rounds)
@@ -166,6 +194,8 @@ class Federation:
     # Called as progress(what, group index, groups) after each group's part of `init` ('init') and of a round
     # ('round'): where each group's programs compile on first use, a start-up display can follow them.
     self.progress: Optional[Callable[[str, int, int], None]] = None
+    self.progress_bar = wants_progress_bar() if progress_bar is None else bool(progress_bar)
+    self._bar = None  # the bar of the call that compiles now (`_compiling`)
     self.constants = None if algorithm.constants is None else place_replicated(algorithm.constants, self.mesh)
 
   def phase_index(self, round_index: int) -> int:
@@ -196,7 +226,8 @@ class Federation:
   def init(self) -> FederationState:
     """Initial client states (`groups.init_group`) and the server state."""
     server_key = self._init_keys()[2]
-    states = self.each_group(self.init_group, 'init', compiles=True)
+    with self._compiling('the initial states', server_step=False):
+      states = self.each_group(self.init_group, 'init', compiles=True)
     states = tuple(host_states(s) for s in states) if self.execution.stream_clients else tuple(states)
     initial = tuple(host_copy(s) for s in states)
     server = place_replicated(self.algorithm.init_server(server_key, self.spec, initial), self.mesh)
@@ -315,9 +346,36 @@ class Federation:
       broadcast = self.broadcast(state.server, gi, r)
       return GroupRound(slot_idx, *self.executor.run(g, self.programs[p][gi], p, state.groups[gi], slot_idx,
                                                       broadcast, key))
-    results = self.each_group(run, 'round', compiles=('round', p) not in self._compiled_parts)
-    self._compiled_parts.add(('round', p))
-    return self.finish_round(state, results, participants, start)
+    compiles = ('round', p) not in self._compiled_parts
+    with self._compiling(f'round {r + 1} ({self.phase(r).name})', active=compiles):
+      results = self.each_group(run, 'round', compiles=compiles)
+      self._compiled_parts.add(('round', p))
+      if self._bar is not None:
+        self._bar.set_postfix_str('the server step', refresh=True)
+      out = self.finish_round(state, results, participants, start)
+      if self._bar is not None:
+        self._bar.update(1)
+    return out
+
+  def _compiling(self, what: str, active: bool = True, server_step: bool = True):
+    """A context in which a call compiles `what`: with `progress_bar`, a bar on stderr over the groups (`_report`)
+    and, with `server_step`, the server's step; nothing otherwise."""
+    import contextlib
+    if not (active and self.progress_bar) or self._bar is not None:
+      return contextlib.nullcontext()
+    bar = progress_bar_class()(total=len(self.groups) + server_step, desc=f'{self.algorithm.name}: compiling {what}',
+                               unit='step', leave=False, file=sys.stderr)
+    bar.set_postfix_str(f'{len(self.groups)} architecture group(s)', refresh=True)
+    self._bar = bar
+
+    @contextlib.contextmanager
+    def shown():
+      try:
+        yield bar
+      finally:
+        bar.close()
+        self._bar = None
+    return shown()
 
   def empty_round(self, state: FederationState, start: float) -> tuple[FederationState, dict]:
     """A round whose Poisson draw took nobody: nothing trains or crosses, the server stays as it was, and the row
@@ -352,6 +410,9 @@ class Federation:
         raise
 
   def _report(self, what: str, gi: int) -> None:
+    if self._bar is not None:
+      self._bar.set_postfix_str(f'group {self.groups[gi].arch}', refresh=False)
+      self._bar.update(1)
     if self.progress is not None:
       self.progress(what, gi, len(self.groups))
 
@@ -474,7 +535,9 @@ class Federation:
         broadcast = Gathered(broadcast, statistics)
       return self.executor.correct(g, self.evaluations[gi], p, state.groups[gi], broadcast, es, which)
     part = ('eval', p, which)
-    scores = self.each_group(score, 'evaluate', compiles=part not in self._compiled_parts)
+    with self._compiling(f'the evaluation ({which} test rows)', active=part not in self._compiled_parts,
+                         server_step=False):
+      scores = self.each_group(score, 'evaluate', compiles=part not in self._compiled_parts)
     self._compiled_parts.add(part)
     for g, group_correct in zip(self.groups, scores):
       es = g.test if which == 'local' else self.global_test

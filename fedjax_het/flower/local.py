@@ -8,7 +8,9 @@ localhost), and the run, in one command.
 Every experiment flag of experiments/run.py is accepted; flags after --flagfile override the file's (--helpfull
 lists them all). The run's outputs are the simulation's (metrics.jsonl, summary.json, plots, checkpoints/) in
 --workdir; the nodes keep their clients' states in WORKDIR/flower_nodes; the SuperLink's and SuperNodes' logs go to
-WORKDIR/flower_logs. Each round prints its time as it ends: Flower starts a new process per message, so a round
+WORKDIR/flower_logs, and so does Flower's own log of the run (flwr_run.log): the terminal gets the run's lines
+(what it waits for, each round, the summary, warnings and errors), in colour only where it is a terminal. Each
+round prints its time as it ends: Flower starts a new process per message, so a round
 takes seconds to tens of seconds where a simulation takes well under one (docs/distributed.md gives measured
 times). --resume continues a stopped run from its last checkpoint; --engine=simulation runs Flower's Simulation
 Engine (Ray) instead of SuperNode processes. Several machines: docs/distributed.md.
@@ -19,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from absl import flags
 
@@ -35,6 +38,37 @@ from fedjax_het.run.launch import free_port
 
 CONNECTION = 'fedjax-het-local'
 PROG = 'python -m fedjax_het.flower.local'
+RUN_LOG = 'flwr_run.log'  # in WORKDIR/flower_logs: everything `flwr run --stream` printed
+ANSI = re.compile(r'\x1b\[[0-9;?]*[A-Za-z]')
+# Flower's own lines in the stream, for its log only: its logger's DEBUG and INFO lines ('INFO :      Starting
+# logstream ...'; its warnings and errors stay on the terminal), the same records again in Python's basic format
+# ('DEBUG:flwr:...'), and flwr run's account of submitting the run.
+FLOWER_LINE = re.compile(r'(?:DEBUG|INFO)\s*:\s|[A-Z]+:flwr:|Using SuperLink: |Successfully (?:started run|installed) ')
+
+
+class RunOutput:
+  """Where the output of `flwr run --stream` goes, line by line (a callable): every line to `log_path` as it came;
+  the run's own lines (the ServerApp's: what it waits for, its rounds, its summary, its warnings and errors; and
+  Flower's warnings and errors) to `terminal` (default stdout), their colour codes kept only where it is a
+  terminal."""
+
+  def __init__(self, log_path: str, terminal=None):
+    self.log = open(log_path, 'a')
+    self.terminal = terminal
+
+  def __call__(self, line: str) -> None:
+    self.log.write(line)
+    self.log.flush()
+    plain = ANSI.sub('', line)
+    if FLOWER_LINE.match(plain):
+      return
+    terminal = sys.stdout if self.terminal is None else self.terminal
+    isatty = getattr(terminal, 'isatty', None)
+    terminal.write(line if isatty is not None and isatty() else plain)
+    terminal.flush()
+
+  def close(self) -> None:
+    self.log.close()
 
 
 def wait_for_port(port: int, seconds: float, process: subprocess.Popen, what: str) -> None:
@@ -241,10 +275,12 @@ class LocalDeployment:
       return {}
 
   def run(self, flagfile: str, resume: bool = False, round_timeout: float = 600.0, connect_timeout: float = 120.0,
-          run_name: str = 'default', stdout=None, overrides: Optional[Mapping[str, Any]] = None) -> int:
+          run_name: str = 'default', stdout=None, overrides: Optional[Mapping[str, Any]] = None,
+          echo: Optional[Callable[[str], None]] = None) -> int:
     """Runs the flags of `flagfile` ('': the flags' defaults) with `overrides` (run-config keys of experiment
-    flags, such as {'rounds': 2}) on the nodes (flwr run, its log streamed to `stdout`); the exit status: 1 when
-    the ServerApp failed (`failure` then holds Flower's account of it), flwr run's otherwise."""
+    flags, such as {'rounds': 2}) on the nodes (flwr run, its log streamed to `stdout`, or line by line to `echo`,
+    e.g. a `RunOutput`); the exit status: 1 when the ServerApp failed (`failure` then holds Flower's account of
+    it), flwr run's otherwise."""
     config = run_config_argument(self.run_config(flagfile, resume, round_timeout, connect_timeout, run_name,
                                                  overrides))
     env = dict(os.environ, FLWR_HOME=self.home)
@@ -253,8 +289,20 @@ class LocalDeployment:
     summary = os.path.join(self.workdir, 'summary.json')
     written = os.path.getmtime(summary) if os.path.exists(summary) else None
     self.failure = None
-    status = subprocess.run(['flwr', 'run', self.app_dir, CONNECTION, '--run-config', config, '--stream'] + federation,
-                            env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None).returncode
+    command = ['flwr', 'run', self.app_dir, CONNECTION, '--run-config', config, '--stream'] + federation
+    if echo is None:
+      status = subprocess.run(command, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None).returncode
+    else:
+      streaming = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   errors='replace', bufsize=1)
+      try:
+        for line in streaming.stdout:
+          echo(line)
+      finally:
+        if streaming.poll() is None and sys.exc_info()[0] is not None:
+          streaming.kill()
+        status = streaming.wait()
+        streaming.stdout.close()
     if self.superlink is not None and self.superlink.poll() is not None:
       self.failure = f'the SuperLink stopped (status {self.superlink.returncode}; its log: {self.logs}/superlink.log)'
       return 1
@@ -453,14 +501,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   fv, cfg = run.flags, run.config
   simulation = fv.engine == 'simulation'
   cache = run.overrides.get('compilation-cache')  # the SuperNodes' too
+  nodes = 'simulated nodes (Ray)' if simulation else 'SuperNodes'
+  print(f'starting a SuperLink and {cfg.num_clients} {nodes}, one per client', flush=True)
   with LocalDeployment(cfg.num_clients, fv.workdir, port=fv.port, simulation=simulation,
                        compilation_cache=cache) as deployment:
-    nodes = 'simulated nodes (Ray)' if simulation else 'SuperNodes'
     rounds = f'{cfg.rounds} round' + ('s' if cfg.rounds != 1 else '')
-    print(f'SuperLink on 127.0.0.1:{deployment.port}, {cfg.num_clients} {nodes}, one per client; {rounds}, each '
-          f'printed as it ends; logs in {deployment.logs}', flush=True)
+    print(f'SuperLink on 127.0.0.1:{deployment.port}; submitting the run: {rounds}, each printed as it ends; logs '
+          f'(Flower\'s own in {RUN_LOG}) in {deployment.logs}', flush=True)
+    output = RunOutput(os.path.join(deployment.logs, RUN_LOG))
     try:
-      status = deployment.run(run.flagfile, fv.resume, fv.round_timeout, fv.connect_timeout, overrides=run.overrides)
+      status = deployment.run(run.flagfile, fv.resume, fv.round_timeout, fv.connect_timeout, overrides=run.overrides,
+                              echo=output)
       if deployment.failure:
         reason = deployment.failure.replace('ServerApp failed with exception: ', '')
         resume = (f'the last checkpoint in {deployment.workdir} stands: continue with --resume'
@@ -473,6 +524,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
       sys.stderr.write(f'stopped: the last checkpoint in {deployment.workdir} stands; continue with --resume.\n')
       return 130
+    finally:
+      output.close()
 
 
 if __name__ == '__main__':

@@ -143,11 +143,14 @@ class FlowerRounds:
   absolute value an upload may hold (`check_upload`); registered: client id -> the node id of its registered
   SuperNode key, where the deployment authenticates nodes (`assign_nodes` takes no other node's claim); workdir:
   the run's folder, where the record of the uploads the server took is kept (`LEDGER`; None: in memory only, and
-  such a server cannot resume)."""
+  such a server cannot resume); progress: called with a line as the run waits for something that takes long (the
+  nodes to connect, the first round's and the first evaluation's replies, while every node starts its ClientApp
+  and compiles its programs), or None; under DP its lines name no client and count nothing."""
 
   def __init__(self, fed: Federation, grid, cfg_json: str, round_timeout: float, connect_timeout: float,
                log: Optional[Callable[[str], None]] = None, upload_bound: float = UPLOAD_BOUND,
-               registered: Optional[dict[int, int]] = None, workdir: Optional[str] = None):
+               registered: Optional[dict[int, int]] = None, workdir: Optional[str] = None,
+               progress: Optional[Callable[[str], None]] = None):
     if any(e.statistics is not None for e in fed.evaluations):
       heterofl = fed.algorithm.name == 'heterofl'
       instead = ' --noheterofl_static_bn (each test batch\'s statistics), or' if heterofl else ''
@@ -156,6 +159,8 @@ class FlowerRounds:
                         f'{instead} run the simulation.')
     self.fed, self.grid, self.cfg_json = fed, grid, cfg_json
     self.round_timeout, self.connect_timeout, self.log = round_timeout, connect_timeout, log
+    self.progress = progress or (lambda line: None)
+    self._waited: set = set()  # the message types whose first replies were announced (`_announce`)
     self.upload_bound, self.registered = upload_bound, registered
     self.nodes: Optional[dict[int, int]] = None  # client id -> node id, asked as the first round starts
     self.workdir = workdir
@@ -171,8 +176,22 @@ class FlowerRounds:
     if self.taken is None:
       self.taken = self._read_ledger(round_index)
     if self.nodes is None:
+      self.progress(f'waiting for the SuperNodes of the {self.fed.num_clients} clients to connect (at most '
+                    f'{self.connect_timeout:g} s, connect-timeout)')
       self.nodes = assign_nodes(self.grid, self.fed, self.cfg_json, round_index, self.connect_timeout,
                                 registered=self.registered)
+      self.progress(f'{len(self.nodes)} SuperNodes connected, one per client')
+
+  def _announce(self, kind: str, round_index: int, count: int) -> None:
+    """Says, the first time the run sends messages of `kind` (TRAIN, EVALUATE), what the wait for their replies
+    holds: every node starts a ClientApp process, which builds its client and compiles its programs."""
+    if kind in self._waited:
+      return
+    self._waited.add(kind)
+    what = 'training' if kind == MessageType.TRAIN else 'evaluating'
+    on = '' if self.dp_mode != 'off' else f' on {count} nodes'
+    self.progress(f'round {round_index + 1}/{self.fed.total_rounds}: {what}{on}; each node starts a ClientApp '
+                  f'process that builds its client and compiles its programs (the first time waits longest)')
 
   def _read_ledger(self, start_round: int) -> dict[int, list[int]]:
     """The uploads taken in the rounds up to `start_round` (the round the run starts from), as the workdir's
@@ -267,6 +286,7 @@ class FlowerRounds:
         self.log(f'round {r + 1}/{fed.total_rounds}: trained')
       return new_state._replace(groups=()), {**metrics, 'missing_clients': [], 'rejected_clients': [], 'drawn': 0}
     broadcasts = [fed.sent(state.server, gi, r) for gi in range(len(fed.groups))]
+    self._announce(MessageType.TRAIN, r, len(participants))
     replies = self._send(self._messages(participants.tolist(), broadcasts, r, MessageType.TRAIN))
     taken, rejected = {}, []
     for k, reply in sorted(replies.items()):
@@ -331,6 +351,7 @@ class FlowerRounds:
       return {}
     self._connect(int(state.round))
     broadcasts = [fed.sent(state.server, gi, r) for gi in range(len(fed.groups))]
+    self._announce(MessageType.EVALUATE, r, fed.num_clients)
     replies = self._send(self._messages(range(fed.num_clients), broadcasts, r, MessageType.EVALUATE))
     names = fed.evaluations[0].names
     expected = {}  # which -> the test rows the server's own split gives each client

@@ -96,11 +96,12 @@ def main(grid: Grid, context: Context) -> None:
   run_name(run_config.get('run-name', 'default'))  # the nodes refuse a name that is no plain folder name: say so now
 
   workdir = str(run_config_value(run_config, 'workdir'))
-  summary = train_and_evaluate(cfg, workdir, resume=resume, progress=False,
+  summary = train_and_evaluate(cfg, workdir, resume=resume, progress=False, say=_log,
                                tensorboard=fv.tensorboard,
                                federation=lambda fed: FlowerRounds(fed, grid, cfg_json, round_timeout,
                                                                    connect_timeout, log=_log,
                                                                    upload_bound=upload_bound,
-                                                                   registered=registered, workdir=workdir))
+                                                                   registered=registered, workdir=workdir,
+                                                                   progress=_log))
   print(json.dumps({k: v for k, v in summary.items() if k != 'config'}, indent=2), flush=True)
 

@@ -154,7 +154,8 @@ def _build(cfg: ExperimentConfig, secret: Optional[int] = None, check: Callable[
     fed = Federation(algorithm, data, cfg.model_config(), cfg.local_training(), cfg.execution_config(),
                      rounds=cfg.rounds, join_ratio=cfg.join_ratio,
                      full_participation_rounds=cfg.full_participation_rounds, seed=cfg.seed, secret=secret,
-                     secret_draw=budget is not None and budget.sampled, participation=cfg.participation)
+                     secret_draw=budget is not None and budget.sampled, participation=cfg.participation,
+                     progress_bar=False)  # the run's own display (`StartupDisplay`, --progress) instead
   check_memory_budget(cfg, fed)
   warn_of_empty_rounds(fed.schedule)  # refused instead where a DP server divides by the expected count
   return fed, run, budget
@@ -461,7 +462,8 @@ def summarize(cfg: ExperimentConfig, rows: list[dict], seconds: float, dp: Optio
 
 
 def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False, progress: bool = True,
-                       tensorboard: bool = False, federation: Optional[Callable[[Federation], Any]] = None) -> dict:
+                       tensorboard: bool = False, federation: Optional[Callable[[Federation], Any]] = None,
+                       say: Optional[Callable[[str], None]] = None) -> dict:
   """Runs the configured rounds (`cfg.rounds`, plus any closing phases of fixed length the method appends, e.g.
   FedVTC's; continuing from the last checkpoint with `resume`) and writes the workdir outputs (process 0 of a
   multi-process run, `fedjax_het.run.distributed`; with
@@ -469,6 +471,9 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
 
   `federation`, when given, wraps the built `Federation` into what runs the rounds (its `init`, `round` and
   `evaluate`; `flower.rounds.FlowerRounds` runs them on Flower nodes).
+
+  With `progress`, process 0 says on stderr what the start does (loading, initialising, compiling) and shows a bar;
+  without it, `say`, when given, gets those lines (a Flower ServerApp streams them to `flwr run`), and no bar.
 
   Returns the summary dict (also written to summary.json). Raises `ConfigError` for bad input (nothing written
   over an existing run), `TrainingDiverged`, and `interrupts.Interrupted` after a stop request (SIGINT/SIGTERM),
@@ -488,14 +493,17 @@ def train_and_evaluate(cfg: ExperimentConfig, workdir: str, resume: bool = False
       changes = resumed_changes(wd, cfg)
     if _stopping(stop):
       raise Interrupted(stop.requested or 'SIGTERM', resume, 0)
+    lines = say if say is not None and distributed.is_writer() else (lambda text: None)
     say = (lambda text: sys.stderr.write(f'{cfg.algorithm}: {text}\n')) if progress and distributed.is_writer() else (
-        lambda text: None)
+        lambda text: lines(f'{cfg.algorithm}: {text}'))
     calibrating = (f', then calibrating the DP noise to --dp_target_epsilon={cfg.dp_target_epsilon:g}'
                    if cfg.dp_mode != 'off' and cfg.dp_target_epsilon > 0 else '')
     say(f'loading {cfg.dataset} and splitting it over {cfg.num_clients} clients ({cfg.partition}){calibrating}')
     fed, run, budget = _build(cfg, dp_secret(cfg, wd, resume), _startup_check(stop, resume))
     say(f'running on {fed.execution.describe()}')  # the defaults are the backend's where a flag leaves them unset
     startup = StartupDisplay(fed, say) if progress and distributed.is_writer() else None
+    if startup is None:  # the lines alone (`say`), no bar
+      say(f'initialising {len(fed.groups)} architecture group(s) ({", ".join(g.arch for g in fed.groups)})')
     if federation is not None:
       fed = federation(fed)
     if _stopping(stop):
