@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from fedjax_het.core import Uploads, server_step
@@ -585,3 +586,95 @@ def test_resumed_after_round_one_ends_where_the_golden_run_ends(name, tmp_path):
   tree_allclose(state.server, final.server, rtol=0, atol=0)
   timeless = lambda rows: [{k: v for k, v in r.items() if 'seconds' not in k} for r in rows]
   assert head + rest == timeless(history)
+
+
+def test_heterofl_dynamic_sub_model_steps_equal_the_sliced_sub_models():
+  """The dynamic split trains the global model with the entries outside the drawn rate's leading slices zero: its
+  train-mode logits, its loss's gradient and one clipped SGD step (HeteroFL's local step) equal the sliced
+  sub-model's on those slices, and leave every other entry zero."""
+  from fedjax_het.methods import HeteroFLConfig
+  from fedjax_het.methods.heterofl import local_optimizer, rate_masks, sub_model, variables
+  from fedjax_het.models.forward import forward
+  from fedjax_het.methods.shared.common import cross_entropy
+  data = make_federated_data(make_synthetic(num_samples=80, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
+                                            seed=1), num_clients=2, partition='iid', seed=3)
+  fed = Federation(heterofl_for(HeteroFLConfig(split='dynamic', dynamic_rates='1,0.5')), data,
+                   ModelConfig(('heterofl_conv@0.125',), 16, 'none'), LocalTraining(0.05, 8))
+  group = fed.groups[0].spec
+  masks = rate_masks(HeteroFLConfig(dynamic_rates='1,0.5'), group)
+  full = group.model
+  small = group.build_model('heterofl_conv@0.0625')
+  variables_full = full.init(jax.random.PRNGKey(1), group.sample_input(), train=False)
+  params = jax.tree.map(lambda p, m: p * m[1], variables_full['params'], masks)
+  state = {k: v for k, v in variables_full.items() if k != 'params'}
+  small_params = sub_model(variables_full['params'], variables(group, small)['params'])
+  small_state = sub_model(state, {k: v for k, v in variables(group, small).items() if k != 'params'})
+  x = jax.random.normal(jax.random.PRNGKey(2), (8, 8, 8, 1))
+  y = jnp.arange(8) % 4
+  loss = lambda model, st: lambda p: cross_entropy(forward(model, p, st, x, True)[0], y)
+  value_full, grad_full = jax.value_and_grad(loss(full, state))(params)
+  value_small, grad_small = jax.value_and_grad(loss(small, small_state))(small_params)
+  assert float(value_full) == pytest.approx(float(value_small), rel=1e-5)
+  tree_allclose(sub_model(grad_full, small_params), grad_small, rtol=1e-4, atol=1e-6)
+  for g, m in zip(jax.tree.leaves(grad_full), jax.tree.leaves(masks)):
+    np.testing.assert_array_equal(np.asarray(g) * (1 - m[1]), 0.0)
+  opt = local_optimizer(HeteroFLConfig(), 0.1)
+  step = lambda p, g: optax.apply_updates(p, opt.update(g, opt.init(p), p)[0])
+  stepped_full, stepped_small = step(params, grad_full), step(small_params, grad_small)
+  tree_allclose(sub_model(stepped_full, small_params), stepped_small, rtol=1e-4, atol=1e-6)
+  for p, m in zip(jax.tree.leaves(stepped_full), jax.tree.leaves(masks)):
+    np.testing.assert_array_equal(np.asarray(p) * (1 - m[1]), 0.0)
+
+
+def heterofl_for(cfg):
+  from fedjax_het.methods import heterofl
+  return heterofl(cfg, 4)
+
+
+def test_heterofl_dynamic_split_draws_a_rate_per_participant_and_round():
+  """--heterofl_split=dynamic: every participant draws a rate each round (both rates drawn over three rounds of six
+  clients, not always the same per client), uploads only its rate's entries (counted as the sub-model), and the
+  server averages each entry over the participants whose rate holds it (an entry only rate 1 holds moves only in
+  a round where someone drew rate 1)."""
+  from fedjax_het.methods import HeteroFLConfig
+  from fedjax_het.methods.heterofl import rate_masks
+  fed = Federation(heterofl_for(HeteroFLConfig(split='dynamic', dynamic_rates='1,0.5')), tiny_data_for_dynamic(),
+                   ModelConfig(('heterofl_conv@0.125',), 16, 'none'), LocalTraining(0.05, 8))
+  masks = rate_masks(HeteroFLConfig(dynamic_rates='1,0.5'), fed.groups[0].spec)
+  sizes = [int(sum(m[r].sum() for m in jax.tree.leaves(masks))) for r in range(2)]
+  state = fed.init()
+  drawn = []
+  for r in range(3):
+    before = jax.device_get(state.server.model)
+    joined = fed.participants(r)
+    state, m = fed.round(state)
+    rates = np.asarray(state.groups[0].extra.rate)[joined]
+    drawn.append(rates)
+    assert m['upload_model_scalars'] == sum(sizes[k] for k in rates)
+    assert m['broadcast_scalars'] == sum(sizes[k] for k in rates)
+    outer = jax.tree.map(lambda a, b, mk: np.abs(np.asarray(a) - b)[mk[0] > mk[1]].max(initial=0.0),
+                         state.server.model, before, masks)
+    moved = max(jax.tree.leaves(outer))
+    assert (moved > 0) == bool((rates == 0).any())
+  drawn = np.concatenate(drawn)
+  assert set(drawn.tolist()) == {0, 1}
+  # combine by hand: a rate-1 participant's 2s and a rate-1/2 one's 4s (zeros outside its slices): 3 where both
+  # hold an entry, 2 where only the first does (not the 1 of counting the second's zeros)
+  from fedjax_het.methods.heterofl import HeteroFLUpload, combine
+  from fedjax_het.uploads import Uploads
+  model = jax.device_get(state.server.model)
+  both = jax.tree.map(lambda a, m: np.stack([np.full(a.shape, 2.0), 4.0 * m[1]]), model, masks)
+  u = Uploads(HeteroFLUpload(both, jnp.ones((2, 4)), jnp.array([0, 1])), jnp.array([True, True]), jnp.ones(2))
+  out = combine(model, (u,), masks)
+  for o, m in zip(jax.tree.leaves(out), jax.tree.leaves(masks)):
+    np.testing.assert_allclose(np.asarray(o), np.where(m[1] > 0, 3.0, 2.0))
+  with pytest.raises(ConfigError, match='heterofl_split=fix'):
+    Federation(heterofl_for(HeteroFLConfig(split='dynamic')), tiny_data_for_dynamic(),
+               ModelConfig(('heterofl_conv@0.125', 'heterofl_conv@0.0625'), 16, 'none'), LocalTraining(0.05, 8)).init()
+  with pytest.raises(ConfigError, match='dynamic_rates'):
+    HeteroFLConfig(dynamic_rates='1,0')
+
+
+def tiny_data_for_dynamic():
+  return make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
+                                            seed=1), num_clients=6, partition='dirichlet', seed=3, alpha=0.5)

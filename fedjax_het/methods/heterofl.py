@@ -31,8 +31,13 @@ normalises each test batch by the statistics of its real rows, so a score depend
 Flower: its nodes are not queried for statistics.
 Under DP the classes a client holds (its label mask) are sent in the clear. Its Scaler (1 / rate
 on every conv output during training) is left out: a BatchNorm follows every scaled convolution in both model
-families and removes the factor. Felo's 'dynamic' split (each client draws its rate every round) is not
-reproduced: a client keeps its group's rate ('fix' in HeteroFL's code). The models are HeteroFL's CNN
+families and removes the factor. A client keeps its group's rate (--heterofl_split=fix, HeteroFL's 'fix'), or
+(--heterofl_split=dynamic, its code's 'dynamic', which Felo ran) --models names the global model alone and every
+participant draws its rate each round, uniformly from --heterofl_dynamic_rates (relative to the global model; its
+code's a-e by default) with its round's key; it trains the global model with the entries outside that rate's
+leading slices zero, which runs the same steps as the sliced sub-model (a convolution's dropped channels, with
+their BatchNorm's scale and bias zero, stay zero and get no gradient), and uploads it with the rate's index; the
+server averages each entry over the participants whose rate holds it. The traffic counts the sub-model. The models are HeteroFL's CNN
 (`heterofl_conv`), its pre-activation ResNets with the 3x3 stem (`preact_resnet18`, `preact_resnet26`) and the
 zoo's other ResNets; models that flatten a feature map into a Dense have no channel-sliceable sub-model and are
 refused. Its CIFAR loader's random crop and flip are the run's `--augment=crop_flip`.
@@ -45,6 +50,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedjax_het.core import (Algorithm, Capabilities, ClientProgram, ClientState, Evaluation, GroupSpec, Traffic,
@@ -77,6 +83,14 @@ class HeteroFLConfig:
   static_bn: bool = hyperparameter(True, 'HeteroFL: score the global model with BatchNorm statistics from a pass over '
                                          'every client\'s training rows (its sBN); off: each test batch\'s own.',
                                    flag='heterofl_static_bn')
+  split: str = hyperparameter('fix', "HeteroFL: 'fix', each client keeps its group's width rate (--models lists the "
+                                     "rates); 'dynamic', each participant draws its rate anew every round from "
+                                     "--heterofl_dynamic_rates (its code's model_split_mode='dynamic').",
+                              flag='heterofl_split')
+  dynamic_rates: str = hyperparameter('1,0.5,0.25,0.125,0.0625', 'HeteroFL: with --heterofl_split=dynamic, the '
+                                      'width rates relative to the global model (--models, one architecture) that a '
+                                      'participant draws from every round, with equal probability (its code\'s '
+                                      'a-e, proportions a1-b1-c1-d1-e1).', flag='heterofl_dynamic_rates')
 
   def __post_init__(self):
     if not 0 <= self.momentum < 1 or self.weight_decay < 0:
@@ -90,6 +104,20 @@ class HeteroFLConfig:
     if milestones is None or any(m < 0 for m in milestones) or not 0 < self.lr_decay <= 1:
       raise ConfigError(f'{setting(self, "lr_milestones")} must list rounds >= 0 separated by commas (e.g. 150,250) '
                         f'and {setting(self, "lr_decay")} be in (0, 1].')
+    if self.split not in ('fix', 'dynamic'):
+      raise ConfigError(f'{setting(self, "split")} must be fix or dynamic.')
+    try:
+      rates = self.rates
+    except ValueError:
+      rates = ()
+    if not rates or any(not 0 < r <= 1 for r in rates):
+      raise ConfigError(f'{setting(self, "dynamic_rates")} must list rates in (0, 1] separated by commas (e.g. '
+                        f'1,0.5,0.25).')
+
+  @property
+  def rates(self) -> tuple[float, ...]:
+    """The rates of --heterofl_dynamic_rates."""
+    return tuple(float(r) for r in self.dynamic_rates.replace(' ', '').split(',') if r)
 
   @property
   def milestones(self) -> tuple[int, ...]:
@@ -126,14 +154,17 @@ def class_rows(tree: dict, label_mask: jnp.ndarray) -> dict:
   return {**ones, 'head': head}
 
 
-def combine(global_params: dict, uploads) -> dict:
+def combine(global_params: dict, uploads, masks: Any = None) -> dict:
   """HeteroFL's aggregation: each entry of the global model the unweighted mean of the participants' values of it
   (their sub-models' leading slices; the head's class rows only from participants holding the class), kept where
-  no participant held it. `uploads`: per group `Uploads` of `HeteroFLUpload`s."""
+  no participant held it. `uploads`: per group `Uploads` of `HeteroFLUpload`s; under the dynamic split `masks`
+  (`rate_masks`), whose entries of each upload's rate are those it holds."""
   total = jax.tree.map(jnp.zeros_like, global_params)
   count = jax.tree.map(jnp.zeros_like, global_params)
   for u in uploads:
     weights = class_rows(u.values.model, u.values.label_mask)
+    if masks is not None:
+      weights = jax.tree.map(jnp.multiply, weights, entries_held(masks, u.values.rate))
     real = lambda w: w * u.mask.astype(w.dtype).reshape((-1,) + (1,) * (w.ndim - 1))
     held = jax.tree.map(real, weights)
     total = jax.tree.map(jnp.add, total, pad_to(jax.tree.map(lambda w, v: (w * v).sum(0), held, u.values.model),
@@ -191,14 +222,39 @@ class HeteroFLBroadcast(NamedTuple):
 
 
 class LabelMask(NamedTuple):
-  """A client's extra state: label_mask [C], 1 for the classes its training rows hold."""
+  """A client's extra state: label_mask [C], 1 for the classes its training rows hold; rate, the index of the width
+  rate it drew this round (the dynamic split; 0 under 'fix')."""
   label_mask: jnp.ndarray
+  rate: jnp.ndarray = jnp.int32(0)
 
 
 class HeteroFLUpload(NamedTuple):
-  """A client's trained sub-model and its label mask."""
+  """A client's trained sub-model and its label mask; under the dynamic split, rate, the index of its drawn rate
+  (its sub-model is the global model with the entries outside that rate's leading slices zero)."""
   model: dict
   label_mask: jnp.ndarray
+  rate: Optional[jnp.ndarray] = None
+
+
+def rate_masks(cfg: HeteroFLConfig, group: GroupSpec) -> Any:
+  """Under the dynamic split: per rate of --heterofl_dynamic_rates, 1 on the entries of the global model (the
+  group's, one architecture at one width) that the sub-model at that rate holds (its leading slices), stacked
+  [rates, ...leaf]."""
+  base, _, width = group.arch.partition('@')
+  full = variables(group)['params']
+  masks = []
+  for r in cfg.rates:
+    sub = variables(group, group.build_model(f'{base}@{float(width or 1) * r!r}'))['params']
+    if jax.tree.structure(sub) != jax.tree.structure(full):
+      raise ConfigError(f'HeteroFLConfig.dynamic_rates: {group.arch!r} at rate {r} is not a sub-model of it.')
+    masks.append(jax.tree.map(lambda a, f: np.pad(np.ones(a.shape, np.float32),
+                                                  [(0, t - d) for d, t in zip(a.shape, f.shape)]), sub, full))
+  return jax.tree.map(lambda *m: np.stack(m), *masks)  # host constants (also when made inside a trace)
+
+
+def entries_held(masks: Any, rate: jnp.ndarray) -> Any:
+  """Each participant's rate mask [S, ...leaf] of its drawn rate indices `rate` [S]."""
+  return jax.tree.map(lambda m: jnp.take(jnp.asarray(m), rate, axis=0), masks)
 
 
 def client_program(cfg: HeteroFLConfig, num_classes: int, group: GroupSpec) -> ClientProgram:
@@ -214,13 +270,29 @@ def client_program(cfg: HeteroFLConfig, num_classes: int, group: GroupSpec) -> C
       logits = jnp.where(client.extra.label_mask > 0, logits, 0.0)
     return cross_entropy(logits, batch.y, batch.mask), client._replace(model_state=model_state)
 
+  dynamic = cfg.split == 'dynamic'
+  masks = rate_masks(cfg, group) if dynamic else None
+
   def prepare(client, rows, broadcast, key):
     held = (jnp.arange(rows.x.shape[0]) < rows.num_train)[:, None] & (rows.y[:, None] == jnp.arange(num_classes))
-    return client._replace(extra=LabelMask(held.any(0).astype(jnp.float32)))
+    # the dynamic split: the round's rate drawn uniformly (its code's torch.multinomial over equal proportions)
+    rate = jax.random.randint(key, (), 0, len(cfg.rates)) if dynamic else jnp.int32(0)
+    return client._replace(extra=LabelMask(held.any(0).astype(jnp.float32), rate.astype(jnp.int32)))
 
-  program = sgd_program(loss, group.training, optimizer=optimizer,
-                        receive=lambda c, b: c._replace(params=b.model),
-                        upload=lambda c, rows, b, k: HeteroFLUpload(c.params, c.extra.label_mask))
+  def receive(client, broadcast):
+    if not dynamic:
+      return client._replace(params=broadcast.model)
+    # The sub-model as the global model with the entries outside its leading slices zero: every convolution's
+    # dropped output channels and their BatchNorm's scale and bias are zero, so they stay zero through BatchNorm and
+    # ReLU, the next layer reads nothing from them, and their gradients (and weight decay) are zero: the same
+    # steps as the sliced sub-model's (tests/test_seed_baselines.py).
+    held = jax.tree.map(lambda m: jnp.asarray(m)[client.extra.rate], masks)
+    return client._replace(params=jax.tree.map(jnp.multiply, broadcast.model, held))
+
+  def upload(client, rows, broadcast, key):
+    return HeteroFLUpload(client.params, client.extra.label_mask, client.extra.rate if dynamic else None)
+
+  program = sgd_program(loss, group.training, optimizer=optimizer, receive=receive, upload=upload)
   return program._replace(prepare=prepare)
 
 
@@ -260,10 +332,25 @@ def global_model_evaluation(cfg: HeteroFLConfig, group: GroupSpec) -> Evaluation
 
 
 def heterofl(cfg: HeteroFLConfig, num_classes: int) -> Algorithm:
-  """HeteroFL (fixed rates per group) as an `Algorithm`."""
+  """HeteroFL (fixed rates per group, or drawn every round: --heterofl_split) as an `Algorithm`."""
+  dynamic = cfg.split == 'dynamic'
+  masks = {}  # the dynamic split's rate masks, made once from the first group (every group is the global model)
+
+  def masks_of(group):
+    if 'masks' not in masks:
+      masks['masks'] = rate_masks(cfg, group)
+      masks['sizes'] = sum(m.reshape(m.shape[0], -1).sum(1) for m in jax.tree.leaves(masks['masks'])).astype(np.int64)
+    return masks['masks']
 
   def init_server(key, spec, initial):
     top = check_sub_models(spec)
+    if dynamic:
+      if any(g.arch != spec.groups[top].arch for g in spec.groups):
+        raise ConfigError(f'HeteroFLConfig.split=\'dynamic\' draws every client\'s rate from '
+                          f'--heterofl_dynamic_rates={cfg.dynamic_rates} relative to one global model, and --models '
+                          f'lists {", ".join(sorted({g.arch for g in spec.groups}))}. Fix: --models=ARCH (the global '
+                          f'model, e.g. {spec.groups[top].arch}), or --heterofl_split=fix.')
+      masks_of(spec.groups[0])
     return HeteroFLServer(initial[top].params, initial[top].model_state, jnp.zeros((), jnp.int32))
 
   def broadcast(server: HeteroFLServer, group) -> HeteroFLBroadcast:
@@ -271,11 +358,19 @@ def heterofl(cfg: HeteroFLConfig, num_classes: int) -> Algorithm:
                              multistep_factor(server.round, cfg.milestones, cfg.lr_decay))
 
   def server_update(server, uploads, key):
-    return server._replace(model=combine(server.model, uploads), round=server.round + 1), {}
+    return server._replace(model=combine(server.model, uploads, masks.get('masks')), round=server.round + 1), {}
+
+  if dynamic:  # what crosses is the drawn sub-model, not the global model's zeros around it
+    traffic = Traffic(upload=lambda u: {'model': jnp.asarray(masks['sizes'])[u.rate],
+                                        'label_mask': u.label_mask.size, 'rate': 1},
+                      broadcast=lambda b: {}, received=lambda b, u: {'model': jnp.asarray(masks['sizes'])[u.rate]})
+  else:
+    traffic = Traffic(broadcast=lambda b: leaf_scalars({'model': b.model}))
 
   return one_phase('heterofl', init_server, lambda group: client_program(cfg, num_classes, group),
                    server_update, lambda group: global_model_evaluation(cfg, group), broadcast=broadcast,
                    init_client=lambda group, key: LabelMask(jnp.ones(num_classes)),
                    capabilities=Capabilities(partial_batches=True, shares_representations=False),
-                   traffic=Traffic(broadcast=lambda b: leaf_scalars({'model': b.model})),
-                   upload_privacy=UploadPrivacy(public=('label_mask',), reference=lambda b: {'model': b.model}))
+                   traffic=traffic,
+                   upload_privacy=UploadPrivacy(public=('label_mask', 'rate'),
+                                                reference=lambda b: {'model': b.model}))
