@@ -9,15 +9,21 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_the_quickstart_notebook_runs_and_draws_its_plot():
+def test_the_quickstart_notebook_runs_and_draws_its_plot(capfd, tmp_path):
   nbformat = pytest.importorskip('nbformat')
   nbclient = pytest.importorskip('nbclient')
+  from jupyter_client.manager import AsyncKernelManager
   notebook = nbformat.read(os.path.join(ROOT, 'examples', 'quickstart.ipynb'), as_version=4)
   for cell in notebook.cells:
     cell.outputs = [] if cell.cell_type == 'code' else cell.get('outputs')  # run it afresh, not the stored outputs
   # The kernel inherits this process's environment: the suite's XLA settings and compilation cache.
-  nbclient.NotebookClient(notebook, timeout=600, kernel_name='python3',
-                          resources={'metadata': {'path': os.path.join(ROOT, 'examples')}}).execute()
+  client = nbclient.NotebookClient(notebook, timeout=600, kernel_name='python3',
+                                   resources={'metadata': {'path': os.path.join(ROOT, 'examples')}})
+  # Over local sockets (ipc, at an absolute path: the kernel runs in examples/), not TCP: ipykernel warns of a
+  # kernel 'running over TCP without encryption'.
+  client.km = AsyncKernelManager(kernel_name='python3', transport='ipc', ip=str(tmp_path / 'kernel'))
+  client.execute()
+  assert 'without encryption' not in ''.join(capfd.readouterr())
   printed = ''.join(o.get('text', '') for c in notebook.cells if c.cell_type == 'code' for o in c.outputs)
   curves = [[float(a) for a in re.findall(r'[\d.]+', line)]
             for line in re.findall(r'accuracy per round: \[(.*)\]', printed)]
