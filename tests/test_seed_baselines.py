@@ -678,3 +678,39 @@ def test_heterofl_dynamic_split_draws_a_rate_per_participant_and_round():
 def tiny_data_for_dynamic():
   return make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
                                             seed=1), num_clients=6, partition='dirichlet', seed=3, alpha=0.5)
+
+
+def _adam_steps(opt_state) -> np.ndarray:
+  """Per client, the steps an Adam state has taken (its ScaleByAdamState count)."""
+  counts = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+            if getattr(path[-1], 'name', None) == 'count']
+  return np.asarray(counts[-1])
+
+
+def test_fedmd_mae_keeps_the_classifiers_and_the_digests_adam_apart():
+  """The paper's code (--fedmd_digest=mae) compiles the logits model and the classifier apart, each with its own
+  Adam: after the transfer round the digest's Adam is fresh and the classifier's has taken the private stage's steps;
+  after a round every participant's digest Adam has taken the digest's steps (24 public rows / 8 = 3) and its
+  classifier's the revisit's on top. Felo's digest keeps one Adam for everything."""
+  data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
+                                            seed=1), num_clients=4, partition='dirichlet', seed=3, alpha=0.5,
+                             public_size=24)
+  steps = {}
+  for kind in ('mae', 'felo'):
+    fed = Federation(fedmd(FedMDConfig(digest=kind, transfer_public_epochs=1, transfer_private_epochs=1,
+                                       digest_batch_size=8), 4, data.public), data,
+                     ModelConfig(('mlp',), 16), LocalTraining(0.05, 8), rounds=2, join_ratio=1.0)
+    state, transfer = fed.round(fed.init())
+    after_transfer = jax.device_get(state.groups[0].extra)
+    state, collaborate = fed.round(state)
+    steps[kind] = (after_transfer, jax.device_get(state.groups[0].extra), transfer, collaborate)
+  n = np.asarray(fed.groups[0].train_sizes)
+  private = n // 8  # one epoch of the client's rows in batches of 8 (drop_last)
+  (mae_t, mae_c, transfer, collaborate), (felo_t, felo_c, *_) = steps['mae'], steps['felo']
+  np.testing.assert_array_equal(_adam_steps(mae_t.digest), 0)
+  np.testing.assert_array_equal(_adam_steps(mae_t.classifier), private)
+  np.testing.assert_array_equal(_adam_steps(felo_t.optimizer), private + 3)  # public stage: 24 // 8
+  np.testing.assert_array_equal(_adam_steps(mae_c.digest), 3)
+  np.testing.assert_array_equal(_adam_steps(mae_c.classifier), 2 * private)
+  np.testing.assert_array_equal(_adam_steps(felo_c.optimizer), 2 * private + 6)
+  assert transfer['local_steps'] == collaborate['local_steps'] == int((private + 3).sum())

@@ -10,8 +10,12 @@ logits on every public row. Then each round, the participants:
   revisit: train on their own data (CE, the run's --local_epochs / --local_steps / --batch_size);
   communicate: upload their eval-mode logits on every public row, which the server averages into the next
            round's consensus.
-Each client keeps one Adam (--fedmd_learning_rate, torch's defaults) across rounds and losses, as the client
-objects of Felo's code do. Every client is scored with its own model.
+Optimisers (--fedmd_learning_rate, torch's Adam defaults), kept across rounds: with --fedmd_digest=felo each client
+keeps one Adam for every loss, as the client objects of Felo's code do; with 'mae' two, as the paper's code (Keras
+models compiled apart): the classifier's (its private training: the transfer's second stage, fresh there, and every
+revisit) and the digest's (the logits model's, fresh when collaboration starts); the transfer's public stage runs
+its own Adam, discarded after it (the code pretrains on the public set before FedMD starts). Every client is scored
+with its own model.
 
 The digest loss: 'mae' (the paper's code: mean absolute error between the logits and the consensus, no labels) or
 'felo' (Felo's FedMD: CE(z, y) on the public labels + alpha * MSE(log_softmax(z), softmax(consensus)), alpha 0.5,
@@ -88,6 +92,27 @@ class FedMDBroadcast(NamedTuple):
   public: PublicSet
 
 
+class TwoOptimizers(NamedTuple):
+  """A client's optimiser states under --fedmd_digest=mae (`ClientState.extra`): classifier, the Adam of its private
+  training; digest, the Adam of its digest (in the transfer round, of its public stage)."""
+  classifier: Any
+  digest: Any
+
+
+def optimizer_step(optimizer, loss, slot: str = ''):
+  """`kept_optimizer_step` on the client's one optimiser (`KeptOptimizer`), or with `slot` on that one of its
+  `TwoOptimizers`."""
+  inner = kept_optimizer_step(optimizer, loss)
+  if not slot:
+    return inner
+
+  def step(client, batch, broadcast, key):
+    states = client.extra
+    out, value = inner(client._replace(extra=KeptOptimizer(getattr(states, slot))), batch, broadcast, key)
+    return out._replace(extra=states._replace(**{slot: out.extra.optimizer})), value
+  return step
+
+
 class PublicLogits(NamedTuple):
   """A client's upload: its eval-mode logits [P, C] on every public row."""
   logits: jnp.ndarray
@@ -127,10 +152,12 @@ def private_ce(group: GroupSpec):
   return lambda client, batch, broadcast: ce(client, batch, broadcast, None)
 
 
-def logits_program(group: GroupSpec, stages: tuple[Stage, ...]) -> ClientProgram:
-  """A client program of `stages` that uploads its eval-mode logits on every public row."""
+def logits_program(group: GroupSpec, stages: tuple[Stage, ...], reset=None) -> ClientProgram:
+  """A client program of `stages` that uploads its eval-mode logits on every public row; reset(client) -> client,
+  applied after its stages (the transfer round's fresh digest optimiser)."""
   def final(client, client_rows, broadcast, key):
-    return client, PublicLogits(public_logits(group.model, client.params, client.model_state, broadcast.public.x))
+    upload = PublicLogits(public_logits(group.model, client.params, client.model_state, broadcast.public.x))
+    return (client if reset is None else reset(client)), upload
   return ClientProgram(lambda client, broadcast, key: client, stages, final, group.training)
 
 
@@ -145,17 +172,27 @@ def fedmd(cfg: FedMDConfig, num_classes: int, public: PublicData) -> Algorithm:
   public_schedule = lambda group: rows.training(cfg.digest_batch_size or group.training.batch_size,
                                                 group.training.order)
 
+  two = cfg.digest == 'mae'  # the paper's code: the classifier's and the digest's Adam apart
+  public_slot, private_slot, digest_slot = ('digest', 'classifier', 'digest') if two else ('', '', '')
+  # after the transfer round the digest's Adam starts fresh (the public stage's was the code's pretraining's)
+  reset = (lambda client: client._replace(extra=client.extra._replace(digest=adam.init(client.params)))) if two \
+      else None
+
   def transfer(group):
     whole_epochs = dataclasses.replace(group.training, max_steps=None)
-    return logits_program(group, (Stage(kept_optimizer_step(adam, public_ce(group)), cfg.transfer_public_epochs,
-                                        training=public_schedule(group)),
-                                  Stage(kept_optimizer_step(adam, private_ce(group)), cfg.transfer_private_epochs,
-                                        training=whole_epochs)))
+    return logits_program(group, (Stage(optimizer_step(adam, public_ce(group), public_slot),
+                                        cfg.transfer_public_epochs, training=public_schedule(group)),
+                                  Stage(optimizer_step(adam, private_ce(group), private_slot),
+                                        cfg.transfer_private_epochs, training=whole_epochs)), reset)
 
   def collaborate(group):
-    return logits_program(group, (Stage(kept_optimizer_step(adam, digest(cfg, group)), cfg.digest_epochs,
+    return logits_program(group, (Stage(optimizer_step(adam, digest(cfg, group), digest_slot), cfg.digest_epochs,
                                         training=public_schedule(group)),
-                                  Stage(kept_optimizer_step(adam, private_ce(group)), group.training.epochs)))
+                                  Stage(optimizer_step(adam, private_ce(group), private_slot), group.training.epochs)))
+
+  def init_client(group, key):
+    state = adam.init(zero_params(group))
+    return TwoOptimizers(state, state) if two else KeptOptimizer(state)
 
   def server_update(server, uploads, key, public):
     """The consensus: the unweighted mean of the participants' public logits."""
@@ -166,7 +203,7 @@ def fedmd(cfg: FedMDConfig, num_classes: int, public: PublicData) -> Algorithm:
                   join_ratio=1.0, traffic=Traffic(broadcast=lambda b: {}), with_constants=with_public),
             Phase('collaborate', collaborate, server_update, with_constants=with_public))
   return Algorithm('fedmd', lambda key, spec, initial: Consensus(jnp.zeros((rows.size, num_classes))), phases,
-                   local_head_evaluation, init_client=lambda group, key: KeptOptimizer(adam.init(zero_params(group))),
+                   local_head_evaluation, init_client=init_client,
                    capabilities=Capabilities(partial_batches=True, shares_representations=False),
                    constants=rows.constants,
                    upload_privacy=UploadPrivacy(aggregate='sum', hides_participants=True))
