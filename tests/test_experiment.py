@@ -287,6 +287,8 @@ def test_every_flag_file_parses_into_a_config(flagfile):
   if flagfile.endswith('_feddf.flags'):  # FedDF's code's distillation schedule and early stopping (its README)
     feddf = cfg.methods['feddf']
     assert (feddf.server_steps, feddf.patience, feddf.eval_every) == (10000, 1000, 100)
+    # the code's CIFAR loaders crop and flip the public batches
+    assert feddf.public_augment == ('crop_flip' if cfg.public_dataset.startswith('cifar') else 'none')
     assert cfg.server_validation_size == {'mnist': 600, 'fashion_mnist': 600, 'cifar10': 2500}[cfg.dataset]
   if flagfile.startswith('heterofl_felo'):  # Felo: "the default settings in the source code of HeteroFL"
     heterofl = cfg.methods['heterofl']

@@ -714,3 +714,33 @@ def test_fedmd_mae_keeps_the_classifiers_and_the_digests_adam_apart():
   np.testing.assert_array_equal(_adam_steps(mae_c.classifier), 2 * private)
   np.testing.assert_array_equal(_adam_steps(felo_c.optimizer), 2 * private + 6)
   assert transfer['local_steps'] == collaborate['local_steps'] == int((private + 3).sum())
+
+
+def test_feddf_distils_on_cropped_and_flipped_public_batches(feddf_federation):
+  """--feddf_public_augment=crop_flip (FedDF's code's public loader): a distillation step reads its public batch
+  cropped and flipped (`augment_batch` from fold_in(fold_in(key, 'DFA'), step)), teacher and student alike: it equals
+  the plain step on public rows replaced by those augmented rows by hand, and differs from the plain step."""
+  from fedjax_het.data.augment import augment_batch
+  from fedjax_het.methods.feddf import distillation_step, server_optimizer
+  fed = feddf_federation
+  state = fed.init()
+  models = [jax.tree.map(lambda a: a[:2], g.params) for g in state.groups]
+  stats = [jax.tree.map(lambda a: a[:2], g.model_state) for g in state.groups]
+  uploads = tuple(Uploads(GroupState(m, s), jnp.array([True, True]), jnp.ones(2)) for m, s in zip(models, stats))
+  public_x, key, batch = jnp.asarray(fed.data.public.x), jax.random.PRNGKey(4), 8
+  start = tuple(jax.tree.map(lambda a: a[0], m) for m in models)
+  start_states = tuple(jax.tree.map(lambda a: a[0], s) for s in stats)
+
+  def one_step(kind, x):
+    cfg = FedDFConfig(server_steps=3, server_batch_size=batch, public_augment=kind)
+    opt = server_optimizer(cfg)
+    carry = (start, start_states, tuple(opt.init(p) for p in start))
+    return distillation_step(cfg, fed.spec, uploads, x, key, batch)(0, carry)[0]
+
+  rows = jax.random.permutation(jax.random.fold_in(key, 0), public_x.shape[0])[:batch]
+  by_hand = augment_batch(public_x[rows], jax.random.fold_in(jax.random.fold_in(key, 0x444641), 0), 'crop_flip',
+                          fed.spec.training.augment_fill)
+  augmented = one_step('crop_flip', public_x)
+  tree_allclose(augmented, one_step('none', public_x.at[rows].set(by_hand)), rtol=1e-5, atol=1e-6)
+  assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(augmented),
+                                                   jax.tree.leaves(one_step('none', public_x))))

@@ -14,7 +14,9 @@ BatchNorm statistics). The server, per round:
 Each architecture's distilled model is what its clients start from and are scored with.
 
 Choices (the paper's code, epfml/federated-learning-public-code, where GeFL gives no setting): Adam 1e-3, T 1,
-batch 64, clip 5, cosine annealing over --feddf_server_steps. The code's early stopping (`--feddf_patience`, its
+batch 64, clip 5, cosine annealing over --feddf_server_steps; --feddf_public_augment=crop_flip crops (padding 4, the
+run's black pixel) and flips each public batch as the code's CIFAR loaders do (off by default; GeFL's Table II files
+with CIFAR public data set it). The code's early stopping (`--feddf_patience`, its
 README's 1,000; off by default): every --feddf_eval_every (100) steps each student's top-1 accuracy on the server's
 labelled validation rows (`--server_validation_size`, held out of the training rows: the code's val_data_ratio
 split, 10 %) is measured; an architecture stops when that many steps have passed since its best, and keeps its best
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_het.core import Algorithm, Capabilities, FederationSpec, Phase, hyperparameter
+from fedjax_het.data.augment import augment_batch
 from fedjax_het.data.federated import PublicData
 from fedjax_het.errors import ConfigError, setting
 from fedjax_het.methods.avgkd import (GROUP_STATE_PRIVACY, GroupStates, average_group_states, group_state_evaluation,
@@ -42,6 +45,7 @@ from fedjax_het.methods.shared.public import PublicRows, PublicSet, public_logit
 from fedjax_het.models.forward import forward
 
 CLIP_NORM = 5.0  # the paper's code clips the student's gradients to this norm
+AUGMENT_STREAM = 0x444641  # folded into the server's key for the public batches' augmentation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,10 @@ class FedDFConfig:
                                  flag='feddf_patience')
   eval_every: int = hyperparameter(100, 'FedDF: distillation steps between validations (the code\'s '
                                         'eval_batches_freq).', flag='feddf_eval_every')
+  public_augment: str = hyperparameter('none', "FedDF: augmentation of each public distillation batch, seen alike by "
+                                               "the teacher and the student: 'crop_flip' (its code's CIFAR loaders: "
+                                               "random flip and crop with padding 4) or 'none'.",
+                                       flag='feddf_public_augment')
 
   def __post_init__(self):
     if self.server_steps < 0 or self.server_batch_size < 1:
@@ -67,6 +75,8 @@ class FedDFConfig:
                         f'>= 1.')
     if self.patience < 0 or self.eval_every < 1:
       raise ConfigError(f'{setting(self, "patience")} must be >= 0 and {setting(self, "eval_every")} >= 1.')
+    if self.public_augment not in ('none', 'crop_flip'):
+      raise ConfigError(f'{setting(self, "public_augment")}: choose none or crop_flip.')
     if not (self.server_learning_rate > 0 and self.temperature > 0):
       raise ConfigError(f'{setting(self, "server_learning_rate")} and {setting(self, "temperature")} must be > 0.')
 
@@ -136,6 +146,9 @@ def distillation_step(cfg: FedDFConfig, spec: FederationSpec, uploads, public_x:
     params, states, opt_states = carry
     order = jax.random.permutation(jax.random.fold_in(key, t // per_pass), size)
     x = public_x[jax.lax.dynamic_slice_in_dim(order, (t % per_pass) * batch, batch)]
+    # the code's public loader crops and flips each batch; teacher and student read the same augmented rows
+    x = augment_batch(x, jax.random.fold_in(jax.random.fold_in(key, AUGMENT_STREAM), t), cfg.public_augment,
+                      spec.training.augment_fill)
     teacher = jax.lax.stop_gradient(ensemble_logits(spec, uploads, x))
     out = []
     for gi, (group, p, s, o) in enumerate(zip(spec.groups, params, states, opt_states)):
