@@ -298,6 +298,7 @@ def test_every_flag_file_parses_into_a_config(flagfile):
   if flagfile.startswith('fedvtc_table1'):  # the scaling under which the paper's rates train
     assert cfg.methods['fedvtc'].loss_reduction == 'mean'
     assert cfg.methods['fedtype'].backward == 'none'  # FedType as its released code runs it, as FedVTC's authors
+    assert cfg.methods['fedtype'].proxy_model == 'resnet18_cifar'  # its code's proxy: the 3x3-stem ResNet-18
 
 
 def test_a_diverged_dp_run_names_the_noise_before_the_learning_rate():

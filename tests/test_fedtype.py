@@ -127,3 +127,17 @@ def test_bad_settings_name_their_fields():
   with pytest.raises(ConfigError, match="--global_model='nope' is not a registered model"):
     _federation(global_model='nope')
   assert math.isclose(FedTypeConfig().learning_rate, 1e-3)  # the code's Adam, not --local_learning_rate
+
+
+def test_the_proxy_is_fedtype_proxy_where_set_else_the_global_model():
+  """--fedtype_proxy names FedType's proxy apart from the shared --global_model (pFedAFM's G), so FedVTC's files run
+  its code's 3x3-stem ResNet-18 proxy without changing the other baselines' models; an unknown name is refused."""
+  shapes = lambda fed: jax.tree.map(lambda a: a.shape[1:], fed.init().groups[0].extra.params['companion'])
+  plain = _federation()
+  proxied = _federation(proxy='small_cnn_narrow')
+  assert jax.tree.structure(shapes(plain)) != jax.tree.structure(shapes(proxied))
+  expected = proxied.groups[0].spec.build_model('small_cnn_narrow')
+  want = jax.eval_shape(lambda: expected.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)), train=False))['params']
+  assert jax.tree.map(lambda a: a.shape, want) == shapes(proxied)
+  with pytest.raises(ConfigError, match='fedtype_proxy'):
+    _federation(proxy='no_such_model').init()

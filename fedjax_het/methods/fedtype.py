@@ -3,8 +3,8 @@ uncertainty-based asymmetrical reciprocity learning"), a baseline of FedVTC's Ta
 ("Bridging Generalization Gap of Heterogeneous Federated Clients Using Generative Models", Sec. 4),
 after its authors' code (JackqqWang/FedType, `update_new.py`, `conformal.py`, `my_utils.py`).
 
-Every client holds its own private model w_k and a copy of a small shared proxy model p (`--global_model`; the
-paper's ResNet-18). A round, after receiving p:
+Every client holds its own private model w_k and a copy of a small shared proxy model p (--fedtype_proxy, else
+`--global_model`; the paper's ResNet-18, its code's with the 3x3 stem: resnet18_cifar). A round, after receiving p:
   0. Calibration (split conformal prediction, RAPS of Angelopoulos et al. 2021, as the code): on the client's
      training rows, each model's randomised RAPS score of the true label,
        E = U pi_(r) + sum_{j<r} pi_(j) + sum_{j<=r} pen_j,   pen_j = lam [j >= k_reg],   U ~ U(0, 1),
@@ -57,6 +57,7 @@ from fedjax_het.methods.shared.global_model import (GLOBAL_MODEL_PRIVACY, averag
                                                     global_model_step, init_global_model, initial_global_model,
                                                     receive_global_model, upload_carried_global_model)
 from fedjax_het.models.forward import forward
+from fedjax_het.models.registry import model_names
 
 BACKWARDS = ('ranking', 'none')
 RAPS_KREG = 5  # the code's small_kreg = large_kreg
@@ -66,8 +67,16 @@ PROXY_LAMBDA, PRIVATE_LAMBDA = 0.5, 1.0  # the code's small_lamda, large_lamda
 @dataclasses.dataclass(frozen=True)
 class FedTypeConfig:
   """FedType's proxy, conformal prediction and optimiser (its code's defaults)."""
+
+  @property
+  def proxy_model(self) -> str:
+    """The proxy's architecture: --fedtype_proxy, else --global_model."""
+    return self.proxy or self.global_model
   global_model: str = hyperparameter('resnet18', 'Architecture of the small global model every client trains '
                                      'beside its own.')
+  proxy: str = hyperparameter('', "FedType: the proxy's architecture; empty: --global_model. Its code's proxy is "
+                                  "resnet18_cifar (a ResNet-18 with the 3x3 stem), which FedVTC's flag files set.",
+                              flag='fedtype_proxy')
   alpha: float = hyperparameter(0.1, 'FedType: miscoverage alpha of the conformal prediction sets (RAPS).',
                                 flag='fedtype_alpha')
   temperature: float = hyperparameter(1.0, 'FedType: distillation temperature T of the proxy\'s KL term.',
@@ -194,7 +203,7 @@ def client_program(cfg: FedTypeConfig, num_classes: int, group: GroupSpec) -> Cl
   epoch a pass of the private model and one of the proxy, each by its own Adam."""
   optimizer = adam(cfg)
   ranking = cfg.backward == 'ranking'
-  proxy_model = group.build_model(cfg.global_model)
+  proxy_model = group.build_model(cfg.proxy_model)
   proxy_logits, private_logits = eval_logits(proxy_model, group)
 
   def private_step(carry, batch, broadcast, key):
@@ -245,7 +254,7 @@ def client_program(cfg: FedTypeConfig, num_classes: int, group: GroupSpec) -> Cl
 
 def proxy_evaluation(cfg: FedTypeConfig, group: GroupSpec) -> Evaluation:
   """'private': w_k; 'proxy': the client's copy of p with the broadcast parameters."""
-  proxy_model = group.build_model(cfg.global_model)
+  proxy_model = group.build_model(cfg.proxy_model)
 
   def prepare(client: ClientState, broadcast):
     return receive_global_model(client, broadcast)
@@ -260,9 +269,11 @@ def proxy_evaluation(cfg: FedTypeConfig, group: GroupSpec) -> Evaluation:
 def fedtype(cfg: FedTypeConfig, num_classes: int) -> Algorithm:
   """FedType as an `Algorithm` (each client carries its copy of the proxy in its per-client state)."""
   check_global_model(cfg)
+  if cfg.proxy and cfg.proxy not in model_names():
+    raise ConfigError(f'{setting(cfg, "proxy")} is not a registered model; choose one of {", ".join(model_names())}.')
 
   def init_client(group: GroupSpec, key):
-    extra = init_global_model(group, group.build_model(cfg.global_model), key)
+    extra = init_global_model(group, group.build_model(cfg.proxy_model), key)
     return FedTypeClient(extra.params, extra.state, jnp.zeros(2))
 
   return one_phase('fedtype', initial_global_model, lambda group: client_program(cfg, num_classes, group),
