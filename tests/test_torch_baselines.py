@@ -247,7 +247,8 @@ def test_fedgkt_client_steps_equal_its_codes_kd_training():
 
 def test_fedala_adaptive_aggregation_equals_pfllibs_ala():
   """One ALA epoch (PFLlib's utils/ALA.py after its start phase): the lower layers take the group model's values;
-  on a contiguous 80 % of the client's rows from a random start, in batches (the last partial one dropped), the temp
+  on a contiguous 80 % of the client's rows from a random start, in order, in batches with the last partial one
+  kept (PFLlib's DataLoader(..., drop_last=False), no shuffle), the temp
   head is local + (group - local) * W, and after each batch W <- clamp(W - eta * grad * (group - local), 0, 1);
   the client ends with local + (group - local) * W. Weights start from a mix of ones and halves."""
   from fedjax_het.methods import FedALAConfig
@@ -267,15 +268,15 @@ def test_fedala_adaptive_aggregation_equals_pfllibs_ala():
   out = adaptive_local_aggregation(model, cfg, 8, client, ClientRows(jnp.asarray(x), jnp.asarray(y), jnp.asarray(45),
                                                                      jnp.asarray(45)), group, key)
 
-  size = 45 * 80 // 100  # int(rand_percent / 100 * len(train_data)) = 36: 4 batches of 8
+  size = 45 * 80 // 100  # int(rand_percent / 100 * len(train_data)) = 36: 4 batches of 8 and one of 4
   start = int(jax.random.randint(key, (), 0, 45 - size + 1))  # the library's draw of PFLlib's random.randint
   net = torch_mlp({'extractor': group['extractor'], 'head': local['head']})
   head_local = {k: t(local['head'][k]) for k in ('kernel', 'bias')}
   head_group = {k: t(group['head'][k]) for k in ('kernel', 'bias')}
   w = {k: t(weights[k]) for k in ('kernel', 'bias')}
   mixed = lambda k: head_local[k] + (head_group[k] - head_local[k]) * w[k]
-  for b in range(size // 8):
-    rows = slice(start + b * 8, start + (b + 1) * 8)
+  for b in range(-(-size // 8)):
+    rows = slice(start + b * 8, start + min((b + 1) * 8, size))
     with torch.no_grad():
       net[5].weight.copy_(mixed('kernel').T)
       net[5].bias.copy_(mixed('bias'))

@@ -8,7 +8,8 @@ ALA, the paper's Eq. 4-6, as PFLlib's `utils/ALA.py` computes it):
   - the head (the last Linear: PFLlib's default of the last two parameter tensors, --layer_idx 2) becomes
       theta = theta_local + (theta_group - theta_local) * W,
     with element-wise weights W in [0, 1] that the client keeps across rounds (ones at first) and learns on a random
-    contiguous --fedala_rand_percent share of its rows in batches of --batch_size (the last partial batch dropped):
+    contiguous --fedala_rand_percent share of its rows, in order, in batches of --batch_size (the last one partial,
+    PFLlib's loader without shuffle and with drop_last=False; its CE and BatchNorm over its real rows):
       W <- clip(W - eta * grad_theta L * (theta_group - theta_local), 0, 1)
     for one epoch, or at its first aggregation until the standard deviation of its last --fedala_num_pre_loss epoch
     losses (each epoch's last batch) falls below --fedala_threshold;
@@ -97,17 +98,18 @@ def adaptive_local_aggregation(model, cfg: FedALAConfig, batch_size: int, client
   lower = {**group_params, 'head': local['head']}
   size = rows.num_train * cfg.rand_percent // 100  # PFLlib: int(rand_percent / 100 * len(train_data))
   start = jax.random.randint(key, (), 0, rows.num_train - size + 1)
-  steps = size // batch_size
+  steps = -(-size // batch_size)  # PFLlib's loader keeps the window's last partial batch (drop_last=False)
 
-  def loss(head, x, y):
-    logits, _, _ = train_forward(model, client._replace(params={**lower, 'head': head}), x)
-    return cross_entropy(logits, y)
+  def loss(head, x, y, real):
+    logits, _, _ = train_forward(model, client._replace(params={**lower, 'head': head}), x, real)
+    return cross_entropy(logits, y, real)
 
   def batch_step(s, carry):
     weights, _ = carry
-    index = start + s * batch_size + jnp.arange(batch_size)
+    offset = s * batch_size + jnp.arange(batch_size)
+    index = jnp.minimum(start + offset, rows.x.shape[0] - 1)
     head = ala_head(local['head'], group_params['head'], weights)
-    value, grads = jax.value_and_grad(loss)(head, rows.x[index], rows.y[index])
+    value, grads = jax.value_and_grad(loss)(head, rows.x[index], rows.y[index], offset < size)
     return ala_weight_step(weights, grads, local['head'], group_params['head'], cfg.eta), value
 
   def epoch(carry):
