@@ -294,7 +294,8 @@ def test_every_flag_file_parses_into_a_config(flagfile):
     heterofl = cfg.methods['heterofl']
     assert cfg.augment == 'crop_flip' and heterofl.clip_norm == 1.0 and heterofl.lr_decay == 0.1
     assert heterofl.milestones == (int(0.375 * cfg.rounds), int(0.625 * cfg.rounds))  # its 150, 250 of 400
-    assert all(m.startswith('preact_resnet26@') for m in cfg.models)
+    assert cfg.models == ('preact_resnet26@1',) and heterofl.split == 'dynamic'  # Felo runs the dynamic split
+    assert heterofl.rates == (1, 0.5, 0.25, 0.125, 0.0625)  # HeteroFL's a-e
   if flagfile.startswith('fedvtc_table1'):  # the scaling under which the paper's rates train
     assert cfg.methods['fedvtc'].loss_reduction == 'mean'
     assert cfg.methods['fedtype'].backward == 'none'  # FedType as its released code runs it, as FedVTC's authors
