@@ -5,9 +5,12 @@
 # OUT/gpu_sweep_<backend>.md and a figure in OUT/gpu_sweep_<backend>.png.
 #
 #   bash benchmarks/gpu_sweep.sh [OUT] [PART ...]
-#     PART: vs_pytorch (FedRE against the PyTorch loop at 10 and 100 clients), scaling_g1 (FedRE over 10, 100,
-#     1,000 and 10,000 clients, one architecture), scaling_g2, scaling_g5, scaling_g10 (10 clients over that many
-#     architecture groups: their compilation); default: vs_pytorch scaling_g5 scaling_g1. Also host_cpu (the
+#     PART: paper_settings (the seed papers' settings against the PyTorch loop: FedRE Table 1's ten architectures at
+#     10 and 20 clients, GeFL's and Felo's clients; cold and warm start, s/round, per architecture; under
+#     OUT/paper_settings/), vs_pytorch (FedRE against the PyTorch loop at 10 and 100 clients), scaling_g1 (FedRE
+#     over 10, 100, 1,000 and 10,000 clients, one architecture), scaling_g2, scaling_g5, scaling_g10 (10 clients
+#     over that many architecture groups: their compilation); default: paper_settings vs_pytorch scaling_g5
+#     scaling_g1. Also host_cpu (the
 #     comparison on the machine's own CPU, 20 and 50 clients, fedjax_het's client threads 2, 4, 8 and 16 up to the
 #     cores, one process each under OUT/host_cpu_tN/) and plan (XLA's analyses of the round); merge: only merge the
 #     parts already under OUT (e.g. copied there from separate machines or commands)
@@ -31,7 +34,7 @@ out="$(mkdir -p "${1:-$here/results/gpu_sweep}" && cd "${1:-$here/results/gpu_sw
 shift || true
 parts=("$@")
 if [ ${#parts[@]} -eq 0 ]; then
-  parts=(vs_pytorch scaling_g5 scaling_g1)  # the longest last: it gets the time the others leave
+  parts=(paper_settings vs_pytorch scaling_g5 scaling_g1)  # the longest last: it gets the time the others leave
   [ "${TINY:-0}" = 1 ] && parts=(host_cpu vs_pytorch scaling_g2 plan)  # the tiny family has two architectures
 fi
 cd "$here"
@@ -47,6 +50,7 @@ if [ "${TINY:-0}" = 1 ]; then
            --rounds=1)
   scaling_groups=("${scaling[@]}")
   plan=(--settings=quickstart)
+  paper=(--settings=fedre_table1 --archs=cnn4 --steps_per_client=1 --rounds=1)
 else
   vs=(--num_clients=10,100 --rounds=3 --nodisk_io)
   host=(--num_clients=20,50 --rounds=3 --nodisk_io)
@@ -57,13 +61,15 @@ else
   scaling=(--num_clients=10,100,1000,10000 --max_pool_rows=480000 --models=cnn4 --rounds=2)
   scaling_groups=(--num_clients=10 --models=cnn4 --rounds=2)  # several groups: their compilation
   plan=()
+  # the tables' sizes, 2 timed rounds: FedRE Table 1 first (each setting's rows are kept as it ends)
+  paper=(--rounds=2 --settings=fedre_table1,fedre_table1_20,gefl_table2,felo_table2)
 fi
 
 for part in "${parts[@]}"; do
   case "$part" in
-    vs_pytorch|host_cpu|scaling_g1|scaling_g2|scaling_g5|scaling_g10|plan|merge) ;;
-    *) echo "gpu_sweep.sh: unknown part '$part'; choose vs_pytorch, host_cpu, scaling_g1, scaling_g2, scaling_g5," \
-            "scaling_g10, plan or merge." >&2; exit 2 ;;
+    paper_settings|vs_pytorch|host_cpu|scaling_g1|scaling_g2|scaling_g5|scaling_g10|plan|merge) ;;
+    *) echo "gpu_sweep.sh: unknown part '$part'; choose paper_settings, vs_pytorch, host_cpu, scaling_g1, scaling_g2," \
+            "scaling_g5, scaling_g10, plan or merge." >&2; exit 2 ;;
   esac
 done
 
@@ -120,6 +126,7 @@ for part in ${units[@]+"${units[@]}"}; do
   rc=0
   case "$part" in
     vs_pytorch) ${cap[@]+"${cap[@]}"} "$py" vs_pytorch.py "${vs[@]}" --out="$out" || rc=$? ;;
+    paper_settings) ${cap[@]+"${cap[@]}"} "$py" paper_settings.py "${paper[@]}" --out="$out/$part" || rc=$? ;;
     scaling_g*)
       groups="${part#scaling_g}"
       args=("${scaling[@]}")

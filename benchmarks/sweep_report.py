@@ -3,7 +3,8 @@
   python benchmarks/sweep_report.py OUT
 
 Reads every part under OUT as benchmarks/gpu_sweep.sh leaves them (OUT/*.json and OUT/*/*.json: vs_pytorch_<backend>,
-host_cpu_tN/vs_pytorch_cpu, scaling_gN_<method>/scaling_<backend>, gpu_plan_<backend>; also parts copied there from
+host_cpu_tN/vs_pytorch_cpu, scaling_gN_<method>/scaling_<backend>, gpu_plan_<backend>, paper_settings/paper_settings_
+<backend> and paper_settings/paper_settings_archs_<backend>; also parts copied there from
 separate commands or machines) and writes OUT/gpu_sweep_<backend>.json (every part; <backend> is the accelerator's
 where any part ran on one), OUT/gpu_sweep_<backend>.md (per part: its command, the machine, its settings and its
 table in the columns of docs/performance.md) and, where a part measured rounds, OUT/gpu_sweep_<backend>.png:
@@ -40,6 +41,20 @@ PLAN = [('setting', 'setting', '{}'), ('group', 'group', '{}'), ('clients', 'cli
         ('loop bound (s)', 'loop_bound_seconds', '{:.4f}'), ('vmap bound (s)', 'vmap_bound_seconds', '{:.4f}'),
         ('fit', 'clients_fit', '{:,}')]
 
+PAPER = [('setting', 'setting', '{}'), ('clients', 'num_clients', '{}'), ('architectures', 'architectures', '{}'),
+         ('SGD steps / round', 'local_steps', '{}'),
+         ('to first round, cold / warm (s)', ('cold_to_first_round_seconds', 'warm_to_first_round_seconds'),
+          '{:.1f} / {:.1f}'), ('PyTorch to first round (s)', 'torch_to_first_round_seconds', '{:.1f}'),
+         ('fedjax_het s/round', 'fedjax_round_seconds', '{:.3f}'), ('PyTorch s/round', 'torch_round_seconds', '{:.3f}'),
+         ('speed-up', 'speedup_vs_torch', '{:.2f}x'),
+         ('peak device MiB fedjax_het / PyTorch', ('fedjax_peak_device_mib', 'torch_peak_device_mib'), '{:.0f} / {:.0f}'),
+         ('peak RSS MiB fedjax_het / PyTorch', ('fedjax_peak_rss_mib', 'torch_peak_rss_mib'), '{:.0f} / {:.0f}')]
+PAPER_ARCHS = [('setting', 'setting', '{}'), ('architecture', 'arch', '{}'), ('clients', 'clients', '{}'),
+               ('first round cold / warm (s)', ('fedjax_first_round_cold_seconds', 'fedjax_first_round_warm_seconds'),
+                '{:.2f} / {:.2f}'), ('PyTorch first round (s)', 'torch_first_round_seconds', '{:.2f}'),
+               ('fedjax_het s/round', 'fedjax_round_seconds', '{:.3f}'), ('PyTorch s/round', 'torch_round_seconds',
+                                                                         '{:.3f}')]
+
 
 # A results file's keys that are not the run's settings (harness.machine(), the command, the rows).
 NOT_SETTINGS = {'backend', 'device', 'device_kind', 'cpu_count', 'machine', 'cpu_model', 'jax', 'versions',
@@ -66,8 +81,12 @@ def sweep_backend(parts: dict[str, dict]) -> str:
 
 
 def kind(part: dict) -> str | None:
-  """'vs_pytorch', 'scaling' or 'plan' by what its rows hold; None for anything else."""
+  """'vs_pytorch', 'scaling', 'plan', 'paper' or 'paper_archs' by what its rows hold; None for anything else."""
   keys = set().union(*(row.keys() for row in part.get('rows', [])))
+  if 'cold_to_first_round_seconds' in keys:
+    return 'paper'
+  if 'arch' in keys and 'torch_round_seconds' in keys:
+    return 'paper_archs'
   if 'torch_seconds_per_round' in keys:
     return 'vs_pytorch'
   if 'groups' in keys and ('seconds_per_round' in keys or 'out_of_memory' in keys):
@@ -111,7 +130,7 @@ def describe(name: str, part: dict) -> str:
 
 def markdown(parts: dict[str, dict]) -> str:
   """The report: one section per part, with its table."""
-  columns = {'vs_pytorch': VS_PYTORCH, 'scaling': SCALING, 'plan': PLAN}
+  columns = {'vs_pytorch': VS_PYTORCH, 'scaling': SCALING, 'plan': PLAN, 'paper': PAPER, 'paper_archs': PAPER_ARCHS}
   sections = []
   for name, part in parts.items():
     k = kind(part)

@@ -102,6 +102,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 # Runs the report for real; a benchmark part writes one finished row holding its arguments, as after its first
 # row (unless it is $NOROW), then hangs if it is $HANG, or exits with $EXIT.
 [ "$1" = sweep_report.py ] && exec "$REAL_PYTHON" "$@"
+echo "$1" >> "${CALLS:-/dev/null}"
 for a in "$@"; do case "$a" in --out=*) out="${a#--out=}" ;; esac; done
 mkdir -p "$out"
 [ "$1" = "${NOROW:-}" ] || echo '{"backend": "cpu", "complete": false, "rows": [{"num_clients": 10,
@@ -216,3 +217,30 @@ def test_the_whole_tiny_sweep_runs_every_part(tmp_path):
   assert [(r['num_clients'], r['groups']) for r in scaling] == [(4, 2)] and scaling[0]['peak_memory_mib'] > 0
   assert scaling[0]['compilations_first_round'] > 0
   _check_plan(merged['parts']['gpu_plan_cpu']['rows'])
+
+
+PAPER_ROW = {'setting': 'fedre_table1', 'num_clients': 10, 'architectures': 10, 'local_steps': 10,
+             'cold_to_first_round_seconds': 201.3, 'warm_to_first_round_seconds': 40.2,
+             'torch_to_first_round_seconds': 20.5, 'fedjax_round_seconds': 5.25, 'torch_round_seconds': 7.5,
+             'speedup_vs_torch': 7.5 / 5.25, 'fedjax_peak_rss_mib': 3000.4, 'torch_peak_rss_mib': 2500.6}
+PAPER_ARCH_ROW = {'setting': 'fedre_table1', 'arch': 'vit_b16', 'clients': 1, 'fedjax_first_round_cold_seconds': 30.0,
+                  'fedjax_first_round_warm_seconds': 3.0, 'torch_first_round_seconds': 2.5,
+                  'fedjax_round_seconds': 1.25, 'torch_round_seconds': 1.5}
+
+
+def test_the_paper_settings_part_runs_first_at_the_tables_sizes_and_its_tables_are_reported(tmp_path):
+  calls = tmp_path / 'calls'
+  done = _sweep_with(_fake_python(tmp_path, JAX_PLATFORMS='', CALLS=str(calls)), tmp_path / 'a')
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert calls.read_text().split() == ['paper_settings.py', 'vs_pytorch.py', 'scaling.py', 'scaling.py']
+  parts = json.loads((tmp_path / 'a' / 'gpu_sweep_cpu.json').read_text())['parts']
+  args = parts['paper_settings/paper_settings_cpu']['rows'][0]['args'].split()
+  assert '--settings=fedre_table1,fedre_table1_20,gefl_table2,felo_table2' in args and '--rounds=2' in args
+  assert not any(a.startswith('--steps_per_client') for a in args)  # the tables' step counts
+  (tmp_path / 'b' / 'paper_settings').mkdir(parents=True)
+  for name, row in (('paper_settings_cpu', PAPER_ROW), ('paper_settings_archs_cpu', PAPER_ARCH_ROW)):
+    (tmp_path / 'b' / 'paper_settings' / f'{name}.json').write_text(json.dumps({'backend': 'cpu', 'rows': [row]}))
+  _sweep(tmp_path / 'b', 'merge')
+  report = (tmp_path / 'b' / 'gpu_sweep_cpu.md').read_text()
+  assert '| fedre_table1 | 10 | 10 | 10 | 201.3 / 40.2 | 20.5 | 5.250 | 7.500 | 1.43x | - | 3000 / 2501 |' in report
+  assert '| fedre_table1 | vit_b16 | 1 | 30.00 / 3.00 | 2.50 | 1.250 | 1.500 |' in report

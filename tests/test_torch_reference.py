@@ -11,7 +11,8 @@ import pytest
 torch = pytest.importorskip('torch', reason='PyTorch is not installed: the reference-loop tests need its CPU build '
                             '(pip install torch --index-url https://download.pytorch.org/whl/cpu)')
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks'))
-from torch_reference import TorchCNN4, TorchFedRE, client_tensors, load_flax_params  # noqa: E402
+from torch_reference import (TORCH_MODELS, TorchCNN4, TorchFedRE, client_tensors, load_flax_classifier,  # noqa: E402
+                             load_flax_params, parameter_count, torch_model)
 
 from fedjax_het.core import Batch, ClientState  # noqa: E402
 from fedjax_het.data import make_federated_data, make_synthetic  # noqa: E402
@@ -20,6 +21,8 @@ from fedjax_het.methods import FedREConfig, fedre  # noqa: E402
 from fedjax_het.methods.shared.base import sgd_program  # noqa: E402
 from fedjax_het.methods.shared.common import cross_entropy_loss  # noqa: E402
 from fedjax_het.models import build_model  # noqa: E402
+from fedjax_het.models.gefl_cnn import gefl_widths  # noqa: E402
+from fedjax_het.models.registry import MODEL_FAMILIES  # noqa: E402
 from fedjax_het.models.forward import forward  # noqa: E402
 
 
@@ -77,3 +80,71 @@ def test_a_round_does_the_same_number_of_steps_and_samples(disk_io):
   assert ref.steps == metrics['local_steps'] > 0
   assert ref.samples == metrics['local_samples'] == 8 * ref.steps
   assert np.isfinite(out['train_loss']) and np.isfinite(out['server_loss'])
+
+
+# ---------------------------------------------------------------- the seed papers' architectures (paper_settings.py)
+PAPER_MODELS = MODEL_FAMILIES['fedre-10'] + MODEL_FAMILIES['gefl-cifar10-10']
+
+
+def flax_parameter_count(name: str) -> int:
+  model = build_model(name, 10, 512)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3))))
+  return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shapes['params']))
+
+
+def test_every_paper_model_has_a_pytorch_counterpart_of_the_same_parameter_count():
+  assert set(PAPER_MODELS) <= set(TORCH_MODELS)
+  counts = {}
+  for name in PAPER_MODELS:
+    with torch.device('meta'):  # shapes only: ViT-B's 87M parameters are never allocated
+      counts[name] = parameter_count(torch_model(name))
+    assert counts[name] == flax_parameter_count(name), name
+  fedre10 = [counts[n] for n in MODEL_FAMILIES['fedre-10']]
+  assert (min(fedre10), max(fedre10)) == (878_538, 87_423_498)  # cnn4 0.88M .. vit_b32 87.42M
+  widths = {n: gefl_widths('cifar10', int(n.rsplit('cnn', 1)[1])) for n in MODEL_FAMILIES['gefl-cifar10-10']}
+  assert len(set(widths.values())) == 10
+
+
+def one_step_losses(name: str, double: bool = False, steps: int = 2, rows: int = 16, lr: float = 0.01):
+  """fedjax_het's and the PyTorch model's CE losses over `steps` SGD steps on one batch of `rows` rows, from the
+  same initial weights (copied across), train mode (BatchNorm on batch statistics); in float64 where `double`.
+
+  In float32 the first loss (the forward pass) agrees to 1e-4, but a step of a deep network on 16 32x32 images is
+  ill-conditioned (BatchNorm over 1x1 and 2x2 maps, gradient norms of 160-540): PyTorch's own float32 and float64
+  runs of ResNet-152 differ by 5 % in the loss after one step. In float64 both sides agree to 1e-7 (fedjax_het's
+  adaptive pooling weights, such as MobileNetV2's 1/3 for 1,280 -> 512 channels, are float32 constants)."""
+  model = build_model(name, 10, 512)
+  rng = np.random.default_rng(0)
+  dtype = np.float64 if double else np.float32
+  x = rng.normal(size=(rows, 32, 32, 3)).astype(dtype)
+  y = rng.integers(0, 10, rows).astype(np.int32)
+  with jax.enable_x64(double):
+    variables = jax.tree.map(lambda a: a.astype(dtype), model.init(jax.random.PRNGKey(1), jnp.asarray(x)))
+    params, model_state = variables['params'], {k: v for k, v in variables.items() if k != 'params'}
+    program = sgd_program(cross_entropy_loss(model), LocalTraining(lr, rows, 1))
+    key = jax.random.PRNGKey(0)
+    step = jax.jit(lambda carry: program.stages[0].step(carry, Batch(jnp.asarray(x), jnp.asarray(y)), None, key))
+    carry, jax_losses = program.init(ClientState(params, model_state, {}, key), None, key), []
+    for _ in range(steps):
+      carry, loss = step(carry)
+      jax_losses.append(float(loss))
+  tmodel = load_flax_classifier(name, torch_model(name), jax.device_get(params), jax.device_get(model_state))
+  ref = TorchFedRE([(torch.zeros(1, 3, 32, 32), torch.zeros(1, dtype=torch.long))], 10, lr, rows,
+                   init_models=[tmodel.to(torch.float64 if double else torch.float32)])
+  torch_losses = ref.local_train(tmodel, torch.from_numpy(x.transpose(0, 3, 1, 2).copy()),
+                                 torch.from_numpy(y.astype(np.int64)), batches=[np.arange(rows)] * steps)
+  return jax_losses, torch_losses
+
+
+FAST = ('gefl_cifar10_cnn8',)  # the rest in the slow set: ResNet-18 takes 30-100 s, ResNet-152 and the ViTs minutes
+
+
+@pytest.mark.parametrize('name', [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in PAPER_MODELS])
+def test_an_sgd_step_of_a_paper_model_gives_the_same_losses(name):
+  """Two SGD steps from the same weights: the loss before the first step (the forward pass and the weight mapping)
+  in float32, and the loss after it (so the gradient too) in float64 (see one_step_losses)."""
+  jax_losses, torch_losses = one_step_losses(name)
+  np.testing.assert_allclose(torch_losses[0], jax_losses[0], rtol=1e-4)
+  jax_losses, torch_losses = one_step_losses(name, double=True)
+  assert abs(jax_losses[0] - jax_losses[1]) > 1e-3  # the step moved the loss
+  np.testing.assert_allclose(torch_losses, jax_losses, rtol=1e-7)
