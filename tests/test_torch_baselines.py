@@ -170,8 +170,9 @@ def test_heterofl_local_steps_equal_its_codes_local_train(tiny_data):
 
 def test_fedmd_digest_then_revisit_equals_the_codes_two_fits():
   """A collaboration round of one client: FedMD's digest (the mean absolute error between its logits and the
-  consensus on the public rows, in stored order) then its revisit (CE on its own rows), one Adam kept through
-  both (Felo's client objects; torch's defaults), against the same two loops in PyTorch."""
+  consensus on the public rows, in stored order) then its revisit (CE on its own rows), each with its own Adam as the
+  paper's code compiles its logits model and its classifier apart (torch's defaults; both fresh in a client's
+  first collaboration round here), against the same two loops in PyTorch."""
   from fedjax_het.methods import FedMDConfig, fedmd
   from fedjax_het.data.federated import ClientArrays
   from fedjax_het.engine.client import run_client
@@ -192,13 +193,14 @@ def test_fedmd_digest_then_revisit_equals_the_codes_two_fits():
                          jax.random.PRNGKey(0))
 
   net = torch_mlp(client.params)
-  optimizer = torch.optim.Adam(net.parameters(), lr=cfg.learning_rate, eps=1e-8)
+  digest_optimizer = torch.optim.Adam(net.parameters(), lr=cfg.learning_rate, eps=1e-8)
+  classifier_optimizer = torch.optim.Adam(net.parameters(), lr=cfg.learning_rate, eps=1e-8)
   public_x = np.asarray(fed.constants.x)
   digest = [(public_x[b * 8:(b + 1) * 8], torch.from_numpy(np.array(consensus[b * 8:(b + 1) * 8]))) for b in range(5)]
-  torch_steps(net, optimizer, digest, F.l1_loss)
+  torch_steps(net, digest_optimizer, digest, F.l1_loss)
   revisit = [(x[b * 8:(b + 1) * 8], torch.from_numpy(y[b * 8:(b + 1) * 8].astype(np.int64)))
              for b in range(len(y) // 8)]
-  torch_steps(net, optimizer, revisit, F.cross_entropy)
+  torch_steps(net, classifier_optimizer, revisit, F.cross_entropy)
   # Adam's near-zero gradients, as for FedDF above
   assert_layers_close(net, out.params, {5: ('head',), 1: ('extractor', 'Dense_0')}, 0.02 * cfg.learning_rate)
   assert np.abs(np.asarray(out.params['head']['kernel']) - np.asarray(client.params['head']['kernel'])).max() > 1e-3
