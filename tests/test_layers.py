@@ -80,3 +80,18 @@ def test_the_library_floors_import_no_run_settings(floor):
   """The engine and the methods never read flags or the run's config (they take records)."""
   names = {target for source, target in import_edges() if unit_of(source) == floor}
   assert not any(unit_of(name) in ('fedjax_het.run', 'fedjax_het.flower') for name in names)
+
+
+def test_importing_any_module_initialises_no_jax_backend():
+  """A multi-process run joins its processes (jax.distributed.initialize) after the imports; anything computed
+  with JAX at import time (a module-level jnp constant) would initialise the backend first and fail that join."""
+  import subprocess
+  import sys
+  script = ('import importlib, pkgutil, fedjax_het\n'
+            'import jax._src.xla_bridge as xb\n'
+            'for m in pkgutil.walk_packages(fedjax_het.__path__, "fedjax_het."):\n'
+            '  importlib.import_module(m.name)\n'
+            '  assert not xb._backends, m.name\n')
+  root = pathlib.Path(__file__).resolve().parent.parent
+  result = subprocess.run([sys.executable, '-c', script], cwd=root, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]

@@ -225,7 +225,7 @@ class LabelMask(NamedTuple):
   """A client's extra state: label_mask [C], 1 for the classes its training rows hold; rate, the index of the width
   rate it drew this round (the dynamic split; 0 under 'fix')."""
   label_mask: jnp.ndarray
-  rate: jnp.ndarray = jnp.int32(0)
+  rate: jnp.ndarray = np.int32(0)  # NumPy: nothing may initialise a JAX backend on import (multi-process runs)
 
 
 class HeteroFLUpload(NamedTuple):
