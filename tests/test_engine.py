@@ -385,6 +385,7 @@ def test_clients_streamed_from_the_host_give_the_numbers_of_resident_ones(tiny_d
   tree_allclose(before.groups, kept, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # streaming's numbers: test_clients_streamed_from_the_host_give_the_numbers_of_resident_ones
 def test_a_population_larger_than_the_memory_budget_runs_with_clients_streamed(tiny_data, peaks):
   """A budget below the group's client states: refused with everything on the device, while streamed chunks fit
   it and give the same numbers."""

@@ -42,12 +42,15 @@ def test_metrics_and_parameters_equal_the_golden_run(tiny_data, name):
 
 
 # local and lg_fedavg run fedavg's client program (CE by sgd_program) with another server and receive: fedavg's
-# vmap run covers their client path. GeFL's and GeFL-F's vmap runs (86 s of compilation together, the suite's two
-# longest tests) are in the slow set; benchmarks/vmap_equals_sequential.py also checks them at XLA's default level.
-SLOW_VMAP = ('gefl', 'gefl_f')
+# vmap run covers their client path. The default run checks the vmap executor on one method of each kind of client
+# program it runs: FedRE (representations read through weighted sums), grouped FedAvg (whole models), FedProto
+# (prototypes), Felo (a per-client Adam state across rounds), FedGKT (a per-client broadcast) and FedALA (a pass over
+# the client's rows before its loop); every other method's vmap run is in the slow set (`-m slow`), and
+# benchmarks/vmap_equals_sequential.py checks every method at XLA's default level.
+DEFAULT_VMAP = ('fedre', 'fedavg', 'fedproto', 'felo', 'fedgkt', 'fedala')
 
 
-@pytest.mark.parametrize('name', [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_VMAP else m
+@pytest.mark.parametrize('name', [m if m in DEFAULT_VMAP else pytest.param(m, marks=pytest.mark.slow)
                                   for m in METHODS if m not in ('local', 'lg_fedavg')])
 def test_vmap_executor_gives_the_golden_numbers(tiny_data, name):
   """vmap == sequential for every method: the vmap executor's run against the (sequential) pinned numbers, at

@@ -187,6 +187,7 @@ def test_a_damaged_cached_library_is_built_again_never_loaded(tmp_path):
 
 
 @needs_onednn
+@pytest.mark.slow
 def test_unfinished_builds_of_gone_processes_are_removed_and_an_unwritable_cache_is_not_needed(tmp_path, caplog,
                                                                                                  monkeypatch):
   import os

@@ -445,7 +445,7 @@ def test_kill_9_inside_a_phase_of_a_multi_phase_method_then_resume_gives_the_uni
 STREAMED = {'fedre': (CFG, 4), 'felo': FAULT_RUNS['felo']}
 
 
-@pytest.mark.parametrize('name', [pytest.param('felo', marks=pytest.mark.slow), 'fedre'])
+@pytest.mark.parametrize('name', [pytest.param('felo', marks=pytest.mark.slow), pytest.param('fedre', marks=pytest.mark.slow)])
 def test_a_streamed_run_resumes_after_kill_9_and_sigint_as_if_uninterrupted(tmp_path, monkeypatch, name):
   """Client states kept on the host (`--stream_clients`) are restored as host arrays: killed with SIGKILL inside a
   round, resumed and stopped by SIGINT inside the first resumed round, resumed again, the run's metrics equal the

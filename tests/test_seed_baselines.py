@@ -398,7 +398,7 @@ def test_batch_statistics_by_hand():
   np.testing.assert_allclose(stats['var'], [2.0, 50.0], rtol=1e-5)  # unbiased, torch's: ((1-2)^2 + (3-2)^2) / 1
 
 
-@pytest.mark.parametrize('strategy', ['sequential', 'vmap'])
+@pytest.mark.parametrize('strategy', ['sequential', pytest.param('vmap', marks=pytest.mark.slow)])
 def test_heterofl_static_batchnorm_reads_every_clients_training_rows(tiny_data, strategy):
   """sBN: the first BatchNorm's mean is the mean, over every real training row of every client and its positions,
   of the global model's first convolution (a mean of chunk means weighted by their rows is the global mean)."""
@@ -457,7 +457,7 @@ def _pass_by_hand(outputs, orders, batch):
   return total / rows
 
 
-@pytest.mark.parametrize('strategy', ['sequential', 'vmap'])
+@pytest.mark.parametrize('strategy', ['sequential', pytest.param('vmap', marks=pytest.mark.slow)])
 def test_heterofl_static_batchnorm_shuffles_class_sorted_rows(strategy):
   """HeteroFL's `stats` pass reads a shuffled train loader: on clients whose rows are stored class by class (the
   global protocol's partition), the variance of sBN's first BatchNorm is the rows-weighted mean of the variances of
@@ -569,7 +569,7 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize('name', [pytest.param('feddf', marks=SLOW), pytest.param('avgkd', marks=SLOW),
-                                  pytest.param('fedala', marks=SLOW), 'heterofl', 'fedgkt',
+                                  pytest.param('fedala', marks=SLOW), pytest.param('heterofl', marks=SLOW), 'fedgkt',
                                   pytest.param('pfedafm', marks=SLOW), pytest.param('fedtype', marks=SLOW)])
 def test_resumed_after_round_one_ends_where_the_golden_run_ends(name, tmp_path):
   """Round 1 of the golden run, a checkpoint, a fresh federation restored from it and round 2: the golden run's
