@@ -136,15 +136,18 @@ def flower_dp_run(tmp_path_factory):
   grid = Recording(str(tmp / 'nodes'), 4, silent={silent: 1})
   grid.seen, lines, said = [], [], []
   handler, root = Records(logging.INFO), logging.getLogger()
-  level = root.level
+  from absl import logging as absl_logging
+  level, verbosity = root.level, absl_logging.get_verbosity()
   root.addHandler(handler)
   root.setLevel(logging.INFO)
+  absl_logging.set_verbosity(absl_logging.INFO)  # an entry point run earlier in this process may have lowered it
   try:
     summary = experiment.train_and_evaluate(cfg, str(tmp / 'run'), progress=False, federation=lambda fed: (
         FlowerRounds(fed, grid, json.dumps(cfg.to_dict()), round_timeout=5, connect_timeout=5, log=lines.append)))
   finally:
     root.removeHandler(handler)
     root.setLevel(level)
+    absl_logging.set_verbosity(verbosity)
   with open(tmp / 'run' / 'metrics.jsonl') as f:
     text = f.read()
   return dict(cfg=cfg, silent=silent, seen=grid.seen, lines=lines, said=said, summary=summary, text=text,
