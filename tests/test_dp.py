@@ -538,6 +538,7 @@ def test_every_methods_upload_parts_are_noised_or_declared_public():
     _check_declaration(name)
 
 
+@pytest.mark.slow  # a resume on the secret path in the default run: test_dp_release.py, the secret put back
 def test_a_run_with_secret_noise_resumes_to_the_uninterrupted_numbers(tmp_path, monkeypatch):
   """The secret (noise and amplified draw) is the workdir's `.dp_secret`, readable by its owner only: a resumed run
   continues the same noise; two runs from the same seed share nothing of it."""

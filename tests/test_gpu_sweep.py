@@ -160,6 +160,7 @@ def test_a_part_is_stopped_at_its_share_of_the_time_keeping_its_rows_and_one_wit
   assert '## vs_pytorch_cpu (stopped at its time limit after 1 rows)' in report
 
 
+@pytest.mark.slow
 def test_a_part_stopped_before_its_first_row_or_killed_without_a_time_limit_is_named_as_not_finished(tmp_path):
   done = _sweep_with(_fake_python(tmp_path, SWEEP_SECONDS='21', HANG='vs_pytorch.py', NOROW='vs_pytorch.py'),
                      tmp_path / 'a', 'vs_pytorch')

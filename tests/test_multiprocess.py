@@ -81,8 +81,11 @@ def assert_same_run(a, b) -> None:
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=f'state leaf {k}')
 
 
-# Grouped FedAvg's case runs with -m slow (CI's suite budget); FedRE's, with the kill and the resume, in every run.
-@pytest.mark.parametrize('algorithm', [pytest.param('fedavg', marks=pytest.mark.slow), 'fedre'])
+# Both run with -m slow (CI's suite budget): grouped FedAvg's, and FedRE's with the kill and the resume. Processes
+# joined by the launcher run in the default suite (test_the_launchers_terminal_holds_the_runs_lines_and_gloos_report_
+# goes_to_the_log), and test_layers.py checks that no import initialises a backend before the join.
+@pytest.mark.parametrize('algorithm', [pytest.param('fedavg', marks=pytest.mark.slow),
+                                       pytest.param('fedre', marks=pytest.mark.slow)])
 def test_two_processes_equal_one(tmp_path, algorithm):
   one, two = tmp_path / 'one', tmp_path / 'two'
   one_process(one, algorithm)

@@ -335,6 +335,7 @@ def test_public_images_reach_the_programs_as_arguments_not_compiled_constants(fe
   assert public(fed.constants) and not public(fed.sent(state.server, 0, 0))  # never sent
 
 
+@pytest.mark.slow
 def test_heterofl_multisteplr_scales_the_rounds_rate_as_a_lower_rate_would(tiny_data):
   """torch's MultiStepLR stepped every round: the factor 0.1^k after k milestones (by hand at 149, 150, 249, 250);
   a run whose milestone 0 halves the rate from the first round ends its round where a run at half the rate does,
@@ -569,7 +570,8 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize('name', [pytest.param('feddf', marks=SLOW), pytest.param('avgkd', marks=SLOW),
-                                  pytest.param('fedala', marks=SLOW), pytest.param('heterofl', marks=SLOW), 'fedgkt',
+                                  pytest.param('fedala', marks=SLOW), pytest.param('heterofl', marks=SLOW),
+                                  pytest.param('fedgkt', marks=SLOW),
                                   pytest.param('pfedafm', marks=SLOW), pytest.param('fedtype', marks=SLOW)])
 def test_resumed_after_round_one_ends_where_the_golden_run_ends(name, tmp_path):
   """Round 1 of the golden run, a checkpoint, a fresh federation restored from it and round 2: the golden run's
@@ -588,6 +590,7 @@ def test_resumed_after_round_one_ends_where_the_golden_run_ends(name, tmp_path):
   assert head + rest == timeless(history)
 
 
+@pytest.mark.slow  # the dynamic split's default-run checks: test_heterofl_dynamic_split_draws_a_rate_per_participant_and_round
 def test_heterofl_dynamic_sub_model_steps_equal_the_sliced_sub_models():
   """The dynamic split trains the global model with the entries outside the drawn rate's leading slices zero: its
   train-mode logits, its loss's gradient and one clipped SGD step (HeteroFL's local step) equal the sliced
