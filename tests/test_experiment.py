@@ -120,16 +120,9 @@ def test_resume_refuses_changed_settings_and_missing_checkpoints(tmp_path):
 def test_cli_bad_input_gives_one_clear_error(tmp_path, flags, message):
   """In process: the flags of experiments/fedre.py, parsed and run as its main does; library checks name the
   flags, not the library's argument names."""
-  from absl import flags as absl_flags
-  from fedjax_het.run import cli
-  fv = absl_flags.FlagValues()
-  cli.define_flags(flag_values=fv)
-  args = ['prog', '--dataset=digits', '--rounds=1', '--models=mlp', f'--workdir={tmp_path}', '--progress=false']
-  with pytest.raises(ConfigError) as error:
-    cli.parse_flags(args + flags.split(), fv)
-    cli.run(fv)
-  assert message in str(error.value)
-  assert 'Config.' not in str(error.value)
+  said = cli_error(tmp_path, flags)
+  assert message in said
+  assert 'Config.' not in said
 
 
 def cli_error(tmp_path, flags: str) -> str:
