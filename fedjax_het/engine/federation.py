@@ -28,13 +28,13 @@ from fedjax_het.data.federated import FederatedData
 from fedjax_het.engine.accounting import accuracy_metrics, communication_metrics, count_uploads
 from fedjax_het.engine.execution import ExecutionConfig
 from fedjax_het.engine.executor import Executor
-from fedjax_het.engine.streaming import host_states
 from fedjax_het.engine.groups import (EvalSet, Group, ModelConfig, build_groups, clients_without_steps, host_copy,
                                       init_group, slot_indices)
 from fedjax_het.engine.plan import plan_stages
 from fedjax_het.engine.schedule import Schedule
 from fedjax_het.engine.sharding import place_replicated, to_host
 from fedjax_het.engine.stores import RowStore
+from fedjax_het.engine.streaming import host_states
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
 
@@ -49,6 +49,35 @@ def secret_key(secret: int, purpose: str) -> jax.Array:
   digest = hashlib.blake2b(purpose.encode(), key=secret.to_bytes(64, 'little'), digest_size=8,
                            person=b'fedjax_het key').digest()
   return jnp.asarray(np.frombuffer(digest, '<u4'), jnp.uint32)
+
+
+def _shared_feature_dim(groups: Sequence[Group], models: ModelConfig, algorithm: Algorithm) -> int:
+  """The representation width d of the federation: the groups' one width under --rm=none, else ModelConfig's; a
+  ConfigError where the widths differ and the method exchanges representations between architectures."""
+  widths = sorted({g.spec.feature_dim for g in groups})
+  if len(widths) > 1 and algorithm.capabilities.shares_representations:
+    raise ConfigError(f'ModelConfig.rm={models.rm!r}: the architectures\' features have different widths {widths}, '
+                      f'and {algorithm.name} exchanges representations (or heads) between them. Fix: '
+                      f'ModelConfig.rm=\'ap\', \'mp\' or \'fc\' with one ModelConfig.feature_dim.')
+  return widths[0] if models.rm == 'none' and len(widths) == 1 else models.feature_dim
+
+
+def _checked_clients_without_steps(groups: Sequence[Group], training: LocalTraining, train_sizes: np.ndarray
+                                   ) -> list:
+  """The clients with fewer training rows than a batch (no local step under drop_last), logged; a ConfigError
+  where that is every client."""
+  without = clients_without_steps(groups, training.batch_size) if training.drop_last else []
+  if len(without) == len(train_sizes):
+    largest = int(train_sizes.max())
+    raise ConfigError(f'LocalTraining.batch_size={training.batch_size} is larger than every client\'s training set '
+                      f'(the largest holds {largest} rows), so no client could take a local step. Fix: '
+                      f'LocalTraining.batch_size <= {largest}, fewer clients (make_federated_data.num_clients), or '
+                      f'LocalTraining.drop_last=False (train on the partial batch, where the method supports it).')
+  if without:
+    logging.warning('LocalTraining.batch_size=%d: clients %s have fewer training samples than one batch and take '
+                    'no local step (one epoch drops the last partial batch, as HtFLlib does).', training.batch_size,
+                    without)
+  return without
 
 
 def client_index(groups: Sequence[Group], num_clients: int) -> tuple[list, np.ndarray]:
@@ -155,12 +184,7 @@ class Federation:
     self.global_test = None if global_test is None else EvalSet(RowStore(global_test), shared=True)
     self.groups: list[Group] = build_groups(data, models, training, self.conv, self.num_devices, self.mesh, seed)
     self.architectures, self.group_of = client_index(self.groups, self.num_clients)
-    widths = sorted({g.spec.feature_dim for g in self.groups})
-    if len(widths) > 1 and algorithm.capabilities.shares_representations:
-      raise ConfigError(f'ModelConfig.rm={models.rm!r}: the architectures\' features have different widths {widths}, '
-                        f'and {algorithm.name} exchanges representations (or heads) between them. Fix: '
-                        f'ModelConfig.rm=\'ap\', \'mp\' or \'fc\' with one ModelConfig.feature_dim.')
-    feature_dim = widths[0] if models.rm == 'none' and len(widths) == 1 else models.feature_dim
+    feature_dim = _shared_feature_dim(self.groups, models, algorithm)
     if self.global_test is None and not any(g.test.sizes.sum() > 0 for g in self.groups):
       raise ConfigError('make_federated_data.train_fraction: no client has local test rows and there is no global '
                         'test set, so nothing can be evaluated. Fix: make_federated_data.train_fraction < 1 or '
@@ -177,17 +201,7 @@ class Federation:
     self.total_rounds = self.schedule.total_rounds
     self.programs = [[phase.client(g.spec) for g in self.groups] for phase in algorithm.phases]
     self.evaluations = [algorithm.evaluation(g.spec) for g in self.groups]
-    self.clients_without_steps = clients_without_steps(self.groups, training.batch_size) if training.drop_last else []
-    if len(self.clients_without_steps) == self.num_clients:
-      raise ConfigError(f'LocalTraining.batch_size={training.batch_size} is larger than every client\'s training set '
-                        f'(the largest holds {int(self.train_sizes.max())} rows), so no client could take a local '
-                        f'step. Fix: LocalTraining.batch_size <= {int(self.train_sizes.max())}, fewer clients '
-                        f'(make_federated_data.num_clients), or LocalTraining.drop_last=False (train on the partial '
-                        f'batch, where the method supports it).')
-    if self.clients_without_steps:
-      logging.warning('LocalTraining.batch_size=%d: clients %s have fewer training samples than one batch and take '
-                      'no local step (one epoch drops the last partial batch, as HtFLlib does).', training.batch_size,
-                      self.clients_without_steps)
+    self.clients_without_steps = _checked_clients_without_steps(self.groups, training, self.train_sizes)
     self._jitted: dict = {}
     self._compiled_parts: set = set()  # ('round', phase) and ('eval', phase, which) run once: their programs exist
     self._server_shapes = None
