@@ -15,8 +15,10 @@
 #     cores, one process each under OUT/host_cpu_tN/) and plan (XLA's analyses of the round); merge: only merge the
 #     parts already under OUT (e.g. copied there from separate machines or commands)
 #   ALGORITHMS="fedre fedavg": the methods of the scaling parts (default fedre)
-#   SWEEP_SECONDS=...: the command's time limit; each part gets an equal share of what is left when it starts, is
-#   stopped at its share and keeps the rows it finished (each part rewrites its results after every row)
+#   SWEEP_SECONDS=...: the command's time limit; each part gets its share of what is left when it starts (by
+#   weight: paper_settings 3, the others 1), is stopped at its share and keeps the rows it finished (each part
+#   rewrites its results after every row)
+#   VS_CLIENTS=10,100 and SCALING_CLIENTS=10,100,1000,10000: the client counts of vs_pytorch and scaling_g1
 #   PYTHON=...: the interpreter (default python3); the repository is put on PYTHONPATH, so nothing needs installing
 #   where JAX, Flax, Optax and PyTorch are (a lent GPU machine's image).
 #   TINY=1 bash benchmarks/gpu_sweep.sh OUT           the smallest sizes, for the CPU tests (tests/test_gpu_sweep.py)
@@ -52,13 +54,13 @@ if [ "${TINY:-0}" = 1 ]; then
   plan=(--settings=quickstart)
   paper=(--settings=fedre_table1 --archs=cnn4 --steps_per_client=1 --rounds=1)
 else
-  vs=(--num_clients=10,100 --rounds=3 --nodisk_io)
+  vs=(--num_clients="${VS_CLIENTS:-10,100}" --rounds=3 --nodisk_io)
   host=(--num_clients=20,50 --rounds=3 --nodisk_io)
   host_threads=(2 4 8 16)
   algorithms=(${ALGORITHMS:-fedre})
   # 384 pool rows per client (288 train: 9 steps of 32) up to 1,000 clients; the 480,000-row pool then gives the
   # 10,000 clients 48 rows each (36 train: one step).
-  scaling=(--num_clients=10,100,1000,10000 --max_pool_rows=480000 --models=cnn4 --rounds=2)
+  scaling=(--num_clients="${SCALING_CLIENTS:-10,100,1000,10000}" --max_pool_rows=480000 --models=cnn4 --rounds=2)
   scaling_groups=(--num_clients=10 --models=cnn4 --rounds=2)  # several groups: their compilation
   plan=()
   # the tables' sizes, 2 timed rounds: FedRE Table 1 first (each setting's rows are kept as it ends)
@@ -110,16 +112,21 @@ results_of() {  # the pattern of the results files a unit writes
   esac
 }
 
+weight() {  # a unit's weight in the time shares: the paper settings compile ten architectures per setting
+  case "$1" in paper_settings) echo 3 ;; *) echo 1 ;; esac
+}
 start=$SECONDS
-left_parts=${#units[@]}
+left_weight=0
+for part in ${units[@]+"${units[@]}"}; do left_weight=$((left_weight + $(weight "$part"))); done
 for part in ${units[@]+"${units[@]}"}; do
   cap=()
   share=0
+  w=$(weight "$part")
   if [ "$budget" -gt 0 ]; then
-    share=$(( (budget - (SECONDS - start) - 15) / left_parts ))
+    share=$(( (budget - (SECONDS - start) - 15) * w / left_weight ))
     if [ "$share" -lt 5 ]; then
       echo "gpu_sweep.sh: part $part not started: its share of SWEEP_SECONDS=$budget would be $share s" >&2
-      failed+=("$part (not started)"); left_parts=$((left_parts - 1)); continue
+      failed+=("$part (not started)"); left_weight=$((left_weight - w)); continue
     fi
     cap=(timeout -k 10 "$share")
   fi
@@ -150,7 +157,7 @@ for part in ${units[@]+"${units[@]}"}; do
     echo "gpu_sweep.sh: part $part failed (exit $rc); the other parts go on" >&2
     failed+=("$part (exit $rc)")
   fi
-  left_parts=$((left_parts - 1))
+  left_weight=$((left_weight - w))
 done
 
 find "$out" -maxdepth 2 -name '*.tmp' -delete  # a stopped part's unfinished write

@@ -97,6 +97,10 @@ flags.DEFINE_integer('samples_per_client', None, 'Pool rows per client, 75 % of 
                      'with --steps_per_client the rows those steps need).')
 flags.DEFINE_integer('rounds', 3, 'Timed rounds per side, alternating, after each side\'s first round.')
 flags.DEFINE_integer('torch_eval_batch_size', 144, 'Rows per PyTorch representation pass (as vs_pytorch.py).')
+flags.DEFINE_enum('strategy', None, ['vmap', 'sequential'], 'fedjax_het\'s executor (default: the backend\'s, '
+                  'ExecutionConfig.strategy).')
+flags.DEFINE_string('conv', None, 'fedjax_het\'s convolutions in every group (default: the backend\'s, '
+                    'ExecutionConfig.conv).')
 flags.DEFINE_string('out', RESULTS, 'Folder for the JSON/CSV results.')
 flags.DEFINE_string('child', None, 'Internal: run one case (JSON) in this process and print its results.')
 FLAGS = flags.FLAGS
@@ -216,10 +220,11 @@ def run_case(spec: dict, case: str, cache: str, device: Optional[str]) -> dict:
   use_compilation_cache(cache)
   out['backend'] = jax.default_backend()
   training = LocalTraining(spec['learning_rate'], spec['batch_size'], spec['epochs'], max_steps=spec['max_steps'])
-  fed = Federation(fedre(FedREConfig(), 10), data, list(spec['models']), training, ExecutionConfig(),
+  execution = ExecutionConfig(strategy=FLAGS.strategy, conv=FLAGS.conv)
+  fed = Federation(fedre(FedREConfig(), 10), data, list(spec['models']), training, execution,
                    join_ratio=spec['join_ratio'], rounds=FLAGS.rounds + 2)  # the rounds run: a run of 0 rounds
   # would take every client in every round (join_ratio applies within the run's length)
-  out.update(strategy=fed.strategy, conv=fed.conv)
+  out.update(strategy=fed.strategy, conv='/'.join(dict.fromkeys(g.spec.conv for g in fed.groups)))
   with CompileLog() as log:
     t0 = time.perf_counter()
     state = jax.block_until_ready(fed.init())
@@ -285,6 +290,7 @@ def child(spec: dict, case: str, cache: str, device: Optional[str] = None) -> di
   job = {'spec': spec, 'case': case, 'cache': cache, 'device': device}
   args = [sys.executable, os.path.abspath(__file__), '--child=' + json.dumps(job),
           f'--rounds={FLAGS.rounds}', f'--torch_eval_batch_size={FLAGS.torch_eval_batch_size}']
+  args += [f'--{name}={FLAGS[name].value}' for name in ('strategy', 'conv') if FLAGS[name].value is not None]
   done = subprocess.run(args, capture_output=True, text=True, env=env)
   if done.returncode:
     raise RuntimeError(f'{spec["setting"]}, case {case} failed (exit {done.returncode}):\n{done.stderr[-4000:]}')
@@ -304,6 +310,7 @@ def main(_):
     sys.exit(f'error: --settings: unknown {", ".join(unknown)}. Fix: choose from {", ".join(SETTINGS)}.')
   rows, arch_rows = [], []
   settings = {'rounds': FLAGS.rounds, 'steps_per_client': FLAGS.steps_per_client, 'archs': FLAGS.archs,
+              'strategy': FLAGS.strategy, 'conv': FLAGS.conv,
               'samples_per_client': FLAGS.samples_per_client, 'torch_eval_batch_size': FLAGS.torch_eval_batch_size}
   for name in FLAGS.settings:
     spec = resolve(name)

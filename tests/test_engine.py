@@ -197,6 +197,27 @@ def test_the_memory_budget_picks_the_widest_chunk_that_fits_and_changes_no_numbe
     tight.round(tight.init())
 
 
+def test_each_chunk_width_compiles_once_and_a_group_of_one_client_only_at_width_one(tiny_data, peaks):
+  """A group of 5 clients and one of 1: the memory analysis compiles the 5-client group's update at widths 1 and 4
+  and the 1-client group's at width 1 alone (no call of it is wider), and the round's calls reuse those
+  executables: three compilations of the update in all, none in the next round."""
+  compiled = []
+  listener = lambda event, duration, fun_name='', **kw: compiled.append(fun_name) if 'backend_compile' in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    fed = make_fed(tiny_data, 'vmap', memory_budget=2**40, models=('mlp',) * 5 + ('small_cnn_narrow',),
+                   training=ONE_GROUP['training'])
+    state = fed.round(fed.init())[0]
+    first = [name for name in compiled if name == 'jit(update)']
+    fed.round(state)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert [g.size for g in fed.groups] == [5, 1]
+  assert fed.executor.analysis[0]['widths'] == (1, 4) and fed.executor.analysis[1]['widths'] == (1,)
+  assert len(peaks) == 3
+  assert len(first) == 3 and compiled.count('jit(update)') == 3
+
+
 def test_same_seed_same_numbers_whatever_the_client_and_group_threads(tiny_data):
   strip = lambda h: [{k: v for k, v in m.items() if 'seconds' not in k} for m in h]
   s1, h1 = run(make_fed(tiny_data, 'sequential', join_ratio=0.5, seed=4, client_threads=1, group_threads=1), 2)
@@ -231,7 +252,11 @@ def test_the_backend_defaults_are_decided_once_and_described(monkeypatch):
   assert cpu.describe('cpu').endswith(f': strategy=sequential, conv=onednn (oneDNN {onednn.version()}, {threads} '
                                       f'thread{"s" if threads > 1 else ""} each), eval_batch_size=64, client_threads=2')
   gpu = ExecutionConfig(chunk_size=4).resolve('gpu')  # im2col: XLA's grouped convolutions are slow on GPUs
-  assert gpu.describe('gpu').endswith(': strategy=vmap, conv=im2col, eval_batch_size=256, chunk_size=4, devices=1')
+  # A group of one client keeps XLA's convolution (ungrouped under vmap: cuDNN's) unless conv is given.
+  assert gpu.describe('gpu').endswith(': strategy=vmap, conv=im2col (xla in groups of one client), '
+                                      'eval_batch_size=256, chunk_size=4, devices=1')
+  assert ExecutionConfig(conv='im2col').resolve('gpu').single_client_conv == 'im2col'
+  assert cpu.single_client_conv == 'onednn'
   assert ExecutionConfig().resolve('tpu').conv == 'xla'  # not measured there
   vmap = ExecutionConfig(strategy='vmap', client_threads=3).resolve('cpu')  # one host thread: every core per call
   assert (vmap.conv, vmap.onednn_threads) == ('onednn', os.cpu_count())
@@ -245,6 +270,13 @@ def test_the_backend_defaults_are_decided_once_and_described(monkeypatch):
   assert ExecutionConfig(strategy='vmap').resolve('cpu').conv == 'im2col'
   with pytest.raises(ConfigError, match="^ExecutionConfig.conv='onednn': oneDNN 3.x was not found. Fix: pip"):
     ExecutionConfig(conv='onednn').resolve('cpu')
+
+
+def test_a_group_of_one_client_is_built_with_its_own_convolution(tiny_data):
+  from fedjax_het.engine.groups import build_groups
+  groups = build_groups(tiny_data, ModelConfig(('mlp',) * 5 + ('small_cnn_narrow',), feature_dim=16), TRAINING,
+                        'im2col', 1, None, single_client_conv='xla')
+  assert [(g.size, g.spec.conv, g.spec.maker.conv) for g in groups] == [(5, 'im2col', 'im2col'), (1, 'xla', 'xla')]
 
 
 def test_training_improves_accuracy(tiny_data):

@@ -39,6 +39,9 @@ class ExecutionConfig:
   conv: 'xla', 'im2col', 'auto', 'gemm' (models/conv.py) or 'onednn' (kernels/onednn.py, CPU only); None: on CPU
     onednn where oneDNN is installed, else im2col under vmap (grouped convolutions are slow there) and auto for
     sequential; im2col on GPU under vmap (measured, benchmarks/vmap_conv.py), xla otherwise.
+  single_client_conv: resolved, not set: the convolution of an architecture group of one client. Its chunks are
+    one client wide, where XLA's convolution under vmap stays an ungrouped one (cuDNN's on a GPU), so with conv
+    unset a GPU runs such a group with xla and the others with im2col; otherwise it is conv.
   client_mesh: a one-axis ('clients') mesh of D > 1 devices over which the vmap executor lays each group's clients
     (`engine.client_mesh`); None: one device.
   chunk_size: the widest chunk of clients in one vmapped call (0: `VmapExecutor.DEFAULT_MAX_WIDTH`); the
@@ -76,6 +79,7 @@ class ExecutionConfig:
   memory_budget: Optional[int] = None
   stream_clients: bool = False
   group_threads: Optional[int] = None
+  single_client_conv: Optional[str] = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self):
     if self.strategy is not None and self.strategy not in STRATEGIES:
@@ -161,7 +165,9 @@ class ExecutionConfig:
                         f'processes must be issued in one order everywhere, so their groups run one at a time. Fix: '
                         f'group_threads=1 (or leave it unset).')
     groups = self.group_threads or (1 if spans else os.cpu_count() or 1)
+    single = 'xla' if self.conv is None and conv == 'im2col' and backend == 'gpu' and mesh is None else conv
     return dataclasses.replace(self, strategy=strategy, conv=conv, client_mesh=mesh, client_threads=threads,
+                               single_client_conv=single,
                                memory_budget=budget, group_threads=groups,
                                eval_batch_size=self.eval_batch_size or ((64 if conv == 'onednn' else 32) if cpu
                                                                         else 256),
@@ -182,6 +188,8 @@ class ExecutionConfig:
       conv += (f' (oneDNN\'s convolutions would be faster: {onednn.INSTALL})' if 'was not found' in reason else
                ' (oneDNN\'s convolutions would be faster but do not load: see '
                'fedjax_het.kernels.onednn.unavailable_reason())')
+    if self.single_client_conv not in (None, self.conv):
+      conv += f' ({self.single_client_conv} in groups of one client)'
     how = f'strategy={self.strategy}, conv={conv}, eval_batch_size={self.eval_batch_size}'
     if self.strategy == 'sequential':
       how += f', client_threads={self.client_threads}'

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -158,19 +158,21 @@ def pad_clients(tree: Any, size: int) -> Any:
 
 
 def build_groups(data: FederatedData, models: ModelConfig, training: LocalTraining, conv: str, num_devices: int,
-                 mesh, seed: int = 0) -> list[Group]:
+                 mesh, seed: int = 0, single_client_conv: Optional[str] = None) -> list[Group]:
   """One `Group` per architecture of the model family (client k gets models.names[k % len(names)]), in order of
-  first appearance, each padded to a multiple of `num_devices` clients and placed on `mesh` (None: one device)."""
+  first appearance, each padded to a multiple of `num_devices` clients and placed on `mesh` (None: one device); a
+  group stacked as one client builds its model with `single_client_conv` (None: `conv`)."""
   architectures = models.architectures(data.num_clients)
   feature_dim, rm = models.feature_dim, models.rm
-  maker = ClassifierMaker(data.num_classes, rm, conv, models.init, seed, models.precision)
   groups = []
   for index, arch in enumerate(dict.fromkeys(architectures)):
     ids = np.array([k for k, a in enumerate(architectures) if a == arch])
     stacked = -(-len(ids) // num_devices) * num_devices
+    group_conv = single_client_conv if stacked == 1 and single_client_conv else conv
+    maker = ClassifierMaker(data.num_classes, rm, group_conv, models.init, seed, models.precision)
     rows = RowStore(data.group_rows(ids, 'train'))
     spec = GroupSpec(index, arch, maker.build(arch, feature_dim), tuple(int(k) for k in ids), data.num_classes,
-                     feature_dim, rows.image_shape, training, maker, rm, conv, train_rows=rows.n_max)
+                     feature_dim, rows.image_shape, training, maker, rm, group_conv, train_rows=rows.n_max)
     check_architecture(spec)
     if rm == 'none':  # d is the architecture's own feature width
       width = feature_width(spec)

@@ -90,20 +90,28 @@ class VmapExecutor(Executor):
   def budget_width(self, g: Group, lower: Callable[[int], Any]) -> int:
     """The widest ladder width whose compiled call fits `memory_budget` bytes on the device, from XLA's memory
     analysis of the call compiled at the two narrowest widths (`lower(width)`: the call lowered at that width):
-    its peak, resident arrays included, grows linearly with the width. Without a budget (or where the backend
-    reports no analysis) DEFAULT_MAX_WIDTH; with `chunk_size` set, that."""
+    its peak, resident arrays included, grows linearly with the width; a group no wider than the narrowest width
+    has only that one compiled and checked. Without a budget (or where the backend reports no analysis)
+    DEFAULT_MAX_WIDTH; with `chunk_size` set, that."""
     if self.chunk_size or self.memory_budget is None:
       return self.max_width()
     ladder = width_ladder(self.DEFAULT_MAX_WIDTH, self.num_devices)
     if len(ladder) < 2:
       return ladder[0]
     narrow, next_up = ladder[-1], ladder[-2]
-    peaks = [compiled_peak(lower(w)) for w in (narrow, next_up)]
-    if None in peaks:
-      return self.max_width()
-    per_client = max((peaks[1] - peaks[0]) / (next_up - narrow), 1.0)
-    fits = narrow + int((self.memory_budget - peaks[0]) // per_client)
-    self.analysis[g.spec.index] = {'widths': (narrow, next_up), 'peaks': tuple(peaks), 'per_client': per_client}
+    if g.stacked_size <= narrow:  # no call is ever wider: the one width is checked, none compiled for nothing
+      peak = compiled_peak(lower(narrow))
+      if peak is None:
+        return self.max_width()
+      self.analysis[g.spec.index] = {'widths': (narrow,), 'peaks': (peak,), 'per_client': None}
+      peaks, fits = [peak], narrow if peak <= self.memory_budget else narrow - 1
+    else:
+      peaks = [compiled_peak(lower(w)) for w in (narrow, next_up)]
+      if None in peaks:
+        return self.max_width()
+      per_client = max((peaks[1] - peaks[0]) / (next_up - narrow), 1.0)
+      fits = narrow + int((self.memory_budget - peaks[0]) // per_client)
+      self.analysis[g.spec.index] = {'widths': (narrow, next_up), 'peaks': tuple(peaks), 'per_client': per_client}
     if fits < narrow:
       gib = lambda b: f'{b / 2**30:.4g} GiB ({b} bytes)'  # the command line names the budget in GiB
       raise ConfigError(
@@ -131,10 +139,17 @@ class VmapExecutor(Executor):
     def build():
       fns = {}
       for width in self.widths(slots, g, phase if name == 'vmap_update' else None):
-        fns[width] = jax.jit(make(width), donate_argnums=(0, 1) if name == 'vmap_update' else 0)
+        fns[width] = self.jitted(name, g, phase, width, make)
         warm(fns[width], width)
       return fns
     return self.compiled(name, g.spec.index, phase, slots, make=build)
+
+  def jitted(self, name: str, g: Group, phase: int, width: int, make: Callable) -> Callable:
+    """The one jitted function `name` of group g in `phase` at `width` (`make(width)`), whatever the round's slot
+    count: a call compiles it once, and the memory analysis's compilation (`budget_width`) is the one its calls
+    reuse (JAX caches executables per jitted function)."""
+    return self.compiled(name + '_jit', g.spec.index, phase, width, make=lambda: jax.jit(
+        make(width), donate_argnums=(0, 1) if name == 'vmap_update' else 0))
 
   def run(self, g, program, phase, stacked, slot_idx, broadcast, key):
     slots = len(slot_idx)
@@ -147,7 +162,7 @@ class VmapExecutor(Executor):
 
     def empty(width):  # a call over `width` empty slots: nothing trains, nothing is written
       idx = np.full(width, g.stacked_size, np.int32)
-      return (*source.inputs(idx, width), jnp.asarray(idx), jnp.full(width, slots), g.stacked_ids, broadcast, key,
+      return (*source.inputs(idx, width), jnp.asarray(idx), jnp.full(width, slots, jnp.int32), g.stacked_ids, broadcast, key,
               jnp.zeros(steps.shape[1], jnp.int32), jnp.int32(0))
 
     def one_slot():
@@ -162,12 +177,11 @@ class VmapExecutor(Executor):
       first, store, *rest = empty(width)
       source.written(None, fn(first, zeros(), store, *rest)[0])
 
+    make = lambda width: self._with_buffers(self._make_update(g, program, width))
     if (g.spec.index, phase) not in self.widest:  # the phase's first round: the widest chunk its memory allows
-      update = lambda width: jax.jit(self._with_buffers(self._make_update(g, program, width)), donate_argnums=(0, 1))
-      self.widest[(g.spec.index, phase)] = self.budget_width(g, lambda width: update(width).lower(
-          empty(width)[0], zeros(), *empty(width)[1:]))
-    fns = self._functions('vmap_update', g, phase, slots,
-                          lambda width: self._with_buffers(self._make_update(g, program, width)), warm)
+      self.widest[(g.spec.index, phase)] = self.budget_width(g, lambda width: self.jitted(
+          'vmap_update', g, phase, width, make).lower(empty(width)[0], zeros(), *empty(width)[1:]))
+    fns = self._functions('vmap_update', g, phase, slots, make, warm)
     out = zeros()
     chunks = self.plan('train', g, steps.sum(1), phase)
     calls = [(chunk, self._slots(local[chunk.positions], chunk.width, g.stacked_size)) for chunk in chunks]
