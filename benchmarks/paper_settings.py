@@ -38,7 +38,9 @@ unless --samples_per_client is given, gives each client only the rows N steps ne
 passes); --archs keeps only those architectures (and each setting's clients of them); --settings and --rounds.
 
 Writes OUT/paper_settings_<backend>.json/.csv (a row per setting) and OUT/paper_settings_archs_<backend>.json/.csv
-(a row per setting and architecture), rewritten after every setting.
+(a row per setting and architecture), rewritten after every case, so that a run stopped at a time limit keeps the
+cases it finished (a figure of a case not run is empty); each case's progress (initialisation, each group's first
+round, the case's end) is printed on stderr as it comes. --cases runs some of the cases.
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ flags.DEFINE_enum('strategy', None, ['vmap', 'sequential'], 'fedjax_het\'s execu
                   'ExecutionConfig.strategy).')
 flags.DEFINE_string('conv', None, 'fedjax_het\'s convolutions in every group (default: the backend\'s, '
                     'ExecutionConfig.conv).')
+flags.DEFINE_list('cases', ['cold', 'warm', 'torch'], 'The cases to run per setting, of cold, warm and torch (module '
+                  'docstring); warm reads the cache cold fills, so warm alone times a start whose cache is empty.')
 flags.DEFINE_string('out', RESULTS, 'Folder for the JSON/CSV results.')
 flags.DEFINE_string('child', None, 'Internal: run one case (JSON) in this process and print its results.')
 FLAGS = flags.FLAGS
@@ -139,9 +143,14 @@ def peak_memory_mib() -> dict:
   return out
 
 
-def per_group_timer(fed, record: dict):
+def note(message: str) -> None:
+  """A progress line on stderr (a case's process: the parent shows it as it comes)."""
+  print(message, file=sys.stderr, flush=True)
+
+
+def per_group_timer(fed, record: dict, case: str = ''):
   """Wraps the federation's executor so that each group's part of a round is timed to completion into
-  record[arch] (seconds); returns the function that unwraps it."""
+  record[arch] (seconds), each noted as it ends where `case` names one; returns the function that unwraps it."""
   import jax
   original = fed.executor.run
 
@@ -149,6 +158,8 @@ def per_group_timer(fed, record: dict):
     t0 = time.perf_counter()
     out = jax.block_until_ready(original(g, *args))
     record[g.arch] = record.get(g.arch, 0.0) + time.perf_counter() - t0
+    if case:
+      note(f'  {case}: group {g.arch} done in {time.perf_counter() - t0:.1f} s')
     return out
   fed.executor.run = run
   return lambda: delattr(fed.executor, 'run')
@@ -230,8 +241,9 @@ def run_case(spec: dict, case: str, cache: str, device: Optional[str]) -> dict:
     state = jax.block_until_ready(fed.init())
     out.update(init_seconds=time.perf_counter() - t0, init_compilations=len(log.durations),
                init_compile_seconds=sum(log.durations))
+  note(f'  {case}: initialised in {out["init_seconds"]:.1f} s ({len(log.durations)} compilations)')
   groups: dict = {}
-  unwrap = per_group_timer(fed, groups)
+  unwrap = per_group_timer(fed, groups, case)
   with CompileLog() as log:
     participants = fed.participants(int(state.round)).tolist()
     t0 = time.perf_counter()
@@ -284,17 +296,21 @@ def run_case(spec: dict, case: str, cache: str, device: Optional[str]) -> dict:
 def child(spec: dict, case: str, cache: str, device: Optional[str] = None) -> dict:
   """Runs one case in a fresh process (no compilation cache but `cache`; JAX allocating GPU memory as it needs
   it, XLA_PYTHON_CLIENT_PREALLOCATE=false, so that the PyTorch loop of the warm case has the rest) and returns its
-  results."""
+  results; its progress lines pass through to stderr as they come."""
   env = {k: v for k, v in os.environ.items() if k != 'JAX_COMPILATION_CACHE_DIR'}
   env['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'false'
   job = {'spec': spec, 'case': case, 'cache': cache, 'device': device}
   args = [sys.executable, os.path.abspath(__file__), '--child=' + json.dumps(job),
           f'--rounds={FLAGS.rounds}', f'--torch_eval_batch_size={FLAGS.torch_eval_batch_size}']
   args += [f'--{name}={FLAGS[name].value}' for name in ('strategy', 'conv') if FLAGS[name].value is not None]
-  done = subprocess.run(args, capture_output=True, text=True, env=env)
+  note(f'{spec["setting"]}: case {case}')
+  t0 = time.perf_counter()
+  done = subprocess.run(args, stdout=subprocess.PIPE, text=True, env=env)
   if done.returncode:
-    raise RuntimeError(f'{spec["setting"]}, case {case} failed (exit {done.returncode}):\n{done.stderr[-4000:]}')
-  return json.loads(done.stdout.strip().splitlines()[-1])
+    raise RuntimeError(f'{spec["setting"]}, case {case} failed (exit {done.returncode}); its output is above')
+  out = json.loads(done.stdout.strip().splitlines()[-1])
+  note(f'{spec["setting"]}: case {case} done in {time.perf_counter() - t0:.1f} s')
+  return out
 
 
 def main(_):
@@ -305,75 +321,115 @@ def main(_):
   # This process writes the results (harness.machine() starts JAX's backend): on a GPU it must not take the memory
   # its children need.
   os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'false'
+  if not FLAGS.cases or set(FLAGS.cases) - {'cold', 'warm', 'torch'}:
+    sys.exit(f'error: --cases={",".join(FLAGS.cases)}: choose one or more of cold, warm and torch. Fix: e.g. '
+             f'--cases=cold.')
   unknown = [s for s in FLAGS.settings if s not in SETTINGS]
   if unknown:
     sys.exit(f'error: --settings: unknown {", ".join(unknown)}. Fix: choose from {", ".join(SETTINGS)}.')
   rows, arch_rows = [], []
   settings = {'rounds': FLAGS.rounds, 'steps_per_client': FLAGS.steps_per_client, 'archs': FLAGS.archs,
-              'strategy': FLAGS.strategy, 'conv': FLAGS.conv,
+              'strategy': FLAGS.strategy, 'conv': FLAGS.conv, 'cases': ','.join(FLAGS.cases),
               'samples_per_client': FLAGS.samples_per_client, 'torch_eval_batch_size': FLAGS.torch_eval_batch_size}
+  backend = None
   for name in FLAGS.settings:
     spec = resolve(name)
     if spec is None:
       print(f'{name}: skipped, none of its architectures is in --archs', flush=True)
       continue
+    cases: dict = {}
+    rows.append(None)
+    arch_rows.append([])
+
+    def save(complete=False):  # the setting's row from the cases ended so far, every results file rewritten
+      nonlocal backend
+      backend = next(c['backend'] for c in cases.values() if 'backend' in c) if any(
+          'backend' in c for c in cases.values()) else backend or harness_backend()
+      rows[-1], arch_rows[-1] = setting_row(name, spec, cases), setting_arch_rows(name, spec, cases)
+      flat = [a for per in arch_rows for a in per]
+      write_results(FLAGS.out, f'paper_settings_{backend}', settings, rows, complete=complete)
+      write_results(FLAGS.out, f'paper_settings_archs_{backend}', settings, flat, complete=complete)
     with tempfile.TemporaryDirectory(prefix='paper_settings_xla_') as cache:
-      cold = child(spec, 'cold', cache)
-      warm = child(spec, 'warm', cache)
-    alone = child(spec, 'torch', '', cold['torch_device'])
-    backend = cold['backend']
-    memory = lambda case, key: case.get(key)
-    row = {'setting': name, 'description': spec['description'], 'architectures': len(spec['models']),
-           'num_clients': spec['num_clients'], 'participants': warm['participants'],
-           'batch_size': spec['batch_size'], 'samples_per_client': spec['samples_per_client'],
-           'local_steps': warm['local_steps'], 'local_samples': warm['local_samples'],
-           'strategy': warm['strategy'], 'conv': warm['conv'], 'torch_device': warm['torch_device'],
-           'cold_init_seconds': cold['init_seconds'], 'cold_first_round_seconds': cold['first_round_seconds'],
-           'cold_to_first_round_seconds': cold['to_first_round_seconds'],
-           'cold_compilations': cold['init_compilations'] + cold['first_round_compilations'],
-           'cold_compile_seconds': cold['init_compile_seconds'] + cold['first_round_compile_seconds'],
-           'warm_init_seconds': warm['init_seconds'], 'warm_first_round_seconds': warm['first_round_seconds'],
-           'warm_to_first_round_seconds': warm['to_first_round_seconds'],
-           'warm_compile_seconds': warm['init_compile_seconds'] + warm['first_round_compile_seconds'],
-           'torch_to_first_round_seconds': alone['torch_to_first_round_seconds'],
-           'torch_first_round_seconds': alone['torch_first_round_seconds'],
-           'fedjax_round_seconds': warm['fedjax_round_seconds'], 'torch_round_seconds': warm['torch_round_seconds'],
-           'speedup_vs_torch': warm['torch_round_seconds'] / warm['fedjax_round_seconds'],
-           'fedjax_rounds': warm['fedjax_rounds'], 'torch_rounds': warm['torch_rounds'],
-           'compilations_later_rounds': warm['compilations_later_rounds'],
-           'fedjax_timed_round_seconds': warm['fedjax_timed_round_seconds'],
-           'fedjax_groups_sum_seconds': sum(warm['fedjax_round_by_arch'].values()),
-           'fedjax_peak_device_mib': memory(cold, 'peak_device_mib'),
-           'torch_peak_device_mib': memory(alone, 'torch_peak_device_mib'),
-           'fedjax_peak_rss_mib': cold['peak_rss_mib'], 'torch_peak_rss_mib': alone['peak_rss_mib'],
-           # the machine's 1-minute load average as each case started: other processes on the cores (a shared CPU)
-           'load_average': [cold['load_average_start'], warm['load_average_start'], alone['load_average_start']],
-           'torch_threads': warm['torch_threads']}
-    rows.append(row)
-    for arch in spec['models']:
-      arch_rows.append({'setting': name, 'arch': arch,
-                        'clients': spec['num_clients'] // len(spec['models']),
-                        'fedjax_first_round_cold_seconds': cold['first_round_by_arch'].get(arch),
-                        'fedjax_first_round_warm_seconds': warm['first_round_by_arch'].get(arch),
-                        'torch_first_round_seconds': alone['torch_first_round_by_arch'].get(arch),
-                        'fedjax_round_seconds': warm['fedjax_round_by_arch'].get(arch),
-                        'torch_round_seconds': warm['torch_round_by_arch'].get(arch)})
-    print(f'{name}: {spec["num_clients"]} clients, {len(spec["models"])} architectures, {row["local_steps"]} steps '
-          f'per round; to first round: fedjax_het cold {row["cold_to_first_round_seconds"]:.1f} s, warm '
-          f'{row["warm_to_first_round_seconds"]:.1f} s, PyTorch {row["torch_to_first_round_seconds"]:.1f} s; '
-          f'per round: fedjax_het {row["fedjax_round_seconds"]:.3f} s, PyTorch {row["torch_round_seconds"]:.3f} s '
-          f'({row["speedup_vs_torch"]:.2f}x)', flush=True)
-    for a in arch_rows[-len(spec['models']):]:
-      fmt = lambda v: '-' if v is None else f'{v:.3f}'
-      print(f'  {a["arch"]:>20}: first round cold / warm {fmt(a["fedjax_first_round_cold_seconds"])} / '
-            f'{fmt(a["fedjax_first_round_warm_seconds"])} s, PyTorch {fmt(a["torch_first_round_seconds"])} s; '
-            f'round fedjax_het {fmt(a["fedjax_round_seconds"])} s, PyTorch {fmt(a["torch_round_seconds"])} s',
-            flush=True)
-    write_results(FLAGS.out, f'paper_settings_{backend}', settings, rows, complete=False)
-    write_results(FLAGS.out, f'paper_settings_archs_{backend}', settings, arch_rows, complete=False)
+      for case in ('cold', 'warm'):
+        if case in FLAGS.cases:
+          cases[case] = child(spec, case, cache)
+          save()
+    if 'torch' in FLAGS.cases:
+      device = next((c['torch_device'] for c in cases.values()), None)
+      cases['torch'] = child(spec, 'torch', '', device)
+      save()
+    print_setting(spec, rows[-1], arch_rows[-1])
   if rows:
-    write_results(FLAGS.out, f'paper_settings_{backend}', settings, rows)
-    write_results(FLAGS.out, f'paper_settings_archs_{backend}', settings, arch_rows)
+    save(complete=True)
+
+
+def harness_backend() -> str:
+  import jax
+  return jax.default_backend()
+
+
+def setting_row(name: str, spec: dict, cases: dict) -> dict:
+  """A setting's row from its cases run so far ('cold', 'warm', 'torch'); a figure of a case not run is None."""
+  cold, warm, alone = (cases.get(c, {}) for c in ('cold', 'warm', 'torch'))
+  plus = lambda a, b: None if a is None or b is None else a + b
+  some = warm or cold
+  row = {'setting': name, 'description': spec['description'], 'architectures': len(spec['models']),
+         'num_clients': spec['num_clients'], 'participants': some.get('participants'),
+         'batch_size': spec['batch_size'], 'samples_per_client': spec['samples_per_client'],
+         'local_steps': some.get('local_steps'), 'local_samples': some.get('local_samples'),
+         'strategy': some.get('strategy'), 'conv': some.get('conv'),
+         'torch_device': (warm or alone).get('torch_device'),
+         'cold_init_seconds': cold.get('init_seconds'), 'cold_first_round_seconds': cold.get('first_round_seconds'),
+         'cold_to_first_round_seconds': cold.get('to_first_round_seconds'),
+         'cold_compilations': plus(cold.get('init_compilations'), cold.get('first_round_compilations')),
+         'cold_compile_seconds': plus(cold.get('init_compile_seconds'), cold.get('first_round_compile_seconds')),
+         'warm_init_seconds': warm.get('init_seconds'), 'warm_first_round_seconds': warm.get('first_round_seconds'),
+         'warm_to_first_round_seconds': warm.get('to_first_round_seconds'),
+         'warm_compile_seconds': plus(warm.get('init_compile_seconds'), warm.get('first_round_compile_seconds')),
+         'torch_to_first_round_seconds': alone.get('torch_to_first_round_seconds'),
+         'torch_first_round_seconds': alone.get('torch_first_round_seconds'),
+         'fedjax_round_seconds': warm.get('fedjax_round_seconds'), 'torch_round_seconds': warm.get('torch_round_seconds'),
+         'speedup_vs_torch': (warm['torch_round_seconds'] / warm['fedjax_round_seconds']
+                              if 'fedjax_round_seconds' in warm else None),
+         'fedjax_rounds': warm.get('fedjax_rounds'), 'torch_rounds': warm.get('torch_rounds'),
+         'compilations_later_rounds': warm.get('compilations_later_rounds'),
+         'fedjax_timed_round_seconds': warm.get('fedjax_timed_round_seconds'),
+         'fedjax_groups_sum_seconds': (sum(warm['fedjax_round_by_arch'].values())
+                                       if 'fedjax_round_by_arch' in warm else None),
+         'fedjax_peak_device_mib': cold.get('peak_device_mib'),
+         'torch_peak_device_mib': alone.get('torch_peak_device_mib'),
+         'fedjax_peak_rss_mib': cold.get('peak_rss_mib'), 'torch_peak_rss_mib': alone.get('peak_rss_mib'),
+         # the machine's 1-minute load average as each case started: other processes on the cores (a shared CPU)
+         'load_average': [c.get('load_average_start') for c in (cold, warm, alone)],
+         'torch_threads': (warm or alone).get('torch_threads')}
+  return row
+
+
+def setting_arch_rows(name: str, spec: dict, cases: dict) -> list:
+  """A setting's rows per architecture from its cases run so far."""
+  cold, warm, alone = (cases.get(c, {}) for c in ('cold', 'warm', 'torch'))
+  return [{'setting': name, 'arch': arch, 'clients': spec['num_clients'] // len(spec['models']),
+           'fedjax_first_round_cold_seconds': cold.get('first_round_by_arch', {}).get(arch),
+           'fedjax_first_round_warm_seconds': warm.get('first_round_by_arch', {}).get(arch),
+           'torch_first_round_seconds': alone.get('torch_first_round_by_arch', {}).get(arch),
+           'fedjax_round_seconds': warm.get('fedjax_round_by_arch', {}).get(arch),
+           'torch_round_seconds': warm.get('torch_round_by_arch', {}).get(arch)} for arch in spec['models']]
+
+
+def print_setting(spec: dict, row: dict, arch_rows: list) -> None:
+  """The setting's figures on stdout ('-' for a case not run)."""
+  fmt = lambda v, f='.3f': '-' if v is None else format(v, f)
+  print(f'{row["setting"]}: {spec["num_clients"]} clients, {len(spec["models"])} architectures, '
+        f'{fmt(row["local_steps"], "")} steps per round; to first round: fedjax_het cold '
+        f'{fmt(row["cold_to_first_round_seconds"], ".1f")} s, warm {fmt(row["warm_to_first_round_seconds"], ".1f")} s, '
+        f'PyTorch {fmt(row["torch_to_first_round_seconds"], ".1f")} s; per round: fedjax_het '
+        f'{fmt(row["fedjax_round_seconds"])} s, PyTorch {fmt(row["torch_round_seconds"])} s '
+        f'({fmt(row["speedup_vs_torch"], ".2f")}x)', flush=True)
+  for a in arch_rows:
+    print(f'  {a["arch"]:>20}: first round cold / warm {fmt(a["fedjax_first_round_cold_seconds"])} / '
+          f'{fmt(a["fedjax_first_round_warm_seconds"])} s, PyTorch {fmt(a["torch_first_round_seconds"])} s; '
+          f'round fedjax_het {fmt(a["fedjax_round_seconds"])} s, PyTorch {fmt(a["torch_round_seconds"])} s',
+          flush=True)
 
 
 if __name__ == '__main__':

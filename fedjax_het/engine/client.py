@@ -155,14 +155,15 @@ def program_representations(program: ClientProgram, carry: Any, reps_of: Callabl
 
 
 def run_client_rows(program: ClientProgram, model: HeteroClassifier, client: ClientState, rows: RowsOf,
-                    broadcast: Any, rng: jax.Array, trips: jnp.ndarray, rep_passes, rep_chunk: int, unroll: int = 1
-                    ) -> tuple[ClientState, Any, jnp.ndarray]:
+                    broadcast: Any, rng: jax.Array, trips: jnp.ndarray, rep_passes, rep_chunk: int, unroll: int = 1,
+                    train: bool = True) -> tuple[ClientState, Any, jnp.ndarray]:
   """ONE client's round on its rows in a flat store, what the vmap executor maps over a chunk of clients: prepare
   -> init -> each stage's valid steps -> representations if the program reads them -> final, as `run_client`.
 
   The loops run a chunk's largest counts (traced, the same for every client of the chunk): trips [stages] steps
   per stage and `rep_passes` representation passes; step j of a stage is the client's j-th valid slot
-  (`plan.slot_of_step`), masked past its own count. `unroll` steps run per loop iteration."""
+  (`plan.slot_of_step`), masked past its own count. `unroll` steps run per loop iteration. With train=False no
+  step is traced: the results have the same shapes and types, for `jax.eval_shape` at a fraction of the trace."""
   keys = client_keys(rng)
   x_view, y_view = rows.view()  # read by prepare / final where they read rows (else compiled away)
   start = without_model(program, client)
@@ -170,7 +171,7 @@ def run_client_rows(program: ClientProgram, model: HeteroClassifier, client: Cli
     start = program.prepare(start, client_rows(program, x_view, y_view, rows.n), broadcast, keys['prepare'])
   carry = program.init(start, broadcast, keys['init'])
   total, count = 0.0, 0
-  for plan in plan_stages(program, rows.num_rows):
+  for plan in plan_stages(program, rows.num_rows) if train else ():
     if not plan.length:  # a stage of 0 epochs (GeFL's synthetic-only rounds have no real epochs)
       continue
     key = stage_key(keys['train'], plan.index)

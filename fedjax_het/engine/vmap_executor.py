@@ -170,7 +170,7 @@ class VmapExecutor(Executor):
       return first, store, offsets, counts, idx, *rest
 
     shapes = self.compiled('vmap_buffers', g.spec.index, phase, slots, make=lambda: jax.eval_shape(
-        self._make_update(g, program, 1), *one_slot())[1:])  # a slot's results
+        self._make_update(g, program, 1, train=False), *one_slot())[1:])  # a slot's results
     zeros = lambda: jax.tree.map(lambda s: jnp.zeros((slots,) + s.shape[1:], s.dtype), shapes)
 
     def warm(fn, width):
@@ -215,9 +215,10 @@ class VmapExecutor(Executor):
     """A chunk's client indices, padded to its width with `empty` (past the stack: an empty slot)."""
     return np.concatenate([local, np.full(width - len(local), empty)]).astype(np.int32)
 
-  def _make_update(self, g: Group, program: ClientProgram, width: int):
+  def _make_update(self, g: Group, program: ClientProgram, width: int, train: bool = True):
     """A chunk's update: (stacked states, or with `stream` the chunk's own, store, offsets, counts, slot_idx,
-    client_ids, broadcast, key, trips, passes) -> (the same states updated, uploads, losses)."""
+    client_ids, broadcast, key, trips, passes) -> (the same states updated, uploads, losses); train=False: without
+    the local steps, the same shapes (`run_client_rows`)."""
     num_rows, unroll, chunk, stream = g.rows.n_max, self.scan_unroll, self.pass_rows(width), self.stream
 
     def update(states, store, offsets, counts, slot_idx, client_ids, broadcast, key, trips, passes):
@@ -225,7 +226,7 @@ class VmapExecutor(Executor):
       ids = jnp.take(client_ids, slot_idx, mode='clip')
       rngs = jax.vmap(lambda c: jax.random.fold_in(key, c))(ids)
       one = lambda c, off, cnt, k, b: run_client_rows(program, g.model, c, RowsOf(store, off, cnt, num_rows), b, k,
-                                                      trips, passes, chunk, unroll)
+                                                      trips, passes, chunk, unroll, train)
       new, uploads, losses = vmap_broadcast(one, broadcast, slot_idx)(clients, offsets, counts, rngs)
       real = slot_idx < g.size
       uploads = jax.tree.map(lambda u: jnp.where(real.reshape((-1,) + (1,) * (u.ndim - 1)), u, jnp.zeros((), u.dtype)),
