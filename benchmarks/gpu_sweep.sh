@@ -10,7 +10,8 @@
 #     OUT/paper_settings/), vs_pytorch (FedRE against the PyTorch loop at 10 and 100 clients), scaling_g1 (FedRE
 #     over 10, 100, 1,000 and 10,000 clients, one architecture), scaling_g2, scaling_g5, scaling_g10 (10 clients
 #     over that many architecture groups: their compilation); default: paper_settings vs_pytorch scaling_g5
-#     scaling_g1. Also host_cpu (the
+#     scaling_g1. Also xla_flags (a cold start and a round of FedRE Table 1's ResNet-152, ViT-B/16 and ResNet-18,
+#     one client each, under XLA flag variants: benchmarks/xla_flags.py, under OUT/xla_flags/), host_cpu (the
 #     comparison on the machine's own CPU, 20 and 50 clients, fedjax_het's client threads 2, 4, 8 and 16 up to the
 #     cores, one process each under OUT/host_cpu_tN/) and plan (XLA's analyses of the round); merge: only merge the
 #     parts already under OUT (e.g. copied there from separate machines or commands)
@@ -53,6 +54,7 @@ if [ "${TINY:-0}" = 1 ]; then
   scaling_groups=("${scaling[@]}")
   plan=(--settings=quickstart)
   paper=(--settings=fedre_table1 --archs=cnn4 --steps_per_client=1 --rounds=1)
+  xla=(--archs=cnn4 --variants=default --steps_per_client=1 --rounds=1)
 else
   vs=(--num_clients="${VS_CLIENTS:-10,100}" --rounds=3 --nodisk_io)
   host=(--num_clients=20,50 --rounds=3 --nodisk_io)
@@ -65,13 +67,14 @@ else
   plan=()
   # the tables' sizes, 2 timed rounds: FedRE Table 1 first (each setting's rows are kept as it ends)
   paper=(--rounds=2 --settings=fedre_table1,fedre_table1_20,gefl_table2,felo_table2)
+  xla=(--archs=resnet152,vit_b16,resnet18 --steps_per_client=20 --rounds=2)
 fi
 
 for part in "${parts[@]}"; do
   case "$part" in
-    paper_settings|vs_pytorch|host_cpu|scaling_g1|scaling_g2|scaling_g5|scaling_g10|plan|merge) ;;
-    *) echo "gpu_sweep.sh: unknown part '$part'; choose paper_settings, vs_pytorch, host_cpu, scaling_g1, scaling_g2," \
-            "scaling_g5, scaling_g10, plan or merge." >&2; exit 2 ;;
+    paper_settings|xla_flags|vs_pytorch|host_cpu|scaling_g1|scaling_g2|scaling_g5|scaling_g10|plan|merge) ;;
+    *) echo "gpu_sweep.sh: unknown part '$part'; choose paper_settings, xla_flags, vs_pytorch, host_cpu, scaling_g1," \
+            "scaling_g2, scaling_g5, scaling_g10, plan or merge." >&2; exit 2 ;;
   esac
 done
 
@@ -134,6 +137,7 @@ for part in ${units[@]+"${units[@]}"}; do
   case "$part" in
     vs_pytorch) ${cap[@]+"${cap[@]}"} "$py" vs_pytorch.py "${vs[@]}" --out="$out" || rc=$? ;;
     paper_settings) ${cap[@]+"${cap[@]}"} "$py" paper_settings.py "${paper[@]}" --out="$out/$part" || rc=$? ;;
+    xla_flags) ${cap[@]+"${cap[@]}"} "$py" xla_flags.py "${xla[@]}" --out="$out/$part" || rc=$? ;;
     scaling_g*)
       groups="${part#scaling_g}"
       args=("${scaling[@]}")

@@ -20,7 +20,7 @@ architecture's compiled local epoch, the compile time of the architectures and w
 Per setting, three fresh processes:
   cold   fedjax_het: `Federation.init` and the first round with XLA's persistent compilation cache in an empty
          temporary folder (initialisation + compilation); peak device memory (GPU: JAX's memory_stats; CPU: the
-         process's peak RSS, data included)
+         process's peak RSS, data included); then `--rounds` rounds of fedjax_het alone
   warm   the same with the cache the cold process filled; then the PyTorch loop's first round, and `--rounds`
          rounds alternating a PyTorch round and a fedjax_het round, each timed to completion (seconds per round,
          side by side: the same participants, local steps and samples, checked every round); then one more
@@ -253,8 +253,14 @@ def run_case(spec: dict, case: str, cache: str, device: Optional[str]) -> dict:
                local_steps=m['local_steps'], local_samples=m['local_samples'], participants=len(participants))
   unwrap()
   out['to_first_round_seconds'] = out['init_seconds'] + out['first_round_seconds']
-  if case == 'cold':
+  if case == 'cold':  # then --rounds rounds of fedjax_het alone (the round, compiled, without the PyTorch loop)
     out.update(peak_memory_mib())
+    rounds = []
+    for _ in range(FLAGS.rounds):
+      state, m = fed.round(state)
+      rounds.append(m['train_seconds'])
+    out['rounds_seconds'] = float(np.mean(rounds)) if rounds else None
+    note(f'  {case}: {FLAGS.rounds} more rounds, {out["rounds_seconds"] or 0:.3f} s each')
     return out
 
   # warm: the PyTorch loop's first round, then the two sides alternating, then one fedjax_het round timed by group
@@ -383,6 +389,7 @@ def setting_row(name: str, spec: dict, cases: dict) -> dict:
          'cold_to_first_round_seconds': cold.get('to_first_round_seconds'),
          'cold_compilations': plus(cold.get('init_compilations'), cold.get('first_round_compilations')),
          'cold_compile_seconds': plus(cold.get('init_compile_seconds'), cold.get('first_round_compile_seconds')),
+         'cold_round_seconds': cold.get('rounds_seconds'),
          'warm_init_seconds': warm.get('init_seconds'), 'warm_first_round_seconds': warm.get('first_round_seconds'),
          'warm_to_first_round_seconds': warm.get('to_first_round_seconds'),
          'warm_compile_seconds': plus(warm.get('init_compile_seconds'), warm.get('first_round_compile_seconds')),

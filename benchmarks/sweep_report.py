@@ -4,7 +4,7 @@
 
 Reads every part under OUT as benchmarks/gpu_sweep.sh leaves them (OUT/*.json and OUT/*/*.json: vs_pytorch_<backend>,
 host_cpu_tN/vs_pytorch_cpu, scaling_gN_<method>/scaling_<backend>, gpu_plan_<backend>, paper_settings/paper_settings_
-<backend> and paper_settings/paper_settings_archs_<backend>; also parts copied there from
+<backend>, paper_settings/paper_settings_archs_<backend> and xla_flags/xla_flags_<backend>; also parts copied there from
 separate commands or machines) and writes OUT/gpu_sweep_<backend>.json (every part; <backend> is the accelerator's
 where any part ran on one), OUT/gpu_sweep_<backend>.md (per part: its command, the machine, its settings and its
 table in the columns of docs/performance.md) and, where a part measured rounds, OUT/gpu_sweep_<backend>.png:
@@ -55,6 +55,11 @@ PAPER_ARCHS = [('setting', 'setting', '{}'), ('architecture', 'arch', '{}'), ('c
                ('fedjax_het s/round', 'fedjax_round_seconds', '{:.3f}'), ('PyTorch s/round', 'torch_round_seconds',
                                                                          '{:.3f}')]
 
+XLA_FLAGS = [('architecture', 'arch', '{}'), ('XLA_FLAGS', 'xla_flags', '{}'),
+             ('to first round (s)', 'to_first_round_seconds', '{:.1f}'), ('compile (s)', 'compile_seconds', '{:.1f}'),
+             ('compilations', 'compilations', '{}'), ('s / round', 'round_seconds', '{:.3f}'),
+             ('stopped at (s)', 'stopped_at_seconds', '{:.0f}'), ('failed', 'failed', '{}')]
+
 
 # A results file's keys that are not the run's settings (harness.machine(), the command, the rows).
 NOT_SETTINGS = {'backend', 'device', 'device_kind', 'cpu_count', 'machine', 'cpu_model', 'jax', 'versions',
@@ -81,10 +86,13 @@ def sweep_backend(parts: dict[str, dict]) -> str:
 
 
 def kind(part: dict) -> str | None:
-  """'vs_pytorch', 'scaling', 'plan', 'paper' or 'paper_archs' by what its rows hold; None for anything else."""
+  """'vs_pytorch', 'scaling', 'plan', 'paper', 'paper_archs' or 'xla_flags' by what its rows hold; None for anything
+  else."""
   keys = set().union(*(row.keys() for row in part.get('rows', [])))
   if 'cold_to_first_round_seconds' in keys:
     return 'paper'
+  if 'xla_flags' in keys:
+    return 'xla_flags'
   if 'arch' in keys and 'torch_round_seconds' in keys:
     return 'paper_archs'
   if 'torch_seconds_per_round' in keys:
@@ -130,7 +138,8 @@ def describe(name: str, part: dict) -> str:
 
 def markdown(parts: dict[str, dict]) -> str:
   """The report: one section per part, with its table."""
-  columns = {'vs_pytorch': VS_PYTORCH, 'scaling': SCALING, 'plan': PLAN, 'paper': PAPER, 'paper_archs': PAPER_ARCHS}
+  columns = {'vs_pytorch': VS_PYTORCH, 'scaling': SCALING, 'plan': PLAN, 'paper': PAPER, 'paper_archs': PAPER_ARCHS,
+             'xla_flags': XLA_FLAGS}
   sections = []
   for name, part in parts.items():
     k = kind(part)

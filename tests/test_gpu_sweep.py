@@ -245,3 +245,21 @@ def test_the_paper_settings_part_runs_first_at_the_tables_sizes_and_its_tables_a
   report = (tmp_path / 'b' / 'gpu_sweep_cpu.md').read_text()
   assert '| fedre_table1 | 10 | 10 | 10 | 201.3 / 40.2 | 20.5 | 5.250 | 7.500 | 1.43x | - | 3000 / 2501 |' in report
   assert '| fedre_table1 | vit_b16 | 1 | 30.00 / 3.00 | 2.50 | 1.250 | 1.500 |' in report
+
+
+def test_xla_flags_times_a_cold_start_per_variant_and_records_a_variant_that_fails(tmp_path):
+  """benchmarks/xla_flags.py over cnn4 (one FedRE client, one local step): the default variant's cold case
+  (paper_settings.py --cases=cold) gives its start, compilations and round; an XLA flag that XLA rejects is a
+  row that says the case failed, and the run goes on to write its results."""
+  done = subprocess.run([sys.executable, os.path.join(ROOT, 'benchmarks', 'xla_flags.py'), '--archs=cnn4',
+                         '--variants=default;--xla_no_such_flag=1', '--steps_per_client=1', '--rounds=1',
+                         f'--out={tmp_path}'], capture_output=True, text=True, timeout=600,
+                        env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = json.loads((tmp_path / 'xla_flags_cpu.json').read_text())['rows']
+  assert [(r['arch'], r['xla_flags']) for r in rows] == [('cnn4', 'default'), ('cnn4', '--xla_no_such_flag=1')]
+  default, bad = rows
+  assert default['local_steps'] == 1 and default['compilations'] > 0
+  assert default['to_first_round_seconds'] >= default['first_round_seconds'] > 0 and default['round_seconds'] > 0
+  assert bad['failed'].startswith('exit ') and 'round_seconds' not in bad
+  assert 'cnn4 | --xla_no_such_flag=1: exit ' in done.stdout
