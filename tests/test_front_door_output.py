@@ -112,3 +112,18 @@ def test_the_python_api_shows_a_bar_while_a_call_compiles(capfd):
   state, _ = fed.round(state)
   assert 'compiling' not in capfd.readouterr().err
   assert not wants_progress_bar()  # pytest's captured stderr is no terminal, and no notebook runs here
+
+
+def test_a_command_line_start_shows_each_compilation_with_a_bar(tmp_path, capfd):
+  """A run's start says what compiles: the initial states, round 1's groups and then the server step, and the
+  first evaluation's groups; later rounds and evaluations compile nothing and show no such bar."""
+  from fedjax_het.run.config import ExperimentConfig
+  from fedjax_het.run.experiment import train_and_evaluate
+  cfg = ExperimentConfig(dataset='digits', models=('mlp', 'small_cnn_narrow'), num_clients=4, rounds=2,
+                         strategy='sequential', conv='xla')
+  train_and_evaluate(cfg, str(tmp_path / 'run'), progress=True)
+  err = capfd.readouterr().err
+  assert 'fedre: initialising:' in err and 'fedre: compiling round 1 (fedre):' in err, err
+  assert 'the server step' in err and 'fedre: compiling the evaluation:' in err, err
+  assert '/2 [' in err and 'compiling round 2' not in err
+  assert err.count('fedre: compiling the evaluation:   0%') == 1  # the second evaluation compiles nothing

@@ -608,7 +608,11 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
       loss = metrics.get('train_loss', 0.0)  # none in a round that drew nobody
       if fed.evaluates_after(r, cfg.eval_every):
         t0 = time.perf_counter()
+        if startup is not None:
+          startup.before_evaluation(r)
         metrics.update(fed.evaluate(state))
+        if startup is not None:
+          startup.after_round()
         metrics['eval_seconds'] = time.perf_counter() - t0
         if fed.algorithm.samples is not None:
           sampler = sampler or _sampler(fed)
@@ -667,13 +671,15 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
 
 class StartupDisplay:
   """What a run prints while it starts: a bar over the architecture groups as their programs compile, at
-  initialisation and in the first round of each phase (where every group compiles its round programs), and where
-  XLA's compilation cache keeps them for the next start."""
+  initialisation, in the first round of each phase (where every group compiles its round programs; then the
+  server step, named on the bar) and at its first evaluation (each evaluation set's programs), and where XLA's
+  compilation cache keeps them for the next start."""
 
   def __init__(self, fed: Federation, say: Callable[[str], None]):
     from fedjax_het.run.compilation_cache import configured_directory
     self.fed, self.say, self.bar = fed, say, None
     self.compiled_phases: set = set()
+    self.evaluated_phases: set = set()
     cache = configured_directory()
     self.cache_note = (f'compiled programs go into XLA\'s compilation cache ({cache}), so the next start of this '
                        f'setting skips most of it' if cache else 'XLA\'s compilation cache is off '
@@ -682,11 +688,18 @@ class StartupDisplay:
              f'({", ".join(g.arch for g in fed.groups)}); {self.cache_note}')
     self._open('initialising', 'init')
 
-  def _open(self, what: str, kind: str) -> None:
+  def _open(self, what: str, kind: str, passes: int = 1, then: str = '') -> None:
+    """A bar over `passes` calls of every group reporting `kind`; `then` names what runs after the last."""
     from tqdm.auto import tqdm
-    self.bar = tqdm(total=len(self.fed.groups), desc=f'{self.fed.algorithm.name}: {what}', unit='group',
+    self.bar = tqdm(total=len(self.fed.groups) * passes, desc=f'{self.fed.algorithm.name}: {what}', unit='group',
                     leave=False)
-    self.fed.progress = lambda k, gi, total: self.bar.update(1) if k == kind and self.bar is not None else None
+
+    def progress(k, gi, total):
+      if k == kind and self.bar is not None:
+        self.bar.update(1)
+        if then and self.bar.n == self.bar.total:
+          self.bar.set_postfix_str(then, refresh=True)
+    self.fed.progress = progress
 
   def _close(self) -> None:
     if self.bar is not None:
@@ -704,10 +717,19 @@ class StartupDisplay:
     if phase not in self.compiled_phases:
       self.compiled_phases.add(phase)
       name = self.fed.algorithm.phases[phase].name
-      self._open(f'compiling round {round_index + 1} ({name})', 'round')
+      self._open(f'compiling round {round_index + 1} ({name})', 'round', then='the server step')
+
+  def before_evaluation(self, round_index: int) -> None:
+    """Opens a bar over the groups' evaluation sets where this is the first evaluation of round `round_index`'s
+    phase in this process (its programs compile now)."""
+    phase = self.fed.phase_index(round_index)
+    if phase not in self.evaluated_phases:
+      self.evaluated_phases.add(phase)
+      sets = int(self.fed.has_local_test) + int(self.fed.global_test is not None)
+      self._open('compiling the evaluation', 'evaluate', passes=max(sets, 1))
 
   def after_round(self) -> None:
-    """Closes the compile bar, if any."""
+    """Closes the compile bar, if any (after a round or an evaluation)."""
     self._close()
 
 
