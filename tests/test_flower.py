@@ -92,10 +92,18 @@ def _rows(workdir):
 
 def test_rounds_over_flower_messages_equal_the_simulation_and_go_on_without_a_silent_node(tmp_path):
   cfg_json = json.dumps(CFG.to_dict())
-  over = lambda grid, workdir=None: (lambda fed: FlowerRounds(fed, grid, cfg_json, round_timeout=5,
-                                                                connect_timeout=5, workdir=workdir))
+  said = []
+  over = lambda grid, workdir=None, progress=None: (lambda fed: FlowerRounds(
+      fed, grid, cfg_json, round_timeout=5, connect_timeout=5, workdir=workdir, progress=progress))
   train_and_evaluate(CFG, str(tmp_path / 'flower'), progress=False,
-                     federation=over(InProcessGrid(str(tmp_path / 'nodes'), 4), str(tmp_path / 'flower')))
+                     federation=over(InProcessGrid(str(tmp_path / 'nodes'), 4), str(tmp_path / 'flower'), said.append))
+  # The waits of the first round and evaluation are announced once each, before they start.
+  assert said == ['waiting for the SuperNodes of the 4 clients to connect (at most 5 s, connect-timeout)',
+                  '4 SuperNodes connected, one per client',
+                  'round 1/2: training on 4 nodes; each node starts a ClientApp process that builds its client and '
+                  'compiles its programs (the first time waits longest)',
+                  'round 1/2: evaluating on 4 nodes; each node starts a ClientApp process that builds its client and '
+                  'compiles its programs (the first time waits longest)'], said
   train_and_evaluate(CFG, str(tmp_path / 'simulation'), progress=False)
   flower, simulation = _rows(tmp_path / 'flower'), _rows(tmp_path / 'simulation')
   assert len(flower) == len(simulation) == 2
