@@ -114,16 +114,28 @@ def test_the_python_api_shows_a_bar_while_a_call_compiles(capfd):
   assert not wants_progress_bar()  # pytest's captured stderr is no terminal, and no notebook runs here
 
 
-def test_a_command_line_start_shows_each_compilation_with_a_bar(tmp_path, capfd):
+def test_a_command_line_start_says_each_compilation_with_a_bar_on_a_terminal_and_a_line_in_a_file(tmp_path, capfd,
+                                                                                                 monkeypatch):
   """A run's start says what compiles: the initial states, round 1's groups and then the server step, and the
-  first evaluation's groups; later rounds and evaluations compile nothing and show no such bar."""
+  first evaluation's groups; later rounds and evaluations compile nothing and show no such bar. Where stderr is a
+  file, each is one line and each round one line (a bar's redraws would fill the file)."""
+  from fedjax_het.run import experiment
   from fedjax_het.run.config import ExperimentConfig
-  from fedjax_het.run.experiment import train_and_evaluate
   cfg = ExperimentConfig(dataset='digits', models=('mlp', 'small_cnn_narrow'), num_clients=4, rounds=2,
                          strategy='sequential', conv='xla')
-  train_and_evaluate(cfg, str(tmp_path / 'run'), progress=True)
+  experiment.train_and_evaluate(cfg, str(tmp_path / 'file'), progress=True)  # pytest's stderr: no terminal
+  err = capfd.readouterr().err
+  assert '\r' not in err, err
+  lines = [line for line in err.splitlines() if 'compiling' in line or ': round ' in line]
+  assert lines == ['fedre: compiling round 1 (fedre) (2 architecture group(s), then the server step)',
+                   'fedre: compiling the evaluation (2 architecture group(s))'] + lines[2:], err
+  assert [line.split(':')[1].split('(')[0].strip() for line in lines[2:]] == ['round 1/2', 'round 2/2'], err
+  assert ': loss=' in lines[2] and 'acc=' in lines[3]
+  monkeypatch.setattr(experiment, 'wants_progress_bar', lambda: True)  # a terminal
+  experiment.train_and_evaluate(cfg, str(tmp_path / 'terminal'), progress=True)
   err = capfd.readouterr().err
   assert 'fedre: initialising:' in err and 'fedre: compiling round 1 (fedre):' in err, err
   assert 'the server step' in err and 'fedre: compiling the evaluation:' in err, err
   assert '/2 [' in err and 'compiling round 2' not in err
   assert err.count('fedre: compiling the evaluation:   0%') == 1  # the second evaluation compiles nothing
+  assert 'fedre: round 1/2' not in err  # the bar instead of the lines

@@ -55,7 +55,8 @@ def define_flags(default_algorithm: str = 'fedre', flag_values=None) -> None:
   f = f.group('output')
   f.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, summary.json, accuracy.png, checkpoints/.')
   f.DEFINE_bool('resume', False, 'Continue from the last checkpoint in --workdir.')
-  f.DEFINE_bool('progress', True, 'Show a progress bar with the current accuracy.')
+  f.DEFINE_bool('progress', True, 'Say what the start does and show each round: on a terminal a bar with the current '
+                'accuracy, where stderr is a file a line per round.')
   f.DEFINE_bool('tensorboard', False, 'Also write each round\'s scalars as TensorBoard events in '
                 'WORKDIR/tensorboard (needs tensorboardX: pip install \'fedjax_het[tensorboard]\').')
   f = f.group('execution')

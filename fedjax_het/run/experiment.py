@@ -7,7 +7,6 @@ finishes the current round, checkpoints it and stops (`fedjax_het.run.interrupts
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -23,7 +22,7 @@ from absl import logging
 from fedjax_het.core import Algorithm
 from fedjax_het.data.datasets import load_dataset
 from fedjax_het.data.federated import FederatedData, make_federated_data
-from fedjax_het.engine.federation import Federation
+from fedjax_het.engine.federation import Federation, wants_progress_bar
 from fedjax_het.engine.schedule import Schedule
 from fedjax_het.errors import ConfigError
 from fedjax_het.robust import robust_aggregation
@@ -593,7 +592,9 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
   saved_round = checkpoints.latest_round() if checkpoints is not None else None
   idle = fed.clients_without_steps
   bar = sampler = None
-  if progress:
+  # On a terminal (or in a notebook) a bar; where stderr is a file, a line per round (a bar's redraws would fill it).
+  lines = progress and not wants_progress_bar()
+  if progress and not lines:
     from tqdm.auto import tqdm
     bar = tqdm(total=total, initial=start_round, desc=f'{cfg.algorithm}', unit='round',
                # under DP no per-round timing in what the run prints either (`released_metrics`)
@@ -635,14 +636,19 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
       if checkpoints is not None and (due or stopping):
         checkpoints.save(state, identity, rows)
         saved_round = r + 1
-      if bar is not None:
-        bar.update(1)
+      if bar is not None or lines:
         postfix = {'loss': f"{metrics['train_loss']:.3f}"} if 'train_loss' in metrics else {}
         if 'accuracy' in metrics:
           postfix['acc'] = f"{100 * metrics['accuracy']:.2f}"
         if idle:
           postfix['no_step'] = f'{len(idle)} clients'
-        bar.set_postfix(postfix)
+        if bar is not None:
+          bar.update(1)
+          bar.set_postfix(postfix)
+        else:
+          took = f' ({metrics["train_seconds"]:.1f} s)' if budget is None and 'train_seconds' in metrics else ''
+          sys.stderr.write(f'{cfg.algorithm}: round {r + 1}/{total}{took}: '
+                           f'{", ".join(f"{k}={v}" for k, v in postfix.items())}\n')
       if stopping:
         raise Interrupted(stop.requested or 'SIGTERM', saved_round is not None, r + 1)
   except TrainingDiverged:
@@ -678,18 +684,24 @@ class StartupDisplay:
   def __init__(self, fed: Federation, say: Callable[[str], None]):
     from fedjax_het.run.compilation_cache import configured_directory
     self.fed, self.say, self.bar = fed, say, None
+    self.lines = not wants_progress_bar()  # stderr a file: a line as each compilation starts, not a bar
     self.compiled_phases: set = set()
     self.evaluated_phases: set = set()
     cache = configured_directory()
     self.cache_note = (f'compiled programs go into XLA\'s compilation cache ({cache}), so the next start of this '
-                       f'setting skips most of it' if cache else 'XLA\'s compilation cache is off '
-                       f'(--compilation_cache): every start compiles again')
+                       'setting skips most of it' if cache else 'XLA\'s compilation cache is off '
+                       '(--compilation_cache): every start compiles again')
     self.say(f'initialising {len(fed.groups)} architecture group(s) '
              f'({", ".join(g.arch for g in fed.groups)}); {self.cache_note}')
     self._open('initialising', 'init')
 
   def _open(self, what: str, kind: str, passes: int = 1, then: str = '') -> None:
-    """A bar over `passes` calls of every group reporting `kind`; `then` names what runs after the last."""
+    """A bar over `passes` calls of every group reporting `kind`; `then` names what runs after the last. Where
+    stderr is a file, one line instead."""
+    if self.lines:  # initialising: said already as the display starts
+      if kind != 'init':
+        self.say(f'{what} ({len(self.fed.groups)} architecture group(s){", then " + then if then else ""})')
+      return
     from tqdm.auto import tqdm
     self.bar = tqdm(total=len(self.fed.groups) * passes, desc=f'{self.fed.algorithm.name}: {what}', unit='group',
                     leave=False)
