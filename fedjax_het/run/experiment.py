@@ -646,7 +646,7 @@ def _train(cfg, fed, state, rows, wd: Workdir, checkpoints, identity, stop, prog
           bar.update(1)
           bar.set_postfix(postfix)
         else:
-          took = f' ({metrics["train_seconds"]:.1f} s)' if budget is None and 'train_seconds' in metrics else ''
+          took = f' ({metrics["train_seconds"]:.2f} s)' if budget is None and 'train_seconds' in metrics else ''
           sys.stderr.write(f'{cfg.algorithm}: round {r + 1}/{total}{took}: '
                            f'{", ".join(f"{k}={v}" for k, v in postfix.items())}\n')
       if stopping:
