@@ -41,7 +41,8 @@ class ExecutionConfig:
     sequential; im2col on GPU under vmap (measured, benchmarks/vmap_conv.py), xla otherwise.
   single_client_conv: resolved, not set: the convolution of an architecture group of one client. Its chunks are
     one client wide, where XLA's convolution under vmap stays an ungrouped one (cuDNN's on a GPU), so with conv
-    unset a GPU runs such a group with xla and the others with im2col; otherwise it is conv.
+    unset a GPU runs such a group with xla and the others with im2col (chosen for that reason; not yet measured
+    against im2col there: docs/performance.md); otherwise it is conv.
   client_mesh: a one-axis ('clients') mesh of D > 1 devices over which the vmap executor lays each group's clients
     (`engine.client_mesh`); None: one device.
   chunk_size: the widest chunk of clients in one vmapped call (0: `VmapExecutor.DEFAULT_MAX_WIDTH`); the
