@@ -10,15 +10,15 @@
 #     OUT/paper_settings/), vs_pytorch (FedRE against the PyTorch loop at 10 and 100 clients), scaling_g1 (FedRE
 #     over 10, 100, 1,000 and 10,000 clients, one architecture), scaling_g2, scaling_g5, scaling_g10 (10 clients
 #     over that many architecture groups: their compilation); default: paper_settings vs_pytorch scaling_g5
-#     scaling_g1. Also xla_flags (a cold start and a round of FedRE Table 1's ResNet-152, ViT-B/16 and ResNet-18,
-#     one client each, under XLA flag variants: benchmarks/xla_flags.py, under OUT/xla_flags/), host_cpu (the
+#     scaling_g1. Also xla_flags (a cold start and a round of FedRE Table 1's ResNet-50 and ViT-B/16, one client
+#     each, under XLA flag variants: benchmarks/xla_flags.py, under OUT/xla_flags/), host_cpu (the
 #     comparison on the machine's own CPU, 20 and 50 clients, fedjax_het's client threads 2, 4, 8 and 16 up to the
 #     cores, one process each under OUT/host_cpu_tN/) and plan (XLA's analyses of the round); merge: only merge the
 #     parts already under OUT (e.g. copied there from separate machines or commands)
 #   ALGORITHMS="fedre fedavg": the methods of the scaling parts (default fedre)
 #   SWEEP_SECONDS=...: the command's time limit; each part gets its share of what is left when it starts (by
-#   weight: paper_settings 3, the others 1), is stopped at its share and keeps the rows it finished (each part
-#   rewrites its results after every row)
+#   weight: paper_settings 3, xla_flags 2, the others 1), is stopped at its share and keeps the rows it finished
+#   (each part rewrites its results after every row)
 #   VS_CLIENTS=10,100 and SCALING_CLIENTS=10,100,1000,10000: the client counts of vs_pytorch and scaling_g1
 #   PYTHON=...: the interpreter (default python3); the repository is put on PYTHONPATH, so nothing needs installing
 #   where JAX, Flax, Optax and PyTorch are (a lent GPU machine's image).
@@ -67,7 +67,7 @@ else
   plan=()
   # the tables' sizes, 2 timed rounds: FedRE Table 1 first (each setting's rows are kept as it ends)
   paper=(--rounds=2 --settings=fedre_table1,fedre_table1_20,gefl_table2,felo_table2)
-  xla=(--archs=resnet152,vit_b16,resnet18 --steps_per_client=20 --rounds=2)
+  xla=(--archs=resnet50,vit_b16 --steps_per_client=20 --rounds=2)  # a ResNet's convolutions, a ViT's matmuls
 fi
 
 for part in "${parts[@]}"; do
@@ -116,7 +116,7 @@ results_of() {  # the pattern of the results files a unit writes
 }
 
 weight() {  # a unit's weight in the time shares: the paper settings compile ten architectures per setting
-  case "$1" in paper_settings) echo 3 ;; *) echo 1 ;; esac
+  case "$1" in paper_settings) echo 3 ;; xla_flags) echo 2 ;; *) echo 1 ;; esac
 }
 start=$SECONDS
 left_weight=0

@@ -160,6 +160,15 @@ def test_a_part_is_stopped_at_its_share_of_the_time_keeping_its_rows_and_one_wit
   assert '## vs_pytorch_cpu (stopped at its time limit after 1 rows)' in report
 
 
+def test_the_time_shares_are_weighted_paper_settings_3_xla_flags_2_the_others_1(tmp_path):
+  # 24 s, less 15 for the report: xla_flags (weight 2 of 3) gets 9 * 2 / 3 = 6 s (5 where a second passed) and is
+  # stopped there; with equal shares it would get 4 s and not start. plan is then left under 5 s.
+  done = _sweep_with(_fake_python(tmp_path, SWEEP_SECONDS='24', HANG='xla_flags.py'), tmp_path, 'xla_flags', 'plan')
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert re.search(r'part xla_flags stopped at its share of SWEEP_SECONDS \([56] s\)', done.stderr), done.stderr
+  assert 'these parts did not finish: plan (not started)' in done.stderr
+
+
 @pytest.mark.slow
 def test_a_part_stopped_before_its_first_row_or_killed_without_a_time_limit_is_named_as_not_finished(tmp_path):
   done = _sweep_with(_fake_python(tmp_path, SWEEP_SECONDS='21', HANG='vs_pytorch.py', NOROW='vs_pytorch.py'),
