@@ -246,6 +246,9 @@ def test_the_backend_defaults_are_decided_once_and_described(monkeypatch):
   assert cpu.onednn_threads == threads
   assert ExecutionConfig(client_threads=1).resolve('cpu').onednn_threads == os.cpu_count()
   assert ExecutionConfig(client_threads=3, onednn_threads=1).resolve('cpu').onednn_threads == 1
+  # No group of two clients: no two clients run at once, so each convolution takes every core.
+  assert ExecutionConfig(client_threads=2).resolve('cpu', largest_group=1).onednn_threads == os.cpu_count()
+  assert ExecutionConfig(client_threads=2).resolve('cpu', largest_group=3).onednn_threads == threads
   with pytest.raises(ConfigError, match=rf"^ExecutionConfig.onednn_threads=100000 is more than this machine's "
                                         rf"{os.cpu_count()} cores .* Fix: at most {os.cpu_count()}"):
     ExecutionConfig(onednn_threads=100000)
@@ -270,6 +273,18 @@ def test_the_backend_defaults_are_decided_once_and_described(monkeypatch):
   assert ExecutionConfig(strategy='vmap').resolve('cpu').conv == 'im2col'
   with pytest.raises(ConfigError, match="^ExecutionConfig.conv='onednn': oneDNN 3.x was not found. Fix: pip"):
     ExecutionConfig(conv='onednn').resolve('cpu')
+
+
+def test_a_federation_of_one_client_per_architecture_gives_each_onednn_convolution_every_core():
+  from fedjax_het.data import make_federated_data, make_synthetic
+  data = make_federated_data(make_synthetic(num_samples=40, image_shape=(8, 8, 1), num_classes=4, seed=1),
+                             num_clients=2, partition='iid', seed=0)
+  one_each = Federation(fedre(FedREConfig(), 4), data, ModelConfig(('mlp', 'small_cnn_narrow'), feature_dim=16),
+                        TRAINING, ExecutionConfig(strategy='sequential', client_threads=2))
+  shared = Federation(fedre(FedREConfig(), 4), data, ModelConfig(('mlp',), feature_dim=16), TRAINING,
+                      ExecutionConfig(strategy='sequential', client_threads=2))
+  cores = os.cpu_count()
+  assert (one_each.execution.onednn_threads, shared.execution.onednn_threads) == (cores, max(1, cores // 2))
 
 
 def test_a_group_of_one_client_is_built_with_its_own_convolution(tiny_data):

@@ -62,8 +62,10 @@ class ExecutionConfig:
     chunk's data, not the population's (same numbers).
   onednn_threads: OpenMP threads of each oneDNN convolution (conv='onednn'); None: under the sequential strategy
     the cores divided among the client threads (at least 1), so that they fill the cores without oversubscribing
-    them; under vmap (one host thread) all cores. The numbers depend on it (oneDNN splits some kernel-gradient
-    sums among its threads): set it to keep them while changing client_threads.
+    them, but all cores where no architecture group has two clients (no two clients then run at once: the
+    papers' one-client-per-architecture settings); under vmap (one host thread) all cores. The numbers depend on
+    it (oneDNN splits some kernel-gradient sums among its threads): set it to keep them while changing
+    client_threads.
   group_threads: architecture groups initialised, and run in the rounds and evaluations where their programs
     compile (a phase's first), at once, one host thread each, so that their compilations overlap (the numbers do
     not depend on it); None: the cores, and 1 where the programs span several devices or processes (their
@@ -136,8 +138,9 @@ class ExecutionConfig:
     """Devices the clients are laid over (1 without a mesh)."""
     return 1 if self.client_mesh is None else self.client_mesh.size
 
-  def resolve(self, backend: Optional[str] = None) -> 'ExecutionConfig':
-    """This configuration with every default decided for `backend` (default: JAX's): the one place they are."""
+  def resolve(self, backend: Optional[str] = None, largest_group: Optional[int] = None) -> 'ExecutionConfig':
+    """This configuration with every default decided for `backend` (default: JAX's) and, where known, the
+    number of clients in the largest architecture group: the one place they are."""
     cpu = (backend or jax.default_backend()) == 'cpu'
     strategy = self.strategy or ('sequential' if cpu else 'vmap')
     if (self.num_devices > 1 or self.stream_clients) and self.strategy is None:
@@ -172,9 +175,8 @@ class ExecutionConfig:
                                memory_budget=budget, group_threads=groups,
                                eval_batch_size=self.eval_batch_size or ((64 if conv == 'onednn' else 32) if cpu
                                                                         else 256),
-                               onednn_threads=self.onednn_threads or max(1, (os.cpu_count() or 1)
-                                                                         // (threads if strategy == 'sequential'
-                                                                             else 1)))
+                               onednn_threads=self.onednn_threads or max(1, (os.cpu_count() or 1) // (
+                                   threads if strategy == 'sequential' and (largest_group or 2) > 1 else 1)))
 
   def describe(self, backend: Optional[str] = None) -> str:
     """One line naming the backend and what this resolved configuration runs with (printed at a run's start)."""

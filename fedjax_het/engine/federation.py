@@ -11,6 +11,7 @@ one-device run.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 import math
@@ -172,7 +173,8 @@ class Federation:
     if not isinstance(models, ModelConfig):
       models = ModelConfig(tuple(models))
     _check_arguments(algorithm, training, join_ratio, full_participation_rounds)
-    execution = execution.resolve()
+    execution = execution.resolve(largest_group=max(collections.Counter(models.architectures(
+        data.num_clients)).values(), default=0))
     self.algorithm, self.data, self.training, self.models, self.execution = (algorithm, data, training, models,
                                                                               execution)
     self.seed, self.join_ratio, self.full_participation_rounds = seed, join_ratio, full_participation_rounds
