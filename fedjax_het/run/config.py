@@ -189,8 +189,9 @@ class ExperimentConfig:
       'sequential strategy: clients updated at once, one host thread each (default: 2, at most the core count).',
       resumable=True)
   onednn_threads: Optional[int] = setting(None, 'execution',
-      'conv=onednn: OpenMP threads of each convolution (default: the cores divided among --client_threads, all cores '
-      'under vmap). The numbers depend on it: set it to keep them while changing --client_threads.', resumable=True)
+      'conv=onednn: OpenMP threads of each convolution (default: the cores divided among --client_threads; all cores '
+      'under vmap or where no architecture has two clients). The numbers depend on it: set it to keep them while '
+      'changing --client_threads.', resumable=True)
   group_threads: Optional[int] = setting(None, 'execution',
       'Architecture groups initialised, and run in the rounds where their programs compile, at once, one host thread '
       'each (default: the cores; 1 across several devices or processes). Same numbers.', resumable=True)
