@@ -337,7 +337,14 @@ def main(_):
   settings = {'rounds': FLAGS.rounds, 'steps_per_client': FLAGS.steps_per_client, 'archs': FLAGS.archs,
               'strategy': FLAGS.strategy, 'conv': FLAGS.conv, 'cases': ','.join(FLAGS.cases),
               'samples_per_client': FLAGS.samples_per_client, 'torch_eval_batch_size': FLAGS.torch_eval_batch_size}
-  backend = None
+  import jax
+  backend = jax.default_backend()  # the cases' too: they run on this machine
+
+  def write(complete: bool) -> None:  # every results file rewritten
+    write_results(FLAGS.out, f'paper_settings_{backend}', settings, rows, complete=complete)
+    write_results(FLAGS.out, f'paper_settings_archs_{backend}', settings, [a for per in arch_rows for a in per],
+                  complete=complete)
+
   for name in FLAGS.settings:
     spec = resolve(name)
     if spec is None:
@@ -347,31 +354,19 @@ def main(_):
     rows.append(None)
     arch_rows.append([])
 
-    def save(complete=False):  # the setting's row from the cases ended so far, every results file rewritten
-      nonlocal backend
-      backend = next(c['backend'] for c in cases.values() if 'backend' in c) if any(
-          'backend' in c for c in cases.values()) else backend or harness_backend()
+    def run(case: str, cache: str, device: Optional[str] = None) -> None:  # the setting's row after each case
+      cases[case] = child(spec, case, cache, device)
       rows[-1], arch_rows[-1] = setting_row(name, spec, cases), setting_arch_rows(name, spec, cases)
-      flat = [a for per in arch_rows for a in per]
-      write_results(FLAGS.out, f'paper_settings_{backend}', settings, rows, complete=complete)
-      write_results(FLAGS.out, f'paper_settings_archs_{backend}', settings, flat, complete=complete)
+      write(complete=False)
     with tempfile.TemporaryDirectory(prefix='paper_settings_xla_') as cache:
       for case in ('cold', 'warm'):
         if case in FLAGS.cases:
-          cases[case] = child(spec, case, cache)
-          save()
+          run(case, cache)
     if 'torch' in FLAGS.cases:
-      device = next((c['torch_device'] for c in cases.values()), None)
-      cases['torch'] = child(spec, 'torch', '', device)
-      save()
+      run('torch', '', next((c['torch_device'] for c in cases.values()), None))
     print_setting(spec, rows[-1], arch_rows[-1])
   if rows:
-    save(complete=True)
-
-
-def harness_backend() -> str:
-  import jax
-  return jax.default_backend()
+    write(complete=True)
 
 
 def setting_row(name: str, spec: dict, cases: dict) -> dict:

@@ -170,13 +170,14 @@ class ExecutionConfig:
                         f'group_threads=1 (or leave it unset).')
     groups = self.group_threads or (1 if spans else os.cpu_count() or 1)
     single = 'xla' if self.conv is None and conv == 'im2col' and backend == 'gpu' and mesh is None else conv
+    # Clients that run at once, sharing the cores among their convolutions: none share where no group has two.
+    at_once = threads if strategy == 'sequential' and largest_group != 1 else 1
     return dataclasses.replace(self, strategy=strategy, conv=conv, client_mesh=mesh, client_threads=threads,
                                single_client_conv=single,
                                memory_budget=budget, group_threads=groups,
                                eval_batch_size=self.eval_batch_size or ((64 if conv == 'onednn' else 32) if cpu
                                                                         else 256),
-                               onednn_threads=self.onednn_threads or max(1, (os.cpu_count() or 1) // (
-                                   threads if strategy == 'sequential' and (largest_group or 2) > 1 else 1)))
+                               onednn_threads=self.onednn_threads or max(1, (os.cpu_count() or 1) // at_once))
 
   def describe(self, backend: Optional[str] = None) -> str:
     """One line naming the backend and what this resolved configuration runs with (printed at a run's start)."""

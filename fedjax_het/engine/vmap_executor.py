@@ -99,26 +99,22 @@ class VmapExecutor(Executor):
     if len(ladder) < 2:
       return ladder[0]
     narrow, next_up = ladder[-1], ladder[-2]
-    if g.stacked_size <= narrow:  # no call is ever wider: the one width is checked, none compiled for nothing
-      peak = compiled_peak(lower(narrow))
-      if peak is None:
-        return self.max_width()
-      self.analysis[g.spec.index] = {'widths': (narrow,), 'peaks': (peak,), 'per_client': None}
-      peaks, fits = [peak], narrow if peak <= self.memory_budget else narrow - 1
-    else:
-      peaks = [compiled_peak(lower(w)) for w in (narrow, next_up)]
-      if None in peaks:
-        return self.max_width()
-      per_client = max((peaks[1] - peaks[0]) / (next_up - narrow), 1.0)
-      fits = narrow + int((self.memory_budget - peaks[0]) // per_client)
-      self.analysis[g.spec.index] = {'widths': (narrow, next_up), 'peaks': tuple(peaks), 'per_client': per_client}
-    if fits < narrow:
+    widths = (narrow,) if g.stacked_size <= narrow else (narrow, next_up)
+    peaks = [compiled_peak(lower(w)) for w in widths]
+    if None in peaks:
+      return self.max_width()
+    per_client = max((peaks[-1] - peaks[0]) / (next_up - narrow), 1.0) if len(peaks) > 1 else None
+    self.analysis[g.spec.index] = {'widths': widths, 'peaks': tuple(peaks), 'per_client': per_client}
+    if peaks[0] > self.memory_budget:
       gib = lambda b: f'{b / 2**30:.4g} GiB ({b} bytes)'  # the command line names the budget in GiB
       raise ConfigError(
           f'ExecutionConfig.memory_budget={gib(self.memory_budget)}: a round of group {g.arch!r} needs '
           f'{gib(peaks[0])} on the device with {narrow} client(s) per call (its clients\' states and rows '
           f'included). Fix: a larger ExecutionConfig.memory_budget, or fewer clients or a smaller model in that '
           f'group.')
+    if per_client is None:
+      return narrow
+    fits = narrow + int((self.memory_budget - peaks[0]) // per_client)
     return max(w for w in ladder if w <= fits)
 
   def pass_rows(self, width: int) -> int:
@@ -162,8 +158,8 @@ class VmapExecutor(Executor):
 
     def empty(width):  # a call over `width` empty slots: nothing trains, nothing is written
       idx = np.full(width, g.stacked_size, np.int32)
-      return (*source.inputs(idx, width), jnp.asarray(idx), jnp.full(width, slots, jnp.int32), g.stacked_ids, broadcast, key,
-              jnp.zeros(steps.shape[1], jnp.int32), jnp.int32(0))
+      return (*source.inputs(idx, width), jnp.asarray(idx), jnp.full(width, slots, jnp.int32), g.stacked_ids,
+              broadcast, key, jnp.zeros(steps.shape[1], jnp.int32), jnp.int32(0))
 
     def one_slot():
       first, store, offsets, counts, idx, _, *rest = empty(1)
