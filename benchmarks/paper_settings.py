@@ -21,8 +21,10 @@ Per setting, three fresh processes:
   cold   fedjax_het: `Federation.init` and the first round with XLA's persistent compilation cache in an empty
          temporary folder (initialisation + compilation); peak device memory (GPU: JAX's memory_stats; CPU: the
          process's peak RSS, data included); then `--rounds` rounds of fedjax_het alone
-  warm   the same with the cache the cold process filled; then the PyTorch loop's first round, and `--rounds`
-         rounds alternating a PyTorch round and a fedjax_het round, each timed to completion (seconds per round,
+  warm   the same with the cache the cold process filled; then the PyTorch loop's first round, `--warmup_rounds`
+         untimed rounds of each side, alternating (on a CPU fedjax_het's second and third rounds took up to 1.4x its
+         later ones, page faults counted on the process dropping by half as its heap grew), and `--rounds` rounds
+         alternating a PyTorch round and a fedjax_het round, each timed to completion (seconds per round,
          side by side: the same participants, local steps and samples, checked every round); then one more
          fedjax_het round with each group timed to completion (the per-architecture breakdown: a group is one
          architecture; their sum against the round says whether groups overlap)
@@ -97,7 +99,10 @@ flags.DEFINE_integer('steps_per_client', None, 'At most this many local SGD step
                      '(default: the tables\' epochs).')
 flags.DEFINE_integer('samples_per_client', None, 'Pool rows per client, 75 % of them train (default: the table\'s, or '
                      'with --steps_per_client the rows those steps need).')
-flags.DEFINE_integer('rounds', 3, 'Timed rounds per side, alternating, after each side\'s first round.')
+flags.DEFINE_integer('rounds', 3, 'Timed rounds per side, alternating, after each side\'s first round and '
+                     '--warmup_rounds.')
+flags.DEFINE_integer('warmup_rounds', 1, 'Untimed rounds per side, alternating, between each side\'s first round and '
+                     'the timed ones (module docstring).')
 flags.DEFINE_integer('torch_eval_batch_size', 144, 'Rows per PyTorch representation pass (as vs_pytorch.py).')
 flags.DEFINE_enum('strategy', None, ['vmap', 'sequential'], 'fedjax_het\'s executor (default: the backend\'s, '
                   'ExecutionConfig.strategy).')
@@ -232,9 +237,10 @@ def run_case(spec: dict, case: str, cache: str, device: Optional[str]) -> dict:
   out['backend'] = jax.default_backend()
   training = LocalTraining(spec['learning_rate'], spec['batch_size'], spec['epochs'], max_steps=spec['max_steps'])
   execution = ExecutionConfig(strategy=FLAGS.strategy, conv=FLAGS.conv)
+  # rounds: the rounds run (a run of 0 rounds would take every client in every round: join_ratio applies within
+  # the run's length)
   fed = Federation(fedre(FedREConfig(), 10), data, list(spec['models']), training, execution,
-                   join_ratio=spec['join_ratio'], rounds=FLAGS.rounds + 2)  # the rounds run: a run of 0 rounds
-  # would take every client in every round (join_ratio applies within the run's length)
+                   join_ratio=spec['join_ratio'], rounds=FLAGS.rounds + FLAGS.warmup_rounds + 2)
   out.update(strategy=fed.strategy, conv='/'.join(dict.fromkeys(g.spec.conv for g in fed.groups)))
   with CompileLog() as log:
     t0 = time.perf_counter()
@@ -268,6 +274,9 @@ def run_case(spec: dict, case: str, cache: str, device: Optional[str]) -> dict:
   t0 = time.perf_counter()
   ref.round(fed.participants(0).tolist())
   out.update(torch_build_seconds=build, torch_first_round_seconds=time.perf_counter() - t0)
+  for _ in range(FLAGS.warmup_rounds):
+    ref.round(fed.participants(int(state.round)).tolist())
+    state, _ = fed.round(state)
   times = {'torch': [], 'fedjax': []}
   torch_arch: dict = {}
   with CompileLog() as log:
@@ -394,6 +403,7 @@ def setting_row(name: str, spec: dict, cases: dict) -> dict:
          'speedup_vs_torch': (warm['torch_round_seconds'] / warm['fedjax_round_seconds']
                               if 'fedjax_round_seconds' in warm else None),
          'fedjax_rounds': warm.get('fedjax_rounds'), 'torch_rounds': warm.get('torch_rounds'),
+         'warmup_rounds': FLAGS.warmup_rounds,
          'compilations_later_rounds': warm.get('compilations_later_rounds'),
          'fedjax_timed_round_seconds': warm.get('fedjax_timed_round_seconds'),
          'fedjax_groups_sum_seconds': (sum(warm['fedjax_round_by_arch'].values())

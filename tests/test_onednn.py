@@ -26,12 +26,14 @@ INSTALLABLE = sys.platform == 'linux' and platform.machine() == 'x86_64'
 needs_onednn = pytest.mark.skipif(not INSTALLABLE, reason="the onednn extra installs on Linux x86-64 only")
 
 
-def conv(x, w, strides=(1, 1), padding='VALID', dilation=(1, 1)):
-  return onednn_conv_general_dilated(x, w, strides, padding, rhs_dilation=dilation, dimension_numbers=DN)
+def conv(x, w, strides=(1, 1), padding='VALID', dilation=(1, 1), groups=1):
+  return onednn_conv_general_dilated(x, w, strides, padding, rhs_dilation=dilation, dimension_numbers=DN,
+                                     feature_group_count=groups)
 
 
-def reference(x, w, strides=(1, 1), padding='VALID', dilation=(1, 1)):
-  return lax.conv_general_dilated(x, w, strides, padding, rhs_dilation=dilation, dimension_numbers=DN)
+def reference(x, w, strides=(1, 1), padding='VALID', dilation=(1, 1), groups=1):
+  return lax.conv_general_dilated(x, w, strides, padding, rhs_dilation=dilation, dimension_numbers=DN,
+                                  feature_group_count=groups)
 
 
 def test_available_where_the_test_extra_installs_it():
@@ -90,6 +92,45 @@ def test_values_and_derivatives_of_two_orders_equal_lax(strides, padding, dilati
 
 
 @needs_onednn
+def test_grouped_and_depthwise_values_by_hand():
+  # two groups of one channel each (depthwise): channel 0 is x, channel 1 is 10 x; kernels of ones and of twos
+  x = jnp.stack([jnp.arange(9.0).reshape(3, 3), 10 * jnp.arange(9.0).reshape(3, 3)], -1)[None]
+  w = jnp.stack([jnp.ones((2, 2)), 2 * jnp.ones((2, 2))], -1)[:, :, None, :]  # [2, 2, 1, 2]
+  y = jax.jit(lambda x, w: conv(x, w, groups=2))(x, w)
+  np.testing.assert_array_equal(y[0, :, :, 0], [[8, 12], [20, 24]])  # channel 0's window sums
+  np.testing.assert_array_equal(y[0, :, :, 1], [[160, 240], [400, 480]])  # 2 x channel 1's, never channel 0's
+  dx, dw = jax.grad(lambda x, w: jnp.sum(conv(x, w, groups=2)), (0, 1))(x, w)
+  np.testing.assert_array_equal(dx[0, :, :, 0], [[1, 2, 1], [2, 4, 2], [1, 2, 1]])
+  np.testing.assert_array_equal(dx[0, :, :, 1], 2 * np.array([[1, 2, 1], [2, 4, 2], [1, 2, 1]]))
+  np.testing.assert_array_equal(dw[:, :, 0, 0], [[8, 12], [20, 24]])
+  np.testing.assert_array_equal(dw[:, :, 0, 1], [[80, 120], [200, 240]])
+
+
+@needs_onednn
+@pytest.mark.parametrize('groups,cin,cout,strides', [(6, 6, 6, (1, 1)), (6, 6, 12, (2, 2)), (2, 4, 6, (1, 2)),
+                                                     (3, 6, 3, (2, 1))])
+def test_grouped_values_and_derivatives_equal_lax(groups, cin, cout, strides):
+  """Depthwise (groups = input channels, MobileNetV2's), with a channel multiplier, and grouped."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (3, 9, 8, cin))
+  w = jax.random.normal(jax.random.PRNGKey(1), (3, 3, cin // groups, cout))
+  ours = lambda x, w: conv(x, w, strides, 'SAME', groups=groups)
+  theirs = lambda x, w: reference(x, w, strides, 'SAME', groups=groups)
+  step = jax.jit(jax.grad(lambda x, w: jnp.sum(ours(x, w) ** 2), (0, 1))).lower(x, w).as_text()
+  assert 'fedjax_het_onednn_conv_kernel_gradient' in step and 'convolution' not in step
+  np.testing.assert_allclose(jax.jit(ours)(x, w), theirs(x, w), rtol=1e-5, atol=1e-5)
+  loss = lambda c: lambda x, w: jnp.sum(jnp.sin(c(x, w)))
+  tree_allclose(jax.grad(loss(ours), (0, 1))(x, w), jax.grad(loss(theirs), (0, 1))(x, w), rtol=1e-4, atol=1e-4)
+  penalty = lambda c: lambda w, x: jnp.sum(jax.grad(loss(c), 0)(x, w) ** 2)
+  tree_allclose(jax.grad(penalty(ours), (0, 1))(w, x), jax.grad(penalty(theirs), (0, 1))(w, x), rtol=1e-4, atol=1e-3)
+
+
+@needs_onednn
+def test_groups_that_do_not_divide_the_channels_are_refused():
+  with pytest.raises(ValueError, match='multiple of the groups'):
+    onednn.conv2d(jnp.ones((1, 4, 4, 6)), jnp.ones((3, 3, 2, 4)), (1, 1), [(1, 1), (1, 1)], (1, 1), groups=3)
+
+
+@needs_onednn
 def test_vmap_over_clients_equals_each_client_alone():
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 8, 8, 4))  # 3 clients, each with its own kernel
   w = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 3, 4, 6))
@@ -110,10 +151,11 @@ def test_an_empty_batch_gives_zeros():
 @needs_onednn
 def test_what_it_does_not_cover_goes_to_lax():
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 7, 7, 4))
-  grouped = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 2, 4))
-  np.testing.assert_allclose(  # grouped, float16, cropping (negative padding)
-      onednn_conv_general_dilated(x, grouped, (1, 1), 'SAME', dimension_numbers=DN, feature_group_count=2),
-      lax.conv_general_dilated(x, grouped, (1, 1), 'SAME', dimension_numbers=DN, feature_group_count=2), rtol=1e-6)
+  grouped = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 4, 8))
+  batch_grouped = lambda f: f(x, grouped, (1, 1), 'SAME', dimension_numbers=DN, batch_group_count=2)
+  np.testing.assert_allclose(  # batch groups, float16, cropping (negative padding)
+      batch_grouped(onednn_conv_general_dilated), batch_grouped(lax.conv_general_dilated), rtol=1e-6)
+  assert 'custom_call' not in jax.jit(lambda: batch_grouped(onednn_conv_general_dilated)).lower().as_text()
   w = jax.random.normal(jax.random.PRNGKey(2), (3, 3, 4, 2))
   half = conv(x.astype(jnp.float16), w.astype(jnp.float16))
   assert half.dtype == jnp.float16

@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from fedjax_het.core import Algorithm, ClientState, GroupSpec
 from fedjax_het.data.federated import ClientArrays, FederatedData
@@ -122,13 +123,15 @@ class Group:
   `size` are phantom copies of the last client that only pad the client axis to a multiple of the device count.
   """
 
-  def __init__(self, spec: GroupSpec, rows: RowStore, test: EvalSet, stacked_size: int, mesh=None):
+  def __init__(self, spec: GroupSpec, rows: RowStore, test: EvalSet, stacked_size: int, mesh=None,
+               variables: Any = None):
     self.spec, self.rows, self.test, self.stacked_size, self.mesh = spec, rows, test, stacked_size, mesh
     self.clients = np.asarray(self.spec.clients)
     self.train_sizes = np.asarray(rows.n)[:len(self.clients)]
     self.stacked_ids = jnp.asarray(pad_clients(self.clients, self.stacked_size))
-    self.num_params = count_params(jax.eval_shape(lambda: self.spec.model.init(
-        jax.random.PRNGKey(0), self.spec.sample_input(), train=False))['params'])
+    if variables is None:  # the shapes of its classifier's variables, traced here unless the caller has them
+      variables = jax.eval_shape(lambda: spec.model.init(jax.random.PRNGKey(0), spec.sample_input(), train=False))
+    self.num_params = count_params(variables['params'])
 
   @functools.cached_property
   def train(self) -> ClientArrays:
@@ -173,29 +176,24 @@ def build_groups(data: FederatedData, models: ModelConfig, training: LocalTraini
     rows = RowStore(data.group_rows(ids, 'train'))
     spec = GroupSpec(index, arch, maker.build(arch, feature_dim), tuple(int(k) for k in ids), data.num_classes,
                      feature_dim, rows.image_shape, training, maker, rm, group_conv, train_rows=rows.n_max)
-    check_architecture(spec)
+    (_, reps), variables = check_architecture(spec)
     if rm == 'none':  # d is the architecture's own feature width
-      width = feature_width(spec)
+      width = int(reps.shape[-1])
       spec = dataclasses.replace(spec, model=maker.build(arch, width), feature_dim=width)
+      variables = None
     test = EvalSet(RowStore(data.group_rows(ids, 'test')), shared=False, mesh=mesh, stacked_size=stacked)
-    groups.append(Group(spec, rows, test, stacked, mesh))
+    groups.append(Group(spec, rows, test, stacked, mesh, variables))
   models_of_groups = tuple(g.spec.model for g in groups)
   for g in groups:
     g.spec = dataclasses.replace(g.spec, group_models=models_of_groups)
   return groups
 
 
-def check_architecture(spec: GroupSpec) -> None:
+def check_architecture(spec: GroupSpec) -> Any:
   """Traces one forward pass abstractly, so an architecture that cannot take the data's images fails here, with
-  the flag named, instead of deep inside XLA."""
-  trace(lambda: spec.model.init_with_output(jax.random.PRNGKey(0), spec.sample_input()),
-        f'ModelConfig.names: architecture {spec.arch!r}', 'ModelConfig.names', spec.input_shape)
-
-
-def feature_width(spec: GroupSpec) -> int:
-  """The width of the group's representation (its extractor's features under --rm=none)."""
-  out = jax.eval_shape(lambda: spec.model.init_with_output(jax.random.PRNGKey(0), spec.sample_input()))
-  return int(out[0][1].shape[-1])
+  the flag named, instead of deep inside XLA. Returns its shapes: ((logits, representations), variables)."""
+  return trace(lambda: spec.model.init_with_output(jax.random.PRNGKey(0), spec.sample_input()),
+               f'ModelConfig.names: architecture {spec.arch!r}', 'ModelConfig.names', spec.input_shape)
 
 
 def trace(fn, what: str, flag: str, image_shape) -> Any:
@@ -225,13 +223,12 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
     params = variables.pop('params')
     return params, variables
 
-  def init_one(k):
-    return init_classifier(k) + (algorithm.init_client(spec, k),)
-
+  # The classifier's forward pass was traced by `check_architecture`; only the algorithm's own state is left.
+  check = lambda k: trace(lambda: algorithm.init_client(spec, k), 'the algorithm\'s client modules (e.g. a shared '
+                          'global model)', 'the method\'s hyperparameters (e.g. its global model)', spec.input_shape)
   if shared_init:
     group_key = architecture_key(init_key, spec.arch)
-    trace(lambda: init_one(group_key), 'the algorithm\'s client modules (e.g. a shared global model)',
-          'the method\'s hyperparameters (e.g. its global model)', spec.input_shape)
+    check(group_key)
     # One client's state, computed once and broadcast: the programs do not depend on the number of clients, so a
     # larger population compiles nothing new (XLA's persistent compilation cache, `compilation_cache`).
     stack = jax.jit(lambda tree: jax.tree.map(lambda a: jnp.broadcast_to(a, (g.stacked_size,) + a.shape), tree))
@@ -239,8 +236,7 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
     extra = stack(jax.jit(lambda k: algorithm.init_client(spec, k))(group_key))
   else:
     init_keys = jax.vmap(lambda c: jax.random.fold_in(init_key, c))(g.stacked_ids)
-    trace(lambda: init_one(init_keys[0]), 'the algorithm\'s client modules (e.g. a shared global model)',
-          'the method\'s hyperparameters (e.g. its global model)', spec.input_shape)
+    check(init_keys[0])
     # Two programs, not one: the algorithm's state is often the same program in every group (a generator, an
     # optimizer), which XLA's persistent compilation cache (`compilation_cache`) then compiles once per run.
     params, variables = jax.jit(jax.vmap(init_classifier))(init_keys)
@@ -249,9 +245,20 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
   return place_clients(ClientState(params, dict(variables), extra, keys), mesh)
 
 
+def take_client(tree: Any, index) -> Any:
+  """Entry `index` of the leading (client) axis of every leaf of a stacked tree (lax's dynamic index: numpy-style
+  indexing traces a hundred times slower, seconds for a ResNet-152's state)."""
+  return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
+
+
+def put_client(tree: Any, index, client: Any) -> Any:
+  """The stacked tree with entry `index` of every leaf's client axis replaced by `client`'s leaf."""
+  return jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, index, 0), tree, client)
+
+
 # Client i of every leaf in one program per state structure (indexing leaf by leaf compiles one per leaf shape:
 # hundreds for a ResNet-152, most of a cold start's compilations).
-_take_client = jax.jit(lambda tree, index: jax.tree.map(lambda a: a[index], tree))
+_take_client = jax.jit(take_client)
 
 
 def host_copy(tree: Any, index: int = 0) -> Any:

@@ -13,8 +13,9 @@ import numpy as np
 
 from fedjax_het.core import ClientProgram, Evaluation, for_client, prepare_evaluation, with_model, without_model
 from fedjax_het.engine.client import weighted
+from fedjax_het.engine.donation import ConsumingJit
 from fedjax_het.engine.executor import Executor
-from fedjax_het.engine.groups import EvalSet, Group, representation_model
+from fedjax_het.engine.groups import EvalSet, Group, put_client, representation_model, take_client
 from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, plan_stages, represent_into,
                                     stage_key, statistics_batch, statistics_key, statistics_of_batch, statistics_order,
                                     take_step, zero_statistics)
@@ -42,17 +43,17 @@ class SequentialExecutor(Executor):
     return self.compiled('sequential', owner, make=lambda: self._make_fns(g, program))
 
   def stack_functions(self) -> dict:
-    """The jitted 'take' (client i of a stack) and 'put' (client i written back, the stack donated)."""
+    """The jitted 'take' (client i of a stack), 'put' (client i written back, the stack donated) and 'copy'."""
     return self.compiled('stack', make=lambda: {
-        'take': jax.jit(lambda stacked, i: jax.tree.map(lambda a: a[i], stacked)),
-        'put': jax.jit(lambda stacked, i, c: jax.tree.map(lambda a, v: a.at[i].set(v), stacked, c),
-                       donate_argnums=0)})
+        'take': jax.jit(take_client),
+        'copy': jax.jit(lambda tree: jax.tree.map(jnp.copy, tree)),
+        'put': jax.jit(put_client, donate_argnums=0)})
 
   def run(self, g, program, phase, stacked, slot_idx, broadcast, key):
     stack = self.stack_functions()
     self.functions(g, program, phase)  # made once here, not by two client threads at once
     real = [int(i) for i in slot_idx if i < g.size]
-    run = lambda i, client: self.run_one(g, program, phase, i, client, for_client(broadcast, i), key)
+    run = lambda i, client: self.run_one(g, program, phase, i, client, for_client(broadcast, i), key, owned=True)
     done = {}
     if self.threads == 1 or len(real) == 1:
       for i in real:
@@ -103,13 +104,16 @@ class SequentialExecutor(Executor):
     template = jax.eval_shape(fns['final'], carry, g.train, 0, reps, broadcast, jax.random.PRNGKey(0))[1]
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
 
-  def run_one(self, g: Group, program: ClientProgram, phase: int, i: int, client, broadcast, key: jax.Array
-              ) -> tuple[Any, Any, float]:
+  def run_one(self, g: Group, program: ClientProgram, phase: int, i: int, client, broadcast, key: jax.Array,
+              owned: bool = False) -> tuple[Any, Any, float]:
     """Client i of group g (its state `client`, unstacked, and `broadcast` as it reads it: `for_client`) in a round of
     `phase` from the host: prepare (where the program has it), init, the valid slots of each stage's plan,
     representations, final. Returns (client, upload, mean loss of its steps); the round's `key` is folded with the
-    client's id, as every executor does."""
+    client's id, as every executor does. `owned`: the caller holds no other reference to `client`'s arrays, which
+    the round then consumes (init and final write over them); otherwise it works on a copy."""
     fns = self.functions(g, program, phase)
+    if not owned:
+      client = self.stack_functions()['copy'](client)
     n = int(g.train_sizes[i])
     keys = client_keys(jax.random.fold_in(key, int(g.clients[i])))
     original, client = client, without_model(program, client)
@@ -165,11 +169,12 @@ class SequentialExecutor(Executor):
     represent = lambda buf, params, model_state, x_all, i, start: represent_into(
         model, buf, params, model_state, x_all[i], start, chunk)
     stages = [stage_fns(plan) for plan in plan_stages(program, g.train.x.shape[1])]
+    # init and final return most of the client they receive: consuming it spares each a copy of the model
     return {
-        'init': jax.jit(program.init),
+        'init': ConsumingJit(program.init),
         'stages': stages,
         'represent_into': jax.jit(represent, donate_argnums=0),
-        'final': jax.jit(final),
+        'final': ConsumingJit(final),
         'prepare': jax.jit(prepare) if program.prepare is not None else None,
         'weighted': jax.jit(weighted_reps) if program.representation_weights is not None else None,
     }

@@ -246,14 +246,14 @@ def set_threads(threads: int) -> None:
 
 
 def _call(pass_: str, shape, a, b, geometry):
-  strides, padding, dilation = geometry
+  strides, padding, dilation, groups = geometry
   return jax.ffi.ffi_call(_TARGETS[pass_], jax.ShapeDtypeStruct(shape, jnp.float32), vmap_method='sequential')(
       a, b, strides=np.asarray(strides, np.int64), padding=np.asarray([p for pair in padding for p in pair], np.int64),
-      dilation=np.asarray(dilation, np.int64))
+      dilation=np.asarray(dilation, np.int64), groups=np.int64(groups))
 
 
 def _output_shape(x_shape, w_shape, geometry):
-  strides, padding, dilation = geometry
+  strides, padding, dilation, _ = geometry
   spatial = [max(0, (x_shape[1 + a] + sum(padding[a]) - (w_shape[a] - 1) * dilation[a] - 1) // strides[a] + 1)
              for a in range(2)]  # empty where the window is larger than the padded input, as lax's
   return (x_shape[0], *spatial, w_shape[3])
@@ -291,12 +291,16 @@ _kernel_gradient.defvjp(
 
 
 def conv2d(x: jax.Array, w: jax.Array, strides: Sequence[int], padding: Sequence[tuple[int, int]],
-           dilation: Sequence[int]) -> jax.Array:
-  """out[n, y, x, o] = sum_{i, j, c} x_pad[n, y*s + i*d, x*s + j*d, c] * w[i, j, c, o] by oneDNN, for float32 x
-  [N, H, W, C] and w [KH, KW, C, O], (low, high) zero padding per spatial axis (not negative) and kernel dilation d;
-  differentiable in reverse mode to every order. Raises OneDNNUnavailable (with its fix) when oneDNN cannot be
-  loaded. `models.conv.onednn_conv_general_dilated` is the same with lax's signature."""
+           dilation: Sequence[int], groups: int = 1) -> jax.Array:
+  """out[n, y, x, o] = sum_{i, j, c} x_pad[n, y*s + i*d, x*s + j*d, g*C/G + c] * w[i, j, c, o] with g = o // (O/G)
+  by oneDNN, for float32 x [N, H, W, C] and w [KH, KW, C/G, O] (G `groups`, lax's feature_group_count; depthwise
+  when G = C), (low, high) zero padding per spatial axis (not negative) and kernel dilation d; differentiable in
+  reverse mode to every order. Raises OneDNNUnavailable (with its fix) when oneDNN cannot be loaded.
+  `models.conv.onednn_conv_general_dilated` is the same with lax's signature."""
   load()
+  if groups < 1 or x.shape[-1] != w.shape[2] * groups or w.shape[3] % groups:
+    raise ValueError(f'onednn.conv2d: input channels {x.shape[-1]} must be the kernel\'s {w.shape[2]} times groups '
+                     f'{groups}, and output channels {w.shape[3]} a multiple of the groups.')
   geometry = (tuple(int(s) for s in strides), tuple((int(lo), int(hi)) for lo, hi in padding),
-              tuple(int(d) for d in dilation))
+              tuple(int(d) for d in dilation), int(groups))
   return _forward(x, w, geometry)

@@ -1,7 +1,9 @@
 // oneDNN's 2-D convolution (forward, input gradient, kernel gradient) as XLA FFI handlers for the CPU backend.
 //
-// Layouts are JAX's channels-last ones: input [N, H, W, C], kernel [KH, KW, C, O] (HWIO), output [N, OH, OW, O].
-// Attributes: strides [2], padding [4] (low/high of H, then of W), dilation [2] (the kernel's, 1 = none).
+// Layouts are JAX's channels-last ones: input [N, H, W, C], kernel [KH, KW, C / G, O] (HWIO), output [N, OH, OW, O].
+// Attributes: strides [2], padding [4] (low/high of H, then of W), dilation [2] (the kernel's, 1 = none), groups
+// G (lax's feature_group_count: output channel o sees the input channels of group o / (O / G); depthwise when
+// G = C).
 // Activations stay channels-last (oneDNN's nhwc kernels); the kernel is reordered to oneDNN's preferred blocked
 // layout and back, which for these sizes costs a small fraction of a convolution. Primitives are built once per
 // geometry, thread count and pass, and shared by all calling threads (oneDNN primitives are safe to execute
@@ -42,7 +44,7 @@ std::atomic<int> threads_per_call{0};  // 0: OpenMP's default (OMP_NUM_THREADS, 
 enum Pass { kForward = 0, kInputGradient = 1, kKernelGradient = 2 };
 
 struct Geometry {
-  dims x, w, y, strides, dilation, pad_low, pad_high;
+  dims x, w, y, strides, dilation, pad_low, pad_high;  // w: {O, I, KH, KW}, or {G, O / G, I, KH, KW} grouped
   auto key() const { return std::tie(x, w, y, strides, dilation, pad_low, pad_high); }
   bool operator<(const Geometry& o) const { return key() < o.key(); }
 };
@@ -64,6 +66,11 @@ dnnl::engine& Engine() {
   return engine;
 }
 
+// The kernel as JAX lays it out: HWIO, the output channels group-major when grouped (hwigo).
+dnnl::memory::desc Hwio(const Geometry& g) {
+  return dnnl::memory::desc(g.w, f32::f32, g.w.size() == 5 ? tag::hwigo : tag::hwio);
+}
+
 Plan MakePlan(Pass pass, const Geometry& g) {
   auto& eng = Engine();
   dnnl::primitive_attr attr;
@@ -72,7 +79,7 @@ Plan MakePlan(Pass pass, const Geometry& g) {
   auto x = dnnl::memory::desc(g.x, f32::f32, tag::nhwc);
   auto y = dnnl::memory::desc(g.y, f32::f32, tag::nhwc);
   auto any = dnnl::memory::desc(g.w, f32::f32, tag::any);
-  auto hwio = dnnl::memory::desc(g.w, f32::f32, tag::hwio);
+  auto hwio = Hwio(g);
   auto forward = dnnl::convolution_forward::primitive_desc(
       eng, dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, x, any, y, g.strides,
       g.dilation, g.pad_low, g.pad_high, attr);
@@ -150,7 +157,7 @@ ffi::Error Run(Pass pass, const Geometry& g, float* a, float* b, float* out) {
     dnnl::stream stream(eng);
     auto x = dnnl::memory::desc(g.x, f32::f32, tag::nhwc);
     auto y = dnnl::memory::desc(g.y, f32::f32, tag::nhwc);
-    auto hwio = dnnl::memory::desc(g.w, f32::f32, tag::hwio);
+    auto hwio = Hwio(g);
     dnnl::memory scratch = Scratch(std::max(plan.scratch, plan.reorder_scratch));
     dnnl::memory w(hwio, eng, pass == kKernelGradient ? out : b);
     dnnl::memory kernel = plan.reorder ? dnnl::memory(plan.kernel, eng) : w;
@@ -189,18 +196,27 @@ ffi::Error Run(Pass pass, const Geometry& g, float* a, float* b, float* out) {
   return status;
 }
 
-// x: [N, H, W, C], w: [KH, KW, C, O], y: [N, OH, OW, O] as oneDNN's logical dims (NCHW order, OIHW order).
+// x: [N, H, W, C], w: [KH, KW, C / G, O], y: [N, OH, OW, O] as oneDNN's logical dims (NCHW order, OIHW order,
+// GOIHW when grouped).
 ffi::Error Convolve(Pass pass, ffi::Span<const int64_t> x, ffi::Span<const int64_t> w, ffi::Span<const int64_t> y,
                     ffi::Span<const int64_t> strides, ffi::Span<const int64_t> padding,
-                    ffi::Span<const int64_t> dilation, float* a, float* b, float* out) {
+                    ffi::Span<const int64_t> dilation, int64_t groups, float* a, float* b, float* out) {
   if (x.size() != 4 || w.size() != 4 || y.size() != 4 || strides.size() != 2 || padding.size() != 4 ||
       dilation.size() != 2) {
     return ffi::Error::InvalidArgument("oneDNN convolution: 2-D NHWC/HWIO operands and 2 strides, 4 pads, 2 "
                                        "dilations expected");
   }
+  if (groups < 1 || x[3] != w[2] * groups || w[3] % groups != 0) {
+    return ffi::Error::InvalidArgument("oneDNN convolution: the input channels must be the kernel's times the "
+                                       "groups, and the output channels a multiple of the groups");
+  }
   Geometry g;
   g.x = {x[0], x[3], x[1], x[2]};
-  g.w = {w[3], w[2], w[0], w[1]};
+  if (groups == 1) {
+    g.w = {w[3], w[2], w[0], w[1]};
+  } else {
+    g.w = {groups, w[3] / groups, w[2], w[0], w[1]};
+  }
   g.y = {y[0], y[3], y[1], y[2]};
   g.strides = {strides[0], strides[1]};
   g.dilation = {dilation[0] - 1, dilation[1] - 1};  // oneDNN counts the zeros between taps
@@ -213,19 +229,19 @@ using Array = ffi::Buffer<ffi::F32>;
 using Result = ffi::ResultBuffer<ffi::F32>;
 using Ints = ffi::Span<const int64_t>;
 
-ffi::Error Forward(Array x, Array w, Result y, Ints strides, Ints padding, Ints dilation) {
-  return Convolve(kForward, x.dimensions(), w.dimensions(), y->dimensions(), strides, padding, dilation,
+ffi::Error Forward(Array x, Array w, Result y, Ints strides, Ints padding, Ints dilation, int64_t groups) {
+  return Convolve(kForward, x.dimensions(), w.dimensions(), y->dimensions(), strides, padding, dilation, groups,
                   x.typed_data(), w.typed_data(), y->typed_data());
 }
 
-ffi::Error InputGradient(Array dy, Array w, Result dx, Ints strides, Ints padding, Ints dilation) {
+ffi::Error InputGradient(Array dy, Array w, Result dx, Ints strides, Ints padding, Ints dilation, int64_t groups) {
   return Convolve(kInputGradient, dx->dimensions(), w.dimensions(), dy.dimensions(), strides, padding, dilation,
-                  dy.typed_data(), w.typed_data(), dx->typed_data());
+                  groups, dy.typed_data(), w.typed_data(), dx->typed_data());
 }
 
-ffi::Error KernelGradient(Array x, Array dy, Result dw, Ints strides, Ints padding, Ints dilation) {
+ffi::Error KernelGradient(Array x, Array dy, Result dw, Ints strides, Ints padding, Ints dilation, int64_t groups) {
   return Convolve(kKernelGradient, x.dimensions(), dw->dimensions(), dy.dimensions(), strides, padding, dilation,
-                  x.typed_data(), dy.typed_data(), dw->typed_data());
+                  groups, x.typed_data(), dy.typed_data(), dw->typed_data());
 }
 
 }  // namespace
@@ -238,7 +254,8 @@ ffi::Error KernelGradient(Array x, Array dy, Result dw, Ints strides, Ints paddi
                                     .Ret<Array>()                                                  \
                                     .Attr<Ints>("strides")                                         \
                                     .Attr<Ints>("padding")                                         \
-                                    .Attr<Ints>("dilation"))
+                                    .Attr<Ints>("dilation")                                        \
+                                    .Attr<int64_t>("groups"))
 
 FEDJAX_HET_CONV_HANDLER(fedjax_het_onednn_conv_forward, Forward);
 FEDJAX_HET_CONV_HANDLER(fedjax_het_onednn_conv_input_gradient, InputGradient);

@@ -27,18 +27,24 @@ from fedjax_het.kernels import onednn
 IM2COL_MAX_CHANNELS = 8  # 'auto' uses im2col up to this many input channels
 
 
-def _channels_last(nd: int) -> lax.ConvDimensionNumbers:
+def _channels_last_numbers(nd: int) -> lax.ConvDimensionNumbers:
   spatial = tuple(range(1, nd + 1))
   return lax.ConvDimensionNumbers((0, nd + 1) + spatial, (nd + 1, nd) + tuple(range(nd)), (0, nd + 1) + spatial)
 
 
+def _channels_last(lhs, rhs, dimension_numbers, lhs_dilation, batch_group_count) -> bool:
+  """Whether a convolution is NHWC/HWIO (channels last) without input dilation or batch groups (feature groups
+  allowed)."""
+  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+  return (batch_group_count == 1 and dn == _channels_last_numbers(lhs.ndim - 2)
+          and (lhs_dilation is None or all(d == 1 for d in lhs_dilation)))
+
+
 def _ungrouped_channels_last(lhs, rhs, dimension_numbers, lhs_dilation, feature_group_count, batch_group_count
                              ) -> bool:
-  """Whether a convolution is the plain kind the formulations here compute: NHWC/HWIO (channels last), no groups,
-  no input dilation."""
-  dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-  return (feature_group_count == 1 and batch_group_count == 1 and dn == _channels_last(lhs.ndim - 2)
-          and (lhs_dilation is None or all(d == 1 for d in lhs_dilation)))
+  """Whether a convolution is the plain kind the matmul formulations here compute: NHWC/HWIO (channels last), no
+  groups, no input dilation."""
+  return feature_group_count == 1 and _channels_last(lhs, rhs, dimension_numbers, lhs_dilation, batch_group_count)
 
 
 def _explicit_padding(lhs, rhs, window_strides, padding, rhs_dilation) -> tuple[list, tuple]:
@@ -94,7 +100,7 @@ def image_patches(lhs, kernel_shape, window_strides, padding, rhs_dilation=None)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _conv_gemm_grad(lhs, rhs, window_strides, padding, rhs_dilation):
   return lax.conv_general_dilated(lhs, rhs, window_strides, padding, rhs_dilation=rhs_dilation,
-                                  dimension_numbers=_channels_last(lhs.ndim - 2))
+                                  dimension_numbers=_channels_last_numbers(lhs.ndim - 2))
 
 
 def _conv_gemm_grad_fwd(lhs, rhs, window_strides, padding, rhs_dilation):
@@ -104,7 +110,7 @@ def _conv_gemm_grad_fwd(lhs, rhs, window_strides, padding, rhs_dilation):
 def _conv_gemm_grad_bwd(window_strides, padding, rhs_dilation, residuals, g):
   lhs, rhs = residuals
   conv = lambda x: lax.conv_general_dilated(x, rhs, window_strides, padding, rhs_dilation=rhs_dilation,
-                                           dimension_numbers=_channels_last(lhs.ndim - 2))
+                                           dimension_numbers=_channels_last_numbers(lhs.ndim - 2))
   d_lhs = jax.vjp(conv, lhs)[1](g)[0]  # XLA's input gradient (a transposed convolution)
   patches = image_patches(lhs, rhs.shape, window_strides, padding, rhs_dilation)
   batch_axes = tuple(range(patches.ndim - 1))
@@ -143,17 +149,17 @@ def auto_conv_general_dilated(lhs, rhs, *args, max_channels: int = IM2COL_MAX_CH
 def onednn_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
                                 dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
                                 preferred_element_type=None) -> jax.Array:
-  """`lax.conv_general_dilated` by oneDNN's custom calls (`kernels.onednn.conv2d`) for 2-D channels-last ungrouped
-  float32 convolutions on the CPU; anything else (other layouts, groups, dtypes, cropping, another backend) by
-  `lax.conv_general_dilated`. Raises OneDNNUnavailable (with its fix) when oneDNN cannot be loaded."""
+  """`lax.conv_general_dilated` by oneDNN's custom calls (`kernels.onednn.conv2d`) for 2-D channels-last float32
+  convolutions on the CPU, grouped (depthwise included) or not; anything else (other layouts, batch groups, input
+  dilation, dtypes, cropping, another backend) by `lax.conv_general_dilated`. Raises OneDNNUnavailable (with its
+  fix) when oneDNN cannot be loaded."""
   plain = (lhs.ndim == 4 and jax.default_backend() == 'cpu' and lhs.dtype == jnp.float32
            and rhs.dtype == jnp.float32 and preferred_element_type in (None, jnp.float32)
-           and _ungrouped_channels_last(lhs, rhs, dimension_numbers, lhs_dilation, feature_group_count,
-                                        batch_group_count))
+           and _channels_last(lhs, rhs, dimension_numbers, lhs_dilation, batch_group_count))
   if plain:
     pads, dilation = _explicit_padding(lhs, rhs, window_strides, padding, rhs_dilation)
     if all(p >= 0 for pair in pads for p in pair):  # oneDNN pads only; lax also crops
-      return onednn.conv2d(lhs, rhs, window_strides, pads, dilation)
+      return onednn.conv2d(lhs, rhs, window_strides, pads, dilation, feature_group_count)
   return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
                                   feature_group_count, batch_group_count, precision, preferred_element_type)
 

@@ -26,8 +26,7 @@ class ConvBNReLU6(nn.Module):
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
-    conv = nn.Conv if self.groups > 1 else self.conv  # im2col covers ungrouped convolutions only
-    x = conv(self.features, (self.kernel, self.kernel), self.strides, padding=(self.kernel - 1) // 2,
+    x = self.conv(self.features, (self.kernel, self.kernel), self.strides, padding=(self.kernel - 1) // 2,
              feature_group_count=self.groups, use_bias=False)(x)
     x = TorchBatchNorm(use_running_average=not train)(x)
     return jnp.clip(x, 0.0, 6.0) if self.activation else x

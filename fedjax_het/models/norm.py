@@ -18,6 +18,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 _context = threading.local()
 TORCH_MOMENTUM = 0.9  # torch's momentum 0.1 as flax counts it: the weight of the old running statistics
@@ -34,14 +35,26 @@ def batch_rows(mask: Optional[jnp.ndarray]) -> Iterator[None]:
     _context.mask = previous
 
 
-class BatchNorm(nn.BatchNorm):
+class BatchNorm(nn.Module):
   """torch.nn.BatchNorm2d: momentum 0.1 (flax's momentum is the complement, 0.9), eps 1e-5 (googlenet overrides
   1e-3); a train-mode step normalises with the batch's biased variance and moves the running variance towards the
   unbiased one, var * n / (n - 1) over the n values per channel (rows x positions), as torch does; statistics over
-  the rows of `batch_rows` when one is active. (Named BatchNorm so that its variables keep flax's names, e.g.
-  'BatchNorm_0'.)"""
+  the rows of `batch_rows` when one is active.
+
+  The variables, their names and the arithmetic are `flax.linen.BatchNorm`'s over the last axis (its
+  `use_fast_variance` statistics in float32, the same operations in the same order, so the same numbers): params
+  'scale' and 'bias', 'batch_stats' 'mean' and 'var'. It is written out because flax's layer costs several times
+  as much to trace (its params are shape-checked on every application by tracing their initialisers), and a
+  ResNet-152 traces 155 of them per pass: most of a warm start's time. (Named BatchNorm so that its variables keep
+  flax's names, e.g. 'BatchNorm_0'.)"""
+  use_running_average: Optional[bool] = None
   momentum: float = TORCH_MOMENTUM
   epsilon: float = 1e-5
+
+  def _param(self, name: str, init, shape: tuple) -> jnp.ndarray:
+    if self.has_variable('params', name):  # applying: read it as it is
+      return self.get_variable('params', name)
+    return self.param(name, init, shape, jnp.float32)
 
   @nn.compact
   def __call__(self, x, use_running_average=None, *, mask=None):
@@ -49,15 +62,32 @@ class BatchNorm(nn.BatchNorm):
     if mask is None and rows is not None:
       mask = jnp.broadcast_to(rows.reshape((-1,) + (1,) * (x.ndim - 1)), x.shape)
     training = not nn.merge_param('use_running_average', self.use_running_average, use_running_average)
-    updates = training and not self.is_initializing()
-    old = self.get_variable('batch_stats', 'var') if updates else None
-    y = super().__call__(x, use_running_average, mask=mask)
-    if updates:
-      n = mask[..., 0].sum().astype(jnp.float32) if mask is not None else jnp.float32(x.size // x.shape[-1])
-      bessel = jnp.where(n > 1, n / jnp.maximum(n - 1, 1.0), 1.0)
-      new = self.get_variable('batch_stats', 'var')
-      self.put_variable('batch_stats', 'var', self.momentum * old + (new - self.momentum * old) * bessel)
-    return y
+    features = (x.shape[-1],)
+    axes = tuple(range(x.ndim - 1))
+    ra_mean = self.variable('batch_stats', 'mean', lambda s: jnp.zeros(s, jnp.float32), features)
+    ra_var = self.variable('batch_stats', 'var', lambda s: jnp.ones(s, jnp.float32), features)
+    if not training:
+      mean, var = ra_mean.value, ra_var.value
+    else:
+      stats = x.astype(jnp.promote_types(jnp.result_type(x), jnp.float32))
+      where = None if mask is None else jnp.asarray(mask, dtype=bool)
+      squares = lax.square(stats)  # before the mean, as flax: the gradient's sums then add up in flax's order
+      mean, mean_square = stats.mean(axes, where=where), squares.mean(axes, where=where)
+      var = jnp.maximum(0.0, mean_square - lax.square(mean))
+      if not self.is_initializing():
+        old = ra_var.value
+        ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
+        new = self.momentum * old + (1 - self.momentum) * var
+        n = mask[..., 0].sum().astype(jnp.float32) if mask is not None else jnp.float32(x.size // x.shape[-1])
+        bessel = jnp.where(n > 1, n / jnp.maximum(n - 1, 1.0), 1.0)
+        ra_var.value = self.momentum * old + (new - self.momentum * old) * bessel
+    scale = self._param('scale', nn.initializers.ones, features)
+    bias = self._param('bias', nn.initializers.zeros, features)
+    y = x - jnp.expand_dims(mean, axes)
+    mul = lax.rsqrt(jnp.expand_dims(var, axes) + self.epsilon)
+    y *= mul * scale.reshape((1,) * (x.ndim - 1) + features)
+    y += bias.reshape((1,) * (x.ndim - 1) + features)
+    return jnp.asarray(y, jnp.result_type(x, scale, bias))
 
 
 TorchBatchNorm = BatchNorm
