@@ -217,6 +217,39 @@ def test_cifar_resnets_keep_the_resolution_into_the_first_stage_and_count_their_
     assert sum(a.size for a in jax.tree.leaves(variables['params'])) == count
 
 
+def test_batchnorm_computes_flaxs_arithmetic_bit_for_bit():
+  """The written-out BatchNorm against flax.linen.BatchNorm (momentum 0.9, eps 1e-5): the same variables, outputs
+  in train and eval mode, masked statistics, gradients and running mean, in float32 and bfloat16 (the running
+  variance differs by design: torch's unbiased update, the test below)."""
+  import flax.linen as nn
+  from fedjax_het.models.norm import TorchBatchNorm
+
+  def net(norm):
+    class Net(nn.Module):
+      @nn.compact
+      def __call__(self, x, train, mask=None):
+        h = norm(use_running_average=not train)(nn.Dense(5)(x), mask=mask)
+        return norm(use_running_average=not train)(nn.relu(h), mask=mask)
+    return Net()
+  ours, flaxs = net(TorchBatchNorm), net(lambda **kw: nn.BatchNorm(momentum=0.9, epsilon=1e-5, **kw))
+  x = 2 * jax.random.normal(jax.random.PRNGKey(1), (6, 3, 3, 4)) + 1
+  mask = jnp.broadcast_to((jnp.arange(6) < 4)[:, None, None, None], (6, 3, 3, 5))
+  variables = ours.init(jax.random.PRNGKey(0), x, True)
+  assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, flaxs.init(jax.random.PRNGKey(0), x, True))
+  for dtype in (jnp.float32, jnp.bfloat16):
+    v, xd = jax.tree.map(lambda a: a.astype(dtype), variables), x.astype(dtype)
+    results = []
+    for model in (ours, flaxs):
+      train = lambda v, x, mask=None: model.apply(v, x, True, mask, mutable=['batch_stats'])
+      loss = lambda v, x: jnp.sum(jnp.sin(train(v, x)[0].astype(jnp.float32)))
+      results.append((jax.jit(lambda v, x: model.apply(v, x, False))(v, xd), jax.jit(train)(v, xd)[0],
+                      jax.jit(train)(v, xd, mask)[0], jax.jit(train)(v, xd)[1]['batch_stats']['BatchNorm_0']['mean'],
+                      jax.jit(jax.grad(loss))(v, xd)))
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+      assert a.dtype == b.dtype
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_batchnorm_running_variance_is_torchs_unbiased_one():
   """A train step normalises with the biased batch variance and moves the running variance towards the unbiased one
   over rows x positions (torch.nn.BatchNorm2d): values 1, 3, 5, 7 (two rows of two positions; a third, masked
