@@ -11,6 +11,7 @@ import numpy as np
 from fedjax_het.core import for_client
 from fedjax_het.engine.donation import ConsumingJit
 from fedjax_het.engine.groups import host_copy
+from fedjax_het.engine.sequential_executor import SequentialExecutor
 from fedjax_het.methods import FedREConfig, fedre
 from test_engine import make_fed
 
@@ -58,3 +59,41 @@ def test_a_client_round_consumes_the_callers_state_only_when_it_owns_it(tiny_dat
   assert jax.tree.leaves(client)[0].is_deleted()
   for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(consumed)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_one_client_stack_is_unstacked_and_restacked_without_a_copy():
+  functions = SequentialExecutor(16).stack_functions()
+  stacked = {'w': jnp.arange(6.0).reshape(1, 2, 3), 'key': jnp.array([[7, 9]], jnp.uint32)}
+  pointers = [a.unsafe_buffer_pointer() for a in jax.tree.leaves(stacked)]
+  client = functions['unstack'](stacked)
+  assert all(a.is_deleted() for a in jax.tree.leaves(stacked))
+  np.testing.assert_array_equal(client['w'], [[0, 1, 2], [3, 4, 5]])
+  np.testing.assert_array_equal(client['key'], [7, 9])
+  assert [a.unsafe_buffer_pointer() for a in jax.tree.leaves(client)] == pointers  # the same memory
+  again = functions['restack'](client)
+  assert jax.tree.map(jnp.shape, again) == {'w': (1, 2, 3), 'key': (1, 2)}
+  assert [a.unsafe_buffer_pointer() for a in jax.tree.leaves(again)] == pointers
+
+
+def test_a_sequential_round_consumes_a_one_client_group_and_equals_vmaps_round(tiny_data):
+  """Client 0 alone in its group (its stack is unstacked in place), the other five in one group."""
+  from test_engine import assert_same_run, run
+  models = ('small_cnn_narrow',) + ('mlp',) * 5
+  sequential = make_fed(tiny_data, 'sequential', models=models)
+  assert [g.stacked_size for g in sequential.groups] == [1, 5]
+  state = sequential.init()
+  alone = jax.tree.leaves(state.groups[0])
+  pointers = [a.unsafe_buffer_pointer() for a in alone]
+  given = {}
+  run_one = sequential.executor.run_one
+
+  def recording(g, program, phase, i, client, *args, **kw):
+    given[g.arch] = [a.unsafe_buffer_pointer() for a in jax.tree.leaves(client)]
+    return run_one(g, program, phase, i, client, *args, **kw)
+  sequential.executor.run_one = recording
+  sequential.round(state)
+  assert given['small_cnn_narrow'] == pointers  # the client is its stack's memory, not a copy
+  assert all(a.is_deleted() for a in alone)
+  assert_same_run(run(make_fed(tiny_data, 'vmap', models=models, join_ratio=0.5), 2),
+                  run(make_fed(tiny_data, 'sequential', models=models, join_ratio=0.5), 2), exact_accuracy=False,
+                  rtol=1e-4, atol=1e-5)

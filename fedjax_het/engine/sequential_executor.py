@@ -43,11 +43,15 @@ class SequentialExecutor(Executor):
     return self.compiled('sequential', owner, make=lambda: self._make_fns(g, program))
 
   def stack_functions(self) -> dict:
-    """The jitted 'take' (client i of a stack), 'put' (client i written back, the stack donated) and 'copy'."""
+    """The jitted 'take' (client i of a stack), 'put' (client i written back, the stack donated) and 'copy'; for a
+    stack of one client 'unstack' and 'restack', which consume their argument and so copy nothing (XLA writes the
+    output over the donated input of the same size)."""
     return self.compiled('stack', make=lambda: {
         'take': jax.jit(take_client),
         'copy': jax.jit(lambda tree: jax.tree.map(jnp.copy, tree)),
-        'put': jax.jit(put_client, donate_argnums=0)})
+        'put': jax.jit(put_client, donate_argnums=0),
+        'unstack': jax.jit(lambda stacked: take_client(stacked, 0), donate_argnums=0),
+        'restack': jax.jit(lambda client: jax.tree.map(lambda a: a[None], client), donate_argnums=0)})
 
   def run(self, g, program, phase, stacked, slot_idx, broadcast, key):
     stack = self.stack_functions()
@@ -55,7 +59,10 @@ class SequentialExecutor(Executor):
     real = [int(i) for i in slot_idx if i < g.size]
     run = lambda i, client: self.run_one(g, program, phase, i, client, for_client(broadcast, i), key, owned=True)
     done = {}
-    if self.threads == 1 or len(real) == 1:
+    if g.stacked_size == 1 and real:  # the stack is the client: the round consumes it, as vmap's does
+      client, *done[0] = run(0, stack['unstack'](stacked))
+      stacked = stack['restack'](client)
+    elif self.threads == 1 or len(real) == 1:
       for i in real:
         client, *done[i] = run(i, stack['take'](stacked, i))
         stacked = stack['put'](stacked, i, client)
