@@ -22,8 +22,9 @@ Per setting, three fresh processes:
          temporary folder (initialisation + compilation); peak device memory (GPU: JAX's memory_stats; CPU: the
          process's peak RSS, data included); then `--rounds` rounds of fedjax_het alone
   warm   the same with the cache the cold process filled; then the PyTorch loop's first round, `--warmup_rounds`
-         untimed rounds of each side, alternating (on a CPU fedjax_het's second and third rounds took up to 1.4x its
-         later ones, page faults counted on the process dropping by half as its heap grew), and `--rounds` rounds
+         untimed rounds of each side, alternating (on a CPU fedjax_het's second and third rounds took up to 1.5x its
+         later ones: the process's page faults and system time fell five- to tenfold over its first four rounds as
+         the C heap grew to hold them), and `--rounds` rounds
          alternating a PyTorch round and a fedjax_het round, each timed to completion (seconds per round,
          side by side: the same participants, local steps and samples, checked every round); then one more
          fedjax_het round with each group timed to completion (the per-architecture breakdown: a group is one
@@ -101,7 +102,7 @@ flags.DEFINE_integer('samples_per_client', None, 'Pool rows per client, 75 % of 
                      'with --steps_per_client the rows those steps need).')
 flags.DEFINE_integer('rounds', 3, 'Timed rounds per side, alternating, after each side\'s first round and '
                      '--warmup_rounds.')
-flags.DEFINE_integer('warmup_rounds', 1, 'Untimed rounds per side, alternating, between each side\'s first round and '
+flags.DEFINE_integer('warmup_rounds', 2, 'Untimed rounds per side, alternating, between each side\'s first round and '
                      'the timed ones (module docstring).')
 flags.DEFINE_integer('torch_eval_batch_size', 144, 'Rows per PyTorch representation pass (as vs_pytorch.py).')
 flags.DEFINE_enum('strategy', None, ['vmap', 'sequential'], 'fedjax_het\'s executor (default: the backend\'s, '
