@@ -22,9 +22,9 @@ Per setting, three fresh processes:
          temporary folder (initialisation + compilation); peak device memory (GPU: JAX's memory_stats; CPU: the
          process's peak RSS, data included); then `--rounds` rounds of fedjax_het alone
   warm   the same with the cache the cold process filled; then the PyTorch loop's first round, `--warmup_rounds`
-         untimed rounds of each side, alternating (on a CPU fedjax_het's second and third rounds took up to 1.5x its
-         later ones: the process's page faults and system time fell five- to tenfold over its first four rounds as
-         the C heap grew to hold them), and `--rounds` rounds
+         untimed rounds of each side, alternating (on a CPU fedjax_het's second and third rounds were slower than its
+         later ones, while the process's page faults and system time fell as the C heap grew to hold a round's
+         buffers), and `--rounds` rounds
          alternating a PyTorch round and a fedjax_het round, each timed to completion (seconds per round,
          side by side: the same participants, local steps and samples, checked every round); then one more
          fedjax_het round with each group timed to completion (the per-architecture breakdown: a group is one
