@@ -20,16 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from fedjax_het.core import Batch, ClientState
-from fedjax_het.engine import LocalTraining
 from fedjax_het.kernels import onednn
-from fedjax_het.methods.shared.base import sgd_program
-from fedjax_het.methods.shared.common import cross_entropy_loss
 from fedjax_het.models.forward import forward
 from fedjax_het.models.registry import build_model
 from fedjax_het.run.cli import app_run
 
-from harness import RESULTS, best_seconds, write_results
+from harness import RESULTS, best_seconds, sgd_step_fn, write_results
 
 flags.DEFINE_list('archs', ['mobilenet_v2', 'resnet152', 'vit_b16'], 'Architectures (models.registry names).')
 flags.DEFINE_list('conv', ['onednn'], 'fedjax_het\'s convolution formulations (ExecutionConfig.conv values).')
@@ -46,10 +42,8 @@ def fedjax_side(arch: str, conv: str, x, y, rows) -> dict:
   model = build_model(arch, 10, conv=conv)
   variables = model.init(jax.random.PRNGKey(0), x[:2])
   params = variables.pop('params')
-  program = sgd_program(cross_entropy_loss(model), LocalTraining(0.01))
-  key = jax.random.PRNGKey(0)
-  step = jax.jit(lambda c, xb, yb: program.stages[0].step(c, Batch(xb, yb), None, key))
-  carry = program.init(ClientState(params, dict(variables), {}, key), None, key)
+  step, carry = sgd_step_fn(model, params, model_state=dict(variables))
+  step = jax.jit(step)
   represent = jax.jit(lambda p, s, xb: forward(model, p, s, xb, False)[1])
   return {'step_ms': 1e3 * best_seconds(lambda: step(carry, x, y)[1], FLAGS.repeats),
           'represent_ms': 1e3 * best_seconds(lambda: represent(params, dict(variables), rows), FLAGS.repeats)}

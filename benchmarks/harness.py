@@ -48,13 +48,15 @@ def cifar_like(num_clients: int, samples_per_client: int, seed: int = 0, partiti
   return make_federated_data(ds, num_clients, partition, seed=seed, alpha=alpha)
 
 
-def sgd_step_fn(model, params: Any, learning_rate: float = 0.01) -> tuple[Callable, tuple]:
+def sgd_step_fn(model, params: Any, learning_rate: float = 0.01, model_state: Any = None
+                ) -> tuple[Callable, tuple]:
   """(step(carry, x, y) -> (carry, loss), initial carry): the step of the CE client program every method built
-  with `sgd_program` runs, for one model; carry[0] is the client (its params: carry[0].params)."""
+  with `sgd_program` runs, for one model (with its non-trainable `model_state`, e.g. BatchNorm's statistics);
+  carry[0] is the client (its params: carry[0].params)."""
   program = sgd_program(cross_entropy_loss(model), LocalTraining(learning_rate))
   key = jax.random.PRNGKey(0)
   step = lambda c, xb, yb: program.stages[0].step(c, Batch(xb, yb), None, key)
-  return step, program.init(ClientState(params, {}, {}, key), None, key)
+  return step, program.init(ClientState(params, model_state or {}, {}, key), None, key)
 
 
 class CompileLog:
