@@ -32,13 +32,13 @@ class ConsumingJit:
     self._lock = threading.Lock()
     self._variants: dict = {}
 
-  def _variant(self, first: Any, rest: tuple) -> tuple:
-    leaves, tree = jax.tree.flatten(first)
+  def _variant(self, leaves: list, tree: Any, rest: tuple) -> tuple:
     key = (tree, tuple(_aval(leaf) for leaf in leaves))
     with self._lock:
       if key in self._variants:
         return self._variants[key]
-    free = collections.Counter(_aval(o) for o in jax.tree.leaves(jax.eval_shape(self.fn, first, *rest)))
+    outputs = jax.eval_shape(self.fn, jax.tree.unflatten(tree, leaves), *rest)
+    free = collections.Counter(_aval(o) for o in jax.tree.leaves(outputs))
     donate = []
     for leaf in leaves:
       aval = _aval(leaf)
@@ -54,7 +54,7 @@ class ConsumingJit:
       return self._variants.setdefault(key, variant)
 
   def __call__(self, first: Any, *rest: Any) -> Any:
-    donate, jitted = self._variant(first, rest)
-    leaves = jax.tree.leaves(first)
+    leaves, tree = jax.tree.flatten(first)
+    donate, jitted = self._variant(leaves, tree, rest)
     return jitted([leaf for leaf, d in zip(leaves, donate) if d], [leaf for leaf, d in zip(leaves, donate) if not d],
                   *rest)

@@ -258,12 +258,12 @@ def put_client(tree: Any, index, client: Any) -> Any:
 
 # Client i of every leaf in one program per state structure (indexing leaf by leaf compiles one per leaf shape:
 # hundreds for a ResNet-152, most of a cold start's compilations).
-_take_client = jax.jit(take_client)
+take_client_jit = jax.jit(take_client)
 
 
 def host_copy(tree: Any, index: int = 0) -> Any:
   """Client `index` of a stacked state as plain (unsharded, uncommitted) arrays."""
-  return jax.tree.map(lambda a: jnp.asarray(to_host(a)), _take_client(tree, jnp.int32(index)))
+  return jax.tree.map(lambda a: jnp.asarray(to_host(a)), take_client_jit(tree, jnp.int32(index)))
 
 
 def slot_indices(g: Group, participants: np.ndarray, slots: int) -> np.ndarray:

@@ -15,7 +15,8 @@ from fedjax_het.core import ClientProgram, Evaluation, for_client, prepare_evalu
 from fedjax_het.engine.client import weighted
 from fedjax_het.engine.donation import ConsumingJit
 from fedjax_het.engine.executor import Executor
-from fedjax_het.engine.groups import EvalSet, Group, put_client, representation_model, take_client
+from fedjax_het.engine.groups import (EvalSet, Group, put_client, representation_model, take_client,
+                                      take_client_jit)
 from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, plan_stages, represent_into,
                                     stage_key, statistics_batch, statistics_key, statistics_of_batch, statistics_order,
                                     take_step, zero_statistics)
@@ -47,7 +48,7 @@ class SequentialExecutor(Executor):
     stack of one client 'unstack' and 'restack', which consume their argument and so copy nothing (XLA writes the
     output over the donated input of the same size)."""
     return self.compiled('stack', make=lambda: {
-        'take': jax.jit(take_client),
+        'take': take_client_jit,
         'copy': jax.jit(lambda tree: jax.tree.map(jnp.copy, tree)),
         'put': jax.jit(put_client, donate_argnums=0),
         'unstack': jax.jit(lambda stacked: take_client(stacked, 0), donate_argnums=0),

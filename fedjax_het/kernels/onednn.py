@@ -300,7 +300,8 @@ def conv2d(x: jax.Array, w: jax.Array, strides: Sequence[int], padding: Sequence
   load()
   if groups < 1 or x.shape[-1] != w.shape[2] * groups or w.shape[3] % groups:
     raise ValueError(f'onednn.conv2d: input channels {x.shape[-1]} must be the kernel\'s {w.shape[2]} times groups '
-                     f'{groups}, and output channels {w.shape[3]} a multiple of the groups.')
+                     f'{groups}, and output channels {w.shape[3]} a multiple of the groups. Fix: a kernel [KH, KW, '
+                     f'C / groups, O] with O a multiple of groups.')
   geometry = (tuple(int(s) for s in strides), tuple((int(lo), int(hi)) for lo, hi in padding),
               tuple(int(d) for d in dilation), int(groups))
   return _forward(x, w, geometry)
