@@ -20,7 +20,7 @@ ONEDNN = ['onednn'] if sys.platform == 'linux' and platform.machine() == 'x86_64
 FORMULATIONS = [c for c in CONV_IMPLS if c in ONEDNN or c != 'onednn']
 
 
-@pytest.mark.parametrize('impl', ['im2col', 'auto', 'gemm'] + ONEDNN)
+@pytest.mark.parametrize('impl', ['im2col', 'auto', 'gemm', 'pallas'] + ONEDNN)
 @pytest.mark.parametrize('kw', [dict(features=5, kernel_size=(3, 3)),
                                 dict(features=4, kernel_size=(5, 5), padding='VALID'),
                                 dict(features=4, kernel_size=(7, 7), strides=2, padding=3, use_bias=False),

@@ -36,7 +36,8 @@ def default_memory_budget(backend: str) -> Optional[int]:
 class ExecutionConfig:
   """strategy: 'vmap' (`VmapExecutor`) or 'sequential' (`SequentialExecutor`); None: sequential on CPU (measured
     faster there, docs/performance.md), vmap on GPU/TPU.
-  conv: 'xla', 'im2col', 'auto', 'gemm' (models/conv.py) or 'onednn' (kernels/onednn.py, CPU only); None: on CPU
+  conv: 'xla', 'im2col', 'auto', 'gemm' (models/conv.py), 'onednn' (kernels/onednn.py, CPU only) or 'pallas'
+    (kernels/pallas_conv.py, GPU only); None: on CPU
     onednn where oneDNN is installed, else im2col under vmap (grouped convolutions are slow there) and auto for
     sequential; im2col on GPU under vmap (measured, benchmarks/vmap_conv.py), xla otherwise.
   single_client_conv: resolved, not set: the convolution of an architecture group of one client. Its chunks are
@@ -160,6 +161,10 @@ class ExecutionConfig:
                           f'{backend or jax.default_backend()}). Fix: conv=\'xla\' (or leave it unset).')
       if onednn.unavailable_reason() is not None:
         raise onednn.OneDNNUnavailable(f'ExecutionConfig.conv=\'onednn\': {onednn.unavailable_reason()}')
+    if conv == 'pallas' and backend != 'gpu':
+      raise ConfigError(f'ExecutionConfig.conv=\'pallas\' compiles Triton kernels for GPUs (backend: {backend}); '
+                        f'elsewhere it would run Pallas\'s interpreter, far slower than XLA. Fix: conv=\'im2col\' '
+                        f'(or leave it unset).')
     threads = self.client_threads or max(1, min(2, os.cpu_count() or 1))
     mesh = self.client_mesh if self.num_devices > 1 else None
     budget = self.memory_budget or default_memory_budget(backend)

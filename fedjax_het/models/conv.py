@@ -1,5 +1,6 @@
-"""Convolution formulations: XLA's native convolution, im2col (image patches times the kernel as a matrix), or
-oneDNN's convolution as a custom call on the CPU (kernels/onednn.py).
+"""Convolution formulations: XLA's native convolution, im2col (image patches times the kernel as a matrix),
+oneDNN's convolution as a custom call on the CPU (kernels/onednn.py), or Pallas kernels that compute im2col's sums
+without writing the patches (kernels/pallas_conv.py, GPUs).
 
 All compute `lax.conv_general_dilated` with the same parameters (Flax `nn.Conv`'s 'kernel' [kh, kw, C, O] and
 'bias'); they differ in speed. Under `jax.vmap` over clients each client has its own kernel, so XLA's convolution
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fedjax_het.errors import ConfigError
-from fedjax_het.kernels import onednn
+from fedjax_het.kernels import onednn, pallas_conv
 
 
 IM2COL_MAX_CHANNELS = 8  # 'auto' uses im2col up to this many input channels
@@ -164,6 +165,27 @@ def onednn_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=
                                   feature_group_count, batch_group_count, precision, preferred_element_type)
 
 
+def pallas_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                                dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
+                                preferred_element_type=None) -> jax.Array:
+  """`lax.conv_general_dilated` by Pallas kernels (`kernels.pallas_conv.conv2d`: no patches in memory, one launch
+  per kernel for a vmapped chunk of clients) for 2-D channels-last ungrouped stride-1 undilated float32/bfloat16
+  convolutions with non-negative padding; anything else (strided layers among them) by im2col, whose patches a
+  stride shrinks."""
+  plain = (lhs.ndim == 4 and lhs.dtype in (jnp.float32, jnp.bfloat16) and rhs.dtype == lhs.dtype
+           and preferred_element_type is None and all(s == 1 for s in window_strides)
+           and (rhs_dilation is None or all(d == 1 for d in rhs_dilation))
+           and _ungrouped_channels_last(lhs, rhs, dimension_numbers, lhs_dilation, feature_group_count,
+                                        batch_group_count))
+  if plain:
+    pads, _ = _explicit_padding(lhs, rhs, window_strides, padding, rhs_dilation)
+    if all(p >= 0 for pair in pads for p in pair):
+      return pallas_conv.conv2d(lhs, rhs, pads, precision)
+  return im2col_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
+                                     dimension_numbers, feature_group_count, batch_group_count, precision,
+                                     preferred_element_type)
+
+
 ConvFactory = Callable[..., nn.Module]
 CONV_IMPLS: dict[str, ConvFactory] = {  # the formulations a run chooses from (--conv)
     'xla': nn.Conv,
@@ -171,6 +193,7 @@ CONV_IMPLS: dict[str, ConvFactory] = {  # the formulations a run chooses from (-
     'auto': functools.partial(nn.Conv, conv_general_dilated=auto_conv_general_dilated),
     'onednn': functools.partial(nn.Conv, conv_general_dilated=onednn_conv_general_dilated),
     'gemm': functools.partial(nn.Conv, conv_general_dilated=gemm_grad_conv_general_dilated),
+    'pallas': functools.partial(nn.Conv, conv_general_dilated=pallas_conv_general_dilated),
 }
 # Eval-mode representation passes of an 'auto' run: im2col up to 32 input channels. Without a backward pass and
 # in 32-row passes its patches stay small, and it is faster there than 'auto', where in training steps on two

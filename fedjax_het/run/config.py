@@ -178,8 +178,9 @@ class ExperimentConfig:
       'of similar work, widths from 256, 64, 16, 4, 1.', resumable=True)
   conv: Optional[str] = setting(None, 'execution',
       'Convolution formulation: xla (native), im2col (strided slices + matmul; batches well under vmap), auto (im2col'
-      " for <= 8 input channels, else xla), onednn (oneDNN's kernels, CPU; pip install -e '.[onednn]'). Default: per "
-      'backend and strategy (docs/performance.md).', choices=CONV_IMPLS, resumable=True)
+      " for <= 8 input channels, else xla), onednn (oneDNN's kernels, CPU; pip install -e '.[onednn]'), pallas "
+      '(Pallas/Triton kernels without im2col patches in memory, GPU). Default: per backend and strategy '
+      '(docs/performance.md).', choices=CONV_IMPLS, resumable=True)
   scan_unroll: int = setting(1, 'execution',
       "vmap strategy: local SGD steps per iteration of a chunk's loop over its busiest client's steps.", resumable=True)
   num_devices: int = setting(0, 'execution',
