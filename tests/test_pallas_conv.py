@@ -40,6 +40,7 @@ def test_a_hand_computed_convolution_and_its_gradients():
     ((2, 6, 5, 4), (3, 2, 4, 3), ((2, 0), (0, 1))),      # asymmetric kernel and padding
     ((1, 4, 4, 2), (1, 1, 2, 5), ((0, 0), (0, 0))),      # 1x1
     ((2, 5, 6, 3), (3, 3, 3, 4), ((3, 1), (0, 3))),      # padding past the kernel: cropped input gradient
+    ((2, 6, 6, 32), (3, 3, 32, 16), ((1, 1), (1, 1))),   # taps not folded (32 channels fill the depth)
 ])
 def test_vmapped_over_clients_equals_xla_per_client_values_and_gradients(x_shape, w_shape, padding):
   kx, kw = jax.random.split(jax.random.PRNGKey(0))
@@ -76,19 +77,24 @@ def triton_calls(text: str) -> int:
   return len(re.findall(r'custom_call @[\w$.]*triton|call_target_name = "[^"]*triton', text))
 
 
-def test_lowers_for_a_gpu_one_launch_per_kernel_for_all_clients_and_no_patches():
+@pytest.mark.parametrize('channels,kernel,folded', [(3, 5, True), (32, 5, False)])
+def test_lowers_for_a_gpu_one_launch_per_kernel_for_all_clients_and_no_patches(channels, kernel, folded):
   """On the CPU, without a GPU: the vmapped training step's convolution lowers to Triton kernels (their shapes
   pass Triton's power-of-2 and matmul-size rules), one launch each for the forward pass, the input gradient and
-  the kernel gradient, whatever the number of clients; no XLA convolution and no im2col concatenation."""
+  the kernel gradient, whatever the number of clients; no XLA convolution and no im2col patches (kh*kw*C wide),
+  only the kw-fold tap copy where the channels are few."""
+  assert pallas_conv.folds_taps(channels, kernel) == folded
+
   def grads(clients):
-    x = jnp.zeros((clients, 4, 28, 28, 3))
-    w = jnp.zeros((clients, 5, 5, 3, 32))
+    x = jnp.zeros((clients, 4, 28, 28, channels))
+    w = jnp.zeros((clients, kernel, kernel, channels, 32))
     loss = lambda x, w: jnp.sum(pallas_conv.conv2d(x, w, ((1, 1), (1, 1))) ** 2)
     return jax.jit(jax.vmap(jax.grad(loss, (0, 1)))).trace(x, w).lower(lowering_platforms=('cuda',)).as_text()
   for clients in (1, 64):
     text = grads(clients)
     assert triton_calls(text) == 3
-    assert 'stablehlo.convolution' not in text and 'stablehlo.concatenate' not in text
+    assert 'stablehlo.convolution' not in text and f'x{kernel * kernel * channels}xf32>' not in text
+    assert (f'x{kernel * channels}xf32>' in text) == folded
 
 
 def test_the_pallas_formulation_keeps_strided_layers_on_im2col():
@@ -97,7 +103,7 @@ def test_the_pallas_formulation_keeps_strided_layers_on_im2col():
   lowered = lambda strides: jax.jit(lambda x, w: conv(x, w, strides, 'SAME', dimension_numbers=DN)).trace(
       x, w).lower(lowering_platforms=('cuda',)).as_text()
   assert triton_calls(lowered((1, 1))) == 1
-  assert triton_calls(lowered((2, 2))) == 0 and 'stablehlo.concatenate' in lowered((2, 2))
+  assert triton_calls(lowered((2, 2))) == 0 and 'x27xf32>' in lowered((2, 2))  # im2col's 3 x 3 x 3 patches
 
 
 def test_bad_arguments_and_backends_are_refused_with_a_fix():

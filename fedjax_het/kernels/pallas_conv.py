@@ -15,7 +15,9 @@ clients is one launch per kernel.
 
 Triton's tensors have power-of-2 sizes and its matmuls at least 16 rows, columns and depth, so channels are padded
 to a power of 2 of at least 16 and each program computes `rows` output rows of a power-of-2 width; the padding is
-zeros and is cropped (the padded output positions get zero gradient). Matmuls take `precision` as XLA's do: the
+zeros and is cropped (the padded output positions get zero gradient). With few input channels a row's kw taps are
+laid side by side on the channel axis first (`folds_taps`: a kw-fold copy of the input, not im2col's kh*kw-fold),
+so that the padded depth is not mostly zeros. Matmuls take `precision` as XLA's do: the
 default is TF32 on GPUs, exact float32 elsewhere.
 
 On any platform but a GPU the kernels run in Pallas's interpreter (`interpret=None`, decided when a program is
@@ -77,11 +79,27 @@ def _dot(a, b, precision, contract_a: int = 1):
                          preferred_element_type=jnp.float32)
 
 
+def folds_taps(channels: int, kernel_width: int) -> bool:
+  """Whether a row's kernel_width taps go side by side on the channel axis (a kernel_width-fold copy of the
+  input) so that one matmul covers them: where that pads the matmul's depth less than `channels` alone, i.e. few
+  channels (cnn4's first layer: 3 channels padded to 16, against 5 x 3 = 15 padded to 16)."""
+  return kernel_width > 1 and _pow2(channels * kernel_width, MIN_DOT) < _pow2(channels, MIN_DOT) * kernel_width
+
+
+def _fold_taps(xp, kernel_width: int, out_width: int) -> jax.Array:
+  """xp [N, Hp, out_width + kw - 1, C] -> [N, Hp, out_width, kw * C]: column x holds xp's columns x .. x + kw - 1
+  in (j, c) order, matching a kernel [kh, kw, C, O] reshaped to [kh, 1, kw * C, O]."""
+  return jnp.concatenate([xp[:, :, j:j + out_width] for j in range(kernel_width)], axis=-1)
+
+
 def _valid_conv(xp, w, out_height: int, out_width: int, precision, interpret: Optional[bool]) -> jax.Array:
   """The VALID stride-1 convolution of xp [N, Hp, Wp, C] with w [kh, kw, C, O], cropped to
   [N, out_height, out_width, O]; xp must already hold the convolution's padding."""
   n, hp, wp, c = xp.shape
   kh, kw, _, o = w.shape
+  if folds_taps(c, kw):
+    return _valid_conv(_fold_taps(xp, kw, out_width), w.reshape(kh, 1, kw * c, o), out_height, out_width,
+                       precision, interpret)
   width, cp, op = _pow2(out_width), _pow2(c, MIN_DOT), _pow2(o, MIN_DOT)
   rows = block_rows(out_height, out_width)
   height = -(-out_height // rows) * rows
@@ -113,6 +131,9 @@ def _kernel_gradient(xp, g, kernel_hw: tuple[int, int], precision, interpret: Op
   n, hp, wp, c = xp.shape
   _, out_height, out_width, o = g.shape
   kh, kw = kernel_hw
+  if folds_taps(c, kw):
+    folded = _kernel_gradient(_fold_taps(xp, kw, out_width), g, (kh, 1), precision, interpret)
+    return folded.reshape(kh, kw, c, o)
   width, cp, op = _pow2(out_width), _pow2(c, MIN_DOT), _pow2(o, MIN_DOT)
   rows = block_rows(out_height, out_width)
   height = -(-out_height // rows) * rows
