@@ -13,13 +13,18 @@
 #     scaling_g1. Also xla_flags (a cold start and a round of FedRE Table 1's ResNet-50 and ViT-B/16, one client
 #     each, under XLA flag variants: benchmarks/xla_flags.py, under OUT/xla_flags/), host_cpu (the
 #     comparison on the machine's own CPU, 20 and 50 clients, fedjax_het's client threads 2, 4, 8 and 16 up to the
-#     cores, one process each under OUT/host_cpu_tN/) and plan (XLA's analyses of the round); merge: only merge the
-#     parts already under OUT (e.g. copied there from separate machines or commands)
+#     cores, one process each under OUT/host_cpu_tN/), plan (XLA's analyses of the round) and vmap_conv (the
+#     convolution formulations under vmap side by side at 256 and 1,024 clients, im2col against the Pallas kernels
+#     of kernels/pallas_conv.py: cnn4's whole SGD step and three layers; benchmarks/vmap_conv.py, under
+#     OUT/vmap_conv/); merge: only merge the parts already under OUT (e.g. copied there from separate machines or
+#     commands)
 #   ALGORITHMS="fedre fedavg": the methods of the scaling parts (default fedre)
 #   SWEEP_SECONDS=...: the command's time limit; each part gets its share of what is left when it starts (by
 #   weight: paper_settings 3, xla_flags 2, the others 1), is stopped at its share and keeps the rows it finished
 #   (each part rewrites its results after every row)
 #   VS_CLIENTS=10,100 and SCALING_CLIENTS=10,100,1000,10000: the client counts of vs_pytorch and scaling_g1
+#   CONV=...: fedjax_het's convolution formulation in vs_pytorch and the scaling parts (default: the backend's;
+#   CONV=pallas times a whole round with the Pallas kernels)
 #   PYTHON=...: the interpreter (default python3); the repository is put on PYTHONPATH, so nothing needs installing
 #   where JAX, Flax, Optax and PyTorch are (a lent GPU machine's image).
 #   TINY=1 bash benchmarks/gpu_sweep.sh OUT           the smallest sizes, for the CPU tests (tests/test_gpu_sweep.py)
@@ -54,6 +59,7 @@ if [ "${TINY:-0}" = 1 ]; then
   scaling_groups=("${scaling[@]}")
   plan=(--settings=quickstart)
   paper=(--settings=fedre_table1 --archs=cnn4 --steps_per_client=1 --rounds=1)
+  convs=(--clients=2 --batch_size=2 --models= --layers=cnn4_conv2 --formulations=im2col,pallas --nobf16 --repeats=1)
   xla=(--archs=cnn4 --variants=default --steps_per_client=1 --rounds=1)
 else
   vs=(--num_clients="${VS_CLIENTS:-10,100}" --rounds=3 --nodisk_io)
@@ -68,13 +74,14 @@ else
   # the tables' sizes, 2 timed rounds: FedRE Table 1 first (each setting's rows are kept as it ends)
   paper=(--rounds=2 --settings=fedre_table1,fedre_table1_20,gefl_table2,felo_table2)
   xla=(--archs=resnet50,vit_b16 --steps_per_client=20 --rounds=2)  # a ResNet's convolutions, a ViT's matmuls
+  convs=(--clients=256,1024 --formulations=im2col,pallas --nobf16)
 fi
 
 for part in "${parts[@]}"; do
   case "$part" in
-    paper_settings|xla_flags|vs_pytorch|host_cpu|scaling_g1|scaling_g2|scaling_g5|scaling_g10|plan|merge) ;;
+    paper_settings|xla_flags|vs_pytorch|host_cpu|scaling_g1|scaling_g2|scaling_g5|scaling_g10|plan|vmap_conv|merge) ;;
     *) echo "gpu_sweep.sh: unknown part '$part'; choose paper_settings, xla_flags, vs_pytorch, host_cpu, scaling_g1," \
-            "scaling_g2, scaling_g5, scaling_g10, plan or merge." >&2; exit 2 ;;
+            "scaling_g2, scaling_g5, scaling_g10, plan, vmap_conv or merge." >&2; exit 2 ;;
   esac
 done
 
@@ -85,6 +92,8 @@ if ! [[ "$budget" =~ ^[0-9]+$ ]]; then
   echo "gpu_sweep.sh: SWEEP_SECONDS='$budget' is not a whole number of seconds; e.g. SWEEP_SECONDS=560." >&2; exit 2
 fi
 budget=$((10#$budget))
+conv=()
+[ -n "${CONV:-}" ] && conv=(--conv="$CONV")
 failed=()
 # A scaling part runs each algorithm in its own process (OUT/scaling_gN_<algorithm>/): a process's peak memory only
 # grows, so its rows, smaller client counts first, then each report the peak of their own round.
@@ -135,15 +144,17 @@ for part in ${units[@]+"${units[@]}"}; do
   fi
   rc=0
   case "$part" in
-    vs_pytorch) ${cap[@]+"${cap[@]}"} "$py" vs_pytorch.py "${vs[@]}" --out="$out" || rc=$? ;;
+    vs_pytorch) ${cap[@]+"${cap[@]}"} "$py" vs_pytorch.py "${vs[@]}" ${conv[@]+"${conv[@]}"} --out="$out" || rc=$? ;;
     paper_settings) ${cap[@]+"${cap[@]}"} "$py" paper_settings.py "${paper[@]}" --out="$out/$part" || rc=$? ;;
     xla_flags) ${cap[@]+"${cap[@]}"} "$py" xla_flags.py "${xla[@]}" --out="$out/$part" || rc=$? ;;
+    vmap_conv) ${cap[@]+"${cap[@]}"} "$py" vmap_conv.py "${convs[@]}" --seconds="$share" --out="$out/$part" \
+                 || rc=$? ;;
     scaling_g*)
       groups="${part#scaling_g}"
       args=("${scaling[@]}")
       [ "${groups%%_*}" != 1 ] && args=("${scaling_groups[@]}")
-      ${cap[@]+"${cap[@]}"} "$py" scaling.py "${args[@]}" --algorithms="${part##*_}" --groups="${groups%%_*}" \
-        --out="$out/$part" || rc=$? ;;
+      ${cap[@]+"${cap[@]}"} "$py" scaling.py "${args[@]}" ${conv[@]+"${conv[@]}"} --algorithms="${part##*_}" \
+        --groups="${groups%%_*}" --out="$out/$part" || rc=$? ;;
     host_cpu_t*)
       JAX_PLATFORMS=cpu ${cap[@]+"${cap[@]}"} "$py" vs_pytorch.py "${host[@]}" --strategy=sequential \
         --client_threads="${part#host_cpu_t}" --out="$out/$part" || rc=$? ;;

@@ -33,6 +33,7 @@ from harness import CompileLog, RESULTS, cifar_like, write_results
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining
 from fedjax_het.engine.stores import nbytes
 from fedjax_het.methods import FedREConfig, fedavg_grouped, fedre
+from fedjax_het.models.conv import CONV_IMPLS
 from fedjax_het.run.compilation_cache import DEFAULT_DIRECTORY, use_compilation_cache
 
 flags.DEFINE_list('algorithms', ['fedre', 'fedavg'], 'fedre and/or fedavg (grouped).')
@@ -50,6 +51,7 @@ flags.DEFINE_enum('partition', 'iid', ['iid', 'dirichlet'], 'How the pool is spl
 flags.DEFINE_float('alpha', 0.1, 'Dirichlet concentration for --partition=dirichlet.')
 flags.DEFINE_integer('rounds', 2, 'Warm rounds timed after the first.')
 flags.DEFINE_string('strategy', None, 'Execution strategy (default: the backend default).')
+flags.DEFINE_enum('conv', None, list(CONV_IMPLS), 'Convolution formulation (default: the backend default).')
 flags.DEFINE_bool('stream_clients', False, 'Client states and rows on the host, streamed chunk by chunk.')
 flags.DEFINE_integer('group_threads', None, 'Groups initialised and compiled at once (default: the cores).')
 flags.DEFINE_float('memory_budget_gib', 0.0, 'Device memory a vmapped call may use (0: the backend default).')
@@ -83,7 +85,7 @@ def measure(algorithm: str, k: int, groups: int, model: str, batch: int) -> dict
   with CompileLog() as compiles:
     budget = int(FLAGS.memory_budget_gib * 2**30) or None
     fed = Federation(alg, data, family, LocalTraining(FLAGS.learning_rate, batch, 1),
-                     ExecutionConfig(strategy=FLAGS.strategy, stream_clients=FLAGS.stream_clients,
+                     ExecutionConfig(strategy=FLAGS.strategy, conv=FLAGS.conv, stream_clients=FLAGS.stream_clients,
                                      memory_budget=budget, group_threads=FLAGS.group_threads))
     state = fed.init()
     jax.block_until_ready(state)

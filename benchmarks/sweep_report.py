@@ -4,14 +4,14 @@
 
 Reads every part under OUT as benchmarks/gpu_sweep.sh leaves them (OUT/*.json and OUT/*/*.json: vs_pytorch_<backend>,
 host_cpu_tN/vs_pytorch_cpu, scaling_gN_<method>/scaling_<backend>, gpu_plan_<backend>, paper_settings/paper_settings_
-<backend>, paper_settings/paper_settings_archs_<backend> and xla_flags/xla_flags_<backend>; also parts copied there from
-separate commands or machines) and writes OUT/gpu_sweep_<backend>.json (every part; <backend> is the accelerator's
-where any part ran on one), OUT/gpu_sweep_<backend>.md (per part: its command, the machine, its settings and its
-table in the columns of docs/performance.md) and, where a part measured rounds, OUT/gpu_sweep_<backend>.png:
-seconds per round against clients for fedjax_het and the PyTorch loop, the same on the host CPU against
-fedjax_het's client threads (the host_cpu_tN parts), seconds per round against clients for each algorithm and
-number of architecture groups, and peak memory. A part stopped at its time limit is reported with the rows it
-finished.
+<backend>, paper_settings/paper_settings_archs_<backend>, xla_flags/xla_flags_<backend> and vmap_conv/vmap_conv_
+<backend>; also parts copied there from separate commands or machines) and writes OUT/gpu_sweep_<backend>.json
+(every part; <backend> is the accelerator's where any part ran on one), OUT/gpu_sweep_<backend>.md (per part: its
+command, the machine, its settings and its table in the columns of docs/performance.md) and, where a part measured
+rounds, OUT/gpu_sweep_<backend>.png: seconds per round against clients for fedjax_het and the PyTorch loop, the same
+on the host CPU against fedjax_het's client threads (the host_cpu_tN parts), seconds per round against clients for
+each algorithm and number of architecture groups, and peak memory. A part stopped at its time limit is reported with
+the rows it finished.
 """
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ XLA_FLAGS = [('architecture', 'arch', '{}'), ('XLA_FLAGS', 'xla_flags', '{}'),
              ('compilations', 'compilations', '{}'), ('s / round', 'round_seconds', '{:.3f}'),
              ('stopped at (s)', 'stopped_at_seconds', '{:.0f}'), ('failed', 'failed', '{}')]
 
+VMAP_CONV = [('what', 'what', '{}'), ('formulation', 'formulation', '{}'), ('clients', 'clients', '{}'),
+             ('step (s)', 'seconds', '{:.4f}'), ('client-steps / s', 'client_steps_per_second', '{:,.0f}'),
+             ('forward (ms)', 'forward_ms', '{:.2f}'), ('forward + backward (ms)', 'forward_backward_ms', '{:.2f}'),
+             ('compile (s)', 'compile_seconds', '{:.1f}'),
+             ('forward + backward compile (s)', 'forward_backward_compile_seconds', '{:.1f}')]
 
 # A results file's keys that are not the run's settings (harness.machine(), the command, the rows).
 NOT_SETTINGS = {'backend', 'device', 'device_kind', 'cpu_count', 'machine', 'cpu_model', 'jax', 'versions',
@@ -86,8 +91,8 @@ def sweep_backend(parts: dict[str, dict]) -> str:
 
 
 def kind(part: dict) -> str | None:
-  """'vs_pytorch', 'scaling', 'plan', 'paper', 'paper_archs' or 'xla_flags' by what its rows hold; None for anything
-  else."""
+  """'vs_pytorch', 'scaling', 'plan', 'paper', 'paper_archs', 'xla_flags' or 'vmap_conv' by what its rows hold;
+  None for anything else."""
   keys = set().union(*(row.keys() for row in part.get('rows', [])))
   if 'cold_to_first_round_seconds' in keys:
     return 'paper'
@@ -101,6 +106,8 @@ def kind(part: dict) -> str | None:
     return 'scaling'
   if 'roofline_seconds' in keys:
     return 'plan'
+  if 'formulation' in keys:
+    return 'vmap_conv'
   return None
 
 
@@ -139,7 +146,7 @@ def describe(name: str, part: dict) -> str:
 def markdown(parts: dict[str, dict]) -> str:
   """The report: one section per part, with its table."""
   columns = {'vs_pytorch': VS_PYTORCH, 'scaling': SCALING, 'plan': PLAN, 'paper': PAPER, 'paper_archs': PAPER_ARCHS,
-             'xla_flags': XLA_FLAGS}
+             'xla_flags': XLA_FLAGS, 'vmap_conv': VMAP_CONV}
   sections = []
   for name, part in parts.items():
     k = kind(part)

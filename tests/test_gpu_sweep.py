@@ -272,3 +272,20 @@ def test_xla_flags_times_a_cold_start_per_variant_and_records_a_variant_that_fai
   assert default['to_first_round_seconds'] >= default['first_round_seconds'] > 0 and default['round_seconds'] > 0
   assert bad['failed'].startswith('exit ') and 'round_seconds' not in bad
   assert 'cnn4 | --xla_no_such_flag=1: exit ' in done.stdout
+
+
+def test_the_vmap_conv_part_times_im2col_and_the_pallas_kernels_side_by_side_and_conv_reaches_whole_rounds(tmp_path):
+  """The vmap_conv part at its tiny size (Pallas's interpreter on the CPU) and its table in the report; CONV=pallas
+  passes the formulation to the parts that time whole rounds."""
+  merged = _sweep(tmp_path / 'a', 'vmap_conv')
+  rows = merged['parts']['vmap_conv/vmap_conv_cpu']['rows']
+  assert [(r['what'], r['formulation'], r['clients']) for r in rows] == [('cnn4_conv2', 'im2col', 2),
+                                                                          ('cnn4_conv2', 'pallas', 2)]
+  assert all(r['forward_backward_ms'] > 0 for r in rows)
+  assert '| cnn4_conv2 | pallas | 2 | - | - |' in (tmp_path / 'a' / 'gpu_sweep_cpu.md').read_text()
+  done = _sweep_with(_fake_python(tmp_path, JAX_PLATFORMS='', CONV='pallas'), tmp_path / 'b', 'vs_pytorch',
+                     'scaling_g1')
+  assert done.returncode == 0, done.stderr[-3000:]
+  parts = json.loads((tmp_path / 'b' / 'gpu_sweep_cpu.json').read_text())['parts']
+  for name in ('vs_pytorch_cpu', 'scaling_g1_fedre/scaling_cpu'):
+    assert '--conv=pallas' in parts[name]['rows'][0]['args'].split()
