@@ -72,6 +72,17 @@ def test_block_rows_fill_a_matmul_of_at_least_16_and_pad_the_height_least(height
   assert pallas_conv.block_rows(height, width) == rows
 
 
+def test_tiling_of_cnn4s_layers_by_hand():
+  # 3 -> 32, 5x5 onto 28x28: taps folded (5 x 3 = 15 of 16 deep), 4 rows of 32 columns per program.
+  first = pallas_conv.tiling(3, 32, (5, 5), (28, 28))
+  assert first == pallas_conv.Tiling(True, (5, 1), 16, 32, 4, 32, 28)
+  assert first.macs(1) == 28 * 32 * 5 * 16 * 32  # against 28 * 28 * 25 * 3 * 32 useful: 82 %
+  # 32 -> 64 onto 10x10: not folded (160 would pad to 256), 2 rows of 16 columns: 62.5 % of the work is useful.
+  second = pallas_conv.tiling(32, 64, (5, 5), (10, 10))
+  assert second == pallas_conv.Tiling(False, (5, 5), 32, 64, 2, 16, 10)
+  assert second.macs(2) == 2 * 10 * 16 * 25 * 32 * 64
+
+
 def triton_calls(text: str) -> int:
   """Triton kernel launches in a lowered program's text (the custom call's name differs across JAX versions)."""
   return len(re.findall(r'custom_call @[\w$.]*triton|call_target_name = "[^"]*triton', text))

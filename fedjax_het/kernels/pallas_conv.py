@@ -28,7 +28,7 @@ lowered for its platform), which is how the tests check them on the CPU, far slo
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +70,34 @@ def block_rows(out_height: int, out_width: int) -> int:
   return min(candidates, key=lambda r: (-(-out_height // r) * r, -r))
 
 
+class Tiling(NamedTuple):
+  """How the kernels lay out a VALID stride-1 convolution to out_hw [Ho, Wo] for Triton: `taps` (kh, kw) of the
+  kernel after folding (kw 1 where `folded`), matmul `depth` (input channels, times kw where folded, padded) and
+  `columns` (output channels, padded), and `rows` output rows of `width` columns per program over `height` rows."""
+  folded: bool
+  taps: tuple[int, int]
+  depth: int
+  columns: int
+  rows: int
+  width: int
+  height: int
+
+  def macs(self, samples: int) -> int:
+    """Multiply-adds the forward kernel (or the kernel gradient's) computes for `samples` inputs, padding
+    included."""
+    return samples * self.height * self.width * self.taps[0] * self.taps[1] * self.depth * self.columns
+
+
+def tiling(channels: int, out_channels: int, kernel_hw: tuple[int, int], out_hw: tuple[int, int]) -> Tiling:
+  """The kernels' layout of a convolution of `channels` to `out_channels` with a kernel_hw kernel onto out_hw."""
+  (kh, kw), (out_height, out_width) = kernel_hw, out_hw
+  folded = folds_taps(channels, kw)
+  taps, depth = ((kh, 1), channels * kw) if folded else ((kh, kw), channels)
+  rows = block_rows(out_height, out_width)
+  return Tiling(folded, taps, _pow2(depth, MIN_DOT), _pow2(out_channels, MIN_DOT), rows, _pow2(out_width),
+                -(-out_height // rows) * rows)
+
+
 def _params():
   return pl_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
@@ -100,9 +128,7 @@ def _valid_conv(xp, w, out_height: int, out_width: int, precision, interpret: Op
   if folds_taps(c, kw):
     return _valid_conv(_fold_taps(xp, kw, out_width), w.reshape(kh, 1, kw * c, o), out_height, out_width,
                        precision, interpret)
-  width, cp, op = _pow2(out_width), _pow2(c, MIN_DOT), _pow2(o, MIN_DOT)
-  rows = block_rows(out_height, out_width)
-  height = -(-out_height // rows) * rows
+  _, _, cp, op, rows, width, height = tiling(c, o, (kh, kw), (out_height, out_width))
   xp = jnp.pad(xp, ((0, 0), (0, height + kh - 1 - hp), (0, width + kw - 1 - wp), (0, cp - c)))
   w = jnp.pad(w, ((0, 0), (0, 0), (0, cp - c), (0, op - o)))
 
@@ -134,9 +160,7 @@ def _kernel_gradient(xp, g, kernel_hw: tuple[int, int], precision, interpret: Op
   if folds_taps(c, kw):
     folded = _kernel_gradient(_fold_taps(xp, kw, out_width), g, (kh, 1), precision, interpret)
     return folded.reshape(kh, kw, c, o)
-  width, cp, op = _pow2(out_width), _pow2(c, MIN_DOT), _pow2(o, MIN_DOT)
-  rows = block_rows(out_height, out_width)
-  height = -(-out_height // rows) * rows
+  _, _, cp, op, rows, width, height = tiling(c, o, (kh, kw), (out_height, out_width))
   blocks = height // rows
   xp = jnp.pad(xp, ((0, 0), (0, height + kh - 1 - hp), (0, width + kw - 1 - wp), (0, cp - c)))
   g = jnp.pad(g, ((0, 0), (0, height - out_height), (0, width - out_width), (0, op - o)))  # zeros: no gradient
