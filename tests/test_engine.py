@@ -12,6 +12,7 @@ from conftest import tree_allclose
 from fedjax_het.core import Uploads
 from fedjax_het.data.federated import ClientArrays
 from fedjax_het.engine import (ExecutionConfig, Federation, LocalTraining, ModelConfig, batch_schedule, run_client)
+from fedjax_het.engine.groups import host_copy
 from fedjax_het.errors import ConfigError
 from fedjax_het.kernels import onednn
 from fedjax_het.methods import FedREConfig, fedavg_grouped, fedre, local
@@ -216,6 +217,24 @@ def test_each_chunk_width_compiles_once_and_a_group_of_one_client_only_at_width_
   assert fed.executor.analysis[0]['widths'] == (1, 4) and fed.executor.analysis[1]['widths'] == (1,)
   assert len(peaks) == 3
   assert len(first) == 3 and compiled.count('jit(update)') == 3
+
+
+def test_host_copy_compiles_one_program_whatever_the_leaf_shapes():
+  """A client's host copy (each group's initial state, Flower's nodes) compiles the take of the client and nothing
+  per leaf: `jnp.asarray` of a NumPy array would compile a program per leaf shape, over a hundred in a cold start
+  of ten architectures."""
+  stacked = {f'w{k}': jnp.arange(2.0 * k * 17).reshape(2, k, 17) + k for k in range(3, 9)}  # 6 leaf shapes
+  compiled = []
+  listener = lambda event, duration, fun_name='', **kw: compiled.append(fun_name) if 'backend_compile' in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    client = host_copy(stacked, 1)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert compiled == ['jit(take_client)']
+  for name, leaf in client.items():
+    np.testing.assert_array_equal(leaf, stacked[name][1])
+    assert isinstance(leaf, jax.Array) and not leaf.committed
 
 
 def test_same_seed_same_numbers_whatever_the_client_and_group_threads(tiny_data):

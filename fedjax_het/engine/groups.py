@@ -262,8 +262,9 @@ take_client_jit = jax.jit(take_client)
 
 
 def host_copy(tree: Any, index: int = 0) -> Any:
-  """Client `index` of a stacked state as plain (unsharded, uncommitted) arrays."""
-  return jax.tree.map(lambda a: jnp.asarray(to_host(a)), take_client_jit(tree, jnp.int32(index)))
+  """Client `index` of a stacked state as plain (unsharded, uncommitted) arrays. `jax.device_put` moves the host
+  copies back without compiling anything (`jnp.asarray` of a NumPy array compiles one program per leaf shape)."""
+  return jax.device_put(jax.tree.map(to_host, take_client_jit(tree, np.int32(index))))
 
 
 def slot_indices(g: Group, participants: np.ndarray, slots: int) -> np.ndarray:
