@@ -64,7 +64,8 @@ VMAP_CONV = [('what', 'what', '{}'), ('formulation', 'formulation', '{}'), ('cli
              ('step (s)', 'seconds', '{:.4f}'), ('client-steps / s', 'client_steps_per_second', '{:,.0f}'),
              ('forward (ms)', 'forward_ms', '{:.2f}'), ('forward + backward (ms)', 'forward_backward_ms', '{:.2f}'),
              ('compile (s)', 'compile_seconds', '{:.1f}'),
-             ('forward + backward compile (s)', 'forward_backward_compile_seconds', '{:.1f}')]
+             ('forward + backward compile (s)', 'forward_backward_compile_seconds', '{:.1f}'),
+             ('failed', 'failed', '{}')]
 
 # A results file's keys that are not the run's settings (harness.machine(), the command, the rows).
 NOT_SETTINGS = {'backend', 'device', 'device_kind', 'cpu_count', 'machine', 'cpu_model', 'jax', 'versions',

@@ -5,16 +5,18 @@
 Every client has its own kernel, so under `jax.vmap` XLA's convolution becomes a grouped one
 (feature_group_count = clients). For each layer of cnn4 (3 -> 32 and 32 -> 64, 5x5, on 32x32 and 14x14 inputs)
 and a ResNet 3x3 layer (64 -> 64 on 16x16), at each client count, it times the forward pass and the forward and
-backward pass (input and kernel gradients) of `--batch_size` rows per client; then one vmapped SGD step of the
+backward pass (input and kernel gradients) of `--batch_size` rows per client, after one vmapped SGD step of the
 whole cnn4 classifier (`--models`) per client, reported as client-steps per second. Formulations
 (`fedjax_het.models.conv.CONV_IMPLS`): xla (native), im2col (patches times the kernel), gemm (XLA's forward and
-input gradient, the kernel gradient one batched matmul); with --bf16, xla_bf16 runs the layer in bfloat16. A
-configuration that does not fit the device's memory is recorded as such. Prints a table and writes JSON/CSV.
+input gradient, the kernel gradient one batched matmul), pallas (kernels/pallas_conv.py: no patches in memory;
+Pallas's interpreter off a GPU); with --bf16, xla_bf16 runs the layer in bfloat16. A
+configuration that does not fit the device's memory is recorded as such, and one that fails otherwise (a kernel
+that does not compile) with its error, the others going on. Prints a table and writes JSON/CSV.
 """
 
 import time
 
-from absl import flags
+from absl import app, flags
 
 from fedjax_het.run.cli import app_run
 
@@ -82,6 +84,11 @@ def step_program(model_name: str, formulation: str, clients: int, batch: int):
   return jax.jit(jax.vmap(step), donate_argnums=0), (params, x, y)
 
 
+def failure(e: Exception) -> str:
+  """A failed measurement's record: the exception's type and first line (e.g. a kernel that does not compile)."""
+  return f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:300]
+
+
 def measure(fn, args, repeats: int) -> tuple[float, float]:
   """(compile seconds, fastest call seconds); (nan, nan) when the program does not fit the device's memory."""
   try:
@@ -106,6 +113,9 @@ def main(_):
   start = time.perf_counter()
   batch, rows = FLAGS.batch_size, []
   formulations = list(FLAGS.formulations)
+  unknown = [f for f in formulations if f not in CONV_IMPLS]
+  if unknown:
+    raise app.UsageError(f'--formulations: unknown {", ".join(unknown)}. Fix: choose from {", ".join(CONV_IMPLS)}.')
   name = f'vmap_conv_{jax.default_backend()}'
   settings = {'batch_size': batch, 'clients': FLAGS.clients, 'formulations': formulations}
 
@@ -117,30 +127,40 @@ def main(_):
       for formulation in formulations:
         if out_of_time():
           break
-        fn, args = step_program(model_name, formulation, clients, batch)
-        fn._donates = True
-        compile_seconds, seconds = measure(fn, args, FLAGS.repeats)
-        rows.append({'what': f'{model_name} step', 'formulation': formulation, 'clients': clients,
-                     'compile_seconds': compile_seconds, 'seconds': seconds,
-                     'client_steps_per_second': clients / seconds})
-        print(f'{model_name} step  {formulation:>9} {clients:5d} clients: {1e3 * seconds:9.2f} ms '
-              f'({clients / seconds:9.0f} client-steps/s; compile {compile_seconds:.1f} s)', flush=True)
-        del args
+        row = {'what': f'{model_name} step', 'formulation': formulation, 'clients': clients}
+        try:
+          fn, args = step_program(model_name, formulation, clients, batch)
+          fn._donates = True
+          compile_seconds, seconds = measure(fn, args, FLAGS.repeats)
+          del args
+        except Exception as e:  # recorded, and the other formulations go on
+          rows.append({**row, 'failed': failure(e)})
+          print(f'{model_name} step  {formulation:>9} {clients:5d} clients: failed: {rows[-1]["failed"]}', flush=True)
+        else:
+          rows.append({**row, 'compile_seconds': compile_seconds, 'seconds': seconds,
+                       'client_steps_per_second': clients / seconds})
+          print(f'{model_name} step  {formulation:>9} {clients:5d} clients: {1e3 * seconds:9.2f} ms '
+                f'({clients / seconds:9.0f} client-steps/s; compile {compile_seconds:.1f} s)', flush=True)
         write_results(FLAGS.out, name, settings, rows, complete=False)
     for layer in FLAGS.layers:
       for formulation in formulations + (['xla_bf16'] if FLAGS.bf16 else []):
         if out_of_time():
           break
-        forward_fn, both_fn, args = layer_programs(layer, formulation, clients, batch)
         row = {'what': layer, 'formulation': formulation, 'clients': clients}
-        for part, fn in (('forward', forward_fn), ('forward_backward', both_fn)):
-          compile_seconds, seconds = measure(fn, args, FLAGS.repeats)
-          row[f'{part}_ms'] = 1e3 * seconds
-          row[f'{part}_compile_seconds'] = compile_seconds
+        try:
+          forward_fn, both_fn, args = layer_programs(layer, formulation, clients, batch)
+          for part, fn in (('forward', forward_fn), ('forward_backward', both_fn)):
+            compile_seconds, seconds = measure(fn, args, FLAGS.repeats)
+            row[f'{part}_ms'] = 1e3 * seconds
+            row[f'{part}_compile_seconds'] = compile_seconds
+          del args
+        except Exception as e:  # recorded, and the other formulations go on
+          row['failed'] = failure(e)
+          print(f'{layer:>12} {formulation:>9} {clients:5d} clients: failed: {row["failed"]}', flush=True)
+        else:
+          print(f'{layer:>12} {formulation:>9} {clients:5d} clients: forward {row["forward_ms"]:9.2f} ms, '
+                f'forward+backward {row["forward_backward_ms"]:9.2f} ms', flush=True)
         rows.append(row)
-        print(f'{layer:>12} {formulation:>9} {clients:5d} clients: forward {row["forward_ms"]:9.2f} ms, '
-              f'forward+backward {row["forward_backward_ms"]:9.2f} ms', flush=True)
-        del args
         write_results(FLAGS.out, name, settings, rows, complete=False)
   write_results(FLAGS.out, name, settings, rows, complete=not out_of_time())
 

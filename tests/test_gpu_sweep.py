@@ -289,3 +289,38 @@ def test_the_vmap_conv_part_times_im2col_and_the_pallas_kernels_side_by_side_and
   parts = json.loads((tmp_path / 'b' / 'gpu_sweep_cpu.json').read_text())['parts']
   for name in ('vs_pytorch_cpu', 'scaling_g1_fedre/scaling_cpu'):
     assert '--conv=pallas' in parts[name]['rows'][0]['args'].split()
+
+
+FAILING_PALLAS = """
+import sys
+sys.path.insert(0, 'benchmarks')
+from absl import app
+import vmap_conv
+vmap_conv.FLAGS(['vmap_conv', '--clients=2', '--batch_size=2', '--layers=cnn4_conv2', '--formulations=pallas,im2col',
+                 '--nobf16', '--repeats=1', '--out=' + sys.argv[1]])
+for name in ('step_program', 'layer_programs'):
+  real = getattr(vmap_conv, name)
+  def failing(model_or_layer, formulation, *rest, real=real):
+    if formulation == 'pallas':
+      raise RuntimeError('Triton compilation failed\\nmore')
+    return real(model_or_layer, formulation, *rest)
+  setattr(vmap_conv, name, failing)
+vmap_conv.main(None)
+vmap_conv.FLAGS.formulations = ['im2col', 'winograd']
+try:
+  vmap_conv.main(None)
+except app.UsageError as e:
+  print('usage:', e)
+"""
+
+
+def test_vmap_conv_records_a_formulation_that_fails_and_times_the_others(tmp_path):
+  done = subprocess.run([sys.executable, '-c', FAILING_PALLAS, str(tmp_path)], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = json.loads((tmp_path / 'vmap_conv_cpu.json').read_text())['rows']
+  assert [(r['what'], r['formulation'], r.get('failed')) for r in rows] == [
+      ('cnn4 step', 'pallas', 'RuntimeError: Triton compilation failed'), ('cnn4 step', 'im2col', None),
+      ('cnn4_conv2', 'pallas', 'RuntimeError: Triton compilation failed'), ('cnn4_conv2', 'im2col', None)]
+  assert rows[1]['client_steps_per_second'] > 0 and rows[3]['forward_backward_ms'] > 0
+  assert 'usage: --formulations: unknown winograd. Fix: choose from xla, im2col' in done.stdout
