@@ -96,8 +96,24 @@ def cpu_model() -> str:
   return platform.processor() or platform.machine()
 
 
+def cpu_vector_extension(flags: str | None = None) -> str:
+  """The widest vector instructions the CPU has, from /proc/cpuinfo's flags (or `flags`): 'avx512' (AVX-512F),
+  'avx2', 'avx', 'sve', 'neon' (asimd), else ''. Two CPUs of one model name can differ here (and oneDNN's kernels,
+  and so the figures, with them)."""
+  if flags is None:
+    try:
+      with open('/proc/cpuinfo') as f:
+        flags = next((line.split(':', 1)[1] for line in f if line.startswith(('flags', 'Features'))), '')
+    except OSError:
+      flags = ''
+  have = set(flags.split())
+  return next((name for name, flag in (('avx512', 'avx512f'), ('avx2', 'avx2'), ('avx', 'avx'), ('sve', 'sve'),
+                                        ('neon', 'asimd')) if flag in have), '')
+
+
 def machine() -> dict:
-  """What the figures were measured on: backend, device, CPU model and count, and the library versions."""
+  """What the figures were measured on: backend, device, CPU model, vector extension and count, and the library
+  versions."""
   import importlib.metadata as metadata
   versions = {}
   for package in ('jax', 'jaxlib', 'flax', 'optax', 'numpy', 'torch', 'onednn-cpu-gomp'):
@@ -108,6 +124,7 @@ def machine() -> dict:
   device = jax.devices()[0]
   return {'backend': jax.default_backend(), 'device': str(device), 'device_kind': device.device_kind,
           'cpu_count': os.cpu_count(), 'machine': platform.machine(), 'cpu_model': cpu_model(),
+          'cpu_vector': cpu_vector_extension(),
           'jax': jax.__version__, 'versions': versions}
 
 

@@ -68,8 +68,8 @@ VMAP_CONV = [('what', 'what', '{}'), ('formulation', 'formulation', '{}'), ('cli
              ('failed', 'failed', '{}')]
 
 # A results file's keys that are not the run's settings (harness.machine(), the command, the rows).
-NOT_SETTINGS = {'backend', 'device', 'device_kind', 'cpu_count', 'machine', 'cpu_model', 'jax', 'versions',
-                'command', 'complete', 'rows'}
+NOT_SETTINGS = {'backend', 'device', 'device_kind', 'cpu_count', 'machine', 'cpu_model', 'cpu_vector', 'jax',
+                'versions', 'command', 'complete', 'rows'}
 
 
 def read_parts(out: str) -> dict[str, dict]:
@@ -135,7 +135,8 @@ def describe(name: str, part: dict) -> str:
             f' (stopped at its time limit after {len(part.get("rows", []))} rows)')
   where = [f'{part.get("device_kind", part.get("device", "?"))} ({part.get("backend", "?")})']
   if 'cpu_count' in part:
-    where.append(f'{part["cpu_count"]} CPU cores' + (f' ({part["cpu_model"]})' if 'cpu_model' in part else ''))
+    model = ', '.join(part[k] for k in ('cpu_model', 'cpu_vector') if part.get(k))
+    where.append(f'{part["cpu_count"]} CPU cores' + (f' ({model})' if model else ''))
   versions = part.get('versions') or ({'jax': part['jax']} if 'jax' in part else {})
   where.append(', '.join(f'{k} {v}' for k, v in versions.items()))
   settings = ', '.join(f'{k} {v}' for k, v in part.items() if k not in NOT_SETTINGS and v is not None

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks'))
-from harness import cifar_like, xla_op_label  # noqa: E402
+from harness import cifar_like, cpu_vector_extension, xla_op_label  # noqa: E402
 
 HLO = '\n'.join([
     'ENTRY %main.27 (p: f32[3]) -> f32[3] {',
@@ -46,3 +46,12 @@ def test_cifar_like_splits_iid_or_by_dirichlet():
   assert iid_labels == 10  # every client holds every class
   assert dirichlet_labels < 5  # a few classes per client (3.5 here)
   assert abs(int(iid_sizes.sum()) - int(dirichlet_sizes.sum())) <= 10  # one pool; 75% of each client's rows train
+
+
+def test_the_cpus_vector_extension_is_the_widest_of_its_flags():
+  assert cpu_vector_extension('fpu sse sse2 avx avx2 fma avx512f avx512dq') == 'avx512'
+  assert cpu_vector_extension('fpu sse sse2 avx avx2 fma') == 'avx2'  # an AMD EPYC without AVX-512
+  assert cpu_vector_extension('fp asimd evtstrm sve') == 'sve'
+  assert cpu_vector_extension('fp asimd evtstrm') == 'neon'
+  assert cpu_vector_extension('') == ''
+  assert cpu_vector_extension() in ('avx512', 'avx2', 'avx', 'sve', 'neon', '')
