@@ -3,8 +3,8 @@ cannot rot before a GPU is lent: the plan's analysis of a matmul by hand, the pl
 file, the report of parts run elsewhere, a scaling part's one process per method and host_cpu's one per thread
 count, a part stopped at its share of the command's time keeping its rows (one stopped before its first row, or
 killed without a time limit, named as not finished), and scaling's row order and per-row results in the default
-suite; the tiny sweep's parts (host_cpu, vs_pytorch, scaling with two groups, plan) in the
-slow set."""
+suite; the tiny sweep's parts (host_cpu, vs_pytorch, scaling with two groups, plan, vmap_conv) in the slow
+set."""
 
 import json
 import os
@@ -274,6 +274,7 @@ def test_xla_flags_times_a_cold_start_per_variant_and_records_a_variant_that_fai
   assert 'cnn4 | --xla_no_such_flag=1: exit ' in done.stdout
 
 
+@pytest.mark.slow
 def test_the_vmap_conv_part_times_im2col_and_the_pallas_kernels_side_by_side_and_conv_reaches_whole_rounds(tmp_path):
   """The vmap_conv part at its tiny size (Pallas's interpreter on the CPU) and its table in the report; CONV=pallas
   passes the formulation to the parts that time whole rounds."""

@@ -17,8 +17,8 @@ Triton's tensors have power-of-2 sizes and its matmuls at least 16 rows, columns
 to a power of 2 of at least 16 and each program computes `rows` output rows of a power-of-2 width; the padding is
 zeros and is cropped (the padded output positions get zero gradient). With few input channels a row's kw taps are
 laid side by side on the channel axis first (`folds_taps`: a kw-fold copy of the input, not im2col's kh*kw-fold),
-so that the padded depth is not mostly zeros. Matmuls take `precision` as XLA's do: the
-default is TF32 on GPUs, exact float32 elsewhere.
+so that the padded depth is not mostly zeros. Matmuls take `precision` as XLA's do: the default is TF32 on GPUs,
+exact float32 elsewhere.
 
 On any platform but a GPU the kernels run in Pallas's interpreter (`interpret=None`, decided when a program is
 lowered for its platform), which is how the tests check them on the CPU, far slower than XLA's convolutions there;
