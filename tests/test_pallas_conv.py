@@ -2,6 +2,7 @@
 a GPU without one (Triton's IR is built here; its compilation to PTX happens on the device)."""
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -125,4 +126,8 @@ def test_bad_arguments_and_backends_are_refused_with_a_fix():
   with pytest.raises(ConfigError, match=r"^ExecutionConfig.conv='pallas' compiles Triton kernels for GPUs "
                                         r"\(backend: cpu\).*Fix: conv='im2col'"):
     ExecutionConfig(conv='pallas').resolve('cpu')
+  with pytest.raises(ConfigError, match=r"^ExecutionConfig.conv='pallas' with num_devices=2: .*Fix: conv='im2col', "
+                                        r"or num_devices=1"):
+    two_devices = types.SimpleNamespace(size=2, axis_names=('clients',))  # a client mesh's size and axis
+    ExecutionConfig(conv='pallas', client_mesh=two_devices).resolve('gpu')
   assert ExecutionConfig(conv='pallas').resolve('gpu').conv == 'pallas'

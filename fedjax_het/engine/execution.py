@@ -165,6 +165,10 @@ class ExecutionConfig:
       raise ConfigError(f'ExecutionConfig.conv=\'pallas\' compiles Triton kernels for GPUs (backend: {backend}); '
                         f'elsewhere it would run Pallas\'s interpreter, far slower than XLA. Fix: conv=\'im2col\' '
                         f'(or leave it unset).')
+    if conv == 'pallas' and self.num_devices > 1:
+      raise ConfigError(f'ExecutionConfig.conv=\'pallas\' with num_devices={self.num_devices}: XLA cannot split a '
+                        f'Pallas kernel over a client mesh (it would gather every client onto each device). Fix: '
+                        f'conv=\'im2col\', or num_devices=1.')
     threads = self.client_threads or max(1, min(2, os.cpu_count() or 1))
     mesh = self.client_mesh if self.num_devices > 1 else None
     budget = self.memory_budget or default_memory_budget(backend)
