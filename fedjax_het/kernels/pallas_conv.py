@@ -22,7 +22,8 @@ exact float32 elsewhere.
 
 On any platform but a GPU the kernels run in Pallas's interpreter (`interpret=None`, decided when a program is
 lowered for its platform), which is how the tests check them on the CPU, far slower than XLA's convolutions there;
-`ExecutionConfig` allows conv='pallas' on GPUs only.
+`ExecutionConfig` allows conv='pallas' on GPUs only, and on one device (XLA cannot split a Pallas kernel over a
+client mesh).
 """
 
 from __future__ import annotations
