@@ -109,6 +109,15 @@ def test_lowers_for_a_gpu_one_launch_per_kernel_for_all_clients_and_no_patches(c
     assert (f'x{kernel * channels}xf32>' in text) == folded
 
 
+def test_a_bfloat16_step_lowers_for_a_gpu_too():
+  """--precision=bfloat16's convolutions: bfloat16 operands, float32 accumulation, in the same three launches."""
+  x = jnp.zeros((8, 4, 14, 14, 32), jnp.bfloat16)
+  w = jnp.zeros((8, 5, 5, 32, 64), jnp.bfloat16)
+  loss = lambda x, w: jnp.sum(pallas_conv.conv2d(x, w, ((0, 0), (0, 0))).astype(jnp.float32) ** 2)
+  text = jax.jit(jax.vmap(jax.grad(loss, (0, 1)))).trace(x, w).lower(lowering_platforms=('cuda',)).as_text()
+  assert triton_calls(text) == 3 and 'stablehlo.convolution' not in text
+
+
 def test_the_pallas_formulation_keeps_strided_layers_on_im2col():
   conv = CONV_IMPLS['pallas'].keywords['conv_general_dilated']
   x, w = jnp.zeros((2, 9, 9, 3)), jnp.zeros((3, 3, 3, 4))
