@@ -144,9 +144,9 @@ def _valid_conv(xp, w, out_height: int, out_width: int, precision, interpret: Op
 
   call = lambda interpret: pl.pallas_call(
       kernel, grid=(n, height // rows),
-      in_specs=[pl.BlockSpec((None,) + xp.shape[1:], lambda b, r: (b, 0, 0, 0)),
+      in_specs=[pl.BlockSpec((pl.Squeezed(),) + xp.shape[1:], lambda b, r: (b, 0, 0, 0)),
                 pl.BlockSpec(w.shape, lambda b, r: (0, 0, 0, 0))],
-      out_specs=pl.BlockSpec((None, rows, width, op), lambda b, r: (b, r, 0, 0)),
+      out_specs=pl.BlockSpec((pl.Squeezed(), rows, width, op), lambda b, r: (b, r, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((n, height, width, op), xp.dtype),
       interpret=interpret, compiler_params=_params(), name='conv_forward')
   out = _launch(call, (xp, w), interpret)
@@ -182,7 +182,7 @@ def _kernel_gradient(xp, g, kernel_hw: tuple[int, int], precision, interpret: Op
       kernel, grid=(kh, kw),
       in_specs=[pl.BlockSpec(xp.shape, lambda i, j: (0, 0, 0, 0)),
                 pl.BlockSpec(g.shape, lambda i, j: (0, 0, 0, 0))],
-      out_specs=pl.BlockSpec((None, None, cp, op), lambda i, j: (i, j, 0, 0)),
+      out_specs=pl.BlockSpec((pl.Squeezed(), pl.Squeezed(), cp, op), lambda i, j: (i, j, 0, 0)),
       out_shape=jax.ShapeDtypeStruct((kh, kw, cp, op), jnp.float32),
       interpret=interpret, compiler_params=_params(), name='conv_kernel_gradient')
   dw = _launch(call, (xp, g), interpret)
