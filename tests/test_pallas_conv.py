@@ -13,7 +13,9 @@ from conftest import tree_allclose
 from fedjax_het.engine.execution import ExecutionConfig
 from fedjax_het.errors import ConfigError
 from fedjax_het.kernels import pallas_conv
+from fedjax_het.models import build_model
 from fedjax_het.models.conv import CONV_IMPLS
+from fedjax_het.models.forward import forward
 
 DN = ('NHWC', 'HWIO', 'NHWC')
 
@@ -140,3 +142,24 @@ def test_bad_arguments_and_backends_are_refused_with_a_fix():
     two_devices = types.SimpleNamespace(size=2, axis_names=('clients',))  # a client mesh's size and axis
     ExecutionConfig(conv='pallas', client_mesh=two_devices).resolve('gpu')
   assert ExecutionConfig(conv='pallas').resolve('gpu').conv == 'pallas'
+
+
+def test_two_sgd_steps_of_cnn4_scanned_and_vmapped_over_clients_equal_im2cols():
+  """The kernels inside a local epoch as the vmap executor runs one: SGD steps in lax.scan, vmapped over clients,
+  the state donated; cnn4 with conv='pallas' ends where it does with im2col."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 2, 2, 32, 32, 3))  # [clients, steps, rows, ...]
+  y = jax.random.randint(jax.random.PRNGKey(1), (2, 2, 2), 0, 10)
+
+  def train(conv):
+    model = build_model('cnn4', 10, 16, conv=conv)
+    params = jax.vmap(lambda k: model.init(k, x[0, 0])['params'])(jax.random.split(jax.random.PRNGKey(2), 2))
+
+    def step(p, batch):
+      def loss(p):
+        logits = forward(model, p, {}, batch[0], True)[0]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[1][:, None], 1))
+      value, grad = jax.value_and_grad(loss)(p)
+      return jax.tree.map(lambda a, g: a - 0.1 * g, p, grad), value
+    epoch = jax.jit(jax.vmap(lambda p, xs, ys: jax.lax.scan(step, p, (xs, ys))), donate_argnums=0)
+    return epoch(params, x, y)
+  tree_allclose(train('pallas'), train('im2col'), rtol=1e-4, atol=1e-5)
