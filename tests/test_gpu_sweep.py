@@ -3,8 +3,8 @@ cannot rot before a GPU is lent: the plan's analysis of a matmul by hand, the pl
 file, the report of parts run elsewhere, a scaling part's one process per method and host_cpu's one per thread
 count, a part stopped at its share of the command's time keeping its rows (one stopped before its first row, or
 killed without a time limit, named as not finished), and scaling's row order and per-row results in the default
-suite; the tiny sweep's parts (host_cpu, vs_pytorch, scaling with two groups, plan, vmap_conv) in the slow
-set."""
+suite; the tiny sweep's parts (host_cpu, vs_pytorch, scaling with two groups, plan, vmap_conv) and xla_flags.py's
+cold starts in the slow set."""
 
 import json
 import os
@@ -256,6 +256,7 @@ def test_the_paper_settings_part_runs_first_at_the_tables_sizes_and_its_tables_a
   assert '| fedre_table1 | vit_b16 | 1 | 30.00 / 3.00 | 2.50 | 1.250 | 1.500 |' in report
 
 
+@pytest.mark.slow  # a cold start per variant (about 20 s on a 2-core CPU)
 def test_xla_flags_times_a_cold_start_per_variant_and_records_a_variant_that_fails(tmp_path):
   """benchmarks/xla_flags.py over cnn4 (one FedRE client, one local step): the default variant's cold case
   (paper_settings.py --cases=cold) gives its start, compilations and round; an XLA flag that XLA rejects is a

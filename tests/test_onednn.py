@@ -85,10 +85,18 @@ def test_values_and_derivatives_of_two_orders_equal_lax(strides, padding, dilati
   tree_allclose(jax.grad(loss(ours), (0, 1))(x, w), jax.grad(loss(theirs), (0, 1))(x, w), rtol=1e-4, atol=1e-4)
   # grad of grad: the passes' VJPs are each other (an input-gradient penalty's kernel gradient, a Hessian product)
   penalty = lambda c: lambda w, x: jnp.sum(jax.grad(loss(c), 0)(x, w) ** 2)
-  tree_allclose(jax.grad(penalty(ours), (0, 1))(w, x), jax.grad(penalty(theirs), (0, 1))(w, x), rtol=1e-4, atol=1e-3)
+  close_at_float32_scale(jax.grad(penalty(ours), (0, 1))(w, x), jax.grad(penalty(theirs), (0, 1))(w, x))
   kernel_grad = lambda c: lambda x, w: jnp.sum(jax.grad(loss(c), 1)(x, w) ** 2)
-  tree_allclose(jax.grad(kernel_grad(ours), (0, 1))(x, w), jax.grad(kernel_grad(theirs), (0, 1))(x, w), rtol=1e-4,
-                atol=1e-3)
+  close_at_float32_scale(jax.grad(kernel_grad(ours), (0, 1))(x, w), jax.grad(kernel_grad(theirs), (0, 1))(x, w))
+
+
+def close_at_float32_scale(actual, desired):
+  """Each leaf equal up to rtol 1e-4 and a few units of float32 rounding of its largest entry: second-order
+  derivatives sum many products of entries up to ~1e3, so an entry near 0.5 can differ by ~1e-3 between kernels
+  that order their sums differently (oneDNN's AVX2 and AVX-512 ones, its thread counts); a wrong VJP is off by the
+  entries' own size."""
+  for a, d in zip(jax.tree.leaves(actual), jax.tree.leaves(desired)):
+    np.testing.assert_allclose(a, d, rtol=1e-4, atol=max(1e-3, 4e-6 * float(np.max(np.abs(d)))))
 
 
 @needs_onednn
@@ -202,6 +210,7 @@ def test_without_onednn_the_errors_say_why_and_how_to_fix(tmp_path, monkeypatch)
     onednn.build(include, lib, cache=str(tmp_path / 'cache'))
 
 
+@pytest.mark.slow  # builds the C++ handlers three times (about 25 s on a 2-core CPU)
 @needs_onednn
 def test_a_damaged_cached_library_is_built_again_never_loaded(tmp_path):
   """A cached library cut short (a full disk, a copy stopped halfway) once crashed every run on the CPU at start
