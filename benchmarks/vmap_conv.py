@@ -84,9 +84,15 @@ def step_program(model_name: str, formulation: str, clients: int, batch: int):
   return jax.jit(jax.vmap(step), donate_argnums=0), (params, x, y)
 
 
-def failure(e: Exception) -> str:
-  """A failed measurement's record: the exception's type and first line (e.g. a kernel that does not compile)."""
-  return f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:300]
+def attempt(row: dict, fill) -> dict:
+  """row after fill(row) adds its measurements; where that fails (e.g. a kernel that does not compile), with
+  'failed': the exception's type and first line instead, so that the other formulations go on."""
+  try:
+    fill(row)
+  except Exception as e:
+    row = {**{k: row[k] for k in ('what', 'formulation', 'clients')},
+           'failed': f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:300]}
+  return row
 
 
 def measure(fn, args, repeats: int) -> tuple[float, float]:
@@ -127,39 +133,32 @@ def main(_):
       for formulation in formulations:
         if out_of_time():
           break
-        row = {'what': f'{model_name} step', 'formulation': formulation, 'clients': clients}
-        try:
+        def step(row):
           fn, args = step_program(model_name, formulation, clients, batch)
           fn._donates = True
-          compile_seconds, seconds = measure(fn, args, FLAGS.repeats)
-          del args
-        except Exception as e:  # recorded, and the other formulations go on
-          rows.append({**row, 'failed': failure(e)})
-          print(f'{model_name} step  {formulation:>9} {clients:5d} clients: failed: {rows[-1]["failed"]}', flush=True)
-        else:
-          rows.append({**row, 'compile_seconds': compile_seconds, 'seconds': seconds,
-                       'client_steps_per_second': clients / seconds})
-          print(f'{model_name} step  {formulation:>9} {clients:5d} clients: {1e3 * seconds:9.2f} ms '
-                f'({clients / seconds:9.0f} client-steps/s; compile {compile_seconds:.1f} s)', flush=True)
+          row['compile_seconds'], row['seconds'] = measure(fn, args, FLAGS.repeats)
+          row['client_steps_per_second'] = clients / row['seconds']
+        row = attempt({'what': f'{model_name} step', 'formulation': formulation, 'clients': clients}, step)
+        rows.append(row)
+        print(f'{model_name} step  {formulation:>9} {clients:5d} clients: ' + (
+            f'failed: {row["failed"]}' if 'failed' in row else
+            f'{1e3 * row["seconds"]:9.2f} ms ({row["client_steps_per_second"]:9.0f} client-steps/s; compile '
+            f'{row["compile_seconds"]:.1f} s)'), flush=True)
         write_results(FLAGS.out, name, settings, rows, complete=False)
     for layer in FLAGS.layers:
       for formulation in formulations + (['xla_bf16'] if FLAGS.bf16 else []):
         if out_of_time():
           break
-        row = {'what': layer, 'formulation': formulation, 'clients': clients}
-        try:
+        def passes(row):
           forward_fn, both_fn, args = layer_programs(layer, formulation, clients, batch)
           for part, fn in (('forward', forward_fn), ('forward_backward', both_fn)):
             compile_seconds, seconds = measure(fn, args, FLAGS.repeats)
             row[f'{part}_ms'] = 1e3 * seconds
             row[f'{part}_compile_seconds'] = compile_seconds
-          del args
-        except Exception as e:  # recorded, and the other formulations go on
-          row['failed'] = failure(e)
-          print(f'{layer:>12} {formulation:>9} {clients:5d} clients: failed: {row["failed"]}', flush=True)
-        else:
-          print(f'{layer:>12} {formulation:>9} {clients:5d} clients: forward {row["forward_ms"]:9.2f} ms, '
-                f'forward+backward {row["forward_backward_ms"]:9.2f} ms', flush=True)
+        row = attempt({'what': layer, 'formulation': formulation, 'clients': clients}, passes)
+        print(f'{layer:>12} {formulation:>9} {clients:5d} clients: ' + (
+            f'failed: {row["failed"]}' if 'failed' in row else
+            f'forward {row["forward_ms"]:9.2f} ms, forward+backward {row["forward_backward_ms"]:9.2f} ms'), flush=True)
         rows.append(row)
         write_results(FLAGS.out, name, settings, rows, complete=False)
   write_results(FLAGS.out, name, settings, rows, complete=not out_of_time())

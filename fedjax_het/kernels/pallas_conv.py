@@ -121,16 +121,23 @@ def _fold_taps(xp, kernel_width: int, out_width: int) -> jax.Array:
   return jnp.concatenate([xp[:, :, j:j + out_width] for j in range(kernel_width)], axis=-1)
 
 
+def _staged(xp, out_channels: int, kernel_hw: tuple[int, int], out_hw: tuple[int, int]) -> tuple[Tiling, jax.Array]:
+  """The tiling of a VALID convolution of xp [N, Hp, Wp, C] onto out_hw, and xp zero-padded to it: the rows and
+  columns every program reads, the channels to the matmul's depth."""
+  t = tiling(xp.shape[-1], out_channels, kernel_hw, out_hw)
+  (kh, kw), (_, hp, wp, c) = kernel_hw, xp.shape
+  return t, jnp.pad(xp, ((0, 0), (0, t.height + kh - 1 - hp), (0, t.width + kw - 1 - wp), (0, t.depth - c)))
+
+
 def _valid_conv(xp, w, out_height: int, out_width: int, precision, interpret: Optional[bool]) -> jax.Array:
   """The VALID stride-1 convolution of xp [N, Hp, Wp, C] with w [kh, kw, C, O], cropped to
   [N, out_height, out_width, O]; xp must already hold the convolution's padding."""
-  n, hp, wp, c = xp.shape
+  n, c = xp.shape[0], xp.shape[-1]
   kh, kw, _, o = w.shape
   if folds_taps(c, kw):
     return _valid_conv(_fold_taps(xp, kw, out_width), w.reshape(kh, 1, kw * c, o), out_height, out_width,
                        precision, interpret)
-  _, _, cp, op, rows, width, height = tiling(c, o, (kh, kw), (out_height, out_width))
-  xp = jnp.pad(xp, ((0, 0), (0, height + kh - 1 - hp), (0, width + kw - 1 - wp), (0, cp - c)))
+  (_, _, cp, op, rows, width, height), xp = _staged(xp, o, (kh, kw), (out_height, out_width))
   w = jnp.pad(w, ((0, 0), (0, 0), (0, cp - c), (0, op - o)))
 
   def kernel(x_ref, w_ref, out_ref):
@@ -155,15 +162,14 @@ def _valid_conv(xp, w, out_height: int, out_width: int, precision, interpret: Op
 
 def _kernel_gradient(xp, g, kernel_hw: tuple[int, int], precision, interpret: Optional[bool]) -> jax.Array:
   """dw [kh, kw, C, O] = sum over samples and output positions of xp's shifted patch times g [N, Ho, Wo, O]."""
-  n, hp, wp, c = xp.shape
+  n, c = xp.shape[0], xp.shape[-1]
   _, out_height, out_width, o = g.shape
   kh, kw = kernel_hw
   if folds_taps(c, kw):
     folded = _kernel_gradient(_fold_taps(xp, kw, out_width), g, (kh, 1), precision, interpret)
     return folded.reshape(kh, kw, c, o)
-  _, _, cp, op, rows, width, height = tiling(c, o, (kh, kw), (out_height, out_width))
+  (_, _, cp, op, rows, width, height), xp = _staged(xp, o, (kh, kw), (out_height, out_width))
   blocks = height // rows
-  xp = jnp.pad(xp, ((0, 0), (0, height + kh - 1 - hp), (0, width + kw - 1 - wp), (0, cp - c)))
   g = jnp.pad(g, ((0, 0), (0, height - out_height), (0, width - out_width), (0, op - o)))  # zeros: no gradient
 
   def kernel(x_ref, g_ref, out_ref):
