@@ -237,6 +237,28 @@ def test_host_copy_compiles_one_program_whatever_the_leaf_shapes():
     assert isinstance(leaf, jax.Array) and not leaf.committed
 
 
+def test_a_second_federation_of_the_same_architectures_traces_no_initialiser_and_stacks_uploads_at_once():
+  """The classifiers' initialisers are made once per (maker, model, image shape) in a process: a second federation
+  of the same models compiles none, and a third starts from the first's parameters. A sequential
+  round stacks its slots' uploads in one program, not one per leaf shape."""
+  from golden import make_golden_federation, tiny_data as golden_data
+  first = make_golden_federation('fedavg')
+  first_params = jax.device_get(first.init().groups[0].params)
+  second = make_golden_federation('fedavg', data=golden_data(8))
+  compiled = []
+  listener = lambda event, duration, fun_name='', **kw: compiled.append(fun_name) if 'backend_compile' in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    state = second.init()
+    second.round(state)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert 'jit(init_classifier)' not in compiled and compiled.count('jit(stack_slots)') == 2, compiled  # per group
+  assert 'jit(stack)' not in compiled
+  tree_allclose(jax.device_get(make_golden_federation('fedavg').init().groups[0].params), first_params, rtol=0,
+                atol=0)
+
+
 def test_same_seed_same_numbers_whatever_the_client_and_group_threads(tiny_data):
   strip = lambda h: [{k: v for k, v in m.items() if 'seconds' not in k} for m in h]
   s1, h1 = run(make_fed(tiny_data, 'sequential', join_ratio=0.5, seed=4, client_threads=1, group_threads=1), 2)

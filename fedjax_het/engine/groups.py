@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fedjax_het.core import Algorithm, ClientState, GroupSpec
+from fedjax_het.core import Algorithm, ClientState, GroupSpec, ModelMaker
 from fedjax_het.data.federated import ClientArrays, FederatedData
 from fedjax_het.engine.sharding import place_clients, to_host
 from fedjax_het.engine.stores import RowStore
@@ -209,6 +209,27 @@ def trace(fn, what: str, flag: str, image_shape) -> Any:
                       f'for 32x32).') from e
 
 
+def classifier_initializers(maker: ModelMaker, model: Any, input_shape: tuple) -> tuple[Callable, Callable]:
+  """Jitted initialisers of a classifier's variables, as (params, the other collections): from one key, and from a
+  vector of keys (one client each). Made once per (maker, model, image shape) in a process, so that every federation
+  of the same architectures and run settings after the first (a notebook or a sweep building the run again) reuses
+  their traces: an initialiser is the dearest program of a small federation to trace and lower (a random draw per
+  parameter)."""
+  try:
+    return _classifier_initializers(maker, model, input_shape)
+  except TypeError:  # an unhashable maker or module (a user's own): made afresh
+    return _classifier_initializers.__wrapped__(maker, model, input_shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _classifier_initializers(maker: ModelMaker, model: Any, input_shape: tuple) -> tuple[Callable, Callable]:
+  def init_classifier(k):
+    variables = maker.init(model, k, jnp.zeros((1,) + input_shape))
+    params = variables.pop('params')
+    return params, variables
+  return jax.jit(init_classifier), jax.jit(jax.vmap(init_classifier))
+
+
 def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax.Array, shared_init: bool,
                mesh) -> ClientState:
   """The group's stacked initial client states: classifier variables (--init's scheme), the algorithm's
@@ -217,12 +238,7 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
   With `shared_init` (HtFLlib) every client of an architecture starts from the same parameters, drawn from a key
   of the seed and the architecture's name; otherwise each client draws its own."""
   spec = g.spec
-
-  def init_classifier(k):
-    variables = spec.maker.init(spec.model, k, spec.sample_input())
-    params = variables.pop('params')
-    return params, variables
-
+  init_one, init_each = classifier_initializers(spec.maker, spec.model, tuple(spec.input_shape))
   # The classifier's forward pass was traced by `check_architecture`; only the algorithm's own state is left.
   check = lambda k: trace(lambda: algorithm.init_client(spec, k), 'the algorithm\'s client modules (e.g. a shared '
                           'global model)', 'the method\'s hyperparameters (e.g. its global model)', spec.input_shape)
@@ -231,18 +247,30 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
     check(group_key)
     # One client's state, computed once and broadcast: the programs do not depend on the number of clients, so a
     # larger population compiles nothing new (XLA's persistent compilation cache, `compilation_cache`).
-    stack = jax.jit(lambda tree: jax.tree.map(lambda a: jnp.broadcast_to(a, (g.stacked_size,) + a.shape), tree))
-    params, variables = stack(jax.jit(init_classifier)(group_key))
-    extra = stack(jax.jit(lambda k: algorithm.init_client(spec, k))(group_key))
+    params, variables = broadcast_clients(init_one(group_key), g.stacked_size)
+    extra = broadcast_clients(jax.jit(lambda k: algorithm.init_client(spec, k))(group_key), g.stacked_size)
   else:
     init_keys = jax.vmap(lambda c: jax.random.fold_in(init_key, c))(g.stacked_ids)
     check(init_keys[0])
     # Two programs, not one: the algorithm's state is often the same program in every group (a generator, an
     # optimizer), which XLA's persistent compilation cache (`compilation_cache`) then compiles once per run.
-    params, variables = jax.jit(jax.vmap(init_classifier))(init_keys)
+    params, variables = init_each(init_keys)
     extra = jax.jit(jax.vmap(lambda k: algorithm.init_client(spec, k)))(init_keys)
   keys = jax.vmap(lambda c: jax.random.fold_in(key_key, c))(g.stacked_ids)
   return place_clients(ClientState(params, dict(variables), extra, keys), mesh)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def broadcast_clients(tree: Any, size: int) -> Any:
+  """Every leaf of `tree` repeated `size` times along a new leading (client) axis."""
+  return jax.tree.map(lambda a: jnp.broadcast_to(a, (size,) + a.shape), tree)
+
+
+@jax.jit
+def stack_slots(uploads: list, losses: list) -> tuple[Any, jnp.ndarray]:
+  """The slots' uploads stacked leaf by leaf along a new leading axis, and their losses as a float32 vector: one
+  program per upload structure and slot count (stacked leaf by leaf outside jit, one per leaf shape)."""
+  return jax.tree.map(lambda *a: jnp.stack(a), *uploads), jnp.stack([jnp.asarray(l, jnp.float32) for l in losses])
 
 
 def take_client(tree: Any, index) -> Any:

@@ -15,7 +15,7 @@ from fedjax_het.core import ClientProgram, Evaluation, for_client, prepare_evalu
 from fedjax_het.engine.client import weighted
 from fedjax_het.engine.donation import ConsumingJit
 from fedjax_het.engine.executor import Executor
-from fedjax_het.engine.groups import (EvalSet, Group, put_client, representation_model, take_client,
+from fedjax_het.engine.groups import (EvalSet, Group, put_client, representation_model, stack_slots, take_client,
                                       take_client_jit)
 from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, plan_stages, represent_into,
                                     stage_key, statistics_batch, statistics_key, statistics_of_batch, statistics_order,
@@ -93,7 +93,7 @@ class SequentialExecutor(Executor):
     zeros = self.empty_upload(g, program, phase, stacked, for_client(broadcast, 0))
     padded = uploads + [zeros] * (len(slot_idx) - len(uploads))
     losses = losses + [0.0] * (len(slot_idx) - len(losses))
-    return stacked, jax.tree.map(lambda *a: jnp.stack(a), *padded), jnp.asarray(losses, jnp.float32)
+    return (stacked, *stack_slots(padded, [np.float32(l) if isinstance(l, float) else l for l in losses]))
 
   def empty_upload(self, g: Group, program: ClientProgram, phase: int, stacked, broadcast) -> Any:
     """The upload of an empty slot of group g in `phase`: zeros of the program's upload structure (`broadcast` as
