@@ -50,7 +50,8 @@ def test_max_pool_equals_flax_values_and_gradients(window, strides, padding, sha
   np.testing.assert_allclose(grad(ours), grad(theirs), rtol=1e-6)
 
 
-@pytest.mark.parametrize('name', ['cnn4', 'resnet6'])  # resnet6: BatchNorm, a strided block, a projection
+# resnet6 (BatchNorm, a strided block, a projection) in the slow set.
+@pytest.mark.parametrize('name', ['cnn4', pytest.param('resnet6', marks=pytest.mark.slow)])
 def test_models_are_the_same_function_under_vmap_with_either_conv(name):
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 32, 32, 3))  # 3 clients, 2 rows each
   models = {c: build_model(name, 10, 32, conv=c) for c in FORMULATIONS}

@@ -377,6 +377,7 @@ def test_a_resumed_run_accounts_the_rounds_that_ran_as_they_ran():
   assert resumed.draws(12) == [(5, 5), (20, 5), (5, 2)]
 
 
+@pytest.mark.slow
 def test_end_to_end_the_resumed_epsilon_continues_from_what_ran(tmp_path):
   cfg = dataclasses.replace(CFG, dp_mode='central', dp_noise_multiplier=4.0, join_ratio=0.5,
                             dp_parts=('label', 'weight'),  # amplified: the sample sizes count

@@ -78,6 +78,7 @@ def test_server_logits_go_to_the_clients_that_sent_the_rows_and_are_kept():
     seen |= joined
 
 
+@pytest.mark.slow
 def test_the_distillation_term_waits_for_the_servers_logits():
   # Round 1 trains on CE alone whatever alpha is; from the round a client has logits, alpha changes its loss.
   losses = {}
@@ -141,6 +142,7 @@ def test_fedgkt_is_refused_under_dp_and_bad_settings_name_their_flags():
     FedGKTConfig(server_epochs=-1)
 
 
+@pytest.mark.slow
 def test_a_last_batch_of_one_row_keeps_the_deep_server_finite():
   # 9 rows in batches of 8: the second batch has one real row and seven of padding. Padding normalised by that
   # row's statistics overflowed through the server's BatchNorms (0 * inf = NaN in the masked loss); it must not.
@@ -188,6 +190,7 @@ def test_the_server_plateau_schedule_is_torchs_reduce_lr_on_plateau():
     np.testing.assert_allclose(got, expected['torch'], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_server_steps_at_its_plateau_scale_and_reports_it():
   """The server's steps are scaled by its plateau's factor (a scale of 0 leaves its parameters where they were), and
   every round's scale and accuracy are reported; with patience 0 a round without a better accuracy halves it."""

@@ -264,6 +264,7 @@ def test_resume_across_the_finetune_boundary_equals_the_uninterrupted_run(fed, r
   assert recorded.history[:2] + rest == uninterrupted[1]
 
 
+@pytest.mark.slow
 def test_the_experiment_reports_accuracy_before_and_after_finetuning_and_draws_samples(tmp_path, uninterrupted):
   summary = train_and_evaluate(CFG, str(tmp_path), progress=False)
   before_after = summary['final_accuracy_by_phase']

@@ -641,6 +641,7 @@ def test_a_run_that_did_not_finish_is_a_failure_of_the_local_command(tmp_path):
   assert unfinished(str(summary), None) == 'the run stopped after round 2 without finishing (summary.json)'
 
 
+@pytest.mark.slow
 def test_poisson_rounds_over_flower_equal_the_simulation_empty_rounds_and_fixed_denominator_included(tmp_path):
   """An amplified DP run under Poisson sampling (LG-FedAvg, central, seeded noise): the draw takes nobody in some
   round, which the server still noises and releases; the Flower server's rows equal the simulation's."""

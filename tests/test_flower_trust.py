@@ -193,20 +193,22 @@ def check_against_the_honest_run(rows, honest, robust: bool):
     assert rows[0]['accuracy'] > rows[0]['server_accuracy'] + 0.05  # the forged scores inflate the mean
 
 
-def test_one_node_scaling_its_uploads_and_forging_its_scores_against_the_robust_options(tmp_path):
+# The median in the default run; plain FedAvg and the norm bound in the slow set.
+@pytest.mark.parametrize('mode', [pytest.param('none', marks=pytest.mark.slow), 'median',
+                                  pytest.param('norm_bound', marks=pytest.mark.slow)])
+def test_one_node_scaling_its_uploads_and_forging_its_scores_against_the_robust_options(tmp_path, mode):
   """Each option against the honest run under the same option (the simulation, every client honest); without
   them, against plain FedAvg's."""
-  for mode in ('none', 'median', 'norm_bound'):
-    cfg = dataclasses.replace(ATTACKED, robust_aggregation=mode)
-    train_and_evaluate(cfg, str(tmp_path / f'honest_{mode}'), progress=False)
-    workdir = tmp_path / mode
-    train_and_evaluate(cfg, str(workdir), progress=False,
-                       federation=_over(InflatingGrid(str(tmp_path / f'nodes_{mode}'), 6), cfg, workdir))
-    rows, honest = _rows(workdir), _rows(tmp_path / f'honest_{mode}')
-    assert len(rows) == 3
-    check_against_the_honest_run(rows, honest, robust=mode != 'none')
-    if mode == 'norm_bound':
-      assert [r['robust_clipped'] for r in rows] == [1, 1, 1]  # client 2's update, each round
+  cfg = dataclasses.replace(ATTACKED, robust_aggregation=mode)
+  train_and_evaluate(cfg, str(tmp_path / f'honest_{mode}'), progress=False)
+  workdir = tmp_path / mode
+  train_and_evaluate(cfg, str(workdir), progress=False,
+                     federation=_over(InflatingGrid(str(tmp_path / f'nodes_{mode}'), 6), cfg, workdir))
+  rows, honest = _rows(workdir), _rows(tmp_path / f'honest_{mode}')
+  assert len(rows) == 3
+  check_against_the_honest_run(rows, honest, robust=mode != 'none')
+  if mode == 'norm_bound':
+    assert [r['robust_clipped'] for r in rows] == [1, 1, 1]  # client 2's update, each round
 
 
 @pytest.mark.slow

@@ -135,6 +135,7 @@ def test_resume_across_the_knowledge_to_target_boundary_equals_the_uninterrupted
   assert recorded.history[2:] == rest
 
 
+@pytest.mark.slow
 def test_update_mode_runs_half_the_knowledge_rounds_and_keeps_training_the_generator():
   """Update mode: T_KA / 2 knowledge rounds, then every target round trains and averages the generator too, so
   target round t samples from the generator after T_KA / 2 + t - 1 rounds."""

@@ -120,7 +120,8 @@ def test_cifar10_cnns_as_the_code_builds_them_give_f_3x16x16_maps_and_table_xxii
   assert latent == {'cifar10f': 50, 'mnist': 16}  # Table XV: CVAE-F's l
 
 
-@pytest.mark.parametrize('boundary', [1, 2])  # after warm-up; after knowledge aggregation
+# After warm-up; after knowledge aggregation (slow: tests/test_gefl.py resumes across GeFL's, the same boundary).
+@pytest.mark.parametrize('boundary', [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_resume_across_each_phase_boundary_equals_the_uninterrupted_run(recorded, boundary, tmp_path):
   from fedjax_het.run.checkpoints import Checkpoints
   from runs import run_rounds

@@ -44,10 +44,11 @@ def test_metrics_and_parameters_equal_the_golden_run(tiny_data, name):
 # local and lg_fedavg run fedavg's client program (CE by sgd_program) with another server and receive: fedavg's
 # vmap run covers their client path. The default run checks the vmap executor on one method of each kind of client
 # program it runs: FedRE (representations read through weighted sums), grouped FedAvg (whole models), FedProto
-# (prototypes), Felo (a per-client Adam state across rounds), FedGKT (a per-client broadcast) and FedALA (a pass over
-# the client's rows before its loop); every other method's vmap run is in the slow set (`-m slow`), and
+# (prototypes) and Felo (a per-client Adam state across rounds); every other method's vmap run is in the slow set
+# (`-m slow`): FedGKT's per-client broadcast and FedALA's pass over the client's rows before its loop among them
+# (tests/test_fedgkt.py reads a per-client broadcast under vmap in the default run), and
 # benchmarks/vmap_equals_sequential.py checks every method at XLA's default level.
-DEFAULT_VMAP = ('fedre', 'fedavg', 'fedproto', 'felo', 'fedgkt', 'fedala')
+DEFAULT_VMAP = ('fedre', 'fedavg', 'fedproto', 'felo')
 
 
 @pytest.mark.parametrize('name', [m if m in DEFAULT_VMAP else pytest.param(m, marks=pytest.mark.slow)

@@ -47,6 +47,7 @@ def test_the_plans_analysis_of_a_matmul_by_hand():
   assert got == {'flops': 192.0, 'bytes': 272.0, 'unfused_bytes': 272.0, 'kernels': 1, 'loops': 0}
 
 
+@pytest.mark.slow
 def test_the_plan_part_writes_the_merged_results_file(tmp_path):
   merged = _sweep(tmp_path, 'plan')
   assert merged['tiny'] and list(merged['parts']) == ['gpu_plan_cpu']
@@ -160,6 +161,7 @@ def test_a_part_is_stopped_at_its_share_of_the_time_keeping_its_rows_and_one_wit
   assert '## vs_pytorch_cpu (stopped at its time limit after 1 rows)' in report
 
 
+@pytest.mark.slow
 def test_the_time_shares_are_weighted_paper_settings_3_xla_flags_2_the_others_1(tmp_path):
   # 24 s, less 15 for the report: xla_flags (weight 2 of 3) gets 9 * 2 / 3 = 6 s (5 where a second passed) and is
   # stopped there; with equal shares it would get 4 s and not start. plan is then left under 5 s.

@@ -144,6 +144,7 @@ def test_bad_arguments_and_backends_are_refused_with_a_fix():
   assert ExecutionConfig(conv='pallas').resolve('gpu').conv == 'pallas'
 
 
+@pytest.mark.slow
 def test_two_sgd_steps_of_cnn4_scanned_and_vmapped_over_clients_equal_im2cols():
   """The kernels inside a local epoch as the vmap executor runs one: SGD steps in lax.scan, vmapped over clients,
   the state donated; cnn4 with conv='pallas' ends where it does with im2col."""

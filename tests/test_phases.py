@@ -67,6 +67,7 @@ def test_adam_states_persist_across_rounds_and_the_generator_is_averaged_over_al
   assert count(state) == [2 * s for s in steps]  # kept, not rebuilt: two rounds of steps
 
 
+@pytest.mark.slow
 def test_vmap_executor_equals_sequential(recorded_vmap, uninterrupted):
   state, history = recorded_vmap.states[-1], recorded_vmap.history
   tree_allclose(state.groups, uninterrupted[0].groups, rtol=2e-4, atol=2e-5)

@@ -496,6 +496,7 @@ def test_heterofl_static_batchnorm_shuffles_class_sorted_rows(strategy):
   assert var.sum() > 1.1 * stored.sum(), (var, stored)  # one-class batches miss the spread between classes
 
 
+@pytest.mark.slow
 def test_heterofl_static_batchnorm_augments_as_training_does():
   """With --augment the statistics pass reads each batch cropped and flipped as a training batch is (HeteroFL's
   `stats` reads its train loader's transforms): the first BatchNorm's mean equals numpy's over the rows of each
@@ -719,6 +720,7 @@ def test_fedmd_mae_keeps_the_classifiers_and_the_digests_adam_apart():
   assert transfer['local_steps'] == collaborate['local_steps'] == int((private + 3).sum())
 
 
+@pytest.mark.slow
 def test_feddf_distils_on_cropped_and_flipped_public_batches(feddf_federation):
   """--feddf_public_augment=crop_flip (FedDF's code's public loader): a distillation step reads its public batch
   cropped and flipped (`augment_batch` from fold_in(fold_in(key, 'DFA'), step)), teacher and student alike: it equals

@@ -320,6 +320,7 @@ class TorchBottleneck(torch.nn.Module):
     return F.relu(y + (self.norms[3](self.shortcut(x)) if self.shortcut is not None else x))
 
 
+@pytest.mark.slow
 def test_fedgkt_server_epochs_equal_its_codes_server_training():
   """FedGKT's server (its GKTServerTrainer.train_large_model_on_the_server with whether_distill_on_the_server=1):
   every epoch, clients in order, each client's batches of uploaded maps through the server ResNet in training mode,
