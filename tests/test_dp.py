@@ -275,7 +275,7 @@ def test_dp_off_is_the_method_itself():
   assert private_algorithm(CFG, algorithm, 4) == (algorithm, None)
 
 
-@pytest.mark.parametrize('name,mode', [('fedproto', 'central'), ('fedre', 'local')])
+@pytest.mark.parametrize('name,mode', [('fedproto', 'central'), pytest.param('fedre', 'local', marks=pytest.mark.slow)])
 def test_vmap_equals_sequential_with_dp(name, mode):
   data = tiny_data()
   cfg = ExperimentConfig(algorithm=name, **TINY)

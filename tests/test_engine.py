@@ -141,13 +141,14 @@ def test_vmap_and_sequential_strategies_agree(two_rounds):
   assert_same_run(two_rounds['vmap'], two_rounds['sequential'], exact_accuracy=False, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_vmap_and_sequential_strategies_agree_with_partial_participation_and_im2col(tiny_data):
   assert_same_run(run(make_fed(tiny_data, 'vmap', join_ratio=0.5, conv='im2col'), 2),
                   run(make_fed(tiny_data, 'sequential', join_ratio=0.5, conv='im2col'), 2), exact_accuracy=False,
                   rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize('strategy', ['sequential', 'vmap'])
+@pytest.mark.parametrize('strategy', ['sequential', pytest.param('vmap', marks=pytest.mark.slow)])
 def test_eval_pass_size_does_not_change_results(tiny_data, two_rounds, strategy):
   # 5 rows per pass splits every client's rows into several passes, the last one clamped onto earlier rows.
   assert_same_run(run(make_fed(tiny_data, strategy, eval_batch_size=5), 2), two_rounds[strategy], rtol=1e-5,

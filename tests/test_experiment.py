@@ -76,6 +76,7 @@ def test_outputs_are_written(tmp_path, capsys):
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '4']
 
 
+@pytest.mark.slow
 def test_resume_continues_to_the_same_numbers(tmp_path):
   full, part = str(tmp_path / 'full'), str(tmp_path / 'part')
   train_and_evaluate(CFG, full, progress=False)

@@ -214,6 +214,7 @@ def test_the_server_steps_at_its_plateau_scale_and_reports_it():
     assert m['server_lr_scale'] == pytest.approx(scale)
 
 
+@pytest.mark.slow
 def test_the_uploaded_maps_are_extracted_from_augmented_rows():
   """FedGKT's code extracts the uploaded maps through its training loader (crop, flip, Cutout): with --augment each
   row's upload is its extractor's output on the row augmented by fold_in(the final key, row), one draw per row."""

@@ -194,6 +194,7 @@ def test_fedmd_stages_run_over_the_public_rows_and_only_the_revisit_is_capped(ti
   assert collaborate['local_steps'] == sum(2 + min(2, sizes[k] // 8) for k in later)
 
 
+@pytest.mark.slow
 def test_fedmd_resumed_at_its_phase_boundary_ends_where_the_uninterrupted_run_ends(tmp_path):
   data = make_federated_data(make_synthetic(num_samples=240, image_shape=(8, 8, 1), num_classes=4, noise=0.3,
                                             seed=1), num_clients=4, partition='dirichlet', seed=3, alpha=0.5,
