@@ -240,12 +240,11 @@ def test_host_copy_compiles_one_program_whatever_the_leaf_shapes():
 
 def test_a_second_federation_of_the_same_architectures_traces_no_initialiser_and_stacks_uploads_at_once():
   """The classifiers' initialisers are made once per (maker, model, image shape) in a process: a second federation
-  of the same models compiles none, and a third starts from the first's parameters. A sequential
-  round stacks its slots' uploads in one program, not one per leaf shape."""
-  from golden import make_golden_federation, tiny_data as golden_data
-  first = make_golden_federation('fedavg')
-  first_params = jax.device_get(first.init().groups[0].params)
-  second = make_golden_federation('fedavg', data=golden_data(8))
+  of the same models compiles none, and a third starts from the first's parameters. A sequential round stacks its
+  slots' uploads in one program, not one per leaf shape."""
+  from golden import make_golden_federation
+  first_params = jax.device_get(make_golden_federation('fedavg').init().groups[0].params)
+  second = make_golden_federation('fedavg')
   compiled = []
   listener = lambda event, duration, fun_name='', **kw: compiled.append(fun_name) if 'backend_compile' in event else None
   jax.monitoring.register_event_duration_secs_listener(listener)
