@@ -55,10 +55,11 @@ def test_max_pool_equals_flax_values_and_gradients(window, strides, padding, sha
 def test_models_are_the_same_function_under_vmap_with_either_conv(name):
   x = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 32, 32, 3))  # 3 clients, 2 rows each
   models = {c: build_model(name, 10, 32, conv=c) for c in FORMULATIONS}
-  variables = jax.vmap(lambda k: models['xla'].init(k, x[0]))(jax.random.split(jax.random.PRNGKey(1), 3))
+  variables = jax.jit(jax.vmap(lambda k: models['xla'].init(k, x[0])))(jax.random.split(jax.random.PRNGKey(1), 3))
   params = variables.pop('params')
-  # Eval mode: train-mode BatchNorm over 2 rows would amplify float rounding into the comparison.
-  out = {c: jax.vmap(lambda p, s, xi: forward(m, p, s, xi, False)[:2])(params, dict(variables), x)
+  # Eval mode: train-mode BatchNorm over 2 rows would amplify float rounding into the comparison. Jitted, as the
+  # vmap executor runs them.
+  out = {c: jax.jit(jax.vmap(lambda p, s, xi, m=m: forward(m, p, s, xi, False)[:2]))(params, dict(variables), x)
          for c, m in models.items()}
   for c in FORMULATIONS:
     tree_allclose(out[c], out['xla'], rtol=1e-4, atol=1e-4)

@@ -97,13 +97,14 @@ def test_calibration_then_alternating_passes_each_train_one_model():
   broadcast = fed.broadcast(state.server, 0, 0)
   n = int(g.train_sizes[0])
   rows = ClientRows(g.train.x[0], g.train.y[0], jnp.asarray(n), jnp.asarray(n))
-  client = program.prepare(client, rows, broadcast, jax.random.PRNGKey(0))
+  jit = jax.jit  # each function one program, as the engine runs it (not an eager op per layer)
+  client = jit(program.prepare)(client, rows, broadcast, jax.random.PRNGKey(0))
   qhat = np.asarray(client.extra.thresholds)
   assert np.all(qhat > 0) and np.all(np.isfinite(qhat))  # RAPS scores of 10 classes: at most 1 + 5 lam
   batch = Batch(g.train.x[0, :8], g.train.y[0, :8], jnp.arange(8), None)
-  carry = program.init(client, broadcast, jax.random.PRNGKey(0))
-  one, _ = program.stages[0].step(carry, batch, broadcast, jax.random.PRNGKey(1))
-  two, _ = program.stages[1].step(one, batch, broadcast, jax.random.PRNGKey(2))
+  carry = jit(program.init)(client, broadcast, jax.random.PRNGKey(0))
+  one, _ = jit(program.stages[0].step)(carry, batch, broadcast, jax.random.PRNGKey(1))
+  two, _ = jit(program.stages[1].step)(one, batch, broadcast, jax.random.PRNGKey(2))
   changed = lambda a, b: any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
   private, proxy = (lambda c: c[0].params), (lambda c: c[0].extra.params['companion'])
   assert changed(private(carry), private(one)) and not changed(proxy(carry), proxy(one))
@@ -111,12 +112,13 @@ def test_calibration_then_alternating_passes_each_train_one_model():
   # The ranking term reaches the private model: with the proxy's sets of one class (Qhat 0) inside the private
   # model's sets of all classes (Qhat 10: consensus 1), its step differs from CE alone.
   tight = carry[0]._replace(extra=carry[0].extra._replace(thresholds=jnp.array([0.0, 10.0])))
-  step = lambda fed: fed.programs[0][0].stages[0].step((tight,) + carry[1:], batch, broadcast, jax.random.PRNGKey(1))
+  step = lambda fed: jit(fed.programs[0][0].stages[0].step)((tight,) + carry[1:], batch, broadcast,
+                                                            jax.random.PRNGKey(1))
   from fedjax_het.methods import fedtype
   without = fedtype(FedTypeConfig(global_model='mlp', learning_rate=0.01, backward='none'), 10)
   ce_step = without.phases[0].client(fed.spec.groups[0]).stages[0].step  # the same group, CE alone
-  assert changed(private(step(fed)[0]), private(ce_step((tight,) + carry[1:], batch, broadcast,
-                                                        jax.random.PRNGKey(1))[0]))
+  assert changed(private(step(fed)[0]), private(jit(ce_step)((tight,) + carry[1:], batch, broadcast,
+                                                             jax.random.PRNGKey(1))[0]))
 
 
 def test_bad_settings_name_their_fields():

@@ -129,7 +129,7 @@ def fed():
 
 def _client(fed, k=0):
   state = fed.init()
-  return jax.tree.map(lambda a: a[k], state.groups[0]), fed.groups[0]
+  return jax.jit(lambda s: jax.tree.map(lambda a: a[k], s))(state.groups[0]), fed.groups[0]
 
 
 def test_the_f_step_leaves_psi_and_sigma_and_the_psi_step_leaves_f_unchanged(fed):
@@ -177,16 +177,19 @@ def test_mean_reduction_divides_l_rc_by_the_pixels_and_kl_and_l_dm_by_p(fed):
   sigma, protos = client.extra.sigma * 0.5, jnp.ones((10, 80))
   eps = jax.random.normal(jax.random.PRNGKey(1), (16, 80))
   args = (client.params, client.model_state, client.extra.psi, sigma, x, y, protos, eps)
-  _, z, _ = forward(g.model, client.params, client.model_state, x, True)
-  decoded = decoder.apply(client.extra.psi, z + sigma * eps, True, mutable=['batch_stats'])[0]
-  _, z_dec, _ = forward(g.model, client.params, client.model_state, 2.0 * decoded - 1.0, True)
+  @jax.jit  # one program, not an eager op per layer
+  def terms(params, model_state, psi):
+    _, z, _ = forward(g.model, params, model_state, x, True)
+    decoded = decoder.apply(psi, z + sigma * eps, True, mutable=['batch_stats'])[0]
+    return z, decoded, forward(g.model, params, model_state, 2.0 * decoded - 1.0, True)[1]
+  z, decoded, z_dec = terms(client.params, client.model_state, client.extra.psi)
   z, decoded, z_dec, yv, sig = (np.asarray(a, np.float64) for a in (z, decoded, z_dec, y, sigma))
   per_row = {'rc': ((decoded - (np.asarray(x) + 1) / 2) ** 2).reshape(16, -1).sum(1),
              'kl': 0.5 * (((z - 1.0) ** 2).sum(1) + (sig ** 2).sum() - 80 - np.log(sig ** 2).sum()),
              'dm': ((z_dec - 1.0) ** 2).sum(1)}
   term = {k: sum(v[yv == c].mean() for c in np.unique(yv)) for k, v in per_row.items()}
-  ce_sum, tc_sum, _ = vtc_objective(g.model, decoder, 10, 0.1)(*args)
-  ce_mean, tc_mean, _ = vtc_objective(g.model, decoder, 10, 0.1, 'mean')(*args)
+  ce_sum, tc_sum, _ = jax.jit(vtc_objective(g.model, decoder, 10, 0.1))(*args)
+  ce_mean, tc_mean, _ = jax.jit(vtc_objective(g.model, decoder, 10, 0.1, 'mean'))(*args)
   assert float(ce_sum) == float(ce_mean)
   np.testing.assert_allclose(tc_sum, term['rc'] + term['kl'] + 0.1 * term['dm'], rtol=1e-4)
   np.testing.assert_allclose(tc_mean, term['rc'] / 64 + term['kl'] / 80 + 0.1 * term['dm'] / 80, rtol=1e-4)

@@ -173,15 +173,17 @@ def test_bfloat16_precision_computes_in_bfloat16_from_float32_parameters():
   from fedjax_het.models.forward import forward
   x = jax.random.normal(jax.random.PRNGKey(0), (4, 32, 32, 3))
   f32, bf16 = (build_model('resnet6', 10, 32, precision=p) for p in ('float32', 'bfloat16'))
-  variables = f32.init(jax.random.PRNGKey(1), x)
+  variables = jax.jit(f32.init)(jax.random.PRNGKey(1), x)
   params, state = variables.pop('params'), dict(variables)
   loss = lambda model: lambda p: forward(model, p, state, x, True)[0].sum()
-  (out32, rep32, new32), (out16, rep16, new16) = (forward(m, params, state, x, True) for m in (f32, bf16))
+  # Jitted, as the engine runs it (and one program each instead of an eager op per layer).
+  (out32, rep32, new32), (out16, rep16, new16) = (jax.jit(lambda p, m=m: forward(m, p, state, x, True))(params)
+                                                  for m in (f32, bf16))
   assert out16.dtype == rep16.dtype == jnp.float32
   assert jax.tree.map(lambda a: a.dtype, new16) == jax.tree.map(lambda a: a.dtype, new32)  # float32 statistics
   assert float(jnp.abs(out16 - out32).max()) > 0  # it did compute in bfloat16
   np.testing.assert_allclose(out16, out32, rtol=0.1, atol=0.1)
-  grads = jax.grad(loss(bf16))(params)
+  grads = jax.jit(jax.grad(loss(bf16)))(params)
   assert {a.dtype for a in jax.tree.leaves(grads)} == {jnp.dtype('float32')}
   hlo = jax.jit(loss(bf16)).lower(params).as_text()
   assert 'bf16' in hlo and 'bf16' not in jax.jit(loss(f32)).lower(params).as_text()

@@ -36,12 +36,13 @@ def test_stage_one_trains_the_own_model_and_alpha_stage_two_only_g():
   state = fed.init()
   g = fed.groups[0]
   program = fed.programs[0][0]
-  client = jax.tree.map(lambda a: a[0], state.groups[0])
+  client = jax.jit(lambda s: jax.tree.map(lambda a: a[0], s))(state.groups[0])
   broadcast = fed.broadcast(state.server, 0, 0)
   batch = Batch(g.train.x[0, :8], g.train.y[0, :8], jnp.arange(8), None)
-  carry = program.init(client, broadcast, jax.random.PRNGKey(0))
-  one, _ = program.stages[0].step(carry, batch, broadcast, jax.random.PRNGKey(1))
-  two, _ = program.stages[1].step(one, batch, broadcast, jax.random.PRNGKey(2))
+  # Jitted, as the engine runs them (one program each, not an eager op per layer).
+  carry = jax.jit(program.init)(client, broadcast, jax.random.PRNGKey(0))
+  one, _ = jax.jit(program.stages[0].step)(carry, batch, broadcast, jax.random.PRNGKey(1))
+  two, _ = jax.jit(program.stages[1].step)(one, batch, broadcast, jax.random.PRNGKey(2))
   changed = lambda a, b: any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
   own, alpha, shared = (lambda c: c[0].params), (lambda c: c[0].extra.alpha), (
       lambda c: c[0].extra.params['companion'])
