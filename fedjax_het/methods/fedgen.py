@@ -118,9 +118,12 @@ def label_distribution(num_classes: int, label_counts: Optional[np.ndarray]) -> 
 def init_server(draws: GeneratedDraws, key: jax.Array, spec, initial) -> FedGenServer:
   """The first client's head and G with PyTorch's default initialisation."""
   generator = draws.generator(spec.feature_dim)
-  variables = generator.init(key, jnp.zeros((2, draws.cfg.noise_dim)), jnp.zeros(2, jnp.int32))
-  variables = {**variables, 'params': torch_default_init(variables['params'], key)}
-  return FedGenServer(initial[0].params['head'], variables)
+
+  @jax.jit  # one program (eagerly, an op per layer)
+  def init_generator(key):
+    variables = generator.init(key, jnp.zeros((2, draws.cfg.noise_dim)), jnp.zeros(2, jnp.int32))
+    return {**variables, 'params': torch_default_init(variables['params'], key)}
+  return FedGenServer(initial[0].params['head'], init_generator(key))
 
 
 def client_program(draws: GeneratedDraws, group):

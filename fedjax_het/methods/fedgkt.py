@@ -407,7 +407,8 @@ def fedgkt(cfg: FedGKTConfig, num_classes: int) -> Algorithm:
 
   def init_server(key, spec: FederationSpec, initial) -> FedGKTServer:
     net = ServerModel(spec, num_classes, cfg.server_blocks, cfg.split)
-    params, state = net.init(spec.groups[0].maker.shared_key('fedgkt_server'))
+    # One program: eagerly, the server ResNet's initialisation compiles an op per layer.
+    params, state = jax.jit(net.init)(spec.groups[0].maker.shared_key('fedgkt_server'))
     return FedGKTServer(params, state, {'trunk': optimizer.init(params['trunk']),
                                         'adapters': tuple(optimizer.init(a) for a in params['adapters'])},
                         tuple(jnp.zeros((len(g.clients), g.train_rows, num_classes)) for g in spec.groups),

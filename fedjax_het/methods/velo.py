@@ -24,6 +24,7 @@ int(0.01 x iterations) iterations: set --velo_interval to that.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -100,6 +101,7 @@ def cvae_loss(reconstruction, s, mu, logvar, weight) -> tuple[jnp.ndarray, jnp.n
   return jnp.sum(weight * mse_rows) / rows + jnp.sum(weight * kl_rows), jnp.sum(weight * (mse_rows + kl_rows))
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program (eagerly, an op per layer)
 def init_cvae(module: FeatureCVAE, key: jax.Array) -> dict:
   """The CVAE's variables, Linear layers drawn as PyTorch draws them."""
   variables = module.init(key, jnp.zeros((2, module.feature_dim)), jnp.zeros(2, jnp.int32),
