@@ -31,19 +31,19 @@ CFG = ExperimentConfig(algorithm='gefl_f', dataset='synthetic:32,32,1', data_fra
 
 def test_split_and_join_of_a_gefl_cnn_and_the_header_from_feature_maps():
   model = build_model('gefl_fmnist_cnn2', 10, 16, 'fc')
-  variables = init_variables(model, jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 1)))
+  variables = jax.jit(lambda k: init_variables(model, k, jnp.zeros((1, 32, 32, 1))))(jax.random.PRNGKey(0))
   params, state = variables.pop('params'), variables
   fe, header = split_client(params, state)
   assert set(fe['params']) == {'fe_conv', 'fe_bn'} and set(fe['stats']) == {'fe_bn'}
   assert 'fe_conv' not in header['params']['extractor'] and 'head' in header['params']
   tree_allclose(join_client(fe, header, state), (params, state), rtol=0, atol=0)
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 32, 1))
-  maps = model.extractor.clone(stage='features', parent=None).apply({'params': params['extractor'],
-                                                                     'batch_stats': state['batch_stats']['extractor']}, x)
+  features = model.extractor.clone(stage='features', parent=None)
+  maps = jax.jit(features.apply)({'params': params['extractor'], 'batch_stats': state['batch_stats']['extractor']}, x)
   assert maps.shape == (2, 16, 16, 3)
   header_model = model.clone(extractor=model.extractor.clone(stage='header', parent=None), parent=None)
-  tree_allclose(header_model.apply({'params': params, **state}, maps), model.apply({'params': params, **state}, x),
-                rtol=1e-5, atol=1e-6)
+  tree_allclose(jax.jit(header_model.apply)({'params': params, **state}, maps),
+                jax.jit(model.apply)({'params': params, **state}, x), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope='module')

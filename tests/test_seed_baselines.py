@@ -428,9 +428,10 @@ def test_heterofl_static_batchnorm_reads_every_clients_training_rows(tiny_data, 
   n = int(g.train_sizes[0])
   rows = lambda pad: ClientArrays(jnp.pad(g.train.x[0, :n], [(0, pad)] + [(0, 0)] * 3), jnp.zeros(n + pad, jnp.int32),
                                   jnp.asarray(n))
-  client = jax.tree.map(lambda a: a[0], state.groups[0])
-  gather = lambda pad: client_statistics(fed.evaluations[0], g.spec.training, client,
-                                         fed.broadcast(state.server, 0, 0), rows(pad), 8, jax.random.PRNGKey(5))
+  client = jax.jit(lambda s: jax.tree.map(lambda a: a[0], s))(state.groups[0])
+  gather = lambda pad: jax.jit(lambda c, b, r: client_statistics(fed.evaluations[0], g.spec.training, c, b, r, 8,
+                                                                 jax.random.PRNGKey(5)))(
+                                   client, fed.broadcast(state.server, 0, 0), rows(pad))
   tree_allclose(gather(0), gather(13), rtol=1e-6, atol=1e-6)
   with pytest.raises(ConfigError, match='--noheterofl_static_bn'):  # scored without gathering: refused
     fed.executor.correct(g, fed.evaluations[0], 0, state.groups[0], fed.broadcast(state.server, 0, 0),

@@ -61,7 +61,8 @@ def embedding(distance: str, input_shape: tuple[int, ...]) -> Callable[[jnp.ndar
   from fedjax_het.models.init import init_variables
   from fedjax_het.models.registry import build_model
   model = build_model('small_cnn', 10, 64)
-  variables = init_variables(model, jax.random.PRNGKey(0), jnp.zeros((1,) + tuple(input_shape)), False)
+  variables = jax.jit(lambda k: init_variables(model, k, jnp.zeros((1,) + tuple(input_shape)), False))(
+      jax.random.PRNGKey(0))  # one program (eagerly, an op per layer)
   features = jax.jit(lambda x: model.apply(variables, x, False, method=lambda m, x, t: m.extractor(x, train=t)))
   return lambda x: jnp.concatenate([features(x[i:i + 256]).reshape(len(x[i:i + 256]), -1)
                                     for i in range(0, len(x), 256)])

@@ -101,8 +101,9 @@ def fedtgp(cfg: FedTGPConfig, num_classes: int) -> Algorithm:
     return PrototypeGenerator(num_classes, feature_dim, cfg.hidden_dim or feature_dim)
 
   def init_server(key, spec, initial):
-    params = generator(spec.feature_dim).init(key, classes)['params']
-    return FedTGPServer(torch_default_init(params, key), empty_prototypes(num_classes, spec.feature_dim))
+    # One program (eagerly, an op per layer).
+    params = jax.jit(lambda k: torch_default_init(generator(spec.feature_dim).init(k, classes)['params'], k))(key)
+    return FedTGPServer(params, empty_prototypes(num_classes, spec.feature_dim))
 
   def broadcast(server: FedTGPServer, group) -> Prototypes:
     return server.prototypes
