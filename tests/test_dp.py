@@ -599,7 +599,7 @@ def _released_for_draws(name: str, parts: tuple, draws: list) -> list:
   out = []
   for chosen in draws:
     fed.participants = lambda r, chosen=chosen: np.asarray(chosen)
-    new, row = fed.round(jax.tree.map(jnp.copy, state))  # a round donates the states it is given
+    new, row = fed.round(jax.device_put(state, may_alias=False))  # a round donates the states it is given
     out.append(([np.asarray(a) for a in jax.tree.leaves(fed.sent(new.server, 0, 1))],
                 {k: v for k, v in row.items() if 'seconds' not in k and k not in ('train_loss', 'local_steps',
                                                                                  'local_samples')}))

@@ -342,7 +342,7 @@ class Federation:
     """One communication round (for FedRE: Alg. 1, lines 5-13, of "FedRE: A Representation Entanglement Framework
     for Model-Heterogeneous Federated Learning"); returns the new state and metrics. The round consumes `state`:
     its client states' memory is reused for the new ones (XLA buffer donation), so keep the returned state, or
-    copy the old one first (`jax.tree.map(jnp.copy, state)`) to keep both.
+    copy the old one first (`jax.device_put(state, may_alias=False)`, which compiles nothing) to keep both.
 
     Metrics: round, phase, train_loss (mean over participants of their mean local-step loss), participants,
     local_steps and local_samples, the server's metrics, upload/broadcast scalars and bytes (total and by part)

@@ -107,7 +107,7 @@ def round_uploads(fed: Any, state: Any, clients: Sequence[int]) -> list[ClientUp
     local = [i for i, c in enumerate(g.clients) if int(c) in set(int(k) for k in clients)]
     if not local:
       continue
-    stacked = jax.tree.map(jnp.copy, state.groups[gi])  # the vmap executor donates its input
+    stacked = jax.device_put(state.groups[gi], may_alias=False)  # the vmap executor donates its input
     broadcast = fed.broadcast(state.server, gi, r)
     slot_idx = np.asarray(local, np.int32)
     new, values, _ = fed.executor.run(g, fed.programs[p][gi], p, stacked, slot_idx, broadcast, key)
