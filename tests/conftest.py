@@ -1,4 +1,5 @@
 import atexit
+import contextlib
 import gc
 import os
 import shutil
@@ -75,6 +76,18 @@ def tiny_data():
   """A small learnable 8x8x1 dataset over 6 clients (Dirichlet 0.5), shared by engine/algorithm tests."""
   ds = make_synthetic(num_samples=480, image_shape=(8, 8, 1), num_classes=4, noise=0.3, seed=1)
   return make_federated_data(ds, num_clients=6, partition='dirichlet', seed=3, alpha=0.5)
+
+
+@contextlib.contextmanager
+def compilations():
+  """Yields a list that collects the name (`jit(<function>)`) of every program XLA compiles inside the block."""
+  names = []
+  listener = lambda event, duration, fun_name='', **kw: names.append(fun_name) if 'backend_compile' in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def tree_allclose(a, b, **kw):

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import jax
 
+from conftest import compilations
 from fedjax_het.run.config import ExperimentConfig
 
 CFG = ExperimentConfig(dataset='synthetic:8,8,1', num_clients=4, alpha=0.5, models=('mlp', 'small_cnn_narrow'),
@@ -70,10 +71,7 @@ class Recorded(NamedTuple):
 def record_rounds(fed, state, rounds: int) -> Recorded:
   """`rounds` rounds of a Federation from `state`, each evaluated, with every state and compilation count kept."""
   states, history, compiles = [], [], []
-  events = []
-  listener = lambda event, duration, **kw: events.append(event) if 'backend_compile' in event else None
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with compilations() as events:
     for _ in range(rounds):
       events.clear()
       state, m = fed.round(state)
@@ -83,6 +81,4 @@ def record_rounds(fed, state, rounds: int) -> Recorded:
       states.append(jax.device_put(state, may_alias=False))
       history.append({k: v for k, v in m.items() if 'seconds' not in k})
       compiles.append(len(events))
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   return Recorded(states, history, compiles)

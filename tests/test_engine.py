@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tree_allclose
+from conftest import compilations, tree_allclose
 from fedjax_het.core import Uploads
 from fedjax_het.data.federated import ClientArrays
 from fedjax_het.engine import (ExecutionConfig, Federation, LocalTraining, ModelConfig, batch_schedule, run_client)
@@ -203,17 +203,12 @@ def test_each_chunk_width_compiles_once_and_a_group_of_one_client_only_at_width_
   """A group of 5 clients and one of 1: the memory analysis compiles the 5-client group's update at widths 1 and 4
   and the 1-client group's at width 1 alone (no call of it is wider), and the round's calls reuse those
   executables: three compilations of the update in all, none in the next round."""
-  compiled = []
-  listener = lambda event, duration, fun_name='', **kw: compiled.append(fun_name) if 'backend_compile' in event else None
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with compilations() as compiled:
     fed = make_fed(tiny_data, 'vmap', memory_budget=2**40, models=('mlp',) * 5 + ('small_cnn_narrow',),
                    training=ONE_GROUP['training'])
     state = fed.round(fed.init())[0]
     first = [name for name in compiled if name == 'jit(update)']
     fed.round(state)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert [g.size for g in fed.groups] == [5, 1]
   assert fed.executor.analysis[0]['widths'] == (1, 4) and fed.executor.analysis[1]['widths'] == (1,)
   assert len(peaks) == 3
@@ -225,13 +220,8 @@ def test_host_copy_compiles_one_program_whatever_the_leaf_shapes():
   per leaf: `jnp.asarray` of a NumPy array would compile a program per leaf shape, over a hundred in a cold start
   of ten architectures."""
   stacked = {f'w{k}': jnp.arange(2.0 * k * 17).reshape(2, k, 17) + k for k in range(3, 9)}  # 6 leaf shapes
-  compiled = []
-  listener = lambda event, duration, fun_name='', **kw: compiled.append(fun_name) if 'backend_compile' in event else None
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with compilations() as compiled:
     client = host_copy(stacked, 1)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert compiled == ['jit(take_client)']
   for name, leaf in client.items():
     np.testing.assert_array_equal(leaf, stacked[name][1])
@@ -246,15 +236,10 @@ def test_a_second_federation_of_the_same_architectures_traces_no_initialiser_and
   from golden import make_golden_federation
   first_params = jax.device_get(make_golden_federation('fedavg').init().groups[0].params)
   second = make_golden_federation('fedavg')
-  compiled = []
-  listener = lambda event, duration, fun_name='', **kw: compiled.append(fun_name) if 'backend_compile' in event else None
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with compilations() as compiled:
     state = second.init()
     assert compiled == [], compiled
     second.round(state)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert compiled.count('jit(stack_slots)') == 2, compiled  # per group
   assert 'jit(stack)' not in compiled
   tree_allclose(jax.device_get(make_golden_federation('fedavg').init().groups[0].params), first_params, rtol=0,
@@ -349,15 +334,10 @@ def test_later_rounds_do_not_recompile(tiny_data, strategy):
   state = fed.init()
   state, _ = fed.round(state)
   fed.evaluate(state)
-  compiles = []
-  listener = lambda event, duration, **kw: compiles.append(event) if 'backend_compile' in event else None
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with compilations() as compiles:
     for _ in range(3):  # different participants every round
       state, _ = fed.round(state)
       fed.evaluate(state)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert compiles == []
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import compilations
 from fedjax_het.core import ClientState
 from fedjax_het.engine import ExecutionConfig, Federation, LocalTraining, ModelConfig
 from fedjax_het.errors import ConfigError
@@ -120,11 +121,6 @@ def test_a_server_model_is_initialised_in_one_program(method):
   fed = make_golden_federation(method)
   initial = [jax.tree.map(np.asarray, g) for g in fed.init().groups]
   jax.clear_caches()  # what the first init compiled is compiled again, eagerly op by op if it were eager
-  compiled = []
-  listener = lambda event, duration, **kw: compiled.append(kw.get('fun_name')) if 'backend_compile' in event else None
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with compilations() as compiled:
     jax.block_until_ready(fed.algorithm.init_server(jax.random.PRNGKey(0), fed.spec, initial))
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert len(compiled) <= 35, compiled

@@ -248,18 +248,17 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
     # One client's state, computed once and broadcast: the programs do not depend on the number of clients, so a
     # larger population compiles nothing new (XLA's persistent compilation cache, `compilation_cache`).
     params, variables = broadcast_clients(init_one(group_key), g.stacked_size)
-    if jax.tree.leaves(extra_shape):
-      extra = broadcast_clients(jax.jit(lambda k: algorithm.init_client(spec, k))(group_key), g.stacked_size)
+    init_extra = lambda: broadcast_clients(jax.jit(lambda k: algorithm.init_client(spec, k))(group_key),
+                                           g.stacked_size)
   else:
     init_keys = jax.vmap(lambda c: jax.random.fold_in(init_key, c))(g.stacked_ids)
     extra_shape = check(init_keys[0])
     # Two programs, not one: the algorithm's state is often the same program in every group (a generator, an
     # optimizer), which XLA's persistent compilation cache (`compilation_cache`) then compiles once per run.
     params, variables = init_each(init_keys)
-    if jax.tree.leaves(extra_shape):
-      extra = jax.jit(jax.vmap(lambda k: algorithm.init_client(spec, k)))(init_keys)
-  if not jax.tree.leaves(extra_shape):  # a method without client state (most): its empty structure, no program
-    extra = extra_shape
+    init_extra = lambda: jax.jit(jax.vmap(lambda k: algorithm.init_client(spec, k)))(init_keys)
+  # A method without client state (most): its empty structure, no program.
+  extra = init_extra() if jax.tree.leaves(extra_shape) else extra_shape
   keys = jax.vmap(lambda c: jax.random.fold_in(key_key, c))(g.stacked_ids)
   return place_clients(ClientState(params, dict(variables), extra, keys), mesh)
 
