@@ -14,10 +14,13 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # round 0.84x PyTorch's against 0.97x, benchmarks/vs_pytorch.py), so this is a test setting, not the library's.
 # Level 0 can compute wrong gradients through a reduce-max (docs/xla_cpu_miscompile.md; max pooling selects, by
 # index and is not affected); benchmarks/vmap_equals_sequential.py checks every method
-# at the default level. FEDJAX_HET_TEST_XLA_OPT=1 keeps XLA's default.
+# at the default level. Its LLVM module compiled whole (--xla_cpu_parallel_codegen_split_count=1) in place of
+# XLA's 32 parts, which buy nothing when two workers already keep both cores busy, spends about a fifth less in
+# backend compilation (GeFL-F's three-phase fixture in tests/test_gefl_f.py: 14.0-16.4 s -> 10.2-12.2 s).
+# FEDJAX_HET_TEST_XLA_OPT=1 keeps XLA's default.
 if os.environ.get('FEDJAX_HET_TEST_XLA_OPT', '0') == '0':
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0'
-                             ' --xla_cpu_use_fusion_emitters=false').strip()
+                             ' --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1').strip()
 # Two pytest-xdist workers share two cores: XLA:CPU's Eigen kernels run on the calling thread instead of a pool
 # per process that competes for both cores. FEDJAX_HET_TEST_THREADS=pool keeps XLA's default pool. (Not the
 # recipe's `intra_op_parallelism_threads=1`: a token without "--" makes XLA ignore every flag after it, such as
