@@ -101,7 +101,7 @@ class LocalTraining:
     if self.order == 'shuffle' or not self.drop_last:
       return n
     used = n // self.batch_size * self.batch_size
-    return jnp.where(used > 0, used, n)
+    return used + (used == 0) * n  # `used` where positive, else n; arithmetic, so a host call compiles nothing
 
 
 def batch_schedule(rng: jax.Array, n: jnp.ndarray, n_max: int, batch_size: int, epochs: int, order: str = 'stored',

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import hashlib
 import math
 import sys
@@ -33,7 +34,7 @@ from fedjax_het.engine.groups import (EvalSet, Group, ModelConfig, build_groups,
                                       init_group, slot_indices)
 from fedjax_het.engine.plan import plan_stages
 from fedjax_het.engine.schedule import Schedule
-from fedjax_het.engine.sharding import place_replicated, to_host
+from fedjax_het.engine.sharding import place_replicated, to_device, to_host
 from fedjax_het.engine.stores import RowStore
 from fedjax_het.engine.streaming import host_states
 from fedjax_het.errors import ConfigError
@@ -49,7 +50,16 @@ def secret_key(secret: int, purpose: str) -> jax.Array:
     raise ConfigError(f'the DP secret must be a non-negative integer of at most 512 bits, not {secret!r}.')
   digest = hashlib.blake2b(purpose.encode(), key=secret.to_bytes(64, 'little'), digest_size=8,
                            person=b'fedjax_het key').digest()
-  return jnp.asarray(np.frombuffer(digest, '<u4'), jnp.uint32)
+  return to_device(np.frombuffer(digest, '<u4'), np.uint32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def seed_keys(seed: int, num: int, round_number: Optional[int] = None) -> tuple[jax.Array, ...]:
+  """The `num` keys split(fold_in(PRNGKey(seed), round_number)), or split(PRNGKey(seed)) without a round number (a
+  run's initial keys), in one program: eagerly, each of the six operations compiled one of its own."""
+  root = jax.random.PRNGKey(seed)
+  keys = jax.random.split(root if round_number is None else jax.random.fold_in(root, round_number), num)
+  return tuple(keys[i] for i in range(num))
 
 
 def _shared_feature_dim(groups: Sequence[Group], models: ModelConfig, algorithm: Algorithm) -> int:
@@ -237,7 +247,7 @@ class Federation:
 
   # ---------------------------------------------------------------- initialisation
   def _init_keys(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-    init_key, key_key, server_key = jax.random.split(jax.random.PRNGKey(self.seed), 3)
+    init_key, key_key, server_key = seed_keys(self.seed, 3)
     return init_key, key_key, server_key
 
   def init(self) -> FederationState:
@@ -334,8 +344,7 @@ class Federation:
     if self.secret is not None:
       return (secret_key(self.secret, f'clients, round {round_index + 1}'),
               secret_key(self.secret, f'server, round {round_index + 1}'))
-    root = jax.random.PRNGKey(self.seed)
-    key, server_key = jax.random.split(jax.random.fold_in(root, round_index + 1))
+    key, server_key = seed_keys(self.seed, 2, round_index + 1)
     return key, server_key
 
   def round(self, state: FederationState) -> tuple[FederationState, dict]:
@@ -448,12 +457,12 @@ class Federation:
     for gi, (g, result) in enumerate(zip(self.groups, results)):
       slot_idx, values = result.slot_idx, result.uploads
       broadcast = self.sent(state.server, gi, r)
-      real = jnp.asarray(slot_idx < g.size)
-      num_train = jnp.asarray(np.where(slot_idx < g.size, self.train_sizes[g.clients[np.minimum(
-          slot_idx, g.size - 1)]], 0), jnp.float32)
+      real = to_device(slot_idx < g.size)
+      num_train = to_device(np.where(slot_idx < g.size, self.train_sizes[g.clients[np.minimum(
+          slot_idx, g.size - 1)]], 0), np.float32)
       groups.append(result.stacked)
-      uploads.append(Uploads(values, real, num_train, jnp.asarray(slot_idx, jnp.int32),
-                             None if expected is None else jnp.full(len(slot_idx), expected, jnp.float32)))
+      uploads.append(Uploads(values, real, num_train, to_device(slot_idx, np.int32),
+                             None if expected is None else to_device(np.full(len(slot_idx), expected, np.float32))))
       losses.append((result.losses, slot_idx < g.size))
       upload_parts.append(self._fn('count_uploads', (p, gi), lambda: jax.jit(
           lambda u, m: count_uploads(phase.traffic.upload, u, m)))(values, real))

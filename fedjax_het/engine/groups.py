@@ -13,7 +13,7 @@ from jax import lax
 
 from fedjax_het.core import Algorithm, ClientState, GroupSpec, ModelMaker
 from fedjax_het.data.federated import ClientArrays, FederatedData
-from fedjax_het.engine.sharding import place_clients, to_host
+from fedjax_het.engine.sharding import place_clients, to_device, to_host
 from fedjax_het.engine.stores import RowStore
 from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
@@ -128,7 +128,7 @@ class Group:
     self.spec, self.rows, self.test, self.stacked_size, self.mesh = spec, rows, test, stacked_size, mesh
     self.clients = np.asarray(self.spec.clients)
     self.train_sizes = np.asarray(rows.n)[:len(self.clients)]
-    self.stacked_ids = jnp.asarray(pad_clients(self.clients, self.stacked_size))
+    self.stacked_ids = to_device(pad_clients(self.clients, self.stacked_size))
     if variables is None:  # the shapes of its classifier's variables, traced here unless the caller has them
       variables = jax.eval_shape(lambda: spec.model.init(jax.random.PRNGKey(0), spec.sample_input(), train=False))
     self.num_params = count_params(variables['params'])

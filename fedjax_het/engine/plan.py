@@ -31,6 +31,13 @@ def client_keys(rng: jax.Array) -> dict:
           'final': jax.random.fold_in(rng, 2), 'prepare': jax.random.fold_in(rng, 4)}
 
 
+@jax.jit
+def round_client_keys(round_key: jax.Array, client_id) -> dict:
+  """`client_keys` of client `client_id` in the round of `round_key` (fold_in(round key, client id)), in one program
+  for the sequential executor, which calls it from the host once per client."""
+  return client_keys(jax.random.fold_in(round_key, client_id))
+
+
 def client_rows(program: ClientProgram, x: jnp.ndarray, y: jnp.ndarray, n, reps=None) -> ClientRows:
   """What a client's `prepare` and `final` see of its rows x [n_max, ...], y [n_max] (n real): `ClientRows` with
   the rows a statistics pass visits (`LocalTraining.statistics_rows`) and the representations where given."""

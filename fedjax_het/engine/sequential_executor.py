@@ -17,9 +17,10 @@ from fedjax_het.engine.donation import ConsumingJit
 from fedjax_het.engine.executor import Executor
 from fedjax_het.engine.groups import (EvalSet, Group, put_client, representation_model, stack_slots, take_client,
                                       take_client_jit)
-from fedjax_het.engine.plan import (client_keys, client_rows, count_into, even_chunk, plan_stages, represent_into,
-                                    stage_key, statistics_batch, statistics_key, statistics_of_batch, statistics_order,
-                                    take_step, zero_statistics)
+from fedjax_het.engine.plan import (client_rows, count_into, even_chunk, plan_stages, represent_into,
+                                    round_client_keys, stage_key, statistics_batch, statistics_key,
+                                    statistics_of_batch, statistics_order, take_step, zero_statistics)
+from fedjax_het.engine.sharding import device_zeros
 
 
 class SequentialExecutor(Executor):
@@ -103,14 +104,15 @@ class SequentialExecutor(Executor):
 
   def _empty_upload(self, g: Group, program: ClientProgram, fns: dict, stacked, broadcast) -> Any:
     client = without_model(program, jax.eval_shape(self.stack_functions()['take'], stacked, 0))
-    carry = jax.eval_shape(fns['init'], client, broadcast, jax.random.PRNGKey(0))
+    key = jax.eval_shape(jax.random.PRNGKey, 0)  # its shape only: an eager key compiles programs
+    carry = jax.eval_shape(fns['init'], client, broadcast, key)
     reps = None
     if program.trained is not None:
       reps = jax.ShapeDtypeStruct((g.train.x.shape[1], g.model.feature_dim), jnp.float32)
       if program.representation_weights is not None:
-        reps = jax.eval_shape(fns['weighted'], carry, g.train, 0, reps, broadcast, jax.random.PRNGKey(0))
-    template = jax.eval_shape(fns['final'], carry, g.train, 0, reps, broadcast, jax.random.PRNGKey(0))[1]
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), template)
+        reps = jax.eval_shape(fns['weighted'], carry, g.train, 0, reps, broadcast, key)
+    template = jax.eval_shape(fns['final'], carry, g.train, 0, reps, broadcast, key)[1]
+    return jax.tree.map(lambda s: device_zeros(s.shape, s.dtype), template)
 
   def run_one(self, g: Group, program: ClientProgram, phase: int, i: int, client, broadcast, key: jax.Array,
               owned: bool = False) -> tuple[Any, Any, float]:
@@ -123,7 +125,7 @@ class SequentialExecutor(Executor):
     if not owned:
       client = self.stack_functions()['copy'](client)
     n = int(g.train_sizes[i])
-    keys = client_keys(jax.random.fold_in(key, int(g.clients[i])))
+    keys = round_client_keys(key, np.int32(g.clients[i]))
     original, client = client, without_model(program, client)
     if program.prepare is not None:
       client = fns['prepare'](client, g.train, i, broadcast, keys['prepare'])
@@ -150,7 +152,7 @@ class SequentialExecutor(Executor):
     chunk (`represent_into`)."""
     n_max = g.train.x.shape[1]
     chunk = even_chunk(n_max, self.eval_batch_size)
-    buf = jnp.zeros((n_max, g.model.feature_dim))
+    buf = device_zeros((n_max, g.model.feature_dim))
     for start in range(0, max(rows, 1), chunk):
       buf = fns['represent_into'](buf, params, model_state, g.train.x, i, start)
     return buf
@@ -211,7 +213,7 @@ class SequentialExecutor(Executor):
       client_key = statistics_key(key, int(g.clients[i]))
       order = fns['order'](client_key, g.train.n[i], g.train.x.shape[1])
       for p in range(-(-max(int(g.train_sizes[i]), 1) // chunk)):
-        total = fns['into'](total, evaluated, g.train.x, i, order, jnp.int32(p), g.train.n[i], client_key)
+        total = fns['into'](total, evaluated, g.train.x, i, order, np.int32(p), g.train.n[i], client_key)
     return total
 
   def correct_one(self, g: Group, evaluation: Evaluation, phase: int, client, broadcast, test: EvalSet, which: str,
@@ -225,7 +227,7 @@ class SequentialExecutor(Executor):
         'prepare': jax.jit(functools.partial(prepare_evaluation, evaluation)), 'count_into': jax.jit(count)})
     evaluated = fns['prepare'](client, broadcast)
     j = test.index(i)
-    counts = jnp.zeros(len(evaluation.names), jnp.int32)
+    counts = device_zeros(len(evaluation.names), np.int32)
     for start in range(0, max(int(test.sizes[j]), 1), chunk):
       counts = fns['count_into'](counts, evaluated, test.arrays.x, test.arrays.y, j, start, test.arrays.n[j])
     return np.asarray(counts)

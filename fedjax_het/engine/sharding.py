@@ -58,6 +58,18 @@ def place_replicated(tree: Any, mesh: Optional[Mesh]) -> Any:
   return jax.tree.map(put, tree)
 
 
+def to_device(x: Any, dtype: Any = None) -> jax.Array:
+  """A host value (NumPy array or Python scalar, in `dtype` if given) as an uncommitted array on the default device,
+  compiling nothing: `jnp.asarray` of a NumPy array compiles a copy program per shape and dtype, `jnp.zeros` and
+  `jnp.full` two, and a round that builds its inputs eagerly paid one compilation each. Outside `jit` only."""
+  return jax.device_put(np.asarray(x, dtype))
+
+
+def device_zeros(shape: Any, dtype: Any = np.float32) -> jax.Array:
+  """`jnp.zeros(shape, dtype)` without compiling anything (`to_device`)."""
+  return to_device(np.zeros(shape, dtype))
+
+
 def to_host(x: Any) -> np.ndarray:
   """A NumPy copy of a device array, gathered from every process when it spans several."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:

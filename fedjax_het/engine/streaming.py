@@ -6,11 +6,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fedjax_het.engine.groups import Group
-from fedjax_het.engine.sharding import to_host
+from fedjax_het.engine.sharding import to_device, to_host
 from fedjax_het.engine.stores import DeviceRows, RowStore
 
 
@@ -33,8 +32,8 @@ class ResidentClients:
     block = self.blocks[np.minimum(idx, self.g.size - 1)]
     real = idx < self.g.size
     return (self.stacked, self.rows.device(self.placement),
-            jnp.asarray(np.where(real, self.rows.offset[block], 0), jnp.int32),
-            jnp.asarray(np.where(real, self.rows.n[block], 0), jnp.int32))
+            to_device(np.where(real, self.rows.offset[block], 0), np.int32),
+            to_device(np.where(real, self.rows.n[block], 0), np.int32))
 
   def prefetch(self, idx: np.ndarray, width: int) -> tuple:
     """`inputs` made ahead of the call, the states left out (the call before it returns them)."""
@@ -73,7 +72,7 @@ class StreamedClients(ResidentClients):
         lo, k = int(self.rows.offset[b]), int(self.rows.n[b])
         x[j * span:j * span + k], y[j * span:j * span + k], counts[j] = host.x[lo:lo + k], host.y[lo:lo + k], k
     store = jax.device_put(DeviceRows(x, y, self.rows.palette))
-    return clients, store, jnp.asarray(np.arange(width) * span, jnp.int32), jnp.asarray(counts)
+    return clients, store, to_device(np.arange(width) * span, np.int32), to_device(counts)
 
   prefetch = inputs
 

@@ -15,7 +15,7 @@ from fedjax_het.engine.client import RowsOf, client_statistics_rows, run_client_
 from fedjax_het.engine.executor import Executor
 from fedjax_het.engine.groups import Group
 from fedjax_het.engine.plan import statistics_key, step_counts
-from fedjax_het.engine.sharding import to_host
+from fedjax_het.engine.sharding import device_zeros, to_device, to_host
 from fedjax_het.engine.streaming import ResidentClients, StreamedClients, host_states
 from fedjax_het.errors import ConfigError
 
@@ -158,8 +158,8 @@ class VmapExecutor(Executor):
 
     def empty(width):  # a call over `width` empty slots: nothing trains, nothing is written
       idx = np.full(width, g.stacked_size, np.int32)
-      return (*source.inputs(idx, width), jnp.asarray(idx), jnp.full(width, slots, jnp.int32), g.stacked_ids,
-              broadcast, key, jnp.zeros(steps.shape[1], jnp.int32), jnp.int32(0))
+      return (*source.inputs(idx, width), to_device(idx), to_device(np.full(width, slots, np.int32)), g.stacked_ids,
+              broadcast, key, device_zeros(steps.shape[1], np.int32), np.int32(0))
 
     def one_slot():
       first, store, offsets, counts, idx, _, *rest = empty(1)
@@ -167,7 +167,7 @@ class VmapExecutor(Executor):
 
     shapes = self.compiled('vmap_buffers', g.spec.index, phase, slots, make=lambda: jax.eval_shape(
         self._make_update(g, program, 1, train=False), *one_slot())[1:])  # a slot's results
-    zeros = lambda: jax.tree.map(lambda s: jnp.zeros((slots,) + s.shape[1:], s.dtype), shapes)
+    zeros = lambda: jax.tree.map(lambda s: device_zeros((slots,) + s.shape[1:], s.dtype), shapes)
 
     def warm(fn, width):
       first, store, *rest = empty(width)
@@ -186,10 +186,10 @@ class VmapExecutor(Executor):
       first, store, offsets, counts = ahead
       first = source.states() if first is None else first
       dest = self._slots(chunk.positions, chunk.width, slots)
-      trips = jnp.asarray(steps[chunk.positions].max(0, initial=0), jnp.int32)
+      trips = to_device(steps[chunk.positions].max(0, initial=0), np.int32)
       passes = -(-int(statistics_rows[chunk.positions].max(initial=0)) // self.pass_rows(chunk.width))
-      new, out = fns[chunk.width](first, out, store, offsets, counts, jnp.asarray(idx), jnp.asarray(dest),
-                                  g.stacked_ids, broadcast, key, trips, jnp.int32(passes))
+      new, out = fns[chunk.width](first, out, store, offsets, counts, to_device(idx), to_device(dest),
+                                  g.stacked_ids, broadcast, key, trips, np.int32(passes))
       if c + 1 < len(calls):  # the next chunk's inputs travel while this one computes
         ahead = source.prefetch(calls[c + 1][1], calls[c + 1][0].width)
       source.written(idx, new)
@@ -242,18 +242,18 @@ class VmapExecutor(Executor):
     def args(positions, width):
       idx = self._slots(positions, width, g.stacked_size)
       states, store, offsets, row_counts = source.inputs(idx, width)
-      return (store, offsets, row_counts, jnp.asarray(idx), jnp.asarray(self._slots(positions, width, g.size)),
+      return (store, offsets, row_counts, to_device(idx), to_device(self._slots(positions, width, g.size)),
               broadcast, states)
 
-    scores = jnp.zeros((g.size, len(evaluation.names)), jnp.int32)
+    scores = device_zeros((g.size, len(evaluation.names)), np.int32)
 
     def warm(fn, width):
-      fn(jnp.zeros_like(scores), *args(np.zeros(0, np.int32), width), jnp.int32(0))
+      fn(device_zeros(scores.shape, np.int32), *args(np.zeros(0, np.int32), width), np.int32(0))
     fns = self._functions(f'vmap_eval_{which}', g, phase, g.size, lambda width: self._scores_into(
         self._make_eval(evaluation, test.rows.n_max, width)), warm)
     for chunk in self.plan(f'eval_{which}', g, -(-counts // self.eval_batch_size)):
       passes = -(-int(counts[chunk.positions].max(initial=0)) // self.pass_rows(chunk.width))
-      scores = fns[chunk.width](scores, *args(chunk.positions, chunk.width), jnp.int32(passes))
+      scores = fns[chunk.width](scores, *args(chunk.positions, chunk.width), np.int32(passes))
     return to_host(scores)
 
   @staticmethod
@@ -281,16 +281,16 @@ class VmapExecutor(Executor):
     def args(positions, width):
       idx = self._slots(positions, width, g.stacked_size)
       states, store, offsets, counts = source.inputs(idx, width)
-      return (store, offsets, counts, jnp.asarray(idx), g.stacked_ids, broadcast, key, states)
+      return (store, offsets, counts, to_device(idx), g.stacked_ids, broadcast, key, states)
 
     shapes = jax.eval_shape(lambda *a: core(a[-1], *a[:-1], jnp.int32(0)), *args(np.zeros(0, np.int32), 1))
-    total = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    total = jax.tree.map(lambda s: device_zeros(s.shape, s.dtype), shapes)
 
     def warm(fn, width):
-      fn(jax.tree.map(jnp.zeros_like, total), *args(np.zeros(0, np.int32), width), jnp.int32(0))
+      fn(jax.tree.map(lambda t: device_zeros(t.shape, t.dtype), total), *args(np.zeros(0, np.int32), width), np.int32(0))
     fns = self._functions('vmap_statistics', g, phase, g.size, lambda width: self._sum_into(core), warm)
     for chunk in self.plan('statistics', g, -(-g.train_sizes // batch)):
-      total = fns[chunk.width](total, *args(chunk.positions, chunk.width), jnp.int32(chunk.work))
+      total = fns[chunk.width](total, *args(chunk.positions, chunk.width), np.int32(chunk.work))
     return total
 
   @staticmethod

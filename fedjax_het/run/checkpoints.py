@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from fedjax_het.engine.sharding import to_host
+from fedjax_het.engine.sharding import to_device, to_host
 from fedjax_het.errors import ConfigError
 from fedjax_het.run.distributed import is_writer
 
@@ -127,7 +127,7 @@ def _placed(x: np.ndarray, leaf: Any) -> Any:
     return np.array(x, dtype=np.asarray(leaf).dtype)  # writable, as the executors' host states are
   if len(leaf.sharding.device_set) > 1:
     return jax.make_array_from_callback(x.shape, leaf.sharding, lambda index: x[index])
-  return jax.numpy.asarray(x)
+  return to_device(x)
 
 
 class Checkpoints:
