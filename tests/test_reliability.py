@@ -410,14 +410,21 @@ def test_a_second_signal_aborts_at_once_while_the_main_thread_waits_inside_nativ
 
 
 # ------------------------------------------------------------------ kill -9 anywhere
-def test_kill_9_at_several_points_then_resume_gives_the_uninterrupted_metrics(finished, tmp_path):
-  """SIGKILL inside the checkpoint write of round 4 (its files written, not committed), then (resumed from round 2)
-  halfway through the metrics line of round 3; resumed again, the run's metrics equal the uninterrupted run's. (A
-  kill inside a round's computation leaves what the kill inside the checkpoint write leaves: tests/fault_driver.py
-  'round'.)"""
+# Each kill is a process of its own (about 9 s of the default run's CPU): the default run kills inside a checkpoint
+# write and resumes; the slow set (`-m slow`) kills again halfway through a metrics line. What that kill leaves (a
+# torn last line) is also written by hand in
+# test_resume_falls_back_past_an_unreadable_checkpoint_and_a_torn_metrics_line.
+@pytest.mark.parametrize('kills', [[('checkpoint', 4, False)],
+                                   pytest.param([('checkpoint', 4, False), ('metrics', 3, True)],
+                                                marks=pytest.mark.slow)], ids=['checkpoint', 'checkpoint_metrics'])
+def test_kill_9_then_resume_gives_the_uninterrupted_metrics(finished, tmp_path, kills):
+  """SIGKILL inside the checkpoint write of round 4 (its files written, not committed), then (slow set; resumed from
+  round 2) halfway through the metrics line of round 3; resumed again, the run's metrics equal the uninterrupted
+  run's. (A kill inside a round's computation leaves what the kill inside the checkpoint write leaves:
+  tests/fault_driver.py 'round'.)"""
   run = str(tmp_path / 'run')
   driver = os.path.join(ROOT, 'tests', 'fault_driver.py')
-  for point, round_, resume in [('checkpoint', 4, False), ('metrics', 3, True), ('none', 0, True)]:
+  for point, round_, resume in kills + [('none', 0, True)]:
     result = subprocess.run([sys.executable, driver, run, point, str(round_)] + ['--resume'] * resume, cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == (0 if point == 'none' else -signal.SIGKILL), (point, result.stderr[-2000:])

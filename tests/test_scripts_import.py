@@ -56,17 +56,6 @@ def test_each_runners_help_says_what_it_runs_and_which_flag_file_to_start_from(s
   assert files and all(os.path.exists(os.path.join(ROOT, path)) for path in files), (script, files)
 
 
-def test_run_py_help_lists_every_registered_method():
-  import subprocess
-  import sys
-  from fedjax_het.run.registry import METHODS
-  result = subprocess.run([sys.executable, os.path.join(ROOT, 'experiments', 'run.py'), '--help'],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-  listed = result.stdout.split('METHODS): ', 1)[1].split('.', 1)[0]
-  assert listed.split(', ') == list(METHODS)
-
-
-
 def defined_flags(source: str) -> list[str]:
   """The flags a script defines itself: the names of its absl DEFINE_* calls and argparse '--' options."""
   names = []
@@ -93,10 +82,18 @@ ENTRY_POINTS = [os.path.join('experiments', name) for name in sorted(os.listdir(
                                             'fedjax_het/data/prepare.py']
 
 
-@pytest.mark.parametrize('entry', ENTRY_POINTS)
+# Each call starts an interpreter that imports JAX (about 2 s): the default run checks the generic runner, the
+# paper's main script and the entry points outside experiments/; the other experiment scripts, which define their
+# flags with the same `cli.define_flags` and whose imports test_the_scripts_fedjax_het_imports_exist checks, in the
+# slow set (`-m slow`).
+DEFAULT_HELP = ('experiments/run.py', 'experiments/fedre.py')
+
+
+@pytest.mark.parametrize('entry', [e if e in DEFAULT_HELP or not e.startswith('experiments') else
+                                   pytest.param(e, marks=pytest.mark.slow) for e in ENTRY_POINTS])
 def test_help_lists_the_entry_points_own_flags_and_exits_0(entry):
   """`--help` of every entry point exits 0 and lists the flags it defines (the experiment runners: every group of
-  the experiment flags), never only absl's pointer to --helpfull."""
+  the experiment flags; run.py: every registered method), never only absl's pointer to --helpfull."""
   import subprocess
   import sys
   command = ([sys.executable, entry] if entry.startswith('experiments') else
@@ -112,3 +109,6 @@ def test_help_lists_the_entry_points_own_flags_and_exits_0(entry):
   listed = [name for name in own if f'--{name}' in result.stdout or f'--[no]{name}' in result.stdout]
   assert own and listed == own, (own, result.stdout)
   assert 'Try --helpfull' not in result.stdout
+  if entry == 'experiments/run.py':
+    from fedjax_het.run.registry import METHODS
+    assert result.stdout.split('METHODS): ', 1)[1].split('.', 1)[0].split(', ') == list(METHODS)
