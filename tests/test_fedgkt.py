@@ -130,16 +130,22 @@ def test_the_codes_client_cuts_after_its_stem_and_the_server_trains_on_full_reso
     build_federation(dataclasses.replace(cfg, dataset='synthetic:4,4,1', models=('mlp',), rm='ap')).init()
 
 
-def test_fedgkt_is_refused_under_dp_and_bad_settings_name_their_flags():
+def test_bad_fedgkt_settings_name_their_flags():
+  with pytest.raises(ConfigError, match=r"FedGKTConfig.optimizer='rmsprop': choose one of adam, sgd"):
+    FedGKTConfig(optimizer='rmsprop')
+  with pytest.raises(ConfigError, match='FedGKTConfig.server_epochs=-1 must be >= 0'):
+    FedGKTConfig(server_epochs=-1)
+
+
+# Slow (`-m slow`; about 8 s, FedGKT's server model initialised first): the refusal of an integer upload part that
+# is not declared public is checked in the default run by tests/test_dp.py, on a part of its own.
+@pytest.mark.slow
+def test_fedgkt_is_refused_under_dp():
   cfg = ExperimentConfig(algorithm='fedgkt', dataset='synthetic:8,8,1', num_clients=4, models=('mlp',),
                          feature_dim=16, rounds=1, batch_size=8, dp_mode='central', dp_noise_multiplier=1.0)
   fed = build_federation(cfg)
   with pytest.raises(ConfigError, match="uploads 'y' as int32, which Gaussian noise cannot protect"):
     fed.round(fed.init())
-  with pytest.raises(ConfigError, match=r"FedGKTConfig.optimizer='rmsprop': choose one of adam, sgd"):
-    FedGKTConfig(optimizer='rmsprop')
-  with pytest.raises(ConfigError, match='FedGKTConfig.server_epochs=-1 must be >= 0'):
-    FedGKTConfig(server_epochs=-1)
 
 
 @pytest.mark.slow
