@@ -56,7 +56,8 @@ from fedjax_het.data import make_federated_data, make_synthetic
 # in collection order, so a long file collected last would keep one worker busy after the other has finished.
 LONGEST_FIRST = ('test_golden.py', 'test_gefl_f.py', 'test_multiprocess.py', 'test_sharding.py', 'test_gefl.py',
                  'test_reliability.py', 'test_seed_baselines.py', 'test_engine.py', 'test_experiment.py',
-                 'test_fedvtc.py', 'test_fedgkt.py', 'test_dp.py', 'test_flower.py', 'test_felo.py')
+                 'test_fedvtc.py', 'test_fedgkt.py', 'test_dp.py', 'test_flower.py', 'test_felo.py',
+                 'test_torch_reference.py', 'test_torch_baselines.py')
 
 
 def pytest_collection_modifyitems(config, items):
