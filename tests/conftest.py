@@ -65,33 +65,12 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=rank)  # stable: the order within and among the other files is kept
 
 
-# Limits of what a worker keeps compiled across test modules: an XLA:CPU executable holds dozens of memory mappings,
-# and a worker reaching the kernel's limit (vm.max_map_count, 65,530) segfaults inside XLA.
-MAX_MAPPINGS, MAX_RESIDENT_BYTES = 20_000, 3 * 2**30
-
-
-def _mappings_and_resident_bytes() -> tuple[int, int]:
-  with open('/proc/self/maps') as f:
-    mappings = sum(1 for _ in f)
-  with open('/proc/self/statm') as f:
-    resident = int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
-  return mappings, resident
-
-
 @pytest.fixture(autouse=True, scope='module')
 def release_compiled_programs():
-  """Drops every compiled program after a test module once the worker holds MAX_MAPPINGS memory mappings or
-  MAX_RESIDENT_BYTES (where /proc tells; after every module elsewhere). Until then later modules reuse what earlier
-  ones compiled: the library's module-level programs (a client's take and put, the classifiers' initialisers, the
-  batch schedules) and eager operations, about one program in eight of the engine's test files (tests/test_engine.py
-  to tests/test_baselines.py in one process: 2,082 compilations -> 1,824)."""
+  """Drops every compiled program after each test module. An XLA:CPU executable holds dozens of memory mappings;
+  a worker keeping all of the suite's reaches the kernel's limit (vm.max_map_count, 65,530) and segfaults inside
+  XLA. Modules rarely share programs, and the persistent cache serves the few they do."""
   yield
-  try:
-    mappings, resident = _mappings_and_resident_bytes()
-    if mappings < MAX_MAPPINGS and resident < MAX_RESIDENT_BYTES:
-      return
-  except (OSError, ValueError):
-    pass
   jax.clear_caches()
   gc.collect()
 

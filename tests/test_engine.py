@@ -220,7 +220,6 @@ def test_host_copy_compiles_one_program_whatever_the_leaf_shapes():
   per leaf: `jnp.asarray` of a NumPy array would compile a program per leaf shape, over a hundred in a cold start
   of ten architectures."""
   stacked = {f'w{k}': jnp.arange(2.0 * k * 17).reshape(2, k, 17) + k for k in range(3, 9)}  # 6 leaf shapes
-  jax.clear_caches()
   with compilations() as compiled:
     client = host_copy(stacked, 1)
   assert compiled == ['jit(take_client)']
@@ -235,7 +234,6 @@ def test_a_second_federation_of_the_same_architectures_traces_no_initialiser_and
   starts from the first's parameters. A sequential round stacks its slots' uploads in one program, not one per leaf
   shape."""
   from golden import make_golden_federation
-  jax.clear_caches()  # a worker keeps programs across modules: the golden run's would hide the stack's
   first_params = jax.device_get(make_golden_federation('fedavg').init().groups[0].params)
   second = make_golden_federation('fedavg')
   with compilations() as compiled:
