@@ -251,7 +251,7 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
     init_extra = lambda: broadcast_clients(jax.jit(lambda k: algorithm.init_client(spec, k))(group_key),
                                            g.stacked_size)
   else:
-    init_keys = jax.vmap(lambda c: jax.random.fold_in(init_key, c))(g.stacked_ids)
+    init_keys = fold_in_each(init_key, g.stacked_ids)
     extra_shape = check(init_keys[0])
     # Two programs, not one: the algorithm's state is often the same program in every group (a generator, an
     # optimizer), which XLA's persistent compilation cache (`compilation_cache`) then compiles once per run.
@@ -259,8 +259,14 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
     init_extra = lambda: jax.jit(jax.vmap(lambda k: algorithm.init_client(spec, k)))(init_keys)
   # A method without client state (most): its empty structure, no program.
   extra = init_extra() if jax.tree.leaves(extra_shape) else extra_shape
-  keys = jax.vmap(lambda c: jax.random.fold_in(key_key, c))(g.stacked_ids)
+  keys = fold_in_each(key_key, g.stacked_ids)
   return place_clients(ClientState(params, dict(variables), extra, keys), mesh)
+
+
+@jax.jit
+def fold_in_each(key: jax.Array, client_ids: jnp.ndarray) -> jax.Array:
+  """fold_in(key, c) for each client id c, in one program (eagerly, a program per operation)."""
+  return jax.vmap(lambda c: jax.random.fold_in(key, c))(client_ids)
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -209,6 +209,7 @@ def represent_into(model, buf: jnp.ndarray, params: Any, model_state: Any, x: jn
 STATISTICS_STREAM = 0x535441  # folded into a round's clients' key for the statistics pass (`statistics_key`)
 
 
+@jax.jit  # one program where the sequential executor calls it from the host, once per client
 def statistics_key(clients_key: jax.Array, client_id) -> jax.Array:
   """The key of one client's statistics pass (`Evaluation.statistics`) after a round: fold_in(fold_in(the round's
   clients' key, STATISTICS_STREAM), client id), so the pass draws nothing that the client's training draws."""

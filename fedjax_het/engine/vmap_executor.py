@@ -13,7 +13,7 @@ from fedjax_het.core import ClientProgram, Evaluation, has_per_client, map_per_c
 from fedjax_het.engine.chunks import Chunk, plan_chunks, width_ladder
 from fedjax_het.engine.client import RowsOf, client_statistics_rows, run_client_rows, score_client_rows
 from fedjax_het.engine.executor import Executor
-from fedjax_het.engine.groups import Group
+from fedjax_het.engine.groups import Group, fold_in_each
 from fedjax_het.engine.plan import statistics_key, step_counts
 from fedjax_het.engine.sharding import device_zeros, to_device, to_host
 from fedjax_het.engine.streaming import ResidentClients, StreamedClients, host_states
@@ -220,7 +220,7 @@ class VmapExecutor(Executor):
     def update(states, store, offsets, counts, slot_idx, client_ids, broadcast, key, trips, passes):
       clients = states if stream else take(states, slot_idx)
       ids = jnp.take(client_ids, slot_idx, mode='clip')
-      rngs = jax.vmap(lambda c: jax.random.fold_in(key, c))(ids)
+      rngs = fold_in_each(key, ids)
       one = lambda c, off, cnt, k, b: run_client_rows(program, g.model, c, RowsOf(store, off, cnt, num_rows), b, k,
                                                       trips, passes, chunk, unroll, train)
       new, uploads, losses = vmap_broadcast(one, broadcast, slot_idx)(clients, offsets, counts, rngs)
@@ -287,7 +287,8 @@ class VmapExecutor(Executor):
     total = jax.tree.map(lambda s: device_zeros(s.shape, s.dtype), shapes)
 
     def warm(fn, width):
-      fn(jax.tree.map(lambda t: device_zeros(t.shape, t.dtype), total), *args(np.zeros(0, np.int32), width), np.int32(0))
+      empty_total = jax.tree.map(lambda t: device_zeros(t.shape, t.dtype), total)
+      fn(empty_total, *args(np.zeros(0, np.int32), width), np.int32(0))
     fns = self._functions('vmap_statistics', g, phase, g.size, lambda width: self._sum_into(core), warm)
     for chunk in self.plan('statistics', g, -(-g.train_sizes // batch)):
       total = fns[chunk.width](total, *args(chunk.positions, chunk.width), np.int32(chunk.work))
