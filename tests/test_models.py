@@ -266,3 +266,22 @@ def test_batchnorm_running_variance_is_torchs_unbiased_one():
   np.testing.assert_allclose(updated['batch_stats']['mean'], [0.4], rtol=1e-6)
   np.testing.assert_allclose(updated['batch_stats']['var'], [0.9 + 0.1 * 20 / 3], rtol=1e-6)
   np.testing.assert_allclose(y[0, 0, :, 0], (jnp.array([1.0, 3.0]) - 4) / jnp.sqrt(5 + 1e-5), rtol=1e-5)
+
+
+def test_init_shapes_are_traced_once_per_equal_module_and_returned_in_fresh_containers():
+  from fedjax_het.models.shapes import init_shapes, variable_shapes
+  traced = []
+  listener = lambda event, duration, **kw: traced.append(event) if event.endswith('jaxpr_trace_duration') else None
+  model = build_model('small_cnn', num_classes=3, feature_dim=12)
+  first = variable_shapes(model, (8, 8, 1))
+  expected = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)), train=False))
+  assert jax.tree.map(lambda s: (s.shape, s.dtype), first) == jax.tree.map(lambda s: (s.shape, s.dtype), expected)
+  first.pop('params')  # a caller editing its copy
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    again = variable_shapes(build_model('small_cnn', num_classes=3, feature_dim=12), (8, 8, 1))  # an equal module
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert traced == [] and 'params' in again
+  (logits, rep), _ = init_shapes(model, (8, 8, 1), train=False)
+  assert logits.shape == (1, 3) and rep.shape == (1, 12)

@@ -21,6 +21,7 @@ from fedjax_het.models.classifier import PRECISIONS
 from fedjax_het.models.conv import EVAL_PASS_CONV
 from fedjax_het.models.init import INITS, architecture_key, init_variables
 from fedjax_het.models.registry import assign_models, build_model
+from fedjax_het.models.shapes import init_shapes, variable_shapes
 
 
 MAX_FEATURE_DIM = 65536  # wider representations are a typo: their layers alone would not fit in memory
@@ -130,7 +131,7 @@ class Group:
     self.train_sizes = np.asarray(rows.n)[:len(self.clients)]
     self.stacked_ids = to_device(pad_clients(self.clients, self.stacked_size))
     if variables is None:  # the shapes of its classifier's variables, traced here unless the caller has them
-      variables = jax.eval_shape(lambda: spec.model.init(jax.random.PRNGKey(0), spec.sample_input(), train=False))
+      variables = variable_shapes(spec.model, spec.input_shape)
     self.num_params = count_params(variables['params'])
 
   @functools.cached_property
@@ -192,14 +193,14 @@ def build_groups(data: FederatedData, models: ModelConfig, training: LocalTraini
 def check_architecture(spec: GroupSpec) -> Any:
   """Traces one forward pass abstractly, so an architecture that cannot take the data's images fails here, with
   the flag named, instead of deep inside XLA. Returns its shapes: ((logits, representations), variables)."""
-  return trace(lambda: spec.model.init_with_output(jax.random.PRNGKey(0), spec.sample_input()),
-               f'ModelConfig.names: architecture {spec.arch!r}', 'ModelConfig.names', spec.input_shape)
+  return shapes(lambda: init_shapes(spec.model, spec.input_shape, train=False),
+                f'ModelConfig.names: architecture {spec.arch!r}', 'ModelConfig.names', spec.input_shape)
 
 
-def trace(fn, what: str, flag: str, image_shape) -> Any:
-  """jax.eval_shape(fn), any failure but a ConfigError turned into one naming `what` and `flag`."""
+def shapes(trace: Callable[[], Any], what: str, flag: str, image_shape) -> Any:
+  """trace() (an abstract trace's shapes), any failure but a ConfigError turned into one naming `what` and `flag`."""
   try:
-    return jax.eval_shape(fn)
+    return trace()
   except ConfigError:
     raise
   except Exception as e:  # Flax/XLA raise many types for impossible shapes (ZeroDivisionError, TypeError, ...).
@@ -240,8 +241,9 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
   spec = g.spec
   init_one, init_each = classifier_initializers(spec.maker, spec.model, tuple(spec.input_shape))
   # The classifier's forward pass was traced by `check_architecture`; only the algorithm's own state is left.
-  check = lambda k: trace(lambda: algorithm.init_client(spec, k), 'the algorithm\'s client modules (e.g. a shared '
-                          'global model)', 'the method\'s hyperparameters (e.g. its global model)', spec.input_shape)
+  check = lambda k: shapes(lambda: jax.eval_shape(lambda: algorithm.init_client(spec, k)),
+                           'the algorithm\'s client modules (e.g. a shared global model)',
+                           'the method\'s hyperparameters (e.g. its global model)', spec.input_shape)
   if shared_init:
     group_key = architecture_key(init_key, spec.arch)
     extra_shape = check(group_key)

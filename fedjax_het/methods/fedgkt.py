@@ -63,6 +63,7 @@ from fedjax_het.methods.shared.common import cross_entropy, distillation_loss, t
 from fedjax_het.models.conv import conv_factory
 from fedjax_het.models.norm import batch_rows
 from fedjax_het.models.resnet import StemlessResNet
+from fedjax_het.models.shapes import variable_shapes
 from fedjax_het.optim import torch_amsgrad
 from fedjax_het.rows import shuffled_real_rows
 
@@ -217,7 +218,7 @@ def server_trunk(num_classes: int, blocks: int, group: GroupSpec) -> StemlessRes
 
 def map_shape(group: GroupSpec, split: str = 'extractor') -> tuple[int, ...]:
   """The per-row shape of what the group's clients upload (`extract`)."""
-  variables = jax.eval_shape(lambda: group.model.init(jax.random.PRNGKey(0), group.sample_input(), train=False))
+  variables = variable_shapes(group.model, group.input_shape)
   out = jax.eval_shape(lambda v: extract(group.model, v['params'], {k: s for k, s in v.items() if k != 'params'},
                                          group.sample_input(), split), variables)
   return tuple(out[0].shape[1:])

@@ -49,6 +49,7 @@ from fedjax_het.methods.shared.base import head_evaluation, own_head
 from fedjax_het.methods.shared.common import cross_entropy, descend
 from fedjax_het.models.forward import forward
 from fedjax_het.models.gefl_cnn import GeFLCNN, join_client, split_client
+from fedjax_het.models.shapes import init_shapes
 
 @dataclasses.dataclass(frozen=True)
 class GeFLFConfig(GeFLConfig):
@@ -90,8 +91,7 @@ def apply_features(module: GeFLCNN, fe: dict, x):
 def feature_map_shape(group: GroupSpec) -> tuple[int, ...]:
   """The shape of F's maps of one of the group's inputs."""
   module = features_module(group)
-  return tuple(jax.eval_shape(lambda: module.init_with_output(jax.random.PRNGKey(0), group.sample_input(),
-                                                              False)[0]).shape[1:])
+  return tuple(init_shapes(module, group.input_shape, train=False)[0].shape[1:])
 
 
 def feature_generator(cfg: GeFLFConfig, num_classes: int, group: GroupSpec):

@@ -60,6 +60,7 @@ from fedjax_het.methods.shared.base import sgd_program
 from fedjax_het.methods.shared.common import cross_entropy
 from fedjax_het.models.forward import forward
 from fedjax_het.models.norm import batch_statistics
+from fedjax_het.models.shapes import variable_shapes
 from fedjax_het.optim import multistep_factor
 
 
@@ -176,7 +177,7 @@ def combine(global_params: dict, uploads, masks: Any = None) -> dict:
 def variables(group: GroupSpec, model=None) -> Any:
   """The shapes of a group's model's variables (of `model`, one of its group's models, where given)."""
   model = model or group.model
-  return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), group.sample_input(), train=False))
+  return variable_shapes(model, group.input_shape)
 
 
 def widest(group: GroupSpec) -> int:

@@ -16,6 +16,7 @@ from fedjax_het.local_training import LocalTraining
 from fedjax_het.methods.shared.common import head_apply
 from fedjax_het.models.classifier import HeteroClassifier
 from fedjax_het.models.forward import forward
+from fedjax_het.models.shapes import variable_shapes
 
 __all__ = ['Algorithm', 'Batch', 'ClientProgram', 'ClientRows', 'ClientState', 'Evaluation', 'FederationSpec',
            'GroupSpec', 'Phase', 'Uploads', 'leaf_scalars', 'one_phase', 'sgd_program', 'head_evaluation',
@@ -173,7 +174,7 @@ def initial_head(key: jax.Array, spec: FederationSpec, initial) -> HeadServer:
 
 def zero_params(group: GroupSpec) -> Any:
   """Zero parameters shaped like the group's classifier's (the shapes of an optimizer state a client keeps)."""
-  shapes = jax.eval_shape(lambda: group.model.init(jax.random.PRNGKey(0), group.sample_input(), train=False))
+  shapes = variable_shapes(group.model, group.input_shape)
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes['params'])
 
 
