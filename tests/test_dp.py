@@ -526,10 +526,11 @@ def _check_declaration(name: str) -> None:
   assert name in METHODS
 
 
-@pytest.mark.parametrize('name', ['fedre', 'fedproto', 'fedavg', 'heterofl'])
+@pytest.mark.parametrize('name', ['fedre', 'fedproto', 'fedavg', pytest.param('heterofl', marks=pytest.mark.slow)])
 def test_every_upload_part_is_noised_or_declared_public(name):
   """What a client sends under local DP against what it sends without, same state and key: a part the method
-  declares public passes as it is, every other part is clipped and noised. (Every method: -m slow.)"""
+  declares public passes as it is, every other part is clipped and noised. (HeteroFL's sub-model slices and every
+  other method: -m slow.)"""
   _check_declaration(name)
 
 

@@ -84,6 +84,7 @@ def test_stored_order_statistics_pass_leaves_out_the_last_partial_batch(tiny_dat
     np.testing.assert_array_equal(np.asarray(upload.weight).sum(1), expected)
 
 
+@pytest.mark.slow  # the rounds' vmap == sequential: test_vmap_and_sequential_strategies_agree
 def test_vmapped_group_equals_per_client_loop(tiny_data):
   fed = make_fed(tiny_data, 'vmap')
   state = fed.init()

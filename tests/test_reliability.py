@@ -102,8 +102,17 @@ def test_resume_falls_back_past_an_unreadable_checkpoint_and_a_torn_metrics_line
   assert os.listdir(os.path.join(run, 'checkpoints.unreadable')) == ['4']  # kept aside, not deleted
 
 
+def test_the_cause_of_a_failed_write_is_the_systems_words_from_an_os_error_or_orbaxs_message():
+  from fedjax_het.run.checkpoints import _cause
+  assert _cause(OSError(28, 'No space left on device')) == 'No space left on device'
+  assert _cause(ValueError("RESOURCE_EXHAUSTED: Failed to write 9 bytes to file 19 [os_error_code='13']")) == (
+      'Permission denied')
+  assert _cause(RuntimeError('first line\nsecond')) == 'first line'
+
+
+# A plain OSError in the whole run: -m slow (its cause, above, by default).
 @pytest.mark.parametrize('error', [
-    OSError(28, 'No space left on device'),
+    pytest.param(OSError(28, 'No space left on device'), marks=pytest.mark.slow),
     ValueError('RESOURCE_EXHAUSTED: Error writing "5/0.0.0" in OCDBT database at local file "x": Failed to write '
                "4489216 bytes to file 19: No space left on device [os_error_code='28']"),  # orbax's tensorstore
 ])
