@@ -67,7 +67,7 @@ def test_adam_states_persist_across_rounds_and_the_generator_is_averaged_over_al
   assert count(state) == [2 * s for s in steps]  # kept, not rebuilt: two rounds of steps
 
 
-@pytest.mark.slow
+# The vmap run is made for the no-recompilation check by default; comparing it costs nothing more.
 def test_vmap_executor_equals_sequential(recorded_vmap, uninterrupted):
   state, history = recorded_vmap.states[-1], recorded_vmap.history
   tree_allclose(state.groups, uninterrupted[0].groups, rtol=2e-4, atol=2e-5)
@@ -96,7 +96,7 @@ def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(recorded, uninter
 
 
 @pytest.mark.parametrize('strategy', ['sequential', 'vmap'])
-def test_no_recompilation_after_each_phases_first_round(recorded, recorded_vmap, strategy):
-  compiles = (recorded if strategy == 'sequential' else recorded_vmap).compiles
+def test_no_recompilation_after_each_phases_first_round(request, strategy):
+  compiles = request.getfixturevalue('recorded' if strategy == 'sequential' else 'recorded_vmap').compiles
   assert compiles[0] > 0  # the listener hears compilations: the first round compiles its programs
   assert compiles[1] == 0 and compiles[3] == 0, compiles  # the second round of each phase, other participants
