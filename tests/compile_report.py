@@ -22,7 +22,7 @@ _totals: dict = collections.defaultdict(collections.Counter)
 
 def _listener(event: str, duration: float, **kwargs) -> None:
   if event in EVENTS:
-    where = os.environ.get('PYTEST_CURRENT_TEST', '?').split('::')[0]
+    where = os.environ.get('PYTEST_CURRENT_TEST', '(outside a test)').split('::')[0]
     _totals[where][EVENTS[event]] += duration
     _totals[where][EVENTS[event] + '_n'] += 1
 
