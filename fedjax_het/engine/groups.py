@@ -240,25 +240,27 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
   of the seed and the architecture's name; otherwise each client draws its own."""
   spec = g.spec
   init_one, init_each = classifier_initializers(spec.maker, spec.model, tuple(spec.input_shape))
-  # The classifier's forward pass was traced by `check_architecture`; only the algorithm's own state is left.
-  check = lambda k: shapes(lambda: jax.eval_shape(lambda: algorithm.init_client(spec, k)),
-                           'the algorithm\'s client modules (e.g. a shared global model)',
-                           'the method\'s hyperparameters (e.g. its global model)', spec.input_shape)
+  # The classifier's forward pass was traced by `check_architecture`; only the algorithm's own state is left. Its
+  # shapes come from the jitted initialiser itself, whose call then reuses that trace.
+  check = lambda init, keys: shapes(lambda: init.eval_shape(keys),
+                                    'the algorithm\'s client modules (e.g. a shared global model)',
+                                    'the method\'s hyperparameters (e.g. its global model)', spec.input_shape)
   if shared_init:
     group_key = architecture_key(init_key, spec.arch)
-    extra_shape = check(group_key)
+    init_client = jax.jit(lambda k: algorithm.init_client(spec, k))
+    extra_shape = check(init_client, group_key)
     # One client's state, computed once and broadcast: the programs do not depend on the number of clients, so a
     # larger population compiles nothing new (XLA's persistent compilation cache, `compilation_cache`).
     params, variables = broadcast_clients(init_one(group_key), g.stacked_size)
-    init_extra = lambda: broadcast_clients(jax.jit(lambda k: algorithm.init_client(spec, k))(group_key),
-                                           g.stacked_size)
+    init_extra = lambda: broadcast_clients(init_client(group_key), g.stacked_size)
   else:
     init_keys = fold_in_each(init_key, g.stacked_ids)
-    extra_shape = check(init_keys[0])
+    init_clients = jax.jit(jax.vmap(lambda k: algorithm.init_client(spec, k)))
+    extra_shape = check(init_clients, init_keys)
     # Two programs, not one: the algorithm's state is often the same program in every group (a generator, an
     # optimizer), which XLA's persistent compilation cache (`compilation_cache`) then compiles once per run.
     params, variables = init_each(init_keys)
-    init_extra = lambda: jax.jit(jax.vmap(lambda k: algorithm.init_client(spec, k)))(init_keys)
+    init_extra = lambda: init_clients(init_keys)
   # A method without client state (most): its empty structure, no program.
   extra = init_extra() if jax.tree.leaves(extra_shape) else extra_shape
   keys = fold_in_each(key_key, g.stacked_ids)
