@@ -285,3 +285,15 @@ def test_init_shapes_are_traced_once_per_equal_module_and_returned_in_fresh_cont
   assert traced == [] and 'params' in again
   (logits, rep), _ = init_shapes(model, (8, 8, 1), train=False)
   assert logits.shape == (1, 3) and rep.shape == (1, 12)
+
+
+def test_a_value_cache_serves_equal_hashable_arguments_once_and_computes_unhashable_ones_each_time():
+  from fedjax_het.models.shapes import cached_when_hashable
+  calls = []
+
+  @cached_when_hashable(maxsize=4)
+  def length(x):
+    calls.append(x)
+    return len(x)
+  assert [length((1, 2)), length((1, 2)), length([1, 2, 3]), length([1, 2, 3])] == [2, 2, 3, 3]
+  assert calls == [(1, 2), [1, 2, 3], [1, 2, 3]]

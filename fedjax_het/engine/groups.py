@@ -21,7 +21,7 @@ from fedjax_het.models.classifier import PRECISIONS
 from fedjax_het.models.conv import EVAL_PASS_CONV
 from fedjax_het.models.init import INITS, architecture_key, init_variables
 from fedjax_het.models.registry import assign_models, build_model
-from fedjax_het.models.shapes import init_shapes, variable_shapes
+from fedjax_het.models.shapes import cached_when_hashable, init_shapes, variable_shapes
 
 
 MAX_FEATURE_DIM = 65536  # wider representations are a typo: their layers alone would not fit in memory
@@ -210,20 +210,13 @@ def shapes(trace: Callable[[], Any], what: str, flag: str, image_shape) -> Any:
                       f'for 32x32).') from e
 
 
+@cached_when_hashable(maxsize=64)
 def classifier_initializers(maker: ModelMaker, model: Any, input_shape: tuple) -> tuple[Callable, Callable]:
   """Jitted initialisers of a classifier's variables, as (params, the other collections): from one key, and from a
-  vector of keys (one client each). Made once per (maker, model, image shape) in a process, so that every federation
-  of the same architectures and run settings after the first (a notebook or a sweep building the run again) reuses
-  their traces: an initialiser is the dearest program of a small federation to trace and lower (a random draw per
-  parameter)."""
-  try:
-    return _classifier_initializers(maker, model, input_shape)
-  except TypeError:  # an unhashable maker or module (a user's own): made afresh
-    return _classifier_initializers.__wrapped__(maker, model, input_shape)
-
-
-@functools.lru_cache(maxsize=64)
-def _classifier_initializers(maker: ModelMaker, model: Any, input_shape: tuple) -> tuple[Callable, Callable]:
+  vector of keys (one client each). Made once per (maker, model, image shape) in a process (afresh for an
+  unhashable maker or module), so that every federation of the same architectures and run settings after the first
+  (a notebook or a sweep building the run again) reuses their traces: an initialiser is the dearest program of a
+  small federation to trace and lower (a random draw per parameter)."""
   def init_classifier(k):
     variables = maker.init(model, k, jnp.zeros((1,) + input_shape))
     params = variables.pop('params')
