@@ -11,11 +11,11 @@
 #     over 10, 100, 1,000 and 10,000 clients, one architecture), scaling_g2, scaling_g5, scaling_g10 (10 clients
 #     over that many architecture groups: their compilation); default: paper_settings vs_pytorch scaling_g5
 #     scaling_g1. Also xla_flags (a cold start and a round of FedRE Table 1's ResNet-50 and ViT-B/16, one client
-#     each, under XLA flag variants: benchmarks/xla_flags.py, under OUT/xla_flags/), host_cpu (the
-#     comparison on the machine's own CPU, 20 and 50 clients, fedjax_het's client threads 2, 4, 8 and 16 up to the
-#     cores, one process each under OUT/host_cpu_tN/), plan (XLA's analyses of the round) and vmap_conv (the
-#     convolution formulations under vmap side by side at 256 and 1,024 clients, im2col against the Pallas kernels
-#     of kernels/pallas_conv.py: cnn4's whole SGD step and three layers; benchmarks/vmap_conv.py, under
+#     each, under XLA flag variants and with the blocks scanned: benchmarks/xla_flags.py, under OUT/xla_flags/),
+#     host_cpu (the comparison on the machine's own CPU, 20 and 50 clients, fedjax_het's client threads 2, 4, 8
+#     and 16 up to the cores, one process each under OUT/host_cpu_tN/), plan (XLA's analyses of the round) and
+#     vmap_conv (the convolution formulations under vmap side by side at 256 and 1,024 clients, im2col against the
+#     Pallas kernels of kernels/pallas_conv.py: cnn4's whole SGD step and three layers; benchmarks/vmap_conv.py, under
 #     OUT/vmap_conv/); merge: only merge the parts already under OUT (e.g. copied there from separate machines or
 #     commands)
 #   ALGORITHMS="fedre fedavg": the methods of the scaling parts (default fedre)

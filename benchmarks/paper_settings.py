@@ -109,6 +109,8 @@ flags.DEFINE_enum('strategy', None, ['vmap', 'sequential'], 'fedjax_het\'s execu
                   'ExecutionConfig.strategy).')
 flags.DEFINE_string('conv', None, 'fedjax_het\'s convolutions in every group (default: the backend\'s, '
                     'ExecutionConfig.conv).')
+flags.DEFINE_boolean('scan_blocks', False, 'fedjax_het scans its models\' runs of identical blocks '
+                     '(`ExecutionConfig.scan_blocks`: ResNet stages, ViT encoders; less to compile).')
 flags.DEFINE_list('cases', ['cold', 'warm', 'torch'], 'The cases to run per setting, of cold, warm and torch (module '
                   'docstring); warm reads the cache cold fills, so warm alone times a start whose cache is empty.')
 flags.DEFINE_string('out', RESULTS, 'Folder for the JSON/CSV results.')
@@ -237,7 +239,7 @@ def run_case(spec: dict, case: str, cache: str, device: Optional[str]) -> dict:
   use_compilation_cache(cache)
   out['backend'] = jax.default_backend()
   training = LocalTraining(spec['learning_rate'], spec['batch_size'], spec['epochs'], max_steps=spec['max_steps'])
-  execution = ExecutionConfig(strategy=FLAGS.strategy, conv=FLAGS.conv)
+  execution = ExecutionConfig(strategy=FLAGS.strategy, conv=FLAGS.conv, scan_blocks=FLAGS.scan_blocks)
   # rounds: the rounds run (a run of 0 rounds would take every client in every round: join_ratio applies within
   # the run's length)
   fed = Federation(fedre(FedREConfig(), 10), data, list(spec['models']), training, execution,
@@ -319,6 +321,7 @@ def child(spec: dict, case: str, cache: str, device: Optional[str] = None) -> di
   args = [sys.executable, os.path.abspath(__file__), '--child=' + json.dumps(job),
           f'--rounds={FLAGS.rounds}', f'--torch_eval_batch_size={FLAGS.torch_eval_batch_size}']
   args += [f'--{name}={FLAGS[name].value}' for name in ('strategy', 'conv') if FLAGS[name].value is not None]
+  args += ['--scan_blocks'] if FLAGS.scan_blocks else []
   note(f'{spec["setting"]}: case {case}')
   t0 = time.perf_counter()
   done = subprocess.run(args, stdout=subprocess.PIPE, text=True, env=env)
@@ -345,8 +348,9 @@ def main(_):
     sys.exit(f'error: --settings: unknown {", ".join(unknown)}. Fix: choose from {", ".join(SETTINGS)}.')
   rows, arch_rows = [], []
   settings = {'rounds': FLAGS.rounds, 'steps_per_client': FLAGS.steps_per_client, 'archs': FLAGS.archs,
-              'strategy': FLAGS.strategy, 'conv': FLAGS.conv, 'cases': ','.join(FLAGS.cases),
-              'samples_per_client': FLAGS.samples_per_client, 'torch_eval_batch_size': FLAGS.torch_eval_batch_size}
+              'strategy': FLAGS.strategy, 'conv': FLAGS.conv, 'scan_blocks': FLAGS.scan_blocks,
+              'cases': ','.join(FLAGS.cases), 'samples_per_client': FLAGS.samples_per_client,
+              'torch_eval_batch_size': FLAGS.torch_eval_batch_size}
   import jax
   backend = jax.default_backend()  # the cases' too: they run on this machine
 

@@ -7,8 +7,10 @@ For each architecture and each variant of XLA_FLAGS (in that order, so that the 
 next to each other in time), `paper_settings.py --settings=fedre_table1 --archs=ARCH --cases=cold` in a fresh
 process with that XLA_FLAGS (added to the environment's own) and an empty compilation cache: one FedRE client of
 the architecture at FedRE Table 1's batch and rows, its initialisation, first round (compilation) and `--rounds`
-more rounds. `default` is the environment's XLA_FLAGS alone. A case still running at --seconds is stopped and
-recorded as such; each row is written as it ends (OUT/xla_flags_<backend>.json/.csv).
+more rounds. `default` is the environment's XLA_FLAGS alone; a variant's `--scan_blocks` is fedjax_het's
+(`ExecutionConfig.scan_blocks`: the models' runs of identical blocks scanned), passed to paper_settings.py. A case
+still running at --seconds is stopped and recorded as such; each row is written as it ends
+(OUT/xla_flags_<backend>.json/.csv).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from fedjax_het.run.cli import app_run
 from harness import RESULTS, write_results
 
 flags.DEFINE_list('archs', ['resnet152', 'vit_b16', 'resnet18'], 'Architectures of FedRE Table 1, one client each.')
-flags.DEFINE_string('variants', 'default;--xla_gpu_enable_triton_gemm=false;--xla_gpu_autotune_level=0',
-                    'XLA_FLAGS variants separated by ";" (default: the environment\'s own).')
+flags.DEFINE_string('variants', 'default;--scan_blocks;--xla_gpu_enable_triton_gemm=false;--xla_gpu_autotune_level=0',
+                    'XLA_FLAGS variants separated by ";" (default: the environment\'s own); --scan_blocks in a variant '
+                    'is fedjax_het\'s (ExecutionConfig.scan_blocks).')
 flags.DEFINE_integer('steps_per_client', 20, 'Local steps per round (paper_settings.py --steps_per_client).')
 flags.DEFINE_integer('rounds', 2, 'Rounds timed after the first.')
 flags.DEFINE_integer('seconds', 0, 'Stop the case running at this many seconds from the start (0: no limit).')
@@ -41,13 +44,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def run_variant(arch: str, variant: str, limit) -> dict:
   """One cold case of `arch` under `variant` (a fresh paper_settings.py process); its row."""
   env = dict(os.environ)
-  if variant != 'default':
-    env['XLA_FLAGS'] = f'{env.get("XLA_FLAGS", "")} {variant}'.strip()
+  words = [] if variant == 'default' else variant.split()
+  ours = [w for w in words if w == '--scan_blocks']
+  xla = ' '.join(w for w in words if w not in ours)
+  if xla:
+    env['XLA_FLAGS'] = f'{env.get("XLA_FLAGS", "")} {xla}'.strip()
   row = {'arch': arch, 'xla_flags': variant}
   with tempfile.TemporaryDirectory(prefix='xla_flags_') as out:
     args = [sys.executable, os.path.join(HERE, 'paper_settings.py'), '--settings=fedre_table1', f'--archs={arch}',
             '--cases=cold', f'--steps_per_client={FLAGS.steps_per_client}', f'--rounds={FLAGS.rounds}',
-            f'--out={out}']
+            f'--out={out}'] + ours
     t0 = time.perf_counter()
     try:
       done = subprocess.run(args, env=env, stdout=subprocess.DEVNULL, timeout=limit)

@@ -215,7 +215,7 @@ def test_the_settings_a_resume_may_change_are_the_ones_that_change_no_number():
   from fedjax_het.run.config import resumable_settings
   assert set(resumable_settings()) == {
       'rounds', 'checkpoint_every', 'data_dir', 'strategy', 'chunk_size', 'conv', 'scan_unroll', 'num_devices',
-      'client_threads', 'onednn_threads', 'group_threads', 'eval_batch_size', 'memory_budget_gib',
+      'client_threads', 'onednn_threads', 'group_threads', 'scan_blocks', 'eval_batch_size', 'memory_budget_gib',
       'stream_clients'}
 
 

@@ -256,7 +256,6 @@ def test_batchnorm_running_variance_is_torchs_unbiased_one():
   """A train step normalises with the biased batch variance and moves the running variance towards the unbiased one
   over rows x positions (torch.nn.BatchNorm2d): values 1, 3, 5, 7 (two rows of two positions; a third, masked
   row left out) have mean 4, biased variance 5, unbiased 20 / 3; running variance 0.9 * 1 + 0.1 * 20 / 3."""
-  import flax.linen as nn
   from fedjax_het.models.norm import TorchBatchNorm, batch_rows
   x = jnp.array([[[1.0], [3.0]], [[5.0], [7.0]], [[100.0], [-100.0]]])[:, None]  # [3, 1, 2, 1]
   norm = TorchBatchNorm(use_running_average=False)
@@ -297,3 +296,55 @@ def test_a_value_cache_serves_equal_hashable_arguments_once_and_computes_unhasha
     return len(x)
   assert [length((1, 2)), length((1, 2)), length([1, 2, 3]), length([1, 2, 3])] == [2, 2, 3, 3]
   assert calls == [(1, 2), [1, 2, 3], [1, 2, 3]]
+
+
+# ---------------------------------------------------------------- runs of identical blocks scanned (models/repeat.py)
+def _train_and_eval(model, variables, x, scan: bool):
+  """A train-mode gradient and statistics update, and an eval pass, of `model` with `scan` set."""
+  model = model.clone(scan=scan)
+  params, rest = variables['params'], {k: v for k, v in variables.items() if k != 'params'}
+
+  def loss(p):
+    out, updated = model.apply({'params': p, **rest}, x, train=True, mutable=list(rest))
+    return jnp.sum(out ** 2), updated
+
+  (value, updated), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  evaluated = jax.jit(lambda v: model.apply(v, x))(variables)
+  return value, grads, updated, evaluated
+
+
+@pytest.mark.parametrize('model', [
+    pytest.param(lambda: __import__('fedjax_het.models.resnet', fromlist=['ResNet']).ResNet(
+        (1, 3), base_width=4, block=__import__('fedjax_het.models.resnet', fromlist=['Bottleneck']).Bottleneck,
+        stem='cifar'), id='bottleneck'),
+    pytest.param(lambda: __import__('fedjax_het.models.resnet', fromlist=['ResNet']).ResNet(
+        (3,), base_width=4, block=__import__('fedjax_het.models.resnet', fromlist=['PreActBlock']).PreActBlock,
+        stem='cifar'), id='preact'),
+    pytest.param(lambda: __import__('fedjax_het.models.vit', fromlist=['VisionTransformer']).VisionTransformer(
+        4, hidden=8, depth=3, num_heads=2, mlp_dim=16), id='vit')])
+def test_scanned_blocks_keep_the_unrolled_variables_and_numbers(model):
+  model = model()
+  x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 8, 3))
+  variables = model.init(jax.random.PRNGKey(0), x)
+  scanned_init = model.clone(scan=True).init(jax.random.PRNGKey(0), x)
+  assert jax.tree.structure(scanned_init) == jax.tree.structure(variables)
+  jax.tree.map(np.testing.assert_array_equal, scanned_init, variables)
+  # two or three identical blocks in a run: one scan where asked, none otherwise
+  assert 'scan' in str(jax.make_jaxpr(lambda v: model.clone(scan=True).apply(v, x))(variables))
+  assert 'scan' not in str(jax.make_jaxpr(lambda v: model.apply(v, x))(variables))
+  unrolled, scanned = (_train_and_eval(model, variables, x, scan) for scan in (False, True))
+  assert float(unrolled[0]) > 0
+  # the same operations; XLA fuses them differently inside a loop, so float32 rounding may differ (a block applied
+  # with another's variables, or skipped, differs by the leaf's own magnitude)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max())),
+               scanned, unrolled)
+  if 'batch_stats' in variables:  # every block's statistics moved, under its own name
+    assert all(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(unrolled[2]['batch_stats']),
+                                                        jax.tree.leaves(variables['batch_stats'])))
+
+
+def test_scan_blocks_reaches_the_extractors_that_have_runs_of_blocks():
+  assert build_model('resnet34', 10, 64, scan_blocks=True).extractor.scan
+  assert build_model('vit_b32', 10, 64, scan_blocks=True).extractor.scan
+  assert not build_model('resnet34', 10, 64).extractor.scan
+  build_model('cnn4', 10, 64, scan_blocks=True)  # no runs of blocks: built as it is

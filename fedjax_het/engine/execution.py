@@ -71,6 +71,10 @@ class ExecutionConfig:
     compile (a phase's first), at once, one host thread each, so that their compilations overlap (the numbers do
     not depend on it); None: the cores, and 1 where the programs span several devices or processes (their
     collectives must be issued in one order everywhere).
+  scan_blocks: a model's runs of identical blocks (a ResNet stage's blocks after its first, a ViT's encoder
+    blocks) applied as one scanned block, traced and compiled once (models/repeat.py); the same parameters and
+    numbers up to float32 rounding. On the CPU rounds took about 1.55x as long and the start did not shorten
+    (docs/performance.md); off by default, for a device to measure (benchmarks/xla_flags.py).
   """
   strategy: Optional[str] = None
   conv: Optional[str] = None
@@ -83,6 +87,7 @@ class ExecutionConfig:
   memory_budget: Optional[int] = None
   stream_clients: bool = False
   group_threads: Optional[int] = None
+  scan_blocks: bool = False
   single_client_conv: Optional[str] = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self):

@@ -195,7 +195,7 @@ class Federation:
     global_test = data.global_test_rows()
     self.global_test = None if global_test is None else EvalSet(RowStore(global_test), shared=True)
     self.groups: list[Group] = build_groups(data, models, training, self.conv, self.num_devices, self.mesh, seed,
-                                            execution.single_client_conv)
+                                            execution.single_client_conv, execution.scan_blocks)
     self.architectures, self.group_of = client_index(self.groups, self.num_clients)
     feature_dim = _shared_feature_dim(self.groups, models, algorithm)
     if self.global_test is None and not any(g.test.sizes.sum() > 0 for g in self.groups):

@@ -67,16 +67,17 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class ClassifierMaker:
   """The run's `core.ModelMaker`: registered architectures with its classes, RM and convolutions; modules
-  initialised with its --init scheme; shared keys from its seed."""
+  initialised with its --init scheme; shared keys from its seed; repeated blocks scanned where `scan_blocks`."""
   num_classes: int
   rm: str
   conv: str
   init_scheme: str
   seed: int
   precision: str = 'float32'
+  scan_blocks: bool = False
 
   def build(self, arch: str, feature_dim: int):
-    return build_model(arch, self.num_classes, feature_dim, self.rm, self.conv, self.precision)
+    return build_model(arch, self.num_classes, feature_dim, self.rm, self.conv, self.precision, self.scan_blocks)
 
   def init(self, module, key, *inputs, path: tuple = ()) -> dict:
     return init_variables(module, key, *inputs, scheme=self.init_scheme, path=path)
@@ -162,10 +163,12 @@ def pad_clients(tree: Any, size: int) -> Any:
 
 
 def build_groups(data: FederatedData, models: ModelConfig, training: LocalTraining, conv: str, num_devices: int,
-                 mesh, seed: int = 0, single_client_conv: Optional[str] = None) -> list[Group]:
+                 mesh, seed: int = 0, single_client_conv: Optional[str] = None, scan_blocks: bool = False
+                 ) -> list[Group]:
   """One `Group` per architecture of the model family (client k gets models.names[k % len(names)]), in order of
   first appearance, each padded to a multiple of `num_devices` clients and placed on `mesh` (None: one device); a
-  group stacked as one client builds its model with `single_client_conv` (None: `conv`)."""
+  group stacked as one client builds its model with `single_client_conv` (None: `conv`); `scan_blocks`:
+  `ExecutionConfig.scan_blocks`."""
   architectures = models.architectures(data.num_clients)
   feature_dim, rm = models.feature_dim, models.rm
   groups = []
@@ -173,7 +176,7 @@ def build_groups(data: FederatedData, models: ModelConfig, training: LocalTraini
     ids = np.array([k for k, a in enumerate(architectures) if a == arch])
     stacked = -(-len(ids) // num_devices) * num_devices
     group_conv = single_client_conv if stacked == 1 and single_client_conv else conv
-    maker = ClassifierMaker(data.num_classes, rm, group_conv, models.init, seed, models.precision)
+    maker = ClassifierMaker(data.num_classes, rm, group_conv, models.init, seed, models.precision, scan_blocks)
     rows = RowStore(data.group_rows(ids, 'train'))
     spec = GroupSpec(index, arch, maker.build(arch, feature_dim), tuple(int(k) for k in ids), data.num_classes,
                      feature_dim, rows.image_shape, training, maker, rm, group_conv, train_rows=rows.n_max)

@@ -7,6 +7,7 @@ HtFLlib's model families.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Sequence
 
@@ -71,10 +72,12 @@ def model_names() -> list[str]:
 
 
 def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = 'ap', conv: str = 'xla',
-                precision: str = 'float32') -> HeteroClassifier:
+                precision: str = 'float32', scan_blocks: bool = False) -> HeteroClassifier:
   """The classifier `name` with RM to `feature_dim`, a head to `num_classes`, convolutions computed the `conv` way
   ('xla', 'im2col', 'auto', ...; same parameters, same function) and `precision` the compute type of
-  `models.forward` ('float32', or 'bfloat16' from float32 parameters)."""
+  `models.forward` ('float32', or 'bfloat16' from float32 parameters); with `scan_blocks` an extractor that has
+  runs of identical blocks (a `scan` field: ResNets, ViTs) scans them (models/repeat.py; same parameters, same
+  function)."""
   if precision not in PRECISIONS:
     raise ConfigError(f'ModelConfig.precision={precision!r} is unknown; choose one of {", ".join(PRECISIONS)}.')
   base, rate = width_rate(name)
@@ -82,6 +85,8 @@ def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = '
     raise ConfigError(unknown_model(name))
   extractor = (_WIDTH_SCALED[base](conv_factory(conv), rate) if '@' in name
                else _EXTRACTORS[name](conv_factory(conv)))
+  if scan_blocks and 'scan' in {f.name for f in dataclasses.fields(extractor)}:
+    extractor = extractor.clone(scan=True)
   return HeteroClassifier(extractor, num_classes, feature_dim, rm, precision)
 
 

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from fedjax_het.models.norm import TorchBatchNorm
+from fedjax_het.models.repeat import apply_blocks
 
 
 def _residual(x: jnp.ndarray, y: jnp.ndarray, strides: int, conv, norm) -> jnp.ndarray:
@@ -82,13 +83,15 @@ class ResNet(nn.Module):
   """torchvision ResNet trunk without its fc layer; returns the final feature map [B, H, W, channels]
   (512 for ResNet-10/18/34, 2048 for ResNet-50+, 64 * 2^(stages-1) for HtFLlib's shallower ones). stem:
   'imagenet' (conv7x7/2, BN, ReLU, max-pool 3x3/2) or 'cifar' (conv3x3/1, and BN-ReLU unless the blocks are
-  pre-activation, whose trunk ends in BN-ReLU instead)."""
+  pre-activation, whose trunk ends in BN-ReLU instead). scan: each stage's blocks after its first (identical ones)
+  as one scanned block (models/repeat.py: the same variables and numbers, less to compile)."""
   stage_sizes: Sequence[int]
   base_width: int = 64
   conv: Any = nn.Conv
   block: Any = BasicBlock
   stage_widths: Optional[Sequence[int]] = None  # per stage (the stem takes the first); default base * 2^stage
   stem: str = 'imagenet'
+  scan: bool = False
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
@@ -102,9 +105,12 @@ class ResNet(nn.Module):
       x = nn.relu(norm()(self.conv(widths[0], (7, 7), 2, padding=3, use_bias=False)(x)))
       x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
     self.sow('intermediates', 'stem', x)  # the stem's map: where FedGKT's code cuts its client (`--gkt_split`)
+    kind, first = self.block.__name__, 0  # blocks named as flax would name them: Bottleneck_0, Bottleneck_1, ...
     for i, blocks in enumerate(self.stage_sizes):
-      for j in range(blocks):
-        x = self.block(widths[i], strides=2 if i > 0 and j == 0 else 1, conv=self.conv)(x, train)
+      x = self.block(widths[i], strides=2 if i > 0 else 1, conv=self.conv, name=f'{kind}_{first}')(x, train)
+      make = functools.partial(self.block, widths[i], conv=self.conv)
+      x = apply_blocks(self, make, [f'{kind}_{first + j}' for j in range(1, blocks)], x, train, scan=self.scan)
+      first += blocks
     return nn.relu(norm()(x)) if pre_activation else x
 
 

@@ -3,8 +3,12 @@ image_size=32, as HtFLlib's HtM-img-10 family builds them), without the classifi
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax.numpy as jnp
+
+from fedjax_het.models.repeat import apply_blocks
 
 
 class EncoderBlock(nn.Module):
@@ -26,13 +30,15 @@ class VisionTransformer(nn.Module):
   `depth` encoder blocks -> LayerNorm; returns the class token [B, hidden] (the input torchvision's head sees).
 
   The position table has one row per token of the images the model is initialised with (5 for 32x32 images and
-  patch 16, torchvision's `vit_b_16(image_size=32)`)."""
+  patch 16, torchvision's `vit_b_16(image_size=32)`). scan: the encoder blocks as one scanned block
+  (models/repeat.py: the same variables and numbers, less to compile)."""
   patch: int
   hidden: int = 768
   depth: int = 12
   num_heads: int = 12
   mlp_dim: int = 3072
   conv: type = nn.Conv
+  scan: bool = False
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
@@ -43,6 +49,6 @@ class VisionTransformer(nn.Module):
     x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, self.hidden)), x], axis=1)
     pos = self.param('pos_embedding', nn.initializers.normal(0.02), (1, x.shape[1], self.hidden))
     x = x + pos
-    for _ in range(self.depth):
-      x = EncoderBlock(self.num_heads, self.mlp_dim)(x)
+    make = functools.partial(EncoderBlock, self.num_heads, self.mlp_dim)
+    x = apply_blocks(self, make, [f'EncoderBlock_{i}' for i in range(self.depth)], x, scan=self.scan)
     return nn.LayerNorm(epsilon=1e-6)(x)[:, 0]

@@ -196,6 +196,10 @@ class ExperimentConfig:
   group_threads: Optional[int] = setting(None, 'execution',
       'Architecture groups initialised, and run in the rounds where their programs compile, at once, one host thread '
       'each (default: the cores; 1 across several devices or processes). Same numbers.', resumable=True)
+  scan_blocks: bool = setting(False, 'execution',
+      "A model's runs of identical blocks (ResNet stages, ViT encoders) as one scanned block: traced and compiled "
+      'once, the same parameters and numbers; on the CPU rounds about 1.55x as long (docs/performance.md).',
+      resumable=True)
   eval_every: int = setting(1, 'output', 'Evaluate every N rounds (and after the last).')
   eval_batch_size: int = setting(0, 'execution',
       'Rows per forward pass in evaluation/representations (0: 32 on CPU, 256 on GPU/TPU).', resumable=True)
@@ -375,7 +379,7 @@ class ExperimentConfig:
       strategy = self.strategy or None
     execution = ExecutionConfig(strategy, self.conv or None, mesh, self.chunk_size, self.scan_unroll,
                                 self.client_threads, self.eval_batch_size or None, self.onednn_threads,
-                                self.memory_budget_bytes, self.stream_clients, self.group_threads)
+                                self.memory_budget_bytes, self.stream_clients, self.group_threads, self.scan_blocks)
     resolved = execution.resolve()  # e.g. --conv=onednn where it cannot run: refused now, before any data is read
     if self.onednn_threads is not None and resolved.conv != 'onednn':
       logging.warning('--onednn_threads=%d is ignored: it sets the threads of oneDNN\'s convolutions, and this '
