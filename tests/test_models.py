@@ -302,7 +302,7 @@ def test_a_value_cache_serves_equal_hashable_arguments_once_and_computes_unhasha
 def _train_and_eval(model, variables, x, scan: bool):
   """A train-mode gradient and statistics update, and an eval pass, of `model` with `scan` set."""
   model = model.clone(scan=scan)
-  params, rest = variables['params'], {k: v for k, v in variables.items() if k != 'params'}
+  rest = {k: v for k, v in variables.items() if k != 'params'}
 
   def loss(p):
     out, updated = model.apply({'params': p, **rest}, x, train=True, mutable=list(rest))
