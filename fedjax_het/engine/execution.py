@@ -73,8 +73,9 @@ class ExecutionConfig:
     collectives must be issued in one order everywhere).
   scan_blocks: a model's runs of identical blocks (a ResNet stage's blocks after its first, a ViT's encoder
     blocks) applied as one scanned block, traced and compiled once (models/repeat.py); the same parameters and
-    numbers up to float32 rounding. On the CPU rounds took about 1.55x as long and the start did not shorten
-    (docs/performance.md); off by default, for a device to measure (benchmarks/xla_flags.py).
+    numbers up to float32 rounding. On the CPU the start of a deep architecture shortened by a few seconds and its
+    rounds took 1.3-1.55x as long (docs/performance.md); off by default, for a device to measure
+    (benchmarks/xla_flags.py).
   """
   strategy: Optional[str] = None
   conv: Optional[str] = None

@@ -7,8 +7,9 @@ every repetition is traced, lowered and compiled again, which is most of a deep 
 methods' parameter arithmetic and every test of the layout are the same either way, and so are the numbers up to
 float32 rounding (the same operations on the same values; XLA may fuse them differently inside the loop). The
 price is the stacking: each application copies the run's variables into one array per leaf (and its gradient back
-out), and XLA optimises less across a loop's iterations. On the CPU it does not pay (docs/performance.md: FedRE rounds of ResNet-101/152 and ViT-B/16 took about
-1.55x as long, the start about as long); it is there to be measured where compilation is the start's cost.
+out), and XLA optimises less across a loop's iterations. On the CPU it does not pay (docs/performance.md: the start
+of a ResNet-152 or ViT-B/16 a few seconds shorter, each FedRE round 30-50 % longer); it is there to be measured
+where compilation is the start's cost.
 
 Initialisation always unrolls, so that every block draws its own parameters exactly as without the scan."""
 

@@ -84,7 +84,8 @@ class ResNet(nn.Module):
   (512 for ResNet-10/18/34, 2048 for ResNet-50+, 64 * 2^(stages-1) for HtFLlib's shallower ones). stem:
   'imagenet' (conv7x7/2, BN, ReLU, max-pool 3x3/2) or 'cifar' (conv3x3/1, and BN-ReLU unless the blocks are
   pre-activation, whose trunk ends in BN-ReLU instead). scan: each stage's blocks after its first (identical ones)
-  as one scanned block (models/repeat.py: the same variables and numbers, less to compile)."""
+  as one scanned block (models/repeat.py: the same variables, the numbers up to float32 rounding, less to
+  compile)."""
   stage_sizes: Sequence[int]
   base_width: int = 64
   conv: Any = nn.Conv
@@ -107,6 +108,8 @@ class ResNet(nn.Module):
     self.sow('intermediates', 'stem', x)  # the stem's map: where FedGKT's code cuts its client (`--gkt_split`)
     kind, first = self.block.__name__, 0  # blocks named as flax would name them: Bottleneck_0, Bottleneck_1, ...
     for i, blocks in enumerate(self.stage_sizes):
+      if not blocks:
+        continue
       x = self.block(widths[i], strides=2 if i > 0 else 1, conv=self.conv, name=f'{kind}_{first}')(x, train)
       make = functools.partial(self.block, widths[i], conv=self.conv)
       x = apply_blocks(self, make, [f'{kind}_{first + j}' for j in range(1, blocks)], x, train, scan=self.scan)

@@ -31,7 +31,7 @@ class VisionTransformer(nn.Module):
 
   The position table has one row per token of the images the model is initialised with (5 for 32x32 images and
   patch 16, torchvision's `vit_b_16(image_size=32)`). scan: the encoder blocks as one scanned block
-  (models/repeat.py: the same variables and numbers, less to compile)."""
+  (models/repeat.py: the same variables, the numbers up to float32 rounding, less to compile)."""
   patch: int
   hidden: int = 768
   depth: int = 12
