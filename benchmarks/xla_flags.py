@@ -41,12 +41,19 @@ FLAGS = flags.FLAGS
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+FEDJAX_HET_WORDS = ('--scan_blocks',)  # a variant's words that are paper_settings.py's flags, not XLA's
+
+
+def split_variant(variant: str) -> tuple[str, list[str]]:
+  """A variant's XLA_FLAGS (the words XLA reads; '' for `default`) and its paper_settings.py flags."""
+  words = [] if variant == 'default' else variant.split()
+  return ' '.join(w for w in words if w not in FEDJAX_HET_WORDS), [w for w in words if w in FEDJAX_HET_WORDS]
+
+
 def run_variant(arch: str, variant: str, limit) -> dict:
   """One cold case of `arch` under `variant` (a fresh paper_settings.py process); its row."""
   env = dict(os.environ)
-  words = [] if variant == 'default' else variant.split()
-  ours = [w for w in words if w == '--scan_blocks']
-  xla = ' '.join(w for w in words if w not in ours)
+  xla, ours = split_variant(variant)
   if xla:
     env['XLA_FLAGS'] = f'{env.get("XLA_FLAGS", "")} {xla}'.strip()
   row = {'arch': arch, 'xla_flags': variant}

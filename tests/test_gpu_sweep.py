@@ -328,3 +328,12 @@ def test_vmap_conv_records_a_formulation_that_fails_and_times_the_others(tmp_pat
       ('cnn4_conv2', 'pallas', 'RuntimeError: Triton compilation failed'), ('cnn4_conv2', 'im2col', None)]
   assert rows[1]['client_steps_per_second'] > 0 and rows[3]['forward_backward_ms'] > 0
   assert 'usage: --formulations: unknown winograd. Fix: choose from xla, im2col' in done.stdout
+
+
+def test_an_xla_flags_variant_gives_xla_its_flags_and_paper_settings_the_scan_flag():
+  # in a process of its own: xla_flags.py defines absl flags (--rounds, --out) that dp_audit.py defines too
+  code = ('import sys, json; sys.path.insert(0, "benchmarks"); import xla_flags; print(json.dumps([xla_flags.'
+          'split_variant(v) for v in ("default", "--scan_blocks", "--xla_a=0 --scan_blocks --xla_b=1")]))')
+  done = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, check=True)
+  assert json.loads(done.stdout.strip().splitlines()[-1]) == [
+      ['', []], ['', ['--scan_blocks']], ['--xla_a=0 --xla_b=1', ['--scan_blocks']]]
