@@ -76,8 +76,8 @@ def build_model(name: str, num_classes: int, feature_dim: int = 512, rm: str = '
   """The classifier `name` with RM to `feature_dim`, a head to `num_classes`, convolutions computed the `conv` way
   ('xla', 'im2col', 'auto', ...; same parameters, same function) and `precision` the compute type of
   `models.forward` ('float32', or 'bfloat16' from float32 parameters); with `scan_blocks` an extractor that has
-  runs of identical blocks (a `scan` field: ResNets, ViTs) scans them (models/repeat.py; same parameters, same
-  function)."""
+  runs of identical blocks (a `scan` field: ResNets, ViTs) scans them (models/repeat.py; same parameters, the
+  numbers up to float32 rounding)."""
   if precision not in PRECISIONS:
     raise ConfigError(f'ModelConfig.precision={precision!r} is unknown; choose one of {", ".join(PRECISIONS)}.')
   base, rate = width_rate(name)

@@ -42,10 +42,9 @@ def apply_blocks(parent: nn.Module, make: Callable[..., nn.Module], names: Seque
   mutable = [c for c in collections if c != 'params' and parent.is_mutable_collection(c)]
   block = make(parent=None)
 
-  def step(h, variables):
+  def step(h, variables):  # (the block's output, its updated mutable collections)
     if mutable:
-      h, updated = block.apply(variables, h, *args, mutable=mutable)
-      return h, updated
+      return block.apply(variables, h, *args, mutable=mutable)
     return block.apply(variables, h, *args), None
 
   x, updated = lax.scan(step, x, stacked)

@@ -198,7 +198,8 @@ class ExperimentConfig:
       'each (default: the cores; 1 across several devices or processes). Same numbers.', resumable=True)
   scan_blocks: bool = setting(False, 'execution',
       "A model's runs of identical blocks (ResNet stages, ViT encoders) as one scanned block: traced and compiled "
-      'once, the same parameters and numbers; on the CPU rounds 1.3-1.55x as long (docs/performance.md).',
+      'once, the same parameters, numbers up to float32 rounding; on the CPU rounds 1.3-1.55x as long '
+      '(docs/performance.md).',
       resumable=True)
   eval_every: int = setting(1, 'output', 'Evaluate every N rounds (and after the last).')
   eval_batch_size: int = setting(0, 'execution',
