@@ -108,7 +108,14 @@ def test_the_server_model_adapts_groups_whose_features_differ_in_width():
   assert ServerModel(build_federation(same).spec, 4, 1).init(jax.random.PRNGKey(0))[0]['adapters'] == ({},)
 
 
-def test_the_codes_client_cuts_after_its_stem_and_the_server_trains_on_full_resolution_maps():
+# FedGKT's code's split: its client ResNet-8 and the cut after the stem.
+STEM_SPLIT = ExperimentConfig(algorithm='fedgkt', dataset='synthetic:4,4,3', data_fraction=0.1, num_clients=2,
+                              models=('resnet8_gkt',), feature_dim=64, rm='none', rounds=1, batch_size=8,
+                              join_ratio=1.0, methods={'fedgkt': FedGKTConfig(server_blocks=1, server_epochs=1,
+                                                                              split='stem')})
+
+
+def test_the_codes_client_cuts_after_its_stem():
   """FedGKT's client ResNet-8 (its resnet8_56): a 16-channel 3x3/1 stem, then two bottlenecks of 16 planes (64 out);
   the code uploads the stem's map, 16 x H x W. Extractor parameters by hand: stem 3*16*9 + BN 32 = 464; the first
   bottleneck 16*16 + 32 + 16*16*9 + 32 + 16*64 + 128 + projection 16*64 + 128 = 4,928; the second 64*16 + 32 +
@@ -118,16 +125,19 @@ def test_the_codes_client_cuts_after_its_stem_and_the_server_trains_on_full_reso
   model = build_model('resnet8_gkt', 10, 64, 'none')
   params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3))))['params']
   assert sum(a.size for a in jax.tree.leaves(params['extractor'])) == 9936
-  cfg = ExperimentConfig(algorithm='fedgkt', dataset='synthetic:4,4,3', data_fraction=0.1, num_clients=2,
-                         models=('resnet8_gkt',), feature_dim=64, rm='none', rounds=1, batch_size=8, join_ratio=1.0,
-                         methods={'fedgkt': FedGKTConfig(server_blocks=1, server_epochs=1, split='stem')})
-  fed = build_federation(cfg)
+  fed = build_federation(STEM_SPLIT)
   assert map_shape(fed.groups[0].spec, 'stem') == (4, 4, 16) and map_shape(fed.groups[0].spec) == (4, 4, 64)
+  with pytest.raises(ConfigError, match="split='stem': this client's architecture has no ResNet stem"):
+    build_federation(dataclasses.replace(STEM_SPLIT, dataset='synthetic:4,4,1', models=('mlp',), rm='ap')).init()
+
+
+@pytest.mark.slow  # a round of the ResNet-8 client and its server model: about 10 s of a 2-core CPU
+def test_the_server_trains_on_the_full_resolution_maps_of_the_stem_split():
+  """A round of the stem split uploads each client's 16 x H x W stem maps, and the server model trains on them."""
+  fed = build_federation(STEM_SPLIT)
   state, row = fed.round(fed.init())
   assert row['upload_features_scalars'] == fed.train_sizes.sum() * 4 * 4 * 16
   assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(state.server.model))
-  with pytest.raises(ConfigError, match="split='stem': this client's architecture has no ResNet stem"):
-    build_federation(dataclasses.replace(cfg, dataset='synthetic:4,4,1', models=('mlp',), rm='ap')).init()
 
 
 def test_bad_fedgkt_settings_name_their_flags():

@@ -193,9 +193,10 @@ def check_against_the_honest_run(rows, honest, robust: bool):
     assert rows[0]['accuracy'] > rows[0]['server_accuracy'] + 0.05  # the forged scores inflate the mean
 
 
-# The median in the default run; plain FedAvg and the norm bound in the slow set.
-@pytest.mark.parametrize('mode', [pytest.param('none', marks=pytest.mark.slow), 'median',
-                                  pytest.param('norm_bound', marks=pytest.mark.slow)])
+# In the slow set (`-m slow`, about 8 s a mode): the default run checks each option's statistic by hand and on a
+# simulated round (tests/test_robust.py) and the checks of a Flower server on its replies below.
+@pytest.mark.slow
+@pytest.mark.parametrize('mode', ['none', 'median', 'norm_bound'])
 def test_one_node_scaling_its_uploads_and_forging_its_scores_against_the_robust_options(tmp_path, mode):
   """Each option against the honest run under the same option (the simulation, every client honest); without
   them, against plain FedAvg's."""

@@ -46,12 +46,16 @@ def test_split_and_join_of_a_gefl_cnn_and_the_header_from_feature_maps():
                 jax.jit(model.apply)({'params': params, **state}, x), rtol=1e-5, atol=1e-6)
 
 
+# The recorded three-phase run and the checks on it are in the slow set (`-m slow`, about 34 s of a 2-core CPU):
+# the default run pins GeFL-F's numbers through its golden run (tests/test_golden.py) and resumes across a phase
+# boundary in tests/test_gefl.py and tests/test_phases.py.
 @pytest.fixture(scope='module')
 def recorded():
   fed = build_federation(CFG)
   return fed, record_rounds(fed, fed.init(), fed.total_rounds)
 
 
+@pytest.mark.slow
 def test_warmup_shares_f_over_all_groups_then_only_headers_and_the_generator_move(recorded):
   fed, rec = recorded
   assert [m['phase'] for m in rec.history] == ['warmup', 'knowledge', 'target']
@@ -120,8 +124,9 @@ def test_cifar10_cnns_as_the_code_builds_them_give_f_3x16x16_maps_and_table_xxii
   assert latent == {'cifar10f': 50, 'mnist': 16}  # Table XV: CVAE-F's l
 
 
-# After warm-up; after knowledge aggregation (slow: tests/test_gefl.py resumes across GeFL's, the same boundary).
-@pytest.mark.parametrize('boundary', [1, pytest.param(2, marks=pytest.mark.slow)])
+# After warm-up; after knowledge aggregation.
+@pytest.mark.slow
+@pytest.mark.parametrize('boundary', [1, 2])
 def test_resume_across_each_phase_boundary_equals_the_uninterrupted_run(recorded, boundary, tmp_path):
   from fedjax_het.run.checkpoints import Checkpoints
   from runs import run_rounds
@@ -152,6 +157,7 @@ def test_lg_fedavg_as_gefl_runs_it_averages_f_over_all_groups_and_the_rest_withi
     build_federation(dataclasses.replace(CFG, algorithm='lg_fedavg_fb', models=('mlp',), methods={}))
 
 
+@pytest.mark.slow
 def test_mnd_samples_of_gefl_f_are_images_inverted_from_generated_maps_through_f(recorded):
   """GeFL-F's S for the MND ratio: generated feature maps inverted into images through the frozen F; the
   inversion brings F(image) towards the map it came from (relative error below that of the starting noise)."""

@@ -81,7 +81,10 @@ def test_dcgan_losses_when_the_discriminator_says_one_half():
   assert float(bce(jnp.zeros(2), 1.0)) == pytest.approx(100.0)  # PyTorch's clamp of log(0)
 
 
-@pytest.mark.parametrize('name', ['dcgan', 'cvae', 'ddpm'])
+# DCGAN and the CVAE train in the golden GeFL and GeFL-F runs of the default run (tests/test_golden.py); here in
+# the slow set (`-m slow`). DDPM trains only here.
+@pytest.mark.parametrize('name', [pytest.param('dcgan', marks=pytest.mark.slow),
+                                  pytest.param('cvae', marks=pytest.mark.slow), 'ddpm'])
 def test_each_generator_trains_and_samples_at_test_size(name):
   """A few Adam steps on a fixed batch lower the loss (DCGAN: the steps change both nets), samples have the data's
   shape, are finite and in the generator's range, and the same key gives the same samples."""

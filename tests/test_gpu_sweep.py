@@ -1,10 +1,10 @@
 """benchmarks/gpu_sweep.sh and benchmarks/gpu_plan.py on the CPU at their tiny sizes, so that the accelerator sweep
 cannot rot before a GPU is lent: the plan's analysis of a matmul by hand, the plan part writing one merged results
 file, the report of parts run elsewhere, a scaling part's one process per method and host_cpu's one per thread
-count, a part stopped at its share of the command's time keeping its rows (one stopped before its first row, or
-killed without a time limit, named as not finished), and scaling's row order and per-row results in the default
-suite; the tiny sweep's parts (host_cpu, vs_pytorch, scaling with two groups, plan, vmap_conv) and xla_flags.py's
-cold starts in the slow set."""
+count, and scaling's row order and per-row results in the default suite; a part stopped at its share of the
+command's time keeping its rows (one stopped before its first row, or killed without a time limit, named as not
+finished), vmap_conv's record of a formulation that fails, the tiny sweep's parts (host_cpu, vs_pytorch, scaling
+with two groups, plan, vmap_conv) and xla_flags.py's cold starts in the slow set."""
 
 import json
 import os
@@ -147,6 +147,7 @@ def test_scaling_runs_each_method_and_host_cpu_each_thread_count_up_to_the_cores
     assert args[0] == 'vs_pytorch.py' and f'--client_threads={t}' in args and '--strategy=sequential' in args
 
 
+@pytest.mark.slow
 def test_a_part_is_stopped_at_its_share_of_the_time_keeping_its_rows_and_one_without_time_does_not_start(tmp_path):
   # 22 s, less 15 for the report: the first of two parts would get 7 / 2 = 3 s, under the 5 s a part needs, so it
   # does not start; the second gets the 7 s (6 where a second passed) and is stopped there.
@@ -318,6 +319,7 @@ except app.UsageError as e:
 """
 
 
+@pytest.mark.slow
 def test_vmap_conv_records_a_formulation_that_fails_and_times_the_others(tmp_path):
   done = subprocess.run([sys.executable, '-c', FAILING_PALLAS, str(tmp_path)], cwd=ROOT, capture_output=True,
                         text=True, timeout=300)

@@ -70,7 +70,7 @@ def test_extractor_parameter_counts_match_the_pytorch_originals(name):
 
 
 @pytest.mark.parametrize('name', ['mobilenet_v2', 'googlenet', 'resnet50', 'resnet4'])
-@pytest.mark.parametrize('size', [32, 64])
+@pytest.mark.parametrize('size', [32, pytest.param(64, marks=pytest.mark.slow)])
 def test_zoo_models_take_32_and_64_pixel_images(name, size):
   """Shapes by abstract tracing (jax.eval_shape): compiling these models on CPU only to read shapes is slow."""
   model = build_model(name, num_classes=5, feature_dim=16, conv='auto')
@@ -319,7 +319,7 @@ def _scanned_model(kind: str):
   return VisionTransformer(4, hidden=8, depth=3, num_heads=2, mlp_dim=16)
 
 
-@pytest.mark.parametrize('kind', ['resnet', 'vit'])
+@pytest.mark.parametrize('kind', ['resnet', pytest.param('vit', marks=pytest.mark.slow)])  # ViT: 7 s, `-m slow`
 def test_scanned_blocks_keep_the_unrolled_variables_and_numbers(kind):
   model = _scanned_model(kind)
   x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, 8, 3))

@@ -9,6 +9,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Slow (`-m slow`): a Jupyter kernel and the quickstart's run, about 12 s of a 2-core CPU; the default run executes
+# README's notebook snippet in-process (tests/test_experiment.py).
+@pytest.mark.slow
 def test_the_quickstart_notebook_runs_and_draws_its_plot(capfd, tmp_path):
   nbformat = pytest.importorskip('nbformat')
   nbclient = pytest.importorskip('nbclient')

@@ -693,6 +693,7 @@ def _adam_steps(opt_state) -> np.ndarray:
   return np.asarray(counts[-1])
 
 
+@pytest.mark.slow  # the paper code's digest variant (--fedmd_digest=mae), not the default
 def test_fedmd_mae_keeps_the_classifiers_and_the_digests_adam_apart():
   """The paper's code (--fedmd_digest=mae) compiles the logits model and the classifier apart, each with its own
   Adam: after the transfer round the digest's Adam is fresh and the classifier's has taken the private stage's steps;

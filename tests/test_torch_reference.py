@@ -92,6 +92,7 @@ def flax_parameter_count(name: str) -> int:
   return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shapes['params']))
 
 
+@pytest.mark.slow  # builds every PyTorch model (8 s); tests/test_models.py checks the counts in the default run
 def test_every_paper_model_has_a_pytorch_counterpart_of_the_same_parameter_count():
   assert set(PAPER_MODELS) <= set(TORCH_MODELS)
   counts = {}
