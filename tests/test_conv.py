@@ -85,6 +85,7 @@ def test_unknown_conv_names_the_argument():
     conv_factory('winograd')
 
 
+@pytest.mark.slow  # two federations' rounds (6 s); the formulations' values are checked one by one above
 def test_representation_passes_of_an_auto_run_take_im2col_up_to_32_channels_with_the_same_values():
   """An 'auto' run computes its eval-mode representation passes with im2col for cnn4's 32 -> 64 convolution too
   (no native convolution left), the same parameters and values; other runs use their own classifier."""

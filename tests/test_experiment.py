@@ -376,6 +376,9 @@ def test_comparison_table_shows_each_phases_accuracy_for_methods_of_several_phas
   assert '| fedproto | fl' not in table and 'fedproto | train' not in table
 
 
+# Slow (`-m slow`, five runs: about 10 s of a 2-core CPU); the default run reuses a finished run in
+# tests/test_entry_points.py.
+@pytest.mark.slow
 def test_comparison_runs_every_method_and_seed_then_reuses_finished_runs(tmp_path):
   from fedjax_het.run.compare import comparison_table, run_comparison, write_comparison
   cfg = dataclasses.replace(CFG, rounds=2, checkpoint_every=0)

@@ -114,6 +114,7 @@ def test_the_python_api_shows_a_bar_while_a_call_compiles(capfd):
   assert not wants_progress_bar()  # pytest's captured stderr is no terminal, and no notebook runs here
 
 
+@pytest.mark.slow  # an entry point's process (6 s); the Python API's bar above is the default run's
 def test_a_command_line_start_says_each_compilation_with_a_bar_on_a_terminal_and_a_line_in_a_file(tmp_path, capfd,
                                                                                                  monkeypatch):
   """A run's start says what compiles: the initial states, round 1's groups and then the server step, and the
