@@ -86,6 +86,9 @@ def test_update_mode_target_server_averages_models_within_and_the_generator_acro
 
 
 # ------------------------------------------------------------------ the run
+# The recorded four-round run and the checks on it are in the slow set (`-m slow`, about 17 s of a 2-core CPU): the
+# default run pins GeFL's numbers through its golden run (tests/test_golden.py) and resumes across a phase boundary
+# in tests/test_fedvtc.py, tests/test_felo.py and tests/test_phases.py.
 @pytest.fixture(scope='module')
 def fed():
   return build_federation(CFG)
@@ -96,6 +99,7 @@ def recorded(fed):
   return record_rounds(fed, fed.init(), fed.total_rounds)
 
 
+@pytest.mark.slow
 def test_the_run_is_knowledge_then_target_rounds_with_their_steps_and_traffic(fed, recorded):
   h = recorded.history
   assert fed.total_rounds == 4 and [m['phase'] for m in h] == ['knowledge'] * 2 + ['target'] * 2
@@ -111,6 +115,7 @@ def test_the_run_is_knowledge_then_target_rounds_with_their_steps_and_traffic(fe
   assert all(np.isfinite(m['train_loss']) for m in h)
 
 
+@pytest.mark.slow
 def test_each_client_keeps_its_own_optimizer_state_across_the_broadcast(fed, recorded):
   """After round 1 the clients' Adam states differ (own data) while their generators are replaced by the mean at
   the next round's start; after round 2 each Adam step counter holds both rounds' steps."""
@@ -126,6 +131,7 @@ def test_each_client_keeps_its_own_optimizer_state_across_the_broadcast(fed, rec
   assert np.isfinite(np.asarray(server_gen)).all()
 
 
+@pytest.mark.slow
 def test_resume_across_the_knowledge_to_target_boundary_equals_the_uninterrupted_run(fed, recorded, tmp_path):
   checkpoints = Checkpoints(str(tmp_path / 'ckpt'))
   checkpoints.save(recorded.states[1])  # the end of the knowledge phase

@@ -48,7 +48,7 @@ def test_split_and_join_of_a_gefl_cnn_and_the_header_from_feature_maps():
 
 # The recorded three-phase run and the checks on it are in the slow set (`-m slow`, about 34 s of a 2-core CPU):
 # the default run pins GeFL-F's numbers through its golden run (tests/test_golden.py) and resumes across a phase
-# boundary in tests/test_gefl.py and tests/test_phases.py.
+# boundary in tests/test_fedvtc.py, tests/test_felo.py and tests/test_phases.py.
 @pytest.fixture(scope='module')
 def recorded():
   fed = build_federation(CFG)
