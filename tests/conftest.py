@@ -54,10 +54,11 @@ from fedjax_het.data import make_federated_data, make_synthetic
 
 # The longest test files, started first (longest-processing-time order): pytest-xdist hands each worker whole files
 # in collection order, so a long file collected last would keep one worker busy after the other has finished.
-LONGEST_FIRST = ('test_golden.py', 'test_gefl_f.py', 'test_multiprocess.py', 'test_sharding.py', 'test_gefl.py',
-                 'test_reliability.py', 'test_seed_baselines.py', 'test_engine.py', 'test_experiment.py',
-                 'test_fedvtc.py', 'test_fedgkt.py', 'test_dp.py', 'test_flower.py', 'test_felo.py',
-                 'test_torch_reference.py', 'test_torch_baselines.py')
+LONGEST_FIRST = ('test_golden.py', 'test_engine.py', 'test_experiment.py', 'test_dp.py', 'test_seed_baselines.py',
+                 'test_models.py', 'test_reliability.py', 'test_flower.py', 'test_felo.py', 'test_fedvtc.py',
+                 'test_sharding.py', 'test_phases.py', 'test_onednn.py', 'test_dp_release.py', 'test_poisson.py',
+                 'test_conv.py', 'test_generators.py', 'test_fedgkt.py', 'test_pallas_conv.py', 'test_inversion.py',
+                 'test_baselines.py', 'test_torch_baselines.py', 'test_multiprocess.py', 'test_gefl_f.py')
 
 
 def pytest_collection_modifyitems(config, items):
