@@ -186,6 +186,8 @@ def test_the_amplified_calibration_closes_its_bracket_on_the_answer_in_few_evalu
   sigma = _narrow_bracket(lambda s: tried.append(s) or curve(s), target, 2.0, 4.0, 1e-4)
   assert answer <= sigma <= answer * (1 + 1e-4) and curve(sigma) <= target
   assert len(tried) <= 8, tried
+  with pytest.raises(ArithmeticError):  # an accountant's NaN is no side of the target (calibrate names the flag)
+    _narrow_bracket(lambda s: math.nan if s > 3.0 else curve(s), target, 2.0, 4.0, 1e-4)
 
 
 def test_calibration_reaches_the_target_epsilon():

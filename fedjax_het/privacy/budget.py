@@ -374,9 +374,11 @@ def _narrow_bracket(spend: Callable[[float], float], target: float, low: float, 
   kept a quarter of the tolerance inside the bracket, so that a guess next to the answer closes the bracket from
   both sides; bisection where the logarithms are not finite. An RDP epsilon is close to a power of sigma: on the
   tests' curves it takes at most 8 evaluations from a bracket of ratio 2 where bisection takes 15, each of them a
-  composition by dp-accounting."""
-  gap = lambda epsilon: math.log(epsilon / target) if 0 < epsilon < math.inf else math.copysign(math.inf,
-                                                                                                  epsilon - target)
+  composition by dp-accounting. An epsilon of NaN raises ArithmeticError (`calibrate` then finds no sigma)."""
+  def gap(epsilon: float) -> float:  # log(epsilon / target): > 0 where sigma is too small
+    if math.isnan(epsilon):
+      raise ArithmeticError('the accountant gave epsilon NaN')
+    return math.log(epsilon / target) if 0 < epsilon < math.inf else math.copysign(math.inf, epsilon - target)
   f_low, f_high = gap(spend(low)), gap(spend(high))
   kept = 0  # +1: the low end was kept by the last step, -1: the high end
   margin = math.log1p(tol) / 4
