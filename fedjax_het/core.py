@@ -187,6 +187,9 @@ class ModelMaker(Protocol):
   def init(self, module: Any, key: jax.Array, *inputs: Any, path: tuple) -> dict:
     """A module's variables initialised as the run initialises its clients (--init)."""
 
+  def init_with_output(self, module: Any, key: jax.Array, *inputs: Any, path: tuple) -> tuple[Any, dict]:
+    """(the module's outputs on `inputs`, its variables as `init` draws them)."""
+
   def shared_key(self, name: str) -> jax.Array:
     """A key of the run's seed and `name` only."""
 

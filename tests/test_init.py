@@ -103,6 +103,22 @@ def test_clients_of_one_architecture_start_identical_unless_asked_otherwise(tiny
     Federation(local(4), tiny_data, ModelConfig(['mlp'], 16, init='xavier'), training, **kw)
 
 
+def test_a_federation_traces_each_classifier_once_to_check_and_initialise_it(tiny_data, monkeypatch):
+  """The architecture check (`check_architecture`, at construction) and the initialiser (`init`) share one trace
+  of each classifier's forward pass on one image, the dearest part of a deep model's initialisation to trace."""
+  from fedjax_het.models.classifier import HeteroClassifier
+  traced = []
+  represent = HeteroClassifier.represent
+  monkeypatch.setattr(HeteroClassifier, 'represent',
+                      lambda self, x, train=False: traced.append(x.shape[0]) or represent(self, x, train))
+  # A seed and width no other test uses: nothing of these classifiers is traced or cached in the process yet.
+  fed = Federation(local(4), tiny_data, ModelConfig(['small_cnn_narrow', 'mlp'], 11),
+                   LocalTraining(0.05, 8, 1), ExecutionConfig('sequential', 'xla', eval_batch_size=16), seed=7211)
+  assert traced.count(1) == 2  # one image: the check's trace of each architecture
+  jax.block_until_ready(fed.init())
+  assert traced.count(1) == 2, traced  # init reused them
+
+
 def test_grouped_fedavg_sends_parameters_and_keeps_batchnorm_statistics_local():
   client = ClientState({'w': jnp.array([1., 2.])}, {'batch_stats': {'mean': jnp.array([5.])}}, {}, jnp.zeros(2))
   received = receive_group_model(client, GroupModel({'w': jnp.array([2.5, 3.5])}))

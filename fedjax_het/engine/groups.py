@@ -19,9 +19,9 @@ from fedjax_het.errors import ConfigError
 from fedjax_het.local_training import LocalTraining
 from fedjax_het.models.classifier import PRECISIONS
 from fedjax_het.models.conv import EVAL_PASS_CONV
-from fedjax_het.models.init import INITS, architecture_key, init_variables
+from fedjax_het.models.init import INITS, architecture_key, init_variables, init_with_output
 from fedjax_het.models.registry import assign_models, build_model
-from fedjax_het.models.shapes import cached_when_hashable, init_shapes, variable_shapes
+from fedjax_het.models.shapes import cached_when_hashable, variable_shapes
 
 
 MAX_FEATURE_DIM = 65536  # wider representations are a typo: their layers alone would not fit in memory
@@ -81,6 +81,9 @@ class ClassifierMaker:
 
   def init(self, module, key, *inputs, path: tuple = ()) -> dict:
     return init_variables(module, key, *inputs, scheme=self.init_scheme, path=path)
+
+  def init_with_output(self, module, key, *inputs, path: tuple = ()) -> tuple[Any, dict]:
+    return init_with_output(module, key, *inputs, scheme=self.init_scheme, path=path)
 
   def shared_key(self, name: str) -> jax.Array:
     return architecture_key(jax.random.PRNGKey(self.seed), name)
@@ -194,10 +197,15 @@ def build_groups(data: FederatedData, models: ModelConfig, training: LocalTraini
 
 
 def check_architecture(spec: GroupSpec) -> Any:
-  """Traces one forward pass abstractly, so an architecture that cannot take the data's images fails here, with
-  the flag named, instead of deep inside XLA. Returns its shapes: ((logits, representations), variables)."""
-  return shapes(lambda: init_shapes(spec.model, spec.input_shape, train=False),
-                f'ModelConfig.names: architecture {spec.arch!r}', 'ModelConfig.names', spec.input_shape)
+  """Traces the group's classifier initialiser (`classifier_initializers`) abstractly, so an architecture that
+  cannot take the data's images fails here, with the flag named, instead of deep inside XLA. Returns its shapes:
+  ((logits, representations) of one image, variables). The trace is the one the initialiser's call then reuses
+  (`init_group`): a deep model's forward pass is traced once to check it and initialise it."""
+  initializers = classifier_initializers(spec.maker, spec.model, tuple(spec.input_shape))
+  key = jax.eval_shape(lambda: spec.maker.shared_key(spec.arch))  # its shape: the check compiles nothing
+  params, others = shapes(lambda: initializers.one.eval_shape(key),
+                          f'ModelConfig.names: architecture {spec.arch!r}', 'ModelConfig.names', spec.input_shape)
+  return initializers.output_shapes, {'params': params, **others}
 
 
 def shapes(trace: Callable[[], Any], what: str, flag: str, image_shape) -> Any:
@@ -213,18 +221,36 @@ def shapes(trace: Callable[[], Any], what: str, flag: str, image_shape) -> Any:
                       f'for 32x32).') from e
 
 
+@dataclasses.dataclass(frozen=True)
+class ClassifierInitializers:
+  """A classifier's jitted initialisers, as (params, the other collections): `one` from one key, `each` from a
+  vector of keys (one client each). `output_shapes`: the (logits, representations) shapes of the image the
+  initialiser is traced on, recorded by its first trace (a dict, empty until then)."""
+  one: Callable
+  each: Callable
+  traced: dict
+
+  @property
+  def output_shapes(self) -> Any:
+    return self.traced['outputs']
+
+
 @cached_when_hashable(maxsize=64)
-def classifier_initializers(maker: ModelMaker, model: Any, input_shape: tuple) -> tuple[Callable, Callable]:
-  """Jitted initialisers of a classifier's variables, as (params, the other collections): from one key, and from a
-  vector of keys (one client each). Made once per (maker, model, image shape) in a process (afresh for an
-  unhashable maker or module), so that every federation of the same architectures and run settings after the first
-  (a notebook or a sweep building the run again) reuses their traces: an initialiser is the dearest program of a
-  small federation to trace and lower (a random draw per parameter)."""
+def classifier_initializers(maker: ModelMaker, model: Any, input_shape: tuple) -> ClassifierInitializers:
+  """Jitted initialisers of a classifier's variables (`ClassifierInitializers`). Made once per (maker, model, image
+  shape) in a process (afresh for an unhashable maker or module), so that every federation of the same
+  architectures and run settings after the first (a notebook or a sweep building the run again) reuses their
+  traces: an initialiser is the dearest program of a small federation to trace and lower (a random draw per
+  parameter). The outputs are not the program's (XLA would compile the forward pass for them): only their shapes
+  are kept, as a trace's side record."""
+  traced: dict = {}
+
   def init_classifier(k):
-    variables = maker.init(model, k, jnp.zeros((1,) + input_shape))
+    outputs, variables = maker.init_with_output(model, k, jnp.zeros((1,) + input_shape))
+    traced['outputs'] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), outputs)
     params = variables.pop('params')
     return params, variables
-  return jax.jit(init_classifier), jax.jit(jax.vmap(init_classifier))
+  return ClassifierInitializers(jax.jit(init_classifier), jax.jit(jax.vmap(init_classifier)), traced)
 
 
 def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax.Array, shared_init: bool,
@@ -235,8 +261,8 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
   With `shared_init` (HtFLlib) every client of an architecture starts from the same parameters, drawn from a key
   of the seed and the architecture's name; otherwise each client draws its own."""
   spec = g.spec
-  init_one, init_each = classifier_initializers(spec.maker, spec.model, tuple(spec.input_shape))
-  # The classifier's forward pass was traced by `check_architecture`; only the algorithm's own state is left. Its
+  initializers = classifier_initializers(spec.maker, spec.model, tuple(spec.input_shape))
+  # The classifier's initialiser was traced by `check_architecture`; only the algorithm's own state is left. Its
   # shapes come from the jitted initialiser itself, whose call then reuses that trace.
   check = lambda init, keys: shapes(lambda: init.eval_shape(keys),
                                     'the algorithm\'s client modules (e.g. a shared global model)',
@@ -247,7 +273,7 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
     extra_shape = check(init_client, group_key)
     # One client's state, computed once and broadcast: the programs do not depend on the number of clients, so a
     # larger population compiles nothing new (XLA's persistent compilation cache, `compilation_cache`).
-    params, variables = broadcast_clients(init_one(group_key), g.stacked_size)
+    params, variables = broadcast_clients(initializers.one(group_key), g.stacked_size)
     init_extra = lambda: broadcast_clients(init_client(group_key), g.stacked_size)
   else:
     init_keys = fold_in_each(init_key, g.stacked_ids)
@@ -255,7 +281,7 @@ def init_group(algorithm: Algorithm, g: Group, init_key: jax.Array, key_key: jax
     extra_shape = check(init_clients, init_keys)
     # Two programs, not one: the algorithm's state is often the same program in every group (a generator, an
     # optimizer), which XLA's persistent compilation cache (`compilation_cache`) then compiles once per run.
-    params, variables = init_each(init_keys)
+    params, variables = initializers.each(init_keys)
     init_extra = lambda: init_clients(init_keys)
   # A method without client state (most): its empty structure, no program.
   extra = init_extra() if jax.tree.leaves(extra_shape) else extra_shape

@@ -140,11 +140,14 @@ def architecture_key(key: jax.Array, arch: str) -> jax.Array:
   return jax.random.fold_in(key, zlib.crc32(arch.encode()) & 0x7FFFFFFF)
 
 
-def init_variables(module: Any, key: jax.Array, *inputs: Any, scheme: str = 'torch', path: tuple = ()) -> dict:
-  """`module.init(key, *inputs)`'s variables; with scheme 'torch', its Dense/Conv layers redrawn by
-  `torch_default_init` from fold_in(key, 1), each layer keyed by its path under `path` (a module initialised on
-  its own with path=('companion',) draws what it would draw as the submodule 'companion' of a client)."""
-  variables = dict(module.init(key, *inputs))
+def init_with_output(module: Any, key: jax.Array, *inputs: Any, scheme: str = 'torch', path: tuple = ()
+                     ) -> tuple[Any, dict]:
+  """(outputs, variables) of `module.init_with_output(key, *inputs)`; with scheme 'torch', its Dense/Conv layers
+  redrawn by `torch_default_init` from fold_in(key, 1), each layer keyed by its path under `path` (a module
+  initialised on its own with path=('companion',) draws what it would draw as the submodule 'companion' of a
+  client). The outputs are those of the module as flax initialised it (before the redraw)."""
+  outputs, variables = module.init_with_output(key, *inputs)
+  variables = dict(variables)
   if scheme == 'torch':
     params = variables['params']
     for name in reversed(path):
@@ -153,4 +156,9 @@ def init_variables(module: Any, key: jax.Array, *inputs: Any, scheme: str = 'tor
     for name in path:
       params = params[name]
     variables['params'] = params
-  return variables
+  return outputs, variables
+
+
+def init_variables(module: Any, key: jax.Array, *inputs: Any, scheme: str = 'torch', path: tuple = ()) -> dict:
+  """The variables of `init_with_output` (flax's `module.init` draws the same)."""
+  return init_with_output(module, key, *inputs, scheme=scheme, path=path)[1]
