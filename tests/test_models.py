@@ -252,6 +252,28 @@ def test_batchnorm_computes_flaxs_arithmetic_bit_for_bit():
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_batchnorm_arithmetic_is_traced_once_per_shape_and_setting(monkeypatch):
+  """Layers of one shape share one trace of the arithmetic (`norm._batch_norm`, jitted and inlined): four train-mode
+  layers trace it once (a layer traced in place would trace it four times)."""
+  import flax.linen as nn
+  from jax import lax
+  from fedjax_het.models.norm import BatchNorm
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(4):
+        x = BatchNorm(use_running_average=False)(x)
+      return x
+  x = jnp.ones((2, 3, 3, 13))  # a shape no other test normalises: nothing traced yet
+  variables = Net().init(jax.random.PRNGKey(0), x)
+  traced = []
+  rsqrt = lax.rsqrt
+  monkeypatch.setattr(lax, 'rsqrt', lambda a: traced.append(a.shape) or rsqrt(a))
+  jax.jit(lambda v, x: Net().apply(v, x, mutable=['batch_stats'])).trace(variables, x)
+  assert traced == [(1, 1, 1, 13)]
+
+
 def test_batchnorm_running_variance_is_torchs_unbiased_one():
   """A train step normalises with the biased batch variance and moves the running variance towards the unbiased one
   over rows x positions (torch.nn.BatchNorm2d): values 1, 3, 5, 7 (two rows of two positions; a third, masked
@@ -284,6 +306,39 @@ def test_init_shapes_are_traced_once_per_equal_module_and_returned_in_fresh_cont
   assert traced == [] and 'params' in again
   (logits, rep), _ = init_shapes(model, (8, 8, 1), train=False)
   assert logits.shape == (1, 3) and rep.shape == (1, 12)
+
+
+def test_conv_and_dense_read_their_parameters_without_tracing_their_initialisers():
+  """`models.layers`: applied, the layers do not call their initialisers (flax's do, to check shapes); initialised,
+  they draw what flax's draw, under flax's names, and compute what flax's compute."""
+  import flax.linen as nn
+  from fedjax_het.models.layers import Conv, Dense
+  calls = []
+
+  def counted(name, init):
+    return lambda *args: calls.append(name) or init(*args)
+
+  def net(conv, dense):
+    class Net(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        x = conv(4, (3, 3), kernel_init=counted('conv', nn.initializers.lecun_normal()))(x)
+        return dense(3, kernel_init=counted('dense', nn.initializers.lecun_normal()),
+                     bias_init=counted('bias', nn.initializers.normal()))(x.reshape(x.shape[0], -1))
+    return Net()
+
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 5, 5, 2))
+  ours, flax_own = net(Conv, Dense), net(nn.Conv, nn.Dense)
+  variables = ours.init(jax.random.PRNGKey(0), x)
+  assert sorted(calls) == ['bias', 'conv', 'dense']  # initialising draws each once
+  reference = flax_own.init(jax.random.PRNGKey(0), x)
+  assert jax.tree.structure(variables) == jax.tree.structure(reference)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(reference)))
+  calls.clear()
+  y = ours.apply(variables, x)
+  assert calls == []
+  np.testing.assert_array_equal(y, flax_own.apply(variables, x))
+  assert sorted(calls) == ['bias', 'conv', 'dense']  # flax's layers trace each initialiser at every application
 
 
 def test_a_value_cache_serves_equal_hashable_arguments_once_and_computes_unhashable_ones_each_time():

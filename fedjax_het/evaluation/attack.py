@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from fedjax_het.errors import ConfigError
+from fedjax_het.models.layers import Conv
 
 PRIORS = ('pixel', 'dip')
 
@@ -78,9 +79,9 @@ class DeepImagePrior(nn.Module):
 
   @nn.compact
   def __call__(self, z: jnp.ndarray) -> jnp.ndarray:
-    h = nn.relu(nn.Conv(self.channels, (3, 3))(z))
-    h = nn.relu(nn.Conv(self.channels, (3, 3))(h))
-    return jnp.tanh(nn.Conv(self.out_channels, (3, 3))(h))
+    h = nn.relu(Conv(self.channels, (3, 3))(z))
+    h = nn.relu(Conv(self.channels, (3, 3))(h))
+    return jnp.tanh(Conv(self.out_channels, (3, 3))(h))
 
 
 def image_parameterisation(image_shape: Sequence[int], cfg: InversionConfig

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from fedjax_het.generators.base import ConditionalGenerator, gaussian_kl
 from fedjax_het.models.conv import conv_factory, conv_transpose
 from fedjax_het.models.init import torch_default_init
+from fedjax_het.models.layers import Dense
 from fedjax_het.models.norm import TorchBatchNorm, batch_rows
 from fedjax_het.optim import step_at_rate, torch_adam
 from fedjax_het.rows import row_weights
@@ -43,7 +44,7 @@ class CVAEEncoder(nn.Module):
                                   name=f'conv{i}')(h)
       h = nn.relu(TorchBatchNorm(use_running_average=not train, name=f'bn{i}')(h))
     h = h.reshape(h.shape[0], -1)
-    return nn.Dense(self.latent, name='mu')(h), nn.Dense(self.latent, name='logvar')(h)
+    return Dense(self.latent, name='mu')(h), Dense(self.latent, name='logvar')(h)
 
 
 class CVAEDecoder(nn.Module):
@@ -57,7 +58,7 @@ class CVAEDecoder(nn.Module):
   def __call__(self, z: jnp.ndarray, y_onehot: jnp.ndarray, train: bool) -> jnp.ndarray:
     layers = self.size.bit_length() - 1  # 1 x 1 -> S x S, doubling each
     mults = [2 ** (layers - 2 - i) for i in range(layers - 1)]  # 8, 4, 2, 1 for S = 32
-    h = nn.relu(nn.Dense(2 * mults[0] * self.width, name='fc')(jnp.concatenate([z, y_onehot], -1)))
+    h = nn.relu(Dense(2 * mults[0] * self.width, name='fc')(jnp.concatenate([z, y_onehot], -1)))
     h = h[:, None, None, :]
     for i, mult in enumerate(mults):
       h = conv_transpose(self.conv, h, self.width * mult, 4, 2, 1, f'convt{i}')

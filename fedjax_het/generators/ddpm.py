@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from fedjax_het.generators.base import ConditionalGenerator
 from fedjax_het.models.conv import conv_factory, conv_transpose
 from fedjax_het.models.init import torch_default_init
+from fedjax_het.models.layers import Dense
 from fedjax_het.models.norm import TorchBatchNorm, batch_rows
 from fedjax_het.optim import step_at_rate, torch_adam
 from fedjax_het.rows import batch_mean
@@ -86,7 +87,7 @@ class EmbedFC(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    return nn.Dense(self.features, name='fc2')(gelu(nn.Dense(self.features, name='fc1')(x)))
+    return Dense(self.features, name='fc2')(gelu(Dense(self.features, name='fc1')(x)))
 
 
 class UnetUp(nn.Module):

@@ -34,6 +34,7 @@ from fedjax_het.methods.lg_fedavg import upload_head
 from fedjax_het.methods.shared.base import Algorithm, global_head_evaluation, receive_head, sgd_program
 from fedjax_het.methods.shared.common import cross_entropy, cross_entropy_loss, head_apply
 from fedjax_het.models.init import torch_default_init
+from fedjax_het.models.layers import Dense
 from fedjax_het.models.norm import TorchBatchNorm
 from fedjax_het.uploads import participant_average
 
@@ -63,9 +64,9 @@ class FeatureGenerator(nn.Module):
 
   @nn.compact
   def __call__(self, noise: jnp.ndarray, labels: jnp.ndarray, train: bool = True) -> jnp.ndarray:
-    h = nn.Dense(self.hidden_dim)(jnp.concatenate([noise, jax.nn.one_hot(labels, self.num_classes)], -1))
+    h = Dense(self.hidden_dim)(jnp.concatenate([noise, jax.nn.one_hot(labels, self.num_classes)], -1))
     h = nn.relu(TorchBatchNorm(use_running_average=not train)(h))
-    return nn.Dense(self.feature_dim)(h)
+    return Dense(self.feature_dim)(h)
 
 
 def ensemble_logits(heads: dict, weights: jnp.ndarray, z: jnp.ndarray) -> jnp.ndarray:

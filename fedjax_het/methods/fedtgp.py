@@ -25,6 +25,7 @@ from fedjax_het.methods.fedproto import (Prototypes, empty_prototypes, global_pr
 from fedjax_het.methods.shared.base import Algorithm, sgd_program
 from fedjax_het.methods.shared.common import check_server_training, class_means_privacy, sgd_on_rows
 from fedjax_het.models.init import torch_default_init
+from fedjax_het.models.layers import Dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +60,8 @@ class PrototypeGenerator(nn.Module):
   @nn.compact
   def __call__(self, classes: jnp.ndarray) -> jnp.ndarray:
     e = nn.Embed(self.num_classes, self.feature_dim, embedding_init=nn.initializers.normal(1.0))(classes)
-    h = nn.relu(nn.Dense(self.hidden_dim)(e))
-    return nn.Dense(self.feature_dim)(h)
+    h = nn.relu(Dense(self.hidden_dim)(e))
+    return Dense(self.feature_dim)(h)
 
 
 def adaptive_margin(class_means: jnp.ndarray, present: jnp.ndarray, threshold: float) -> jnp.ndarray:

@@ -39,6 +39,7 @@ from fedjax_het.methods.felo import (FeatureChannel, FeloConfig, FeloRun, FeloSe
                                      empty_store, felo_family, push, store_mean, warmup_rounds)
 from fedjax_het.methods.shared.common import fit_rows
 from fedjax_het.models.init import torch_default_init
+from fedjax_het.models.layers import Dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +75,11 @@ class FeatureCVAE(nn.Module):
 
   def setup(self):
     self.embed = nn.Embed(self.num_classes, self.embedding, embedding_init=nn.initializers.normal(1.0))
-    self.encoder_in = nn.Dense(self.hidden)
+    self.encoder_in = Dense(self.hidden)
     self.encoder_norm = nn.BatchNorm(momentum=0.9, epsilon=1e-5)
-    self.encoder_out = nn.Dense(2 * self.latent)
-    self.decoder_in = nn.Dense(self.feature_dim)
-    self.decoder_out = nn.Dense(self.feature_dim)
+    self.encoder_out = Dense(2 * self.latent)
+    self.decoder_in = Dense(self.feature_dim)
+    self.decoder_out = Dense(self.feature_dim)
 
   def __call__(self, s, y, eps, train: bool = True):
     """(reconstruction [B, d], mu [B, latent], logvar [B, latent]) of features s [B, d] of classes y [B]."""

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from fedjax_het.errors import ConfigError
 from fedjax_het.models.pooling import adaptive_avg_pool1d, adaptive_max_pool1d
+from fedjax_het.models.layers import Dense
 
 RM_MODES = ('ap', 'mp', 'fc', 'none')
 PRECISIONS = ('float32', 'bfloat16')
@@ -35,8 +36,8 @@ class HeteroClassifier(nn.Module):
     if self.rm not in RM_MODES:
       raise ConfigError(f'ModelConfig.rm={self.rm!r} is unknown; choose one of {", ".join(RM_MODES)}.')
     if self.rm == 'fc':
-      self.rm_fc = nn.Dense(self.feature_dim, name='rm_fc')
-    self.head = nn.Dense(self.num_classes, name='head')
+      self.rm_fc = Dense(self.feature_dim, name='rm_fc')
+    self.head = Dense(self.num_classes, name='head')
 
   def represent(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
     """The mapped representation r = RM(g(x)) [B, d]."""

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from fedjax_het.models.norm import TorchBatchNorm
 from fedjax_het.models.pooling import max_pool
+from fedjax_het.models.layers import Conv, Dense
 
 
 class FedAvgCNN(nn.Module):
@@ -18,26 +19,26 @@ class FedAvgCNN(nn.Module):
   With the head (512 -> C) this is the "4-layer CNN" of FedRE/HtFLlib; its feature width is already 512.
   """
   width: int = 512
-  conv: Any = nn.Conv
+  conv: Any = Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
     x = max_pool(nn.relu(self.conv(32, (5, 5), padding='VALID')(x)), (2, 2), (2, 2))
     x = max_pool(nn.relu(self.conv(64, (5, 5), padding='VALID')(x)), (2, 2), (2, 2))
-    return nn.relu(nn.Dense(self.width)(x.reshape(x.shape[0], -1)))
+    return nn.relu(Dense(self.width)(x.reshape(x.shape[0], -1)))
 
 
 class SmallCNN(nn.Module):
   """A small CNN for small images (e.g. 8x8 digits): two 3x3 conv blocks, then fc `width` -> ReLU."""
   channels: tuple[int, int] = (32, 64)
   width: int = 512
-  conv: Any = nn.Conv
+  conv: Any = Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
     for c in self.channels:
       x = max_pool(nn.relu(self.conv(c, (3, 3), padding='SAME')(x)), (2, 2), (2, 2), padding='SAME')
-    return nn.relu(nn.Dense(self.width)(x.reshape(x.shape[0], -1)))
+    return nn.relu(Dense(self.width)(x.reshape(x.shape[0], -1)))
 
 
 class MLP(nn.Module):
@@ -48,7 +49,7 @@ class MLP(nn.Module):
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
     x = x.reshape(x.shape[0], -1)
     for w in self.widths:
-      x = nn.relu(nn.Dense(w)(x))
+      x = nn.relu(Dense(w)(x))
     return x
 
 
@@ -57,7 +58,7 @@ class HeteroFLConv(nn.Module):
   pool between blocks; returns the last feature map (RM averages it over positions, as the model's adaptive
   average pool). Its widths scale with HeteroFL's rate (`models.registry`, 'heterofl_conv@0.5')."""
   widths: tuple[int, ...] = (64, 128, 256, 512)
-  conv: Any = nn.Conv
+  conv: Any = Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:

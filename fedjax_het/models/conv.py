@@ -23,6 +23,7 @@ from jax import lax
 
 from fedjax_het.errors import ConfigError
 from fedjax_het.kernels import onednn, pallas_conv
+from fedjax_het.models.layers import Conv
 
 
 IM2COL_MAX_CHANNELS = 8  # 'auto' uses im2col up to this many input channels
@@ -188,12 +189,12 @@ def pallas_conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=
 
 ConvFactory = Callable[..., nn.Module]
 CONV_IMPLS: dict[str, ConvFactory] = {  # the formulations a run chooses from (--conv)
-    'xla': nn.Conv,
-    'im2col': functools.partial(nn.Conv, conv_general_dilated=im2col_conv_general_dilated),
-    'auto': functools.partial(nn.Conv, conv_general_dilated=auto_conv_general_dilated),
-    'onednn': functools.partial(nn.Conv, conv_general_dilated=onednn_conv_general_dilated),
-    'gemm': functools.partial(nn.Conv, conv_general_dilated=gemm_grad_conv_general_dilated),
-    'pallas': functools.partial(nn.Conv, conv_general_dilated=pallas_conv_general_dilated),
+    'xla': Conv,
+    'im2col': functools.partial(Conv, conv_general_dilated=im2col_conv_general_dilated),
+    'auto': functools.partial(Conv, conv_general_dilated=auto_conv_general_dilated),
+    'onednn': functools.partial(Conv, conv_general_dilated=onednn_conv_general_dilated),
+    'gemm': functools.partial(Conv, conv_general_dilated=gemm_grad_conv_general_dilated),
+    'pallas': functools.partial(Conv, conv_general_dilated=pallas_conv_general_dilated),
 }
 # Eval-mode representation passes of an 'auto' run: im2col up to 32 input channels. Without a backward pass and
 # in 32-row passes its patches stay small, and it is faster there than 'auto', where in training steps on two
@@ -201,7 +202,7 @@ CONV_IMPLS: dict[str, ConvFactory] = {  # the formulations a run chooses from (-
 EVAL_PASS_CONV = {'auto': 'auto_eval_pass'}
 _FORMULATIONS: dict[str, ConvFactory] = {
     **CONV_IMPLS,
-    'auto_eval_pass': functools.partial(nn.Conv, conv_general_dilated=functools.partial(auto_conv_general_dilated,
+    'auto_eval_pass': functools.partial(Conv, conv_general_dilated=functools.partial(auto_conv_general_dilated,
                                                                                         max_channels=32)),
 }
 

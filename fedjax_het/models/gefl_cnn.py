@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from fedjax_het.models.norm import TorchBatchNorm
 from fedjax_het.models.pooling import max_pool
+from fedjax_het.models.layers import Conv
 
 # Output channels per CNN-k (k = 1..10) of each block after the common one; None: the CNN has no such block.
 SECOND_BLOCK = {'mnist': (16, 16, 20, 10, 16, 20, 10, 16, 20, 10), 'fmnist': (16, 16, 20, 10, 16, 20, 10, 16, 20, 10),
@@ -50,7 +51,7 @@ class GeFLCNN(nn.Module):
   carry explicit names (F's start with 'fe_'), so one parameter tree serves all three stages."""
   dataset: str
   k: int
-  conv: Any = nn.Conv
+  conv: Any = Conv
   stage: str = 'all'
 
   @nn.compact

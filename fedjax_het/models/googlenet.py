@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from fedjax_het.models.norm import TorchBatchNorm
+from fedjax_het.models.layers import Conv
 
 # (1x1, 3x3 reduce, 3x3, "5x5" reduce, "5x5", pool projection) per Inception block: torchvision's.
 INCEPTION_3 = ((64, 96, 128, 16, 32, 32), (128, 128, 192, 32, 96, 64))
@@ -36,7 +37,7 @@ class BasicConv(nn.Module):
   features: int
   kernel: int
   strides: int = 1
-  conv: Any = nn.Conv
+  conv: Any = Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
@@ -48,7 +49,7 @@ class BasicConv(nn.Module):
 class Inception(nn.Module):
   """Four branches concatenated on channels: 1x1; 1x1 -> 3x3; 1x1 -> 3x3; maxpool 3x3/1 (ceil) -> 1x1."""
   widths: tuple[int, int, int, int, int, int]
-  conv: Any = nn.Conv
+  conv: Any = Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
@@ -63,7 +64,7 @@ class Inception(nn.Module):
 
 class GoogLeNet(nn.Module):
   """torchvision googlenet trunk (transform_input off): returns the feature map [B, H, W, 1024]."""
-  conv: Any = nn.Conv
+  conv: Any = Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:

@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from fedjax_het.models.norm import TorchBatchNorm
+from fedjax_het.models.layers import Conv
 
 
 # (expansion t, output channels c, repeats n, first stride s): torchvision's inverted_residual_setting.
@@ -22,7 +23,7 @@ class ConvBNReLU6(nn.Module):
   strides: int = 1
   groups: int = 1
   activation: bool = True
-  conv: Any = nn.Conv
+  conv: Any = Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
@@ -38,7 +39,7 @@ class InvertedResidual(nn.Module):
   features: int
   strides: int
   expansion: int
-  conv: Any = nn.Conv
+  conv: Any = Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
@@ -54,7 +55,7 @@ class InvertedResidual(nn.Module):
 class MobileNetV2(nn.Module):
   """torchvision mobilenet_v2 features: stem conv 3x3/2 (32) -> 17 inverted residuals -> conv 1x1 (1280).
   Returns the feature map [B, H, W, 1280]."""
-  conv: Any = nn.Conv
+  conv: Any = Conv
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:

@@ -10,6 +10,7 @@ signature (as flax's `logical_axis_rules` does): it is read while a function is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Iterator, Optional
 
@@ -19,6 +20,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from fedjax_het.models.layers import given_param
 
 _context = threading.local()
 TORCH_MOMENTUM = 0.9  # torch's momentum 0.1 as flax counts it: the weight of the old running statistics
@@ -44,17 +47,13 @@ class BatchNorm(nn.Module):
   The variables, their names and the arithmetic are `flax.linen.BatchNorm`'s over the last axis (its
   `use_fast_variance` statistics in float32, the same operations in the same order, so the same numbers): params
   'scale' and 'bias', 'batch_stats' 'mean' and 'var'. It is written out because flax's layer costs several times
-  as much to trace (its params are shape-checked on every application by tracing their initialisers), and a
-  ResNet-152 traces 155 of them per pass: most of a warm start's time. (Named BatchNorm so that its variables keep
-  flax's names, e.g. 'BatchNorm_0'.)"""
+  as much to trace (its params are shape-checked on every application by tracing their initialisers, which
+  `models.layers.given_param` skips), and a ResNet-152 traces 155 of them per pass: most of a warm start's time.
+  (Named BatchNorm so that its variables keep flax's names, e.g. 'BatchNorm_0'.)"""
   use_running_average: Optional[bool] = None
   momentum: float = TORCH_MOMENTUM
   epsilon: float = 1e-5
 
-  def _param(self, name: str, init, shape: tuple) -> jnp.ndarray:
-    if self.has_variable('params', name):  # applying: read it as it is
-      return self.get_variable('params', name)
-    return self.param(name, init, shape, jnp.float32)
 
   @nn.compact
   def __call__(self, x, use_running_average=None, *, mask=None):
@@ -63,32 +62,47 @@ class BatchNorm(nn.Module):
       mask = jnp.broadcast_to(rows.reshape((-1,) + (1,) * (x.ndim - 1)), x.shape)
     training = not nn.merge_param('use_running_average', self.use_running_average, use_running_average)
     features = (x.shape[-1],)
-    axes = tuple(range(x.ndim - 1))
     ra_mean = self.variable('batch_stats', 'mean', lambda s: jnp.zeros(s, jnp.float32), features)
     ra_var = self.variable('batch_stats', 'var', lambda s: jnp.ones(s, jnp.float32), features)
-    if not training:
-      mean, var = ra_mean.value, ra_var.value
-    else:
-      stats = x.astype(jnp.promote_types(jnp.result_type(x), jnp.float32))
-      where = None if mask is None else jnp.asarray(mask, dtype=bool)
-      squares = lax.square(stats)  # before the mean, as flax: the gradient's sums then add up in flax's order
-      mean, mean_square = stats.mean(axes, where=where), squares.mean(axes, where=where)
-      var = jnp.maximum(0.0, mean_square - lax.square(mean))
-      if not self.is_initializing():
-        old = ra_var.value
-        ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
-        new = self.momentum * old + (1 - self.momentum) * var
-        n = mask[..., 0].sum().astype(jnp.float32) if mask is not None else jnp.float32(x.size // x.shape[-1])
-        bessel = jnp.where(n > 1, n / jnp.maximum(n - 1, 1.0), 1.0)
-        ra_var.value = self.momentum * old + (new - self.momentum * old) * bessel
-    scale = self._param('scale', nn.initializers.ones, features)
-    bias = self._param('bias', nn.initializers.zeros, features)
-    y = x - jnp.expand_dims(mean, axes)
-    mul = lax.rsqrt(jnp.expand_dims(var, axes) + self.epsilon)
-    y *= mul * scale.reshape((1,) * (x.ndim - 1) + features)
-    y += bias.reshape((1,) * (x.ndim - 1) + features)
-    return jnp.asarray(y, jnp.result_type(x, scale, bias))
+    scale = given_param(self, 'scale', nn.initializers.ones, features, jnp.float32)
+    bias = given_param(self, 'bias', nn.initializers.zeros, features, jnp.float32)
+    update = training and not self.is_initializing()
+    y, mean, var = _batch_norm(x, None if mask is None else jnp.asarray(mask, dtype=bool), scale, bias,
+                               ra_mean.value, ra_var.value, training=training, update=update,
+                               momentum=self.momentum, epsilon=self.epsilon)
+    if update:
+      ra_mean.value, ra_var.value = mean, var
+    return y
 
+
+@functools.partial(jax.jit, static_argnames=('training', 'update', 'momentum', 'epsilon'), inline=True)
+def _batch_norm(x, mask, scale, bias, ra_mean, ra_var, *, training: bool, update: bool, momentum: float,
+                epsilon: float) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+  """`BatchNorm` on x [..., C] as (y, running mean, running variance), the running statistics updated where
+  `update`. Jitted so that JAX traces it once per shape and setting (a ResNet-152 applies 155 of these layers, in a
+  few shapes, and jnp's arithmetic traced in place costs several times what the cached trace's inlining does), and
+  inlined: a call left in the program changes where XLA rounds bfloat16 values."""
+  features = (x.shape[-1],)
+  axes = tuple(range(x.ndim - 1))
+  if not training:
+    mean, var = ra_mean, ra_var
+  else:
+    stats = x.astype(jnp.promote_types(jnp.result_type(x), jnp.float32))
+    squares = lax.square(stats)  # before the mean, as flax: the gradient's sums then add up in flax's order
+    mean, mean_square = stats.mean(axes, where=mask), squares.mean(axes, where=mask)
+    var = jnp.maximum(0.0, mean_square - lax.square(mean))
+    if update:
+      old = ra_var
+      ra_mean = momentum * ra_mean + (1 - momentum) * mean
+      new = momentum * old + (1 - momentum) * var
+      n = mask[..., 0].sum().astype(jnp.float32) if mask is not None else jnp.float32(x.size // x.shape[-1])
+      bessel = jnp.where(n > 1, n / jnp.maximum(n - 1, 1.0), 1.0)
+      ra_var = momentum * old + (new - momentum * old) * bessel
+  y = x - jnp.expand_dims(mean, axes)
+  mul = lax.rsqrt(jnp.expand_dims(var, axes) + epsilon)
+  y *= mul * scale.reshape((1,) * (x.ndim - 1) + features)
+  y += bias.reshape((1,) * (x.ndim - 1) + features)
+  return jnp.asarray(y, jnp.result_type(x, scale, bias)), ra_mean, ra_var
 
 TorchBatchNorm = BatchNorm
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from fedjax_het.models.norm import TorchBatchNorm
 from fedjax_het.models.repeat import apply_blocks
+from fedjax_het.models.layers import Conv, Dense
 
 
 def _residual(x: jnp.ndarray, y: jnp.ndarray, strides: int, conv, norm) -> jnp.ndarray:
@@ -33,7 +34,7 @@ class _Block(nn.Module):
   """A residual block's settings: its width, the stride of its first convolution, the convolution to build."""
   filters: int
   strides: int = 1
-  conv: Any = nn.Conv
+  conv: Any = Conv
 
 
 class BasicBlock(_Block):
@@ -88,7 +89,7 @@ class ResNet(nn.Module):
   compile)."""
   stage_sizes: Sequence[int]
   base_width: int = 64
-  conv: Any = nn.Conv
+  conv: Any = Conv
   block: Any = BasicBlock
   stage_widths: Optional[Sequence[int]] = None  # per stage (the stem takes the first); default base * 2^stage
   stem: str = 'imagenet'
@@ -124,7 +125,7 @@ class StemlessResNet(nn.Module):
   num_classes: int
   blocks: int = 6
   widths: Sequence[int] = (16, 32, 64)
-  conv: Any = nn.Conv
+  conv: Any = Conv
 
   @nn.compact
   def __call__(self, h: jnp.ndarray, train: bool = False) -> jnp.ndarray:
@@ -133,4 +134,4 @@ class StemlessResNet(nn.Module):
     for i, width in enumerate(self.widths):
       for j in range(self.blocks):
         h = Bottleneck(width, strides=2 if i > 0 and j == 0 else 1, conv=self.conv)(h, train)
-    return nn.Dense(self.num_classes)(h.mean(axis=(1, 2)))
+    return Dense(self.num_classes)(h.mean(axis=(1, 2)))

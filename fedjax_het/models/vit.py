@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from fedjax_het.models.repeat import apply_blocks
+from fedjax_het.models.layers import Conv, Dense
 
 
 class EncoderBlock(nn.Module):
@@ -21,7 +22,7 @@ class EncoderBlock(nn.Module):
     y = nn.LayerNorm(epsilon=1e-6)(x)
     x = x + nn.MultiHeadDotProductAttention(num_heads=self.num_heads)(y, y)
     y = nn.LayerNorm(epsilon=1e-6)(x)
-    y = nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(self.mlp_dim)(y), approximate=False))
+    y = Dense(x.shape[-1])(nn.gelu(Dense(self.mlp_dim)(y), approximate=False))
     return x + y
 
 
@@ -37,7 +38,7 @@ class VisionTransformer(nn.Module):
   depth: int = 12
   num_heads: int = 12
   mlp_dim: int = 3072
-  conv: type = nn.Conv
+  conv: type = Conv
   scan: bool = False
 
   @nn.compact
