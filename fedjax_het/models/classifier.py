@@ -6,8 +6,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from fedjax_het.errors import ConfigError
-from fedjax_het.models.pooling import adaptive_avg_pool1d, adaptive_max_pool1d
 from fedjax_het.models.layers import Dense
+from fedjax_het.models.pooling import adaptive_avg_pool1d, adaptive_max_pool1d
 
 RM_MODES = ('ap', 'mp', 'fc', 'none')
 PRECISIONS = ('float32', 'bfloat16')

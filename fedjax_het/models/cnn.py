@@ -8,9 +8,9 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fedjax_het.models.layers import Conv, Dense
 from fedjax_het.models.norm import TorchBatchNorm
 from fedjax_het.models.pooling import max_pool
-from fedjax_het.models.layers import Conv, Dense
 
 
 class FedAvgCNN(nn.Module):

@@ -18,9 +18,9 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fedjax_het.models.layers import Conv
 from fedjax_het.models.norm import TorchBatchNorm
 from fedjax_het.models.pooling import max_pool
-from fedjax_het.models.layers import Conv
 
 # Output channels per CNN-k (k = 1..10) of each block after the common one; None: the CNN has no such block.
 SECOND_BLOCK = {'mnist': (16, 16, 20, 10, 16, 20, 10, 16, 20, 10), 'fmnist': (16, 16, 20, 10, 16, 20, 10, 16, 20, 10),

@@ -10,8 +10,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from fedjax_het.models.norm import TorchBatchNorm
 from fedjax_het.models.layers import Conv
+from fedjax_het.models.norm import TorchBatchNorm
 
 # (1x1, 3x3 reduce, 3x3, "5x5" reduce, "5x5", pool projection) per Inception block: torchvision's.
 INCEPTION_3 = ((64, 96, 128, 16, 32, 32), (128, 128, 192, 32, 96, 64))

@@ -7,8 +7,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from fedjax_het.models.norm import TorchBatchNorm
 from fedjax_het.models.layers import Conv
+from fedjax_het.models.norm import TorchBatchNorm
 
 
 # (expansion t, output channels c, repeats n, first stride s): torchvision's inverted_residual_setting.

@@ -54,7 +54,6 @@ class BatchNorm(nn.Module):
   momentum: float = TORCH_MOMENTUM
   epsilon: float = 1e-5
 
-
   @nn.compact
   def __call__(self, x, use_running_average=None, *, mask=None):
     rows = getattr(_context, 'mask', None)
@@ -103,6 +102,7 @@ def _batch_norm(x, mask, scale, bias, ra_mean, ra_var, *, training: bool, update
   y *= mul * scale.reshape((1,) * (x.ndim - 1) + features)
   y += bias.reshape((1,) * (x.ndim - 1) + features)
   return jnp.asarray(y, jnp.result_type(x, scale, bias)), ra_mean, ra_var
+
 
 TorchBatchNorm = BatchNorm
 

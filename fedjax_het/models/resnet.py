@@ -16,9 +16,9 @@ from typing import Any, Optional, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from fedjax_het.models.layers import Conv, Dense
 from fedjax_het.models.norm import TorchBatchNorm
 from fedjax_het.models.repeat import apply_blocks
-from fedjax_het.models.layers import Conv, Dense
 
 
 def _residual(x: jnp.ndarray, y: jnp.ndarray, strides: int, conv, norm) -> jnp.ndarray:

@@ -8,8 +8,8 @@ import functools
 import flax.linen as nn
 import jax.numpy as jnp
 
-from fedjax_het.models.repeat import apply_blocks
 from fedjax_het.models.layers import Conv, Dense
+from fedjax_het.models.repeat import apply_blocks
 
 
 class EncoderBlock(nn.Module):
